@@ -1,0 +1,123 @@
+#pragma once
+// IWYU pragma: private
+// Wire format of the key-value store. A frame is
+//   u32 length (of everything after it, little endian) | u8 code | fields...
+// and a field is u32 length | bytes. Lengths are checked against fixed limits before anything
+// is allocated, so a peer that claims a huge frame is dropped instead of growing our memory.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+enum class store_cmd : std::uint8_t { set = 1, get = 2, add = 3, cas = 4, del = 5, check = 6, wait = 7 };
+enum class store_status : std::uint8_t { ok = 0, timeout = 1, bad_request = 2 };
+
+inline constexpr std::uint32_t store_max_frame = 64u << 20;  ///< whole frame
+inline constexpr std::uint32_t store_max_key = 4096;         ///< one key
+inline constexpr std::uint32_t store_max_fields = 4096;      ///< keys in one wait
+
+inline void put_u32(std::string& out, std::uint32_t v) {
+  char b[4] = {static_cast<char>(v), static_cast<char>(v >> 8), static_cast<char>(v >> 16),
+               static_cast<char>(v >> 24)};
+  out.append(b, 4);
+}
+inline std::uint32_t get_u32(const char* p) {
+  const auto* u = reinterpret_cast<const unsigned char*>(p);
+  return static_cast<std::uint32_t>(u[0]) | static_cast<std::uint32_t>(u[1]) << 8 |
+         static_cast<std::uint32_t>(u[2]) << 16 | static_cast<std::uint32_t>(u[3]) << 24;
+}
+
+/// Builds one frame from a code and fields.
+inline std::string encode_frame(std::uint8_t code, const std::vector<std::string_view>& fields) {
+  std::string out;
+  std::size_t len = 1;
+  for (auto f : fields) len += 4 + f.size();
+  out.reserve(4 + len);
+  put_u32(out, static_cast<std::uint32_t>(len));
+  out.push_back(static_cast<char>(code));
+  for (auto f : fields) {
+    put_u32(out, static_cast<std::uint32_t>(f.size()));
+    out.append(f.data(), f.size());
+  }
+  return out;
+}
+
+struct frame {
+  std::uint8_t code = 0;
+  std::vector<std::string> fields;
+};
+
+/// Result of looking at the front of a byte stream.
+enum class parse_result { need_more, ok, invalid };
+
+/// Checks the 4-byte header; `invalid` when the claimed length is 0 or over the limit.
+inline parse_result check_header(std::string_view buf, std::uint32_t& len, std::uint32_t limit = store_max_frame) {
+  if (buf.size() < 4) return parse_result::need_more;
+  len = get_u32(buf.data());
+  if (len == 0 || len > limit) return parse_result::invalid;
+  return buf.size() < 4 + static_cast<std::size_t>(len) ? parse_result::need_more : parse_result::ok;
+}
+
+/// Parses a complete frame body (after the length); `invalid` on truncated or oversized fields.
+inline parse_result parse_body(std::string_view body, frame& out) {
+  if (body.empty()) return parse_result::invalid;
+  out.code = static_cast<std::uint8_t>(body[0]);
+  out.fields.clear();
+  std::size_t pos = 1;
+  while (pos < body.size()) {
+    if (body.size() - pos < 4 || out.fields.size() >= store_max_fields) return parse_result::invalid;
+    const std::uint32_t n = get_u32(body.data() + pos);
+    pos += 4;
+    if (n > body.size() - pos) return parse_result::invalid;
+    out.fields.emplace_back(body.substr(pos, n));
+    pos += n;
+  }
+  return parse_result::ok;
+}
+
+/// Number of fields each request must carry (wait: at least 2).
+inline bool valid_request(const frame& f) {
+  const auto n = f.fields.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    // Every field but values (set/cas payloads) is a key or a small number.
+    const bool is_value = (f.code == static_cast<std::uint8_t>(store_cmd::set) && i == 1) ||
+                          (f.code == static_cast<std::uint8_t>(store_cmd::cas) && i >= 1);
+    if (!is_value && f.fields[i].size() > store_max_key) return false;
+  }
+  switch (static_cast<store_cmd>(f.code)) {
+    case store_cmd::set: return n == 2;
+    case store_cmd::get: return n == 2;
+    case store_cmd::add: return n == 2 && f.fields[1].size() == 8;
+    case store_cmd::cas: return n == 3;
+    case store_cmd::del: return n == 1;
+    case store_cmd::check: return n == 1;
+    case store_cmd::wait: return n >= 2;
+  }
+  return false;
+}
+
+inline std::string encode_i64(std::int64_t v) {
+  std::string s(8, '\0');
+  const auto u = static_cast<std::uint64_t>(v);
+  for (int i = 0; i < 8; ++i) s[static_cast<std::size_t>(i)] = static_cast<char>(u >> (8 * i));
+  return s;
+}
+inline std::int64_t decode_i64(std::string_view s) {
+  std::uint64_t u = 0;
+  for (std::size_t i = 0; i < 8 && i < s.size(); ++i)
+    u |= static_cast<std::uint64_t>(static_cast<unsigned char>(s[i])) << (8 * i);
+  return static_cast<std::int64_t>(u);
+}
+inline std::string encode_ms(std::int64_t ms) { return encode_i64(ms); }
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp

@@ -1,0 +1,113 @@
+#pragma once
+/// \file error.hpp
+/// The one exception type of ddp: `ddp::error`, a `std::system_error` carrying the rank, and
+/// optionally the bucket and parameter, that the failure concerns.
+
+#include <string>
+#include <system_error>
+#include <utility>
+
+namespace ddp {
+inline namespace v0 {
+
+/// Error conditions; each has a short name used in the message prefix `[ddp.NAME]`.
+enum class errc {
+  invalid_argument = 1,  ///< bad option or argument given by the caller
+  timeout,               ///< a deadline passed
+  peer_lost,             ///< a peer closed its connection or died
+  mismatch,              ///< ranks disagree (collective, size, dtype, op, shapes)
+  protocol,              ///< malformed frame or unexpected message on the wire
+  address_in_use,        ///< rank 0 could not bind the master port
+  unresolvable,          ///< master address could not be resolved
+  rank_conflict,         ///< two processes claimed the same rank
+  aborted,               ///< abort() was called on this rank or a peer
+  auth_failed,           ///< authentication refused
+  unsupported,           ///< a feature or combination this build cannot do
+  system,                ///< an operating-system call failed
+  usage,                 ///< API misuse (order of calls, state)
+};
+
+namespace detail {
+inline const char* errc_name(errc e) noexcept {
+  switch (e) {
+    case errc::invalid_argument: return "invalid_argument";
+    case errc::timeout: return "timeout";
+    case errc::peer_lost: return "peer_lost";
+    case errc::mismatch: return "mismatch";
+    case errc::protocol: return "protocol";
+    case errc::address_in_use: return "address_in_use";
+    case errc::unresolvable: return "unresolvable";
+    case errc::rank_conflict: return "rank_conflict";
+    case errc::aborted: return "aborted";
+    case errc::auth_failed: return "auth_failed";
+    case errc::unsupported: return "unsupported";
+    case errc::system: return "system";
+    case errc::usage: return "usage";
+  }
+  return "unknown";
+}
+
+class error_category_impl final : public std::error_category {
+ public:
+  const char* name() const noexcept override { return "ddp"; }
+  std::string message(int ev) const override { return errc_name(static_cast<errc>(ev)); }
+};
+}  // namespace detail
+
+/// The category of `ddp::errc` codes.
+inline const std::error_category& ddp_category() noexcept {
+  static const detail::error_category_impl cat;
+  return cat;
+}
+
+inline std::error_code make_error_code(errc e) noexcept { return {static_cast<int>(e), ddp_category()}; }
+
+/// The exception thrown by every ddp call.
+///
+/// `what()` reads `[ddp.peer_lost] rank 2: lost connection to rank 3 (...)`.
+/// \code
+/// try { ring.allreduce(v, ddp::op::sum); }
+/// catch (const ddp::error& e) { if (e.code() == ddp::errc::peer_lost) ...; }
+/// \endcode
+class error : public std::system_error {
+ public:
+  error(errc code, int rank, const std::string& msg, int bucket = -1, int parameter = -1)
+      : std::system_error(make_error_code(code), format(code, rank, msg)),
+        rank_(rank), bucket_(bucket), parameter_(parameter) {}
+
+  /// Rank that raised the error (-1 when unknown, e.g. before the group exists).
+  int rank() const noexcept { return rank_; }
+  /// Bucket index the error concerns, or -1.
+  int bucket() const noexcept { return bucket_; }
+  /// Parameter index the error concerns, or -1.
+  int parameter() const noexcept { return parameter_; }
+  /// The condition, e.g. `errc::timeout`.
+  errc condition() const noexcept { return static_cast<errc>(code().value()); }
+
+ private:
+  static std::string format(errc code, int rank, const std::string& msg) {
+    std::string s = "[ddp.";
+    s += detail::errc_name(code);
+    s += "] ";
+    if (rank >= 0) s += "rank " + std::to_string(rank) + ": ";
+    s += msg;
+    return s;
+  }
+  int rank_;
+  int bucket_;
+  int parameter_;
+};
+
+namespace detail {
+/// The single throw site of ddp.
+[[noreturn]] inline void raise(errc code, int rank, const std::string& msg, int bucket = -1,
+                               int parameter = -1) {
+  throw error(code, rank, msg, bucket, parameter);
+}
+}  // namespace detail
+
+}  // namespace v0
+}  // namespace ddp
+
+template <>
+struct std::is_error_code_enum<ddp::errc> : std::true_type {};

@@ -1,0 +1,318 @@
+#pragma once
+/// \file process_group.hpp
+/// Process group: rendezvous through rank 0's TCP store, a full mesh of TCP connections,
+/// barrier and broadcast. Options come explicitly or from the environment that torchrun-style
+/// launchers, `ddprun`, `mpirun` (Open MPI, MPICH/PMI) and Slurm set.
+
+#include <unistd.h>
+
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "detail/mesh.hpp"
+#include "detail/socket.hpp"
+#include "error.hpp"
+#include "store.hpp"
+
+namespace ddp {
+inline namespace v0 {
+
+/// How a process joins its group. See docs/process-group.md.
+///
+/// \code
+/// auto pg = ddp::init_process_group({.rank = 1, .world_size = 4, .master_addr = "10.0.0.1",
+///                                    .master_port = 29500, .timeout = std::chrono::seconds(60)});
+/// \endcode
+struct init_options {
+  int rank = 0;                                   ///< this process, in [0, world_size)
+  int world_size = 1;                             ///< number of processes in the group
+  std::string master_addr = "127.0.0.1";          ///< host name, IPv4 or IPv6 address of rank 0
+  int master_port = 29500;                        ///< rank 0's store port
+  std::chrono::milliseconds timeout{std::chrono::seconds(60)};  ///< every blocking wait's bound
+  std::string auth_token = {};                    ///< shared secret (needs the auth feature)
+  int local_rank = -1;                            ///< rank on this host, -1 when unknown
+
+  /// Reads the environment: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`;
+  /// when those are absent Open MPI's `OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`, MPICH/PMI's
+  /// `PMI_RANK/PMI_SIZE` (`MPI_LOCALRANKID`) and Slurm's `SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID`;
+  /// `DDP_TIMEOUT` (seconds) and `DDP_AUTH_TOKEN`. Throws errc::invalid_argument for a variable
+  /// that is not a number.
+  static init_options from_env() { return from_env([](const char* n) { return std::getenv(n); }); }
+
+  /// The same, with a custom lookup (used by tests and by embedders with their own config).
+  template <class Getenv>
+  static init_options from_env(Getenv&& get) {
+    init_options o;
+    auto first = [&](std::initializer_list<const char*> names) -> std::pair<const char*, const char*> {
+      for (const char* n : names) {
+        const char* v = get(n);
+        if (v != nullptr && *v != '\0') return {n, v};
+      }
+      return {nullptr, nullptr};
+    };
+    auto as_int = [](std::pair<const char*, const char*> nv, long long lo, long long hi) -> long long {
+      long long x = 0;
+      const std::string_view s(nv.second);
+      auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
+      if (ec != std::errc() || p != s.data() + s.size() || x < lo || x > hi)
+        detail::raise(errc::invalid_argument, -1,
+                      std::string("environment variable ") + nv.first + "='" + nv.second +
+                          "' is not an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+      return x;
+    };
+    if (auto v = first({"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"}); v.first)
+      o.rank = static_cast<int>(as_int(v, -(1LL << 31), (1LL << 31) - 1));
+    if (auto v = first({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}); v.first)
+      o.world_size = static_cast<int>(as_int(v, -(1LL << 31), (1LL << 31) - 1));
+    if (auto v = first({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}); v.first)
+      o.local_rank = static_cast<int>(as_int(v, 0, (1LL << 31) - 1));
+    if (auto v = first({"MASTER_ADDR"}); v.first) o.master_addr = v.second;
+    if (auto v = first({"MASTER_PORT"}); v.first) o.master_port = static_cast<int>(as_int(v, 0, 1LL << 31));
+    if (auto v = first({"DDP_TIMEOUT"}); v.first)
+      o.timeout = std::chrono::seconds(as_int(v, 1, 1LL << 31));
+    if (auto v = first({"DDP_AUTH_TOKEN"}); v.first) o.auth_token = v.second;
+    return o;
+  }
+
+  /// Cheap check before any socket is opened; empty when the options are usable.
+  std::string validate() const {
+    if (world_size < 1) return "world_size must be at least 1 (got " + std::to_string(world_size) + ")";
+    if (rank < 0 || rank >= world_size)
+      return "rank " + std::to_string(rank) + " is outside [0, " + std::to_string(world_size) + ")";
+    if (master_port < 1 || master_port > 65535)
+      return "master_port " + std::to_string(master_port) + " is outside [1, 65535]";
+    if (master_addr.empty()) return "master_addr is empty";
+    if (timeout.count() <= 0) return "timeout must be positive";
+    return {};
+  }
+};
+
+/// A joined group of processes. Move-only; destroying it closes every connection, and rank 0
+/// keeps its store up until the other ranks have let go of it (bounded by the timeout).
+class process_group {
+ public:
+  process_group(process_group&&) noexcept = default;
+  process_group& operator=(process_group&&) noexcept = default;
+  ~process_group() { close(); }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  const init_options& options() const noexcept { return opts_; }
+  std::chrono::milliseconds timeout() const noexcept { return opts_.timeout; }
+  detail::deadline_t deadline() const { return detail::clock::now() + opts_.timeout; }
+
+  /// The group's key-value store (hosted by rank 0).
+  store_client& store() { return *store_; }
+
+  /// A group-unique id agreed at rendezvous (distinguishes this group's connections).
+  std::uint64_t id() const noexcept { return group_id_; }
+
+  /// Next id for a sub-mesh or shared segment; all ranks must create them in the same order.
+  int next_channel_id() noexcept { return next_channel_++; }
+
+  /// Blocks until every rank has called barrier(), or throws (timeout, peer_lost).
+  void barrier() { barrier(deadline()); }
+  void barrier(detail::deadline_t until) {
+    // Dissemination barrier: log2(n) rounds of one byte each way.
+    for (int k = 1; k < size_; k <<= 1) {
+      const int to = (rank_ + k) % size_, from = (rank_ - k + size_) % size_;
+      const std::uint8_t b = 0xb7;
+      send(to, &b, 1, until, "barrier");
+      std::uint8_t got = 0;
+      recv(from, &got, 1, until, "barrier");
+      if (got != b) detail::raise(errc::mismatch, rank_, "rank " + std::to_string(from) + " is not in barrier()");
+    }
+  }
+
+  /// Copies `root`'s bytes into every rank's `data`; sizes must agree (errc::mismatch).
+  void broadcast(std::span<std::byte> data, int root = 0) { broadcast(data, root, deadline()); }
+  void broadcast(std::span<std::byte> data, int root, detail::deadline_t until) {
+    if (root < 0 || root >= size_)
+      detail::raise(errc::invalid_argument, rank_, "broadcast root " + std::to_string(root) + " is not a rank");
+    // Binomial tree rooted at `root`, in virtual ranks relative to the root.
+    const int vr = (rank_ - root + size_) % size_;
+    const std::uint64_t n = data.size();
+    int mask = 1;
+    while (mask < size_) {
+      if (vr & mask) {
+        const int from = ((vr - mask) + root) % size_;
+        std::uint64_t theirs = 0;
+        recv(from, &theirs, sizeof theirs, until, "broadcast");
+        if (theirs != n)
+          detail::raise(errc::mismatch, rank_,
+                        "broadcast size differs: " + std::to_string(n) + " bytes here, " +
+                            std::to_string(theirs) + " at rank " + std::to_string(from));
+        recv(from, data.data(), data.size(), until, "broadcast");
+        break;
+      }
+      mask <<= 1;
+    }
+    mask >>= 1;
+    while (mask > 0) {
+      if (vr + mask < size_) {
+        const int to = (vr + mask + root) % size_;
+        send(to, &n, sizeof n, until, "broadcast");
+        send(to, data.data(), data.size(), until, "broadcast");
+      }
+      mask >>= 1;
+    }
+  }
+
+  /// Typed convenience: broadcast a contiguous range of trivially copyable values.
+  template <class T>
+  void broadcast(std::span<T> data, int root = 0) {
+    broadcast(std::as_writable_bytes(data), root, deadline());
+  }
+
+  /// Every rank contributes a blob; every rank gets all of them, indexed by rank.
+  std::vector<std::string> all_gather(const std::string& mine) {
+    const auto until = deadline();
+    std::vector<std::string> all(static_cast<std::size_t>(size_));
+    all[static_cast<std::size_t>(rank_)] = mine;
+    if (rank_ != 0) {
+      const std::uint64_t n = mine.size();
+      send(0, &n, sizeof n, until, "all_gather");
+      send(0, mine.data(), mine.size(), until, "all_gather");
+    } else {
+      for (int r = 1; r < size_; ++r) {
+        std::uint64_t n = 0;
+        recv(r, &n, sizeof n, until, "all_gather");
+        if (n > (1ull << 30)) detail::raise(errc::protocol, rank_, "all_gather blob from rank " + std::to_string(r) + " is too large");
+        all[static_cast<std::size_t>(r)].resize(n);
+        recv(r, all[static_cast<std::size_t>(r)].data(), n, until, "all_gather");
+      }
+    }
+    std::string packed;
+    if (rank_ == 0)
+      for (auto& s : all) { packed += detail::encode_i64(static_cast<std::int64_t>(s.size())); packed += s; }
+    std::uint64_t len = packed.size();
+    broadcast(std::as_writable_bytes(std::span(&len, 1)), 0, until);
+    packed.resize(len);
+    broadcast(std::as_writable_bytes(std::span(packed.data(), packed.size())), 0, until);
+    std::size_t pos = 0;
+    for (auto& s : all) {
+      const auto n = static_cast<std::size_t>(detail::decode_i64(std::string_view(packed).substr(pos, 8)));
+      s = packed.substr(pos + 8, n);
+      pos += 8 + n;
+    }
+    return all;
+  }
+
+  /// Socket connected to `peer` (for transports that share the group's mesh).
+  int peer_socket(int peer) const noexcept { return mesh_[static_cast<std::size_t>(peer)].get(); }
+
+  /// Closes connections; rank 0 waits (bounded) for the others to leave its store first.
+  void close() noexcept {
+    mesh_.clear();
+    store_.reset();
+    if (server_) {
+      const auto until = detail::clock::now() + opts_.timeout;
+      while (server_->clients() > 0 && detail::clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      server_.reset();
+    }
+  }
+
+ private:
+  friend process_group init_process_group(const init_options&);
+  process_group() = default;
+
+  void send(int peer, const void* p, std::size_t n, detail::deadline_t until, const char* what) {
+    std::error_code ec;
+    detail::send_all(peer_socket(peer), p, n, until, ec);
+    if (ec) lost(peer, ec, what);
+  }
+  void recv(int peer, void* p, std::size_t n, detail::deadline_t until, const char* what) {
+    std::error_code ec;
+    detail::recv_all(peer_socket(peer), p, n, until, ec);
+    if (ec) lost(peer, ec, what);
+  }
+  [[noreturn]] void lost(int peer, const std::error_code& ec, const char* what) {
+    if (detail::to_errc(ec) == errc::timeout)
+      detail::raise(errc::timeout, rank_, std::string(what) + ": rank " + std::to_string(peer) +
+                                              " did not answer within the timeout");
+    detail::raise(errc::peer_lost, rank_, std::string(what) + ": lost connection to rank " +
+                                              std::to_string(peer) + " (" + detail::describe(ec) + ")");
+  }
+
+  init_options opts_;
+  int rank_ = 0;
+  int size_ = 1;
+  std::uint64_t group_id_ = 0;
+  int next_channel_ = 1;
+  std::unique_ptr<store_server> server_;
+  std::unique_ptr<store_client> store_;
+  std::vector<detail::fd_handle> mesh_;
+};
+
+/// Joins the group described by `opts` and returns once every rank has joined.
+///
+/// Throws `ddp::error`: invalid_argument (bad rank, size, port), unresolvable (master address),
+/// address_in_use (rank 0's port taken), rank_conflict (two processes claim one rank), timeout
+/// (a rank never arrived; the message names the missing ranks).
+/// \code
+/// auto pg = ddp::init_process_group(ddp::init_options::from_env());
+/// pg.barrier();
+/// \endcode
+inline process_group init_process_group(const init_options& opts) {
+  if (auto why = opts.validate(); !why.empty()) detail::raise(errc::invalid_argument, opts.rank, why);
+  if (!opts.auth_token.empty())
+    detail::raise(errc::unsupported, opts.rank,
+                  "an auth token was given but this build has no authentication support; "
+                  "refusing to run without it");
+  process_group pg;
+  pg.opts_ = opts;
+  pg.rank_ = opts.rank;
+  pg.size_ = opts.world_size;
+  const auto until = detail::clock::now() + opts.timeout;
+  const int rank = opts.rank;
+
+  // Resolve first, so an unresolvable master fails at once on every rank.
+  const auto eps = detail::resolve(opts.master_addr, opts.master_port, rank);
+  if (rank == 0) pg.server_ = std::make_unique<store_server>(eps.front(), 0);
+  pg.store_ = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until);
+  auto& st = *pg.store_;
+
+  // Claim the rank with a token unique to this process; a second claimant sees another token.
+  std::random_device rd;
+  const std::uint64_t nonce = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::string token = std::string(host) + ":" + std::to_string(::getpid()) + ":" + std::to_string(nonce);
+  const std::string rk = "pg/rank/" + std::to_string(rank);
+  const auto owner = st.compare_set(rk, "", token, until);
+  if (owner != token)
+    detail::raise(errc::rank_conflict, rank,
+                  "rank " + std::to_string(rank) + " is already taken by another process (" + owner +
+                      "); every process needs its own rank");
+  if (rank == 0) st.set("pg/id", detail::encode_i64(static_cast<std::int64_t>(nonce)), until);
+
+  // Wait until every rank has claimed its place; name the missing ones on timeout.
+  std::vector<std::string> keys;
+  for (int r = 0; r < opts.world_size; ++r) keys.push_back("pg/rank/" + std::to_string(r));
+  if (auto missing = st.wait(keys, until); !missing.empty()) {
+    std::string names;
+    for (auto& k : missing) names += (names.empty() ? "" : ", ") + k.substr(k.rfind('/') + 1);
+    detail::raise(errc::timeout, rank,
+                  "rendezvous timed out after " + std::to_string(opts.timeout.count()) + " ms: rank" +
+                      (missing.size() > 1 ? "s " : " ") + names + " of " + std::to_string(opts.world_size) +
+                      " never arrived");
+  }
+  pg.group_id_ = static_cast<std::uint64_t>(detail::decode_i64(st.get("pg/id", until)));
+  pg.mesh_ = detail::connect_mesh(st, rank, opts.world_size, "pg/mesh", pg.group_id_, until, 0);
+  pg.barrier(until);
+  return pg;
+}
+
+}  // namespace v0
+}  // namespace ddp

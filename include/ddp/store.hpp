@@ -1,0 +1,364 @@
+#pragma once
+/// \file store.hpp
+/// The TCP key-value store that rank 0 hosts during and after rendezvous: set, get (waits),
+/// add, compare-and-set, delete, check and wait-for-keys, each with a deadline.
+///
+/// \code
+/// ddp::store_server server{ddp::detail::resolve("127.0.0.1", 0, 0, true).front(), 0};
+/// ddp::store_client c{"127.0.0.1", server.port(), 0, deadline};
+/// c.set("k", "v");
+/// auto v = c.get("k", deadline);
+/// \endcode
+
+#include <sys/eventfd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "detail/socket.hpp"
+#include "detail/store_protocol.hpp"
+#include "error.hpp"
+
+namespace ddp {
+inline namespace v0 {
+
+/// Serves the store on one listening socket from a background thread. Each client has its own
+/// input buffer and the loop never blocks on one client, so a client that sends half a frame
+/// and stalls delays nobody; a client that sends garbage is dropped.
+class store_server {
+ public:
+  /// Binds `ep` (port 0 picks a free port). Throws errc::address_in_use when taken.
+  store_server(const detail::endpoint& ep, int rank) : rank_(rank) {
+    listen_ = detail::listen_on(ep, rank);
+    port_ = detail::port_of(detail::local_address(listen_.get()));
+    wake_ = detail::fd_handle(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    thread_ = std::thread([this] { loop(); });
+  }
+  store_server(const store_server&) = delete;
+  store_server& operator=(const store_server&) = delete;
+  ~store_server() { stop(); }
+
+  /// The port actually bound.
+  int port() const noexcept { return port_; }
+
+  /// Number of clients connected right now.
+  int clients() const noexcept { return nclients_.load(); }
+
+  /// Clients dropped for malformed input since start.
+  int dropped() const noexcept { return dropped_.load(); }
+
+  /// Stops serving and closes every connection.
+  void stop() noexcept {
+    if (!thread_.joinable()) return;
+    stopping_ = true;
+    std::uint64_t one = 1;
+    [[maybe_unused]] auto r = ::write(wake_.get(), &one, sizeof one);
+    thread_.join();
+  }
+
+ private:
+  struct client {
+    detail::fd_handle fd;
+    std::string in;
+    std::string out;
+  };
+  struct waiter {
+    int fd;
+    detail::frame req;
+    detail::deadline_t until;
+  };
+
+  void loop() {
+    std::map<int, client> clients;
+    std::vector<waiter> waiters;
+    std::vector<pollfd> pfds;
+    while (!stopping_) {
+      pfds.clear();
+      pfds.push_back({wake_.get(), POLLIN, 0});
+      pfds.push_back({listen_.get(), POLLIN, 0});
+      for (auto& [fd, c] : clients)
+        pfds.push_back({fd, static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
+      int timeout = 1000;
+      const auto now = detail::clock::now();
+      for (const auto& w : waiters) timeout = std::min(timeout, detail::ms_left(w.until) + 1);
+      (void)now;
+      ::poll(pfds.data(), pfds.size(), timeout);
+      if (stopping_) break;
+      if (pfds[1].revents & POLLIN) {
+        for (;;) {
+          const int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+          if (fd < 0) break;
+          if (clients.size() >= max_clients) { ::close(fd); continue; }
+          detail::tune_stream(fd, 0);
+          clients[fd].fd = detail::fd_handle(fd);
+        }
+      }
+      std::vector<int> dead;
+      for (std::size_t i = 2; i < pfds.size(); ++i) {
+        const int fd = pfds[i].fd;
+        auto& c = clients[fd];
+        if (pfds[i].revents & (POLLERR | POLLHUP | POLLNVAL) && !(pfds[i].revents & POLLIN)) {
+          dead.push_back(fd);
+          continue;
+        }
+        if (pfds[i].revents & POLLIN) {
+          if (!read_some(c)) { dead.push_back(fd); continue; }
+          if (!handle_frames(fd, c, waiters)) { ++dropped_; dead.push_back(fd); continue; }
+        }
+        if (!c.out.empty() && !flush(c)) dead.push_back(fd);
+      }
+      serve_waiters(clients, waiters);
+      for (int fd : dead) {
+        clients.erase(fd);
+        std::erase_if(waiters, [fd](const waiter& w) { return w.fd == fd; });
+      }
+      nclients_ = static_cast<int>(clients.size());
+    }
+  }
+
+  static bool read_some(client& c) {
+    char buf[65536];
+    for (;;) {
+      const ssize_t k = ::recv(c.fd.get(), buf, sizeof buf, 0);
+      if (k > 0) {
+        c.in.append(buf, static_cast<std::size_t>(k));
+        // A client may pipeline, but never beyond one maximal frame plus a read.
+        if (c.in.size() > detail::store_max_frame + sizeof buf + 4) return false;
+        continue;
+      }
+      if (k == 0) return false;
+      return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    }
+  }
+
+  static bool flush(client& c) {
+    while (!c.out.empty()) {
+      const ssize_t k = ::send(c.fd.get(), c.out.data(), c.out.size(), MSG_NOSIGNAL);
+      if (k > 0) { c.out.erase(0, static_cast<std::size_t>(k)); continue; }
+      return k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
+    }
+    return true;
+  }
+
+  bool handle_frames(int fd, client& c, std::vector<waiter>& waiters) {
+    for (;;) {
+      std::uint32_t len = 0;
+      const auto hr = detail::check_header(c.in, len);
+      if (hr == detail::parse_result::invalid) return false;
+      if (hr == detail::parse_result::need_more) return true;
+      detail::frame f;
+      if (detail::parse_body(std::string_view(c.in).substr(4, len), f) != detail::parse_result::ok) return false;
+      c.in.erase(0, 4 + static_cast<std::size_t>(len));
+      if (!detail::valid_request(f)) return false;
+      if (!execute(c, f)) {
+        const auto ms = detail::decode_i64(f.fields.back());
+        waiters.push_back({fd, std::move(f), detail::clock::now() + std::chrono::milliseconds(std::max<std::int64_t>(ms, 0))});
+      }
+    }
+  }
+
+  static void reply(client& c, detail::store_status st, const std::vector<std::string_view>& fields = {}) {
+    c.out += detail::encode_frame(static_cast<std::uint8_t>(st), fields);
+  }
+
+  /// Executes a request; returns false when it must wait (get/wait on missing keys).
+  bool execute(client& c, const detail::frame& f) {
+    using detail::store_cmd;
+    const auto& k = f.fields[0];
+    switch (static_cast<store_cmd>(f.code)) {
+      case store_cmd::set:
+        data_[k] = f.fields[1];
+        reply(c, detail::store_status::ok);
+        return true;
+      case store_cmd::get: {
+        auto it = data_.find(k);
+        if (it == data_.end()) return false;
+        reply(c, detail::store_status::ok, {it->second});
+        return true;
+      }
+      case store_cmd::add: {
+        auto& v = data_[k];
+        const std::int64_t nv = (v.size() == 8 ? detail::decode_i64(v) : 0) + detail::decode_i64(f.fields[1]);
+        v = detail::encode_i64(nv);
+        reply(c, detail::store_status::ok, {v});
+        return true;
+      }
+      case store_cmd::cas: {
+        auto it = data_.find(k);
+        if (it == data_.end()) {
+          if (f.fields[1].empty()) {
+            data_[k] = f.fields[2];
+            reply(c, detail::store_status::ok, {f.fields[2]});
+          } else {
+            reply(c, detail::store_status::ok, {f.fields[1].substr(0, 0)});
+          }
+          return true;
+        }
+        if (it->second == f.fields[1]) it->second = f.fields[2];
+        reply(c, detail::store_status::ok, {it->second});
+        return true;
+      }
+      case store_cmd::del: {
+        const bool erased = data_.erase(k) > 0;
+        reply(c, detail::store_status::ok, {erased ? "1" : "0"});
+        return true;
+      }
+      case store_cmd::check:
+        reply(c, detail::store_status::ok, {data_.count(k) ? "1" : "0"});
+        return true;
+      case store_cmd::wait: {
+        for (std::size_t i = 0; i + 1 < f.fields.size(); ++i)
+          if (!data_.count(f.fields[i])) return false;
+        reply(c, detail::store_status::ok);
+        return true;
+      }
+    }
+    return true;
+  }
+
+  void serve_waiters(std::map<int, client>& clients, std::vector<waiter>& waiters) {
+    const auto now = detail::clock::now();
+    for (auto it = waiters.begin(); it != waiters.end();) {
+      auto cit = clients.find(it->fd);
+      if (cit == clients.end()) { it = waiters.erase(it); continue; }
+      if (execute(cit->second, it->req)) {
+        it = waiters.erase(it);
+      } else if (now >= it->until) {
+        // Timed out: say which keys are still missing, so callers can name absent ranks.
+        std::vector<std::string_view> missing;
+        const std::size_t nkeys = it->req.code == static_cast<std::uint8_t>(detail::store_cmd::wait)
+                                      ? it->req.fields.size() - 1 : 1;
+        for (std::size_t i = 0; i < nkeys; ++i)
+          if (!data_.count(it->req.fields[i])) missing.push_back(it->req.fields[i]);
+        reply(cit->second, detail::store_status::timeout, missing);
+        it = waiters.erase(it);
+      } else {
+        ++it;
+      }
+      if (cit != clients.end() && !cit->second.out.empty()) flush(cit->second);
+    }
+  }
+
+  static constexpr std::size_t max_clients = 65536;
+  int rank_;
+  int port_ = 0;
+  detail::fd_handle listen_;
+  detail::fd_handle wake_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int> nclients_{0};
+  std::atomic<int> dropped_{0};
+  std::map<std::string, std::string, std::less<>> data_;
+  std::thread thread_;
+};
+
+/// A connection to the store. Calls are serialized by a mutex; each takes a deadline.
+class store_client {
+ public:
+  /// Connects, retrying until `until` because rank 0 may start after us.
+  store_client(const std::string& host, int port, int rank, detail::deadline_t until) : rank_(rank) {
+    const auto eps = detail::resolve(host, port, rank);
+    std::error_code ec;
+    fd_ = detail::connect_retry(eps, until, ec);
+    if (!fd_) {
+      // Retrying ran into the deadline: the master (rank 0) never came up.
+      detail::raise(errc::timeout, rank,
+                    "could not reach the store of rank 0 at " + host + ":" + std::to_string(port) +
+                        " before the deadline (rank 0 never arrived?): last error: " + detail::describe(ec));
+    }
+    detail::tune_stream(fd_.get(), 0);
+  }
+
+  void set(std::string_view key, std::string_view value, detail::deadline_t until = default_deadline()) {
+    call(detail::store_cmd::set, {key, value}, until);
+  }
+
+  /// Waits until `key` exists (server-side wait) and returns its value.
+  std::string get(std::string_view key, detail::deadline_t until = default_deadline()) {
+    const auto ms = detail::encode_ms(detail::ms_left(until));
+    auto r = call(detail::store_cmd::get, {key, ms}, until);
+    if (r.code == static_cast<std::uint8_t>(detail::store_status::timeout))
+      detail::raise(errc::timeout, rank_, "store key '" + std::string(key) + "' never appeared");
+    return r.fields.empty() ? std::string() : r.fields[0];
+  }
+
+  std::int64_t add(std::string_view key, std::int64_t delta, detail::deadline_t until = default_deadline()) {
+    const auto d = detail::encode_i64(delta);
+    auto r = call(detail::store_cmd::add, {key, d}, until);
+    return detail::decode_i64(r.fields.at(0));
+  }
+
+  /// Sets `key` to `desired` if its value is `expected` (empty `expected`: the key is absent).
+  /// Returns the value after the call.
+  std::string compare_set(std::string_view key, std::string_view expected, std::string_view desired,
+                          detail::deadline_t until = default_deadline()) {
+    auto r = call(detail::store_cmd::cas, {key, expected, desired}, until);
+    return r.fields.at(0);
+  }
+
+  bool erase(std::string_view key, detail::deadline_t until = default_deadline()) {
+    return call(detail::store_cmd::del, {key}, until).fields.at(0) == "1";
+  }
+
+  bool check(std::string_view key, detail::deadline_t until = default_deadline()) {
+    return call(detail::store_cmd::check, {key}, until).fields.at(0) == "1";
+  }
+
+  /// Waits until every key exists; returns the keys still missing when `until` passed (empty
+  /// when all arrived).
+  std::vector<std::string> wait(const std::vector<std::string>& keys, detail::deadline_t until) {
+    std::vector<std::string_view> f(keys.begin(), keys.end());
+    const auto ms = detail::encode_ms(detail::ms_left(until));
+    f.push_back(ms);
+    auto r = call(detail::store_cmd::wait, f, until);
+    if (r.code == static_cast<std::uint8_t>(detail::store_status::timeout)) return r.fields;
+    return {};
+  }
+
+  int native_handle() const noexcept { return fd_.get(); }
+
+  static detail::deadline_t default_deadline() { return detail::clock::now() + std::chrono::seconds(300); }
+
+ private:
+  detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& fields, detail::deadline_t until) {
+    std::lock_guard lock(mu_);
+    const auto out = detail::encode_frame(static_cast<std::uint8_t>(cmd), fields);
+    std::error_code ec;
+    detail::send_all(fd_.get(), out.data(), out.size(), until, ec);
+    if (ec) fail(ec);
+    // The server answers waits itself when their time is up; allow it a little slack.
+    const auto rd = until + std::chrono::seconds(2);
+    char hdr[4];
+    detail::recv_all(fd_.get(), hdr, 4, rd, ec);
+    if (ec) fail(ec);
+    const std::uint32_t len = detail::get_u32(hdr);
+    if (len == 0 || len > detail::store_max_frame) detail::raise(errc::protocol, rank_, "store sent a bad frame length");
+    std::string body(len, '\0');
+    detail::recv_all(fd_.get(), body.data(), len, rd, ec);
+    if (ec) fail(ec);
+    detail::frame f;
+    if (detail::parse_body(body, f) != detail::parse_result::ok) detail::raise(errc::protocol, rank_, "store sent a malformed frame");
+    if (f.code == static_cast<std::uint8_t>(detail::store_status::bad_request))
+      detail::raise(errc::protocol, rank_, "store rejected the request");
+    return f;
+  }
+
+  [[noreturn]] void fail(const std::error_code& ec) {
+    detail::raise(detail::to_errc(ec) == errc::timeout ? errc::timeout : errc::peer_lost, rank_,
+                  "store connection to rank 0: " + detail::describe(ec));
+  }
+
+  int rank_;
+  detail::fd_handle fd_;
+  std::mutex mu_;
+};
+
+}  // namespace v0
+}  // namespace ddp

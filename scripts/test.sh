@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The whole test suite: install what is missing, build, run every doctest suite under meson test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/deps.sh
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+[[ -f build/build.ninja ]] || meson setup build --wrap-mode=nodownload
+ninja -C build
+meson test -C build --no-rebuild --print-errorlogs --num-processes 2 "$@"

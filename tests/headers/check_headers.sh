@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Each public header compiles alone (one translation unit per header, included twice to prove
+# its guard), and ddp/ddp.hpp compiles with plain `c++ -std=c++20 -Iinclude`, without any
+# optional SDK. Headers of optional features get their SDK's flags or are skipped when the SDK
+# is absent.
+#   check_headers.sh INCLUDE_DIR CXX [cuda-flags] [mpi-flags] [tbb-flags] [sodium-flags]
+set -u
+inc=$1; cxx=$2; cuda=${3:-none}; mpi=${4:-none}; tbb=${5:-none}; sodium=${6:-none}
+pass=0; fail=0; skip=0
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+cd "$inc"
+for h in $(find ddp -name '*.hpp' | sort); do
+  extra=""
+  if grep -Eq '#include <(nccl|cuda_runtime)\.h>' "$h"; then extra=$cuda
+  elif grep -Eq '#include <mpi\.h>' "$h"; then extra=$mpi
+  elif grep -Eq '#include <(oneapi/)?tbb/' "$h"; then extra=$tbb
+  elif grep -Eq '#include <sodium' "$h"; then extra=$sodium
+  fi
+  if [[ "$extra" == none ]]; then skip=$((skip + 1)); echo "SKIP $h (SDK not found)"; continue; fi
+  printf '#include <%s>\n#include <%s>\nint main() { return 0; }\n' "$h" "$h" > "$tmp/tu.cpp"
+  if $cxx -std=c++20 -Wall -Wextra -Wpedantic -Werror -fsyntax-only -I. $extra "$tmp/tu.cpp" 2> "$tmp/err"; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1)); echo "FAIL $h"; head -20 "$tmp/err"
+  fi
+done
+# The umbrella must not pull in optional SDKs.
+if grep -Eq '#\s*include\s*<(nccl|cuda_runtime|mpi)\.h>|#\s*include\s*<(oneapi/)?tbb' ddp/ddp.hpp; then
+  fail=$((fail + 1)); echo "FAIL ddp/ddp.hpp includes an optional SDK header"
+else
+  pass=$((pass + 1))
+fi
+echo "$pass passed, $fail failed, $skip skipped"
+[[ $fail -eq 0 ]]

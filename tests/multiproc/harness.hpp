@@ -1,0 +1,148 @@
+#pragma once
+// Runs a function in N real child processes (fork) and collects each one's outcome: exit code,
+// and the what() of a ddp::error it threw, carried back over a pipe. Children that outlive the
+// limit are killed, so a hang shows up as a failed test rather than a stuck suite.
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ddp/error.hpp>
+
+namespace ddp_test {
+
+struct outcome {
+  int rank = -1;
+  int exit_code = -1;       ///< 0 success, 1 threw, 2 other exception, 128+sig when signalled
+  bool timed_out = false;   ///< killed by the harness
+  std::string message;      ///< what() of the exception, or what the child reported
+  int errc = 0;             ///< ddp::errc value when a ddp::error was thrown
+  double seconds = 0;       ///< wall time until the child ended
+  bool ok() const { return exit_code == 0; }
+};
+
+/// An ephemeral port that was free a moment ago (the kernel hands out a fresh one each call).
+inline int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+/// Runs fn(rank) in `n` processes; `ranks` lets a test start a chosen subset or duplicates.
+/// The child's report: "<errc> <message>" written to a pipe.
+inline std::vector<outcome> run_processes(const std::vector<int>& ranks, const std::function<void(int)>& fn,
+                                          std::chrono::milliseconds limit = std::chrono::seconds(60)) {
+  std::fflush(nullptr);
+  struct child { pid_t pid; int fd; outcome out; bool done = false; };
+  std::vector<child> kids;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int r : ranks) {
+    int p[2];
+    if (::pipe2(p, O_CLOEXEC) != 0) std::abort();
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(p[0]);
+      int code = 0;
+      std::string msg;
+      try {
+        fn(r);
+      } catch (const ddp::error& e) {
+        code = 1;
+        msg = std::to_string(e.code().value()) + " " + e.what();
+      } catch (const std::exception& e) {
+        code = 2;
+        msg = "0 " + std::string(e.what());
+      }
+      if (!msg.empty()) { [[maybe_unused]] auto w = ::write(p[1], msg.data(), msg.size()); }
+      ::close(p[1]);
+      std::fflush(nullptr);
+      ::_exit(code);
+    }
+    ::close(p[1]);
+    kids.push_back({pid, p[0], {}});
+    kids.back().out.rank = r;
+  }
+  std::size_t left = kids.size();
+  while (left > 0) {
+    for (auto& k : kids) {
+      if (k.done) continue;
+      int st = 0;
+      if (::waitpid(k.pid, &st, WNOHANG) == k.pid) {
+        k.done = true;
+        --left;
+        k.out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        k.out.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        char buf[4096];
+        ssize_t n;
+        while ((n = ::read(k.fd, buf, sizeof buf)) > 0) k.out.message.append(buf, static_cast<std::size_t>(n));
+        ::close(k.fd);
+        if (auto sp = k.out.message.find(' '); sp != std::string::npos) {
+          k.out.errc = std::atoi(k.out.message.substr(0, sp).c_str());
+          k.out.message.erase(0, sp + 1);
+        }
+      }
+    }
+    if (left == 0) break;
+    if (std::chrono::steady_clock::now() - t0 > limit) {
+      for (auto& k : kids)
+        if (!k.done) {
+          ::kill(k.pid, SIGKILL);
+          ::waitpid(k.pid, nullptr, 0);
+          ::close(k.fd);
+          k.done = true;
+          k.out.timed_out = true;
+          k.out.exit_code = 128 + SIGKILL;
+        }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  std::vector<outcome> outs;
+  for (auto& k : kids) outs.push_back(k.out);
+  return outs;
+}
+
+/// Runs fn(rank) for ranks 0..n-1.
+inline std::vector<outcome> run_ranks(int n, const std::function<void(int)>& fn,
+                                      std::chrono::milliseconds limit = std::chrono::seconds(60)) {
+  std::vector<int> ranks;
+  for (int r = 0; r < n; ++r) ranks.push_back(r);
+  return run_processes(ranks, fn, limit);
+}
+
+/// Throws (for a doctest CHECK to report) when a child failed; returns a readable summary.
+inline std::string summary(const std::vector<outcome>& outs) {
+  std::string s;
+  for (auto& o : outs)
+    s += "rank " + std::to_string(o.rank) + ": exit " + std::to_string(o.exit_code) +
+         (o.timed_out ? " (killed: hung)" : "") + (o.message.empty() ? "" : " " + o.message) + "\n";
+  return s;
+}
+
+inline bool all_ok(const std::vector<outcome>& outs) {
+  for (auto& o : outs)
+    if (!o.ok()) return false;
+  return true;
+}
+
+}  // namespace ddp_test

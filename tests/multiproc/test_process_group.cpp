@@ -1,0 +1,229 @@
+#include <ddp/process_group.hpp>
+
+#include <doctest/doctest.h>
+#include <sys/socket.h>
+
+#include <numeric>
+#include <stdexcept>
+
+#include "harness.hpp"
+
+using namespace std::chrono_literals;
+using ddp_test::free_port;
+using ddp_test::run_processes;
+using ddp_test::run_ranks;
+
+namespace {
+ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 20s) {
+  ddp::init_options o;
+  o.rank = rank;
+  o.world_size = n;
+  o.master_addr = "127.0.0.1";
+  o.master_port = port;
+  o.timeout = timeout;
+  return o;
+}
+void require(bool cond, const std::string& what) {
+  if (!cond) throw std::runtime_error(what);
+}
+}  // namespace
+
+TEST_CASE("groups of 1, 2, 4 and 8 real processes join, barrier, broadcast and all_gather") {
+  for (int n : {1, 2, 4, 8}) {
+    CAPTURE(n);
+    const int port = free_port();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto outs = run_ranks(n, [&](int r) {
+      auto pg = ddp::init_process_group(opts(r, n, port));
+      require(pg.rank() == r && pg.size() == n, "rank/size");
+      for (int i = 0; i < 20; ++i) pg.barrier();
+      for (int root = 0; root < n; ++root) {
+        std::vector<int> v(1000 + root);
+        if (r == root) std::iota(v.begin(), v.end(), root * 7);
+        pg.broadcast(std::span<int>(v), root);
+        for (std::size_t i = 0; i < v.size(); ++i)
+          require(v[i] == root * 7 + static_cast<int>(i), "broadcast value from root " + std::to_string(root));
+      }
+      auto all = pg.all_gather("rank-" + std::to_string(r));
+      for (int q = 0; q < n; ++q) require(all[static_cast<std::size_t>(q)] == "rank-" + std::to_string(q), "all_gather");
+    });
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    INFO(ddp_test::summary(outs));
+    CHECK(ddp_test::all_ok(outs));
+    // Waits block instead of spinning, so 8 processes on 2 cores still finish quickly.
+    CHECK(secs < 10.0);
+  }
+}
+
+TEST_CASE("a large broadcast crosses the mesh intact") {
+  const int port = free_port();
+  auto outs = run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 3, port));
+    std::vector<std::uint64_t> v(8 << 20);  // 64 MiB
+    if (r == 1) std::iota(v.begin(), v.end(), 11u);
+    pg.broadcast(std::span<std::uint64_t>(v), 1);
+    require(v.front() == 11 && v.back() == 11 + v.size() - 1 && v[12345] == 11 + 12345, "payload");
+  });
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("broadcast with different sizes on different ranks is a mismatch error") {
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 2, port, 5s));
+    std::vector<char> v(r == 0 ? 10 : 12);
+    pg.broadcast(std::span<char>(v), 0);
+  });
+  INFO(ddp_test::summary(outs));
+  CHECK(outs[0].exit_code != 0 + 7);  // rank 0 may finish or see rank 1 leave
+  REQUIRE(outs[1].exit_code == 1);
+  CHECK(outs[1].errc == static_cast<int>(ddp::errc::mismatch));
+  CHECK(outs[1].message.find("broadcast size differs") != std::string::npos);
+}
+
+TEST_CASE("invalid options are rejected with clear errors before any socket") {
+  auto expect = [](ddp::init_options o, const char* text) {
+    try {
+      (void)ddp::init_process_group(o);
+      FAIL("no error for: " << text);
+    } catch (const ddp::error& e) {
+      CHECK(e.code() == ddp::errc::invalid_argument);
+      CHECK(std::string(e.what()).find(text) != std::string::npos);
+    }
+  };
+  expect(opts(4, 4, 29500), "rank 4 is outside [0, 4)");
+  expect(opts(-1, 4, 29500), "rank -1 is outside [0, 4)");
+  expect(opts(0, 0, 29500), "world_size must be at least 1");
+  expect(opts(0, 2, 70000), "master_port 70000 is outside [1, 65535]");
+  expect(opts(0, 2, 0), "master_port 0 is outside");
+}
+
+TEST_CASE("an unresolvable master is an unresolvable error") {
+  auto o = opts(1, 2, 29500, 3s);
+  o.master_addr = "no-such-host.invalid";
+  try {
+    (void)ddp::init_process_group(o);
+    FAIL("expected an error");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::unresolvable);
+    CHECK(std::string(e.what()).find("no-such-host.invalid") != std::string::npos);
+  }
+}
+
+TEST_CASE("rank 0's port already taken is an address_in_use error") {
+  const int port = free_port();
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::listen(fd, 1) == 0);
+  try {
+    (void)ddp::init_process_group(opts(0, 2, port, 3s));
+    FAIL("expected an error");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::address_in_use);
+    CHECK(std::string(e.what()).find(std::to_string(port)) != std::string::npos);
+  }
+  ::close(fd);
+}
+
+TEST_CASE("two processes claiming the same rank: one gets rank_conflict") {
+  const int port = free_port();
+  auto outs = run_processes({0, 1, 1}, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 2, port, 5s));
+    pg.barrier();
+    // Stay in the group long enough for the duplicate to reach the store.
+    std::this_thread::sleep_for(1500ms);
+  });
+  INFO(ddp_test::summary(outs));
+  CHECK(outs[0].ok());
+  const int conflicts = (outs[1].errc == static_cast<int>(ddp::errc::rank_conflict)) +
+                        (outs[2].errc == static_cast<int>(ddp::errc::rank_conflict));
+  CHECK(conflicts == 1);
+  CHECK((outs[1].ok() || outs[2].ok()));
+  for (auto& o : outs)
+    if (o.errc == static_cast<int>(ddp::errc::rank_conflict))
+      CHECK(o.message.find("rank 1 is already taken") != std::string::npos);
+}
+
+TEST_CASE("ranks that never arrive: every waiting rank fails within the timeout and names them") {
+  const int port = free_port();
+  const auto timeout = 2s;
+  // World of 4, but ranks 1 and 3 never start.
+  auto outs = run_processes({0, 2}, [&](int r) { (void)ddp::init_process_group(opts(r, 4, port, timeout)); },
+                            20s);
+  INFO(ddp_test::summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.exit_code == 1);
+    CHECK(o.errc == static_cast<int>(ddp::errc::timeout));
+    CHECK(o.message.find("ranks 1, 3") != std::string::npos);
+    CHECK(o.seconds < 2.0 + 2.0);
+  }
+}
+
+TEST_CASE("rank 0 never arrives: the others fail within the timeout naming rank 0") {
+  const int port = free_port();
+  auto outs = run_processes({1, 2}, [&](int r) { (void)ddp::init_process_group(opts(r, 3, port, 2s)); }, 20s);
+  INFO(ddp_test::summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.errc == static_cast<int>(ddp::errc::timeout));
+    CHECK(o.message.find("rank 0") != std::string::npos);
+    CHECK(o.seconds < 4.0);
+  }
+}
+
+TEST_CASE("ranks started before rank 0 keep retrying and join") {
+  const int port = free_port();
+  auto outs = run_ranks(3, [&](int r) {
+    if (r == 0) std::this_thread::sleep_for(700ms);
+    auto pg = ddp::init_process_group(opts(r, 3, port, 10s));
+    pg.barrier();
+  });
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("a peer that dies turns a barrier into peer_lost on the survivors") {
+  const int port = free_port();
+  auto outs = run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 3, port, 10s));
+    pg.barrier();
+    if (r == 2) ::_exit(0);  // vanish without cleanup
+    for (;;) pg.barrier();
+  }, 30s);
+  INFO(ddp_test::summary(outs));
+  for (int r : {0, 1}) {
+    CHECK(outs[static_cast<std::size_t>(r)].errc == static_cast<int>(ddp::errc::peer_lost));
+    CHECK(outs[static_cast<std::size_t>(r)].seconds < 8.0);
+  }
+}
+
+TEST_CASE("hostname and IPv6 master addresses work") {
+  for (const char* addr : {"localhost", "::1", "[::1]"}) {
+    CAPTURE(addr);
+    // Skip IPv6 where the kernel has no ::1.
+    if (std::string(addr).find(':') != std::string::npos) {
+      int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
+      sockaddr_in6 a{};
+      a.sin6_family = AF_INET6;
+      a.sin6_addr = in6addr_loopback;
+      const bool v6 = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+      if (fd >= 0) ::close(fd);
+      if (!v6) continue;
+    }
+    const int port = free_port();
+    auto outs = run_ranks(2, [&](int r) {
+      auto o = opts(r, 2, port, 10s);
+      o.master_addr = addr;
+      auto pg = ddp::init_process_group(o);
+      int v = r == 0 ? 42 : 0;
+      pg.broadcast(std::span<int>(&v, 1), 0);
+      require(v == 42, "value");
+    });
+    INFO(ddp_test::summary(outs));
+    CHECK(ddp_test::all_ok(outs));
+  }
+}

@@ -1,0 +1,76 @@
+#include <ddp/detail/store_protocol.hpp>
+
+#include <doctest/doctest.h>
+
+using namespace ddp::detail;
+
+TEST_CASE("frames round-trip through encode, check_header and parse_body") {
+  const std::string big(100000, 'x');
+  auto f = encode_frame(static_cast<std::uint8_t>(store_cmd::cas), {"key", "", big});
+  std::uint32_t len = 0;
+  REQUIRE(check_header(f, len) == parse_result::ok);
+  CHECK(len == f.size() - 4);
+  frame out;
+  REQUIRE(parse_body(std::string_view(f).substr(4), out) == parse_result::ok);
+  CHECK(out.code == static_cast<std::uint8_t>(store_cmd::cas));
+  REQUIRE(out.fields.size() == 3);
+  CHECK(out.fields[0] == "key");
+  CHECK(out.fields[1].empty());
+  CHECK(out.fields[2] == big);
+  CHECK(valid_request(out));
+}
+
+TEST_CASE("partial frames ask for more bytes") {
+  auto f = encode_frame(1, {"k", "v"});
+  std::uint32_t len = 0;
+  for (std::size_t cut = 0; cut < f.size(); ++cut)
+    CHECK(check_header(std::string_view(f).substr(0, cut), len) == parse_result::need_more);
+}
+
+TEST_CASE("oversized and zero lengths are rejected before allocating") {
+  std::string h;
+  put_u32(h, 0xffffffffu);
+  std::uint32_t len = 0;
+  CHECK(check_header(h, len) == parse_result::invalid);
+  std::string z;
+  put_u32(z, 0);
+  CHECK(check_header(z, len) == parse_result::invalid);
+  std::string over;
+  put_u32(over, store_max_frame + 1);
+  CHECK(check_header(over, len) == parse_result::invalid);
+}
+
+TEST_CASE("a field that claims more bytes than the frame holds is invalid") {
+  std::string body;
+  body.push_back(static_cast<char>(store_cmd::set));
+  put_u32(body, 1000);
+  body += "short";
+  frame out;
+  CHECK(parse_body(body, out) == parse_result::invalid);
+  std::string trunc;
+  trunc.push_back(static_cast<char>(store_cmd::set));
+  trunc += "ab";  // not even a whole length
+  CHECK(parse_body(trunc, out) == parse_result::invalid);
+}
+
+TEST_CASE("requests with the wrong shape are not valid") {
+  frame f;
+  f.code = static_cast<std::uint8_t>(store_cmd::set);
+  f.fields = {"only-key"};
+  CHECK_FALSE(valid_request(f));
+  f.code = static_cast<std::uint8_t>(store_cmd::add);
+  f.fields = {"k", "123"};  // delta must be 8 bytes
+  CHECK_FALSE(valid_request(f));
+  f.fields = {"k", encode_i64(-5)};
+  CHECK(valid_request(f));
+  f.code = 99;
+  CHECK_FALSE(valid_request(f));
+  f.code = static_cast<std::uint8_t>(store_cmd::get);
+  f.fields = {std::string(store_max_key + 1, 'k'), encode_ms(10)};
+  CHECK_FALSE(valid_request(f));
+}
+
+TEST_CASE("i64 encoding is little endian and round-trips negatives") {
+  for (std::int64_t v : std::initializer_list<std::int64_t>{0, 1, -1, 123456789012345, INT64_MIN, INT64_MAX}) CHECK(decode_i64(encode_i64(v)) == v);
+  CHECK(encode_i64(1)[0] == '\x01');
+}
