@@ -1,0 +1,113 @@
+#!/usr/bin/python3
+"""torch.distributed.all_reduce (gloo backend, float32 sum) in ddp's sweep format.
+
+    /usr/bin/python3 bench/peers/torch_allreduce.py --ranks 2 --max-bytes 67108864
+
+This is Gloo as PyTorch users reach it: gloo::allreduce behind ProcessGroupGloo, its work
+queue thread and the Python call, so next to gloo_allreduce it shows what the wrapping costs.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HEADER = "system,algo,ranks,bytes,iters,median_us,p10_us,algbw_GBps,busbw_GBps"
+
+
+def iters_for(args, nbytes):
+    """Same schedule as bench/peers/sweep.hpp, so rows line up with the C++ peers."""
+    if args.iters > 0:
+        return args.iters
+    mib = 1 << 20
+    if nbytes < mib:
+        return 100
+    if nbytes < 16 * mib:
+        return 40
+    if nbytes < 64 * mib:
+        return 20
+    if nbytes < 256 * mib:
+        return 10
+    return 5
+
+
+def warmup_for(args, nbytes):
+    return args.warmup if args.warmup >= 0 else max(1, iters_for(args, nbytes) // 10)
+
+
+def sizes(args):
+    b = args.min_bytes
+    while b <= args.max_bytes:
+        yield b // 4 * 4
+        b *= args.factor
+
+
+def worker(rank, args, port):
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.TCPStore("127.0.0.1", port, args.ranks, False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.ranks)
+    n = args.ranks
+    ok = True
+    for nbytes in sizes(args):
+        iters, warmup = iters_for(args, nbytes), warmup_for(args, nbytes)
+        # Zeros while timing: in-place sums of nonzero inputs would overflow to inf.
+        buf = torch.zeros(nbytes // 4, dtype=torch.float32)
+        times = []
+        for i in range(warmup + iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            t1 = time.perf_counter()
+            if i >= warmup:
+                times.append((t1 - t0) * 1e6)
+        buf.fill_(rank + 1)
+        dist.all_reduce(buf)
+        wrong = int((buf != n * (n + 1) / 2).sum())
+        if wrong:
+            print(f"rank {rank}: {wrong} elements wrong at {nbytes} bytes", file=sys.stderr)
+            ok = False
+        t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            s, _ = torch.sort(t)
+            k = len(s)
+            median = float(s[k // 2]) if k % 2 else float(s[k // 2 - 1] + s[k // 2]) / 2
+            p10 = float(s[(k - 1) // 10])
+            algbw = nbytes / (median * 1e3)
+            busbw = algbw * 2 * (n - 1) / n if n > 1 else algbw
+            print(f"pytorch_gloo,all_reduce,{n},{nbytes},{iters},{median:.2f},{p10:.2f},"
+                  f"{algbw:.4f},{busbw:.4f}", flush=True)
+    dist.destroy_process_group()
+    if not ok:
+        sys.exit(1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--min-bytes", type=int, default=4096)
+    ap.add_argument("--max-bytes", type=int, default=256 << 20)
+    ap.add_argument("--factor", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=0, help="0: fewer for larger sizes")
+    ap.add_argument("--warmup", type=int, default=-1, help="-1: a tenth of iters")
+    args = ap.parse_args()
+    if args.factor < 2 or args.min_bytes < 4 or args.max_bytes < args.min_bytes:
+        ap.error("need factor >= 2 and 4 <= min-bytes <= max-bytes")
+
+    # The parent listens before any rank starts, so no rank waits out the client's 1 s retry.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    print(HEADER, flush=True)
+    try:
+        mp.spawn(worker, args=(args, store.port), nprocs=args.ranks, join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        print(e, file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+#!/usr/bin/python3
+"""PyTorch DistributedDataParallel (gloo backend): gradient synchronization time per step.
+
+    /usr/bin/python3 bench/peers/torch_ddp.py --ranks 2 \
+        --params /work/shared/data/resnet50.params --bucket-cap-mb 1 25 100
+
+The model has exactly the parameters listed in each params file and a forward pass that costs
+next to nothing (the sum of all parameters times a per-batch scalar), so backward yields a
+gradient for every parameter, last registered first, and the step is dominated by what DDP
+adds. Each step is timed twice, interleaved: once under DDP and once under model.no_sync();
+the difference of the medians is the synchronization cost (bucket copies plus allreduce).
+
+CSV on stdout: system,model,ranks,bucket_cap_mb,steps,step_median_ms,nosync_median_ms,sync_ms
+Parameter counts and bytes go to stderr as '#' lines.
+"""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+SYSTEM = "pytorch_ddp_gloo"
+HEADER = "system,model,ranks,bucket_cap_mb,steps,step_median_ms,nosync_median_ms,sync_ms"
+
+
+def read_params(path):
+    """Returns [(name, shape)] in registration order from a 'name dim dim ...' file."""
+    params = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            name, *dims = line.split()
+            params.append((name, tuple(int(d) for d in dims)))
+    if not params:
+        raise ValueError(f"{path}: no parameters")
+    return params
+
+
+class ShapeModel(nn.Module):
+    """Parameters of the given shapes and a forward pass with negligible compute."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        # A ParameterList keeps registration order, which DDP reverses to build its buckets,
+        # as it would for the real network.
+        self.weights = nn.ParameterList(nn.Parameter(torch.zeros(s)) for s in shapes)
+
+    def forward(self, scale):
+        # A chain of additions: backward reaches the last parameter first, like a real network.
+        total = scale.new_zeros(())
+        for p in self.weights:
+            total = total + p.sum()
+        return total * scale
+
+
+def timed_step(model, scale):
+    dist.barrier()
+    t0 = time.perf_counter()
+    model(scale).backward()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def slowest(times_ms):
+    """Per step, the slowest rank's time: a synchronized step ends when its last rank does."""
+    t = torch.tensor(times_ms, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def check_gradients(model, rank, world):
+    """One synchronized step with scale rank+1: every gradient must be the mean, (n+1)/2."""
+    for p in model.parameters():
+        p.grad = None
+    model(torch.tensor(float(rank + 1))).backward()
+    expect = (world + 1) / 2.0
+    wrong = sum(int((p.grad != expect).sum()) for p in model.parameters())
+    flag = torch.tensor([wrong], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if wrong:
+        print(f"rank {rank}: {wrong} gradient elements differ from {expect}", file=sys.stderr)
+    return int(flag.item()) == 0
+
+
+def worker(rank, args, port, models):
+    torch.set_num_threads(1)
+    # Loopback only: the host name may not resolve to an address peers can reach.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # The parent already listens on `port`, so no rank hits the store client's 1 s retry.
+    store = dist.TCPStore("127.0.0.1", port, args.ranks, False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.ranks)
+    ok = True
+    for model_name, shapes in models:
+        for cap in args.bucket_cap_mb:
+            module = ShapeModel(shapes)
+            ddp = DistributedDataParallel(module, bucket_cap_mb=cap)
+            sync, nosync = [], []
+            for i in range(args.warmup + args.steps):
+                # Gradients accumulate across steps; both variants accumulate alike.
+                scale = torch.tensor(1.0 / (i + 1))
+                with ddp.no_sync():
+                    t_nosync = timed_step(ddp, scale)
+                t_sync = timed_step(ddp, scale)
+                if i >= args.warmup:
+                    sync.append(t_sync)
+                    nosync.append(t_nosync)
+            sync, nosync = slowest(sync), slowest(nosync)
+            ok = check_gradients(ddp, rank, args.ranks) and ok
+            if rank == 0:
+                step_ms = statistics.median(sync)
+                nosync_ms = statistics.median(nosync)
+                print(f"{SYSTEM},{model_name},{args.ranks},{cap:g},{args.steps},"
+                      f"{step_ms:.3f},{nosync_ms:.3f},{step_ms - nosync_ms:.3f}", flush=True)
+            del ddp, module
+    dist.destroy_process_group()
+    if not ok:
+        sys.exit(1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", nargs="+", required=True, help="params files (name dim dim ...)")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--bucket-cap-mb", type=float, nargs="+", default=[1, 25, 100])
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="untimed steps; DDP rebuilds its buckets after the first")
+    args = ap.parse_args()
+
+    models = []
+    for path in args.params:
+        name = os.path.splitext(os.path.basename(path))[0]
+        shapes = [s for _, s in read_params(path)]
+        elems = sum(math.prod(s) for s in shapes)
+        print(f"# {name}: {len(shapes)} parameters, {elems} float32 elements, {elems * 4} bytes",
+              file=sys.stderr, flush=True)
+        models.append((name, shapes))
+
+    # The parent hosts the store server on a free port before any rank starts.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    print(HEADER, flush=True)
+    try:
+        mp.spawn(worker, args=(args, store.port, models), nprocs=args.ranks, join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        print(e, file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

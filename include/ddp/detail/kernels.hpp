@@ -1,0 +1,456 @@
+#pragma once
+// IWYU pragma: private
+/// \file detail/kernels.hpp
+/// Host reduction kernels: elementwise `dst op= src`, the n-input `combine` at the heart of the
+/// shared-memory allreduce, and the division of `op::avg`.
+///
+/// The kernels are single-threaded and pure: callers split work between threads or ranks with
+/// `partition` (detail/schedule.hpp). They are written with GNU vector extensions rather than
+/// left to the auto-vectorizer, because gcc's -O2 cost model ("very cheap") refuses loops that
+/// need run-time alias checks, and these loops always would. Vectors are 32 bytes, one AVX
+/// register under -mavx, 16 bytes (SSE2) on the x86-64 baseline.
+///
+/// Semantics, identical in the vector body and in the tail (the tail runs the same vector code on
+/// a zero-padded copy, so no element is ever computed by a different instruction sequence):
+/// - sum / avg: IEEE addition, or wrapping two's-complement addition for integers.
+/// - prod: IEEE multiplication, or wrapping multiplication for integers.
+/// - min / max: comparisons that propagate NaN. `min(a, b)` is `b` when `b < a` or `b` is NaN,
+///   otherwise `a`; so a NaN on either side yields a NaN, whatever the order in which ranks are
+///   combined (a collective would otherwise report NaN or not depending on which rank held it).
+///   For -0.0 against +0.0 the left operand `a` is kept, so the result depends on the operand
+///   order; schedules fix that order (see detail/schedule.hpp).
+/// - Every NaN a floating-point operation produces is the canonical positive quiet NaN
+///   (0x7fc00000, 0x7ff8000000000000; 0x7e00 in f16, 0x7fc0 in bf16), so that NaN results are
+///   bit-identical however operands were ordered. Copies (one-input `combine`) keep bits.
+/// - f16 / bf16: widened to float, combined in float. `reduce_into` rounds back after each
+///   operation (it is one operation); `combine` accumulates all inputs in float and rounds once.
+///   Rounding is to nearest even and matches `ddp::half` / `ddp::bfloat16` bit for bit,
+///   including NaN (quiet NaN 0x7e00 / payload-keeping bf16 NaN) and subnormals.
+
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#if !defined(__GNUC__)
+#error "ddp kernels need GNU vector extensions (gcc or clang)"
+#endif
+
+// Vector width follows the target: 32 bytes with AVX, else the 16 bytes of SSE2 (and NEON).
+// Vectors wider than the target's registers would be split anyway, and passing them between
+// the helpers below would change the calling convention (gcc's -Wpsabi), so they are not used.
+#if defined(__AVX__)
+#define DDP_DETAIL_VECTOR_BYTES 32
+#else
+#define DDP_DETAIL_VECTOR_BYTES 16
+#endif
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+namespace kern {
+
+inline constexpr std::size_t vector_bytes = DDP_DETAIL_VECTOR_BYTES;
+typedef float f32v __attribute__((vector_size(DDP_DETAIL_VECTOR_BYTES)));
+typedef double f64v __attribute__((vector_size(DDP_DETAIL_VECTOR_BYTES)));
+typedef std::int32_t i32v __attribute__((vector_size(DDP_DETAIL_VECTOR_BYTES)));
+typedef std::uint32_t u32v __attribute__((vector_size(DDP_DETAIL_VECTOR_BYTES)));
+typedef std::int64_t i64v __attribute__((vector_size(DDP_DETAIL_VECTOR_BYTES)));
+typedef std::uint64_t u64v __attribute__((vector_size(DDP_DETAIL_VECTOR_BYTES)));
+// 16-bit storage of one f32v worth of lanes.
+typedef std::uint16_t u16v __attribute__((vector_size(DDP_DETAIL_VECTOR_BYTES / 2)));
+
+template <class V, class M>
+[[gnu::always_inline]] inline V select(M mask, V yes, V no) noexcept {
+  return reinterpret_cast<V>((reinterpret_cast<M>(yes) & mask) | (reinterpret_cast<M>(no) & ~mask));
+}
+
+// ---- 16-bit float conversions, branch-free so they vectorize --------------------------------
+
+// binary16 -> binary32; `h` holds the half in its low 16 bits.
+[[gnu::always_inline]] inline f32v half_to_float(u32v h) noexcept {
+  const u32v sign = (h & 0x8000u) << 16;
+  u32v o = (h & 0x7fffu) << 13;                 // exponent and mantissa in float position
+  const i32v e = reinterpret_cast<i32v>(o & 0x0f800000u);
+  o += (127u - 15u) << 23;                      // rebias the exponent
+  const i32v is_special = e == 0x0f800000;      // inf / nan: exponent goes to 255
+  o += reinterpret_cast<u32v>(is_special) & ((128u - 16u) << 23);
+  // Zero and subnormal: exponent field is 1 after rebias plus 1; subtracting 2^-14 leaves
+  // mantissa * 2^-24 exactly.
+  const i32v is_small = e == 0;
+  const f32v small = reinterpret_cast<f32v>(o + (1u << 23)) - 6.103515625e-05f;  // 2^-14
+  o = select(is_small, reinterpret_cast<u32v>(small), o);
+  return reinterpret_cast<f32v>(o | sign);
+}
+
+// binary32 -> binary16 (round to nearest even), result in the low 16 bits.
+[[gnu::always_inline]] inline u32v float_to_half(f32v f) noexcept {
+  const u32v x = reinterpret_cast<u32v>(f);
+  const u32v sign = (x >> 16) & 0x8000u;
+  const u32v absx = x & 0x7fffffffu;
+  const i32v sabs = reinterpret_cast<i32v>(absx);  // < 2^31, so a signed compare is exact
+  // Normal range: rebias by -112 and round to nearest even on the 13 dropped bits.
+  const u32v normal = (absx + 0xc8000fffu + ((absx >> 13) & 1u)) >> 13;
+  // Half subnormals: adding 0.5 puts the value's units of 2^-24 in the low mantissa bits and
+  // lets the float adder do the round-to-nearest-even.
+  const f32v absf = reinterpret_cast<f32v>(absx);
+  const u32v sub = reinterpret_cast<u32v>(absf + 0.5f) - 0x3f000000u;
+  u32v r = select(sabs < 0x38800000, sub, normal);
+  r = select(sabs >= 0x477ff000, u32v{} + 0x7c00u, r);  // overflow and inf
+  r = select(sabs > 0x7f800000, u32v{} + 0x7e00u, r);   // nan -> quiet nan
+  return r | sign;
+}
+
+[[gnu::always_inline]] inline f32v bf16_to_float(u32v b) noexcept {
+  return reinterpret_cast<f32v>(b << 16);
+}
+
+[[gnu::always_inline]] inline u32v float_to_bf16(f32v f) noexcept {
+  const u32v x = reinterpret_cast<u32v>(f);
+  const u32v rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  const u32v quiet = (x >> 16) | 0x40u;
+  const i32v is_nan = reinterpret_cast<i32v>(x & 0x7fffffffu) > 0x7f800000;
+  return select(is_nan, quiet, rounded);
+}
+
+// ---- lanes: how one element type is loaded, computed and stored ------------------------------
+//
+// `vec` is the compute vector (float for the 16-bit types), `width` its lane count; `load` and
+// `store` move `width` stored elements. Integer lanes compute as signed (for min/max) and switch
+// to unsigned for +/* so that overflow wraps instead of being undefined.
+
+template <class T>
+struct lanes;
+
+template <>
+struct lanes<float> {
+  using scalar = float;
+  using vec = f32v;
+  using mask = i32v;
+  static constexpr std::size_t width = vector_bytes / 4;
+  static constexpr bool is_float = true;
+  static vec load(const float* p) noexcept { vec v; std::memcpy(&v, p, sizeof v); return v; }
+  static void store(float* p, vec v) noexcept { std::memcpy(p, &v, sizeof v); }
+};
+
+template <>
+struct lanes<double> {
+  using scalar = double;
+  using vec = f64v;
+  using mask = i64v;
+  static constexpr std::size_t width = vector_bytes / 8;
+  static constexpr bool is_float = true;
+  static vec load(const double* p) noexcept { vec v; std::memcpy(&v, p, sizeof v); return v; }
+  static void store(double* p, vec v) noexcept { std::memcpy(p, &v, sizeof v); }
+};
+
+template <>
+struct lanes<std::int32_t> {
+  using vec = i32v;
+  using uvec = u32v;
+  static constexpr std::size_t width = vector_bytes / 4;
+  static constexpr bool is_float = false;
+  static vec load(const std::int32_t* p) noexcept { vec v; std::memcpy(&v, p, sizeof v); return v; }
+  static void store(std::int32_t* p, vec v) noexcept { std::memcpy(p, &v, sizeof v); }
+};
+
+template <>
+struct lanes<std::int64_t> {
+  using vec = i64v;
+  using uvec = u64v;
+  static constexpr std::size_t width = vector_bytes / 8;
+  static constexpr bool is_float = false;
+  static vec load(const std::int64_t* p) noexcept { vec v; std::memcpy(&v, p, sizeof v); return v; }
+  static void store(std::int64_t* p, vec v) noexcept { std::memcpy(p, &v, sizeof v); }
+};
+
+template <>
+struct lanes<half> {
+  using scalar = float;
+  using vec = f32v;
+  using mask = i32v;
+  static constexpr std::size_t width = vector_bytes / 4;
+  static constexpr bool is_float = true;
+  static vec load(const half* p) noexcept {
+    u16v h;
+    std::memcpy(&h, p, sizeof h);
+    return half_to_float(__builtin_convertvector(h, u32v));
+  }
+  static void store(half* p, vec v) noexcept {
+    const u16v h = __builtin_convertvector(float_to_half(v), u16v);
+    std::memcpy(static_cast<void*>(p), &h, sizeof h);
+  }
+};
+
+template <>
+struct lanes<bfloat16> {
+  using scalar = float;
+  using vec = f32v;
+  using mask = i32v;
+  static constexpr std::size_t width = vector_bytes / 4;
+  static constexpr bool is_float = true;
+  static vec load(const bfloat16* p) noexcept {
+    u16v h;
+    std::memcpy(&h, p, sizeof h);
+    return bf16_to_float(__builtin_convertvector(h, u32v));
+  }
+  static void store(bfloat16* p, vec v) noexcept {
+    const u16v h = __builtin_convertvector(float_to_bf16(v), u16v);
+    std::memcpy(static_cast<void*>(p), &h, sizeof h);
+  }
+};
+
+static_assert(sizeof(half) == 2 && sizeof(bfloat16) == 2, "16-bit storage types must be packed");
+
+// Partial vectors for the tail: the same vector code runs on a zero-padded copy.
+template <class T>
+[[gnu::always_inline]] inline typename lanes<T>::vec load_n(const T* p, std::size_t k) noexcept {
+  T tmp[lanes<T>::width];
+  std::memset(static_cast<void*>(tmp), 0, sizeof tmp);
+  std::memcpy(static_cast<void*>(tmp), p, k * sizeof(T));
+  return lanes<T>::load(tmp);
+}
+template <class T>
+[[gnu::always_inline]] inline void store_n(T* p, typename lanes<T>::vec v, std::size_t k) noexcept {
+  T tmp[lanes<T>::width];
+  lanes<T>::store(tmp, v);
+  std::memcpy(static_cast<void*>(p), tmp, k * sizeof(T));
+}
+
+// ---- the operations, on compute vectors; `a` is the left (accumulated) operand -------------
+
+template <class T, op O>
+[[gnu::always_inline]] inline typename lanes<T>::vec apply(typename lanes<T>::vec a,
+                                                           typename lanes<T>::vec b) noexcept {
+  using L = lanes<T>;
+  using V = typename L::vec;
+  if constexpr (L::is_float) {
+    V r;
+    if constexpr (O == op::sum || O == op::avg) r = a + b;
+    else if constexpr (O == op::prod) r = a * b;
+    else if constexpr (O == op::min) r = select((b < a) | (b != b), b, a);
+    else r = select((b > a) | (b != b), b, a);
+    // The compiler may swap the operands of a commutative +/*, and x86 returns the payload and
+    // sign of the first NaN operand, so a raw NaN result is not a function of the operand order
+    // written here. The canonical NaN is.
+    return select(r != r, V{} + std::numeric_limits<typename L::scalar>::quiet_NaN(), r);
+  } else {
+    using U = typename L::uvec;
+    if constexpr (O == op::sum || O == op::avg)
+      return reinterpret_cast<V>(reinterpret_cast<U>(a) + reinterpret_cast<U>(b));
+    else if constexpr (O == op::prod)
+      return reinterpret_cast<V>(reinterpret_cast<U>(a) * reinterpret_cast<U>(b));
+    else if constexpr (O == op::min) return select(b < a, b, a);
+    else return select(b > a, b, a);
+  }
+}
+
+template <class T, op O>
+inline void reduce_loop(T* dst, const T* src, std::size_t n) noexcept {
+  using L = lanes<T>;
+  constexpr std::size_t w = L::width;
+  std::size_t i = 0;
+  // Two vectors per iteration keeps two independent load-op-store chains in flight.
+  for (; i + 2 * w <= n; i += 2 * w) {
+    const auto r0 = apply<T, O>(L::load(dst + i), L::load(src + i));
+    const auto r1 = apply<T, O>(L::load(dst + i + w), L::load(src + i + w));
+    L::store(dst + i, r0);
+    L::store(dst + i + w, r1);
+  }
+  for (; i + w <= n; i += w) L::store(dst + i, apply<T, O>(L::load(dst + i), L::load(src + i)));
+  if (i < n) {
+    const std::size_t k = n - i;
+    store_n(dst + i, apply<T, O>(load_n(dst + i, k), load_n(src + i, k)), k);
+  }
+}
+
+// Elements per tile of `combine`: the float accumulator of one tile is 4-8 KiB, well inside L1,
+// so each input crosses the memory bus once and each output is written once.
+inline constexpr std::size_t combine_tile = 1024;
+
+// `Out`/`In` are `T*`/`const T*` or `void*`/`const void*` (the type-erased entry point): each
+// pointer is converted on use, so a `void*` array is never read through a `T*` lvalue.
+template <class T, op O, class Out, class In>
+inline void combine_loop(Out const* outs, int nouts, In const* ins, int nins,
+                         std::size_t n) noexcept {
+  using L = lanes<T>;
+  using V = typename L::vec;
+  constexpr std::size_t w = L::width;
+  static_assert(combine_tile % w == 0);
+  // Writes `v` (elements [i, i+k) of the result) to every output.
+  auto put = [&](std::size_t i, V v, std::size_t k) {
+    if (k == w) {
+      for (int o = 0; o < nouts; ++o) L::store(static_cast<T*>(outs[o]) + i, v);
+    } else {
+      for (int o = 0; o < nouts; ++o) store_n(static_cast<T*>(outs[o]) + i, v, k);
+    }
+  };
+  auto get = [&](In p, std::size_t i, std::size_t k) {
+    const T* q = static_cast<const T*>(p) + i;
+    return k == w ? L::load(q) : load_n(q, k);
+  };
+
+  if (nins == 2) {
+    // No accumulator needed: one pass reads both inputs and writes every output.
+    for (std::size_t i = 0; i < n; i += w) {
+      const std::size_t k = n - i < w ? n - i : w;
+      put(i, apply<T, O>(get(ins[0], i, k), get(ins[1], i, k)), k);
+    }
+    return;
+  }
+
+  alignas(64) V acc[combine_tile / w];
+  for (std::size_t base = 0; base < n; base += combine_tile) {
+    const std::size_t m = n - base < combine_tile ? n - base : combine_tile;
+    const std::size_t nv = (m + w - 1) / w;
+    for (std::size_t v = 0; v < nv; ++v) {
+      const std::size_t i = base + v * w;
+      const std::size_t k = m - v * w < w ? m - v * w : w;
+      acc[v] = apply<T, O>(get(ins[0], i, k), get(ins[1], i, k));
+    }
+    for (int j = 2; j + 1 < nins; ++j) {
+      const In in = ins[j];
+      for (std::size_t v = 0; v < nv; ++v) {
+        const std::size_t i = base + v * w;
+        const std::size_t k = m - v * w < w ? m - v * w : w;
+        acc[v] = apply<T, O>(acc[v], get(in, i, k));
+      }
+    }
+    // The last input is folded in on the way out. Every input of this tile has been read
+    // before any output of it is written, so an output may be one of the inputs.
+    const In last = ins[nins - 1];
+    for (std::size_t v = 0; v < nv; ++v) {
+      const std::size_t i = base + v * w;
+      const std::size_t k = m - v * w < w ? m - v * w : w;
+      put(i, apply<T, O>(acc[v], get(last, i, k)), k);
+    }
+  }
+}
+
+template <class T, class Out, class In>
+inline void combine_any(Out const* outs, int nouts, In const* ins, int nins, std::size_t n,
+                        op o) noexcept {
+  if (nins <= 0 || nouts <= 0 || n == 0) return;
+  if (nins == 1) {
+    const void* src = ins[0];
+    for (int k = 0; k < nouts; ++k)
+      if (static_cast<const void*>(outs[k]) != src)
+        std::memcpy(static_cast<void*>(outs[k]), src, n * sizeof(T));
+    return;
+  }
+  switch (o) {
+    case op::sum:
+    case op::avg: combine_loop<T, op::sum>(outs, nouts, ins, nins, n); return;
+    case op::min: combine_loop<T, op::min>(outs, nouts, ins, nins, n); return;
+    case op::max: combine_loop<T, op::max>(outs, nouts, ins, nins, n); return;
+    case op::prod: combine_loop<T, op::prod>(outs, nouts, ins, nins, n); return;
+  }
+}
+
+}  // namespace kern
+
+/// `dst[i] = dst[i] op src[i]` for i in [0, n). `op::avg` adds (the division is `scale_avg`).
+/// `dst` and `src` may be the same pointer but must not otherwise overlap. No alignment needed.
+template <element T>
+inline void reduce_into(T* dst, const T* src, std::size_t n, op o) noexcept {
+  switch (o) {
+    case op::sum:
+    case op::avg: kern::reduce_loop<T, op::sum>(dst, src, n); return;
+    case op::min: kern::reduce_loop<T, op::min>(dst, src, n); return;
+    case op::max: kern::reduce_loop<T, op::max>(dst, src, n); return;
+    case op::prod: kern::reduce_loop<T, op::prod>(dst, src, n); return;
+  }
+}
+
+/// Writes `((ins[0] op ins[1]) op ins[2]) ... op ins[nins-1]`, elementwise and in exactly that
+/// order, to every `outs[k]`. f16/bf16 accumulate in float and round once.
+///
+/// Works in L1-sized tiles so that each input is read from memory once and each output written
+/// once: rank r of a shared-memory allreduce calls it on slice r of every rank's buffer, with
+/// `outs == ins`. Each output must either be one of the inputs (same pointer) or overlap none.
+/// Requires `nins >= 1`; with one input the outputs receive a copy of it.
+template <element T>
+inline void combine(T* const* outs, int nouts, const T* const* ins, int nins, std::size_t n,
+                    op o) noexcept {
+  kern::combine_any<T>(outs, nouts, ins, nins, n, o);
+}
+
+/// Divides each element by `world` (>= 1). Floats divide (a multiply by the reciprocal would
+/// differ in the last bit for worlds that are not powers of two); integers truncate toward zero;
+/// f16/bf16 divide in float and round once.
+template <element T>
+inline void scale_avg(T* p, std::size_t n, int world) noexcept {
+  if (world == 1) return;
+  using L = kern::lanes<T>;
+  if constexpr (L::is_float) {
+    using V = typename L::vec;
+    const V d = V{} + static_cast<typename L::scalar>(world);
+    constexpr std::size_t w = L::width;
+    std::size_t i = 0;
+    for (; i + w <= n; i += w) L::store(p + i, L::load(p + i) / d);
+    if (i < n) kern::store_n(p + i, kern::load_n(p + i, n - i) / d, n - i);
+  } else {
+    // x86 has no SIMD integer division; avg of integers is rare enough to stay scalar.
+    const T d = static_cast<T>(world);
+    for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<T>(p[i] / d);
+  }
+}
+
+namespace kern {
+template <class F>
+inline void dispatch(dtype t, F&& f) {
+  switch (t) {
+    case dtype::f32: f(float{}); return;
+    case dtype::f64: f(double{}); return;
+    case dtype::f16: f(half{}); return;
+    case dtype::bf16: f(bfloat16{}); return;
+    case dtype::i32: f(std::int32_t{}); return;
+    case dtype::i64: f(std::int64_t{}); return;
+  }
+  raise(errc::invalid_argument, -1,
+        "unknown dtype " + std::to_string(static_cast<int>(t)) + " in a reduction kernel");
+}
+inline void check_op(op o) {
+  if (static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
+    raise(errc::invalid_argument, -1,
+          "unknown op " + std::to_string(static_cast<int>(o)) + " in a reduction kernel");
+}
+}  // namespace kern
+
+/// Type-erased `reduce_into`: `dst` and `src` hold `n` elements of `t`.
+inline void reduce_into(void* dst, const void* src, std::size_t n, dtype t, op o) {
+  kern::check_op(o);
+  kern::dispatch(t, [&](auto tag) {
+    using T = decltype(tag);
+    reduce_into(static_cast<T*>(dst), static_cast<const T*>(src), n, o);
+  });
+}
+
+/// Type-erased `combine`.
+inline void combine(void* const* outs, int nouts, const void* const* ins, int nins, std::size_t n,
+                    dtype t, op o) {
+  kern::check_op(o);
+  kern::dispatch(t, [&](auto tag) {
+    kern::combine_any<decltype(tag)>(outs, nouts, ins, nins, n, o);
+  });
+}
+
+/// Type-erased `scale_avg`.
+inline void scale_avg(void* p, std::size_t n, dtype t, int world) {
+  if (world < 1)
+    raise(errc::invalid_argument, -1, "avg over a world of " + std::to_string(world) + " ranks");
+  kern::dispatch(t, [&](auto tag) {
+    using T = decltype(tag);
+    scale_avg(static_cast<T*>(p), n, world);
+  });
+}
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp

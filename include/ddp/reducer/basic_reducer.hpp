@@ -1,0 +1,174 @@
+#pragma once
+/// \file basic_reducer.hpp
+/// `ddp::basic_reducer<Algorithm, Transport>`: the front-end every reducer shares. Collectives
+/// run on one progress thread per reducer, in issue order, so several async requests can be in
+/// flight and every rank issues the same sequence. Blocking calls are async + wait.
+///
+/// \code
+/// ddp::ring<ddp::tcp> ring{pg};
+/// ring.allreduce(std::span<float>{v}, ddp::op::sum);
+/// auto req = ring.allreduce_async(std::span<float>{v}, ddp::op::avg);
+/// req.wait(deadline);
+/// \endcode
+
+#include <cstddef>
+#include <span>
+#include <type_traits>
+
+#include "../detail/collective.hpp"
+#include "../detail/worker.hpp"
+#include "../dtype.hpp"
+#include "../error.hpp"
+#include "../process_group.hpp"
+#include "../request.hpp"
+
+namespace ddp {
+inline namespace v0 {
+
+/// Run-time tunables of ring and tree reducers. See docs/reducers.md.
+struct reducer_options {
+  /// Ring: the receive side reduces each segment of this many bytes as soon as it has arrived.
+  std::size_t segment_bytes = 256 << 10;
+  /// Tree: messages up to this size use recursive doubling (latency, log2 n steps, full buffer
+  /// each step); larger ones use recursive halving-doubling (bandwidth).
+  std::size_t small_bytes = 64 << 10;
+  friend bool operator==(const reducer_options&, const reducer_options&) = default;
+};
+
+/// The algorithm half of a reducer: `Algorithm::run(transport, desc, ...)`. Specialized by
+/// ring.hpp and tree.hpp for point-to-point transports, and by transports with their own
+/// collective engine (shm).
+template <class Algorithm, class Transport>
+struct algorithm_for;
+
+/// Reducer front-end: `Algorithm` is `ring_algorithm` or `tree_algorithm`, `Transport` is
+/// `tcp` or `shm`. Constructing one is a collective: every rank constructs its reducers in the
+/// same order.
+template <class Algorithm, class Transport>
+class basic_reducer {
+  using algo = algorithm_for<Algorithm, Transport>;
+
+ public:
+  using transport_type = Transport;
+
+  explicit basic_reducer(process_group& pg, reducer_options o = {}) : pg_(&pg), transport_(pg), opts_(o) {}
+  template <class TransportOptions>
+  basic_reducer(process_group& pg, TransportOptions t, reducer_options o) : pg_(&pg), transport_(pg, t), opts_(o) {}
+  basic_reducer(const basic_reducer&) = delete;
+  basic_reducer& operator=(const basic_reducer&) = delete;
+
+  int rank() const noexcept { return pg_->rank(); }
+  int size() const noexcept { return pg_->size(); }
+  Transport& transport() noexcept { return transport_; }
+  process_group& group() noexcept { return *pg_; }
+  const reducer_options& options() const noexcept { return opts_; }
+
+  /// Every reducer does every (dtype, op) pair of ddp; kept as a pre-check for generic code.
+  static constexpr bool supports(dtype, op) noexcept { return true; }
+
+  // ---- untyped interface (what basic_data_parallel uses) ----------------------------------
+
+  /// Starts an allreduce of `count` elements of `t` at `data`, in place.
+  request allreduce_async(void* data, std::size_t count, dtype t, op o) {
+    return submit(detail::coll_kind::allreduce, t, o, 0, count,
+                  [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+                    algo::allreduce(transport_, d, data, count, t, o, opts_, until);
+                  });
+  }
+  /// Copies `root`'s `count` elements into every rank's `data`.
+  request broadcast_async(void* data, std::size_t count, dtype t, int root) {
+    check_root(root);
+    return submit(detail::coll_kind::broadcast, t, op::sum, root, count,
+                  [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+                    algo::broadcast(transport_, d, data, count * dtype_size(t), root, until);
+                  });
+  }
+  /// `in` holds size() * count_per_rank elements; rank r receives the reduction of slice r.
+  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
+    return submit(detail::coll_kind::reduce_scatter, t, o, 0, count_per_rank,
+                  [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+                    algo::reduce_scatter(transport_, d, in, out, count_per_rank, t, o, opts_, until);
+                  });
+  }
+  /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`.
+  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) {
+    return submit(detail::coll_kind::allgather, t, op::sum, 0, count_per_rank,
+                  [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+                    algo::allgather(transport_, d, in, out, count_per_rank, t, until);
+                  });
+  }
+  request barrier_async() {
+    return submit(detail::coll_kind::barrier, dtype::i32, op::sum, 0, 0,
+                  [this](const detail::coll_desc& d, detail::deadline_t until) { algo::barrier(transport_, d, until); });
+  }
+
+  void allreduce(void* data, std::size_t count, dtype t, op o) { wait(allreduce_async(data, count, t, o)); }
+  void barrier() { wait(barrier_async()); }
+
+  // ---- typed interface --------------------------------------------------------------------
+
+  template <class T>
+  request allreduce_async(std::span<T> v, op o) {
+    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
+                              "std::int32_t or std::int64_t");
+    return allreduce_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
+  }
+  template <class T>
+  void allreduce(std::span<T> v, op o) { wait(allreduce_async(v, o)); }
+
+  template <class T>
+  void broadcast(std::span<T> v, int root = 0) {
+    static_assert(element<T>, "ddp: broadcast element type must be one of ddp's dtypes");
+    wait(broadcast_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, root));
+  }
+  template <class T>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, op o) {
+    static_assert(element<T>, "ddp: reduce_scatter element type must be one of ddp's dtypes");
+    if (in.size() != out.size() * static_cast<std::size_t>(size()))
+      detail::raise(errc::invalid_argument, rank(), "reduce_scatter: input must hold size() * output elements");
+    wait(reduce_scatter_async(in.data(), out.data(), out.size(), dtype_of_v<T>, o));
+  }
+  template <class T>
+  void allgather(std::span<const T> in, std::span<T> out) {
+    static_assert(element<T>, "ddp: allgather element type must be one of ddp's dtypes");
+    if (out.size() != in.size() * static_cast<std::size_t>(size()))
+      detail::raise(errc::invalid_argument, rank(), "allgather: output must hold size() * input elements");
+    wait(allgather_async(in.data(), out.data(), in.size(), dtype_of_v<T>));
+  }
+
+  /// Wakes every waiter on this rank and tells the peers (errc::aborted).
+  void abort() noexcept { transport_.abort(); }
+
+ private:
+  void check_root(int root) const {
+    if (root < 0 || root >= size())
+      detail::raise(errc::invalid_argument, rank(), "root " + std::to_string(root) + " is not a rank");
+  }
+  void wait(const request& r) const {
+    // The collective itself is bounded by the timeout once it starts; queued work ahead of it
+    // is too, so twice the timeout bounds the whole wait.
+    r.wait(detail::clock::now() + 2 * pg_->timeout() + std::chrono::seconds(2));
+  }
+  template <class Job>
+  request submit(detail::coll_kind k, dtype t, op o, int root, std::size_t count, Job job) {
+    if (static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
+      detail::raise(errc::invalid_argument, rank(), "unknown reduction op");
+    detail::coll_desc d;
+    d.kind = k;
+    d.type = t;
+    d.oper = o;
+    d.root = root;
+    d.seq = ++seq_;
+    d.count = count;
+    return worker_.submit([this, d, job] { job(d, detail::clock::now() + pg_->timeout()); });
+  }
+
+  process_group* pg_;
+  Transport transport_;
+  reducer_options opts_;
+  std::uint64_t seq_ = 0;
+  detail::worker worker_;  // last: joins before the transport goes away
+};
+
+}  // namespace v0
+}  // namespace ddp

@@ -1,0 +1,279 @@
+#pragma once
+/// \file p2p_algorithms.hpp
+/// Ring and tree (recursive doubling / halving-doubling) collectives over a point-to-point
+/// transport such as `ddp::tcp`. The step schedules are the pure functions of
+/// detail/schedule.hpp; this file only moves bytes and reduces them. Every message carries the
+/// collective's 32-byte descriptor, checked before its payload is used.
+
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "../detail/collective.hpp"
+#include "../detail/kernels.hpp"
+#include "../detail/schedule.hpp"
+#include "../error.hpp"
+#include "basic_reducer.hpp"
+
+namespace ddp {
+inline namespace v0 {
+
+/// Tag: ring allreduce (reduce-scatter + allgather), bandwidth-optimal: 2(n-1)/n of the buffer
+/// per rank, 2(n-1) steps.
+struct ring_algorithm {};
+/// Tag: tree allreduce: recursive doubling for small messages (log2 n steps), recursive
+/// halving-doubling for large ones.
+struct tree_algorithm {};
+
+namespace detail {
+
+/// Transports that move bytes between two ranks (tcp).
+template <class T>
+concept point_to_point_transport = T::is_point_to_point && requires(T& t, const void* c, void* p, std::size_t n,
+                                                                    deadline_t d) {
+  { t.rank() } -> std::convertible_to<int>;
+  { t.size() } -> std::convertible_to<int>;
+  t.send(0, c, n, d);
+  t.recv(0, p, n, d);
+  t.sendrecv(0, c, n, 0, p, n, d);
+};
+
+/// Exchange with descriptors: sends [desc | out] to `to`, receives [desc | in] from `from`,
+/// fails the transport with errc::mismatch as soon as the peer's descriptor differs.
+/// `on_payload(bytes)` sees how many payload bytes have arrived.
+template <class T, class F>
+void exchange(T& t, const coll_desc& d, int to, const void* out, std::size_t out_n, int from, void* in,
+              std::size_t in_n, deadline_t until, F&& on_payload) {
+  coll_desc theirs{};
+  const iovec o[2] = {{const_cast<coll_desc*>(&d), sizeof d}, {const_cast<void*>(out), out_n}};
+  const iovec i[2] = {{&theirs, sizeof theirs}, {in, in_n}};
+  bool checked = false;
+  t.sendrecv(to, std::span<const iovec>(o, 2), from, std::span<const iovec>(i, 2), until, [&](std::size_t got) {
+    if (got < sizeof(coll_desc)) return;
+    if (!checked) {
+      checked = true;
+      if (auto why = mismatch(d, t.rank(), theirs, from); !why.empty()) t.fail(errc::mismatch, why);
+    }
+    on_payload(got - sizeof(coll_desc));
+  });
+}
+
+template <class T>
+void exchange(T& t, const coll_desc& d, int to, const void* out, std::size_t out_n, int from, void* in,
+              std::size_t in_n, deadline_t until) {
+  exchange(t, d, to, out, out_n, from, in, in_n, until, [](std::size_t) {});
+}
+
+/// Sends [desc | data] only (one direction; the peer calls recv_checked).
+template <class T>
+void send_checked(T& t, const coll_desc& d, int to, const void* data, std::size_t n, deadline_t until) {
+  t.send(to, &d, sizeof d, until);
+  if (n) t.send(to, data, n, until);
+}
+template <class T>
+void recv_checked(T& t, const coll_desc& d, int from, void* data, std::size_t n, deadline_t until) {
+  coll_desc theirs{};
+  t.recv(from, &theirs, sizeof theirs, until);
+  if (auto why = mismatch(d, t.rank(), theirs, from); !why.empty()) t.fail(errc::mismatch, why);
+  if (n) t.recv(from, data, n, until);
+}
+
+/// Reduce-scatter phase of the ring over `count` elements at `data`: afterwards this rank holds
+/// the reduction of chunk (rank + 1) mod n. Received segments are reduced as they land.
+template <class T>
+void ring_reduce_scatter(T& t, const coll_desc& d, char* data, std::size_t count, dtype ty, op o,
+                         std::size_t segment_bytes, deadline_t until, std::vector<char>& tmp) {
+  const int n = t.size(), r = t.rank();
+  const std::size_t es = dtype_size(ty);
+  const std::size_t seg = std::max<std::size_t>(es, segment_bytes / es * es);
+  tmp.resize(partition(count, n, 0).size() * es);
+  for (int step = 0; step < n - 1; ++step) {
+    const ring_step st = ring_schedule(r, n, step);
+    const range sc = partition(count, n, st.send_chunk), rc = partition(count, n, st.recv_chunk);
+    char* dst = data + rc.begin * es;
+    const std::size_t rbytes = rc.size() * es;
+    std::size_t reduced = 0;
+    // mine = received op mine keeps the order of operands fixed by the ring: the chunk's
+    // partial sum travels in rank order and each rank adds its own contribution on the right.
+    auto reduce_upto = [&](std::size_t avail) {
+      while (reduced < rbytes && (avail - reduced >= seg || avail == rbytes)) {
+        const std::size_t len = std::min(seg, avail - reduced);
+        if (len == 0) break;
+        void* outs[1] = {dst + reduced};
+        const void* ins[2] = {tmp.data() + reduced, dst + reduced};
+        combine(outs, 1, ins, 2, len / es, ty, o);
+        reduced += len;
+      }
+    };
+    exchange(t, d, st.send_to, data + sc.begin * es, sc.size() * es, st.recv_from, tmp.data(), rbytes, until,
+             reduce_upto);
+    reduce_upto(rbytes);
+  }
+}
+
+/// Allgather phase of the ring: the finished chunks travel around until everyone has all.
+template <class T>
+void ring_allgather(T& t, const coll_desc& d, char* data, std::size_t count, std::size_t es, deadline_t until) {
+  const int n = t.size(), r = t.rank();
+  for (int step = n - 1; step < 2 * (n - 1); ++step) {
+    const ring_step st = ring_schedule(r, n, step);
+    const range sc = partition(count, n, st.send_chunk), rc = partition(count, n, st.recv_chunk);
+    exchange(t, d, st.send_to, data + sc.begin * es, sc.size() * es, st.recv_from, data + rc.begin * es,
+             rc.size() * es, until);
+  }
+}
+
+template <class T>
+void ring_barrier(T& t, const coll_desc& d, deadline_t until) {
+  // Dissemination barrier: log2(n) rounds of descriptors only.
+  const int n = t.size(), r = t.rank();
+  for (int k = 1; k < n; k <<= 1) exchange(t, d, (r + k) % n, nullptr, 0, (r - k + n) % n, nullptr, 0, until);
+}
+
+template <class T>
+void tree_broadcast(T& t, const coll_desc& d, void* data, std::size_t bytes, int root, deadline_t until) {
+  const binomial_tree tr = tree_for(t.rank(), t.size(), root);
+  if (tr.parent >= 0) recv_checked(t, d, tr.parent, data, bytes, until);
+  for (int c : tr.children()) send_checked(t, d, c, data, bytes, until);
+}
+
+/// Scales the elements this rank finalized when the op is avg (once, by their owner, so all
+/// ranks end with the same bits).
+inline void finish_avg(void* p, std::size_t count, dtype ty, op o, int n) {
+  if (o == op::avg && count > 0) scale_avg(p, count, ty, n);
+}
+
+/// Recursive doubling (small) or halving-doubling (large), with the fold for non-powers of two.
+template <class T>
+void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dtype ty, op o,
+                    const reducer_options& opts, deadline_t until) {
+  const int n = t.size(), r = t.rank();
+  const std::size_t es = dtype_size(ty), bytes = count * es;
+  const bool small = bytes <= opts.small_bytes;
+  const hd_plan p = small ? plan_recursive_doubling(r, n) : plan_halving_doubling(r, n);
+  std::vector<char> tmp(bytes);
+  auto combine_range = [&](std::size_t b, std::size_t e, bool mine_lower) {
+    if (e <= b) return;
+    void* outs[1] = {data + b * es};
+    const void* ins[2];
+    ins[mine_lower ? 0 : 1] = data + b * es;
+    ins[mine_lower ? 1 : 0] = tmp.data() + b * es;
+    combine(outs, 1, ins, 2, e - b, ty, o);
+  };
+  // Fold: odd ranks among the first 2(n - p2) hand their data to the even rank below.
+  if (p.fold_partner >= 0) {
+    if (p.folded_out) {
+      send_checked(t, d, p.fold_partner, data, bytes, until);
+      recv_checked(t, d, p.fold_partner, data, bytes, until);
+      return;
+    }
+    recv_checked(t, d, p.fold_partner, tmp.data(), bytes, until);
+    combine_range(0, count, true);  // the even rank is the lower one
+  }
+  if (small) {
+    for (const hd_level& l : p.levels()) {
+      exchange(t, d, l.peer, data, bytes, l.peer, tmp.data(), bytes, until);
+      combine_range(0, count, l.lower);
+    }
+    finish_avg(data, count, ty, o, n);
+  } else {
+    auto span_of = [&](int b, int e) { return block_span(count, p.blocks, b, e); };
+    for (const hd_level& l : p.levels()) {
+      const range keep = span_of(l.keep_begin, l.keep_end), send = span_of(l.send_begin, l.send_end);
+      exchange(t, d, l.peer, data + send.begin * es, send.size() * es, l.peer, tmp.data() + keep.begin * es,
+               keep.size() * es, until);
+      combine_range(keep.begin, keep.end, l.lower);
+    }
+    const range mine = span_of(p.vrank, p.vrank + 1);
+    finish_avg(data + mine.begin * es, mine.size(), ty, o, n);
+    for (int k = p.num_levels - 1; k >= 0; --k) {
+      const hd_level& l = p.level[static_cast<std::size_t>(k)];
+      const range keep = span_of(l.keep_begin, l.keep_end), send = span_of(l.send_begin, l.send_end);
+      exchange(t, d, l.peer, data + keep.begin * es, keep.size() * es, l.peer, data + send.begin * es,
+               send.size() * es, until);
+    }
+  }
+  if (p.fold_partner >= 0) send_checked(t, d, p.fold_partner, data, bytes, until);
+}
+
+}  // namespace detail
+
+/// Ring over a point-to-point transport.
+template <detail::point_to_point_transport Transport>
+struct algorithm_for<ring_algorithm, Transport> {
+  static void allreduce(Transport& t, const detail::coll_desc& d, void* data, std::size_t count, dtype ty, op o,
+                        const reducer_options& opts, detail::deadline_t until) {
+    const int n = t.size();
+    if (n == 1 || count == 0) {
+      if (n > 1) detail::ring_barrier(t, d, until);  // still checks that everyone agrees
+      return;
+    }
+    std::vector<char> tmp;
+    auto* p = static_cast<char*>(data);
+    const std::size_t es = dtype_size(ty);
+    detail::ring_reduce_scatter(t, d, p, count, ty, o, opts.segment_bytes, until, tmp);
+    const auto own = detail::partition(count, n, (t.rank() + 1) % n);
+    detail::finish_avg(p + own.begin * es, own.size(), ty, o, n);
+    detail::ring_allgather(t, d, p, count, es, until);
+  }
+  static void reduce_scatter(Transport& t, const detail::coll_desc& d, const void* in, void* out, std::size_t per_rank,
+                             dtype ty, op o, const reducer_options& opts, detail::deadline_t until) {
+    // Ring reduce-scatter leaves chunk (r+1) mod n on rank r; rotate the input by one chunk so
+    // that rank r ends with slice r, as the caller asked.
+    const int n = t.size(), r = t.rank();
+    const std::size_t es = dtype_size(ty), slice = per_rank * es;
+    std::vector<char> work(slice * static_cast<std::size_t>(n)), tmp;
+    for (int c = 0; c < n; ++c)
+      std::memcpy(work.data() + static_cast<std::size_t>((c + 1) % n) * slice,
+                  static_cast<const char*>(in) + static_cast<std::size_t>(c) * slice, slice);
+    if (n > 1) detail::ring_reduce_scatter(t, d, work.data(), per_rank * static_cast<std::size_t>(n), ty, o,
+                                           opts.segment_bytes, until, tmp);
+    char* mine = work.data() + static_cast<std::size_t>((r + 1) % n) * slice;
+    detail::finish_avg(mine, per_rank, ty, o, n);
+    std::memcpy(out, mine, slice);
+  }
+  static void allgather(Transport& t, const detail::coll_desc& d, const void* in, void* out, std::size_t per_rank,
+                        dtype ty, detail::deadline_t until) {
+    const int n = t.size(), r = t.rank();
+    const std::size_t es = dtype_size(ty), slice = per_rank * es;
+    // Place our slice where the ring's allgather expects chunk (r+1) mod n, then rotate back.
+    std::vector<char> work(slice * static_cast<std::size_t>(n));
+    std::memcpy(work.data() + static_cast<std::size_t>((r + 1) % n) * slice, in, slice);
+    if (n > 1) detail::ring_allgather(t, d, work.data(), per_rank * static_cast<std::size_t>(n), es, until);
+    for (int c = 0; c < n; ++c)
+      std::memcpy(static_cast<char*>(out) + static_cast<std::size_t>(c) * slice,
+                  work.data() + static_cast<std::size_t>((c + 1) % n) * slice, slice);
+  }
+  static void broadcast(Transport& t, const detail::coll_desc& d, void* data, std::size_t bytes, int root,
+                        detail::deadline_t until) {
+    detail::tree_broadcast(t, d, data, bytes, root, until);
+  }
+  static void barrier(Transport& t, const detail::coll_desc& d, detail::deadline_t until) {
+    detail::ring_barrier(t, d, until);
+  }
+};
+
+/// Tree over a point-to-point transport; reduce_scatter, allgather and barrier as the ring's.
+template <detail::point_to_point_transport Transport>
+struct algorithm_for<tree_algorithm, Transport> : algorithm_for<ring_algorithm, Transport> {
+  static void allreduce(Transport& t, const detail::coll_desc& d, void* data, std::size_t count, dtype ty, op o,
+                        const reducer_options& opts, detail::deadline_t until) {
+    if (t.size() == 1 || count == 0) {
+      if (t.size() > 1) detail::ring_barrier(t, d, until);
+      return;
+    }
+    detail::tree_allreduce(t, d, static_cast<char*>(data), count, ty, o, opts, until);
+  }
+};
+
+/// Ring reducer over `Transport` (`ddp::tcp` or `ddp::shm`).
+template <class Transport>
+using ring = basic_reducer<ring_algorithm, Transport>;
+/// Tree reducer over `Transport` (`ddp::tcp` or `ddp::shm`).
+template <class Transport>
+using tree = basic_reducer<tree_algorithm, Transport>;
+
+}  // namespace v0
+}  // namespace ddp

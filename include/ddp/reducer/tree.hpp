@@ -1,0 +1,9 @@
+#pragma once
+/// \file tree.hpp
+/// `ddp::tree<Transport>`: recursive doubling (small messages) and halving-doubling (large).
+///
+/// \code
+/// ddp::tree<ddp::tcp> tree{pg};
+/// tree.allreduce(std::span<float>{v}, ddp::op::max);
+/// \endcode
+#include "p2p_algorithms.hpp"  // IWYU pragma: export

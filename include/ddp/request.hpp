@@ -1,0 +1,87 @@
+#pragma once
+/// \file request.hpp
+/// `ddp::request`: the handle of an asynchronous collective. `wait(deadline)` blocks until it
+/// completed (rethrowing its error), `test()` polls.
+///
+/// \code
+/// auto req = ring.allreduce_async(std::span<float>{v}, ddp::op::avg);
+/// // ... compute ...
+/// req.wait(std::chrono::steady_clock::now() + std::chrono::seconds(30));
+/// \endcode
+
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+
+#include "error.hpp"
+
+namespace ddp {
+inline namespace v0 {
+
+namespace detail {
+/// Completion state shared by a request and the worker that runs it.
+struct request_state {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+  std::chrono::steady_clock::time_point finished_at{};
+
+  void complete(std::exception_ptr e = nullptr) {
+    {
+      std::lock_guard lock(mu);
+      done = true;
+      error = std::move(e);
+      finished_at = std::chrono::steady_clock::now();
+    }
+    cv.notify_all();
+  }
+};
+}  // namespace detail
+
+/// Handle of an asynchronous collective; requests of one reducer complete in issue order.
+class request {
+ public:
+  request() = default;
+  explicit request(std::shared_ptr<detail::request_state> s) noexcept : state_(std::move(s)) {}
+
+  /// True when the collective has finished (successfully or not); never blocks.
+  bool test() const {
+    if (!state_) return true;
+    std::lock_guard lock(state_->mu);
+    return state_->done;
+  }
+
+  /// Blocks until done or `deadline`; rethrows the collective's error. errc::timeout when the
+  /// deadline passes first (the collective keeps its buffer until it ends: do not free it).
+  void wait(std::chrono::steady_clock::time_point deadline) const {
+    if (!state_) return;
+    std::unique_lock lock(state_->mu);
+    if (!state_->cv.wait_until(lock, deadline, [&] { return state_->done; }))
+      detail::raise(errc::timeout, -1, "request not completed before its deadline");
+    if (state_->error) std::rethrow_exception(state_->error);
+  }
+
+  /// Waits with a relative timeout.
+  template <class Rep, class Period>
+  void wait_for(std::chrono::duration<Rep, Period> d) const {
+    wait(std::chrono::steady_clock::now() + d);
+  }
+
+  /// When the collective finished (valid once test() is true).
+  std::chrono::steady_clock::time_point finished_at() const {
+    if (!state_) return {};
+    std::lock_guard lock(state_->mu);
+    return state_->finished_at;
+  }
+
+  bool valid() const noexcept { return state_ != nullptr; }
+
+ private:
+  std::shared_ptr<detail::request_state> state_;
+};
+
+}  // namespace v0
+}  // namespace ddp

@@ -1,0 +1,219 @@
+#pragma once
+/// \file tcp.hpp
+/// `ddp::tcp`: the point-to-point transport over TCP between any hosts. Each instance opens its
+/// own full mesh (so a reducer's progress thread never shares a socket with the process group),
+/// with non-blocking sockets, large socket buffers and TCP_NODELAY. `sendrecv` drives both
+/// directions of a link at once, which is what a ring needs.
+///
+/// \code
+/// ddp::tcp t{pg};
+/// t.sendrecv(next, out.data(), out.size(), prev, in.data(), in.size(), pg.deadline());
+/// \endcode
+
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../detail/mesh.hpp"
+#include "../detail/socket.hpp"
+#include "../error.hpp"
+#include "../process_group.hpp"
+
+namespace ddp {
+inline namespace v0 {
+
+/// Tunables of the TCP transport. See docs/reducers.md.
+struct tcp_options {
+  int socket_buffer = 4 << 20;  ///< SO_SNDBUF / SO_RCVBUF per connection
+  friend bool operator==(const tcp_options&, const tcp_options&) = default;
+};
+
+/// TCP transport: one connection per pair of ranks, opened through the group's store.
+class tcp {
+ public:
+  static constexpr bool is_point_to_point = true;
+
+  explicit tcp(process_group& pg, tcp_options o = {}) : pg_(&pg), opts_(o) {
+    channel_ = "tcp/" + std::to_string(pg.next_channel_id());
+    peers_ = detail::connect_mesh(pg.store(), pg.rank(), pg.size(), channel_, pg.id(), pg.deadline(),
+                                  o.socket_buffer);
+  }
+  tcp(const tcp&) = delete;
+  tcp& operator=(const tcp&) = delete;
+
+  int rank() const noexcept { return pg_->rank(); }
+  int size() const noexcept { return pg_->size(); }
+  process_group& group() noexcept { return *pg_; }
+
+  void send(int peer, const void* data, std::size_t n, detail::deadline_t until) {
+    check_usable();
+    std::error_code ec;
+    detail::send_all(fd(peer), data, n, until, ec);
+    if (ec) lost(peer, ec);
+  }
+
+  void recv(int peer, void* data, std::size_t n, detail::deadline_t until) {
+    check_usable();
+    std::error_code ec;
+    detail::recv_all(fd(peer), data, n, until, ec);
+    if (ec) lost(peer, ec);
+  }
+
+  /// Sends the parts `out` to `to` while receiving into the parts `in` from `from`, both at
+  /// once (up to 4 parts each: a small header and a payload, typically).
+  /// `on_recv(bytes_received_so_far)` runs after each read so callers can check a header or
+  /// reduce the segments that have arrived while the rest is still in flight.
+  template <class OnRecv>
+  void sendrecv(int to, std::span<const iovec> out, int from, std::span<const iovec> in, detail::deadline_t until,
+                OnRecv&& on_recv) {
+    check_usable();
+    const int sfd = fd(to), rfd = fd(from);
+    iovec sv[4], rv[4];
+    std::size_t ns = 0, nr = 0, sleft = 0, rleft = 0;
+    for (auto& v : out) if (v.iov_len) { sv[ns++] = v; sleft += v.iov_len; }
+    for (auto& v : in) if (v.iov_len) { rv[nr++] = v; rleft += v.iov_len; }
+    std::size_t si = 0, ri = 0, got = 0;
+    auto advance = [](iovec* v, std::size_t& i, std::size_t n, std::size_t k) {
+      while (k > 0 && i < n) {
+        const std::size_t take = std::min(k, v[i].iov_len);
+        v[i].iov_base = static_cast<char*>(v[i].iov_base) + take;
+        v[i].iov_len -= take;
+        k -= take;
+        if (v[i].iov_len == 0) ++i;
+      }
+    };
+    while (sleft > 0 || rleft > 0) {
+      bool progressed = false;
+      if (sleft > 0) {
+        msghdr m{};
+        m.msg_iov = sv + si;
+        m.msg_iovlen = ns - si;
+        const ssize_t k = ::sendmsg(sfd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k > 0) {
+          advance(sv, si, ns, static_cast<std::size_t>(k));
+          sleft -= static_cast<std::size_t>(k);
+          progressed = true;
+        } else if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          lost(to, errno == EPIPE || errno == ECONNRESET ? make_error_code(errc::peer_lost)
+                                                         : std::error_code(errno, std::generic_category()));
+        }
+      }
+      if (rleft > 0) {
+        msghdr m{};
+        m.msg_iov = rv + ri;
+        m.msg_iovlen = nr - ri;
+        const ssize_t k = ::recvmsg(rfd, &m, MSG_DONTWAIT);
+        if (k > 0) {
+          advance(rv, ri, nr, static_cast<std::size_t>(k));
+          rleft -= static_cast<std::size_t>(k);
+          got += static_cast<std::size_t>(k);
+          progressed = true;
+          on_recv(got);
+        } else if (k == 0) {
+          lost(from, make_error_code(errc::peer_lost));
+        } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          lost(from, errno == ECONNRESET ? make_error_code(errc::peer_lost) : std::error_code(errno, std::generic_category()));
+        }
+      }
+      if (progressed) continue;
+      pollfd p[2];
+      nfds_t np = 0;
+      if (sfd == rfd) {
+        p[np++] = {sfd, static_cast<short>((sleft ? POLLOUT : 0) | (rleft ? POLLIN : 0)), 0};
+      } else {
+        if (sleft) p[np++] = {sfd, POLLOUT, 0};
+        if (rleft) p[np++] = {rfd, POLLIN, 0};
+      }
+      const int left = detail::ms_left(until);
+      if (left == 0 || ::poll(p, np, left) == 0) lost(rleft ? from : to, make_error_code(errc::timeout));
+    }
+  }
+
+  /// Plain full-duplex exchange of one buffer each way.
+  void sendrecv(int to, const void* sbuf, std::size_t sn, int from, void* rbuf, std::size_t rn,
+                detail::deadline_t until) {
+    const iovec o{const_cast<void*>(sbuf), sn}, i{rbuf, rn};
+    sendrecv(to, std::span(&o, 1), from, std::span(&i, 1), until, [](std::size_t) {});
+  }
+
+  /// Marks this transport failed on every rank: the reason goes to the store (so peers report
+  /// it instead of a bare "connection lost") and every connection is shut down, which wakes
+  /// peers blocked on us at once. Then throws it here.
+  [[noreturn]] void fail(errc code, const std::string& msg) {
+    post_abort(code, msg);
+    detail::raise(code, rank(), msg);
+  }
+
+  /// Shuts the transport down; peers blocked on this rank fail promptly (errc::aborted).
+  void abort() noexcept {
+    try {
+      post_abort(errc::aborted, "rank " + std::to_string(rank()) + " called abort()");
+    } catch (...) {
+    }
+  }
+
+ private:
+  int fd(int peer) const {
+    if (peer < 0 || peer >= size() || peer == rank())
+      detail::raise(errc::invalid_argument, rank(), "tcp: no connection to rank " + std::to_string(peer));
+    return peers_[static_cast<std::size_t>(peer)].get();
+  }
+
+  void check_usable() const {
+    if (broken_.load(std::memory_order_relaxed))
+      detail::raise(errc::aborted, rank(), "tcp transport is unusable after an earlier failure: " + broken_reason_);
+  }
+
+  void post_abort(errc code, const std::string& msg) {
+    bool expected = false;
+    if (!broken_.compare_exchange_strong(expected, true)) return;
+    broken_reason_ = msg;
+    try {
+      pg_->store().compare_set(channel_ + "/abort", "",
+                               std::to_string(static_cast<int>(code)) + " rank " + std::to_string(rank()) + ": " + msg,
+                               detail::clock::now() + std::chrono::seconds(2));
+    } catch (...) {
+      // The store may be gone too; shutting the sockets still tells the peers.
+    }
+    for (auto& p : peers_)
+      if (p) ::shutdown(p.get(), SHUT_RDWR);
+  }
+
+  /// A connection failed: report the reason a peer posted, if any, else name the lost peer.
+  [[noreturn]] void lost(int peer, const std::error_code& ec) {
+    std::string reason;
+    try {
+      const auto key = channel_ + "/abort";
+      if (pg_->store().check(key, detail::clock::now() + std::chrono::seconds(2)))
+        reason = pg_->store().get(key, detail::clock::now() + std::chrono::seconds(2));
+    } catch (...) {
+    }
+    if (!reason.empty()) {
+      const auto sp = reason.find(' ');
+      const auto code = static_cast<errc>(std::atoi(reason.substr(0, sp).c_str()));
+      post_abort(code, reason.substr(sp + 1));
+      detail::raise(code, rank(), reason.substr(sp + 1));
+    }
+    const bool timed_out = detail::to_errc(ec) == errc::timeout;
+    const std::string msg = timed_out ? "rank " + std::to_string(peer) + " did not answer within the deadline"
+                                      : "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
+    post_abort(timed_out ? errc::timeout : errc::peer_lost, msg);
+    detail::raise(timed_out ? errc::timeout : errc::peer_lost, rank(), msg);
+  }
+
+  process_group* pg_;
+  tcp_options opts_;
+  std::string channel_;
+  std::vector<detail::fd_handle> peers_;
+  std::atomic<bool> broken_{false};
+  std::string broken_reason_;
+};
+
+}  // namespace v0
+}  // namespace ddp

@@ -1,0 +1,128 @@
+#pragma once
+// Checks shared by every reducer's multi-process suite. Inputs are chosen so that the exact
+// result is representable in every dtype (small integers, powers of two for prod), which makes
+// the independently computed reference exact; a second check uses random floats against a
+// double-precision reference with a tolerance. Ranks also compare a hash of their result bits:
+// every rank must end with the same bits.
+
+#include <ddp/dtype.hpp>
+#include <ddp/process_group.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ddp_test {
+
+inline void require(bool cond, const std::string& what) {
+  if (!cond) throw std::runtime_error(what);
+}
+
+/// Small exact value of rank `r` at index `i` for op `o`.
+inline double exact_input(int r, std::size_t i, ddp::op o) {
+  if (o == ddp::op::prod) {
+    static const double v[] = {1.0, 2.0, -1.0, 1.0, 1.0, -2.0, 1.0};
+    return v[(static_cast<std::size_t>(r) * 3 + i) % 7];
+  }
+  return static_cast<double>(static_cast<int>((static_cast<std::size_t>(r) * 7 + i * 13) % 17) - 8);
+}
+
+template <class T>
+T from_double(double x) {
+  if constexpr (std::is_same_v<T, ddp::half> || std::is_same_v<T, ddp::bfloat16>) return T(static_cast<float>(x));
+  else return static_cast<T>(x);
+}
+template <class T>
+double to_double(T x) {
+  if constexpr (std::is_same_v<T, ddp::half> || std::is_same_v<T, ddp::bfloat16>) return static_cast<float>(x);
+  else return static_cast<double>(x);
+}
+
+/// Reference result computed from everyone's inputs, in T's arithmetic where it matters (avg).
+template <class T>
+T exact_expected(int n, std::size_t i, ddp::op o) {
+  double acc = exact_input(0, i, o);
+  for (int r = 1; r < n; ++r) {
+    const double x = exact_input(r, i, o);
+    switch (o) {
+      case ddp::op::sum: case ddp::op::avg: acc += x; break;
+      case ddp::op::prod: acc *= x; break;
+      case ddp::op::min: acc = std::min(acc, x); break;
+      case ddp::op::max: acc = std::max(acc, x); break;
+    }
+  }
+  if (o == ddp::op::avg) {
+    if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<T>(acc) / n);
+    else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) return static_cast<T>(static_cast<T>(acc) / static_cast<T>(n));
+    else return T(static_cast<float>(acc) / static_cast<float>(n));
+  }
+  return from_double<T>(acc);
+}
+
+inline std::uint64_t fnv(const void* p, std::size_t n) {
+  std::uint64_t h = 1469598103934665603ull;
+  auto b = static_cast<const unsigned char*>(p);
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+/// Every rank holds the same bits (compared through the process group).
+inline void require_same_bits(ddp::process_group& pg, const void* p, std::size_t n, const std::string& what) {
+  const auto all = pg.all_gather(std::to_string(fnv(p, n)));
+  for (std::size_t q = 1; q < all.size(); ++q) require(all[q] == all[0], what + ": ranks hold different bits");
+}
+
+/// Allreduce of exact inputs; checks every element against the reference and the bits across ranks.
+template <class T, class Reducer>
+void check_exact(ddp::process_group& pg, Reducer& red, std::size_t count, ddp::op o) {
+  std::vector<T> v(count);
+  for (std::size_t i = 0; i < count; ++i) v[i] = from_double<T>(exact_input(pg.rank(), i, o));
+  red.allreduce(std::span<T>(v), o);
+  const std::string what = std::string(ddp::dtype_name(ddp::dtype_of_v<T>)) + " " + ddp::op_name(o) + " count " +
+                           std::to_string(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    const T e = exact_expected<T>(pg.size(), i, o);
+    if (std::memcmp(&v[i], &e, sizeof(T)) != 0)
+      throw std::runtime_error(what + ": element " + std::to_string(i) + " is " + std::to_string(to_double(v[i])) +
+                               ", expected " + std::to_string(to_double(e)));
+  }
+  require_same_bits(pg, v.data(), v.size() * sizeof(T), what);
+}
+
+template <class Reducer>
+void check_all_types_and_ops(ddp::process_group& pg, Reducer& red, std::size_t count) {
+  for (auto o : {ddp::op::sum, ddp::op::avg, ddp::op::min, ddp::op::max, ddp::op::prod}) {
+    check_exact<float>(pg, red, count, o);
+    check_exact<double>(pg, red, count, o);
+    check_exact<ddp::half>(pg, red, count, o);
+    check_exact<ddp::bfloat16>(pg, red, count, o);
+    check_exact<std::int32_t>(pg, red, count, o);
+    check_exact<std::int64_t>(pg, red, count, o);
+  }
+}
+
+/// Random floats: result within tolerance of a double reference, same bits on every rank.
+template <class Reducer>
+void check_random_floats(ddp::process_group& pg, Reducer& red, std::size_t count) {
+  auto input = [](int r, std::size_t i) {
+    std::uint64_t x = (static_cast<std::uint64_t>(r) + 1) * 0x9e3779b97f4a7c15ull ^ (i * 0xbf58476d1ce4e5b9ull);
+    x ^= x >> 31;
+    return static_cast<float>(static_cast<double>(x % 2000001) / 1000000.0 - 1.0);
+  };
+  std::vector<float> v(count);
+  for (std::size_t i = 0; i < count; ++i) v[i] = input(pg.rank(), i);
+  red.allreduce(std::span<float>(v), ddp::op::sum);
+  for (std::size_t i = 0; i < count; i += 1 + count / 100000) {
+    double ref = 0;
+    for (int r = 0; r < pg.size(); ++r) ref += input(r, i);
+    require(std::fabs(v[i] - ref) <= 1e-5 * pg.size(), "random f32 sum off at " + std::to_string(i));
+  }
+  require_same_bits(pg, v.data(), v.size() * sizeof(float), "random f32 sum");
+}
+
+}  // namespace ddp_test

@@ -1,0 +1,156 @@
+#include <ddp/reducer/ring.hpp>
+#include <ddp/reducer/tree.hpp>
+#include <ddp/transport/tcp.hpp>
+
+#include <doctest/doctest.h>
+
+#include "harness.hpp"
+#include "reducer_checks.hpp"
+
+using namespace std::chrono_literals;
+using namespace ddp_test;
+
+namespace {
+ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 30s) {
+  ddp::init_options o;
+  o.rank = rank;
+  o.world_size = n;
+  o.master_port = port;
+  o.timeout = timeout;
+  return o;
+}
+
+template <class Reducer>
+void correctness_suite(int n) {
+  const int port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    Reducer red{pg, ddp::reducer_options{.segment_bytes = 4096, .small_bytes = 256}};
+    for (std::size_t count : {0, 1, 2, 7, 13, 61, 1000})
+      check_all_types_and_ops(pg, red, count);
+    check_random_floats(pg, red, 1000003);
+    check_exact<std::int64_t>(pg, red, 100003, ddp::op::sum);
+  }, 240s);
+  INFO(summary(outs));
+  CHECK(all_ok(outs));
+}
+}  // namespace
+
+TEST_CASE("ring<tcp>: every dtype and op, odd counts, 1 2 3 4 8 ranks") {
+  for (int n : {1, 2, 3, 4, 8}) {
+    CAPTURE(n);
+    correctness_suite<ddp::ring<ddp::tcp>>(n);
+  }
+}
+
+TEST_CASE("tree<tcp>: every dtype and op, odd counts, 1 2 3 4 8 ranks (doubling and halving-doubling)") {
+  for (int n : {1, 2, 3, 5, 8}) {
+    CAPTURE(n);
+    correctness_suite<ddp::tree<ddp::tcp>>(n);
+  }
+}
+
+TEST_CASE("64 MiB allreduce on 2 and 4 ranks, ring and tree") {
+  for (int n : {2, 4}) {
+    const int port = free_port();
+    auto outs = run_ranks(n, [&](int r) {
+      auto pg = ddp::init_process_group(opts(r, n, port));
+      ddp::ring<ddp::tcp> ring{pg};
+      ddp::tree<ddp::tcp> tree{pg};
+      check_random_floats(pg, ring, 16 << 20);
+      check_random_floats(pg, tree, 16 << 20);
+    }, 240s);
+    INFO(summary(outs));
+    CHECK(all_ok(outs));
+  }
+}
+
+TEST_CASE("async requests: several in flight complete in issue order with the right values") {
+  const int port = free_port();
+  auto outs = run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 3, port));
+    ddp::ring<ddp::tcp> ring{pg};
+    std::vector<std::vector<float>> bufs(8);
+    std::vector<ddp::request> reqs;
+    for (std::size_t k = 0; k < bufs.size(); ++k) {
+      bufs[k].assign(1000 * (k + 1), static_cast<float>(r + 1 + k));
+      reqs.push_back(ring.allreduce_async(std::span<float>(bufs[k]), ddp::op::sum));
+    }
+    for (std::size_t k = 0; k < bufs.size(); ++k) {
+      reqs[k].wait(std::chrono::steady_clock::now() + 30s);
+      require(reqs[k].test(), "test() after wait");
+      const float expect = 1 + 2 + 3 + 3.0f * static_cast<float>(k);
+      for (float x : bufs[k]) require(x == expect, "async value");
+      if (k > 0) require(reqs[k - 1].finished_at() <= reqs[k].finished_at(), "issue order");
+    }
+    std::vector<double> b(10, r == 2 ? 3.5 : 0.0);
+    ring.broadcast(std::span<double>(b), 2);
+    for (double x : b) require(x == 3.5, "broadcast");
+    std::vector<std::int32_t> all(3 * 5), mine(5, r);
+    ring.allgather(std::span<const std::int32_t>(mine), std::span<std::int32_t>(all));
+    for (int q = 0; q < 3; ++q)
+      for (int i = 0; i < 5; ++i) require(all[static_cast<std::size_t>(q * 5 + i)] == q, "allgather");
+    std::vector<float> in(3 * 4), out(4);
+    for (std::size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>(i) * static_cast<float>(r + 1);
+    ring.reduce_scatter(std::span<const float>(in), std::span<float>(out), ddp::op::sum);
+    for (std::size_t i = 0; i < 4; ++i)
+      require(out[i] == static_cast<float>(static_cast<std::size_t>(r) * 4 + i) * 6.0f, "reduce_scatter");
+    ring.barrier();
+  });
+  INFO(summary(outs));
+  CHECK(all_ok(outs));
+}
+
+TEST_CASE("mismatched count, dtype or op is an error on every rank, also when byte counts agree") {
+  struct variant { const char* name; const char* text; };
+  for (variant v : {variant{"count", "1024 x f32"}, variant{"dtype", "x i32"}, variant{"op", "f32 max"}}) {
+    CAPTURE(v.name);
+    for (int n : {2, 4}) {
+      const int port = free_port();
+      auto outs = run_ranks(n, [&](int r) {
+        auto pg = ddp::init_process_group(opts(r, n, port, 10s));
+        ddp::ring<ddp::tcp> ring{pg};
+        const bool odd = r == n - 1;
+        if (std::string(v.name) == "count") {
+          std::vector<float> x(odd ? 1000 : 1024, 1.0f);
+          ring.allreduce(std::span<float>(x), ddp::op::sum);
+        } else if (std::string(v.name) == "dtype") {
+          std::vector<float> f(1024, 1.0f);
+          std::vector<std::int32_t> i(1024, 1);
+          if (odd) ring.allreduce(std::span<std::int32_t>(i), ddp::op::sum);
+          else ring.allreduce(std::span<float>(f), ddp::op::sum);
+        } else {
+          std::vector<float> x(1024, 1.0f);
+          ring.allreduce(std::span<float>(x), odd ? ddp::op::max : ddp::op::sum);
+        }
+      }, 30s);
+      INFO(summary(outs));
+      for (auto& o : outs) {
+        CHECK(o.errc == static_cast<int>(ddp::errc::mismatch));
+        CHECK(o.message.find("collective mismatch") != std::string::npos);
+        CHECK(o.message.find(v.text) != std::string::npos);
+        CHECK(o.seconds < 12.0);
+      }
+    }
+  }
+}
+
+TEST_CASE("a rank that dies mid-collective: peer_lost on every survivor, fast") {
+  const int port = free_port();
+  auto outs = run_ranks(4, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 4, port, 10s));
+    ddp::ring<ddp::tcp> ring{pg};
+    std::vector<float> x(1 << 20, 1.0f);
+    ring.allreduce(std::span<float>(x), ddp::op::sum);
+    if (r == 1) ::_exit(3);
+    for (int i = 0; i < 100; ++i) ring.allreduce(std::span<float>(x), ddp::op::sum);
+  }, 60s);
+  INFO(summary(outs));
+  for (int r : {0, 2, 3}) {
+    auto& o = outs[static_cast<std::size_t>(r)];
+    CHECK(o.exit_code == 1);
+    CHECK((o.errc == static_cast<int>(ddp::errc::peer_lost) || o.errc == static_cast<int>(ddp::errc::timeout)));
+    CHECK(o.message.find("rank 1") != std::string::npos);
+    CHECK(o.seconds < 12.0);
+  }
+}
