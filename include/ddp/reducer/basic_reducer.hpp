@@ -35,6 +35,13 @@ struct reducer_options {
   friend bool operator==(const reducer_options&, const reducer_options&) = default;
 };
 
+/// Tag: ring allreduce (reduce-scatter + allgather), bandwidth-optimal: 2(n-1)/n of the buffer
+/// per rank, 2(n-1) steps.
+struct ring_algorithm {};
+/// Tag: tree allreduce: recursive doubling for small messages (log2 n steps), recursive
+/// halving-doubling for large ones.
+struct tree_algorithm {};
+
 /// The algorithm half of a reducer: `Algorithm::run(transport, desc, ...)`. Specialized by
 /// ring.hpp and tree.hpp for point-to-point transports, and by transports with their own
 /// collective engine (shm).
@@ -102,8 +109,16 @@ class basic_reducer {
                   [this](const detail::coll_desc& d, detail::deadline_t until) { algo::barrier(transport_, d, until); });
   }
 
-  void allreduce(void* data, std::size_t count, dtype t, op o) { wait(allreduce_async(data, count, t, o)); }
-  void barrier() { wait(barrier_async()); }
+  /// Blocking allreduce; runs on the calling thread when no async work is pending.
+  void allreduce(void* data, std::size_t count, dtype t, op o) {
+    run(detail::coll_kind::allreduce, t, o, 0, count, [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+      algo::allreduce(transport_, d, data, count, t, o, opts_, until);
+    });
+  }
+  void barrier() {
+    run(detail::coll_kind::barrier, dtype::i32, op::sum, 0, 0,
+        [this](const detail::coll_desc& d, detail::deadline_t until) { algo::barrier(transport_, d, until); });
+  }
 
   // ---- typed interface --------------------------------------------------------------------
 
@@ -114,7 +129,11 @@ class basic_reducer {
     return allreduce_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
   }
   template <class T>
-  void allreduce(std::span<T> v, op o) { wait(allreduce_async(v, o)); }
+  void allreduce(std::span<T> v, op o) {
+    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
+                              "std::int32_t or std::int64_t");
+    allreduce(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
+  }
 
   template <class T>
   void broadcast(std::span<T> v, int root = 0) {
@@ -149,8 +168,7 @@ class basic_reducer {
     // is too, so twice the timeout bounds the whole wait.
     r.wait(detail::clock::now() + 2 * pg_->timeout() + std::chrono::seconds(2));
   }
-  template <class Job>
-  request submit(detail::coll_kind k, dtype t, op o, int root, std::size_t count, Job job) {
+  detail::coll_desc describe(detail::coll_kind k, dtype t, op o, int root, std::size_t count) {
     if (static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
       detail::raise(errc::invalid_argument, rank(), "unknown reduction op");
     detail::coll_desc d;
@@ -160,7 +178,18 @@ class basic_reducer {
     d.root = root;
     d.seq = ++seq_;
     d.count = count;
+    return d;
+  }
+  template <class Job>
+  request submit(detail::coll_kind k, dtype t, op o, int root, std::size_t count, Job job) {
+    const auto d = describe(k, t, o, root, count);
     return worker_.submit([this, d, job] { job(d, detail::clock::now() + pg_->timeout()); });
+  }
+  template <class Job>
+  void run(detail::coll_kind k, dtype t, op o, int root, std::size_t count, Job job) {
+    const auto d = describe(k, t, o, root, count);
+    if (!worker_.try_run_inline([&] { job(d, detail::clock::now() + pg_->timeout()); }))
+      wait(worker_.submit([this, d, job] { job(d, detail::clock::now() + pg_->timeout()); }));
   }
 
   process_group* pg_;
@@ -169,6 +198,13 @@ class basic_reducer {
   std::uint64_t seq_ = 0;
   detail::worker worker_;  // last: joins before the transport goes away
 };
+
+/// Ring reducer over `Transport` (`ddp::tcp` or `ddp::shm`).
+template <class Transport>
+using ring = basic_reducer<ring_algorithm, Transport>;
+/// Tree reducer over `Transport` (`ddp::tcp` or `ddp::shm`).
+template <class Transport>
+using tree = basic_reducer<tree_algorithm, Transport>;
 
 }  // namespace v0
 }  // namespace ddp

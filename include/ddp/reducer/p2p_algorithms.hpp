@@ -20,13 +20,6 @@
 namespace ddp {
 inline namespace v0 {
 
-/// Tag: ring allreduce (reduce-scatter + allgather), bandwidth-optimal: 2(n-1)/n of the buffer
-/// per rank, 2(n-1) steps.
-struct ring_algorithm {};
-/// Tag: tree allreduce: recursive doubling for small messages (log2 n steps), recursive
-/// halving-doubling for large ones.
-struct tree_algorithm {};
-
 namespace detail {
 
 /// Transports that move bytes between two ranks (tcp).
@@ -267,13 +260,6 @@ struct algorithm_for<tree_algorithm, Transport> : algorithm_for<ring_algorithm, 
     detail::tree_allreduce(t, d, static_cast<char*>(data), count, ty, o, opts, until);
   }
 };
-
-/// Ring reducer over `Transport` (`ddp::tcp` or `ddp::shm`).
-template <class Transport>
-using ring = basic_reducer<ring_algorithm, Transport>;
-/// Tree reducer over `Transport` (`ddp::tcp` or `ddp::shm`).
-template <class Transport>
-using tree = basic_reducer<tree_algorithm, Transport>;
 
 }  // namespace v0
 }  // namespace ddp

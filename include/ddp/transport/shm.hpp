@@ -1,0 +1,754 @@
+#pragma once
+/// \file transport/shm.hpp
+/// `ddp::shm`: collectives between the ranks of one host through one POSIX shared-memory
+/// segment. Ordinary user buffers are pipelined through per-rank staging slots; buffers that
+/// already live in the segment's arena (see `ddp::shm_allocator`) are reduced in place, each
+/// input read once and each output written once. See docs/reducers.md.
+///
+/// The engine is synchronous and has no threads of its own: one thread per instance (the
+/// reducer's progress thread) calls the collectives, in the same order on every rank.
+///
+/// How it synchronizes. Each rank owns one 32-bit counter in the segment and bumps it at every
+/// step ("signal"); all ranks send the same signals in the same order, so "rank j finished step
+/// k" is simply "counter j >= k". A waiter spins briefly, then sleeps on the counter with a
+/// futex in slices, checking the deadline, abort and the peer's pid between slices.
+///
+/// Determinism. Every element of a result is computed once, by one rank, as
+/// `in_0 op in_1 op ... op in_{n-1}` in rank order (the `combine` kernel), and then only copied,
+/// so every rank ends with the same bits.
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../detail/futex.hpp"
+#include "../detail/kernels.hpp"
+#include "../detail/schedule.hpp"
+#include "../detail/shm_segment.hpp"
+#include "../detail/socket.hpp"
+#include "../dtype.hpp"
+#include "../error.hpp"
+#include "../process_group.hpp"
+#include "../reducer/basic_reducer.hpp"
+
+namespace ddp {
+inline namespace v0 {
+
+/// Allreduce algorithm of `ddp::shm`.
+enum class shm_algo : std::uint8_t {
+  /// Reduce-scatter + allgather: rank r reduces slice r of every rank's input and writes it to
+  /// every rank's output. Reads and writes each byte once per rank: the bandwidth path.
+  ring,
+  /// Every rank reduces the whole message from all ranks' staging slots into its own buffer:
+  /// one synchronization less per chunk, n times the reads. The latency path for small messages.
+  tree,
+};
+
+constexpr const char* shm_algo_name(shm_algo a) noexcept { return a == shm_algo::tree ? "tree" : "ring"; }
+
+/// Tunables of `ddp::shm`; see docs/reducers.md. Geometry (segment and slot sizes) is taken
+/// from rank 0; `spin` and `host_id` are per rank.
+struct shm_options {
+  /// Bytes of the zero-copy arena that `ddp::shm_allocator` hands out; each rank owns
+  /// segment_bytes / world of it. tmpfs backs pages on first touch, so unused bytes cost nothing.
+  std::size_t segment_bytes = std::size_t{256} << 20;
+  /// Staging bytes per rank per pipeline slot (two slots). Cache-sized, so staged chunks stay
+  /// in L2/L3 between the copy-in, the reduction and the copy-out.
+  std::size_t slot_bytes = std::size_t{1} << 20;
+  /// Polls of a peer's counter before sleeping on it. When there are more ranks than cores a
+  /// spinning waiter steals the core its peer needs, so the engine spins less then.
+  int spin = 2000;
+  /// Overrides the host identity compared across ranks (empty: hostname, boot id and mount
+  /// namespace). Lets tests pretend ranks live on different hosts.
+  std::string host_id{};
+  friend bool operator==(const shm_options&, const shm_options&) = default;
+};
+
+/// Shared-memory transport and collectives engine for ranks on one host.
+///
+/// Construction is collective: every rank of `pg` constructs its `shm` objects in the same
+/// order. The segment's name is unlinked as soon as all ranks mapped it, so nothing is left in
+/// /dev/shm even when a rank crashes later.
+/// \code
+/// auto pg = ddp::init_process_group(ddp::init_options::from_env());
+/// ddp::shm link{pg};
+/// std::vector<float> g(1 << 20, 1.0f);
+/// link.allreduce(g.data(), g.size(), ddp::dtype::f32, ddp::op::sum, pg.deadline());
+/// \endcode
+class shm {
+ public:
+  explicit shm(process_group& pg, shm_options o = {}) : rank_(pg.rank()), size_(pg.size()), opts_(std::move(o)) {
+    const auto until = pg.deadline();
+    const int channel = pg.next_channel_id();
+
+    // 1. Same host, sane options: agreed through the process group before touching /dev/shm,
+    //    so every rank raises the same error.
+    std::string bad;
+    if (opts_.slot_bytes < 4096) bad = "shm_options::slot_bytes must be at least 4096";
+    if (opts_.spin < 0) bad = "shm_options::spin must not be negative";
+    const std::string host = opts_.host_id.empty() ? detail::shm_host_identity() : opts_.host_id;
+    const auto hosts = pg.all_gather(host + '\n' + bad);
+    for (int r = 0; r < size_; ++r) {
+      const auto& h = hosts[static_cast<std::size_t>(r)];
+      const auto nl = h.find('\n');
+      if (nl + 1 < h.size()) raise_here(errc::invalid_argument, "rank " + std::to_string(r) + ": " + h.substr(nl + 1));
+    }
+    for (int r = 1; r < size_; ++r) {
+      const auto& a = hosts[0];
+      const auto& b = hosts[static_cast<std::size_t>(r)];
+      if (a.substr(0, a.find('\n')) != b.substr(0, b.find('\n')))
+        raise_here(errc::unsupported, "shm needs all ranks on one host; ranks 0 and " + std::to_string(r) +
+                                          " are on different hosts (" + a.substr(0, a.find('\n')) + " vs " +
+                                          b.substr(0, b.find('\n')) + "); use ddp::tcp across hosts");
+    }
+
+    // 2. Rank 0 creates the segment and publishes its geometry; the others map it.
+    char idhex[17];
+    std::snprintf(idhex, sizeof idhex, "%016llx", static_cast<unsigned long long>(pg.id()));
+    name_ = "/ddp-" + std::string(idhex) + "-" + std::to_string(channel);
+    const std::string key = "ddp/shm" + name_;
+    std::string why;
+    if (rank_ == 0) {
+      layout_ = detail::make_shm_layout(size_, opts_.slot_bytes, nslots, opts_.segment_bytes);
+      why = map_.create(name_, layout_.total);
+      if (why.empty()) init_segment();
+      pg.store().set(key, why.empty() ? "ok " + std::to_string(layout_.slot_bytes) + " " +
+                                            std::to_string(layout_.arena_bytes)
+                                      : "error " + why,
+                     until);
+    } else {
+      const std::string v = pg.store().get(key, until);
+      unsigned long long slot = 0, arena = 0;
+      if (v.rfind("error ", 0) == 0) {
+        why = "rank 0 could not create the segment";
+      } else if (std::sscanf(v.c_str(), "ok %llu %llu", &slot, &arena) != 2) {
+        why = "malformed segment geometry '" + v + "' in the store";
+      } else {
+        layout_ = detail::make_shm_layout(size_, slot, nslots, arena);
+        why = map_.open(name_, layout_.total);
+        if (why.empty() && (header()->magic != detail::shm_magic || header()->version != detail::shm_version ||
+                            header()->world != static_cast<std::uint32_t>(size_) ||
+                            header()->total_bytes != layout_.total))
+          why = "segment " + name_ + " has an unexpected header";
+      }
+    }
+    if (why.empty()) block(rank_).pid.store(static_cast<std::int32_t>(::getpid()), std::memory_order_release);
+    // 3. Once everyone has it mapped (or failed), the name goes: the mapping keeps the memory.
+    const auto status = pg.all_gather(why);
+    if (rank_ == 0 && map_.base() != nullptr) ::shm_unlink(name_.c_str());
+    for (int r = 0; r < size_; ++r)
+      if (!status[static_cast<std::size_t>(r)].empty())
+        raise_here(errc::system, "shared-memory segment " + name_ + ": rank " + std::to_string(r) + ": " +
+                                     status[static_cast<std::size_t>(r)]);
+
+    heap_ = std::make_unique<detail::arena_heap>(layout_.part_begin(rank_), layout_.part_end(rank_));
+    ins_.resize(static_cast<std::size_t>(size_));
+    outs_.resize(static_cast<std::size_t>(size_));
+    blk_ins_.resize(static_cast<std::size_t>(size_));
+    peers_.resize(static_cast<std::size_t>(size_));
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    spin_ = static_cast<unsigned>(size_) > cores ? std::min(opts_.spin, 64) : opts_.spin;
+    budget_ = spin_;
+  }
+
+  // Not movable: shm_allocator handles and in-flight peers refer to this object.
+  shm(const shm&) = delete;
+  shm& operator=(const shm&) = delete;
+  /// Peers waiting on this rank learn at once that it left (errc::peer_lost) instead of
+  /// running into their deadline.
+  ~shm() {
+    if (map_.base() == nullptr) return;
+    auto& me = block(rank_);
+    me.closed.store(1, std::memory_order_seq_cst);
+    detail::futex_wake_all(&me.counter);
+  }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  const shm_options& options() const noexcept { return opts_; }
+  /// Name the segment had in /dev/shm; already unlinked once the constructor returned.
+  const std::string& name() const noexcept { return name_; }
+
+  /// In-place allreduce of `count` elements at `data`; every rank ends with the same bits.
+  /// Buffers from `allocate()` on every rank take the zero-copy path.
+  /// \code
+  /// link.allreduce(v.data(), v.size(), ddp::dtype::f32, ddp::op::avg, pg.deadline());
+  /// \endcode
+  void allreduce(void* data, std::size_t count, dtype t, op o, detail::deadline_t until,
+                 shm_algo a = shm_algo::ring) {
+    enter();
+    check_types(t, o);
+    const std::size_t es = dtype_size(t);
+    // The tree path writes a rank's output while peers may still read its input, so arena
+    // buffers are staged there like any other.
+    const std::uint64_t off = a == shm_algo::ring ? arena_offset(data, count * es) : detail::shm_desc::no_offset;
+    auto& d = begin(kind_allreduce, count, t, o, -1, a, off);
+    if (size_ == 1) return;  // a sum over one rank; avg divides by 1
+    if (a == shm_algo::tree) return allreduce_tree(data, count, t, o, until, d);
+    guarded([&] { allreduce_ring(static_cast<std::byte*>(data), count, t, o, until, d); });
+  }
+
+  /// Reduce-scatter: `in` holds count_per_rank * size() elements; rank r receives the
+  /// reduction of every rank's slice r in `out_slice`.
+  /// \code
+  /// link.reduce_scatter(in.data(), mine.data(), mine.size(), ddp::dtype::f32, ddp::op::sum, pg.deadline());
+  /// \endcode
+  void reduce_scatter(const void* in, void* out_slice, std::size_t count_per_rank, dtype t, op o,
+                      detail::deadline_t until) {
+    enter();
+    check_types(t, o);
+    auto& d = begin(kind_reduce_scatter, count_per_rank, t, o, -1, shm_algo::ring, detail::shm_desc::no_offset);
+    guarded([&] {
+      const std::size_t es = dtype_size(t);
+      const std::size_t n = static_cast<std::size_t>(size_);
+      const std::size_t c = layout_.slot_bytes / es / n;  // elements of each destination per chunk
+      const auto* src = static_cast<const std::byte*>(in);
+      auto* dst = static_cast<std::byte*>(out_slice);
+      std::size_t k = 0;
+      do {
+        const std::size_t b = k * c;
+        const std::size_t len = std::min(c, count_per_rank - b);
+        const std::size_t s = take_slot();
+        if (len > 0) {
+          wait_slot_free(s, until, "reduce_scatter");
+          for (std::size_t q = 0; q < n; ++q)
+            detail::copy_bytes(slot(rank_, s) + q * c * es, src + (q * count_per_rank + b) * es, len * es);
+        }
+        signal();
+        wait_all(count_, until, "reduce_scatter");
+        if (k == 0) check_peers(d);
+        if (len == 0) break;
+        for (int j = 0; j < size_; ++j) ins_[j] = slot(j, s) + static_cast<std::size_t>(rank_) * c * es;
+        void* out = dst + b * es;
+        detail::combine(&out, 1, ins_.data(), size_, len, t, o);
+        if (o == op::avg) detail::scale_avg(out, len, t, size_);
+        signal();
+        slot_free_at_[s] = count_;
+      } while (++k * c < count_per_rank);
+    });
+  }
+
+  /// Allgather: rank r's `count_per_rank` elements land at `out + r * count_per_rank` on every
+  /// rank. `in_slice` may be that very place in `out`.
+  /// \code
+  /// link.allgather(mine.data(), all.data(), mine.size(), ddp::dtype::f32, pg.deadline());
+  /// \endcode
+  void allgather(const void* in_slice, void* out, std::size_t count_per_rank, dtype t, detail::deadline_t until) {
+    enter();
+    check_types(t, op::sum);
+    auto& d = begin(kind_allgather, count_per_rank, t, op::sum, -1, shm_algo::ring, detail::shm_desc::no_offset);
+    guarded([&] {
+      const std::size_t es = dtype_size(t);
+      const std::size_t c = layout_.slot_bytes / es;
+      const auto* src = static_cast<const std::byte*>(in_slice);
+      auto* dst = static_cast<std::byte*>(out);
+      auto* mine = dst + static_cast<std::size_t>(rank_) * count_per_rank * es;
+      if (mine != src && count_per_rank > 0) std::memmove(mine, src, count_per_rank * es);  // may overlap
+      std::size_t k = 0;
+      do {
+        const std::size_t b = k * c;
+        const std::size_t len = std::min(c, count_per_rank - b);
+        const std::size_t s = take_slot();
+        if (len > 0) {
+          wait_slot_free(s, until, "allgather");
+          detail::copy_bytes(slot(rank_, s), mine + b * es, len * es);
+        }
+        signal();
+        wait_all(count_, until, "allgather");
+        if (k == 0) check_peers(d);
+        if (len == 0) break;
+        for (int j = 0; j < size_; ++j)
+          if (j != rank_) detail::copy_bytes(dst + (static_cast<std::size_t>(j) * count_per_rank + b) * es, slot(j, s), len * es);
+        signal();
+        slot_free_at_[s] = count_;
+      } while (++k * c < count_per_rank);
+    });
+  }
+
+  /// Broadcast of `bytes` bytes from rank `root` to every rank.
+  /// \code
+  /// link.broadcast(weights.data(), weights.size() * sizeof(float), 0, pg.deadline());
+  /// \endcode
+  void broadcast(void* data, std::size_t bytes, int root, detail::deadline_t until) {
+    enter();
+    if (root < 0 || root >= size_)
+      raise_here(errc::invalid_argument, "broadcast root " + std::to_string(root) + " is not a rank of " +
+                                             std::to_string(size_));
+    auto& d = begin(kind_broadcast, bytes, dtype::f32, op::sum, root, shm_algo::ring, detail::shm_desc::no_offset);
+    guarded([&] {
+      const std::size_t c = layout_.slot_bytes;
+      auto* p = static_cast<std::byte*>(data);
+      std::size_t k = 0;
+      do {
+        const std::size_t b = k * c;
+        const std::size_t len = std::min(c, bytes - b);
+        const std::size_t s = take_slot();
+        if (rank_ == root && len > 0) {
+          wait_slot_free(s, until, "broadcast");
+          detail::copy_bytes(slot(root, s), p + b, len);
+        }
+        signal();
+        // After the first step (which checks descriptors) only the root matters.
+        if (k == 0) {
+          wait_all(count_, until, "broadcast");
+          check_peers(d);
+        } else if (rank_ != root) {
+          wait_rank(root, count_, until, "broadcast");
+        }
+        if (len == 0) break;
+        if (rank_ != root) detail::copy_bytes(p + b, slot(root, s), len);
+        signal();
+        slot_free_at_[s] = count_;
+      } while (++k * c < bytes);
+    });
+  }
+
+  /// Returns once every rank has entered barrier().
+  /// \code
+  /// link.barrier(pg.deadline());
+  /// \endcode
+  void barrier(detail::deadline_t until) {
+    enter();
+    auto& d = begin(kind_barrier, 0, dtype::f32, op::sum, -1, shm_algo::ring, detail::shm_desc::no_offset);
+    guarded([&] {
+      signal();
+      wait_all(count_, until, "barrier");
+      check_peers(d);
+    });
+  }
+
+  /// `bytes` of this rank's part of the arena, 64-byte aligned; nullptr for 0 bytes. Throws
+  /// errc::system when the part is full (raise shm_options::segment_bytes).
+  /// \code
+  /// auto* g = static_cast<float*>(link.allocate(n * sizeof(float)));  // zero-copy allreduce
+  /// link.deallocate(g, n * sizeof(float));
+  /// \endcode
+  void* allocate(std::size_t bytes) {
+    if (bytes == 0) return nullptr;
+    const std::size_t off = heap_->allocate(bytes);
+    if (off == detail::arena_heap::npos)
+      raise_here(errc::system, "shm arena exhausted: asked for " + std::to_string(bytes) + " bytes, the largest free block is " +
+                                   std::to_string(heap_->largest_free()) + " of this rank's " +
+                                   std::to_string(heap_->capacity()) +
+                                   " (each rank owns shm_options::segment_bytes / world)");
+    return map_.base() + off;
+  }
+  /// Returns a block from allocate(); nullptr is ignored.
+  void deallocate(void* p, std::size_t bytes) noexcept {
+    if (p == nullptr) return;
+    heap_->deallocate(static_cast<std::size_t>(static_cast<std::byte*>(p) - map_.base()), bytes);
+  }
+  /// True when `p` points into the arena (of any rank).
+  bool contains(const void* p) const noexcept {
+    const auto* b = static_cast<const std::byte*>(p);
+    return map_.base() != nullptr && b >= map_.base() + layout_.arena && b < map_.base() + layout_.total;
+  }
+
+  /// Makes every current and future wait on every rank fail with errc::aborted. Safe to call
+  /// from any thread, e.g. while the progress thread is blocked in a collective.
+  void abort() noexcept {
+    if (map_.base() == nullptr) return;
+    std::int32_t none = -1;
+    header()->aborted_by.compare_exchange_strong(none, rank_, std::memory_order_seq_cst);
+    for (int j = 0; j < size_; ++j) detail::futex_wake_all(&block(j).counter);
+  }
+
+ private:
+  static constexpr std::size_t nslots = 2;
+  enum : std::uint8_t { kind_allreduce = 1, kind_reduce_scatter, kind_allgather, kind_broadcast, kind_barrier };
+  static constexpr auto slice = std::chrono::milliseconds(50);
+
+  detail::shm_header* header() const noexcept { return reinterpret_cast<detail::shm_header*>(map_.base()); }
+  detail::shm_rank_block& block(int r) const noexcept {
+    return reinterpret_cast<detail::shm_rank_block*>(map_.base() + layout_.blocks)[r];
+  }
+  std::byte* slot(int r, std::size_t s) const noexcept { return map_.base() + layout_.slot(r, s); }
+
+  void init_segment() {
+    auto* h = new (map_.base()) detail::shm_header{};
+    h->magic = detail::shm_magic;
+    h->version = detail::shm_version;
+    h->world = static_cast<std::uint32_t>(size_);
+    h->slot_bytes = layout_.slot_bytes;
+    h->nslots = layout_.nslots;
+    h->arena_offset = layout_.arena;
+    h->arena_bytes = layout_.arena_bytes;
+    h->total_bytes = layout_.total;
+    h->aborted_by.store(-1, std::memory_order_relaxed);
+    for (int r = 0; r < size_; ++r) {
+      auto* b = new (&block(r)) detail::shm_rank_block{};
+      b->counter.store(0, std::memory_order_relaxed);
+      b->waiters.store(0, std::memory_order_relaxed);
+      b->closed.store(0, std::memory_order_relaxed);
+      b->pid.store(0, std::memory_order_relaxed);
+    }
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
+
+  [[noreturn]] void raise_here(errc e, const std::string& msg) const { detail::raise(e, rank_, msg); }
+
+  static const char* kind_name(std::uint8_t k) noexcept {
+    switch (k) {
+      case kind_allreduce: return "allreduce";
+      case kind_reduce_scatter: return "reduce_scatter";
+      case kind_allgather: return "allgather";
+      case kind_broadcast: return "broadcast";
+      case kind_barrier: return "barrier";
+    }
+    return "?";
+  }
+
+  void check_types(dtype t, op o) const {
+    if (static_cast<unsigned>(t) > static_cast<unsigned>(dtype::i64) ||
+        static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
+      raise_here(errc::invalid_argument, "unknown dtype " + std::to_string(static_cast<int>(t)) + " or op " +
+                                             std::to_string(static_cast<int>(o)));
+  }
+
+  /// Refuses calls on a transport that failed or was aborted: its counters no longer agree
+  /// with its peers'.
+  void enter() {
+    check_abort();
+    if (failed_ != errc{}) raise_here(failed_, "shm transport is unusable after an earlier error: " + failed_what_);
+  }
+  void check_abort() const {
+    const int by = header()->aborted_by.load(std::memory_order_acquire);
+    if (by >= 0)
+      raise_here(errc::aborted, by == rank_ ? "shm transport aborted by this rank"
+                                            : "shm transport aborted by rank " + std::to_string(by));
+  }
+
+  /// Runs a collective's body; on any error marks this transport failed and tells peers
+  /// waiting on this rank, so they fail now rather than at their deadline.
+  template <class F>
+  void guarded(F&& body) {
+    try {
+      body();
+    } catch (const error& e) {
+      failed_ = e.condition();
+      failed_what_ = e.what();
+      auto& me = block(rank_);
+      me.closed.store(2, std::memory_order_seq_cst);
+      detail::futex_wake_all(&me.counter);
+      throw;
+    }
+  }
+
+  detail::shm_desc& begin(std::uint8_t kind, std::uint64_t count, dtype t, op o, int root, shm_algo a,
+                          std::uint64_t off) {
+    ++seq_;
+    auto& d = block(rank_).desc[seq_ & 1];
+    d.seq = seq_;
+    d.count = count;
+    d.arena_offset = off;
+    d.root = root;
+    d.kind = kind;
+    d.type = static_cast<std::uint8_t>(t);
+    d.oper = static_cast<std::uint8_t>(o);
+    d.algo = static_cast<std::uint8_t>(a);
+    return d;
+  }
+
+  std::string describe(const detail::shm_desc& d, bool with_algo) const {
+    const auto t = static_cast<dtype>(d.type);
+    const auto o = static_cast<op>(d.oper);
+    std::string s;
+    switch (d.kind) {
+      case kind_allreduce:
+        s = std::to_string(d.count) + " x " + dtype_name(t) + " " + op_name(o);
+        break;
+      case kind_reduce_scatter:
+        s = std::to_string(d.count) + " x " + dtype_name(t) + " " + op_name(o) + " per rank";
+        break;
+      case kind_allgather: s = std::to_string(d.count) + " x " + dtype_name(t) + " per rank"; break;
+      case kind_broadcast: s = std::to_string(d.count) + " bytes from root " + std::to_string(d.root); break;
+      default: break;
+    }
+    if (with_algo) s += std::string(" (") + shm_algo_name(static_cast<shm_algo>(d.algo)) + ")";
+    return s;
+  }
+
+  /// After the first signal of a collective every rank's descriptor is visible. All ranks
+  /// compare rank 0's against each other rank's in the same order, so all raise the same
+  /// error, and before anyone touches a peer's data.
+  void check_peers(const detail::shm_desc& mine) {
+    const std::size_t par = seq_ & 1;
+    for (int j = 0; j < size_; ++j) std::memcpy(&peers_[j], &block(j).desc[par], sizeof(detail::shm_desc));
+    peers_[rank_] = mine;
+    const auto& a = peers_[0];
+    for (int j = 1; j < size_; ++j) {
+      const auto& b = peers_[j];
+      const std::string ranks = "rank 0 ";
+      const std::string other = ", rank " + std::to_string(j) + " ";
+      if (a.seq != b.seq)
+        raise_here(errc::mismatch, std::string("collective mismatch: rank 0 is at collective #") + std::to_string(a.seq) +
+                                       other + "at #" + std::to_string(b.seq));
+      if (a.kind != b.kind)
+        raise_here(errc::mismatch, "collective mismatch (#" + std::to_string(a.seq) + "): " + ranks + "is in " +
+                                       kind_name(a.kind) + other + "is in " + kind_name(b.kind));
+      if (a.count != b.count || a.type != b.type || a.oper != b.oper || a.root != b.root || a.algo != b.algo)
+        raise_here(errc::mismatch, std::string(kind_name(a.kind)) + " mismatch: " + ranks + "has " +
+                                       describe(a, a.algo != b.algo) + other + "has " + describe(b, a.algo != b.algo));
+    }
+  }
+
+  /// Offset of [p, p + bytes) in the segment when it lies wholly in the arena.
+  std::uint64_t arena_offset(const void* p, std::size_t bytes) const noexcept {
+    const auto* b = static_cast<const std::byte*>(p);
+    if (bytes == 0 || !contains(p) || b + bytes > map_.base() + layout_.total) return detail::shm_desc::no_offset;
+    return static_cast<std::uint64_t>(b - map_.base());
+  }
+
+  std::size_t take_slot() noexcept { return static_cast<std::size_t>(turn_++ % nslots); }
+
+  // ---- synchronization -------------------------------------------------------------------
+
+  void signal() noexcept {
+    ++count_;
+    auto& me = block(rank_);
+    me.counter.store(static_cast<std::uint32_t>(count_), std::memory_order_seq_cst);
+    if (me.waiters.load(std::memory_order_seq_cst) != 0) detail::futex_wake_all(&me.counter);
+  }
+
+  static bool reached(std::uint32_t have, std::uint64_t want) noexcept {
+    return static_cast<std::int32_t>(have - static_cast<std::uint32_t>(want)) >= 0;
+  }
+
+  /// Raises if rank j can no longer send signal `want`. A peer's last signal precedes its
+  /// `closed` flag (and its death), so the counter is read again after them: a peer that
+  /// signalled and then left is not an error.
+  void check_peer(int j, std::uint64_t want, detail::deadline_t until, const char* what) const {
+    check_abort();
+    auto& b = block(j);
+    const auto closed = b.closed.load(std::memory_order_seq_cst);
+    const bool dead = closed == 0 && !detail::process_alive(b.pid.load(std::memory_order_acquire));
+    const bool late = detail::clock::now() >= until;
+    if (!closed && !dead && !late) return;
+    if (reached(b.counter.load(std::memory_order_seq_cst), want)) return;
+    if (closed != 0)
+      raise_here(errc::peer_lost, std::string(what) + ": rank " + std::to_string(j) +
+                                      (closed == 1 ? " closed its shm transport" : " failed with an error") +
+                                      " while this rank waited for it");
+    if (dead)
+      raise_here(errc::peer_lost, std::string(what) + ": rank " + std::to_string(j) + " (pid " +
+                                      std::to_string(b.pid.load()) + ") died while this rank waited for it");
+    raise_here(errc::timeout, std::string(what) + ": rank " + std::to_string(j) +
+                                  " did not arrive before the deadline (waited for its step " + std::to_string(want) +
+                                  ", it is at " + std::to_string(b.counter.load()) + ")");
+  }
+
+  /// Waits until rank j has sent `want` signals: poll, then sleep on its counter in slices.
+  ///
+  /// Polling pays only while the peer runs on another core. When it does not (more ranks
+  /// than cores, or cores taken by other processes) every poll delays the peer, so the budget
+  /// adapts like an adaptive mutex: it grows while polls succeed and halves whenever the wait
+  /// ended in a sleep. A yield every few polls hands the core to a peer queued behind us.
+  void wait_rank(int j, std::uint64_t want, detail::deadline_t until, const char* what) {
+    auto& b = block(j);
+    if (reached(b.counter.load(std::memory_order_acquire), want)) return;
+    for (int i = 0; i < budget_; ++i) {
+      detail::cpu_relax();
+      if (reached(b.counter.load(std::memory_order_acquire), want)) {
+        budget_ = std::min(spin_, budget_ + budget_ / 4 + 8);
+        return;
+      }
+      if ((i & 31) == 31) ::sched_yield();
+    }
+    budget_ = std::max(std::min(spin_, 32), budget_ / 2);
+    for (;;) {
+      check_peer(j, want, until, what);
+      b.waiters.fetch_add(1, std::memory_order_seq_cst);
+      const std::uint32_t v = b.counter.load(std::memory_order_seq_cst);
+      if (!reached(v, want)) {
+        const auto left = until - detail::clock::now();
+        detail::futex_wait(&b.counter, v, std::min<std::chrono::nanoseconds>(slice, left));
+      }
+      b.waiters.fetch_sub(1, std::memory_order_seq_cst);
+      if (reached(b.counter.load(std::memory_order_acquire), want)) return;
+    }
+  }
+
+  void wait_all(std::uint64_t want, detail::deadline_t until, const char* what) {
+    for (int j = 1; j < size_; ++j) wait_rank((rank_ + j) % size_, want, until, what);
+  }
+
+  /// Peers read (and in the ring also write) this rank's slot s until they signal the step
+  /// recorded in slot_free_at_[s].
+  void wait_slot_free(std::size_t s, detail::deadline_t until, const char* what) {
+    wait_all(slot_free_at_[s], until, what);
+  }
+
+  // ---- allreduce -------------------------------------------------------------------------
+
+  /// Reduces elements [0, len) of every rank's source into every rank's destination; this rank
+  /// owns the slice `part`. For avg the owner scales before writing out, block by block so the
+  /// block stays in cache, so every rank receives the owner's bits.
+  void reduce_slice(std::size_t es, detail::range part, dtype t, op o) {
+    const std::size_t len = part.size();
+    if (len == 0) return;
+    const int n = size_;
+    if (o != op::avg) {
+      for (int j = 0; j < n; ++j) outs_[j] = const_cast<void*>(ins_[j]);
+      detail::combine(outs_.data(), n, ins_.data(), n, len, t, o);
+      return;
+    }
+    const std::size_t blk = std::max<std::size_t>(1, (std::size_t{32} << 10) / es);
+    for (std::size_t b = 0; b < len; b += blk) {
+      const std::size_t m = std::min(blk, len - b);
+      for (int j = 0; j < n; ++j) blk_ins_[j] = static_cast<const std::byte*>(ins_[j]) + b * es;
+      void* own = const_cast<void*>(blk_ins_[rank_]);
+      detail::combine(&own, 1, blk_ins_.data(), n, m, t, o);
+      detail::scale_avg(own, m, t, n);
+      for (int j = 0; j < n; ++j)
+        if (j != rank_) detail::copy_bytes(const_cast<void*>(blk_ins_[j]), own, m * es);
+    }
+  }
+
+  void allreduce_ring(std::byte* data, std::size_t count, dtype t, op o, detail::deadline_t until,
+                      const detail::shm_desc& d) {
+    const std::size_t es = dtype_size(t);
+    const bool staged = d.arena_offset == detail::shm_desc::no_offset;
+    std::size_t chunk = layout_.slot_bytes / es;
+    std::size_t s = take_slot();
+    if (staged && count > 0) {
+      wait_slot_free(s, until, "allreduce");
+      detail::copy_bytes(slot(rank_, s), data, std::min(count, chunk) * es);
+    }
+    signal();
+    wait_all(count_, until, "allreduce");
+    check_peers(d);
+    if (count == 0) return;
+
+    // Which ranks' buffers lie in the arena: every rank reads the same descriptors, so all
+    // decide the same. With all of them there, one chunk: no staging at all.
+    bool all_arena = true;
+    for (int j = 0; j < size_; ++j) all_arena = all_arena && peers_[j].arena_offset != detail::shm_desc::no_offset;
+    for (int i = 0; i < size_; ++i)
+      for (int j = i + 1; j < size_; ++j) {
+        const auto a = peers_[i].arena_offset, b = peers_[j].arena_offset;
+        if (a != detail::shm_desc::no_offset && b != detail::shm_desc::no_offset && a < b + count * es &&
+            b < a + count * es)
+          raise_here(errc::invalid_argument, "allreduce: ranks " + std::to_string(i) + " and " + std::to_string(j) +
+                                                 " passed overlapping buffers in the shared arena");
+      }
+    if (all_arena) chunk = count;
+    const std::size_t nchunks = (count + chunk - 1) / chunk;
+    const std::size_t align = std::max<std::size_t>(1, detail::shm_line / es);
+    for (std::size_t k = 0; k < nchunks; ++k) {
+      const std::size_t b = k * chunk;
+      const std::size_t len = std::min(chunk, count - b);
+      if (k > 0) wait_all(count_, until, "allreduce");  // inputs of chunk k are in place
+      const auto part = detail::partition_aligned(len, size_, rank_, align);
+      for (int j = 0; j < size_; ++j) {
+        const auto off = peers_[j].arena_offset;
+        std::byte* src = off != detail::shm_desc::no_offset ? map_.base() + off + b * es : slot(j, s);
+        ins_[j] = src + part.begin * es;
+      }
+      reduce_slice(es, part, t, o);
+      signal();
+      const std::uint64_t done = count_;
+      // Stage the next chunk while slower peers finish this one (double buffering).
+      const std::size_t next = k + 1 < nchunks ? take_slot() : s;
+      if (k + 1 < nchunks) {
+        if (staged) {
+          wait_slot_free(next, until, "allreduce");
+          detail::copy_bytes(slot(rank_, next), data + (b + chunk) * es, std::min(chunk, count - b - chunk) * es);
+        }
+        signal();
+      }
+      wait_all(done, until, "allreduce");
+      if (staged) detail::copy_bytes(data + b * es, slot(rank_, s), len * es);
+      slot_free_at_[s] = done;
+      s = next;
+    }
+  }
+
+  void allreduce_tree(void* data, std::size_t count, dtype t, op o, detail::deadline_t until, const detail::shm_desc& d) {
+    guarded([&] {
+      const std::size_t es = dtype_size(t);
+      const std::size_t chunk = layout_.slot_bytes / es;
+      auto* p = static_cast<std::byte*>(data);
+      std::size_t k = 0;
+      do {
+        const std::size_t b = k * chunk;
+        const std::size_t len = std::min(chunk, count - b);
+        const std::size_t s = take_slot();
+        if (len > 0) {
+          wait_slot_free(s, until, "allreduce");
+          detail::copy_bytes(slot(rank_, s), p + b * es, len * es);
+        }
+        signal();
+        wait_all(count_, until, "allreduce");
+        if (k == 0) check_peers(d);
+        if (len == 0) break;
+        for (int j = 0; j < size_; ++j) ins_[j] = slot(j, s);
+        void* out = p + b * es;
+        detail::combine(&out, 1, ins_.data(), size_, len, t, o);
+        if (o == op::avg) detail::scale_avg(out, len, t, size_);
+        signal();
+        slot_free_at_[s] = count_;
+      } while (++k * chunk < count);
+    });
+  }
+
+  int rank_ = 0;
+  int size_ = 1;
+  shm_options opts_;
+  int spin_ = 0;    ///< most polls per wait
+  int budget_ = 0;  ///< polls of the next wait, adapted between 32 and spin_
+  std::string name_;
+  detail::shm_mapping map_;
+  detail::shm_layout layout_{};
+  std::unique_ptr<detail::arena_heap> heap_;
+  std::uint64_t count_ = 0;  ///< signals sent; equal on all ranks between collectives
+  std::uint64_t seq_ = 0;    ///< collectives started
+  std::uint64_t turn_ = 0;   ///< slot rotation, advanced identically on every rank
+  std::array<std::uint64_t, nslots> slot_free_at_{};
+  std::vector<const void*> ins_;
+  std::vector<void*> outs_;
+  std::vector<const void*> blk_ins_;
+  std::vector<detail::shm_desc> peers_;
+  errc failed_{};
+  std::string failed_what_;
+};
+
+/// `ring<shm>` and `tree<shm>`: the shared-memory engine runs the whole collective itself (its
+/// own descriptors, mismatch checks and synchronization), so the reducer hands it over as is.
+template <class Algorithm>
+  requires std::same_as<Algorithm, ring_algorithm> || std::same_as<Algorithm, tree_algorithm>
+struct algorithm_for<Algorithm, shm> {
+  static constexpr shm_algo mode = std::same_as<Algorithm, ring_algorithm> ? shm_algo::ring : shm_algo::tree;
+  static void allreduce(shm& t, const detail::coll_desc&, void* data, std::size_t count, dtype ty, op o,
+                        const reducer_options&, detail::deadline_t until) {
+    t.allreduce(data, count, ty, o, until, mode);
+  }
+  static void reduce_scatter(shm& t, const detail::coll_desc&, const void* in, void* out, std::size_t per_rank,
+                             dtype ty, op o, const reducer_options&, detail::deadline_t until) {
+    t.reduce_scatter(in, out, per_rank, ty, o, until);
+  }
+  static void allgather(shm& t, const detail::coll_desc&, const void* in, void* out, std::size_t per_rank, dtype ty,
+                        detail::deadline_t until) {
+    t.allgather(in, out, per_rank, ty, until);
+  }
+  static void broadcast(shm& t, const detail::coll_desc&, void* data, std::size_t bytes, int root,
+                        detail::deadline_t until) {
+    t.broadcast(data, bytes, root, until);
+  }
+  static void barrier(shm& t, const detail::coll_desc&, detail::deadline_t until) { t.barrier(until); }
+};
+
+}  // namespace v0
+}  // namespace ddp
