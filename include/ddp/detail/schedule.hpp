@@ -174,9 +174,11 @@ struct hd_plan {
   int num_levels = 0;
   std::array<hd_level, 31> level{};
 
-  constexpr std::span<const hd_level> levels() const noexcept {
+  constexpr std::span<const hd_level> levels() const& noexcept {
     return {level.data(), static_cast<std::size_t>(num_levels)};
   }
+  // A span into a temporary plan would dangle (e.g. `for (auto& l : plan_...(r, n).levels())`).
+  void levels() const&& = delete;
 };
 
 namespace sched {
@@ -249,9 +251,10 @@ struct binomial_tree {
   int num_children = 0;
   std::array<int, 31> child{};  ///< largest subtree first: send to them in this order
 
-  constexpr std::span<const int> children() const noexcept {
+  constexpr std::span<const int> children() const& noexcept {
     return {child.data(), static_cast<std::size_t>(num_children)};
   }
+  void children() const&& = delete;  // the span would outlive a temporary tree
 };
 
 /// Binomial tree over `n` ranks: with relative rank q = (rank - root) mod n, the parent is q

@@ -1,0 +1,124 @@
+// Single-thread bandwidth of the host reduction kernels against memcpy and a plain `a += b`
+// loop, on arrays that live in memory (256 MiB) and mostly in cache (8 MiB).
+//
+//   g++ -std=c++20 -O2 -Iinclude bench/kernels.cpp -o kernels_bench && ./kernels_bench
+//   ./kernels_bench [big_MiB=256] [small_MiB=8] [reps=5]
+//
+// "touched" GB/s counts every byte read or written once: 2x the size for memcpy, 3x for
+// `a += b`, (inputs + outputs) x the size for combine. The kernels must stay close to the plain
+// loop: the gap is the price of their NaN handling and tails.
+
+#include <ddp/detail/kernels.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+struct free_deleter {
+  void operator()(void* p) const noexcept { std::free(p); }
+};
+using block = std::unique_ptr<std::byte, free_deleter>;
+
+block alloc(std::size_t bytes) {
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (!p) {
+    std::fprintf(stderr, "out of memory\n");
+    std::exit(1);
+  }
+  std::memset(p, 0, bytes);  // fault the pages in before timing
+  return block(static_cast<std::byte*>(p));
+}
+
+double median_seconds(int reps, const std::function<void()>& f) {
+  f();  // warm-up
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const auto a = clock_type::now();
+    f();
+    t.push_back(std::chrono::duration<double>(clock_type::now() - a).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Kept out of line so that the compiler sees an ordinary loop over unknown pointers, as in
+// user code.
+[[gnu::noinline]] void plain_add(float* a, const float* b, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) a[i] += b[i];
+}
+
+template <class T>
+void fill(T* p, std::size_t n, float v) {
+  for (std::size_t i = 0; i < n; ++i) p[i] = T(v);
+}
+
+void run(std::size_t bytes, int reps) {
+  const std::size_t nf = bytes / sizeof(float);
+  const std::size_t nh = bytes / 2;
+  std::printf("\n== %zu MiB per array, %d reps, median ==\n", bytes >> 20, reps);
+  std::printf("%-28s %10s %14s\n", "kernel", "ms", "touched GB/s");
+  auto report = [&](const char* name, double s, double touched) {
+    std::printf("%-28s %10.3f %14.2f\n", name, s * 1e3, touched / s / 1e9);
+    return touched / s / 1e9;
+  };
+
+  std::vector<block> buf;
+  for (int i = 0; i < 4; ++i) buf.push_back(alloc(bytes));
+  auto f = [&](int i) { return reinterpret_cast<float*>(buf[static_cast<std::size_t>(i)].get()); };
+  for (int i = 0; i < 4; ++i) fill(f(i), nf, 1.0f);
+
+  const double b = static_cast<double>(bytes);
+  report("memcpy", median_seconds(reps, [&] { std::memcpy(f(0), f(1), bytes); }), 2 * b);
+  const double plain = report("plain a[i] += b[i]", median_seconds(reps, [&] { plain_add(f(0), f(1), nf); }), 3 * b);
+  const double red = report("reduce_into<float> sum",
+                            median_seconds(reps, [&] { ddp::detail::reduce_into(f(0), f(1), nf, ddp::op::sum); }), 3 * b);
+  report("reduce_into<float> max",
+         median_seconds(reps, [&] { ddp::detail::reduce_into(f(0), f(1), nf, ddp::op::max); }), 3 * b);
+  for (int k : {2, 4}) {
+    // The shared-memory allreduce: every input is also an output.
+    float* outs[4] = {f(0), f(1), f(2), f(3)};
+    const float* ins[4] = {f(0), f(1), f(2), f(3)};
+    char name[64];
+    std::snprintf(name, sizeof name, "combine<float> %d in/%d out", k, k);
+    report(name, median_seconds(reps, [&] { ddp::detail::combine(outs, k, ins, k, nf, ddp::op::sum); }),
+           2.0 * k * b);
+    std::snprintf(name, sizeof name, "combine<float> %d in/1 out", k);
+    report(name, median_seconds(reps, [&] { ddp::detail::combine(outs, 1, ins, k, nf, ddp::op::sum); }),
+           (k + 1.0) * b);
+  }
+  auto h = [&](int i) { return reinterpret_cast<ddp::half*>(buf[static_cast<std::size_t>(i)].get()); };
+  auto bf = [&](int i) { return reinterpret_cast<ddp::bfloat16*>(buf[static_cast<std::size_t>(i)].get()); };
+  fill(h(0), nh, 0.5f);
+  fill(h(1), nh, 0.25f);
+  report("reduce_into<half> sum",
+         median_seconds(reps, [&] { ddp::detail::reduce_into(h(0), h(1), nh, ddp::op::sum); }), 3 * b);
+  fill(bf(0), nh, 0.5f);
+  fill(bf(1), nh, 0.25f);
+  report("reduce_into<bfloat16> sum",
+         median_seconds(reps, [&] { ddp::detail::reduce_into(bf(0), bf(1), nh, ddp::op::sum); }), 3 * b);
+  std::printf("reduce_into<float> / plain loop: %.0f%% (target >= 80%%)\n", 100.0 * red / plain);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "--help") == 0) {
+    std::printf("usage: %s [big_MiB=256] [small_MiB=8] [reps=5]\n", argv[0]);
+    return 0;
+  }
+  const std::size_t big = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 256;
+  const std::size_t small = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 8;
+  const int reps = argc > 3 ? std::atoi(argv[3]) : 5;
+  std::printf("vector bytes %zu\n", ddp::detail::kern::vector_bytes);
+  run(small << 20, reps);
+  run(big << 20, reps);
+}

@@ -1,0 +1,407 @@
+#include <ddp/detail/kernels.hpp>
+
+#include <doctest/doctest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+using ddp::bfloat16;
+using ddp::dtype;
+using ddp::half;
+using ddp::op;
+namespace det = ddp::detail;
+
+namespace {
+
+// ---- naive scalar reference, written from the documented semantics --------------------------
+
+template <class T>
+struct ref;
+
+template <class F>
+F canonical(F x) {
+  return std::isnan(x) ? std::numeric_limits<F>::quiet_NaN() : x;
+}
+
+template <class F>
+F ref_float_op_raw(F a, F b, op o) {
+  switch (o) {
+    case op::sum:
+    case op::avg: return a + b;
+    case op::prod: return a * b;
+    case op::min: return (b < a || std::isnan(b)) ? b : a;
+    case op::max: return (b > a || std::isnan(b)) ? b : a;
+  }
+  return a;
+}
+
+template <class F>
+F ref_float_op(F a, F b, op o) {
+  return canonical(ref_float_op_raw(a, b, o));
+}
+
+template <class I>
+I ref_int_op(I a, I b, op o) {
+  using U = std::make_unsigned_t<I>;
+  switch (o) {
+    case op::sum:
+    case op::avg: return static_cast<I>(static_cast<U>(a) + static_cast<U>(b));
+    case op::prod: return static_cast<I>(static_cast<U>(a) * static_cast<U>(b));
+    case op::min: return b < a ? b : a;
+    case op::max: return b > a ? b : a;
+  }
+  return a;
+}
+
+template <class T>
+T ref_reduce(T a, T b, op o) {
+  if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>)
+    return T(ref_float_op(static_cast<float>(a), static_cast<float>(b), o));
+  else if constexpr (std::is_floating_point_v<T>)
+    return ref_float_op(a, b, o);
+  else
+    return ref_int_op(a, b, o);
+}
+
+template <class T>
+T ref_combine(const std::vector<const T*>& ins, std::size_t i, op o) {
+  if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
+    float acc = static_cast<float>(ins[0][i]);
+    for (std::size_t j = 1; j < ins.size(); ++j) acc = ref_float_op(acc, static_cast<float>(ins[j][i]), o);
+    return T(acc);
+  } else {
+    T acc = ins[0][i];
+    for (std::size_t j = 1; j < ins.size(); ++j) acc = ref_reduce(acc, ins[j][i], o);
+    return acc;
+  }
+}
+
+template <class T>
+T ref_avg(T a, int world) {
+  if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>)
+    return T(canonical(static_cast<float>(a) / static_cast<float>(world)));
+  else if constexpr (std::is_floating_point_v<T>)
+    return canonical(a / static_cast<T>(world));
+  else
+    return static_cast<T>(a / static_cast<T>(world));
+}
+
+// ---- data -------------------------------------------------------------------------------------
+
+template <class T>
+std::vector<T> random_data(std::size_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<T> v(n);
+  if constexpr (std::is_integral_v<T>) {
+    std::uniform_int_distribution<T> d(std::numeric_limits<T>::min(), std::numeric_limits<T>::max());
+    std::uniform_int_distribution<int> small(-9, 9);
+    for (std::size_t i = 0; i < n; ++i) v[i] = (i % 3 == 0) ? static_cast<T>(small(rng)) : d(rng);
+  } else {
+    std::uniform_real_distribution<float> d(-4.0f, 4.0f);
+    for (std::size_t i = 0; i < n; ++i) {
+      float x = d(rng);
+      if (i % 97 == 5) x = std::numeric_limits<float>::quiet_NaN();
+      if (i % 101 == 7) x = -std::numeric_limits<float>::infinity();
+      if (i % 103 == 9) x = 0.0f;
+      if (i % 107 == 11) x = -0.0f;
+      if (i % 109 == 13) x = 3e-6f;  // f16 subnormal range
+      if (i % 113 == 17) x = 7e4f;   // f16 overflow
+      v[i] = T(x);
+    }
+  }
+  return v;
+}
+
+template <class T>
+bool same_bits(const T* a, const T* b, std::size_t n) {
+  return n == 0 || std::memcmp(a, b, n * sizeof(T)) == 0;
+}
+
+template <class T>
+std::size_t first_diff(const T* a, const T* b, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    if (std::memcmp(a + i, b + i, sizeof(T)) != 0) return i;
+  return n;
+}
+
+constexpr std::size_t sizes[] = {0, 1, 7, 31, 1000003};
+constexpr op ops[] = {op::sum, op::avg, op::min, op::max, op::prod};
+
+template <class T>
+void check_reduce_into() {
+  for (std::size_t n : sizes) {
+    for (op o : ops) {
+      CAPTURE(n);
+      CAPTURE(ddp::op_name(o));
+      // One element of offset makes every pointer miss vector alignment.
+      auto a = random_data<T>(n + 1, static_cast<std::uint32_t>(n) * 7 + 1);
+      auto b = random_data<T>(n + 1, static_cast<std::uint32_t>(n) * 7 + 2);
+      std::vector<T> expect(n);
+      for (std::size_t i = 0; i < n; ++i) expect[i] = ref_reduce(a[i + 1], b[i + 1], o);
+      det::reduce_into(a.data() + 1, b.data() + 1, n, o);
+      CHECK(first_diff(a.data() + 1, expect.data(), n) == n);
+
+      // dst == src
+      auto c = random_data<T>(n, 99);
+      std::vector<T> expect_self(n);
+      for (std::size_t i = 0; i < n; ++i) expect_self[i] = ref_reduce(c[i], c[i], o);
+      det::reduce_into(c.data(), c.data(), n, o);
+      CHECK(first_diff(c.data(), expect_self.data(), n) == n);
+    }
+  }
+}
+
+template <class T>
+void check_combine() {
+  for (std::size_t n : sizes) {
+    for (op o : ops) {
+      for (int nins : {1, 2, 3, 5}) {
+        // The large size crosses many tiles; two ops and two input counts cover its paths.
+        if (n > 100000 && ((o != op::sum && o != op::min) || nins == 1 || nins == 3)) continue;
+        CAPTURE(n);
+        CAPTURE(ddp::op_name(o));
+        CAPTURE(nins);
+        std::vector<std::vector<T>> bufs;
+        for (int j = 0; j < nins; ++j)
+          bufs.push_back(random_data<T>(n + 1, static_cast<std::uint32_t>(j * 1000 + n)));
+        std::vector<const T*> ins;
+        for (auto& b : bufs) ins.push_back(b.data() + 1);
+        std::vector<T> expect(n);
+        for (std::size_t i = 0; i < n; ++i) expect[i] = ref_combine(ins, i, o);
+
+        // Outputs: every input (aliased, the shared-memory allreduce case) plus one separate.
+        std::vector<T> separate(n + 1);
+        std::vector<T*> outs;
+        for (auto& b : bufs) outs.push_back(b.data() + 1);
+        outs.push_back(separate.data() + 1);
+        det::combine(outs.data(), static_cast<int>(outs.size()), ins.data(), nins, n, o);
+        for (std::size_t k = 0; k < outs.size(); ++k) {
+          CAPTURE(k);
+          CHECK(first_diff(outs[k], expect.data(), n) == n);
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+void check_scale_avg() {
+  for (std::size_t n : sizes) {
+    for (int world : {1, 2, 3, 7}) {
+      CAPTURE(n);
+      CAPTURE(world);
+      auto a = random_data<T>(n + 1, 5);
+      std::vector<T> expect(n);
+      for (std::size_t i = 0; i < n; ++i) expect[i] = world == 1 ? a[i + 1] : ref_avg(a[i + 1], world);
+      det::scale_avg(a.data() + 1, n, world);
+      CHECK(first_diff(a.data() + 1, expect.data(), n) == n);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("reduce_into matches the scalar reference bit for bit", T, float, double, half,
+                   bfloat16, std::int32_t, std::int64_t) {
+  check_reduce_into<T>();
+}
+
+TEST_CASE_TEMPLATE("combine matches the scalar reference bit for bit", T, float, double, half,
+                   bfloat16, std::int32_t, std::int64_t) {
+  check_combine<T>();
+}
+
+TEST_CASE_TEMPLATE("scale_avg divides like the scalar reference", T, float, double, half,
+                   bfloat16, std::int32_t, std::int64_t) {
+  check_scale_avg<T>();
+}
+
+TEST_CASE("float sum is the plain left-to-right sum, exactly") {
+  // Values of very different magnitude make the summation order visible in the result.
+  const std::vector<float> a{1e8f, 1.0f, -1e8f, 3.5f, 0.1f, 1e-3f, 7.0f, 9.0f, 1e8f};
+  const std::vector<float> b{1.0f, 1e8f, 1.0f, 1e-8f, 0.2f, 1e3f, -7.0f, 1.0f, 1.0f};
+  const std::vector<float> c{-1e8f, -1e8f, 1e8f, 2.0f, 0.3f, 1.0f, 1e-7f, -10.0f, -1e8f};
+  std::vector<float> out(a.size());
+  const float* ins[] = {a.data(), b.data(), c.data()};
+  float* outs[] = {out.data()};
+  det::combine(outs, 1, ins, 3, a.size(), op::sum);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    volatile float x = a[i];
+    x = x + b[i];
+    x = x + c[i];
+    CHECK(std::bit_cast<std::uint32_t>(out[i]) == std::bit_cast<std::uint32_t>(static_cast<float>(x)));
+  }
+  // (1e8 + 1) - 1e8 == 0 in float: the order really is left to right.
+  CHECK(out[0] == 0.0f);
+  CHECK(out[1] == 0.0f);
+}
+
+TEST_CASE("integer sum and prod wrap") {
+  std::int32_t a[] = {std::numeric_limits<std::int32_t>::max(), std::numeric_limits<std::int32_t>::min(), 65536};
+  const std::int32_t b[] = {1, -1, 65536};
+  det::reduce_into(a, b, 3, op::sum);
+  CHECK(a[0] == std::numeric_limits<std::int32_t>::min());
+  CHECK(a[1] == std::numeric_limits<std::int32_t>::max());
+  std::int32_t p[] = {65536, -3};
+  const std::int32_t q[] = {65536, 5};
+  det::reduce_into(p, q, 2, op::prod);
+  CHECK(p[0] == 0);
+  CHECK(p[1] == -15);
+  std::int64_t m[] = {-7};
+  det::scale_avg(m, 1, 2);
+  CHECK(m[0] == -3);  // truncation toward zero
+}
+
+TEST_CASE("min and max propagate NaN from either side") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (op o : {op::min, op::max}) {
+    float a[] = {nan, 1.0f, 2.0f, -1.0f};
+    const float b[] = {1.0f, nan, 1.0f, 5.0f};
+    det::reduce_into(a, b, 4, o);
+    CHECK(std::isnan(a[0]));
+    CHECK(std::isnan(a[1]));
+    CHECK(a[2] == (o == op::min ? 1.0f : 2.0f));
+    CHECK(a[3] == (o == op::min ? -1.0f : 5.0f));
+  }
+  half h[] = {half(1.0f), half(nan)};
+  const half g[] = {half(nan), half(-2.0f)};
+  det::reduce_into(h, g, 2, op::max);
+  CHECK((h[0].bits & 0x7fffu) > 0x7c00u);
+  CHECK((h[1].bits & 0x7fffu) > 0x7c00u);
+}
+
+TEST_CASE("NaN results are the canonical quiet NaN whatever the operands' payloads") {
+  const float n1 = std::bit_cast<float>(0xffc00001u);  // negative, payload 1
+  const float n2 = std::bit_cast<float>(0x7fc00002u);
+  for (op o : ops) {
+    float a[] = {n1, n2, 1.0f, n1};
+    const float b[] = {n2, n1, n2, 1.0f};
+    det::reduce_into(a, b, 4, o);
+    for (float x : a) CHECK(std::bit_cast<std::uint32_t>(x) == 0x7fc00000u);
+    half h[] = {half(n1)};
+    const half g[] = {half(n2)};
+    det::reduce_into(h, g, 1, o);
+    CHECK(h[0].bits == 0x7e00u);
+  }
+  double d[] = {-std::numeric_limits<double>::quiet_NaN()};
+  const double e[] = {1.0};
+  det::reduce_into(d, e, 1, op::sum);
+  CHECK(std::bit_cast<std::uint64_t>(d[0]) == 0x7ff8000000000000ull);
+}
+
+TEST_CASE("f16 combine rounds once, reduce_into rounds each step") {
+  // 2048 + 1 + 1: float gives 2050, exact in f16. Rounding after each step gives
+  // 2048 + 1 -> 2049 -> ties to even 2048, then again 2048.
+  const half a[] = {half(2048.0f)};
+  const half b[] = {half(1.0f)};
+  const half c[] = {half(1.0f)};
+  half out[1];
+  const half* ins[] = {a, b, c};
+  half* outs[] = {out};
+  det::combine(outs, 1, ins, 3, 1, op::sum);
+  CHECK(static_cast<float>(out[0]) == 2050.0f);
+  half acc[] = {a[0]};
+  det::reduce_into(acc, b, 1, op::sum);
+  det::reduce_into(acc, c, 1, op::sum);
+  CHECK(static_cast<float>(acc[0]) == 2048.0f);
+}
+
+// NaN payloads may differ between the F16C path and ddp::half (operations make every NaN they
+// produce canonical before narrowing, see above); everything else must match bit for bit.
+bool same_half(std::uint16_t a, std::uint16_t b) {
+  const bool na = (a & 0x7c00) == 0x7c00 && (a & 0x3ff);
+  const bool nb = (b & 0x7c00) == 0x7c00 && (b & 0x3ff);
+  return na || nb ? na && nb && ((a ^ b) & 0x8000) == 0 : a == b;
+}
+bool same_float(float a, float b) {
+  return std::isnan(a) || std::isnan(b) ? std::isnan(a) && std::isnan(b) && std::signbit(a) == std::signbit(b)
+                                        : std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
+}
+
+TEST_CASE("vector f16/bf16 conversion equals ddp::half / ddp::bfloat16 on every half and many floats") {
+  namespace k = det::kern;
+  constexpr std::size_t w = k::lanes<half>::width;
+  // All 65536 16-bit patterns, widened.
+  std::size_t bad_widen = 0;
+  for (std::uint32_t base = 0; base < 65536; base += w) {
+    half h[w];
+    bfloat16 b[w];
+    for (std::size_t i = 0; i < w; ++i) {
+      h[i].bits = static_cast<std::uint16_t>(base + i);
+      b[i].bits = static_cast<std::uint16_t>(base + i);
+    }
+    float fh[w];
+    float fb[w];
+    k::lanes<float>::store(fh, k::lanes<half>::load(h));
+    k::lanes<float>::store(fb, k::lanes<bfloat16>::load(b));
+    for (std::size_t i = 0; i < w; ++i) {
+      bad_widen += !same_float(fh[i], half::to_float(h[i].bits));
+      bad_widen += std::bit_cast<std::uint32_t>(fb[i]) != std::bit_cast<std::uint32_t>(bfloat16::to_float(b[i].bits));
+    }
+  }
+  CHECK(bad_widen == 0);
+  // Narrowing: a stride through all 2^32 float patterns, plus the rounding boundaries of every
+  // f16 exponent (low 13 bits just below, at and above the halfway point).
+  std::vector<std::uint32_t> pats;
+  for (std::uint64_t x = 0; x < (1ull << 32); x += 4093) pats.push_back(static_cast<std::uint32_t>(x));
+  for (std::uint32_t e = 0; e < 256; ++e)
+    for (std::uint32_t low : {0x0fffu, 0x1000u, 0x1001u, 0x2fffu, 0x3000u, 0x3001u, 0x1fffu, 0x0u, 0x7fffu, 0x8000u, 0x8001u, 0x18000u})
+      for (std::uint32_t s : {0u, 0x80000000u}) pats.push_back(s | (e << 23) | low);
+  while (pats.size() % w) pats.push_back(0x7f800001u);  // signalling NaN
+  std::size_t bad_f16 = 0;
+  std::size_t bad_bf16 = 0;
+  for (std::size_t base = 0; base < pats.size(); base += w) {
+    float f[w];
+    for (std::size_t i = 0; i < w; ++i) f[i] = std::bit_cast<float>(pats[base + i]);
+    half h[w];
+    bfloat16 b[w];
+    k::lanes<half>::store(h, k::lanes<float>::load(f));
+    k::lanes<bfloat16>::store(b, k::lanes<float>::load(f));
+    for (std::size_t i = 0; i < w; ++i) {
+      if (!same_half(h[i].bits, half::from_float(f[i])) && bad_f16++ == 0) MESSAGE("f16 first mismatch at float bits " << pats[base + i]);
+      if (b[i].bits != bfloat16::from_float(f[i]) && bad_bf16++ == 0) MESSAGE("bf16 first mismatch at float bits " << pats[base + i]);
+    }
+  }
+  CHECK(bad_f16 == 0);
+  CHECK(bad_bf16 == 0);
+  CHECK(pats.size() > 1000000);
+}
+
+TEST_CASE("type-erased entry points dispatch on dtype and reject bad arguments") {
+  std::vector<double> a{1.0, 2.0, 3.0};
+  const std::vector<double> b{10.0, 20.0, 30.0};
+  det::reduce_into(a.data(), b.data(), 3, dtype::f64, op::sum);
+  CHECK(a == std::vector<double>{11.0, 22.0, 33.0});
+
+  std::vector<half> x{half(1.0f), half(2.0f)};
+  std::vector<half> y{half(0.5f), half(0.25f)};
+  void* outs[] = {x.data()};
+  const void* ins[] = {x.data(), y.data()};
+  det::combine(outs, 1, ins, 2, 2, dtype::f16, op::sum);
+  CHECK(static_cast<float>(x[0]) == 1.5f);
+  CHECK(static_cast<float>(x[1]) == 2.25f);
+
+  std::vector<std::int32_t> z{9, -9};
+  det::scale_avg(z.data(), 2, dtype::i32, 2);
+  CHECK(z == std::vector<std::int32_t>{4, -4});
+
+  auto code_of = [](auto&& f) {
+    try {
+      f();
+    } catch (const ddp::error& e) {
+      return e.condition();
+    }
+    return ddp::errc{};
+  };
+  CHECK(code_of([&] { det::reduce_into(a.data(), b.data(), 3, static_cast<dtype>(42), op::sum); }) ==
+        ddp::errc::invalid_argument);
+  CHECK(code_of([&] { det::reduce_into(a.data(), b.data(), 3, dtype::f64, static_cast<op>(9)); }) ==
+        ddp::errc::invalid_argument);
+  CHECK(code_of([&] { det::scale_avg(z.data(), 2, dtype::i32, 0); }) == ddp::errc::invalid_argument);
+  CHECK(a == std::vector<double>{11.0, 22.0, 33.0});  // rejected calls touched nothing
+}
