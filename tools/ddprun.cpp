@@ -107,6 +107,8 @@ int main(int argc, char** argv) {
     if (::pipe2(p, O_CLOEXEC) != 0) { std::perror("ddprun: pipe"); return 2; }
     const pid_t pid = ::fork();
     if (pid == 0) {
+      // Each rank leads its own process group, so ending a rank ends whatever it started.
+      ::setpgid(0, 0);
       ::dup2(p[1], 1);
       ::dup2(p[1], 2);
       ::setenv("MASTER_ADDR", addr.c_str(), 1);
@@ -121,6 +123,7 @@ int main(int argc, char** argv) {
       ::_exit(127);
     }
     ::close(p[1]);
+    ::setpgid(pid, pid);
     procs[static_cast<std::size_t>(r)].pid = pid;
     procs[static_cast<std::size_t>(r)].out = p[0];
   }
@@ -130,8 +133,7 @@ int main(int argc, char** argv) {
   bool terminating = false;
   auto kill_deadline = std::chrono::steady_clock::time_point::max();
   auto end_all = [&](int sig) {
-    for (auto& p : procs)
-      if (!p.exited) ::kill(p.pid, sig);
+    for (auto& p : procs) ::kill(-p.pid, sig);
   };
   std::size_t running = procs.size();
   while (running > 0) {
@@ -182,6 +184,9 @@ int main(int argc, char** argv) {
   }
   for (std::size_t r = 0; r < procs.size(); ++r) {
     if (procs[r].out >= 0) {
+      // What the rank wrote before it ended; a grandchild that still holds the pipe open must
+      // not keep the launcher waiting.
+      ::fcntl(procs[r].out, F_SETFL, O_NONBLOCK);
       char buf[65536];
       ssize_t k;
       while ((k = ::read(procs[r].out, buf, sizeof buf)) > 0) procs[r].pending.append(buf, static_cast<std::size_t>(k));

@@ -1,6 +1,7 @@
 #pragma once
 /// \file ddp.hpp
-/// The umbrella header: the core of ddp with no optional dependency. CUDA, NCCL, MPI and oneTBB
+/// The umbrella header: the core of ddp (process group, ring and tree reducers over tcp and shm,
+/// the data-parallel wrapper) with no optional dependency. CUDA, NCCL, MPI and oneTBB
 /// features enter through their own headers (ddp/reducer/nccl.hpp, ddp/reducer/mpi.hpp, ...).
 ///
 /// \code
@@ -9,7 +10,13 @@
 /// pg.barrier();
 /// \endcode
 
+#include "concepts.hpp"       // IWYU pragma: export
+#include "data_parallel.hpp"  // IWYU pragma: export
 #include "dtype.hpp"          // IWYU pragma: export
 #include "error.hpp"          // IWYU pragma: export
 #include "process_group.hpp"  // IWYU pragma: export
+#include "reducer/ring.hpp"   // IWYU pragma: export
+#include "reducer/tree.hpp"   // IWYU pragma: export
 #include "store.hpp"          // IWYU pragma: export
+#include "transport/shm.hpp"  // IWYU pragma: export
+#include "transport/tcp.hpp"  // IWYU pragma: export

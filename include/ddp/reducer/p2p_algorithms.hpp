@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "../detail/collective.hpp"
@@ -21,6 +22,22 @@ namespace ddp {
 inline namespace v0 {
 
 namespace detail {
+
+/// Scratch memory for received data, kept per thread (a reducer's worker, or the caller for
+/// inline collectives) so that a collective neither allocates nor zero-fills, nor page-faults
+/// through fresh memory, on every call.
+inline char* scratch(std::size_t bytes) {
+  struct buffer {
+    std::unique_ptr<char[]> p;
+    std::size_t n = 0;
+  };
+  thread_local buffer b;
+  if (b.n < bytes) {
+    b.p.reset(new char[bytes]);
+    b.n = bytes;
+  }
+  return b.p.get();
+}
 
 /// Transports that move bytes between two ranks (tcp).
 template <class T>
@@ -77,11 +94,11 @@ void recv_checked(T& t, const coll_desc& d, int from, void* data, std::size_t n,
 /// the reduction of chunk (rank + 1) mod n. Received segments are reduced as they land.
 template <class T>
 void ring_reduce_scatter(T& t, const coll_desc& d, char* data, std::size_t count, dtype ty, op o,
-                         std::size_t segment_bytes, deadline_t until, std::vector<char>& tmp) {
+                         std::size_t segment_bytes, deadline_t until) {
   const int n = t.size(), r = t.rank();
   const std::size_t es = dtype_size(ty);
   const std::size_t seg = std::max<std::size_t>(es, segment_bytes / es * es);
-  tmp.resize(partition(count, n, 0).size() * es);
+  char* const tmp = scratch(partition(count, n, 0).size() * es);
   for (int step = 0; step < n - 1; ++step) {
     const ring_step st = ring_schedule(r, n, step);
     const range sc = partition(count, n, st.send_chunk), rc = partition(count, n, st.recv_chunk);
@@ -95,13 +112,12 @@ void ring_reduce_scatter(T& t, const coll_desc& d, char* data, std::size_t count
         const std::size_t len = std::min(seg, avail - reduced);
         if (len == 0) break;
         void* outs[1] = {dst + reduced};
-        const void* ins[2] = {tmp.data() + reduced, dst + reduced};
+        const void* ins[2] = {tmp + reduced, dst + reduced};
         combine(outs, 1, ins, 2, len / es, ty, o);
         reduced += len;
       }
     };
-    exchange(t, d, st.send_to, data + sc.begin * es, sc.size() * es, st.recv_from, tmp.data(), rbytes, until,
-             reduce_upto);
+    exchange(t, d, st.send_to, data + sc.begin * es, sc.size() * es, st.recv_from, tmp, rbytes, until, reduce_upto);
     reduce_upto(rbytes);
   }
 }
@@ -146,13 +162,13 @@ void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dty
   const std::size_t es = dtype_size(ty), bytes = count * es;
   const bool small = bytes <= opts.small_bytes;
   const hd_plan p = small ? plan_recursive_doubling(r, n) : plan_halving_doubling(r, n);
-  std::vector<char> tmp(bytes);
+  char* const tmp = scratch(bytes);
   auto combine_range = [&](std::size_t b, std::size_t e, bool mine_lower) {
     if (e <= b) return;
     void* outs[1] = {data + b * es};
     const void* ins[2];
     ins[mine_lower ? 0 : 1] = data + b * es;
-    ins[mine_lower ? 1 : 0] = tmp.data() + b * es;
+    ins[mine_lower ? 1 : 0] = tmp + b * es;
     combine(outs, 1, ins, 2, e - b, ty, o);
   };
   // Fold: odd ranks among the first 2(n - p2) hand their data to the even rank below.
@@ -162,12 +178,12 @@ void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dty
       recv_checked(t, d, p.fold_partner, data, bytes, until);
       return;
     }
-    recv_checked(t, d, p.fold_partner, tmp.data(), bytes, until);
+    recv_checked(t, d, p.fold_partner, tmp, bytes, until);
     combine_range(0, count, true);  // the even rank is the lower one
   }
   if (small) {
     for (const hd_level& l : p.levels()) {
-      exchange(t, d, l.peer, data, bytes, l.peer, tmp.data(), bytes, until);
+      exchange(t, d, l.peer, data, bytes, l.peer, tmp, bytes, until);
       combine_range(0, count, l.lower);
     }
     finish_avg(data, count, ty, o, n);
@@ -175,7 +191,7 @@ void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dty
     auto span_of = [&](int b, int e) { return block_span(count, p.blocks, b, e); };
     for (const hd_level& l : p.levels()) {
       const range keep = span_of(l.keep_begin, l.keep_end), send = span_of(l.send_begin, l.send_end);
-      exchange(t, d, l.peer, data + send.begin * es, send.size() * es, l.peer, tmp.data() + keep.begin * es,
+      exchange(t, d, l.peer, data + send.begin * es, send.size() * es, l.peer, tmp + keep.begin * es,
                keep.size() * es, until);
       combine_range(keep.begin, keep.end, l.lower);
     }
@@ -203,10 +219,9 @@ struct algorithm_for<ring_algorithm, Transport> {
       if (n > 1) detail::ring_barrier(t, d, until);  // still checks that everyone agrees
       return;
     }
-    std::vector<char> tmp;
     auto* p = static_cast<char*>(data);
     const std::size_t es = dtype_size(ty);
-    detail::ring_reduce_scatter(t, d, p, count, ty, o, opts.segment_bytes, until, tmp);
+    detail::ring_reduce_scatter(t, d, p, count, ty, o, opts.segment_bytes, until);
     const auto own = detail::partition(count, n, (t.rank() + 1) % n);
     detail::finish_avg(p + own.begin * es, own.size(), ty, o, n);
     detail::ring_allgather(t, d, p, count, es, until);
@@ -217,12 +232,12 @@ struct algorithm_for<ring_algorithm, Transport> {
     // that rank r ends with slice r, as the caller asked.
     const int n = t.size(), r = t.rank();
     const std::size_t es = dtype_size(ty), slice = per_rank * es;
-    std::vector<char> work(slice * static_cast<std::size_t>(n)), tmp;
+    std::vector<char> work(slice * static_cast<std::size_t>(n));
     for (int c = 0; c < n; ++c)
       std::memcpy(work.data() + static_cast<std::size_t>((c + 1) % n) * slice,
                   static_cast<const char*>(in) + static_cast<std::size_t>(c) * slice, slice);
     if (n > 1) detail::ring_reduce_scatter(t, d, work.data(), per_rank * static_cast<std::size_t>(n), ty, o,
-                                           opts.segment_bytes, until, tmp);
+                                           opts.segment_bytes, until);
     char* mine = work.data() + static_cast<std::size_t>((r + 1) % n) * slice;
     detail::finish_avg(mine, per_rank, ty, o, n);
     std::memcpy(out, mine, slice);

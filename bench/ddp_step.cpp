@@ -1,0 +1,409 @@
+// Gradient synchronization per data-parallel step, in the CSV of bench/peers/torch_ddp.py so
+// that ddp and PyTorch DDP plot together (bench/plot.py --kind step).
+//
+//   ddp_step [--ranks 2,4] [--caps 1,25,100] [--reducers ring_tcp,tree_tcp,ring_shm,tree_shm]
+//            [--modes copy,view] [--steps 10] [--warmup 3] [--compute-ms auto|MS]
+//            [--compute-kind sleep|spin] [--no-flat] [--no-compute] FILE.params|DIR ...
+//
+// For each params file (`name dim dim ...` per line, as in ../shared/data) the model is a set of
+// float32 parameters of exactly those shapes. A step is what an engine with a near-free forward
+// does: backward adds a value into every gradient, last parameter first, calling grad_ready
+// after each, then finish(). Each step runs twice, interleaved, after a barrier: once under
+// no_sync() and once synchronized; sync_ms is the difference of the medians (of the slowest
+// rank per step), exactly as torch_ddp.py measures PyTorch.
+//
+// Rows, per ranks x model x reducer:
+//   ddp_<reducer>_<mode>          one row per bucket cap (copy: gradients copied into buckets;
+//                                 view: gradient_as_bucket_view, nothing copied)
+//   ddp_<reducer>_flat            one allreduce of all gradient bytes in one buffer (the floor
+//                                 bucketing is compared with); bucket_cap_mb is the model size
+//   ddp_<reducer>_<mode>_compute  25 MiB cap with simulated backward compute: each parameter
+//                                 costs time proportional to its bytes, compute_ms in total
+//                                 (auto: the flat allreduce time), so exposed_median_ms shows
+//                                 how much communication the overlap leaves uncovered.
+// Columns: system,model,ranks,bucket_cap_mb,steps,step_median_ms,nosync_median_ms,sync_ms,
+//          exposed_median_ms,compute_ms
+// (the first eight are torch_ddp.py's; exposed = last grad_ready to finish() return).
+//
+// Ranks are forked here, one fresh process group per (ranks, model) pair.
+#include <ddp/data_parallel.hpp>
+#include <ddp/reducer/ring.hpp>
+#include <ddp/reducer/tree.hpp>
+#include <ddp/transport/tcp.hpp>
+#if __has_include(<ddp/transport/shm.hpp>)
+#include <ddp/memory/shm_allocator.hpp>
+#include <ddp/transport/shm.hpp>
+#define DDP_BENCH_HAS_SHM 1
+#endif
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+struct model_spec {
+  std::string name;
+  std::vector<std::vector<std::int64_t>> shapes;
+  std::vector<std::string> names;
+  std::size_t elems = 0;
+};
+
+struct options {
+  std::vector<int> ranks{2, 4};
+  std::vector<double> caps_mb{1, 25, 100};
+  std::vector<std::string> reducers{"ring_tcp", "tree_tcp", "ring_shm", "tree_shm"};
+  std::vector<std::string> modes{"copy", "view"};
+  int steps = 10, warmup = 3;
+  double compute_ms = -1;  // -1: auto
+  bool spin = false, flat = true, compute = true;
+  std::vector<model_spec> models;
+};
+
+[[noreturn]] void usage(const char* why) {
+  std::fprintf(stderr,
+               "ddp_step: %s\nusage: ddp_step [--ranks 2,4] [--caps 1,25,100] [--reducers ring_tcp,tree_tcp,ring_shm,tree_shm]\n"
+               "                [--modes copy,view] [--steps N] [--warmup N] [--compute-ms auto|MS]\n"
+               "                [--compute-kind sleep|spin] [--no-flat] [--no-compute] FILE.params|DIR ...\n",
+               why);
+  std::exit(2);
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string part; std::getline(ss, part, ',');)
+    if (!part.empty()) out.push_back(part);
+  return out;
+}
+
+model_spec read_params(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  if (!in) usage(("cannot read " + p.string()).c_str());
+  model_spec m;
+  m.name = p.stem().string();
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream ls(line);
+    std::string name;
+    ls >> name;
+    std::vector<std::int64_t> shape;
+    std::size_t n = 1;
+    for (std::int64_t d; ls >> d;) {
+      shape.push_back(d);
+      n *= static_cast<std::size_t>(d);
+    }
+    if (name.empty()) continue;
+    if (shape.empty()) usage(("no shape for " + name + " in " + p.string()).c_str());
+    m.names.push_back(name);
+    m.shapes.push_back(shape);
+    m.elems += n;
+  }
+  if (m.shapes.empty()) usage(("no parameters in " + p.string()).c_str());
+  return m;
+}
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage(("missing value after " + a).c_str());
+      return argv[++i];
+    };
+    if (a == "--ranks") {
+      o.ranks.clear();
+      for (auto& s : split(value())) o.ranks.push_back(std::atoi(s.c_str()));
+    } else if (a == "--caps") {
+      o.caps_mb.clear();
+      for (auto& s : split(value())) o.caps_mb.push_back(std::atof(s.c_str()));
+    } else if (a == "--reducers") {
+      o.reducers = split(value());
+    } else if (a == "--modes") {
+      o.modes = split(value());
+    } else if (a == "--steps") {
+      o.steps = std::atoi(value().c_str());
+    } else if (a == "--warmup") {
+      o.warmup = std::atoi(value().c_str());
+    } else if (a == "--compute-ms") {
+      const auto v = value();
+      o.compute_ms = v == "auto" ? -1 : std::atof(v.c_str());
+    } else if (a == "--compute-kind") {
+      const auto v = value();
+      if (v != "sleep" && v != "spin") usage("--compute-kind is sleep or spin");
+      o.spin = v == "spin";
+    } else if (a == "--no-flat") {
+      o.flat = false;
+    } else if (a == "--no-compute") {
+      o.compute = false;
+    } else if (a == "-h" || a == "--help") {
+      usage("help");
+    } else if (!a.empty() && a[0] == '-') {
+      usage(("unknown option " + a).c_str());
+    } else if (std::filesystem::is_directory(a)) {
+      std::vector<std::filesystem::path> files;
+      for (auto& e : std::filesystem::directory_iterator(a))
+        if (e.path().extension() == ".params") files.push_back(e.path());
+      std::sort(files.begin(), files.end());
+      for (auto& f : files) o.models.push_back(read_params(f));
+    } else {
+      o.models.push_back(read_params(a));
+    }
+  }
+  if (o.models.empty()) usage("no params file given (e.g. ../shared/data)");
+  if (o.steps < 1 || o.warmup < 0) usage("--steps must be positive");
+  for (auto& m : o.modes)
+    if (m != "copy" && m != "view") usage("--modes takes copy and view");
+  return o;
+}
+
+int free_port() {
+  const auto ep = ddp::detail::resolve("127.0.0.1", 0, 0, true).front();
+  auto fd = ddp::detail::listen_on(ep, 0, 1);
+  return ddp::detail::port_of(ddp::detail::local_address(fd.get()));
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n == 0 ? 0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
+}
+
+// Per step, the slowest rank's time: a synchronized step ends when its last rank does.
+std::vector<double> slowest(ddp::process_group& pg, const std::vector<double>& mine) {
+  std::string blob(reinterpret_cast<const char*>(mine.data()), mine.size() * sizeof(double));
+  auto all = pg.all_gather(blob);
+  std::vector<double> out = mine;
+  for (auto& b : all)
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = std::max(out[i], reinterpret_cast<const double*>(b.data())[i]);
+  return out;
+}
+
+double ms_since(clock_type::time_point t0) {
+  return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
+}
+
+// The engine: its gradients, and a backward that adds `scale` into each, last parameter first.
+struct engine {
+  std::vector<std::vector<float>> grads;
+  std::vector<ddp::tensor_view> views;
+  std::vector<float> data_dummy;  // parameters' values are not touched by this benchmark
+
+  explicit engine(const model_spec& m) {
+    std::size_t largest = 0;
+    for (auto& s : m.shapes) {
+      std::size_t n = 1;
+      for (auto d : s) n *= static_cast<std::size_t>(d);
+      grads.emplace_back(n, 0.0f);
+      largest = std::max(largest, n);
+    }
+    // Values are only read at construction (rank 0's are broadcast), which the benchmark turns
+    // off; every view's data points at one shared dummy of the largest size.
+    data_dummy.assign(largest, 0.0f);
+    for (std::size_t i = 0; i < grads.size(); ++i)
+      views.push_back(ddp::tensor_view{data_dummy.data(), grads[i].data(), grads[i].size(), ddp::dtype::f32, -1,
+                                       m.names[i], m.shapes[i]});
+  }
+};
+
+// Simulated backward compute: parameter i costs ns_per_elem * numel; sleeping models an
+// accelerator computing while the CPU is free, spinning models CPU training.
+struct compute_model {
+  double ns_per_elem = 0;
+  bool spin = false;
+  clock_type::time_point due{};
+
+  void start() { due = clock_type::now(); }
+  void cost(std::size_t elems) {
+    if (ns_per_elem <= 0) return;
+    due += std::chrono::nanoseconds(static_cast<long long>(ns_per_elem * static_cast<double>(elems)));
+    if (spin) {
+      while (clock_type::now() < due) {
+      }
+    } else if (due - clock_type::now() > std::chrono::microseconds(100)) {
+      std::this_thread::sleep_until(due);
+    }
+  }
+  void end() {
+    if (ns_per_elem > 0 && clock_type::now() < due) std::this_thread::sleep_until(due);
+  }
+};
+
+template <class DP>
+void backward(DP& dp, engine& e, bool view, float scale, compute_model& cm) {
+  cm.start();
+  for (std::size_t i = e.grads.size(); i-- > 0;) {
+    float* g = view ? static_cast<float*>(dp.bucket_grad(i)) : e.grads[i].data();
+    const std::size_t n = e.grads[i].size();
+    for (std::size_t k = 0; k < n; ++k) g[k] += scale;
+    cm.cost(n);
+    dp.grad_ready(i);
+  }
+  cm.end();
+}
+
+struct row {
+  double step_ms = 0, nosync_ms = 0, exposed_ms = 0;
+};
+
+// Times `steps` interleaved pairs (no_sync, synchronized) of one configuration.
+template <class DP>
+row time_steps(ddp::process_group& pg, DP& dp, engine& e, bool view, const options& o, compute_model cm) {
+  std::vector<double> sync, nosync, exposed;
+  for (int s = 0; s < o.warmup + o.steps; ++s) {
+    const float scale = 1.0f / static_cast<float>(s + 1);
+    double t_nosync = 0, t_sync = 0;
+    {
+      auto guard = dp.no_sync();
+      dp.get_reducer().barrier();
+      const auto t0 = clock_type::now();
+      backward(dp, e, view, scale, cm);
+      dp.finish();
+      t_nosync = ms_since(t0);
+    }
+    dp.get_reducer().barrier();
+    const auto t0 = clock_type::now();
+    backward(dp, e, view, scale, cm);
+    dp.finish();
+    t_sync = ms_since(t0);
+    if (s >= o.warmup) {
+      sync.push_back(t_sync);
+      nosync.push_back(t_nosync);
+      exposed.push_back(dp.last_step_stats().exposed_ms);
+    }
+  }
+  return {median(slowest(pg, sync)), median(slowest(pg, nosync)), median(slowest(pg, exposed))};
+}
+
+void print_row(ddp::process_group& pg, const std::string& system, const model_spec& m, double cap_mb, int steps,
+               const row& r, double compute_ms) {
+  if (pg.rank() != 0) return;
+  std::printf("%s,%s,%d,%g,%d,%.3f,%.3f,%.3f,%.3f,%.3f\n", system.c_str(), m.name.c_str(), pg.size(), cap_mb, steps,
+              r.step_ms, r.nosync_ms, r.step_ms - r.nosync_ms, r.exposed_ms, compute_ms);
+  std::fflush(stdout);
+}
+
+// One reducer family: its flat allreduce, every (mode, cap), and the compute runs.
+template <class Reducer, class Allocator, class... ReducerArgs>
+void run_reducer(ddp::process_group& pg, const model_spec& m, engine& e, const options& o, const std::string& name,
+                 ReducerArgs... rargs) {
+  using dp_type = ddp::basic_data_parallel<ddp::size_planner, Reducer, Allocator>;
+  using namespace ddp::literals;
+  const double model_mb = static_cast<double>(m.elems * 4) / (1 << 20);
+  double flat_ms = 0;
+  {
+    // The floor: one allreduce of every gradient byte in one bucket, no copies.
+    dp_type dp{pg, e.views, ddp::bucket_policy{.cap_bytes = SIZE_MAX, .first_cap_bytes = SIZE_MAX, .rebuild_from_ready_order = false},
+               ddp::dp_options{.gradient_as_bucket_view = true, .broadcast_parameters = false}, rargs...};
+    void* buf = dp.bucket_grad(dp.plan().buckets[0].entries[0].param);
+    const std::size_t count = m.elems;
+    std::vector<double> t;
+    for (int s = 0; s < o.warmup + o.steps; ++s) {
+      dp.get_reducer().barrier();
+      const auto t0 = clock_type::now();
+      dp.get_reducer().allreduce(buf, count, ddp::dtype::f32, ddp::op::avg);
+      if (s >= o.warmup) t.push_back(ms_since(t0));
+    }
+    flat_ms = median(slowest(pg, t));
+    if (o.flat) print_row(pg, "ddp_" + name + "_flat", m, model_mb, o.steps, {flat_ms, 0, flat_ms}, 0);
+  }
+  for (const auto& mode : o.modes) {
+    const bool view = mode == "view";
+    for (double cap : o.caps_mb) {
+      const auto cap_bytes = static_cast<std::size_t>(cap * (1 << 20));
+      // PyTorch's defaults: the first bucket capped at 1 MiB so that communication starts early.
+      dp_type dp{pg, e.views, ddp::bucket_policy{.cap_bytes = cap_bytes, .first_cap_bytes = std::min(cap_bytes, 1_MiB)},
+                 ddp::dp_options{.gradient_as_bucket_view = view, .broadcast_parameters = false}, rargs...};
+      const row r = time_steps(pg, dp, e, view, o, compute_model{});
+      print_row(pg, "ddp_" + name + "_" + mode, m, cap, o.steps, r, 0);
+    }
+    if (o.compute) {
+      const double compute_ms = o.compute_ms >= 0 ? o.compute_ms : flat_ms;
+      dp_type dp{pg, e.views, ddp::bucket_policy{.cap_bytes = 25_MiB, .first_cap_bytes = 1_MiB},
+                 ddp::dp_options{.gradient_as_bucket_view = view, .broadcast_parameters = false}, rargs...};
+      compute_model cm{compute_ms * 1e6 / static_cast<double>(m.elems), o.spin, {}};
+      const row r = time_steps(pg, dp, e, view, o, cm);
+      print_row(pg, "ddp_" + name + "_" + mode + "_compute", m, 25, o.steps, r, compute_ms);
+    }
+  }
+}
+
+void rank_main(int rank, int world, int port, const options& o) {
+  ddp::init_options io;
+  io.rank = rank;
+  io.world_size = world;
+  io.master_port = port;
+  io.timeout = std::chrono::seconds(120);
+  auto pg = ddp::init_process_group(io);
+  for (const auto& m : o.models) {
+    engine e(m);
+    for (const auto& red : o.reducers) {
+      if (red == "ring_tcp") {
+        run_reducer<ddp::ring<ddp::tcp>, ddp::host_allocator>(pg, m, e, o, red);
+      } else if (red == "tree_tcp") {
+        run_reducer<ddp::tree<ddp::tcp>, ddp::host_allocator>(pg, m, e, o, red);
+#ifdef DDP_BENCH_HAS_SHM
+      } else if (red == "ring_shm" || red == "tree_shm") {
+        // The arena must hold every rank's buckets; tmpfs only backs the pages touched.
+        const std::size_t per_rank = m.elems * 4 + (std::size_t{64} << 20);
+        const ddp::shm_options so{.segment_bytes = per_rank * static_cast<std::size_t>(world)};
+        if (red == "ring_shm")
+          run_reducer<ddp::ring<ddp::shm>, ddp::shm_allocator>(pg, m, e, o, red, so, ddp::reducer_options{});
+        else
+          run_reducer<ddp::tree<ddp::shm>, ddp::shm_allocator>(pg, m, e, o, red, so, ddp::reducer_options{});
+#endif
+      } else if (rank == 0) {
+        std::fprintf(stderr, "# reducer %s is not available in this build; skipped\n", red.c_str());
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const options o = parse(argc, argv);
+  for (auto& m : o.models)
+    std::fprintf(stderr, "# %s: %zu parameters, %zu float32 elements, %zu bytes\n", m.name.c_str(), m.shapes.size(),
+                 m.elems, m.elems * 4);
+  std::printf("system,model,ranks,bucket_cap_mb,steps,step_median_ms,nosync_median_ms,sync_ms,exposed_median_ms,compute_ms\n");
+  std::fflush(nullptr);
+  int failed = 0;
+  for (int n : o.ranks) {
+    const int port = free_port();
+    std::vector<pid_t> kids;
+    for (int r = 0; r < n; ++r) {
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        int code = 0;
+        try {
+          rank_main(r, n, port, o);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+          code = 1;
+        }
+        std::fflush(nullptr);
+        ::_exit(code);
+      }
+      kids.push_back(pid);
+    }
+    for (pid_t k : kids) {
+      int st = 0;
+      ::waitpid(k, &st, 0);
+      if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) ++failed;
+    }
+  }
+  return failed == 0 ? 0 : 1;
+}

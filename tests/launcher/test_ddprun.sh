@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# ddprun's contract: environment per rank, "[rank] " prefixes, a failing rank ends the others
+# and ddprun exits with its status. Prints "N passed, N failed".
+#   test_ddprun.sh DDPRUN
+set -u
+ddprun=$1
+pass=0; fail=0
+check() { if eval "$2"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $1"; fi; }
+
+out=$("$ddprun" -n 3 sh -c 'echo "r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK a=$MASTER_ADDR p=$MASTER_PORT"')
+rc=$?
+check "exit 0 when all ranks succeed" '[[ $rc -eq 0 ]]'
+for r in 0 1 2; do
+  check "rank $r prefixed with its environment" '[[ "$out" == *"[$r] r=$r w=3 l=$r a=127.0.0.1 p="* ]]'
+done
+port=$(sed -n 's/.*p=\([0-9]*\).*/\1/p' <<<"$out" | sort -u)
+check "one port, shared by all ranks" '[[ $(wc -l <<<"$port") -eq 1 && $port -gt 0 ]]'
+
+start=$(date +%s)
+out=$("$ddprun" -n 3 sh -c 'if [ "$RANK" = 1 ]; then exit 7; fi; sleep 60' 2>&1)
+rc=$?
+took=$(( $(date +%s) - start ))
+check "a failing rank's status is ddprun's" '[[ $rc -eq 7 ]]'
+check "the other ranks are ended promptly" '[[ $took -lt 20 ]]'
+check "the failure is named" '[[ "$out" == *"rank 1 exited with status 7"* ]]'
+
+out=$("$ddprun" -n 2 --port 45678 --timeout 9 sh -c 'echo "p=$MASTER_PORT t=$DDP_TIMEOUT"')
+check "--port and --timeout are passed on" '[[ "$out" == *"p=45678 t=9"* ]]'
+
+"$ddprun" -n 0 true 2>/dev/null
+check "-n 0 is refused" '[[ $? -eq 2 ]]'
+"$ddprun" -n 2 /nonexistent/program 2>/dev/null >/dev/null
+check "a program that cannot start fails the run" '[[ $? -ne 0 ]]'
+
+echo "$pass passed, $fail failed"
+[[ $fail -eq 0 ]]
