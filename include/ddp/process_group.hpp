@@ -211,6 +211,25 @@ class process_group {
   /// Socket connected to `peer` (for transports that share the group's mesh).
   int peer_socket(int peer) const noexcept { return mesh_[static_cast<std::size_t>(peer)].get(); }
 
+  /// Fails this rank's group on purpose: every call blocked on it, here or on a peer, ends with
+  /// an error at once instead of at its deadline. The reason goes to the store so peers report
+  /// it (errc::aborted naming this rank); the mesh sockets are shut down so blocked peers wake.
+  /// Reducers have their own abort(); call both when a training step must stop everywhere.
+  void abort(const std::string& why = "abort() called") noexcept {
+    if (aborted_.exchange(true)) return;
+    try {
+      if (store_)
+        store_->compare_set("pg/abort", "", "rank " + std::to_string(rank_) + ": " + why,
+                            detail::clock::now() + std::chrono::seconds(2));
+    } catch (...) {
+    }
+    for (auto& s : mesh_)
+      if (s) ::shutdown(s.get(), SHUT_RDWR);
+  }
+
+  /// True once abort() was called here.
+  bool aborted() const noexcept { return aborted_.load(); }
+
   /// Closes connections; rank 0 waits (bounded) for the others to leave its store first.
   void close() noexcept {
     mesh_.clear();
@@ -228,16 +247,26 @@ class process_group {
   process_group() = default;
 
   void send(int peer, const void* p, std::size_t n, detail::deadline_t until, const char* what) {
+    if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
     std::error_code ec;
     detail::send_all(peer_socket(peer), p, n, until, ec);
     if (ec) lost(peer, ec, what);
   }
   void recv(int peer, void* p, std::size_t n, detail::deadline_t until, const char* what) {
+    if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
     std::error_code ec;
     detail::recv_all(peer_socket(peer), p, n, until, ec);
     if (ec) lost(peer, ec, what);
   }
   [[noreturn]] void lost(int peer, const std::error_code& ec, const char* what) {
+    if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
+    std::string reason;
+    try {
+      if (store_ && store_->check("pg/abort", detail::clock::now() + std::chrono::seconds(1)))
+        reason = store_->get("pg/abort", detail::clock::now() + std::chrono::seconds(1));
+    } catch (...) {
+    }
+    if (!reason.empty()) detail::raise(errc::aborted, rank_, std::string(what) + ": group aborted by " + reason);
     if (detail::to_errc(ec) == errc::timeout)
       detail::raise(errc::timeout, rank_, std::string(what) + ": rank " + std::to_string(peer) +
                                               " did not answer within the timeout");
@@ -250,6 +279,19 @@ class process_group {
   int size_ = 1;
   std::uint64_t group_id_ = 0;
   int next_channel_ = 1;
+  // An atomic flag that moves with the group (std::atomic itself does not move).
+  struct movable_flag {
+    std::atomic<bool> v{false};
+    movable_flag() = default;
+    movable_flag(movable_flag&& o) noexcept : v(o.v.load()) {}
+    movable_flag& operator=(movable_flag&& o) noexcept {
+      v = o.v.load();
+      return *this;
+    }
+    bool load() const noexcept { return v.load(); }
+    bool exchange(bool x) noexcept { return v.exchange(x); }
+  };
+  movable_flag aborted_;
   std::unique_ptr<store_server> server_;
   std::unique_ptr<store_client> store_;
   std::vector<detail::fd_handle> mesh_;

@@ -227,3 +227,29 @@ TEST_CASE("hostname and IPv6 master addresses work") {
     CHECK(ddp_test::all_ok(outs));
   }
 }
+
+TEST_CASE("abort() on one rank wakes the others at once with errc::aborted naming it") {
+  const int port = free_port();
+  auto outs = run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 3, port, 30s));
+    pg.barrier();
+    if (r == 1) {
+      std::this_thread::sleep_for(200ms);
+      pg.abort("giving up");
+      try {
+        pg.barrier();
+      } catch (const ddp::error& e) {
+        require(e.code() == ddp::errc::aborted, "local call after abort");
+        throw;
+      }
+    }
+    for (;;) pg.barrier();  // rank 1 never arrives: only the abort can end this early
+  }, 60s);
+  INFO(summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.errc == static_cast<int>(ddp::errc::aborted));
+    CHECK(o.seconds < 5.0);  // far below the 30 s timeout
+  }
+  CHECK(outs[0].message.find("rank 1: giving up") != std::string::npos);
+  CHECK(outs[2].message.find("rank 1: giving up") != std::string::npos);
+}

@@ -160,7 +160,8 @@ class shm {
     blk_ins_.resize(static_cast<std::size_t>(size_));
     peers_.resize(static_cast<std::size_t>(size_));
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    spin_ = static_cast<unsigned>(size_) > cores ? std::min(opts_.spin, 64) : opts_.spin;
+    oversubscribed_ = static_cast<unsigned>(size_) > cores;
+    spin_ = oversubscribed_ ? std::min(opts_.spin, 64) : opts_.spin;
     budget_ = spin_;
   }
 
@@ -568,6 +569,16 @@ class shm {
       if ((i & 31) == 31) ::sched_yield();
     }
     budget_ = std::max(std::min(spin_, 32), budget_ / 2);
+    // More ranks than cores: the peer we wait for is most likely queued on our own core, and a
+    // yield hands it the core at once, where a futex sleep would cost a wake-up through the
+    // scheduler (tens of microseconds). So keep yielding for a while before sleeping.
+    if (oversubscribed_) {
+      const auto stop = detail::clock::now() + std::chrono::microseconds(500);
+      do {
+        ::sched_yield();
+        if (reached(b.counter.load(std::memory_order_acquire), want)) return;
+      } while (detail::clock::now() < stop);
+    }
     for (;;) {
       check_peer(j, want, until, what);
       b.waiters.fetch_add(1, std::memory_order_seq_cst);
@@ -707,6 +718,7 @@ class shm {
   int rank_ = 0;
   int size_ = 1;
   shm_options opts_;
+  bool oversubscribed_ = false;  ///< more ranks than cores on this host
   int spin_ = 0;    ///< most polls per wait
   int budget_ = 0;  ///< polls of the next wait, adapted between 32 and spin_
   std::string name_;
