@@ -32,6 +32,7 @@
 ///   bound there (~1.5 GB/s against ~19 GB/s with F16C); bf16 needs only shifts.
 
 #include <ddp/dtype.hpp>
+#include <ddp/detail/parallel.hpp>
 #include <ddp/error.hpp>
 
 #include <cstddef>
@@ -458,10 +459,28 @@ inline void reduce_into(void* dst, const void* src, std::size_t n, dtype t, op o
   });
 }
 
-/// Type-erased `combine`.
+/// Type-erased `combine`. Large reductions are split across the installed parallel hook
+/// (ddp/parallel/tbb.hpp), when there is one; each piece keeps the fixed order of inputs, so the
+/// bits do not depend on how it was split.
 inline void combine(void* const* outs, int nouts, const void* const* ins, int nins, std::size_t n,
                     dtype t, op o) {
   kern::check_op(o);
+  const auto par = parallel_hook().load(std::memory_order_relaxed);
+  const std::size_t es = dtype_size(t);
+  if (par != nullptr && n * es >= parallel_min_bytes && nouts <= 64 && nins <= 64) {
+    struct job {
+      void* const* outs; int nouts; const void* const* ins; int nins; dtype t; op o; std::size_t es;
+    } j{outs, nouts, ins, nins, t, o, es};
+    par(n, (std::size_t{256} << 10) / es, [](std::size_t b, std::size_t e, void* ctx) {
+      const auto& j = *static_cast<const job*>(ctx);
+      void* po[64];
+      const void* pi[64];
+      for (int k = 0; k < j.nouts; ++k) po[k] = static_cast<char*>(j.outs[k]) + b * j.es;
+      for (int k = 0; k < j.nins; ++k) pi[k] = static_cast<const char*>(j.ins[k]) + b * j.es;
+      kern::dispatch(j.t, [&](auto tag) { kern::combine_any<decltype(tag)>(po, j.nouts, pi, j.nins, e - b, j.o); });
+    }, &j);
+    return;
+  }
   kern::dispatch(t, [&](auto tag) {
     kern::combine_any<decltype(tag)>(outs, nouts, ins, nins, n, o);
   });

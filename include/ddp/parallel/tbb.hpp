@@ -1,0 +1,82 @@
+#pragma once
+/// \file tbb.hpp
+/// oneTBB-parallel host reductions. Including this header (and linking oneTBB) makes large
+/// reductions (4 MiB and up) run on the cores this rank has to itself: the hardware threads
+/// divided by the local ranks (`LOCAL_WORLD_SIZE`, set by ddprun and torchrun), at least one.
+/// With one core per rank, as with 2 ranks on 2 cores, it stays out of the way.
+///
+/// \code
+/// #include <ddp/parallel/tbb.hpp>   // nothing else to call
+/// ddp::set_kernel_threads(4);       // optional: override the share
+/// \endcode
+
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "../detail/parallel.hpp"
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+inline int default_kernel_threads() {
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int local = 1;
+  if (const char* v = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(v));
+  return std::max(1, hw / local);
+}
+
+struct tbb_pool {
+  std::mutex mu;
+  std::unique_ptr<oneapi::tbb::task_arena> arena;
+  int threads = 0;
+};
+inline tbb_pool& tbb_state() {
+  static tbb_pool p;
+  return p;
+}
+
+inline void tbb_parallel_for(std::size_t n, std::size_t grain, void (*body)(std::size_t, std::size_t, void*),
+                             void* ctx) {
+  auto& st = tbb_state();
+  oneapi::tbb::task_arena* arena;
+  {
+    std::lock_guard lock(st.mu);
+    if (!st.arena) {
+      st.threads = default_kernel_threads();
+      st.arena = std::make_unique<oneapi::tbb::task_arena>(st.threads);
+    }
+    arena = st.arena.get();
+    if (st.threads <= 1) arena = nullptr;
+  }
+  if (arena == nullptr) return body(0, n, ctx);
+  arena->execute([&] {
+    oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, n, grain),
+                              [&](const oneapi::tbb::blocked_range<std::size_t>& r) { body(r.begin(), r.end(), ctx); });
+  });
+}
+
+inline const bool tbb_hook_installed = [] {
+  parallel_hook().store(&tbb_parallel_for);
+  return true;
+}();
+
+}  // namespace detail
+
+/// Sets how many threads a large reduction may use on this rank (1 turns splitting off).
+inline void set_kernel_threads(int threads) {
+  auto& st = detail::tbb_state();
+  std::lock_guard lock(st.mu);
+  st.threads = std::max(1, threads);
+  st.arena = std::make_unique<oneapi::tbb::task_arena>(st.threads);
+}
+
+}  // namespace v0
+}  // namespace ddp
