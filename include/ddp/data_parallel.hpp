@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "concepts.hpp"
+#include "detail/copy.hpp"
 #include "dtype.hpp"
 #include "error.hpp"
 #include "memory/host_allocator.hpp"
@@ -515,7 +516,7 @@ class basic_data_parallel {
     if constexpr (requires(Allocator& a) { a.copy(dst, src, n); })
       alloc_.copy(dst, src, n);
     else
-      std::memcpy(dst, src, n);
+      detail::copy_bytes(dst, src, n);
   }
 
   void zero_bytes(void* dst, std::size_t n) {

@@ -32,6 +32,7 @@
 ///   bound there (~1.5 GB/s against ~19 GB/s with F16C); bf16 needs only shifts.
 
 #include <ddp/dtype.hpp>
+#include <ddp/detail/copy.hpp>
 #include <ddp/detail/parallel.hpp>
 #include <ddp/error.hpp>
 
@@ -368,7 +369,7 @@ inline void combine_any(Out const* outs, int nouts, In const* ins, int nins, std
     const void* src = ins[0];
     for (int k = 0; k < nouts; ++k)
       if (static_cast<const void*>(outs[k]) != src)
-        std::memcpy(static_cast<void*>(outs[k]), src, n * sizeof(T));
+        copy_bytes(static_cast<void*>(outs[k]), src, n * sizeof(T));
     return;
   }
   switch (o) {
