@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "auth.hpp"
 #include "detail/mesh.hpp"
 #include "detail/socket.hpp"
 #include "error.hpp"
@@ -39,7 +40,7 @@ struct init_options {
   std::string master_addr = "127.0.0.1";          ///< host name, IPv4 or IPv6 address of rank 0
   int master_port = 29500;                        ///< rank 0's store port
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};  ///< every blocking wait's bound
-  std::string auth_token = {};                    ///< shared secret (needs the auth feature)
+  std::string auth_token = {};                    ///< shared secret; needs an authenticator (docs/security.md)
   int local_rank = -1;                            ///< rank on this host, -1 when unknown
 
   /// Reads the environment: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`;
@@ -174,6 +175,9 @@ class process_group {
     broadcast(std::as_writable_bytes(data), root, deadline());
   }
 
+  /// Largest blob one rank may contribute to all_gather().
+  static constexpr std::uint64_t max_gather_blob = 1ull << 30;
+
   /// Every rank contributes a blob; every rank gets all of them, indexed by rank.
   std::vector<std::string> all_gather(const std::string& mine) {
     const auto until = deadline();
@@ -187,7 +191,7 @@ class process_group {
       for (int r = 1; r < size_; ++r) {
         std::uint64_t n = 0;
         recv(r, &n, sizeof n, until, "all_gather");
-        if (n > (1ull << 30)) detail::raise(errc::protocol, rank_, "all_gather blob from rank " + std::to_string(r) + " is too large");
+        if (n > max_gather_blob) detail::raise(errc::protocol, rank_, "all_gather blob from rank " + std::to_string(r) + " is too large");
         all[static_cast<std::size_t>(r)].resize(n);
         recv(r, all[static_cast<std::size_t>(r)].data(), n, until, "all_gather");
       }
@@ -197,11 +201,16 @@ class process_group {
       for (auto& s : all) { packed += detail::encode_i64(static_cast<std::int64_t>(s.size())); packed += s; }
     std::uint64_t len = packed.size();
     broadcast(std::as_writable_bytes(std::span(&len, 1)), 0, until);
+    // Lengths from the wire are checked before anything is allocated or indexed with them.
+    if (len > static_cast<std::uint64_t>(size_) * (8 + max_gather_blob))
+      detail::raise(errc::protocol, rank_, "all_gather: rank 0 announced " + std::to_string(len) + " bytes");
     packed.resize(len);
     broadcast(std::as_writable_bytes(std::span(packed.data(), packed.size())), 0, until);
     std::size_t pos = 0;
     for (auto& s : all) {
-      const auto n = static_cast<std::size_t>(detail::decode_i64(std::string_view(packed).substr(pos, 8)));
+      if (packed.size() - pos < 8) detail::raise(errc::protocol, rank_, "all_gather: truncated result from rank 0");
+      const auto n = static_cast<std::uint64_t>(detail::decode_i64(std::string_view(packed).substr(pos, 8)));
+      if (n > packed.size() - pos - 8) detail::raise(errc::protocol, rank_, "all_gather: malformed result from rank 0");
       s = packed.substr(pos + 8, n);
       pos += 8 + n;
     }
@@ -308,10 +317,10 @@ class process_group {
 /// \endcode
 inline process_group init_process_group(const init_options& opts) {
   if (auto why = opts.validate(); !why.empty()) detail::raise(errc::invalid_argument, opts.rank, why);
-  if (!opts.auth_token.empty())
-    detail::raise(errc::unsupported, opts.rank,
-                  "an auth token was given but this build has no authentication support; "
-                  "refusing to run without it");
+  // A token with no authenticator installed is errc::unsupported: never run unauthenticated
+  // when a secret was asked for.
+  std::shared_ptr<const authenticator> auth;
+  if (!opts.auth_token.empty()) auth = make_authenticator(opts.auth_token, opts.rank);
   process_group pg;
   pg.opts_ = opts;
   pg.rank_ = opts.rank;
@@ -321,8 +330,8 @@ inline process_group init_process_group(const init_options& opts) {
 
   // Resolve first, so an unresolvable master fails at once on every rank.
   const auto eps = detail::resolve(opts.master_addr, opts.master_port, rank);
-  if (rank == 0) pg.server_ = std::make_unique<store_server>(eps.front(), 0);
-  pg.store_ = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until);
+  if (rank == 0) pg.server_ = std::make_unique<store_server>(eps.front(), 0, auth);
+  pg.store_ = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
   auto& st = *pg.store_;
 
   // Claim the rank with a token unique to this process; a second claimant sees another token.

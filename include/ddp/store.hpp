@@ -1,7 +1,9 @@
 #pragma once
 /// \file store.hpp
 /// The TCP key-value store that rank 0 hosts during and after rendezvous: set, get (waits),
-/// add, compare-and-set, delete, check and wait-for-keys, each with a deadline.
+/// add, compare-and-set, delete, check and wait-for-keys, each with a deadline. With an
+/// authenticator (docs/security.md) every connection must pass a mutual challenge-response
+/// before its first request is read.
 ///
 /// \code
 /// ddp::store_server server{ddp::detail::resolve("127.0.0.1", 0, 0, true).front(), 0};
@@ -15,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -23,6 +26,8 @@
 #include <thread>
 #include <vector>
 
+#include "auth.hpp"
+#include "detail/handshake.hpp"
 #include "detail/socket.hpp"
 #include "detail/store_protocol.hpp"
 #include "error.hpp"
@@ -32,13 +37,21 @@ inline namespace v0 {
 
 /// Serves the store on one listening socket from a background thread. Each client has its own
 /// input buffer and the loop never blocks on one client, so a client that sends half a frame
-/// and stalls delays nobody; a client that sends garbage is dropped.
+/// and stalls delays nobody; a client that sends garbage is dropped. Handshakes run in the same
+/// loop, one state per client, so a client stalled mid-handshake delays nobody either.
 class store_server {
  public:
-  /// Binds `ep` (port 0 picks a free port). Throws errc::address_in_use when taken.
-  store_server(const detail::endpoint& ep, int rank) : rank_(rank) {
+  /// Binds `ep` (port 0 picks a free port). Throws errc::address_in_use when taken. With `auth`,
+  /// only clients that prove the same secret are served; without it, binding beyond loopback
+  /// prints a one-line warning to stderr.
+  store_server(const detail::endpoint& ep, int rank, std::shared_ptr<const authenticator> auth = nullptr)
+      : rank_(rank), auth_(std::move(auth)) {
     listen_ = detail::listen_on(ep, rank);
-    port_ = detail::port_of(detail::local_address(listen_.get()));
+    const auto bound = detail::local_address(listen_.get());
+    port_ = detail::port_of(bound);
+    if (!auth_ && !detail::is_loopback(bound))
+      std::fprintf(stderr, "ddp: store listening on %s:%d without authentication; set DDP_AUTH_TOKEN\n",
+                   detail::to_string(bound).c_str(), port_);
     wake_ = detail::fd_handle(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     thread_ = std::thread([this] { loop(); });
   }
@@ -49,11 +62,15 @@ class store_server {
   /// The port actually bound.
   int port() const noexcept { return port_; }
 
-  /// Number of clients connected right now.
+  /// Number of clients connected right now (authenticated ones, when there is a secret).
   int clients() const noexcept { return nclients_.load(); }
 
   /// Clients dropped for malformed input since start.
   int dropped() const noexcept { return dropped_.load(); }
+
+  /// Connections refused by authentication (no, wrong or replayed proof; a handshake that did
+  /// not finish in time; a handshake offered to a server without a secret) since start.
+  int refused() const noexcept { return refused_.load(); }
 
   /// Stops serving and closes every connection.
   void stop() noexcept {
@@ -69,6 +86,10 @@ class store_server {
     detail::fd_handle fd;
     std::string in;
     std::string out;
+    std::optional<detail::auth_responder> hs;  // engaged until the handshake is done
+    bool closing = false;                      // refused: say why, then close
+    bool shut = false;                         // closing and our side is shut down
+    detail::deadline_t limit{};                // end of the handshake or of the closing linger
   };
   struct waiter {
     int fd;
@@ -84,59 +105,131 @@ class store_server {
       pfds.clear();
       pfds.push_back({wake_.get(), POLLIN, 0});
       pfds.push_back({listen_.get(), POLLIN, 0});
-      for (auto& [fd, c] : clients)
-        pfds.push_back({fd, static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
       int timeout = 1000;
-      const auto now = detail::clock::now();
+      for (auto& [fd, c] : clients) {
+        // A client whose replies pile up is not read until it takes them (backpressure).
+        const bool want_in = c.closing || c.out.size() < detail::store_max_frame;
+        pfds.push_back({fd, static_cast<short>((want_in ? POLLIN : 0) | (c.out.empty() ? 0 : POLLOUT)), 0});
+        if (c.hs || c.closing) timeout = std::min(timeout, detail::ms_left(c.limit) + 1);
+      }
       for (const auto& w : waiters) timeout = std::min(timeout, detail::ms_left(w.until) + 1);
-      (void)now;
       ::poll(pfds.data(), pfds.size(), timeout);
       if (stopping_) break;
+      const auto now = detail::clock::now();
       if (pfds[1].revents & POLLIN) {
         for (;;) {
           const int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
           if (fd < 0) break;
           if (clients.size() >= max_clients) { ::close(fd); continue; }
           detail::tune_stream(fd, 0);
-          clients[fd].fd = detail::fd_handle(fd);
+          auto& c = clients[fd];
+          c.fd = detail::fd_handle(fd);
+          if (auth_) {
+            c.hs.emplace(auth_.get(), detail::auth_kind::store);
+            c.limit = now + detail::auth_handshake_limit;
+          }
         }
       }
       std::vector<int> dead;
       for (std::size_t i = 2; i < pfds.size(); ++i) {
         const int fd = pfds[i].fd;
-        auto& c = clients[fd];
+        auto it = clients.find(fd);
+        if (it == clients.end()) continue;  // accepted after pfds was built
+        auto& c = it->second;
         if (pfds[i].revents & (POLLERR | POLLHUP | POLLNVAL) && !(pfds[i].revents & POLLIN)) {
           dead.push_back(fd);
           continue;
         }
         if (pfds[i].revents & POLLIN) {
-          if (!read_some(c)) { dead.push_back(fd); continue; }
-          if (!handle_frames(fd, c, waiters)) { ++dropped_; dead.push_back(fd); continue; }
+          const auto r = c.closing ? drain(c) : on_readable(fd, c, waiters);
+          if (r == read_result::closed) { dead.push_back(fd); continue; }
+          if (r == read_result::invalid) { ++dropped_; dead.push_back(fd); continue; }
         }
-        if (!c.out.empty() && !flush(c)) dead.push_back(fd);
+        if (!c.out.empty() && !flush(c)) { dead.push_back(fd); continue; }
+        if (c.closing && c.out.empty() && !c.shut) {
+          // Half-close and linger until the client hangs up, so it reads our answer rather
+          // than a reset.
+          ::shutdown(fd, SHUT_WR);
+          c.shut = true;
+        }
+        if ((c.hs || c.closing) && now >= c.limit) {
+          if (c.hs && !c.closing) ++refused_;
+          dead.push_back(fd);
+        }
       }
       serve_waiters(clients, waiters);
       for (int fd : dead) {
         clients.erase(fd);
         std::erase_if(waiters, [fd](const waiter& w) { return w.fd == fd; });
       }
-      nclients_ = static_cast<int>(clients.size());
+      // Only clients that got in count: a stranger stalled mid-handshake must not keep rank 0
+      // waiting for it to leave.
+      nclients_ = static_cast<int>(std::count_if(clients.begin(), clients.end(), [](const auto& kv) {
+        return !kv.second.hs && !kv.second.closing;
+      }));
     }
   }
 
-  static bool read_some(client& c) {
+  enum class read_result { ok, closed, invalid };
+
+  /// Reads what is there and acts on it one chunk at a time, so a bad length is caught after
+  /// its first 4 bytes, never after buffering the rest of what the client sent.
+  read_result on_readable(int fd, client& c, std::vector<waiter>& waiters) {
     char buf[65536];
-    for (;;) {
+    while (!c.closing && c.out.size() < detail::store_max_frame) {
       const ssize_t k = ::recv(c.fd.get(), buf, sizeof buf, 0);
       if (k > 0) {
         c.in.append(buf, static_cast<std::size_t>(k));
-        // A client may pipeline, but never beyond one maximal frame plus a read.
-        if (c.in.size() > detail::store_max_frame + sizeof buf + 4) return false;
+        if (!consume(fd, c, waiters)) return read_result::invalid;
         continue;
       }
-      if (k == 0) return false;
-      return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+      if (k == 0) return read_result::closed;
+      return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? read_result::ok : read_result::closed;
     }
+    return read_result::ok;
+  }
+
+  /// A refused client: read and discard until it hangs up.
+  static read_result drain(client& c) {
+    char buf[4096];
+    for (;;) {
+      const ssize_t k = ::recv(c.fd.get(), buf, sizeof buf, 0);
+      if (k > 0) continue;
+      if (k == 0) return read_result::closed;
+      return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? read_result::ok : read_result::closed;
+    }
+  }
+
+  void refuse(client& c) {
+    ++refused_;
+    c.closing = true;
+    c.in.clear();
+    c.hs.reset();
+    c.limit = detail::clock::now() + std::chrono::seconds(2);
+  }
+
+  /// Runs the handshake while one is due, then the requests; false drops the client.
+  bool consume(int fd, client& c, std::vector<waiter>& waiters) {
+    using state = detail::auth_responder::state;
+    if (c.hs) {
+      switch (c.hs->feed(c.in, c.out, [](const detail::auth_hello&) { return true; })) {
+        case state::hello:
+        case state::proof: return true;
+        case state::done: c.hs.reset(); break;
+        case state::failed: refuse(c); return true;
+        case state::foreign:
+          // Most likely a rank started without the token: tell it so before closing.
+          c.out += detail::encode_frame(static_cast<std::uint8_t>(detail::store_status::auth_required), {});
+          refuse(c);
+          return true;
+      }
+    } else if (!auth_ && c.in.size() >= 4 && detail::get_u32(c.in.data()) == detail::auth_magic) {
+      // A client with a token reached a server without one: answer so it can say why.
+      c.out += detail::encode_status(detail::auth_status::no_auth, detail::auth_challenge_size);
+      refuse(c);
+      return true;
+    }
+    return handle_frames(fd, c, waiters);
   }
 
   static bool flush(client& c) {
@@ -159,6 +252,10 @@ class store_server {
       c.in.erase(0, 4 + static_cast<std::size_t>(len));
       if (!detail::valid_request(f)) return false;
       if (!execute(c, f)) {
+        // Our client parks at most one request at a time; many more is a misbehaving peer.
+        if (std::count_if(waiters.begin(), waiters.end(), [fd](const waiter& w) { return w.fd == fd; }) >=
+            static_cast<std::ptrdiff_t>(detail::store_max_waiting))
+          return false;
         const auto ms = detail::decode_i64(f.fields.back());
         waiters.push_back({fd, std::move(f), detail::clock::now() + std::chrono::milliseconds(std::max<std::int64_t>(ms, 0))});
       }
@@ -249,12 +346,14 @@ class store_server {
 
   static constexpr std::size_t max_clients = 65536;
   int rank_;
+  std::shared_ptr<const authenticator> auth_;
   int port_ = 0;
   detail::fd_handle listen_;
   detail::fd_handle wake_;
   std::atomic<bool> stopping_{false};
   std::atomic<int> nclients_{0};
   std::atomic<int> dropped_{0};
+  std::atomic<int> refused_{0};
   std::map<std::string, std::string, std::less<>> data_;
   std::thread thread_;
 };
@@ -262,8 +361,12 @@ class store_server {
 /// A connection to the store. Calls are serialized by a mutex; each takes a deadline.
 class store_client {
  public:
-  /// Connects, retrying until `until` because rank 0 may start after us.
-  store_client(const std::string& host, int port, int rank, detail::deadline_t until) : rank_(rank) {
+  /// Connects, retrying until `until` because rank 0 may start after us. With `auth`, proves
+  /// the secret and checks the server's proof before anything else (errc::auth_failed when
+  /// either fails).
+  store_client(const std::string& host, int port, int rank, detail::deadline_t until,
+               std::shared_ptr<const authenticator> auth = nullptr)
+      : rank_(rank), auth_(std::move(auth)) {
     const auto eps = detail::resolve(host, port, rank);
     std::error_code ec;
     fd_ = detail::connect_retry(eps, until, ec);
@@ -274,6 +377,13 @@ class store_client {
                         " before the deadline (rank 0 never arrived?): last error: " + detail::describe(ec));
     }
     detail::tune_stream(fd_.get(), 0);
+    if (auth_) {
+      detail::auth_hello h;
+      h.kind = detail::auth_kind::store;
+      h.from = static_cast<std::uint32_t>(rank);
+      detail::auth_initiate(fd_.get(), *auth_, h, until, rank,
+                            "the store of rank 0 at " + host + ":" + std::to_string(port));
+    }
   }
 
   void set(std::string_view key, std::string_view value, detail::deadline_t until = default_deadline()) {
@@ -324,6 +434,10 @@ class store_client {
 
   int native_handle() const noexcept { return fd_.get(); }
 
+  /// The authenticator this connection was opened with (null without a secret); the mesh
+  /// connections opened through this store use it too.
+  const std::shared_ptr<const authenticator>& auth() const noexcept { return auth_; }
+
   static detail::deadline_t default_deadline() { return detail::clock::now() + std::chrono::seconds(300); }
 
  private:
@@ -347,6 +461,10 @@ class store_client {
     if (detail::parse_body(body, f) != detail::parse_result::ok) detail::raise(errc::protocol, rank_, "store sent a malformed frame");
     if (f.code == static_cast<std::uint8_t>(detail::store_status::bad_request))
       detail::raise(errc::protocol, rank_, "store rejected the request");
+    if (f.code == static_cast<std::uint8_t>(detail::store_status::auth_required))
+      detail::raise(errc::auth_failed, rank_,
+                    "the store of rank 0 requires authentication and refused this process: set "
+                    "DDP_AUTH_TOKEN (or init_options::auth_token) to the group's secret");
     return f;
   }
 
@@ -356,6 +474,7 @@ class store_client {
   }
 
   int rank_;
+  std::shared_ptr<const authenticator> auth_;
   detail::fd_handle fd_;
   std::mutex mu_;
 };

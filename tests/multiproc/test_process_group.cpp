@@ -253,3 +253,17 @@ TEST_CASE("abort() on one rank wakes the others at once with errc::aborted namin
   CHECK(outs[0].message.find("rank 1: giving up") != std::string::npos);
   CHECK(outs[2].message.find("rank 1: giving up") != std::string::npos);
 }
+
+TEST_CASE("an auth token in a program without an authenticator is errc::unsupported, never ignored") {
+  // This program does not include <ddp/auth/sodium.hpp>, so no authenticator is installed.
+  REQUIRE_FALSE(ddp::authentication_available());
+  auto o = opts(0, 1, free_port());
+  o.auth_token = "s3cret";
+  try {
+    ddp::init_process_group(o);
+    FAIL("the token was ignored");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::unsupported);
+    CHECK(std::string(e.what()).find("<ddp/auth/sodium.hpp>") != std::string::npos);
+  }
+}

@@ -3,14 +3,22 @@
 // Full mesh of TCP connections between the ranks of a group, set up through the store: every
 // rank listens on the interface that reaches the master, announces "host port" under
 // `<prefix>/addr/<rank>`, accepts from higher ranks and connects to lower ones. A hello frame
-// (magic, group id, rank) makes sure a stray connection is not mistaken for a peer.
+// (magic, group id, rank) makes sure a stray connection is not mistaken for a peer; when the
+// store connection is authenticated, the hello is the challenge-response of handshake.hpp
+// instead, so only holders of the secret get in. Incoming connections are served from one poll
+// loop, so a stranger that connects and stalls does not hold up the real peers.
 
+#include <algorithm>
+#include <charconv>
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "../error.hpp"
 #include "../store.hpp"
+#include "handshake.hpp"
 #include "socket.hpp"
 
 namespace ddp {
@@ -26,6 +34,101 @@ struct mesh_hello {
   std::uint32_t pad;
   std::uint64_t group;
 };
+
+/// Accepts the higher ranks of the mesh on `lfd` until each has arrived. Connections that are
+/// not a valid hello (or that fail authentication, or stall past the handshake limit) are
+/// dropped, all from one poll loop so none of them delays the others.
+inline void accept_peers(int lfd, std::vector<fd_handle>& peers, const authenticator* auth, int rank, int size,
+                         std::uint64_t group, deadline_t until, int bufsize) {
+  struct pending {
+    fd_handle fd;
+    std::string in, out;
+    std::optional<auth_responder> hs;
+    deadline_t limit;
+  };
+  constexpr std::size_t max_pending = 256;
+  std::vector<pending> pend;
+  int expected = size - 1 - rank;
+  auto admit = [&](std::uint32_t from, std::uint32_t to, std::uint32_t sz, std::uint64_t grp) {
+    return grp == group && sz == static_cast<std::uint32_t>(size) && to == static_cast<std::uint32_t>(rank) &&
+           from > static_cast<std::uint32_t>(rank) && from < static_cast<std::uint32_t>(size) && !peers[from];
+  };
+  while (expected > 0) {
+    if (clock::now() >= until) {
+      std::string names;
+      for (int r = rank + 1; r < size; ++r)
+        if (!peers[static_cast<std::size_t>(r)]) names += (names.empty() ? "" : ", ") + std::to_string(r);
+      raise(errc::timeout, rank, "ranks " + names + " never connected");
+    }
+    std::vector<pollfd> pfds{{lfd, POLLIN, 0}};
+    int timeout = ms_left(until);
+    for (auto& p : pend) {
+      pfds.push_back({p.fd.get(), POLLIN, 0});
+      timeout = std::min(timeout, ms_left(p.limit) + 1);
+    }
+    ::poll(pfds.data(), pfds.size(), std::max(timeout, 1));
+    // Pending connections first (pfds[i + 1] is pend[i]); new ones are appended after.
+    std::vector<bool> drop(pend.size(), false);
+    for (std::size_t i = 0; i < pend.size(); ++i) {
+      auto& p = pend[i];
+      if (clock::now() >= p.limit) { drop[i] = true; continue; }
+      if (!(pfds[i + 1].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      // Read only what the current step needs: whatever follows belongs to the peer's traffic.
+      std::size_t want = sizeof(mesh_hello);
+      if (p.hs) want = p.hs->current() == auth_responder::state::hello ? auth_hello_size : auth_proof_size;
+      char buf[auth_hello_size];
+      const ssize_t k = ::recv(p.fd.get(), buf, want - p.in.size(), 0);
+      if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) { drop[i] = true; continue; }
+      if (k < 0) continue;
+      p.in.append(buf, static_cast<std::size_t>(k));
+      if (!p.hs) {
+        if (p.in.size() < sizeof(mesh_hello)) continue;
+        mesh_hello h{};
+        std::memcpy(&h, p.in.data(), sizeof h);
+        drop[i] = true;
+        if (h.magic != mesh_magic || !admit(h.rank, static_cast<std::uint32_t>(rank), h.size, h.group)) continue;
+        tune_stream(p.fd.get(), bufsize);
+        peers[h.rank] = std::move(p.fd);
+        --expected;
+        continue;
+      }
+      const auto st = p.hs->feed(p.in, p.out, [&](const auth_hello& h) { return admit(h.from, h.to, h.size, h.group); });
+      if (!p.out.empty()) {
+        // One short message at a time, into an empty socket buffer: this does not block.
+        std::error_code ec;
+        send_all(p.fd.get(), p.out.data(), p.out.size(), std::min(until, clock::now() + std::chrono::seconds(1)), ec);
+        p.out.clear();
+        if (ec) { drop[i] = true; continue; }
+      }
+      if (st == auth_responder::state::done) {
+        tune_stream(p.fd.get(), bufsize);
+        peers[p.hs->hello().from] = std::move(p.fd);
+        --expected;
+        drop[i] = true;
+      } else if (st == auth_responder::state::failed || st == auth_responder::state::foreign) {
+        drop[i] = true;
+      }
+    }
+    std::size_t j = 0;
+    for (std::size_t i = 0; i < pend.size(); ++i) {
+      if (drop[i]) continue;
+      if (i != j) pend[j] = std::move(pend[i]);  // never self-move: it may empty the strings
+      ++j;
+    }
+    pend.resize(j);
+    if (pfds[0].revents & POLLIN) {
+      for (;;) {
+        const int fd = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) break;
+        // A flood of strangers pushes out the oldest of them, never the listener.
+        if (pend.size() >= max_pending) pend.erase(pend.begin());
+        pending p{fd_handle(fd), {}, {}, std::nullopt, clock::now() + auth_handshake_limit};
+        if (auth) p.hs.emplace(auth, auth_kind::mesh);
+        pend.push_back(std::move(p));
+      }
+    }
+  }
+}
 
 /// Connects every pair of ranks. Returns one socket per peer (invalid at [rank]).
 inline std::vector<fd_handle> connect_mesh(store_client& store, int rank, int size, const std::string& prefix,
@@ -58,36 +161,31 @@ inline std::vector<fd_handle> connect_mesh(store_client& store, int rank, int si
   for (int r = 0; r < rank; ++r) {
     const auto v = store.get(prefix + "/addr/" + std::to_string(r), until);
     const auto sp = v.rfind(' ');
-    const auto eps = resolve(v.substr(0, sp), std::stoi(v.substr(sp + 1)), rank);
+    int port = 0;
+    const char* end = v.data() + v.size();
+    if (sp == std::string::npos || std::from_chars(v.data() + sp + 1, end, port).ptr != end || port < 1 || port > 65535)
+      raise(errc::protocol, rank, "rank " + std::to_string(r) + " announced a malformed address '" + v + "'");
+    const auto eps = resolve(v.substr(0, sp), port, rank);
     auto fd = connect_retry(eps, until, ec);
     if (!fd) raise(to_errc(ec) == errc::timeout ? errc::timeout : errc::peer_lost, rank,
                    "cannot connect to rank " + std::to_string(r) + " at " + v + ": " + describe(ec));
     tune_stream(fd.get(), bufsize);
-    mesh_hello h{mesh_magic, static_cast<std::uint32_t>(rank), static_cast<std::uint32_t>(size), 0, group};
-    send_all(fd.get(), &h, sizeof h, until, ec);
-    if (ec) raise(errc::peer_lost, rank, "handshake with rank " + std::to_string(r) + ": " + describe(ec));
+    if (const authenticator* auth = store.auth().get()) {
+      auth_hello h;
+      h.kind = auth_kind::mesh;
+      h.from = static_cast<std::uint32_t>(rank);
+      h.to = static_cast<std::uint32_t>(r);
+      h.size = static_cast<std::uint32_t>(size);
+      h.group = group;
+      auth_initiate(fd.get(), *auth, h, until, rank, "rank " + std::to_string(r) + " at " + v);
+    } else {
+      mesh_hello h{mesh_magic, static_cast<std::uint32_t>(rank), static_cast<std::uint32_t>(size), 0, group};
+      send_all(fd.get(), &h, sizeof h, until, ec);
+      if (ec) raise(errc::peer_lost, rank, "handshake with rank " + std::to_string(r) + ": " + describe(ec));
+    }
     peers[static_cast<std::size_t>(r)] = std::move(fd);
   }
-  int expected = size - 1 - rank;
-  while (expected > 0) {
-    auto fd = accept_until(lfd.get(), until, ec);
-    if (!fd) {
-      std::string names;
-      for (int r = rank + 1; r < size; ++r)
-        if (!peers[static_cast<std::size_t>(r)]) names += (names.empty() ? "" : ", ") + std::to_string(r);
-      raise(errc::timeout, rank, "ranks " + names + " never connected");
-    }
-    mesh_hello h{};
-    recv_all(fd.get(), &h, sizeof h, until, ec);
-    // Anything that is not a hello from a member of this group is dropped and ignored.
-    if (ec || h.magic != mesh_magic || h.group != group || h.size != static_cast<std::uint32_t>(size) ||
-        h.rank <= static_cast<std::uint32_t>(rank) || h.rank >= static_cast<std::uint32_t>(size) ||
-        peers[h.rank])
-      continue;
-    tune_stream(fd.get(), bufsize);
-    peers[h.rank] = std::move(fd);
-    --expected;
-  }
+  accept_peers(lfd.get(), peers, store.auth().get(), rank, size, group, until, bufsize);
   return peers;
 }
 

@@ -18,11 +18,13 @@ inline namespace v0 {
 namespace detail {
 
 enum class store_cmd : std::uint8_t { set = 1, get = 2, add = 3, cas = 4, del = 5, check = 6, wait = 7 };
-enum class store_status : std::uint8_t { ok = 0, timeout = 1, bad_request = 2 };
+// auth_required: the server has a secret and the client started without a handshake.
+enum class store_status : std::uint8_t { ok = 0, timeout = 1, bad_request = 2, auth_required = 3 };
 
 inline constexpr std::uint32_t store_max_frame = 64u << 20;  ///< whole frame
 inline constexpr std::uint32_t store_max_key = 4096;         ///< one key
 inline constexpr std::uint32_t store_max_fields = 4096;      ///< keys in one wait
+inline constexpr std::size_t store_max_waiting = 64;         ///< parked get/wait requests per client
 
 inline void put_u32(std::string& out, std::uint32_t v) {
   char b[4] = {static_cast<char>(v), static_cast<char>(v >> 8), static_cast<char>(v >> 16),
