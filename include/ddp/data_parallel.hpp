@@ -100,8 +100,11 @@ namespace detail {
 // everything else is default-constructed.
 template <class Allocator, class Reducer>
 Allocator make_allocator_for(Reducer& red) {
-  if constexpr (requires { typename Reducer::transport_type; } &&
-                std::constructible_from<Allocator, typename Reducer::transport_type&>) {
+  if constexpr (requires {
+                  typename Reducer::transport_type;
+                  requires std::constructible_from<Allocator, typename Reducer::transport_type&>;
+                  red.transport();
+                }) {
     return Allocator(red.transport());
   } else {
     return Allocator{};

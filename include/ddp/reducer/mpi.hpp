@@ -1,0 +1,358 @@
+#pragma once
+/// \file mpi.hpp
+/// `ddp::mpi_reducer`: hands every collective to MPI (`MPI_Allreduce`, `MPI_Bcast`,
+/// `MPI_Reduce_scatter_block`, `MPI_Allgather`, `MPI_Barrier`) on a private duplicate of the
+/// communicator. Includes `<mpi.h>`; compile with `mpicxx` or the flags of `mpicxx --showme`.
+/// See docs/mpi-nccl.md.
+///
+/// \code
+/// int provided = 0;
+/// MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+/// auto pg = ddp::init_process_group(opts);        // ranks as in MPI_COMM_WORLD, or any order
+/// ddp::mpi_reducer mpi{pg};
+/// mpi.allreduce(std::span<float>{v}, ddp::op::avg);
+/// ddp::basic_data_parallel<ddp::size_planner, ddp::mpi_reducer, ddp::host_allocator> dp{pg, params};
+/// \endcode
+
+// Open MPI's mpi.h also declares its deprecated C++ bindings, whose casts between function
+// types trip -Wcast-function-type when the SDK directory is not a system include directory.
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wcast-function-type"
+#endif
+#include <mpi.h>
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "../detail/kernels.hpp"
+#include "../detail/mpi_check.hpp"
+#include "../detail/worker.hpp"
+#include "../dtype.hpp"
+#include "../error.hpp"
+#include "../process_group.hpp"
+#include "../request.hpp"
+
+namespace ddp {
+inline namespace v0 {
+
+/// Reducer that runs each collective as one MPI call on the reducer's progress thread, in issue
+/// order (so every rank issues the same sequence, as MPI requires).
+///
+/// Threading: MPI must be initialized with `MPI_Init_thread` at level `MPI_THREAD_SERIALIZED`
+/// or higher, because the progress thread is not the main thread. `SERIALIZED` is enough when
+/// the program makes no MPI call of its own while a request is in flight and uses one
+/// `mpi_reducer`; otherwise ask for `MPI_THREAD_MULTIPLE`.
+///
+/// Deadlines bound the caller's wait only: an MPI call cannot be interrupted, so a collective
+/// whose peer died keeps the progress thread until MPI itself returns an error or the job is
+/// aborted (`MPI_Abort`, or the launcher killing it). The destructor waits for the running
+/// collective. Types without an MPI equivalent (f16, bf16) travel as 2-byte elements with
+/// user-defined ops that widen to float and round after each pairwise step; float min/max use
+/// ddp's kernels too, so NaN propagates as with every other reducer. `avg` is an MPI sum
+/// divided by the world size afterwards (integers truncate).
+class mpi_reducer {
+ public:
+  /// MPI moves the bytes itself: there is no ddp transport for an allocator to be built from
+  /// (`basic_data_parallel` default-constructs its allocator; `host_allocator` is the usual one).
+  struct engine_transport {};
+  using transport_type = engine_transport;
+
+  /// Joins MPI_COMM_WORLD with the ranks numbered as in `pg` (a collective on both): the MPI
+  /// world must hold exactly `pg.size()` processes, each also a member of `pg`; ranks may be
+  /// numbered differently by the launcher and by `pg`. Throws `errc::usage` when MPI is not
+  /// initialized, `errc::unsupported` below `MPI_THREAD_SERIALIZED`, `errc::invalid_argument`
+  /// when the sizes differ. The group's timeout bounds blocking calls.
+  /// \code
+  /// ddp::mpi_reducer mpi{pg};
+  /// \endcode
+  explicit mpi_reducer(process_group& pg) : timeout_(pg.timeout()) {
+    check_mpi_ready(pg.rank());
+    int wsize = 0;
+    DDP_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &wsize));
+    // Both sizes are the same on every rank, so every rank reaches the same verdict and none
+    // is left waiting in the split below.
+    if (wsize != pg.size())
+      detail::raise(errc::invalid_argument, pg.rank(),
+                    "mpi_reducer: the process group has " + std::to_string(pg.size()) +
+                        " ranks but MPI_COMM_WORLD has " + std::to_string(wsize));
+    // Ordering by the group's rank makes MPI rank r the same process as group rank r, whatever
+    // numbering the launcher used.
+    DDP_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, 0, pg.rank(), &res_.comm));
+    finish_setup(pg.rank());
+  }
+
+  /// Uses a duplicate of `comm` (a collective on `comm`); `timeout` bounds blocking calls.
+  /// \code
+  /// ddp::mpi_reducer mpi{MPI_COMM_WORLD, std::chrono::seconds(30)};
+  /// \endcode
+  explicit mpi_reducer(MPI_Comm comm, std::chrono::milliseconds timeout = std::chrono::seconds(60))
+      : timeout_(timeout) {
+    check_mpi_ready(-1);
+    if (comm == MPI_COMM_NULL) detail::raise(errc::invalid_argument, -1, "mpi_reducer: MPI_COMM_NULL");
+    if (timeout.count() <= 0) detail::raise(errc::invalid_argument, -1, "mpi_reducer: timeout must be positive");
+    DDP_MPI_CHECK(MPI_Comm_dup(comm, &res_.comm));
+    finish_setup(-1);
+  }
+
+  mpi_reducer(const mpi_reducer&) = delete;
+  mpi_reducer& operator=(const mpi_reducer&) = delete;
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  /// The reducer's private communicator (its ranks match `rank()`).
+  MPI_Comm comm() const noexcept { return res_.comm; }
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+  /// Every (dtype, op) pair of ddp is supported; kept as a pre-check for generic code.
+  static constexpr bool supports(dtype, op) noexcept { return true; }
+
+  // ---- untyped interface (what basic_data_parallel uses) ----------------------------------
+
+  /// Starts an in-place allreduce of `count` elements of `t` at `data`.
+  request allreduce_async(void* data, std::size_t count, dtype t, op o) {
+    check_op(o);
+    return worker_.submit([=, this] { do_allreduce(data, count, t, o); });
+  }
+  /// Copies `root`'s `count` elements into every rank's `data`.
+  request broadcast_async(void* data, std::size_t count, dtype t, int root) {
+    check_root(root);
+    return worker_.submit([=, this] { do_broadcast(data, count * dtype_size(t), root); });
+  }
+  /// `in` holds size() * count_per_rank elements; rank r receives the reduction of slice r.
+  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
+    check_op(o);
+    check_int_count(count_per_rank, "reduce_scatter");
+    return worker_.submit([=, this] {
+      DDP_MPI_CHECK(MPI_Reduce_scatter_block(in, out, static_cast<int>(count_per_rank), mpi_type(t),
+                                             mpi_op(t, o), res_.comm));
+      if (o == op::avg) detail::scale_avg(out, count_per_rank, t, size_);
+    });
+  }
+  /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`.
+  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) {
+    check_int_count(count_per_rank, "allgather");
+    return worker_.submit([=, this] {
+      const int n = static_cast<int>(count_per_rank);
+      DDP_MPI_CHECK(MPI_Allgather(in, n, mpi_type(t), out, n, mpi_type(t), res_.comm));
+    });
+  }
+  request barrier_async() {
+    return worker_.submit([this] { DDP_MPI_CHECK(MPI_Barrier(res_.comm)); });
+  }
+
+  /// Blocking allreduce; runs on the calling thread when no async work is pending.
+  void allreduce(void* data, std::size_t count, dtype t, op o) {
+    check_op(o);
+    if (!worker_.try_run_inline([&] { do_allreduce(data, count, t, o); }))
+      wait(worker_.submit([=, this] { do_allreduce(data, count, t, o); }));
+  }
+  void barrier() {
+    if (!worker_.try_run_inline([&] { DDP_MPI_CHECK(MPI_Barrier(res_.comm)); })) wait(barrier_async());
+  }
+
+  // ---- typed interface --------------------------------------------------------------------
+
+  template <class T>
+  request allreduce_async(std::span<T> v, op o) {
+    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
+                              "std::int32_t or std::int64_t");
+    return allreduce_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
+  }
+  template <class T>
+  void allreduce(std::span<T> v, op o) {
+    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
+                              "std::int32_t or std::int64_t");
+    allreduce(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
+  }
+  template <class T>
+  void broadcast(std::span<T> v, int root = 0) {
+    static_assert(element<T>, "ddp: broadcast element type must be one of ddp's dtypes");
+    wait(broadcast_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, root));
+  }
+  template <class T>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, op o) {
+    static_assert(element<T>, "ddp: reduce_scatter element type must be one of ddp's dtypes");
+    if (in.size() != out.size() * static_cast<std::size_t>(size()))
+      detail::raise(errc::invalid_argument, rank(), "reduce_scatter: input must hold size() * output elements");
+    wait(reduce_scatter_async(in.data(), out.data(), out.size(), dtype_of_v<T>, o));
+  }
+  template <class T>
+  void allgather(std::span<const T> in, std::span<T> out) {
+    static_assert(element<T>, "ddp: allgather element type must be one of ddp's dtypes");
+    if (out.size() != in.size() * static_cast<std::size_t>(size()))
+      detail::raise(errc::invalid_argument, rank(), "allgather: output must hold size() * input elements");
+    wait(allgather_async(in.data(), out.data(), in.size(), dtype_of_v<T>));
+  }
+
+ private:
+  // MPI counts are int; larger buffers go in pieces of this many elements.
+  static constexpr std::size_t max_piece = std::size_t{1} << 30;
+  static constexpr int n_ops = 5;
+
+  // MPI handles, freed after the progress thread has stopped (declared before worker_) and only
+  // while MPI is still alive: a program that finalizes MPI first has already released them.
+  struct mpi_resources {
+    MPI_Comm comm = MPI_COMM_NULL;
+    MPI_Datatype half_type = MPI_DATATYPE_NULL;  // 2 opaque bytes: f16 and bf16
+    MPI_Op f16[n_ops] = {};
+    MPI_Op bf16[n_ops] = {};
+    MPI_Op f32[n_ops] = {};
+    MPI_Op f64[n_ops] = {};
+    mpi_resources() {
+      for (int i = 0; i < n_ops; ++i) f16[i] = bf16[i] = f32[i] = f64[i] = MPI_OP_NULL;
+    }
+    mpi_resources(const mpi_resources&) = delete;
+    mpi_resources& operator=(const mpi_resources&) = delete;
+    ~mpi_resources() {
+      int fin = 1;
+      if (MPI_Finalized(&fin) != MPI_SUCCESS || fin) return;
+      for (MPI_Op* set : {f16, bf16, f32, f64})
+        for (int i = 0; i < n_ops; ++i)
+          if (set[i] != MPI_OP_NULL) (void)MPI_Op_free(&set[i]);
+      if (half_type != MPI_DATATYPE_NULL) (void)MPI_Type_free(&half_type);
+      if (comm != MPI_COMM_NULL) (void)MPI_Comm_free(&comm);
+    }
+  };
+
+  // MPI's contract for user ops: inout[i] = in[i] op inout[i]. ddp's kernels are the reduction
+  // of every other reducer, so f16/bf16 and NaN handling agree bit for bit with them.
+  template <class T, op O>
+  static void user_op(void* in, void* inout, int* len, MPI_Datatype*) {
+    detail::reduce_into(static_cast<T*>(inout), static_cast<const T*>(in), static_cast<std::size_t>(*len), O);
+  }
+  template <class T>
+  static void create_ops(MPI_Op (&set)[n_ops], bool with_arith) {
+    if (with_arith) {
+      DDP_MPI_CHECK(MPI_Op_create(&user_op<T, op::sum>, 1, &set[static_cast<int>(op::sum)]));
+      DDP_MPI_CHECK(MPI_Op_create(&user_op<T, op::prod>, 1, &set[static_cast<int>(op::prod)]));
+    }
+    DDP_MPI_CHECK(MPI_Op_create(&user_op<T, op::min>, 1, &set[static_cast<int>(op::min)]));
+    DDP_MPI_CHECK(MPI_Op_create(&user_op<T, op::max>, 1, &set[static_cast<int>(op::max)]));
+  }
+
+  static void check_mpi_ready(int rank) {
+    int init = 0, fin = 0, level = MPI_THREAD_SINGLE;
+    DDP_MPI_CHECK(MPI_Initialized(&init));
+    DDP_MPI_CHECK(MPI_Finalized(&fin));
+    if (!init || fin)
+      detail::raise(errc::usage, rank,
+                    "mpi_reducer: MPI is not initialized (call MPI_Init_thread with MPI_THREAD_MULTIPLE first)");
+    DDP_MPI_CHECK(MPI_Query_thread(&level));
+    if (level < MPI_THREAD_SERIALIZED)
+      detail::raise(errc::unsupported, rank,
+                    "mpi_reducer: MPI was initialized at thread level " + std::to_string(level) +
+                        "; the progress thread needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE (MPI_Init_thread)");
+  }
+
+  void finish_setup(int rank_hint) {
+    DDP_MPI_CHECK(MPI_Comm_set_errhandler(res_.comm, MPI_ERRORS_RETURN));
+    DDP_MPI_CHECK(MPI_Comm_rank(res_.comm, &rank_));
+    DDP_MPI_CHECK(MPI_Comm_size(res_.comm, &size_));
+    if (rank_hint >= 0 && rank_hint != rank_)
+      detail::raise(errc::rank_conflict, rank_hint,
+                    "mpi_reducer: group rank " + std::to_string(rank_hint) + " became MPI rank " + std::to_string(rank_) +
+                        " (two members of the group claim the same rank?)");
+    DDP_MPI_CHECK(MPI_Type_contiguous(2, MPI_BYTE, &res_.half_type));
+    DDP_MPI_CHECK(MPI_Type_commit(&res_.half_type));
+    create_ops<half>(res_.f16, true);
+    create_ops<bfloat16>(res_.bf16, true);
+    create_ops<float>(res_.f32, false);
+    create_ops<double>(res_.f64, false);
+  }
+
+  MPI_Datatype mpi_type(dtype t) const {
+    switch (t) {
+      case dtype::f32: return MPI_FLOAT;
+      case dtype::f64: return MPI_DOUBLE;
+      case dtype::f16:
+      case dtype::bf16: return res_.half_type;
+      case dtype::i32: return MPI_INT32_T;
+      case dtype::i64: return MPI_INT64_T;
+    }
+    detail::raise(errc::invalid_argument, rank_, "mpi_reducer: unknown dtype " + std::to_string(static_cast<int>(t)));
+  }
+
+  // MPI's built-in ops where their semantics are ddp's (sums and products wrap or round the
+  // same way, integer min/max have no NaN); ddp's kernels elsewhere.
+  MPI_Op mpi_op(dtype t, op o) const {
+    const int i = static_cast<int>(o == op::avg ? op::sum : o);
+    switch (t) {
+      case dtype::f16: return res_.f16[i];
+      case dtype::bf16: return res_.bf16[i];
+      case dtype::f32:
+        if (o == op::min || o == op::max) return res_.f32[i];
+        break;
+      case dtype::f64:
+        if (o == op::min || o == op::max) return res_.f64[i];
+        break;
+      case dtype::i32:
+      case dtype::i64: break;
+    }
+    switch (o) {
+      case op::sum:
+      case op::avg: return MPI_SUM;
+      case op::min: return MPI_MIN;
+      case op::max: return MPI_MAX;
+      case op::prod: return MPI_PROD;
+    }
+    detail::raise(errc::invalid_argument, rank_, "mpi_reducer: unknown reduction op");
+  }
+
+  void do_allreduce(void* data, std::size_t count, dtype t, op o) {
+    const MPI_Datatype type = mpi_type(t);
+    const MPI_Op mop = mpi_op(t, o);
+    auto* p = static_cast<std::byte*>(data);
+    for (std::size_t done = 0; done < count;) {
+      const std::size_t n = std::min(max_piece, count - done);
+      DDP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, p + done * dtype_size(t), static_cast<int>(n), type, mop, res_.comm));
+      done += n;
+    }
+    if (o == op::avg && count > 0) detail::scale_avg(data, count, t, size_);
+  }
+
+  void do_broadcast(void* data, std::size_t bytes, int root) {
+    auto* p = static_cast<std::byte*>(data);
+    for (std::size_t done = 0; done < bytes;) {
+      const std::size_t n = std::min(max_piece, bytes - done);
+      DDP_MPI_CHECK(MPI_Bcast(p + done, static_cast<int>(n), MPI_BYTE, root, res_.comm));
+      done += n;
+    }
+  }
+
+  void check_op(op o) const {
+    if (static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
+      detail::raise(errc::invalid_argument, rank_, "unknown reduction op");
+  }
+  void check_root(int root) const {
+    if (root < 0 || root >= size_)
+      detail::raise(errc::invalid_argument, rank_, "root " + std::to_string(root) + " is not a rank");
+  }
+  void check_int_count(std::size_t n, const char* what) const {
+    if (n > static_cast<std::size_t>(INT_MAX))
+      detail::raise(errc::unsupported, rank_,
+                    std::string("mpi_reducer: ") + what + " of more than INT_MAX elements per rank");
+  }
+  void wait(const request& r) const {
+    // Work queued ahead of this request is bounded by the timeout too, so twice the timeout
+    // bounds the whole wait (as in basic_reducer).
+    r.wait(std::chrono::steady_clock::now() + 2 * timeout_ + std::chrono::seconds(2));
+  }
+
+  std::chrono::milliseconds timeout_;
+  int rank_ = -1;
+  int size_ = 0;
+  mpi_resources res_;
+  detail::worker worker_;  // last: joins before the MPI handles are freed
+};
+
+}  // namespace v0
+}  // namespace ddp

@@ -1,0 +1,449 @@
+#pragma once
+/// \file nccl.hpp
+/// `ddp::nccl_reducer`: hands every collective to NCCL on one GPU per rank. Includes `<nccl.h>`
+/// and `<cuda_runtime.h>`; link with `-lnccl -lcudart`. Needs NCCL 2.14 or newer. See
+/// docs/mpi-nccl.md.
+///
+/// \code
+/// auto pg = ddp::init_process_group(ddp::init_options::from_env());
+/// ddp::nccl_reducer nccl{pg};                        // GPU local_rank % device count
+/// ddp::cuda_allocator mem{.device = nccl.device(), .stream = nccl.stream()};
+/// auto* g = static_cast<float*>(mem.allocate(n * sizeof(float)));
+/// nccl.allreduce(std::span<float>{g, n}, ddp::op::avg);   // device memory
+/// \endcode
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+
+#include "../detail/cuda_check.hpp"
+#include "../detail/worker.hpp"
+#include "../dtype.hpp"
+#include "../error.hpp"
+#include "../process_group.hpp"
+#include "../request.hpp"
+
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
+#error "ddp/reducer/nccl.hpp needs NCCL 2.14 or newer (non-blocking communicators, ncclCommFinalize)"
+#endif
+
+namespace ddp {
+inline namespace v0 {
+
+/// The ddp condition of an NCCL result: `ncclInvalidArgument` is the caller's argument,
+/// `ncclInvalidUsage` a misuse, `ncclRemoteError` a peer that failed or vanished; CUDA, system
+/// and internal errors are `errc::system`.
+/// \code
+/// if (ddp::nccl_condition(r) == ddp::errc::peer_lost) restart_job();
+/// \endcode
+inline errc nccl_condition(ncclResult_t r) noexcept {
+  switch (r) {
+    case ncclInvalidArgument: return errc::invalid_argument;
+    case ncclInvalidUsage: return errc::usage;
+    case ncclRemoteError: return errc::peer_lost;
+    case ncclInProgress: return errc::timeout;
+    default: return errc::system;
+  }
+}
+
+}  // namespace v0
+}  // namespace ddp
+
+/// Evaluates an NCCL call; any result but `ncclSuccess` throws `ddp::error` naming the NCCL
+/// error, the expression, file and line (condition from `ddp::nccl_condition`). Calls on a
+/// non-blocking communicator may return `ncclInProgress`: poll `ncclCommGetAsyncError` instead.
+#define DDP_NCCL_CHECK(expr)                                                                 \
+  do {                                                                                       \
+    const ncclResult_t ddp_nccl_status_ = (expr);                                            \
+    if (ddp_nccl_status_ != ncclSuccess)                                                     \
+      ::ddp::detail::raise(::ddp::nccl_condition(ddp_nccl_status_), -1,                      \
+                           std::string("NCCL ") + ncclGetErrorString(ddp_nccl_status_) +     \
+                               " from " #expr " at " __FILE__ ":" + std::to_string(__LINE__)); \
+  } while (false)
+
+namespace ddp {
+inline namespace v0 {
+
+/// Reducer that enqueues each collective on one CUDA stream of one GPU, in issue order, and
+/// completes its request when the GPU has finished it (an event, polled by the reducer's
+/// progress thread with a growing sleep, so a waiting rank does not take a core).
+///
+/// Buffers are device memory of this reducer's device (`cuda_allocator{.device = device()}`),
+/// or managed memory. Work on the caller's stream is ordered before a collective when the
+/// reducer was given that stream; with no stream the reducer creates its own blocking stream,
+/// which orders it after work on the legacy default stream only.
+///
+/// One GPU per rank: NCCL refuses two ranks of one communicator on the same device.
+///
+/// Deadlines: every request must complete within the group's timeout of reaching the GPU;
+/// otherwise the reducer aborts the communicator (`ncclCommAbort`, which also stops the
+/// kernels) and the request fails with `errc::timeout`; later calls fail with `errc::aborted`.
+/// `ncclRemoteError` and other asynchronous NCCL errors end it the same way. Semantics are
+/// NCCL's: `avg` is `ncclAvg` (floats are scaled before summing, so the last bit can differ
+/// from the host reducers), integer sums wrap, and min/max follow CUDA's `fmin`/`fmax` (a NaN
+/// loses against a number).
+class nccl_reducer {
+ public:
+  /// NCCL moves the bytes itself: there is no ddp transport for an allocator to be built from.
+  struct engine_transport {};
+  using transport_type = engine_transport;
+
+  /// Creates the communicator of `pg` (a collective: every rank constructs its reducers in the
+  /// same order). `device` < 0 picks `local_rank % device count` (`pg.rank()` when the local
+  /// rank is unknown); `stream` nullptr makes the reducer create one. Rank 0 creates the NCCL
+  /// unique id and broadcasts it through the group. Throws `errc::unsupported` without a CUDA
+  /// device, `errc::invalid_argument` for a device that does not exist, `errc::timeout` when
+  /// the communicator is not ready within the group's timeout.
+  /// \code
+  /// ddp::nccl_reducer nccl{pg, /*device=*/-1, my_stream};
+  /// \endcode
+  explicit nccl_reducer(process_group& pg, int device = -1, cudaStream_t stream = nullptr)
+      : rank_(pg.rank()), size_(pg.size()), timeout_(pg.timeout()) {
+    ncclUniqueId id{};
+    std::exception_ptr local_failure;
+    try {
+      setup_device(pg, device, stream);
+      if (rank_ == 0) DDP_NCCL_CHECK(ncclGetUniqueId(&id));
+    } catch (...) {
+      local_failure = std::current_exception();
+    }
+    // Every rank learns whether every other could set up, so a failure on one rank ends all of
+    // them at once instead of leaving the others in initialization until the timeout.
+    const auto status = pg.all_gather(local_failure ? "0" : "1");
+    if (local_failure) std::rethrow_exception(local_failure);
+    for (std::size_t q = 0; q < status.size(); ++q)
+      if (status[q] != "1")
+        detail::raise(errc::aborted, rank_,
+                      "nccl_reducer: rank " + std::to_string(q) + " could not set up its GPU or the NCCL id");
+    pg.broadcast(std::span<std::byte>(reinterpret_cast<std::byte*>(&id), sizeof id), 0);
+
+    const auto until = std::chrono::steady_clock::now() + timeout_;
+    detail::cuda_device_guard on(res_.device);
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    // Non-blocking: initialization and connection setup can then be bounded by the deadline
+    // and abandoned with ncclCommAbort when a peer never shows up.
+    cfg.blocking = 0;
+    const ncclResult_t r = ncclCommInitRankConfig(&res_.comm, size_, id, rank_, &cfg);
+    std::unique_lock lock(mu_);
+    if (r != ncclSuccess && r != ncclInProgress) fail_locked(r, "ncclCommInitRankConfig");
+    settle_locked(until, "ncclCommInitRankConfig");
+  }
+
+  nccl_reducer(const nccl_reducer&) = delete;
+  nccl_reducer& operator=(const nccl_reducer&) = delete;
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  /// The CUDA device the communicator runs on.
+  int device() const noexcept { return res_.device; }
+  /// The stream collectives are enqueued on.
+  cudaStream_t stream() const noexcept { return res_.stream; }
+  /// The communicator (nullptr once aborted); for NCCL calls of the program's own, which must
+  /// not overlap with this reducer's requests.
+  ncclComm_t comm() const noexcept { return res_.comm; }
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+  /// Every (dtype, op) pair of ddp is supported; kept as a pre-check for generic code.
+  static constexpr bool supports(dtype, op) noexcept { return true; }
+
+  // ---- untyped interface (what basic_data_parallel uses) ----------------------------------
+
+  /// Starts an in-place allreduce of `count` elements of `t` at device address `data`.
+  request allreduce_async(void* data, std::size_t count, dtype t, op o) {
+    const auto nt = nccl_type(t);
+    const auto no = nccl_op(o);
+    return launch("ncclAllReduce", [&] { return ncclAllReduce(data, data, count, nt, no, res_.comm, res_.stream); });
+  }
+  /// Copies `root`'s `count` elements into every rank's `data`.
+  request broadcast_async(void* data, std::size_t count, dtype t, int root) {
+    check_root(root);
+    const auto nt = nccl_type(t);
+    return launch("ncclBroadcast", [&] { return ncclBroadcast(data, data, count, nt, root, res_.comm, res_.stream); });
+  }
+  /// `in` holds size() * count_per_rank elements; rank r receives the reduction of slice r.
+  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
+    const auto nt = nccl_type(t);
+    const auto no = nccl_op(o);
+    return launch("ncclReduceScatter",
+                  [&] { return ncclReduceScatter(in, out, count_per_rank, nt, no, res_.comm, res_.stream); });
+  }
+  /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`.
+  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) {
+    const auto nt = nccl_type(t);
+    return launch("ncclAllGather", [&] { return ncclAllGather(in, out, count_per_rank, nt, res_.comm, res_.stream); });
+  }
+  /// NCCL has no barrier: a one-element allreduce on the reducer's stream. It completes when
+  /// every rank has reached it and every earlier collective of this reducer has finished.
+  request barrier_async() {
+    return launch("ncclAllReduce (barrier)", [&] {
+      return ncclAllReduce(res_.scratch, res_.scratch, 1, ncclInt32, ncclSum, res_.comm, res_.stream);
+    });
+  }
+
+  /// Blocking allreduce: returns when the result is in `data`.
+  void allreduce(void* data, std::size_t count, dtype t, op o) { wait(allreduce_async(data, count, t, o)); }
+  void barrier() { wait(barrier_async()); }
+
+  // ---- typed interface (spans over device memory) -------------------------------------------
+
+  template <class T>
+  request allreduce_async(std::span<T> v, op o) {
+    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
+                              "std::int32_t or std::int64_t");
+    return allreduce_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
+  }
+  template <class T>
+  void allreduce(std::span<T> v, op o) {
+    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
+                              "std::int32_t or std::int64_t");
+    allreduce(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
+  }
+  template <class T>
+  void broadcast(std::span<T> v, int root = 0) {
+    static_assert(element<T>, "ddp: broadcast element type must be one of ddp's dtypes");
+    wait(broadcast_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, root));
+  }
+  template <class T>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, op o) {
+    static_assert(element<T>, "ddp: reduce_scatter element type must be one of ddp's dtypes");
+    if (in.size() != out.size() * static_cast<std::size_t>(size()))
+      detail::raise(errc::invalid_argument, rank(), "reduce_scatter: input must hold size() * output elements");
+    wait(reduce_scatter_async(in.data(), out.data(), out.size(), dtype_of_v<T>, o));
+  }
+  template <class T>
+  void allgather(std::span<const T> in, std::span<T> out) {
+    static_assert(element<T>, "ddp: allgather element type must be one of ddp's dtypes");
+    if (out.size() != in.size() * static_cast<std::size_t>(size()))
+      detail::raise(errc::invalid_argument, rank(), "allgather: output must hold size() * input elements");
+    wait(allgather_async(in.data(), out.data(), in.size(), dtype_of_v<T>));
+  }
+
+  /// Aborts the communicator (`ncclCommAbort`: running NCCL kernels stop); pending and later
+  /// requests fail with `errc::aborted`. Peers notice through their own deadline.
+  void abort() noexcept {
+    std::lock_guard lock(mu_);
+    abort_locked();
+  }
+
+ private:
+  // Owns the CUDA and NCCL handles; declared before worker_, so it is destroyed after the
+  // progress thread has finished every request.
+  struct resources {
+    int device = -1;
+    ncclComm_t comm = nullptr;
+    cudaStream_t stream = nullptr;
+    bool own_stream = false;
+    void* scratch = nullptr;  // barrier's one int
+    std::chrono::milliseconds timeout{0};
+
+    resources() = default;
+    resources(const resources&) = delete;
+    resources& operator=(const resources&) = delete;
+    ~resources() {
+      if (device < 0) return;
+      int previous = -1;
+      (void)cudaGetDevice(&previous);
+      (void)cudaSetDevice(device);
+      if (comm != nullptr) {
+        // Finalize flushes what is still in flight and waits for the peers; bounded, then the
+        // communicator is torn down either way.
+        ncclResult_t st = ncclCommFinalize(comm);
+        const auto until = std::chrono::steady_clock::now() + timeout;
+        while (st == ncclInProgress || st == ncclSuccess) {
+          if (ncclCommGetAsyncError(comm, &st) != ncclSuccess) break;
+          if (st != ncclInProgress || std::chrono::steady_clock::now() >= until) break;
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
+        if (st == ncclSuccess)
+          (void)ncclCommDestroy(comm);
+        else
+          (void)ncclCommAbort(comm);
+      }
+      if (scratch != nullptr) (void)cudaFree(scratch);
+      if (own_stream && stream != nullptr) (void)cudaStreamDestroy(stream);
+      if (previous >= 0) (void)cudaSetDevice(previous);
+    }
+  };
+
+  void setup_device(process_group& pg, int device, cudaStream_t stream) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+      (void)cudaGetLastError();
+      detail::raise(errc::unsupported, rank_, "nccl_reducer: no CUDA device");
+    }
+    if (device < 0) {
+      const int local = pg.options().local_rank >= 0 ? pg.options().local_rank : pg.rank();
+      device = local % count;
+    }
+    if (device >= count)
+      detail::raise(errc::invalid_argument, rank_,
+                    "nccl_reducer: device " + std::to_string(device) + " does not exist (" + std::to_string(count) +
+                        " devices)");
+    res_.timeout = timeout_;
+    detail::cuda_device_guard on(device);
+    res_.device = device;
+    if (stream == nullptr) {
+      // A blocking stream (not cudaStreamNonBlocking): it waits for work the program put on the
+      // legacy default stream, so gradients computed there are complete before they are reduced.
+      DDP_CUDA_CHECK(cudaStreamCreate(&res_.stream));
+      res_.own_stream = true;
+    } else {
+      res_.stream = stream;
+    }
+    DDP_CUDA_CHECK(cudaMalloc(&res_.scratch, sizeof(std::int32_t)));
+  }
+
+  static ncclDataType_t nccl_type(dtype t) {
+    switch (t) {
+      case dtype::f32: return ncclFloat32;
+      case dtype::f64: return ncclFloat64;
+      case dtype::f16: return ncclFloat16;
+      case dtype::bf16: return ncclBfloat16;
+      case dtype::i32: return ncclInt32;
+      case dtype::i64: return ncclInt64;
+    }
+    detail::raise(errc::invalid_argument, -1, "nccl_reducer: unknown dtype " + std::to_string(static_cast<int>(t)));
+  }
+  static ncclRedOp_t nccl_op(op o) {
+    switch (o) {
+      case op::sum: return ncclSum;
+      case op::avg: return ncclAvg;
+      case op::min: return ncclMin;
+      case op::max: return ncclMax;
+      case op::prod: return ncclProd;
+    }
+    detail::raise(errc::invalid_argument, -1, "unknown reduction op " + std::to_string(static_cast<int>(o)));
+  }
+  void check_root(int root) const {
+    if (root < 0 || root >= size_)
+      detail::raise(errc::invalid_argument, rank_, "root " + std::to_string(root) + " is not a rank");
+  }
+
+  // Enqueues one NCCL call and an event behind it; the request completes when the event has.
+  template <class Call>
+  request launch(const char* what, Call&& call) {
+    cudaEvent_t ev = nullptr;
+    {
+      std::unique_lock lock(mu_);
+      if (aborted_) detail::raise(errc::aborted, rank_, std::string("nccl_reducer: ") + what + " after abort");
+      detail::cuda_device_guard on(res_.device);
+      const ncclResult_t r = call();
+      if (r != ncclSuccess && r != ncclInProgress) fail_locked(r, what);
+      // A non-blocking communicator may still be connecting: wait for it, bounded.
+      if (r == ncclInProgress) settle_locked(std::chrono::steady_clock::now() + timeout_, what);
+      DDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+      const cudaError_t e = cudaEventRecord(ev, res_.stream);
+      if (e != cudaSuccess) {
+        (void)cudaEventDestroy(ev);
+        detail::raise_cuda(e, "cudaEventRecord", __FILE__, __LINE__);
+      }
+    }
+    return worker_.submit([this, ev, what] { await(ev, what); });
+  }
+
+  // On the progress thread: requests are awaited in issue order, and a request's deadline
+  // starts when the previous one has finished, i.e. when its collective reached the GPU's head.
+  void await(cudaEvent_t ev, const char* what) {
+    struct event_guard {
+      cudaEvent_t e;
+      ~event_guard() { (void)cudaEventDestroy(e); }
+    } guard{ev};
+    const auto start = std::chrono::steady_clock::now();
+    const auto until = start + timeout_;
+    auto nap = std::chrono::microseconds(0);
+    for (;;) {
+      const cudaError_t e = cudaEventQuery(ev);
+      if (e == cudaSuccess) return;
+      if (e != cudaErrorNotReady) detail::raise_cuda(e, "cudaEventQuery", __FILE__, __LINE__);
+      {
+        std::lock_guard lock(mu_);
+        if (aborted_) detail::raise(errc::aborted, rank_, std::string("nccl_reducer: ") + what + " aborted");
+        ncclResult_t st = ncclSuccess;
+        const ncclResult_t q = ncclCommGetAsyncError(res_.comm, &st);
+        if (q != ncclSuccess) fail_locked(q, "ncclCommGetAsyncError");
+        if (st != ncclSuccess && st != ncclInProgress) fail_locked(st, what);
+        if (std::chrono::steady_clock::now() >= until) {
+          abort_locked();
+          detail::raise(errc::timeout, rank_,
+                        std::string("nccl_reducer: ") + what + " did not complete within " +
+                            std::to_string(timeout_.count()) + " ms (a peer is missing or stuck); communicator aborted");
+        }
+      }
+      // Spin briefly (small collectives finish in microseconds), then sleep with a growing
+      // nap: a rank that waits on a slower peer must not take the core that peer needs.
+      if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(50)) {
+        std::this_thread::yield();
+        continue;
+      }
+      nap = nap < std::chrono::microseconds(20) ? std::chrono::microseconds(20)
+                                                 : std::min(nap * 2, std::chrono::microseconds(1000));
+      std::this_thread::sleep_for(nap);
+    }
+  }
+
+  // Waits until the communicator's pending operation (init, a connecting collective) is done.
+  void settle_locked(std::chrono::steady_clock::time_point until, const char* what) {
+    auto nap = std::chrono::microseconds(20);
+    for (;;) {
+      ncclResult_t st = ncclInProgress;
+      const ncclResult_t q = ncclCommGetAsyncError(res_.comm, &st);
+      if (q != ncclSuccess) fail_locked(q, "ncclCommGetAsyncError");
+      if (st == ncclSuccess) return;
+      if (st != ncclInProgress) fail_locked(st, what);
+      if (std::chrono::steady_clock::now() >= until) {
+        abort_locked();
+        detail::raise(errc::timeout, rank_,
+                      std::string("nccl_reducer: ") + what + " not ready within " + std::to_string(timeout_.count()) +
+                          " ms (a rank did not join?); communicator aborted");
+      }
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(2000));
+    }
+  }
+
+  // An NCCL failure leaves the communicator unusable: abort it, then report.
+  [[noreturn]] void fail_locked(ncclResult_t r, const char* what) {
+    std::string detail_text;
+    if (res_.comm != nullptr) {
+      const char* last = ncclGetLastError(res_.comm);
+      if (last != nullptr && *last != '\0') detail_text = std::string(": ") + last;
+    }
+    abort_locked();
+    detail::raise(nccl_condition(r), rank_,
+                  std::string("nccl_reducer: ") + what + " failed with NCCL " + ncclGetErrorString(r) + detail_text);
+  }
+
+  void abort_locked() noexcept {
+    aborted_ = true;
+    if (res_.comm != nullptr) {
+      (void)ncclCommAbort(res_.comm);
+      res_.comm = nullptr;
+    }
+  }
+
+  void wait(const request& r) const {
+    // Each queued request ahead of this one is bounded by the timeout once it reaches the GPU;
+    // twice the timeout bounds the whole wait (as in basic_reducer).
+    r.wait(std::chrono::steady_clock::now() + 2 * timeout_ + std::chrono::seconds(2));
+  }
+
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+  std::mutex mu_;  // NCCL calls on one communicator must not overlap; guards comm and aborted_
+  bool aborted_ = false;
+  resources res_;
+  detail::worker worker_;  // last: joins before the communicator goes away
+};
+
+}  // namespace v0
+}  // namespace ddp

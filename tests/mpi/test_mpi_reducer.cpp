@@ -1,0 +1,348 @@
+// The MPI reducer under a real `mpirun`: every rank runs this doctest program, builds a ddp
+// process group next to MPI_COMM_WORLD, and checks results against references computed from
+// every rank's inputs (tests/multiproc/reducer_checks.hpp). Checks are CHECKs, not REQUIREs, so a wrong value on one rank does not
+// make it skip collectives the others are waiting in; main() fails the job when any rank failed.
+#include <ddp/reducer/mpi.hpp>
+
+#include <ddp/concepts.hpp>
+#include <ddp/data_parallel.hpp>
+#include <ddp/memory/host_allocator.hpp>
+#include <ddp/planner/size_planner.hpp>
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../multiproc/reducer_checks.hpp"
+
+static_assert(ddp::reducer<ddp::mpi_reducer>);
+
+namespace {
+
+ddp::process_group* g_pg = nullptr;
+
+ddp::process_group& pg() { return *g_pg; }
+
+int pick_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Every rank holds the same bits (hashes compared over MPI).
+bool same_bits_everywhere(const void* p, std::size_t bytes) {
+  const auto h = static_cast<unsigned long long>(ddp_test::fnv(p, bytes));
+  std::vector<unsigned long long> all(static_cast<std::size_t>(pg().size()));
+  MPI_Allgather(&h, 1, MPI_UNSIGNED_LONG_LONG, all.data(), 1, MPI_UNSIGNED_LONG_LONG, MPI_COMM_WORLD);
+  return std::all_of(all.begin(), all.end(), [&](unsigned long long x) { return x == h; });
+}
+
+// reducer_checks' exact inputs and references, checked without throwing: a rank that sees a
+// wrong value still takes part in every later collective, so one failure cannot hang the job.
+template <class T>
+void check_exact(ddp::mpi_reducer& red, std::size_t count, ddp::op o) {
+  std::vector<T> v(count);
+  for (std::size_t i = 0; i < count; ++i) v[i] = ddp_test::from_double<T>(ddp_test::exact_input(pg().rank(), i, o));
+  red.allreduce(std::span<T>(v), o);
+  std::size_t bad = count;
+  for (std::size_t i = 0; i < count && bad == count; ++i) {
+    const T e = ddp_test::exact_expected<T>(pg().size(), i, o);
+    if (std::memcmp(&v[i], &e, sizeof(T)) != 0) bad = i;
+  }
+  INFO(std::string(ddp::dtype_name(ddp::dtype_of_v<T>)), " ", std::string(ddp::op_name(o)), " count ", count, " first wrong element ", bad);
+  CHECK(bad == count);
+  CHECK(same_bits_everywhere(v.data(), v.size() * sizeof(T)));
+}
+
+void check_all_types_and_ops(ddp::mpi_reducer& red, std::size_t count) {
+  for (auto o : {ddp::op::sum, ddp::op::avg, ddp::op::min, ddp::op::max, ddp::op::prod}) {
+    check_exact<float>(red, count, o);
+    check_exact<double>(red, count, o);
+    check_exact<ddp::half>(red, count, o);
+    check_exact<ddp::bfloat16>(red, count, o);
+    check_exact<std::int32_t>(red, count, o);
+    check_exact<std::int64_t>(red, count, o);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("mpi_reducer: ranks follow the process group") {
+  ddp::mpi_reducer red{pg()};
+  CHECK(red.rank() == pg().rank());
+  CHECK(red.size() == pg().size());
+  int r = -1, n = 0;
+  MPI_Comm_rank(red.comm(), &r);
+  MPI_Comm_size(red.comm(), &n);
+  CHECK(r == pg().rank());
+  CHECK(n == pg().size());
+  int cmp = MPI_UNEQUAL;
+  MPI_Comm_compare(red.comm(), MPI_COMM_WORLD, &cmp);
+  CHECK(cmp != MPI_IDENT);  // a private communicator: its traffic never matches the program's
+  red.barrier();
+}
+
+TEST_CASE("mpi_reducer: every dtype and op, exact references") {
+  ddp::mpi_reducer red{pg()};
+  for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{1000}, std::size_t{65537}})
+    check_all_types_and_ops(red, count);
+}
+
+TEST_CASE("mpi_reducer: random floats against a double reference") {
+  ddp::mpi_reducer red{pg()};
+  auto input = [](int r, std::size_t i) {
+    std::uint64_t x = (static_cast<std::uint64_t>(r) + 1) * 0x9e3779b97f4a7c15ull ^ (i * 0xbf58476d1ce4e5b9ull);
+    x ^= x >> 31;
+    return static_cast<float>(static_cast<double>(x % 2000001) / 1000000.0 - 1.0);
+  };
+  const std::size_t count = 100003;
+  std::vector<float> v(count);
+  for (std::size_t i = 0; i < count; ++i) v[i] = input(pg().rank(), i);
+  red.allreduce(std::span<float>(v), ddp::op::sum);
+  double worst = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    double ref = 0;
+    for (int r = 0; r < pg().size(); ++r) ref += input(r, i);
+    worst = std::max(worst, std::fabs(v[i] - ref));
+  }
+  CHECK(worst <= 1e-5 * pg().size());
+  CHECK(same_bits_everywhere(v.data(), v.size() * sizeof(float)));
+}
+
+TEST_CASE("mpi_reducer: NaN propagates through float min and max") {
+  ddp::mpi_reducer red{pg()};
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (auto o : {ddp::op::min, ddp::op::max}) {
+    // The last rank holds the NaN, so an implementation that keeps its left operand would lose it.
+    std::vector<float> v{1.0f, static_cast<float>(pg().rank())};
+    if (pg().rank() == pg().size() - 1) v[0] = nan;
+    red.allreduce(std::span<float>(v), o);
+    CHECK(std::isnan(v[0]));
+    CHECK(v[1] == (o == ddp::op::min ? 0.0f : static_cast<float>(pg().size() - 1)));
+    std::vector<ddp::bfloat16> b{ddp::bfloat16(1.0f)};
+    if (pg().rank() == 0) b[0] = ddp::bfloat16(nan);
+    red.allreduce(std::span<ddp::bfloat16>(b), o);
+    CHECK(std::isnan(static_cast<float>(b[0])));
+  }
+}
+
+TEST_CASE("mpi_reducer: async requests complete in issue order with correct values") {
+  ddp::mpi_reducer red{pg()};
+  const int n = pg().size();
+  const int r = pg().rank();
+  std::vector<std::vector<double>> bufs(6, std::vector<double>(4096));
+  std::vector<std::int64_t> ints(33, r + 1);
+  std::vector<ddp::request> reqs;
+  for (std::size_t k = 0; k < bufs.size(); ++k) {
+    for (std::size_t i = 0; i < bufs[k].size(); ++i) bufs[k][i] = static_cast<double>(r * 10 + k) + static_cast<double>(i % 5);
+    reqs.push_back(red.allreduce_async(std::span<double>(bufs[k]), k % 2 ? ddp::op::avg : ddp::op::sum));
+  }
+  reqs.push_back(red.allreduce_async(std::span<std::int64_t>(ints), ddp::op::prod));
+  reqs.back().wait_for(std::chrono::seconds(60));
+  // The last request finished, so every earlier one has too: requests complete in order.
+  for (auto& q : reqs) CHECK(q.test());
+  const double rank_sum = n * (n - 1) / 2.0;
+  for (std::size_t k = 0; k < bufs.size(); ++k) {
+    for (std::size_t i = 0; i < bufs[k].size(); i += 97) {
+      const double sum = 10 * rank_sum + n * (static_cast<double>(k) + static_cast<double>(i % 5));
+      CHECK(bufs[k][i] == (k % 2 ? sum / n : sum));
+    }
+  }
+  std::int64_t fact = 1;
+  for (int q = 1; q <= n; ++q) fact *= q;
+  CHECK(ints[0] == fact);
+  CHECK(ints[32] == fact);
+}
+
+TEST_CASE("mpi_reducer: broadcast, reduce_scatter, allgather, barrier") {
+  ddp::mpi_reducer red{pg()};
+  const int n = pg().size();
+  const int r = pg().rank();
+  const int root = n - 1;
+
+  std::vector<ddp::half> h(10, ddp::half(static_cast<float>(r)));
+  red.broadcast(std::span<ddp::half>(h), root);
+  for (auto x : h) CHECK(static_cast<float>(x) == static_cast<float>(root));
+
+  const std::size_t per = 5;
+  std::vector<float> in(per * static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>(r + 1) * static_cast<float>(i);
+  std::vector<float> out(per);
+  red.reduce_scatter(std::span<const float>(in), std::span<float>(out), ddp::op::sum);
+  const float ranks = static_cast<float>(n * (n + 1) / 2);
+  for (std::size_t i = 0; i < per; ++i)
+    CHECK(out[i] == ranks * static_cast<float>(static_cast<std::size_t>(r) * per + i));
+  std::vector<std::int32_t> iin(per * static_cast<std::size_t>(n), 2 * (r + 1)), iout(per);
+  red.reduce_scatter(std::span<const std::int32_t>(iin), std::span<std::int32_t>(iout), ddp::op::avg);
+  for (auto x : iout) CHECK(x == (n * (n + 1)) / n);
+
+  std::vector<std::int64_t> mine{r * 100, r * 100 + 1, r * 100 + 2}, all(3 * static_cast<std::size_t>(n));
+  red.allgather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
+  for (int q = 0; q < n; ++q)
+    for (int j = 0; j < 3; ++j) CHECK(all[static_cast<std::size_t>(q * 3 + j)] == q * 100 + j);
+
+  red.barrier();
+  auto b = red.barrier_async();
+  b.wait_for(std::chrono::seconds(60));
+  CHECK(b.test());
+}
+
+TEST_CASE("mpi_reducer: built from a sub-communicator") {
+  // Even and odd ranks form two groups; each reduces over its own members only.
+  MPI_Comm sub = MPI_COMM_NULL;
+  const int r = pg().rank();
+  MPI_Comm_split(MPI_COMM_WORLD, r % 2, r, &sub);
+  {
+    ddp::mpi_reducer red{sub, std::chrono::seconds(30)};
+    int members = 0;
+    int expected = 0;
+    for (int q = r % 2; q < pg().size(); q += 2) {
+      ++members;
+      expected += q;
+    }
+    CHECK(red.size() == members);
+    CHECK(red.rank() == r / 2);
+    std::vector<std::int32_t> v{r};
+    red.allreduce(std::span<std::int32_t>(v), ddp::op::sum);
+    CHECK(v[0] == expected);
+  }
+  MPI_Comm_free(&sub);
+}
+
+TEST_CASE("mpi_reducer: errors become ddp::error with the MPI condition") {
+  ddp::mpi_reducer red{pg()};
+  std::vector<float> v(4, 1.0f);
+  auto code_of = [](auto&& f) {
+    try {
+      f();
+    } catch (const ddp::error& e) {
+      return e.condition();
+    }
+    return ddp::errc{};
+  };
+  CHECK(code_of([&] { (void)red.broadcast_async(v.data(), v.size(), ddp::dtype::f32, pg().size()); }) ==
+        ddp::errc::invalid_argument);
+  CHECK(code_of([&] { red.allreduce(v.data(), v.size(), ddp::dtype::f32, static_cast<ddp::op>(42)); }) ==
+        ddp::errc::invalid_argument);
+  std::vector<float> three(3);  // 4 inputs are never size() * 3
+  CHECK(code_of([&] { red.reduce_scatter(std::span<const float>(v), std::span<float>(three), ddp::op::sum); }) ==
+        ddp::errc::invalid_argument);
+  // The reducer's communicator returns errors instead of aborting the job; DDP_MPI_CHECK turns
+  // them into ddp::error. Argument checks fail locally, on every rank alike.
+  CHECK(code_of([&] { DDP_MPI_CHECK(MPI_Bcast(v.data(), 1, MPI_FLOAT, pg().size() + 3, red.comm())); }) ==
+        ddp::errc::invalid_argument);
+  std::string what;
+  try {
+    DDP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v.data(), -1, MPI_FLOAT, MPI_SUM, red.comm()));
+  } catch (const ddp::error& e) {
+    what = e.what();
+  }
+  CHECK(what.find("[ddp.invalid_argument] rank " + std::to_string(pg().rank())) == 0);
+  CHECK(what.find("MPI_Allreduce") != std::string::npos);
+  // Still usable afterwards.
+  red.allreduce(std::span<float>(v), ddp::op::sum);
+  CHECK(v[0] == static_cast<float>(pg().size()));
+}
+
+TEST_CASE("mpi_reducer: drives basic_data_parallel, gradients averaged") {
+  using dp_t = ddp::basic_data_parallel<ddp::size_planner, ddp::mpi_reducer, ddp::host_allocator>;
+  const int n = pg().size();
+  const int r = pg().rank();
+  // Three parameters of two dtypes; small caps give several buckets, so several collectives
+  // are in flight while later gradients are still being "computed".
+  std::vector<float> w0(1000), g0(1000), w2(5), g2(5);
+  std::vector<double> w1(300), g1(300);
+  auto value = [](int rank, std::size_t p, std::size_t j, int step) {
+    return static_cast<double>(static_cast<long>(((static_cast<std::size_t>(rank) + 1) * 31 + p * 17 + j * 7 +
+                                                  static_cast<std::size_t>(step) * 13) % 97) - 48) / 8.0;
+  };
+  for (std::size_t j = 0; j < w0.size(); ++j) w0[j] = static_cast<float>(r * 1000 + static_cast<int>(j));
+  for (std::size_t j = 0; j < w1.size(); ++j) w1[j] = r * 1000.0 + static_cast<double>(j);
+  std::vector<ddp::tensor_view> views{ddp::make_tensor_view(std::span<float>(w0), std::span<float>(g0), "w0"),
+                                      ddp::make_tensor_view(std::span<double>(w1), std::span<double>(g1), "w1"),
+                                      ddp::make_tensor_view(std::span<float>(w2), std::span<float>(g2), "w2")};
+  dp_t dp{pg(), views, ddp::bucket_policy{.cap_bytes = 1024, .first_cap_bytes = 256}};
+  // Rank 0's parameters were broadcast through the MPI reducer.
+  CHECK(w0[999] == 999.0f);
+  CHECK(w1[7] == 7.0);
+  for (int step = 0; step < 3; ++step) {
+    for (std::size_t j = 0; j < g0.size(); ++j) g0[j] = static_cast<float>(value(r, 0, j, step));
+    for (std::size_t j = 0; j < g1.size(); ++j) g1[j] = value(r, 1, j, step);
+    for (std::size_t j = 0; j < g2.size(); ++j) g2[j] = static_cast<float>(value(r, 2, j, step));
+    for (std::size_t i = 3; i-- > 0;) dp.grad_ready(i);
+    dp.finish();
+    auto avg = [&](std::size_t p, std::size_t j) {
+      double s = 0;
+      for (int q = 0; q < n; ++q) s += value(q, p, j, step);
+      return s;
+    };
+    bool ok = true;
+    for (std::size_t j = 0; j < g0.size(); ++j) ok = ok && g0[j] == static_cast<float>(avg(0, j)) / static_cast<float>(n);
+    for (std::size_t j = 0; j < g1.size(); ++j) ok = ok && g1[j] == avg(1, j) / n;
+    for (std::size_t j = 0; j < g2.size(); ++j) ok = ok && g2[j] == static_cast<float>(avg(2, j)) / static_cast<float>(n);
+    CHECK_MESSAGE(ok, "step " << step << ": a gradient differs from the average");
+    CHECK(dp.last_step_stats().buckets.size() >= 3);
+  }
+}
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  if (MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) return 1;
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  int failed = 0;
+  if (provided < MPI_THREAD_SERIALIZED) {
+    // The reducer refuses such a library; say so instead of failing every case.
+    if (rank == 0) std::fprintf(stderr, "MPI provides thread level %d only; skipping\n", provided);
+    MPI_Finalize();
+    return 77;
+  }
+  {
+    // mpirun sets the ranks (OMPI_COMM_WORLD_RANK/SIZE) but no rendezvous address: rank 0 picks
+    // a free port and tells the others.
+    auto opts = ddp::init_options::from_env();
+    int port = rank == 0 ? pick_port() : 0;
+    MPI_Bcast(&port, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    opts.master_addr = "127.0.0.1";
+    opts.master_port = port;
+    opts.rank = rank;
+    opts.world_size = size;
+    // A failure that leaves ranks waiting ends within this bound instead of hanging the suite.
+    opts.timeout = std::chrono::seconds(20);
+    auto group = ddp::init_process_group(opts);
+    g_pg = &group;
+
+    doctest::Context ctx(argc, argv);
+    if (rank != 0) ctx.setOption("no-version", true);
+    const int rc = ctx.run();
+    failed = (rc != 0 || ctx.shouldExit()) ? 1 : 0;
+    MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    group.barrier();
+    g_pg = nullptr;
+  }
+  MPI_Finalize();
+  if (failed && rank == 0) std::fprintf(stderr, "mpi_reducer: a check failed on at least one rank\n");
+  return failed;
+}
