@@ -49,14 +49,20 @@ std::set<std::string> shm_entries() {
   return names;
 }
 
-// Checks, in the parent, that a test left no segment of its own behind. Other suites running
-// at the same time may own entries, so only names that appeared and stayed count.
+// Checks, in the parent, that a test left no segment of its own behind. Other jobs on the
+// machine may own entries: one that is still setting up its group holds its name until all its
+// ranks have mapped it, so only names that appeared and are still there 5 s later count.
 struct no_leftovers {
   std::set<std::string> before = shm_entries();
   ~no_leftovers() {
     std::string left;
-    for (auto& n : shm_entries())
-      if (!before.count(n)) left += n + " ";
+    for (int tries = 0; tries < 50; ++tries) {
+      left.clear();
+      for (auto& n : shm_entries())
+        if (!before.count(n)) left += n + " ";
+      if (left.empty()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
     CHECK_MESSAGE(left.empty(), "left in /dev/shm: " << left);
   }
 };
