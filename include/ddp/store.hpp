@@ -65,6 +65,9 @@ class store_server {
   /// Number of clients connected right now (authenticated ones, when there is a secret).
   int clients() const noexcept { return nclients_.load(); }
 
+  /// Rank that hosts this store (for messages).
+  int rank() const noexcept { return rank_; }
+
   /// Clients dropped for malformed input since start.
   int dropped() const noexcept { return dropped_.load(); }
 
