@@ -1,0 +1,412 @@
+// Fault injection with real processes: in each trial one rank of a group is killed (SIGKILL)
+// or frozen (SIGSTOP) at a random point (during rendezvous, in the middle of an allreduce,
+// between two buckets of a data-parallel step, or inside finish()), by the parent, by a
+// sibling rank or by itself. Every survivor must raise ddp::error (peer_lost, timeout or
+// aborted) naming the lost rank within the timeout plus 2 s, no rank may hang, and nothing
+// may stay behind: no /dev/shm segment, no listening port, no socket, mapping or thread in
+// the survivors once their ddp objects are gone.
+//
+// DDP_FAULT_TRIALS (trials per reducer, default 6), DDP_FAULT_SEED (default: random, printed),
+// DDP_FAULT_TIMEOUT_MS (the group's timeout, default 2000), DDP_FAULT_VERBOSE=1 (one line per
+// trial), DDP_FAULT_ONLY=i (only trial i of the seed's sequence), DDP_FAULT_STRICT=1 (the known
+// gaps listed below fail too). scripts/faults.sh runs 50
+// trials per reducer.
+
+#include "fault_harness.hpp"
+
+#include <ddp/data_parallel.hpp>
+#include <ddp/process_group.hpp>
+#include <ddp/reducer/ring.hpp>
+#include <ddp/reducer/tree.hpp>
+#include <ddp/transport/shm.hpp>
+#include <ddp/transport/tcp.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <stdexcept>
+
+#include "multiproc/harness.hpp"
+
+using namespace std::chrono_literals;
+using namespace ddp_faults;
+
+namespace {
+
+long env_long(const char* name, long dflt) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::strtol(v, nullptr, 10) : dflt;
+}
+
+enum class scenario { rendezvous, allreduce, buckets, finish };
+const char* scenario_name(scenario s) {
+  switch (s) {
+    case scenario::rendezvous: return "rendezvous";
+    case scenario::allreduce: return "allreduce";
+    case scenario::buckets: return "between buckets";
+    case scenario::finish: return "finish";
+  }
+  return "?";
+}
+
+template <class Reducer>
+constexpr bool on_shm = std::is_same_v<typename Reducer::transport_type, ddp::shm>;
+
+// Small segments: a trial's group lives for seconds and reduces a few MiB.
+const ddp::shm_options shm_opts{.segment_bytes = 16 << 20, .slot_bytes = 256 << 10};
+
+template <class Reducer>
+std::unique_ptr<Reducer> make_reducer(ddp::process_group& pg) {
+  if constexpr (on_shm<Reducer>) return std::make_unique<Reducer>(pg, shm_opts, ddp::reducer_options{});
+  else return std::make_unique<Reducer>(pg, ddp::reducer_options{});
+}
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+
+// Runs `f`; a failure is noted with its time right where it reaches the caller, before any
+// ddp object is destroyed (destructors may wait, bounded, for work still in flight).
+template <class F>
+void noting(slot& me, F&& f) {
+  try {
+    f();
+  } catch (const ddp::error& e) {
+    survivor_guard::note(me, e);
+    throw;
+  } catch (const std::exception& e) {
+    survivor_guard::note_other(me, e);
+    throw;
+  }
+}
+
+struct trial_plan {
+  scenario what = scenario::allreduce;
+  int n = 4;
+  int port = 0;
+  std::chrono::milliseconds timeout{2000};
+  std::uint64_t seed = 0;  ///< shared by the ranks: sizes and model shape
+  fault f;
+};
+
+// Allreduces of a few MiB (so a signal lands mid-flight), blocking and in async batches, until
+// something fails. Results are checked so that a fault never passes as wrong numbers.
+template <class Reducer>
+void allreduce_loop(const trial_plan& t, ddp::process_group& pg, slot& me, self_striker* self) {
+  const bool victim = pg.rank() == t.f.victim;
+  std::unique_ptr<Reducer> red;
+  noting(me, [&] { red = make_reducer<Reducer>(pg); });
+  std::mt19937_64 g(t.seed);
+  const float expect = static_cast<float>(t.n * (t.n + 1) / 2);
+  for (std::int64_t it = 0;; ++it) {
+    const std::size_t count = (std::size_t{64} << 10) + g() % (std::size_t{2} << 20);
+    const int batch = g() % 3 == 0 ? 3 : 1;
+    me.phase = working;
+    me.iter = it;
+    if (victim && it == t.f.at_iter) {
+      if (t.f.from == source::self_sync) strike_self(me, t.f.sig);
+      if (t.f.from == source::self_async) self->arm(t.f.delay);
+    }
+    std::vector<std::vector<float>> bufs(static_cast<std::size_t>(batch),
+                                         std::vector<float>(count, static_cast<float>(pg.rank() + 1)));
+    noting(me, [&] {
+      if (batch == 1) {
+        red->allreduce(std::span<float>(bufs[0]), ddp::op::sum);
+      } else {
+        std::vector<ddp::request> reqs;
+        for (auto& b : bufs) reqs.push_back(red->allreduce_async(std::span<float>(b), ddp::op::sum));
+        for (auto& r : reqs) r.wait(std::chrono::steady_clock::now() + 2 * t.timeout + 2s);
+      }
+    });
+    for (auto& b : bufs)
+      require(b.front() == expect && b[count / 2] == expect && b.back() == expect, "wrong allreduce result");
+  }
+}
+
+// A model whose gradients fill several buckets; backward calls grad_ready between short
+// stretches of "compute", so a fault lands between buckets or inside finish().
+struct model {
+  std::vector<std::vector<float>> data, grad;
+  std::vector<ddp::tensor_view> views;
+  std::vector<std::string> names;
+};
+
+model make_model(std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  model m;
+  const std::size_t params = 6 + g() % 7;
+  for (std::size_t i = 0; i < params; ++i) {
+    const std::size_t n = (std::size_t{16} << 10) + g() % (std::size_t{192} << 10);
+    m.data.emplace_back(n, 0.0f);
+    m.grad.emplace_back(n, 0.0f);
+    m.names.push_back("p" + std::to_string(i));
+  }
+  for (std::size_t i = 0; i < params; ++i)
+    m.views.push_back(ddp::tensor_view{m.data[i].data(), m.grad[i].data(), m.data[i].size(), ddp::dtype::f32, -1,
+                                       m.names[i], {}});
+  return m;
+}
+
+template <class Reducer>
+void training_loop(const trial_plan& t, ddp::process_group& pg, slot& me, self_striker* self) {
+  const bool victim = pg.rank() == t.f.victim;
+  auto m = make_model(t.seed);
+  using dp_t = ddp::basic_data_parallel<ddp::size_planner, Reducer>;
+  const ddp::bucket_policy policy{.cap_bytes = 256 << 10, .first_cap_bytes = 64 << 10};
+  std::optional<dp_t> dp;
+  noting(me, [&] {
+    if constexpr (on_shm<Reducer>) dp.emplace(pg, m.views, policy, ddp::dp_options{}, shm_opts, ddp::reducer_options{});
+    else dp.emplace(pg, m.views, policy, ddp::dp_options{}, ddp::reducer_options{});
+  });
+  const float expect = static_cast<float>(t.n + 1) / 2.0f;  // avg of 1..n
+  for (std::int64_t step = 0;; ++step) {
+    me.phase = working;  // before iter: a watcher must never see (new step, old phase)
+    me.iter = step;
+    const bool strike_step = victim && step == t.f.at_iter;
+    if (strike_step && t.f.at_phase == working && t.f.from == source::self_async) self->arm(t.f.delay);
+    for (std::size_t k = 0; k < m.grad.size(); ++k) {
+      const std::size_t i = m.grad.size() - 1 - k;
+      std::fill(m.grad[i].begin(), m.grad[i].end(), static_cast<float>(pg.rank() + 1));
+      std::this_thread::sleep_for(200us);
+      if (strike_step && t.f.at_phase == working && t.f.from == source::self_sync && k == t.f.at_param)
+        strike_self(me, t.f.sig);
+      noting(me, [&] { dp->grad_ready(i); });
+    }
+    me.phase = finishing;
+    if (strike_step && t.f.at_phase == finishing) {
+      if (t.f.from == source::self_sync) strike_self(me, t.f.sig);
+      if (t.f.from == source::self_async) self->arm(t.f.delay);
+    }
+    noting(me, [&] { dp->finish(); });
+    for (auto& gr : m.grad) require(gr.front() == expect && gr.back() == expect, "wrong averaged gradient");
+  }
+}
+
+template <class Reducer>
+void rank_body(const trial_plan& t, shared_board& b, int r) {
+  auto& me = b[r];
+  survivor_guard guard{&me};
+  const bool victim = r == t.f.victim;
+  std::optional<self_striker> self;
+  if (victim && (t.f.from == source::self_async || t.f.from == source::self_sync)) self.emplace(me, t.f.sig);
+  std::atomic<bool> stop_sibling{false};
+  std::thread sibling;
+  if (t.f.from == source::sibling && r == t.f.sibling)
+    sibling = std::thread([&] { strike_when_ready(b, t.f, std::chrono::steady_clock::now() + 60s, &stop_sibling); });
+  // Ranks start a little apart, as launched processes do.
+  std::mt19937_64 g(t.seed ^ (0x9e3779b97f4a7c15ull * static_cast<std::uint64_t>(r + 1)));
+  std::this_thread::sleep_for(std::chrono::microseconds(g() % 5000));
+  me.phase = rendezvous;
+  if (victim && t.f.at_phase == rendezvous && self) self->arm(t.f.delay);
+
+  std::int64_t cleanup_from = 0;
+  try {
+    ddp::init_options o;
+    o.rank = r;
+    o.world_size = t.n;
+    o.master_port = t.port;
+    o.timeout = t.timeout;
+    auto pg = ddp::init_process_group(o);
+    me.group_id = pg.id();
+    try {
+      if (t.what == scenario::rendezvous || t.what == scenario::allreduce) allreduce_loop<Reducer>(t, pg, me, self ? &*self : nullptr);
+      else training_loop<Reducer>(t, pg, me, self ? &*self : nullptr);
+    } catch (...) {
+      // The reducer or wrapper is gone by now; the group goes next.
+      cleanup_from = me.caught_ns.load();
+      throw;
+    }
+  } catch (const ddp::error& e) {
+    survivor_guard::note(me, e);
+  } catch (const std::exception& e) {
+    survivor_guard::note_other(me, e);
+  }
+  if (cleanup_from == 0) cleanup_from = now_ns();
+  stop_sibling = true;
+  if (sibling.joinable()) sibling.join();
+  self.reset();
+  guard.check_resources(cleanup_from);
+}
+
+trial_plan plan_trial(std::mt19937_64& g, int index, std::chrono::milliseconds timeout) {
+  trial_plan t;
+  t.what = static_cast<scenario>(index % 4);
+  t.n = 2 + static_cast<int>(g() % 3);
+  t.timeout = timeout;
+  t.seed = g();
+  auto& f = t.f;
+  f.victim = static_cast<int>(g() % static_cast<std::uint64_t>(t.n));
+  f.sig = g() % 2 == 0 ? SIGKILL : SIGSTOP;
+  f.from = static_cast<source>(g() % 4);
+  if (f.from == source::sibling) f.sibling = (f.victim + 1 + static_cast<int>(g() % static_cast<std::uint64_t>(t.n - 1))) % t.n;
+  auto us = [&](std::int64_t hi) { return std::chrono::microseconds(static_cast<std::int64_t>(g() % static_cast<std::uint64_t>(hi))); };
+  switch (t.what) {
+    case scenario::rendezvous:
+      if (f.from == source::self_sync) f.from = source::self_async;
+      f.at_phase = rendezvous;
+      f.at_iter = 0;
+      f.delay = us(40000);
+      break;
+    case scenario::allreduce:
+      f.at_phase = working;
+      f.at_iter = static_cast<std::int64_t>(g() % 4);
+      f.delay = us(30000);
+      break;
+    case scenario::buckets:
+      f.at_phase = working;
+      f.at_iter = static_cast<std::int64_t>(g() % 3);
+      f.at_param = static_cast<std::size_t>(g() % 6);
+      f.delay = us(3000);
+      break;
+    case scenario::finish:
+      f.at_phase = finishing;
+      f.at_iter = static_cast<std::int64_t>(g() % 3);
+      f.delay = us(2000);
+      break;
+  }
+  return t;
+}
+
+struct tally {
+  int trials = 0;
+  int failed = 0;
+  int known = 0;  // trials whose only failures are the known shortfalls below
+  int hangs = 0;
+  std::map<std::string, double> max_detect;  // by "signal scenario"
+  std::map<std::string, int> count;
+  double max_cleanup = 0;
+  double seconds = 0;
+};
+
+// Known shortfalls of the library, reported but (unless DDP_FAULT_STRICT=1) not failed, so that
+// the suite guards everything else meanwhile; see docs/reliability.md, "Known gaps":
+//  - a frozen rank is detected by a deadline, and the first rank whose deadline passes blames
+//    the peer it waits for, which may be a survivor blocked on the frozen rank (tcp reducers
+//    and the process group's own collectives post or report that peer);
+//  - with rank 0 (the store's host) frozen, the tcp transport's report through the store waits
+//    for the store for seconds, past timeout + 2 s, and data_parallel::finish() then ends
+//    with a request timeout that names no rank;
+//  - a survivor that failed closes its connections, and ranks that learn of the failure that
+//    way blame it: the process group's own collectives (rendezvous barrier, all_gather) post no
+//    reason to the store, and with rank 0 killed the store is gone with it.
+//  - a rank lost while a shm segment is being set up leaves the segment's name in /dev/shm.
+bool known_gap(const fault& f, int fault_phase, failure_kind k, bool tcp) {
+  if (k == segment) return fault_phase == rendezvous;
+  return (k == naming || k == late) && (f.sig == SIGSTOP || (tcp && f.victim == 0) || fault_phase == rendezvous);
+}
+
+template <class Reducer>
+void fault_suite(const char* name, int salt) {
+  const int trials = static_cast<int>(env_long("DDP_FAULT_TRIALS", 6));
+  const auto timeout = std::chrono::milliseconds(env_long("DDP_FAULT_TIMEOUT_MS", 2000));
+  const bool verbose = env_long("DDP_FAULT_VERBOSE", 0) != 0;
+  const bool strict = env_long("DDP_FAULT_STRICT", 0) != 0;
+  const long only = env_long("DDP_FAULT_ONLY", -1);  // one trial of the sequence, to reproduce it
+  static const std::uint64_t base_seed = [] {
+    const long s = env_long("DDP_FAULT_SEED", 0);
+    return s != 0 ? static_cast<std::uint64_t>(s) : std::random_device{}() % 1000000000u + 1;
+  }();
+  std::mt19937_64 g(base_seed * 31 + static_cast<std::uint64_t>(salt));
+  shared_board board;
+  tally tl;
+  std::vector<std::string> failures, gaps;
+  for (int i = 0; i < trials; ++i) {
+    auto t = plan_trial(g, i, timeout);
+    if (only >= 0 && i != only) continue;
+    t.port = ddp_test::free_port();
+    auto res = run_trial(board, t.n, t.port, t.timeout, t.f, [&](int r) { rank_body<Reducer>(t, board, r); });
+    ++tl.trials;
+    tl.seconds += res.seconds;
+    const std::string key = std::string(t.f.sig == SIGKILL ? "SIGKILL" : "SIGSTOP") + " " + scenario_name(t.what);
+    ++tl.count[key];
+    double worst = 0;
+    for (auto& rr : res.ranks) {
+      if (rr.hung) ++tl.hangs;
+      if (!rr.victim) {
+        worst = std::max(worst, rr.detect_s);
+        tl.max_cleanup = std::max(tl.max_cleanup, rr.cleanup_s);
+      }
+    }
+    tl.max_detect[key] = std::max(tl.max_detect[key], worst);
+    bool hard = false;
+    for (auto& fl : res.failures) {
+      const std::string line = std::string(name) + " trial " + std::to_string(i) + " n=" + std::to_string(t.n) + " " + fl.text;
+      if (!strict && known_gap(t.f, res.fault_phase, fl.kind, !on_shm<Reducer>)) {
+        gaps.push_back(line);
+      } else {
+        failures.push_back(line);
+        hard = true;
+      }
+    }
+    if (hard) ++tl.failed;
+    else if (!res.failures.empty()) ++tl.known;
+    if (verbose || !res.failures.empty()) {
+      std::printf("%s trial %d (%s, n=%d, fault in %s): %s, worst detection %.3f s, %.2f s%s\n", name, i,
+                  scenario_name(t.what), t.n, phase_name(res.fault_phase), t.f.describe().c_str(), worst, res.seconds,
+                  hard ? "  FAILED" : res.failures.empty() ? "" : "  (known gap)");
+      for (auto& rr : res.ranks)
+        if (!rr.victim)
+          std::printf("    rank %d: %.3f s errc %d: %s%s%s\n", rr.rank, rr.detect_s, rr.errc, rr.what.c_str(),
+                      rr.problem.empty() ? "" : " | ", rr.problem.c_str());
+    }
+  }
+  std::printf("faults %s: seed %llu, %d trials, %d failed, %d with known gaps only, %d hung ranks, %.1f s; "
+              "max survivor cleanup %.3f s\n",
+              name, static_cast<unsigned long long>(base_seed), tl.trials, tl.failed, tl.known, tl.hangs, tl.seconds,
+              tl.max_cleanup);
+  for (auto& [k, v] : tl.max_detect)
+    std::printf("faults %s:   %-26s %3d trials, max detection %.3f s (limit %.1f s)\n", name, k.c_str(), tl.count[k], v,
+                std::chrono::duration<double>(timeout + 2s).count());
+  std::fflush(stdout);
+  if (!gaps.empty()) {
+    std::string shown;
+    for (std::size_t k = 0; k < gaps.size() && k < 6; ++k) shown += gaps[k] + "\n";
+    WARN_MESSAGE(gaps.empty(), "known gaps (DDP_FAULT_STRICT=1 fails on them):\n" << shown);
+  }
+  std::string shown;
+  for (std::size_t k = 0; k < failures.size() && k < 12; ++k) shown += failures[k] + "\n";
+  INFO("seed " << base_seed << " (DDP_FAULT_SEED reproduces)\n" << shown);
+  CHECK(failures.empty());
+}
+
+}  // namespace
+
+// Targeted: rank 1 dies the moment rank 0 has created the shm segment, while the ranks are
+// still agreeing that everyone mapped it; the name must not stay in /dev/shm.
+TEST_CASE("faults: a rank lost while the shm segment is set up leaves no segment behind") {
+  const bool strict = env_long("DDP_FAULT_STRICT", 0) != 0;
+  shared_board board;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    trial_plan t;
+    t.what = scenario::rendezvous;
+    t.n = 2;
+    t.seed = 1234 + static_cast<std::uint64_t>(attempt);
+    t.port = ddp_test::free_port();
+    t.f.victim = 1;
+    t.f.sig = attempt == 2 ? SIGSTOP : SIGKILL;
+    t.f.from = source::parent;
+    t.f.at_phase = rendezvous;
+    t.f.when = [&board] {
+      const auto id = board[0].group_id.load();
+      return id != 0 && !leftover_segments(id).empty();
+    };
+    auto res = run_trial(board, t.n, t.port, t.timeout, t.f, [&](int r) { rank_body<ddp::ring<ddp::shm>>(t, board, r); });
+    std::vector<std::string> hard, gaps;
+    for (auto& fl : res.failures)
+      (!strict && known_gap(t.f, res.fault_phase, fl.kind, false) ? gaps : hard).push_back(fl.text);
+    std::string shown;
+    for (auto& h : hard) shown += h + "\n";
+    for (auto& rr : res.ranks) shown += "rank " + std::to_string(rr.rank) + ": " + rr.what + "\n";
+    CHECK(res.fault_phase == rendezvous);
+    WARN_MESSAGE(gaps.empty(), "known gap (DDP_FAULT_STRICT=1 fails on it): " << (gaps.empty() ? "" : gaps[0]));
+    INFO(shown);
+    CHECK(hard.empty());
+  }
+}
+
+TEST_CASE("faults: ring<tcp>") { fault_suite<ddp::ring<ddp::tcp>>("ring<tcp>", 1); }
+TEST_CASE("faults: tree<tcp>") { fault_suite<ddp::tree<ddp::tcp>>("tree<tcp>", 2); }
+TEST_CASE("faults: ring<shm>") { fault_suite<ddp::ring<ddp::shm>>("ring<shm>", 3); }
+TEST_CASE("faults: tree<shm>") { fault_suite<ddp::tree<ddp::shm>>("tree<shm>", 4); }
