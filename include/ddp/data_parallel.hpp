@@ -305,7 +305,17 @@ class basic_data_parallel {
       const auto wait_for = opts_.timeout.count() > 0 ? opts_.timeout : pg_->timeout();
       const auto until = clock::now() + wait_for + std::chrono::seconds(2);
       for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-        requests_[b].wait(until);
+        try {
+          requests_[b].wait(until);
+        } catch (const error& e) {
+          // A request that timed out knows no rank; say which rank and bucket waited.
+          if (e.rank() >= 0) throw;
+          detail::raise(e.condition(), pg_->rank(),
+                        "bucket " + std::to_string(b) + " was not reduced within " +
+                            std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(wait_for).count()) +
+                            " ms (a peer stopped answering?)",
+                        static_cast<int>(b));
+        }
         reduced_at_[b] = requests_[b].valid() ? requests_[b].finished_at() : launched_at_[b];
         if (!opts_.gradient_as_bucket_view) {
           // Copy back bucket by bucket: later buckets keep reducing meanwhile.

@@ -72,8 +72,11 @@ inline std::error_code make_error_code(errc e) noexcept { return {static_cast<in
 class error : public std::system_error {
  public:
   error(errc code, int rank, const std::string& msg, int bucket = -1, int parameter = -1)
-      : std::system_error(make_error_code(code), format(code, rank, msg)),
+      : std::system_error(make_error_code(code)), what_(format(code, rank, msg)),
         rank_(rank), bucket_(bucket), parameter_(parameter) {}
+
+  /// `[ddp.<errc>] rank <r>: <message>` (without system_error's appended category text).
+  const char* what() const noexcept override { return what_.c_str(); }
 
   /// Rank that raised the error (-1 when unknown, e.g. before the group exists).
   int rank() const noexcept { return rank_; }
@@ -93,6 +96,7 @@ class error : public std::system_error {
     s += msg;
     return s;
   }
+  std::string what_;
   int rank_;
   int bucket_;
   int parameter_;

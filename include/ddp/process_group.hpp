@@ -226,14 +226,13 @@ class process_group {
   /// Reducers have their own abort(); call both when a training step must stop everywhere.
   void abort(const std::string& why = "abort() called") noexcept {
     if (aborted_.exchange(true)) return;
-    try {
-      if (store_)
-        store_->compare_set("pg/abort", "", "rank " + std::to_string(rank_) + ": " + why,
-                            detail::clock::now() + std::chrono::seconds(2));
-    } catch (...) {
-    }
-    for (auto& s : mesh_)
-      if (s) ::shutdown(s.get(), SHUT_RDWR);
+    post_failure(errc::aborted, "group aborted by rank " + std::to_string(rank_) + ": " + why);
+  }
+
+  /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
+  /// may be the rank that is gone.
+  detail::deadline_t store_budget() const {
+    return detail::clock::now() + std::min<std::chrono::milliseconds>(std::chrono::milliseconds(250), opts_.timeout / 8);
   }
 
   /// True once abort() was called here.
@@ -267,20 +266,44 @@ class process_group {
     detail::recv_all(peer_socket(peer), p, n, until, ec);
     if (ec) lost(peer, ec, what);
   }
+  /// Records why this rank's group failed (first reason wins) and shuts the mesh, so that
+  /// peers blocked on this rank wake at once and report the same reason instead of naming us.
+  void post_failure(errc code, const std::string& msg) noexcept {
+    try {
+      if (store_) store_->compare_set("pg/abort", "", std::to_string(static_cast<int>(code)) + " " + msg, store_budget());
+    } catch (...) {
+    }
+    for (auto& s : mesh_)
+      if (s) ::shutdown(s.get(), SHUT_RDWR);
+  }
+
   [[noreturn]] void lost(int peer, const std::error_code& ec, const char* what) {
     if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
     std::string reason;
+    bool store_gone = false;
     try {
-      if (store_ && store_->check("pg/abort", detail::clock::now() + std::chrono::seconds(1)))
-        reason = store_->get("pg/abort", detail::clock::now() + std::chrono::seconds(1));
+      const auto until = store_budget();
+      if (store_ && store_->check("pg/abort", until)) reason = store_->get("pg/abort", until);
     } catch (...) {
+      store_gone = true;
     }
-    if (!reason.empty()) detail::raise(errc::aborted, rank_, std::string(what) + ": group aborted by " + reason);
-    if (detail::to_errc(ec) == errc::timeout)
-      detail::raise(errc::timeout, rank_, std::string(what) + ": rank " + std::to_string(peer) +
-                                              " did not answer within the timeout");
-    detail::raise(errc::peer_lost, rank_, std::string(what) + ": lost connection to rank " +
-                                              std::to_string(peer) + " (" + detail::describe(ec) + ")");
+    if (!reason.empty()) {
+      const auto sp = reason.find(' ');
+      const auto code = static_cast<errc>(std::atoi(reason.substr(0, sp).c_str()));
+      post_failure(code, reason.substr(sp + 1));
+      detail::raise(code, rank_, std::string(what) + ": " + reason.substr(sp + 1));
+    }
+    const bool timed_out = detail::to_errc(ec) == errc::timeout;
+    std::string msg;
+    if (store_gone)
+      msg = "rank 0 is lost (its store does not answer; noticed waiting for rank " + std::to_string(peer) + ")";
+    else if (timed_out)
+      msg = "rank " + std::to_string(peer) + " did not answer within the timeout";
+    else
+      msg = "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
+    const errc code = timed_out && !store_gone ? errc::timeout : errc::peer_lost;
+    post_failure(code, "rank " + std::to_string(rank_) + " reports: " + msg);
+    detail::raise(code, rank_, std::string(what) + ": " + msg);
   }
 
   init_options opts_;

@@ -446,12 +446,16 @@ class store_client {
  private:
   detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& fields, detail::deadline_t until) {
     std::lock_guard lock(mu_);
+    if (broken_)
+      detail::raise(errc::peer_lost, rank_, "store connection to rank 0 is unusable after an earlier failure");
     const auto out = detail::encode_frame(static_cast<std::uint8_t>(cmd), fields);
     std::error_code ec;
     detail::send_all(fd_.get(), out.data(), out.size(), until, ec);
     if (ec) fail(ec);
-    // The server answers waits itself when their time is up; allow it a little slack.
-    const auto rd = until + std::chrono::seconds(2);
+    // The server answers get and wait itself when their time is up, so those may take a little
+    // longer than `until`; every other request is answered at once.
+    const bool server_waits = cmd == detail::store_cmd::get || cmd == detail::store_cmd::wait;
+    const auto rd = server_waits ? until + std::chrono::seconds(2) : until;
     char hdr[4];
     detail::recv_all(fd_.get(), hdr, 4, rd, ec);
     if (ec) fail(ec);
@@ -472,6 +476,8 @@ class store_client {
   }
 
   [[noreturn]] void fail(const std::error_code& ec) {
+    // A reply may still be on its way: later calls would read it as theirs, so none may follow.
+    broken_ = true;
     detail::raise(detail::to_errc(ec) == errc::timeout ? errc::timeout : errc::peer_lost, rank_,
                   "store connection to rank 0: " + detail::describe(ec));
   }
@@ -480,6 +486,7 @@ class store_client {
   std::shared_ptr<const authenticator> auth_;
   detail::fd_handle fd_;
   std::mutex mu_;
+  bool broken_ = false;
 };
 
 }  // namespace v0

@@ -58,7 +58,8 @@ inline void accept_peers(int lfd, std::vector<fd_handle>& peers, const authentic
       std::string names;
       for (int r = rank + 1; r < size; ++r)
         if (!peers[static_cast<std::size_t>(r)]) names += (names.empty() ? "" : ", ") + std::to_string(r);
-      raise(errc::timeout, rank, "ranks " + names + " never connected");
+      raise(errc::timeout, rank,
+            (names.find(',') == std::string::npos ? "rank " : "ranks ") + names + " never connected");
     }
     std::vector<pollfd> pfds{{lfd, POLLIN, 0}};
     int timeout = ms_left(until);
@@ -154,7 +155,8 @@ inline std::vector<fd_handle> connect_mesh(store_client& store, int rank, int si
     if (!missing.empty()) {
       std::string names;
       for (auto& k : missing) names += (names.empty() ? "" : ", ") + k.substr(k.rfind('/') + 1);
-      raise(errc::timeout, rank, "ranks " + names + " never announced their address");
+      raise(errc::timeout, rank,
+            (missing.size() > 1 ? "ranks " : "rank ") + names + " never announced their address");
     }
   }
   std::error_code ec;

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../detail/mesh.hpp"
@@ -177,7 +178,7 @@ class tcp {
     try {
       pg_->store().compare_set(channel_ + "/abort", "",
                                std::to_string(static_cast<int>(code)) + " rank " + std::to_string(rank()) + ": " + msg,
-                               detail::clock::now() + std::chrono::seconds(2));
+                               store_budget());
     } catch (...) {
       // The store may be gone too; shutting the sockets still tells the peers.
     }
@@ -185,26 +186,89 @@ class tcp {
       if (p) ::shutdown(p.get(), SHUT_RDWR);
   }
 
-  /// A connection failed: report the reason a peer posted, if any, else name the lost peer.
-  [[noreturn]] void lost(int peer, const std::error_code& ec) {
-    std::string reason;
+  /// Bound of a store round trip made while failing: short, because rank 0 (the store's host)
+  /// may be the rank that is gone, and the error must still come out within the timeout.
+  detail::deadline_t store_budget() const {
+    return detail::clock::now() + std::min<std::chrono::milliseconds>(std::chrono::milliseconds(250), pg_->timeout() / 8);
+  }
+
+  /// The reason a peer posted for this transport's failure, or empty.
+  std::string posted_reason(bool* store_gone = nullptr) {
     try {
       const auto key = channel_ + "/abort";
-      if (pg_->store().check(key, detail::clock::now() + std::chrono::seconds(2)))
-        reason = pg_->store().get(key, detail::clock::now() + std::chrono::seconds(2));
+      const auto until = store_budget();
+      if (pg_->store().check(key, until)) return pg_->store().get(key, until);
     } catch (...) {
+      if (store_gone != nullptr) *store_gone = true;
     }
-    if (!reason.empty()) {
-      const auto sp = reason.find(' ');
-      const auto code = static_cast<errc>(std::atoi(reason.substr(0, sp).c_str()));
-      post_abort(code, reason.substr(sp + 1));
-      detail::raise(code, rank(), reason.substr(sp + 1));
+    return {};
+  }
+
+  [[noreturn]] void adopt(const std::string& reason) {
+    const auto sp = reason.find(' ');
+    const auto code = static_cast<errc>(std::atoi(reason.substr(0, sp).c_str()));
+    post_abort(code, reason.substr(sp + 1));
+    detail::raise(code, rank(), reason.substr(sp + 1));
+  }
+
+  /// After a timeout, finds who stopped: the rank we wait for may itself wait for another.
+  /// Every rank that times out records whom it waits for; after a short grace, the ranks that
+  /// recorded nothing are the ones that stopped. When the store (rank 0) does not answer
+  /// either, rank 0 is the one.
+  std::string name_stopped(int peer) {
+    const std::string waited = "rank " + std::to_string(rank()) + " waited for rank " + std::to_string(peer);
+    try {
+      pg_->store().set(channel_ + "/waiting/" + std::to_string(rank()), std::to_string(peer), store_budget());
+    } catch (const error&) {
+      return "rank 0 stopped answering (its store does not reply; " + waited + ")";
     }
+    const auto grace = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(300), pg_->timeout() / 8);
+    const auto end = detail::clock::now() + grace;
+    std::string silent;
+    int count = 0;
+    while (true) {
+      silent.clear();
+      count = 0;
+      try {
+        for (int r = 0; r < size(); ++r)
+          if (r != rank() && !pg_->store().check(channel_ + "/waiting/" + std::to_string(r), store_budget())) {
+            silent += (silent.empty() ? "" : ", ") + std::to_string(r);
+            ++count;
+          }
+      } catch (const error&) {
+        return "rank 0 stopped answering (its store does not reply; " + waited + ")";
+      }
+      if (count <= 1 || detail::clock::now() >= end) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (count == 0) return "rank " + std::to_string(peer) + " did not answer within the deadline";
+    return std::string(count > 1 ? "ranks " : "rank ") + silent + (count > 1 ? " stopped" : " stopped") +
+           " answering within the deadline (" + waited + ")";
+  }
+
+  /// A connection failed: report the reason a peer posted, if any, else name the lost peer.
+  [[noreturn]] void lost(int peer, const std::error_code& ec) {
+    bool store_gone = false;
+    if (auto reason = posted_reason(&store_gone); !reason.empty()) adopt(reason);
     const bool timed_out = detail::to_errc(ec) == errc::timeout;
-    const std::string msg = timed_out ? "rank " + std::to_string(peer) + " did not answer within the deadline"
-                                      : "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
-    post_abort(timed_out ? errc::timeout : errc::peer_lost, msg);
-    detail::raise(timed_out ? errc::timeout : errc::peer_lost, rank(), msg);
+    if (store_gone) {
+      // Rank 0 hosts the store: when it does not answer either, rank 0 is the one lost, whatever
+      // connection happened to notice first.
+      const std::string msg = "rank 0 is lost (its store does not answer; noticed on the link to rank " +
+                              std::to_string(peer) + ")";
+      post_abort(errc::peer_lost, msg);
+      detail::raise(errc::peer_lost, rank(), msg);
+    }
+    if (timed_out) {
+      const std::string msg = name_stopped(peer);
+      // Another rank may have reached its verdict meanwhile: one verdict for everyone.
+      if (auto reason = posted_reason(); !reason.empty()) adopt(reason);
+      post_abort(errc::timeout, msg);
+      detail::raise(errc::timeout, rank(), msg);
+    }
+    const std::string msg = "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
+    post_abort(errc::peer_lost, msg);
+    detail::raise(errc::peer_lost, rank(), msg);
   }
 
   process_group* pg_;
