@@ -1,0 +1,94 @@
+// The accepting side of the transport handshake: rank 0 of a two-rank group runs the real
+// detail::connect_mesh while a stranger connects first and sends arbitrary bytes, then either
+// hangs up or stays connected and silent; then the real rank 1 runs connect_mesh too.
+// Properties: nothing crashes; a stranger that stalls holds nobody up; both ranks end with a
+// connection to each other; and rank 0's connection really is rank 1's unless the stranger sent
+// a hello that a member could have sent (right magic, rank, size and group: without a secret
+// nothing else proves membership). With authentication that exception goes: the responder's
+// side of the challenge-response is fuzzed by fuzz_auth_handshake.cpp.
+//
+// Input: a mode byte (bit 0: the stranger stays connected), then the stranger's bytes.
+
+#include <ddp/detail/mesh.hpp>
+
+#include <cstring>
+#include <future>
+
+#include "fuzz_common.hpp"
+
+namespace {
+
+using namespace ddp::detail;
+
+constexpr std::uint64_t group = 0x6a0b5e11f00dull;
+
+struct fixture {
+  ddp::store_server server{resolve("127.0.0.1", 0, 0, true).front(), 0};
+  ddp::store_client rank0{"127.0.0.1", server.port(), 0, ddp_fuzz::soon()};
+  ddp::store_client rank1{"127.0.0.1", server.port(), 1, ddp_fuzz::soon()};
+  std::uint64_t round = 0;
+};
+
+fixture& fx() {
+  static auto* f = new fixture;  // never destroyed: the server thread outlives static destructors
+  return *f;
+}
+
+/// Whether `bytes` start with a hello that rank 0 of this group accepts from rank 1.
+bool member_hello(std::string_view bytes) {
+  if (bytes.size() < sizeof(mesh_hello)) return false;
+  mesh_hello h;
+  std::memcpy(&h, bytes.data(), sizeof h);
+  return h.magic == mesh_magic && h.rank == 1 && h.size == 2 && h.group == group;
+}
+
+/// Connects to where rank 0 announced it listens.
+fd_handle connect_to_rank0(ddp::store_client& store, const std::string& prefix) {
+  const auto v = store.get(prefix + "/addr/0", ddp_fuzz::soon());
+  const auto sp = v.rfind(' ');
+  return ddp_fuzz::connect_loopback(std::stoi(v.substr(sp + 1)));
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  auto& f = fx();
+  ddp_fuzz::reader in(data, size);
+  const bool stays = in.byte() & 1;
+  const auto bytes = in.rest();
+  const std::string prefix = "fuzz/" + std::to_string(++f.round);
+
+  auto r0 = std::async(std::launch::async, [&] { return connect_mesh(f.rank0, 0, 2, prefix, group, ddp_fuzz::soon()); });
+  auto stranger = connect_to_rank0(f.rank1, prefix);
+  ddp_fuzz::send_bytes(stranger.get(), bytes);
+  if (!stays) stranger.reset();  // a short hello then ends at once, not at the deadline
+
+  if (member_hello(bytes)) {
+    // Rank 0 took the stranger for rank 1 and stopped listening; the real rank 1 would find
+    // nobody. Its connection must be the stranger's: what followed the hello, then the hang-up.
+    auto p0 = r0.get();
+    ddp_fuzz::require(p0.size() == 2 && !p0[0] && p0[1], "mesh incomplete");
+    const auto after = bytes.substr(sizeof(mesh_hello));
+    std::string got(after.size() + 1, '\0');
+    std::error_code ec;
+    recv_all(p0[1].get(), got.data(), after.size(), ddp_fuzz::soon(), ec);
+    ddp_fuzz::require(!ec && got.substr(0, after.size()) == after, "rank 0 lost the bytes after the hello");
+    stranger.reset();
+    recv_all(p0[1].get(), got.data(), 1, ddp_fuzz::soon(), ec);
+    ddp_fuzz::require(static_cast<bool>(ec), "rank 0 took the stranger, yet hears someone else");
+    return 0;
+  }
+  auto p1 = connect_mesh(f.rank1, 1, 2, prefix, group, ddp_fuzz::soon());
+  auto p0 = r0.get();  // a stalled stranger must not hold this up until the deadline
+  ddp_fuzz::require(p0.size() == 2 && p1.size() == 2 && !p0[0] && p0[1] && p1[0] && !p1[1], "mesh incomplete");
+
+  // Rank 1 speaks; rank 0 must hear it on its connection to rank 1, not on the stranger's.
+  const char ping = 'p';
+  std::error_code ec;
+  send_all(p1[0].get(), &ping, 1, ddp_fuzz::soon(), ec);
+  ddp_fuzz::require(!ec, "rank 1 cannot send to rank 0");
+  char got = 0;
+  recv_all(p0[1].get(), &got, 1, ddp_fuzz::soon(), ec);
+  ddp_fuzz::require(!ec && got == ping, "rank 0 let a stranger in");
+  return 0;
+}
