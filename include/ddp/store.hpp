@@ -260,7 +260,9 @@ class store_server {
             static_cast<std::ptrdiff_t>(detail::store_max_waiting))
           return false;
         const auto ms = detail::decode_i64(f.fields.back());
-        waiters.push_back({fd, std::move(f), detail::clock::now() + std::chrono::milliseconds(std::max<std::int64_t>(ms, 0))});
+        // The wait comes from the client: clamp it (a day) before it meets the clock's range.
+        const std::int64_t bounded = std::clamp<std::int64_t>(ms, 0, std::int64_t{86'400'000});
+        waiters.push_back({fd, std::move(f), detail::clock::now() + std::chrono::milliseconds(bounded)});
       }
     }
   }
@@ -286,7 +288,10 @@ class store_server {
       }
       case store_cmd::add: {
         auto& v = data_[k];
-        const std::int64_t nv = (v.size() == 8 ? detail::decode_i64(v) : 0) + detail::decode_i64(f.fields[1]);
+        // Two's-complement wrap-around, as the counter's users expect; no signed overflow.
+        const auto nv = static_cast<std::int64_t>(
+            static_cast<std::uint64_t>(v.size() == 8 ? detail::decode_i64(v) : 0) +
+            static_cast<std::uint64_t>(detail::decode_i64(f.fields[1])));
         v = detail::encode_i64(nv);
         reply(c, detail::store_status::ok, {v});
         return true;
@@ -405,7 +410,7 @@ class store_client {
   std::int64_t add(std::string_view key, std::int64_t delta, detail::deadline_t until = default_deadline()) {
     const auto d = detail::encode_i64(delta);
     auto r = call(detail::store_cmd::add, {key, d}, until);
-    return detail::decode_i64(r.fields.at(0));
+    return detail::decode_i64(first_field(r, "add", 8));
   }
 
   /// Sets `key` to `desired` if its value is `expected` (empty `expected`: the key is absent).
@@ -413,15 +418,15 @@ class store_client {
   std::string compare_set(std::string_view key, std::string_view expected, std::string_view desired,
                           detail::deadline_t until = default_deadline()) {
     auto r = call(detail::store_cmd::cas, {key, expected, desired}, until);
-    return r.fields.at(0);
+    return first_field(r, "compare_set");
   }
 
   bool erase(std::string_view key, detail::deadline_t until = default_deadline()) {
-    return call(detail::store_cmd::del, {key}, until).fields.at(0) == "1";
+    return first_field(call(detail::store_cmd::del, {key}, until), "erase") == "1";
   }
 
   bool check(std::string_view key, detail::deadline_t until = default_deadline()) {
-    return call(detail::store_cmd::check, {key}, until).fields.at(0) == "1";
+    return first_field(call(detail::store_cmd::check, {key}, until), "check") == "1";
   }
 
   /// Waits until every key exists; returns the keys still missing when `until` passed (empty
@@ -444,6 +449,13 @@ class store_client {
   static detail::deadline_t default_deadline() { return detail::clock::now() + std::chrono::seconds(300); }
 
  private:
+  /// The answer's first field; an answer without it (or of the wrong size) is a protocol error.
+  const std::string& first_field(const detail::frame& f, const char* what, std::size_t size = 0) const {
+    if (f.fields.empty() || (size != 0 && f.fields[0].size() != size))
+      detail::raise(errc::protocol, rank_, std::string("store answered ") + what + " without its value");
+    return f.fields[0];
+  }
+
   detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& fields, detail::deadline_t until) {
     std::lock_guard lock(mu_);
     if (broken_)
