@@ -7,3 +7,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 [[ -f build/build.ninja ]] || meson setup build --wrap-mode=nodownload
 ninja -C build
 meson test -C build --no-rebuild --print-errorlogs --num-processes 2 "$@"
+# A bounded ASan+UBSan pass over the network-facing code (scripts/asan_quick.sh, about 4 minutes
+# on 2 cores); DDP_SANITIZE=0 skips it. The whole suite under sanitizers: scripts/sanitize.sh.
+if [[ "${DDP_SANITIZE:-1}" != 0 ]]; then
+  scripts/asan_quick.sh
+fi

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# A bounded sanitizer pass that every test run includes: the code that reads what the network
+# sends (the fuzz corpus replays, the store protocol) and the pure kernels and schedules, under
+# AddressSanitizer + UndefinedBehaviorSanitizer. The whole suite under ASan or TSan:
+# scripts/sanitize.sh (docs/testing.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=${BUILD_DIR:-build-asan-quick}
+if [[ ! -f "$dir/build.ninja" ]]; then
+  meson setup "$dir" --wrap-mode=nodownload --buildtype=debugoptimized -Db_sanitize=address,undefined \
+    -Db_lundef=false -Dbench=disabled -Dexamples=disabled >/dev/null
+fi
+fuzz=(store_frame store_server store_client mesh_hello auth_handshake coll_desc)
+unit=(store_protocol dtype schedule)
+targets=()
+for t in "${fuzz[@]}"; do targets+=("tests/fuzz/fuzz_$t"); done
+for t in "${unit[@]}"; do targets+=("tests/unit/unit_$t"); done
+ninja -C "$dir" "${targets[@]}"
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:allocator_may_return_null=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+meson test -C "$dir" --no-rebuild --print-errorlogs "${fuzz[@]}" "${unit[@]}"
