@@ -14,7 +14,17 @@
 /// ddp::basic_data_parallel<ddp::size_planner, ddp::mpi_reducer, ddp::host_allocator> dp{pg, params};
 /// \endcode
 
-// <mpi.h> comes in through detail/mpi_check.hpp, which quiets Open MPI's C++-binding warnings.
+// Open MPI's mpi.h also declares its deprecated C++ bindings, whose casts between function
+// types trip -Wcast-function-type when the SDK directory is not a system include directory.
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wcast-function-type"
+#endif
+#include <mpi.h>
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
 #include <algorithm>
 #include <chrono>
 #include <climits>
