@@ -255,7 +255,7 @@ class self_striker {
     thread_ = std::thread([this] {
       while (!armed_.load() && !stop_.load()) std::this_thread::sleep_for(20us);
       if (stop_.load()) return;
-      std::this_thread::sleep_for(delay_);
+      std::this_thread::sleep_for(std::chrono::microseconds(delay_us_.load()));
       strike_self(*me_, sig_);
     });
   }
@@ -264,14 +264,14 @@ class self_striker {
     thread_.join();
   }
   void arm(std::chrono::microseconds delay) {
-    delay_ = delay;
+    delay_us_ = delay.count();
     armed_ = true;
   }
 
  private:
   slot* me_;
   int sig_;
-  std::chrono::microseconds delay_{0};
+  std::atomic<long long> delay_us_{0};  // atomic: written by arm(), read by the striker thread
   std::atomic<bool> armed_{false}, stop_{false};
   std::thread thread_;
 };

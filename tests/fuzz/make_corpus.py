@@ -150,23 +150,10 @@ def coll_desc():
 
 
 def regressions():
-    """Known defects, one input each (docs/testing.md, "Open findings")."""
-    int64_max = (1 << 63) - 1
-    return {
-        "store_server": {
-            # Timeout 2^62 ms: clock::now() + milliseconds(ms) overflows (store.hpp handle_frames).
-            "huge_wait_timeout": bytes([0]) + frame(GET, b"missing", i64(1 << 62)),
-            # Counter past INT64_MAX: signed overflow in store_server::execute (add).
-            "add_overflow": bytes([0]) + frame(ADD, b"ovf", i64(int64_max)) + frame(ADD, b"ovf", i64(1)),
-        },
-        "store_client": {
-            # An ok answer without its field: std::out_of_range escapes instead of ddp::error.
-            "add_answer_without_field": bytes([2]) + frame(OK),
-            "cas_answer_without_field": bytes([3]) + frame(OK),
-            "erase_answer_without_field": bytes([4]) + frame(OK),
-            "check_answer_without_field": bytes([5]) + frame(OK),
-        },
-    }
+    """Inputs of defects found and not fixed yet, by target: {target: {name: bytes}}, written as
+    tests/fuzz/regressions/<target>/open_<name> (docs/testing.md). Once a defect is fixed, its
+    file moves into the corpus as fixed_<name> (kept by hand) and its entry leaves this list."""
+    return {}
 
 
 def write(root, target, files, prefix):

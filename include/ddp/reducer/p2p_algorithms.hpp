@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../detail/collective.hpp"
+#include "../detail/copy.hpp"
 #include "../detail/kernels.hpp"
 #include "../detail/schedule.hpp"
 #include "../error.hpp"
@@ -234,13 +235,13 @@ struct algorithm_for<ring_algorithm, Transport> {
     const std::size_t es = dtype_size(ty), slice = per_rank * es;
     std::vector<char> work(slice * static_cast<std::size_t>(n));
     for (int c = 0; c < n; ++c)
-      std::memcpy(work.data() + static_cast<std::size_t>((c + 1) % n) * slice,
+      detail::copy_bytes(work.data() + static_cast<std::size_t>((c + 1) % n) * slice,
                   static_cast<const char*>(in) + static_cast<std::size_t>(c) * slice, slice);
     if (n > 1) detail::ring_reduce_scatter(t, d, work.data(), per_rank * static_cast<std::size_t>(n), ty, o,
                                            opts.segment_bytes, until);
     char* mine = work.data() + static_cast<std::size_t>((r + 1) % n) * slice;
     detail::finish_avg(mine, per_rank, ty, o, n);
-    std::memcpy(out, mine, slice);
+    detail::copy_bytes(out, mine, slice);
   }
   static void allgather(Transport& t, const detail::coll_desc& d, const void* in, void* out, std::size_t per_rank,
                         dtype ty, detail::deadline_t until) {
@@ -248,10 +249,10 @@ struct algorithm_for<ring_algorithm, Transport> {
     const std::size_t es = dtype_size(ty), slice = per_rank * es;
     // Place our slice where the ring's allgather expects chunk (r+1) mod n, then rotate back.
     std::vector<char> work(slice * static_cast<std::size_t>(n));
-    std::memcpy(work.data() + static_cast<std::size_t>((r + 1) % n) * slice, in, slice);
+    detail::copy_bytes(work.data() + static_cast<std::size_t>((r + 1) % n) * slice, in, slice);
     if (n > 1) detail::ring_allgather(t, d, work.data(), per_rank * static_cast<std::size_t>(n), es, until);
     for (int c = 0; c < n; ++c)
-      std::memcpy(static_cast<char*>(out) + static_cast<std::size_t>(c) * slice,
+      detail::copy_bytes(static_cast<char*>(out) + static_cast<std::size_t>(c) * slice,
                   work.data() + static_cast<std::size_t>((c + 1) % n) * slice, slice);
   }
   static void broadcast(Transport& t, const detail::coll_desc& d, void* data, std::size_t bytes, int root,
