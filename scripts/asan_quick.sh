@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A bounded sanitizer pass that every test run includes: the code that reads what the network
-# sends (the fuzz corpus replays, the store protocol) and the pure kernels and schedules, under
+# sends (the fuzz corpus replays, the store protocol, the store server against real clients,
+# floods and descriptor exhaustion) and the pure kernels and schedules, under
 # AddressSanitizer + UndefinedBehaviorSanitizer. The whole suite under ASan or TSan:
 # scripts/sanitize.sh (docs/testing.md).
 set -euo pipefail
@@ -12,10 +13,12 @@ if [[ ! -f "$dir/build.ninja" ]]; then
 fi
 fuzz=(store_frame store_server store_client mesh_hello auth_handshake coll_desc)
 unit=(store_protocol dtype schedule)
+multi=(store)
 targets=()
 for t in "${fuzz[@]}"; do targets+=("tests/fuzz/fuzz_$t"); done
 for t in "${unit[@]}"; do targets+=("tests/unit/unit_$t"); done
+for t in "${multi[@]}"; do targets+=("tests/multiproc/multiproc_$t"); done
 ninja -C "$dir" "${targets[@]}"
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:allocator_may_return_null=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-meson test -C "$dir" --no-rebuild --print-errorlogs "${fuzz[@]}" "${unit[@]}"
+meson test -C "$dir" --no-rebuild --print-errorlogs "${fuzz[@]}" "${unit[@]}" "${multi[@]}"

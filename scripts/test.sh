@@ -12,3 +12,8 @@ meson test -C build --no-rebuild --print-errorlogs --num-processes 2 "$@"
 if [[ "${DDP_SANITIZE:-1}" != 0 ]]; then
   scripts/asan_quick.sh
 fi
+# Every libFuzzer target (clang, ASan+UBSan) for DDP_FUZZ_SECONDS each, 10 by default; 0 skips.
+# Longer runs: scripts/fuzz.sh 600.
+if [[ "${DDP_FUZZ_SECONDS:-10}" != 0 ]]; then
+  scripts/fuzz.sh "${DDP_FUZZ_SECONDS:-10}"
+fi

@@ -235,6 +235,44 @@ class process_group {
     return detail::clock::now() + std::min<std::chrono::milliseconds>(std::chrono::milliseconds(250), opts_.timeout / 8);
   }
 
+  /// After a timeout, finds who stopped: the rank this one waits for (`peer`) may itself wait
+  /// for another. Every rank that times out records under `prefix` whom it waits for; after a
+  /// short grace, the ranks that recorded nothing are the ones that stopped (frozen, swapping,
+  /// or stuck outside ddp). When the store (rank 0) does not answer either, rank 0 is the one.
+  /// Returns the sentence for the error. Transports that share the group's store use it too.
+  std::string name_stopped(const std::string& prefix, int peer) {
+    const std::string waited = "rank " + std::to_string(rank_) + " waited for rank " + std::to_string(peer);
+    const std::string store_silent = "rank 0 stopped answering (its store does not reply; " + waited + ")";
+    if (!store_) return "rank " + std::to_string(peer) + " did not answer within the deadline";
+    try {
+      store_->set(prefix + "/waiting/" + std::to_string(rank_), std::to_string(peer), store_budget());
+    } catch (const error&) {
+      return store_silent;
+    }
+    const auto grace = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(300), opts_.timeout / 8);
+    const auto end = detail::clock::now() + grace;
+    std::string silent;
+    int count = 0;
+    for (;;) {
+      silent.clear();
+      count = 0;
+      try {
+        for (int r = 0; r < size_; ++r)
+          if (r != rank_ && !store_->check(prefix + "/waiting/" + std::to_string(r), store_budget())) {
+            silent += (silent.empty() ? "" : ", ") + std::to_string(r);
+            ++count;
+          }
+      } catch (const error&) {
+        return store_silent;
+      }
+      if (count <= 1 || detail::clock::now() >= end) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (count == 0) return "rank " + std::to_string(peer) + " did not answer within the deadline";
+    return std::string(count > 1 ? "ranks " : "rank ") + silent + " stopped answering within the deadline (" +
+           waited + ")";
+  }
+
   /// True once abort() was called here.
   bool aborted() const noexcept { return aborted_.load(); }
 
@@ -277,30 +315,41 @@ class process_group {
       if (s) ::shutdown(s.get(), SHUT_RDWR);
   }
 
-  [[noreturn]] void lost(int peer, const std::error_code& ec, const char* what) {
-    if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
-    std::string reason;
-    bool store_gone = false;
+  /// The reason a rank posted for the group's failure ("<errc> <message>"), or empty; sets
+  /// *store_gone when the store does not answer.
+  std::string posted_reason(bool* store_gone = nullptr) {
     try {
       const auto until = store_budget();
-      if (store_ && store_->check("pg/abort", until)) reason = store_->get("pg/abort", until);
+      if (store_ && store_->check("pg/abort", until)) return store_->get("pg/abort", until);
     } catch (...) {
-      store_gone = true;
+      if (store_gone != nullptr) *store_gone = true;
     }
-    if (!reason.empty()) {
-      const auto sp = reason.find(' ');
-      const auto code = static_cast<errc>(std::atoi(reason.substr(0, sp).c_str()));
-      post_failure(code, reason.substr(sp + 1));
-      detail::raise(code, rank_, std::string(what) + ": " + reason.substr(sp + 1));
-    }
+    return {};
+  }
+
+  /// Raises the failure another rank posted, as this rank's own (one verdict for everyone).
+  [[noreturn]] void adopt(const std::string& reason, const char* what) {
+    const auto sp = reason.find(' ');
+    const auto code = static_cast<errc>(std::atoi(reason.substr(0, sp).c_str()));
+    post_failure(code, reason.substr(sp + 1));
+    detail::raise(code, rank_, std::string(what) + ": " + reason.substr(sp + 1));
+  }
+
+  [[noreturn]] void lost(int peer, const std::error_code& ec, const char* what) {
+    if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
+    bool store_gone = false;
+    if (auto reason = posted_reason(&store_gone); !reason.empty()) adopt(reason, what);
     const bool timed_out = detail::to_errc(ec) == errc::timeout;
     std::string msg;
-    if (store_gone)
+    if (store_gone) {
       msg = "rank 0 is lost (its store does not answer; noticed waiting for rank " + std::to_string(peer) + ")";
-    else if (timed_out)
-      msg = "rank " + std::to_string(peer) + " did not answer within the timeout";
-    else
+    } else if (timed_out) {
+      msg = name_stopped("pg", peer);
+      // Another rank may have reached its verdict meanwhile.
+      if (auto reason = posted_reason(); !reason.empty()) adopt(reason, what);
+    } else {
       msg = "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
+    }
     const errc code = timed_out && !store_gone ? errc::timeout : errc::peer_lost;
     post_failure(code, "rank " + std::to_string(rank_) + " reports: " + msg);
     detail::raise(code, rank_, std::string(what) + ": " + msg);

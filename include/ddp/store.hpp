@@ -12,6 +12,7 @@
 /// auto v = c.get("k", deadline);
 /// \endcode
 
+#include <fcntl.h>
 #include <sys/eventfd.h>
 
 #include <algorithm>
@@ -35,6 +36,15 @@
 namespace ddp {
 inline namespace v0 {
 
+/// Memory the store may hold, so that no client (or crowd of clients) can grow rank 0 without
+/// bound. A write that would pass `max_bytes` is refused with errc::system on the writer; when
+/// the bytes buffered for all clients pass `max_buffered`, the clients holding the most are
+/// dropped until it fits (frames are limited to 64 MiB each besides).
+struct store_limits {
+  std::size_t max_bytes = std::size_t{1} << 30;     ///< keys and values held
+  std::size_t max_buffered = std::size_t{1} << 30;  ///< unread requests and unsent replies, all clients
+};
+
 /// Serves the store on one listening socket from a background thread. Each client has its own
 /// input buffer and the loop never blocks on one client, so a client that sends half a frame
 /// and stalls delays nobody; a client that sends garbage is dropped. Handshakes run in the same
@@ -44,8 +54,9 @@ class store_server {
   /// Binds `ep` (port 0 picks a free port). Throws errc::address_in_use when taken. With `auth`,
   /// only clients that prove the same secret are served; without it, binding beyond loopback
   /// prints a one-line warning to stderr.
-  store_server(const detail::endpoint& ep, int rank, std::shared_ptr<const authenticator> auth = nullptr)
-      : rank_(rank), auth_(std::move(auth)) {
+  store_server(const detail::endpoint& ep, int rank, std::shared_ptr<const authenticator> auth = nullptr,
+               store_limits limits = {})
+      : rank_(rank), auth_(std::move(auth)), limits_(limits) {
     listen_ = detail::listen_on(ep, rank);
     const auto bound = detail::local_address(listen_.get());
     port_ = detail::port_of(bound);
@@ -53,6 +64,7 @@ class store_server {
       std::fprintf(stderr, "ddp: store listening on %s:%d without authentication; set DDP_AUTH_TOKEN\n",
                    detail::to_string(bound).c_str(), port_);
     wake_ = detail::fd_handle(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    spare_ = detail::fd_handle(::open("/dev/null", O_RDONLY | O_CLOEXEC));
     thread_ = std::thread([this] { loop(); });
   }
   store_server(const store_server&) = delete;
@@ -62,14 +74,22 @@ class store_server {
   /// The port actually bound.
   int port() const noexcept { return port_; }
 
-  /// Number of clients connected right now (authenticated ones, when there is a secret).
+  /// Number of clients connected right now (authenticated ones, when there is a secret; not
+  /// counting clients that hung up and are only owed answers).
   int clients() const noexcept { return nclients_.load(); }
 
   /// Rank that hosts this store (for messages).
   int rank() const noexcept { return rank_; }
 
-  /// Clients dropped for malformed input since start.
+  /// Clients dropped since start: malformed input, or holding the most buffered bytes when
+  /// the store_limits::max_buffered was passed.
   int dropped() const noexcept { return dropped_.load(); }
+
+  /// Connections closed unserved because this process was out of file descriptors.
+  int shed() const noexcept { return shed_.load(); }
+
+  /// Bytes of keys and values held now.
+  std::size_t stored_bytes() const noexcept { return stored_.load(); }
 
   /// Connections refused by authentication (no, wrong or replayed proof; a handshake that did
   /// not finish in time; a handshake offered to a server without a secret) since start.
@@ -92,6 +112,8 @@ class store_server {
     std::optional<detail::auth_responder> hs;  // engaged until the handshake is done
     bool closing = false;                      // refused: say why, then close
     bool shut = false;                         // closing and our side is shut down
+    bool eof = false;                          // the client shut its side: answer, then close
+    detail::deadline_t eof_limit{};            // ... within this time at most
     detail::deadline_t limit{};                // end of the handshake or of the closing linger
   };
   struct waiter {
@@ -107,13 +129,17 @@ class store_server {
     while (!stopping_) {
       pfds.clear();
       pfds.push_back({wake_.get(), POLLIN, 0});
-      pfds.push_back({listen_.get(), POLLIN, 0});
-      int timeout = 1000;
+      const auto before = detail::clock::now();
+      // Out of descriptors for longer than shedding helps: leave the listener alone a while
+      // rather than spin on it.
+      pfds.push_back({listen_.get(), static_cast<short>(before >= accept_pause_ ? POLLIN : 0), 0});
+      int timeout = before >= accept_pause_ ? 1000 : detail::ms_left(accept_pause_) + 1;
       for (auto& [fd, c] : clients) {
         // A client whose replies pile up is not read until it takes them (backpressure).
-        const bool want_in = c.closing || c.out.size() < detail::store_max_frame;
+        const bool want_in = !c.eof && (c.closing || c.out.size() < detail::store_max_frame);
         pfds.push_back({fd, static_cast<short>((want_in ? POLLIN : 0) | (c.out.empty() ? 0 : POLLOUT)), 0});
         if (c.hs || c.closing) timeout = std::min(timeout, detail::ms_left(c.limit) + 1);
+        if (c.eof) timeout = std::min(timeout, detail::ms_left(c.eof_limit) + 1);
       }
       for (const auto& w : waiters) timeout = std::min(timeout, detail::ms_left(w.until) + 1);
       ::poll(pfds.data(), pfds.size(), timeout);
@@ -121,7 +147,7 @@ class store_server {
       const auto now = detail::clock::now();
       if (pfds[1].revents & POLLIN) {
         for (;;) {
-          const int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+          const int fd = accept_one(now);
           if (fd < 0) break;
           if (clients.size() >= max_clients) { ::close(fd); continue; }
           detail::tune_stream(fd, 0);
@@ -161,6 +187,17 @@ class store_server {
         }
       }
       serve_waiters(clients, waiters);
+      // A client that shut its side goes once it has every answer it is owed, or after
+      // eof_linger: a closed socket looks the same as a half-closed one, and requests parked
+      // by a client that is gone must not hold a descriptor for as long as they asked to wait.
+      for (auto& [fd, c] : clients)
+        if (c.eof && ((c.out.empty() && std::none_of(waiters.begin(), waiters.end(),
+                                                     [fd = fd](const waiter& w) { return w.fd == fd; })) ||
+                      now >= c.eof_limit))
+          dead.push_back(fd);
+      shed_buffers(clients, dead);
+      std::sort(dead.begin(), dead.end());
+      dead.erase(std::unique(dead.begin(), dead.end()), dead.end());
       for (int fd : dead) {
         clients.erase(fd);
         std::erase_if(waiters, [fd](const waiter& w) { return w.fd == fd; });
@@ -168,12 +205,62 @@ class store_server {
       // Only clients that got in count: a stranger stalled mid-handshake must not keep rank 0
       // waiting for it to leave.
       nclients_ = static_cast<int>(std::count_if(clients.begin(), clients.end(), [](const auto& kv) {
-        return !kv.second.hs && !kv.second.closing;
+        return !kv.second.hs && !kv.second.closing && !kv.second.eof;
       }));
     }
   }
 
   enum class read_result { ok, closed, invalid };
+
+  /// Accepts one connection, or returns -1 when none is waiting. Out of descriptors, the
+  /// waiting connections are accepted on a spare descriptor and closed at once (their clients
+  /// see the connection closed instead of hanging), so the loop never spins on a listener it
+  /// cannot serve; when even that fails, the listener rests for 100 ms.
+  int accept_one(detail::deadline_t now) {
+    for (;;) {
+      const int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd >= 0) return fd;
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return -1;
+      bool drained = false;
+      if ((errno == EMFILE || errno == ENFILE) && spare_) {
+        spare_.reset();
+        for (;;) {
+          const int extra = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+          if (extra < 0) {
+            drained = errno == EAGAIN || errno == EWOULDBLOCK;
+            if (errno == EINTR || errno == ECONNABORTED) continue;
+            break;
+          }
+          ::close(extra);
+          ++shed_;
+        }
+        spare_ = detail::fd_handle(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+      }
+      if (!drained || !spare_) accept_pause_ = now + std::chrono::milliseconds(100);
+      return -1;
+    }
+  }
+
+  /// Keeps the bytes buffered for all clients under limits_.max_buffered by dropping the
+  /// clients that hold the most (a legitimate client's frames are small next to a flood).
+  void shed_buffers(std::map<int, client>& clients, std::vector<int>& dead) {
+    std::size_t total = 0;
+    for (const auto& [fd, c] : clients) total += c.in.size() + c.out.size();
+    while (total > limits_.max_buffered) {
+      auto worst = clients.end();
+      for (auto it = clients.begin(); it != clients.end(); ++it) {
+        if (std::find(dead.begin(), dead.end(), it->first) != dead.end()) continue;
+        if (worst == clients.end() || it->second.in.size() + it->second.out.size() >
+                                          worst->second.in.size() + worst->second.out.size())
+          worst = it;
+      }
+      if (worst == clients.end()) break;
+      total -= worst->second.in.size() + worst->second.out.size();
+      dead.push_back(worst->first);
+      ++dropped_;
+    }
+  }
 
   /// Reads what is there and acts on it one chunk at a time, so a bad length is caught after
   /// its first 4 bytes, never after buffering the rest of what the client sent.
@@ -186,7 +273,12 @@ class store_server {
         if (!consume(fd, c, waiters)) return read_result::invalid;
         continue;
       }
-      if (k == 0) return read_result::closed;
+      if (k == 0) {
+        // Half-closed: requests already read are still answered (parked ones included).
+        c.eof = true;
+        c.eof_limit = detail::clock::now() + eof_linger;
+        return read_result::ok;
+      }
       return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? read_result::ok : read_result::closed;
     }
     return read_result::ok;
@@ -277,7 +369,7 @@ class store_server {
     const auto& k = f.fields[0];
     switch (static_cast<store_cmd>(f.code)) {
       case store_cmd::set:
-        data_[k] = f.fields[1];
+        if (!store_value(c, k, f.fields[1])) return true;
         reply(c, detail::store_status::ok);
         return true;
       case store_cmd::get: {
@@ -287,32 +379,38 @@ class store_server {
         return true;
       }
       case store_cmd::add: {
-        auto& v = data_[k];
+        auto it = data_.find(k);
+        const std::string& old = it == data_.end() ? std::string() : it->second;
         // Two's-complement wrap-around, as the counter's users expect; no signed overflow.
         const auto nv = static_cast<std::int64_t>(
-            static_cast<std::uint64_t>(v.size() == 8 ? detail::decode_i64(v) : 0) +
+            static_cast<std::uint64_t>(old.size() == 8 ? detail::decode_i64(old) : 0) +
             static_cast<std::uint64_t>(detail::decode_i64(f.fields[1])));
-        v = detail::encode_i64(nv);
-        reply(c, detail::store_status::ok, {v});
+        if (!store_value(c, k, detail::encode_i64(nv))) return true;
+        reply(c, detail::store_status::ok, {data_.find(k)->second});
         return true;
       }
       case store_cmd::cas: {
         auto it = data_.find(k);
         if (it == data_.end()) {
           if (f.fields[1].empty()) {
-            data_[k] = f.fields[2];
+            if (!store_value(c, k, f.fields[2])) return true;
             reply(c, detail::store_status::ok, {f.fields[2]});
           } else {
             reply(c, detail::store_status::ok, {f.fields[1].substr(0, 0)});
           }
           return true;
         }
-        if (it->second == f.fields[1]) it->second = f.fields[2];
-        reply(c, detail::store_status::ok, {it->second});
+        if (it->second == f.fields[1] && !store_value(c, k, f.fields[2])) return true;
+        reply(c, detail::store_status::ok, {data_.find(k)->second});
         return true;
       }
       case store_cmd::del: {
-        const bool erased = data_.erase(k) > 0;
+        auto it = data_.find(k);
+        const bool erased = it != data_.end();
+        if (erased) {
+          stored_ -= it->first.size() + it->second.size();
+          data_.erase(it);
+        }
         reply(c, detail::store_status::ok, {erased ? "1" : "0"});
         return true;
       }
@@ -326,6 +424,25 @@ class store_server {
         return true;
       }
     }
+    return true;
+  }
+
+  /// data_[key] = value within limits_.max_bytes; otherwise answers `full` and returns false.
+  bool store_value(client& c, const std::string& key, std::string_view value) {
+    auto it = data_.find(key);
+    const std::size_t old = it == data_.end() ? 0 : key.size() + it->second.size();
+    const std::size_t now = stored_.load() - old;
+    if (now + key.size() + value.size() > limits_.max_bytes) {
+      const std::string why = "the store of rank " + std::to_string(rank_) + " is full: writing '" + key + "' (" +
+                              std::to_string(value.size()) + " bytes) would pass its limit of " +
+                              std::to_string(limits_.max_bytes) + " bytes (store_limits::max_bytes; " +
+                              std::to_string(now) + " held)";
+      reply(c, detail::store_status::full, {why});
+      return false;
+    }
+    if (it == data_.end()) data_.emplace(key, std::string(value));
+    else it->second.assign(value);
+    stored_ = now + key.size() + value.size();
     return true;
   }
 
@@ -353,8 +470,12 @@ class store_server {
   }
 
   static constexpr std::size_t max_clients = 65536;
+  static constexpr auto eof_linger = std::chrono::seconds(10);
   int rank_;
   std::shared_ptr<const authenticator> auth_;
+  store_limits limits_;
+  detail::fd_handle spare_;  // given up to accept (and close) one connection when out of descriptors
+  detail::deadline_t accept_pause_{};
   int port_ = 0;
   detail::fd_handle listen_;
   detail::fd_handle wake_;
@@ -362,6 +483,8 @@ class store_server {
   std::atomic<int> nclients_{0};
   std::atomic<int> dropped_{0};
   std::atomic<int> refused_{0};
+  std::atomic<int> shed_{0};
+  std::atomic<std::size_t> stored_{0};
   std::map<std::string, std::string, std::less<>> data_;
   std::thread thread_;
 };
@@ -478,6 +601,8 @@ class store_client {
     if (ec) fail(ec);
     detail::frame f;
     if (detail::parse_body(body, f) != detail::parse_result::ok) detail::raise(errc::protocol, rank_, "store sent a malformed frame");
+    if (f.code == static_cast<std::uint8_t>(detail::store_status::full))
+      detail::raise(errc::system, rank_, f.fields.empty() ? std::string("the store of rank 0 is full") : f.fields[0]);
     if (f.code == static_cast<std::uint8_t>(detail::store_status::bad_request))
       detail::raise(errc::protocol, rank_, "store rejected the request");
     if (f.code == static_cast<std::uint8_t>(detail::store_status::auth_required))

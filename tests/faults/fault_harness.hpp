@@ -356,7 +356,8 @@ inline trial_result run_trial(shared_board& b, int n, int port, std::chrono::mil
   // Generous: a survivor that has not caught anything by then is hung.
   const auto hard = t0 + 2 * timeout + 20s;
   std::thread striker;
-  if (f.from == source::parent) striker = std::thread([&] { strike_when_ready(b, f, hard); });
+  std::atomic<bool> all_ended{false};
+  if (f.from == source::parent) striker = std::thread([&] { strike_when_ready(b, f, hard, &all_ended); });
 
   std::vector<int> status(static_cast<std::size_t>(n), -1);
   std::vector<bool> done(static_cast<std::size_t>(n), false), hung(static_cast<std::size_t>(n), false);
@@ -397,6 +398,7 @@ inline trial_result run_trial(shared_board& b, int n, int port, std::chrono::mil
     }
     std::this_thread::sleep_for(1ms);
   }
+  all_ended = true;
   if (striker.joinable()) striker.join();
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
@@ -490,7 +492,14 @@ struct survivor_guard {
     if (const int s = count_sockets(); s != sockets_before)
       p += std::to_string(s - sockets_before) + " socket(s) still open; ";
     if (maps_ddp_segment()) p += "a ddp shared-memory segment is still mapped; ";
-    if (const int t = count_threads(); t != threads_before) p += std::to_string(t - threads_before) + " extra thread(s); ";
+    // A joined thread can stay listed for a moment while the kernel finishes its exit: a leak
+    // is a thread still there 200 ms later.
+    int t = count_threads();
+    for (int i = 0; i < 20 && t != threads_before; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      t = count_threads();
+    }
+    if (t != threads_before) p += std::to_string(t - threads_before) + " extra thread(s); ";
     copy_text(me->problem, sizeof me->problem, p);
   }
 };

@@ -211,41 +211,6 @@ class tcp {
     detail::raise(code, rank(), reason.substr(sp + 1));
   }
 
-  /// After a timeout, finds who stopped: the rank we wait for may itself wait for another.
-  /// Every rank that times out records whom it waits for; after a short grace, the ranks that
-  /// recorded nothing are the ones that stopped. When the store (rank 0) does not answer
-  /// either, rank 0 is the one.
-  std::string name_stopped(int peer) {
-    const std::string waited = "rank " + std::to_string(rank()) + " waited for rank " + std::to_string(peer);
-    try {
-      pg_->store().set(channel_ + "/waiting/" + std::to_string(rank()), std::to_string(peer), store_budget());
-    } catch (const error&) {
-      return "rank 0 stopped answering (its store does not reply; " + waited + ")";
-    }
-    const auto grace = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(300), pg_->timeout() / 8);
-    const auto end = detail::clock::now() + grace;
-    std::string silent;
-    int count = 0;
-    while (true) {
-      silent.clear();
-      count = 0;
-      try {
-        for (int r = 0; r < size(); ++r)
-          if (r != rank() && !pg_->store().check(channel_ + "/waiting/" + std::to_string(r), store_budget())) {
-            silent += (silent.empty() ? "" : ", ") + std::to_string(r);
-            ++count;
-          }
-      } catch (const error&) {
-        return "rank 0 stopped answering (its store does not reply; " + waited + ")";
-      }
-      if (count <= 1 || detail::clock::now() >= end) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    if (count == 0) return "rank " + std::to_string(peer) + " did not answer within the deadline";
-    return std::string(count > 1 ? "ranks " : "rank ") + silent + (count > 1 ? " stopped" : " stopped") +
-           " answering within the deadline (" + waited + ")";
-  }
-
   /// A connection failed: report the reason a peer posted, if any, else name the lost peer.
   [[noreturn]] void lost(int peer, const std::error_code& ec) {
     bool store_gone = false;
@@ -260,7 +225,7 @@ class tcp {
       detail::raise(errc::peer_lost, rank(), msg);
     }
     if (timed_out) {
-      const std::string msg = name_stopped(peer);
+      const std::string msg = pg_->name_stopped(channel_, peer);
       // Another rank may have reached its verdict meanwhile: one verdict for everyone.
       if (auto reason = posted_reason(); !reason.empty()) adopt(reason);
       post_abort(errc::timeout, msg);
