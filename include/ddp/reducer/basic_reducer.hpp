@@ -15,6 +15,7 @@
 #include <span>
 #include <type_traits>
 
+#include "../detail/typed_collectives.hpp"
 #include "../detail/collective.hpp"
 #include "../detail/worker.hpp"
 #include "../dtype.hpp"
@@ -52,10 +53,15 @@ struct algorithm_for;
 /// `tcp` or `shm`. Constructing one is a collective: every rank constructs its reducers in the
 /// same order.
 template <class Algorithm, class Transport>
-class basic_reducer {
+class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, Transport>> {
+  friend class detail::typed_collectives<basic_reducer<Algorithm, Transport>>;
   using algo = algorithm_for<Algorithm, Transport>;
 
  public:
+  // Typed overloads (spans of ddp's element types): detail/typed_collectives.hpp.
+  using detail::typed_collectives<basic_reducer<Algorithm, Transport>>::allreduce;
+  using detail::typed_collectives<basic_reducer<Algorithm, Transport>>::allreduce_async;
+
   using transport_type = Transport;
 
   explicit basic_reducer(process_group& pg, reducer_options o = {}) : pg_(&pg), transport_(pg), opts_(o) {}
@@ -118,41 +124,6 @@ class basic_reducer {
   void barrier() {
     run(detail::coll_kind::barrier, dtype::i32, op::sum, 0, 0,
         [this](const detail::coll_desc& d, detail::deadline_t until) { algo::barrier(transport_, d, until); });
-  }
-
-  // ---- typed interface --------------------------------------------------------------------
-
-  template <class T>
-  request allreduce_async(std::span<T> v, op o) {
-    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
-                              "std::int32_t or std::int64_t");
-    return allreduce_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
-  }
-  template <class T>
-  void allreduce(std::span<T> v, op o) {
-    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
-                              "std::int32_t or std::int64_t");
-    allreduce(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
-  }
-
-  template <class T>
-  void broadcast(std::span<T> v, int root = 0) {
-    static_assert(element<T>, "ddp: broadcast element type must be one of ddp's dtypes");
-    wait(broadcast_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, root));
-  }
-  template <class T>
-  void reduce_scatter(std::span<const T> in, std::span<T> out, op o) {
-    static_assert(element<T>, "ddp: reduce_scatter element type must be one of ddp's dtypes");
-    if (in.size() != out.size() * static_cast<std::size_t>(size()))
-      detail::raise(errc::invalid_argument, rank(), "reduce_scatter: input must hold size() * output elements");
-    wait(reduce_scatter_async(in.data(), out.data(), out.size(), dtype_of_v<T>, o));
-  }
-  template <class T>
-  void allgather(std::span<const T> in, std::span<T> out) {
-    static_assert(element<T>, "ddp: allgather element type must be one of ddp's dtypes");
-    if (out.size() != in.size() * static_cast<std::size_t>(size()))
-      detail::raise(errc::invalid_argument, rank(), "allgather: output must hold size() * input elements");
-    wait(allgather_async(in.data(), out.data(), in.size(), dtype_of_v<T>));
   }
 
   /// Wakes every waiter on this rank and tells the peers (errc::aborted).

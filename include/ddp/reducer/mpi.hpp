@@ -33,6 +33,7 @@
 #include <span>
 #include <string>
 
+#include "../detail/typed_collectives.hpp"
 #include "../detail/kernels.hpp"
 #include "../detail/mpi_check.hpp"
 #include "../detail/worker.hpp"
@@ -59,8 +60,13 @@ inline namespace v0 {
 /// user-defined ops that widen to float and round after each pairwise step; float min/max use
 /// ddp's kernels too, so NaN propagates as with every other reducer. `avg` is an MPI sum
 /// divided by the world size afterwards (integers truncate).
-class mpi_reducer {
+class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
+  friend class detail::typed_collectives<mpi_reducer>;
  public:
+  // Typed overloads (spans of ddp's element types): detail/typed_collectives.hpp.
+  using detail::typed_collectives<mpi_reducer>::allreduce;
+  using detail::typed_collectives<mpi_reducer>::allreduce_async;
+
   /// MPI moves the bytes itself: there is no ddp transport for an allocator to be built from
   /// (`basic_data_parallel` default-constructs its allocator; `host_allocator` is the usual one).
   struct engine_transport {};
@@ -157,40 +163,6 @@ class mpi_reducer {
   }
   void barrier() {
     if (!worker_.try_run_inline([&] { DDP_MPI_CHECK(MPI_Barrier(res_.comm)); })) wait(barrier_async());
-  }
-
-  // ---- typed interface --------------------------------------------------------------------
-
-  template <class T>
-  request allreduce_async(std::span<T> v, op o) {
-    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
-                              "std::int32_t or std::int64_t");
-    return allreduce_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
-  }
-  template <class T>
-  void allreduce(std::span<T> v, op o) {
-    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
-                              "std::int32_t or std::int64_t");
-    allreduce(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
-  }
-  template <class T>
-  void broadcast(std::span<T> v, int root = 0) {
-    static_assert(element<T>, "ddp: broadcast element type must be one of ddp's dtypes");
-    wait(broadcast_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, root));
-  }
-  template <class T>
-  void reduce_scatter(std::span<const T> in, std::span<T> out, op o) {
-    static_assert(element<T>, "ddp: reduce_scatter element type must be one of ddp's dtypes");
-    if (in.size() != out.size() * static_cast<std::size_t>(size()))
-      detail::raise(errc::invalid_argument, rank(), "reduce_scatter: input must hold size() * output elements");
-    wait(reduce_scatter_async(in.data(), out.data(), out.size(), dtype_of_v<T>, o));
-  }
-  template <class T>
-  void allgather(std::span<const T> in, std::span<T> out) {
-    static_assert(element<T>, "ddp: allgather element type must be one of ddp's dtypes");
-    if (out.size() != in.size() * static_cast<std::size_t>(size()))
-      detail::raise(errc::invalid_argument, rank(), "allgather: output must hold size() * input elements");
-    wait(allgather_async(in.data(), out.data(), in.size(), dtype_of_v<T>));
   }
 
  private:

@@ -25,6 +25,7 @@
 #include <string>
 #include <thread>
 
+#include "../detail/typed_collectives.hpp"
 #include "../detail/cuda_check.hpp"
 #include "../detail/worker.hpp"
 #include "../dtype.hpp"
@@ -91,8 +92,13 @@ inline namespace v0 {
 /// NCCL's: `avg` is `ncclAvg` (floats are scaled before summing, so the last bit can differ
 /// from the host reducers), integer sums wrap, and min/max follow CUDA's `fmin`/`fmax` (a NaN
 /// loses against a number).
-class nccl_reducer {
+class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
+  friend class detail::typed_collectives<nccl_reducer>;
  public:
+  // Typed overloads (spans of ddp's element types): detail/typed_collectives.hpp.
+  using detail::typed_collectives<nccl_reducer>::allreduce;
+  using detail::typed_collectives<nccl_reducer>::allreduce_async;
+
   /// NCCL moves the bytes itself: there is no ddp transport for an allocator to be built from.
   struct engine_transport {};
   using transport_type = engine_transport;
@@ -192,40 +198,6 @@ class nccl_reducer {
   /// Blocking allreduce: returns when the result is in `data`.
   void allreduce(void* data, std::size_t count, dtype t, op o) { wait(allreduce_async(data, count, t, o)); }
   void barrier() { wait(barrier_async()); }
-
-  // ---- typed interface (spans over device memory) -------------------------------------------
-
-  template <class T>
-  request allreduce_async(std::span<T> v, op o) {
-    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
-                              "std::int32_t or std::int64_t");
-    return allreduce_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
-  }
-  template <class T>
-  void allreduce(std::span<T> v, op o) {
-    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
-                              "std::int32_t or std::int64_t");
-    allreduce(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
-  }
-  template <class T>
-  void broadcast(std::span<T> v, int root = 0) {
-    static_assert(element<T>, "ddp: broadcast element type must be one of ddp's dtypes");
-    wait(broadcast_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, root));
-  }
-  template <class T>
-  void reduce_scatter(std::span<const T> in, std::span<T> out, op o) {
-    static_assert(element<T>, "ddp: reduce_scatter element type must be one of ddp's dtypes");
-    if (in.size() != out.size() * static_cast<std::size_t>(size()))
-      detail::raise(errc::invalid_argument, rank(), "reduce_scatter: input must hold size() * output elements");
-    wait(reduce_scatter_async(in.data(), out.data(), out.size(), dtype_of_v<T>, o));
-  }
-  template <class T>
-  void allgather(std::span<const T> in, std::span<T> out) {
-    static_assert(element<T>, "ddp: allgather element type must be one of ddp's dtypes");
-    if (out.size() != in.size() * static_cast<std::size_t>(size()))
-      detail::raise(errc::invalid_argument, rank(), "allgather: output must hold size() * input elements");
-    wait(allgather_async(in.data(), out.data(), in.size(), dtype_of_v<T>));
-  }
 
   /// Aborts the communicator (`ncclCommAbort`: running NCCL kernels stop); pending and later
   /// requests fail with `errc::aborted`. Peers notice through their own deadline.

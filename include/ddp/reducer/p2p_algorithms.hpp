@@ -54,19 +54,11 @@ concept point_to_point_transport = T::is_point_to_point && requires(T& t, const 
 /// Exchange with descriptors: sends [desc | out] to `to`, receives [desc | in] from `from`,
 /// fails the transport with errc::mismatch as soon as the peer's descriptor differs.
 /// `on_payload(bytes)` sees how many payload bytes have arrived.
-// DDP_DETAIL_UNCHECKED_COLLECTIVES exists only so that bench/mismatch_cost.sh can measure what
-// the checks cost: it drops the descriptors from the wire. Not a supported configuration.
+// DDP_DETAIL_SKIP_MISMATCH_CHECKS exists only so that bench/mismatch_cost.sh can measure what
+// the checks cost: descriptors still travel, nobody compares them. Not a supported configuration.
 template <class T, class F>
 void exchange(T& t, const coll_desc& d, int to, const void* out, std::size_t out_n, int from, void* in,
               std::size_t in_n, deadline_t until, F&& on_payload) {
-#ifdef DDP_DETAIL_UNCHECKED_COLLECTIVES
-  (void)d;
-  const iovec o1[1] = {{const_cast<void*>(out), out_n}};
-  const iovec i1[1] = {{in, in_n}};
-  t.sendrecv(to, std::span<const iovec>(o1, 1), from, std::span<const iovec>(i1, 1), until,
-             [&](std::size_t got) { on_payload(got); });
-  return;
-#endif
   coll_desc theirs{};
   const iovec o[2] = {{const_cast<coll_desc*>(&d), sizeof d}, {const_cast<void*>(out), out_n}};
   const iovec i[2] = {{&theirs, sizeof theirs}, {in, in_n}};
@@ -75,7 +67,9 @@ void exchange(T& t, const coll_desc& d, int to, const void* out, std::size_t out
     if (got < sizeof(coll_desc)) return;
     if (!checked) {
       checked = true;
+#ifndef DDP_DETAIL_SKIP_MISMATCH_CHECKS
       if (auto why = mismatch(d, t.rank(), theirs, from); !why.empty()) t.fail(errc::mismatch, why);
+#endif
     }
     on_payload(got - sizeof(coll_desc));
   });
@@ -90,18 +84,14 @@ void exchange(T& t, const coll_desc& d, int to, const void* out, std::size_t out
 /// Sends [desc | data] only (one direction; the peer calls recv_checked).
 template <class T>
 void send_checked(T& t, const coll_desc& d, int to, const void* data, std::size_t n, deadline_t until) {
-#ifndef DDP_DETAIL_UNCHECKED_COLLECTIVES
   t.send(to, &d, sizeof d, until);
-#else
-  (void)d;
-#endif
   if (n) t.send(to, data, n, until);
 }
 template <class T>
 void recv_checked(T& t, const coll_desc& d, int from, void* data, std::size_t n, deadline_t until) {
-#ifndef DDP_DETAIL_UNCHECKED_COLLECTIVES
   coll_desc theirs{};
   t.recv(from, &theirs, sizeof theirs, until);
+#ifndef DDP_DETAIL_SKIP_MISMATCH_CHECKS
   if (auto why = mismatch(d, t.rank(), theirs, from); !why.empty()) t.fail(errc::mismatch, why);
 #else
   (void)d;
