@@ -8,7 +8,6 @@
 #   scripts/faults.sh                      # 50 trials per reducer, random seed (printed)
 #   DDP_FAULT_TRIALS=200 scripts/faults.sh
 #   DDP_FAULT_SEED=11 DDP_FAULT_ONLY=7 DDP_FAULT_VERBOSE=1 scripts/faults.sh -tc='*tree<tcp>*'
-#   DDP_FAULT_STRICT=1 scripts/faults.sh   # the known gaps (docs/reliability.md) fail too
 #
 # Extra arguments go to the doctest binary. See docs/reliability.md.
 set -euo pipefail

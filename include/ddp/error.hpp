@@ -3,6 +3,7 @@
 /// The one exception type of ddp: `ddp::error`, a `std::system_error` carrying the rank, and
 /// optionally the bucket and parameter, that the failure concerns.
 
+#include <exception>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -103,6 +104,14 @@ class error : public std::system_error {
 };
 
 namespace detail {
+/// "rank 2: rank 3 never connected" from "[ddp.timeout] rank 2: rank 3 never connected": the
+/// message as it is posted to the store for the peers to report.
+inline std::string message_of(const std::exception& e) {
+  const std::string w = e.what();
+  const auto p = w.find("] ");
+  return w.rfind("[ddp.", 0) == 0 && p != std::string::npos ? w.substr(p + 2) : w;
+}
+
 /// The single throw site of ddp.
 [[noreturn]] inline void raise(errc code, int rank, const std::string& msg, int bucket = -1,
                                int parameter = -1) {

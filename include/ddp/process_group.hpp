@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <random>
@@ -276,12 +277,19 @@ class process_group {
   /// True once abort() was called here.
   bool aborted() const noexcept { return aborted_.load(); }
 
-  /// Closes connections; rank 0 waits (bounded) for the others to leave its store first.
+  /// Closes connections; rank 0 waits (bounded by the timeout) for the others to leave its
+  /// store first. When the group failed (an error posted or raised here, abort(), or an
+  /// exception on its way out) it waits at most min(500 ms, timeout / 4): long enough for the
+  /// peers to read the posted reason, short enough that a frozen peer, which never leaves,
+  /// does not hold this rank's error up by a whole timeout.
   void close() noexcept {
+    const bool failing = failed_.load() || aborted_.load() || std::uncaught_exceptions() > 0;
     mesh_.clear();
     store_.reset();
     if (server_) {
-      const auto until = detail::clock::now() + opts_.timeout;
+      const auto until = detail::clock::now() + (failing ? std::min<std::chrono::milliseconds>(
+                                                               std::chrono::milliseconds(500), opts_.timeout / 4)
+                                                         : opts_.timeout);
       while (server_->clients() > 0 && detail::clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
       server_.reset();
@@ -307,6 +315,7 @@ class process_group {
   /// Records why this rank's group failed (first reason wins) and shuts the mesh, so that
   /// peers blocked on this rank wake at once and report the same reason instead of naming us.
   void post_failure(errc code, const std::string& msg) noexcept {
+    failed_.exchange(true);
     try {
       if (store_) store_->compare_set("pg/abort", "", std::to_string(static_cast<int>(code)) + " " + msg, store_budget());
     } catch (...) {
@@ -373,6 +382,7 @@ class process_group {
     bool exchange(bool x) noexcept { return v.exchange(x); }
   };
   movable_flag aborted_;
+  movable_flag failed_;  // a failure was posted: close() does not wait for the others
   std::unique_ptr<store_server> server_;
   std::unique_ptr<store_client> store_;
   std::vector<detail::fd_handle> mesh_;
@@ -432,7 +442,13 @@ inline process_group init_process_group(const init_options& opts) {
                       " never arrived");
   }
   pg.group_id_ = static_cast<std::uint64_t>(detail::decode_i64(st.get("pg/id", until)));
-  pg.mesh_ = detail::connect_mesh(st, rank, opts.world_size, "pg/mesh", pg.group_id_, until, 0);
+  try {
+    pg.mesh_ = detail::connect_mesh(st, rank, opts.world_size, "pg/mesh", pg.group_id_, until, 0);
+  } catch (const error& e) {
+    // Peers already connected to this rank would only see a closed connection: say why.
+    pg.post_failure(e.condition(), detail::message_of(e));
+    throw;
+  }
   pg.barrier(until);
   return pg;
 }

@@ -290,8 +290,8 @@ struct rank_result {
   double cleanup_s = 0;
 };
 
-/// Naming, latency and a segment left in /dev/shm are told apart from the rest (hangs, crashes,
-/// wrong errors, other leaks) so a suite can report a known shortfall without hiding the others.
+/// What kind of requirement a failure broke: naming, latency, a segment left in /dev/shm, or
+/// anything else (hangs, crashes, wrong errors, other leaks).
 enum failure_kind { other, naming, late, segment };
 
 struct failure {

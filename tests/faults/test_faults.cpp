@@ -8,8 +8,7 @@
 //
 // DDP_FAULT_TRIALS (trials per reducer, default 6), DDP_FAULT_SEED (default: random, printed),
 // DDP_FAULT_TIMEOUT_MS (the group's timeout, default 2000), DDP_FAULT_VERBOSE=1 (one line per
-// trial), DDP_FAULT_ONLY=i (only trial i of the seed's sequence), DDP_FAULT_STRICT=1 (the known
-// gaps listed below fail too). scripts/faults.sh runs 50
+// trial), DDP_FAULT_ONLY=i (only trial i of the seed's sequence). scripts/faults.sh runs 50
 // trials per reducer.
 
 #include "fault_harness.hpp"
@@ -273,7 +272,6 @@ trial_plan plan_trial(std::mt19937_64& g, int index, std::chrono::milliseconds t
 struct tally {
   int trials = 0;
   int failed = 0;
-  int known = 0;  // trials whose only failures are the known shortfalls below
   int hangs = 0;
   std::map<std::string, double> max_detect;  // by "signal scenario"
   std::map<std::string, int> count;
@@ -281,32 +279,11 @@ struct tally {
   double seconds = 0;
 };
 
-// Known shortfalls of the library, reported but (unless DDP_FAULT_STRICT=1) not failed, so that
-// the suite guards everything else meanwhile; see docs/reliability.md, "Known gaps":
-//  - a frozen rank is detected by a deadline, and the first rank whose deadline passes blames
-//    the peer it waits for, which may be a survivor blocked on the frozen rank (tcp reducers
-//    and the process group's own collectives post or report that peer);
-//  - with rank 0 (the store's host) frozen, the tcp transport's report through the store waits
-//    for the store for seconds, past timeout + 2 s, and data_parallel::finish() then ends
-//    with a request timeout that names no rank;
-//  - a survivor that failed closes its connections, and ranks that learn of the failure that
-//    way blame it: the process group's own collectives (rendezvous barrier, all_gather) post no
-//    reason to the store, and with rank 0 killed the store is gone with it.
-//  - a rank lost while a shm segment is being set up leaves the segment's name in /dev/shm.
-bool known_gap(const fault& f, int fault_phase, failure_kind k, bool tcp) {
-  // Left: a rank frozen while the group is still forming may be named imprecisely (the ranks
-  // wait on the store, which cannot tell a slow rank from a stopped one).
-  (void)f;
-  (void)tcp;
-  return (k == naming || k == late) && fault_phase == rendezvous;
-}
-
 template <class Reducer>
 void fault_suite(const char* name, int salt) {
   const int trials = static_cast<int>(env_long("DDP_FAULT_TRIALS", 6));
   const auto timeout = std::chrono::milliseconds(env_long("DDP_FAULT_TIMEOUT_MS", 2000));
   const bool verbose = env_long("DDP_FAULT_VERBOSE", 0) != 0;
-  const bool strict = env_long("DDP_FAULT_STRICT", 0) != 0;
   const long only = env_long("DDP_FAULT_ONLY", -1);  // one trial of the sequence, to reproduce it
   static const std::uint64_t base_seed = [] {
     const long s = env_long("DDP_FAULT_SEED", 0);
@@ -315,7 +292,7 @@ void fault_suite(const char* name, int salt) {
   std::mt19937_64 g(base_seed * 31 + static_cast<std::uint64_t>(salt));
   shared_board board;
   tally tl;
-  std::vector<std::string> failures, gaps;
+  std::vector<std::string> failures;
   for (int i = 0; i < trials; ++i) {
     auto t = plan_trial(g, i, timeout);
     if (only >= 0 && i != only) continue;
@@ -334,41 +311,27 @@ void fault_suite(const char* name, int salt) {
       }
     }
     tl.max_detect[key] = std::max(tl.max_detect[key], worst);
-    bool hard = false;
-    for (auto& fl : res.failures) {
-      const std::string line = std::string(name) + " trial " + std::to_string(i) + " n=" + std::to_string(t.n) + " " + fl.text;
-      if (!strict && known_gap(t.f, res.fault_phase, fl.kind, !on_shm<Reducer>)) {
-        gaps.push_back(line);
-      } else {
-        failures.push_back(line);
-        hard = true;
-      }
-    }
+    const bool hard = !res.failures.empty();
+    for (auto& fl : res.failures)
+      failures.push_back(std::string(name) + " trial " + std::to_string(i) + " n=" + std::to_string(t.n) + " " + fl.text);
     if (hard) ++tl.failed;
-    else if (!res.failures.empty()) ++tl.known;
     if (verbose || !res.failures.empty()) {
       std::printf("%s trial %d (%s, n=%d, fault in %s): %s, worst detection %.3f s, %.2f s%s\n", name, i,
                   scenario_name(t.what), t.n, phase_name(res.fault_phase), t.f.describe().c_str(), worst, res.seconds,
-                  hard ? "  FAILED" : res.failures.empty() ? "" : "  (known gap)");
+                  hard ? "  FAILED" : "");
       for (auto& rr : res.ranks)
         if (!rr.victim)
           std::printf("    rank %d: %.3f s errc %d: %s%s%s\n", rr.rank, rr.detect_s, rr.errc, rr.what.c_str(),
                       rr.problem.empty() ? "" : " | ", rr.problem.c_str());
     }
   }
-  std::printf("faults %s: seed %llu, %d trials, %d failed, %d with known gaps only, %d hung ranks, %.1f s; "
-              "max survivor cleanup %.3f s\n",
-              name, static_cast<unsigned long long>(base_seed), tl.trials, tl.failed, tl.known, tl.hangs, tl.seconds,
+  std::printf("faults %s: seed %llu, %d trials, %d failed, %d hung ranks, %.1f s; max survivor cleanup %.3f s\n",
+              name, static_cast<unsigned long long>(base_seed), tl.trials, tl.failed, tl.hangs, tl.seconds,
               tl.max_cleanup);
   for (auto& [k, v] : tl.max_detect)
     std::printf("faults %s:   %-26s %3d trials, max detection %.3f s (limit %.1f s)\n", name, k.c_str(), tl.count[k], v,
                 std::chrono::duration<double>(timeout + 2s).count());
   std::fflush(stdout);
-  if (!gaps.empty()) {
-    std::string shown;
-    for (std::size_t k = 0; k < gaps.size() && k < 6; ++k) shown += gaps[k] + "\n";
-    WARN_MESSAGE(gaps.empty(), "known gaps (DDP_FAULT_STRICT=1 fails on them):\n" << shown);
-  }
   std::string shown;
   for (std::size_t k = 0; k < failures.size() && k < 12; ++k) shown += failures[k] + "\n";
   INFO("seed " << base_seed << " (DDP_FAULT_SEED reproduces)\n" << shown);
@@ -383,7 +346,6 @@ TEST_CASE("faults: a rank lost while the shm segment is set up leaves no segment
   // The window (rank 0 created the segment, rank 1 has not mapped it yet) is short, so the
   // parent may miss it; a missed attempt ends normally after a few collectives and is retried.
   // Two SIGKILLs and one SIGSTOP must land inside the window.
-  const bool strict = env_long("DDP_FAULT_STRICT", 0) != 0;
   shared_board board;
   int kills = 0, stops = 0, attempts = 0;
   for (; attempts < 16 && (kills < 2 || stops < 1); ++attempts) {
@@ -412,16 +374,12 @@ TEST_CASE("faults: a rank lost while the shm segment is set up leaves no segment
       continue;
     }
     (t.f.sig == SIGKILL ? kills : stops) += 1;
-    std::vector<std::string> hard, gaps;
-    for (auto& fl : res.failures)
-      (!strict && known_gap(t.f, res.fault_phase, fl.kind, false) ? gaps : hard).push_back(fl.text);
     std::string shown;
-    for (auto& h : hard) shown += h + "\n";
+    for (auto& fl : res.failures) shown += fl.text + "\n";
     for (auto& rr : res.ranks) shown += "rank " + std::to_string(rr.rank) + ": " + rr.what + "\n";
     CHECK(res.fault_phase == rendezvous);
-    WARN_MESSAGE(gaps.empty(), "known gap (DDP_FAULT_STRICT=1 fails on it): " << (gaps.empty() ? "" : gaps[0]));
     INFO(shown);
-    CHECK(hard.empty());
+    CHECK(res.failures.empty());
   }
   INFO("attempts: " << attempts);
   CHECK(kills == 2);

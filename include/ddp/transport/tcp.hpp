@@ -42,8 +42,18 @@ class tcp {
 
   explicit tcp(process_group& pg, tcp_options o = {}) : pg_(&pg), opts_(o) {
     channel_ = "tcp/" + std::to_string(pg.next_channel_id());
-    peers_ = detail::connect_mesh(pg.store(), pg.rank(), pg.size(), channel_, pg.id(), pg.deadline(),
-                                  o.socket_buffer);
+    try {
+      peers_ = detail::connect_mesh(pg.store(), pg.rank(), pg.size(), channel_, pg.id(), pg.deadline(),
+                                    o.socket_buffer);
+    } catch (const error& e) {
+      // Peers already connected to this rank would only see a closed connection: say why.
+      try {
+        pg.store().compare_set(channel_ + "/abort", "", std::to_string(e.code().value()) + " " + detail::message_of(e),
+                               store_budget());
+      } catch (...) {
+      }
+      throw;
+    }
   }
   tcp(const tcp&) = delete;
   tcp& operator=(const tcp&) = delete;
