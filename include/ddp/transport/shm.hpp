@@ -121,16 +121,17 @@ class shm {
     name_ = "/ddp-" + std::string(idhex) + "-" + std::to_string(channel);
     const std::string key = "ddp/shm" + name_;
     std::string why;
-    // From creation on, the name must go even when this constructor throws (a peer lost during
-    // setup), or it would stay in /dev/shm after every process has ended.
+    // The name must go even when this constructor throws (a peer lost during setup), or it
+    // would stay in /dev/shm after every process has ended. Every rank removes it on failure:
+    // rank 0 may be the one lost, killed between creating the segment and unlinking it. The
+    // name is this group's own (its random id), so nothing else can be removed by it.
     struct unlink_guard {
       const std::string* name = nullptr;
       ~unlink_guard() {
         if (name != nullptr) ::shm_unlink(name->c_str());
       }
-    } guard;
+    } guard{&name_};
     if (rank_ == 0) {
-      guard.name = &name_;
       layout_ = detail::make_shm_layout(size_, opts_.slot_bytes, nslots, opts_.segment_bytes);
       why = map_.create(name_, layout_.total);
       if (why.empty()) init_segment();
@@ -157,10 +158,8 @@ class shm {
     if (why.empty()) block(rank_).pid.store(static_cast<std::int32_t>(::getpid()), std::memory_order_release);
     // 3. Once everyone has it mapped (or failed), the name goes: the mapping keeps the memory.
     const auto status = pg.all_gather(why);
-    if (rank_ == 0) {
-      ::shm_unlink(name_.c_str());
-      guard.name = nullptr;
-    }
+    if (rank_ == 0) ::shm_unlink(name_.c_str());
+    guard.name = nullptr;
     for (int r = 0; r < size_; ++r)
       if (!status[static_cast<std::size_t>(r)].empty())
         raise_here(errc::system, "shared-memory segment " + name_ + ": rank " + std::to_string(r) + ": " +
