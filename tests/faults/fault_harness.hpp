@@ -302,14 +302,6 @@ struct rank_result {
   double cleanup_s = 0;
 };
 
-/// What kind of requirement a failure broke: naming, latency, a segment left in /dev/shm, or
-/// anything else (hangs, crashes, wrong errors, other leaks).
-enum failure_kind { other, naming, late, segment };
-
-struct failure {
-  failure_kind kind;
-  std::string text;
-};
 
 /// True when `what` names rank `r`: "rank 3", or "ranks 1, 3" / "ranks 1 and 3".
 inline bool names_rank(const std::string& what, int r) {
@@ -337,7 +329,7 @@ struct trial_result {
   int fault_phase = -1;
   bool fault_happened = false;
   std::vector<rank_result> ranks;
-  std::vector<failure> failures;  ///< empty: every requirement held
+  std::vector<std::string> failures;  ///< empty: every requirement held
   double seconds = 0;
 };
 
@@ -418,7 +410,7 @@ inline trial_result run_trial(shared_board& b, int n, int port, std::chrono::mil
   auto& v = b[f.victim];
   res.fault_happened = v.fault_ns.load() != 0;
   res.fault_phase = v.fault_phase.load();
-  auto fail = [&](const std::string& s, failure_kind k = other) { res.failures.push_back({k, res.fault + ": " + s}); };
+  auto fail = [&](const std::string& s) { res.failures.push_back(res.fault + ": " + s); };
   if (!res.fault_happened) fail("the fault never happened (victim did not reach its fault point)");
   std::uint64_t gid = 0;
   for (int r = 0; r < n; ++r) {
@@ -459,15 +451,15 @@ inline trial_result run_trial(shared_board& b, int n, int port, std::chrono::mil
     const auto code = static_cast<ddp::errc>(rr.errc);
     if (code != ddp::errc::peer_lost && code != ddp::errc::timeout && code != ddp::errc::aborted)
       fail(who + " raised the wrong error: " + (rr.errc == 0 ? "(not a ddp::error) " : "") + rr.what);
-    if (!names_rank(rr.what, f.victim)) fail(who + " did not name rank " + std::to_string(f.victim) + ": " + rr.what, naming);
+    if (!names_rank(rr.what, f.victim)) fail(who + " did not name rank " + std::to_string(f.victim) + ": " + rr.what);
     if (rr.detect_s > std::chrono::duration<double>(limit_for_fault).count())
       fail(who + " took " + std::to_string(rr.detect_s) + " s to notice (limit " +
-           std::to_string(std::chrono::duration<double>(limit_for_fault).count()) + " s): " + rr.what, late);
+           std::to_string(std::chrono::duration<double>(limit_for_fault).count()) + " s): " + rr.what);
     if (!rr.problem.empty()) fail(who + " left resources behind: " + rr.problem);
   }
   if (gid != 0)
     for (auto& s : leftover_segments(gid)) {
-      fail("shared-memory segment /dev/shm/" + s + " left behind", segment);
+      fail("shared-memory segment /dev/shm/" + s + " left behind");
       ::unlink(("/dev/shm/" + s).c_str());
     }
   if (!port_released(port)) fail("master port " + std::to_string(port) + " still in use after every rank ended");

@@ -34,10 +34,7 @@ using namespace ddp_faults;
 
 namespace {
 
-long env_long(const char* name, long dflt) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::strtol(v, nullptr, 10) : dflt;
-}
+using ddp_test::env_long;
 
 enum class scenario { rendezvous, allreduce, buckets, finish };
 const char* scenario_name(scenario s) {
@@ -313,7 +310,7 @@ void fault_suite(const char* name, int salt) {
     tl.max_detect[key] = std::max(tl.max_detect[key], worst);
     const bool hard = !res.failures.empty();
     for (auto& fl : res.failures)
-      failures.push_back(std::string(name) + " trial " + std::to_string(i) + " n=" + std::to_string(t.n) + " " + fl.text);
+      failures.push_back(std::string(name) + " trial " + std::to_string(i) + " n=" + std::to_string(t.n) + " " + fl);
     if (hard) ++tl.failed;
     if (verbose || !res.failures.empty()) {
       std::printf("%s trial %d (%s, n=%d, fault in %s): %s, worst detection %.3f s, %.2f s%s\n", name, i,
@@ -375,7 +372,7 @@ TEST_CASE("faults: a rank lost while the shm segment is set up leaves no segment
     }
     (t.f.sig == SIGKILL ? kills : stops) += 1;
     std::string shown;
-    for (auto& fl : res.failures) shown += fl.text + "\n";
+    for (auto& fl : res.failures) shown += fl + "\n";
     for (auto& rr : res.ranks) shown += "rank " + std::to_string(rr.rank) + ": " + rr.what + "\n";
     CHECK(res.fault_phase == rendezvous);
     INFO(shown);

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -33,6 +34,12 @@ struct outcome {
   double seconds = 0;       ///< wall time until the child ended
   bool ok() const { return exit_code == 0; }
 };
+
+/// An integer from the environment (DDP_SOAK_COUNT, DDP_FAULT_TRIALS, ...), or `dflt`.
+inline long env_long(const char* name, long dflt) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::strtol(v, nullptr, 10) : dflt;
+}
 
 /// An ephemeral port that was free a moment ago (the kernel hands out a fresh one each call).
 inline int free_port() {

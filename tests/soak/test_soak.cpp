@@ -39,11 +39,6 @@ using namespace ddp_test;
 
 namespace {
 
-long env_long(const char* name, long dflt) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::strtol(v, nullptr, 10) : dflt;
-}
-
 enum class kind { allreduce, batch, reduce_scatter, allgather, broadcast };
 constexpr std::array kind_names = {"allreduce", "async batch", "reduce_scatter", "allgather", "broadcast"};
 constexpr std::array reducer_names = {"ring<tcp>", "tree<tcp>", "ring<shm>", "tree<shm>"};

@@ -15,8 +15,8 @@
 #include <span>
 #include <type_traits>
 
-#include "../detail/typed_collectives.hpp"
 #include "../detail/collective.hpp"
+#include "../detail/typed_collectives.hpp"
 #include "../detail/worker.hpp"
 #include "../dtype.hpp"
 #include "../error.hpp"

@@ -33,9 +33,9 @@
 #include <span>
 #include <string>
 
-#include "../detail/typed_collectives.hpp"
 #include "../detail/kernels.hpp"
 #include "../detail/mpi_check.hpp"
+#include "../detail/typed_collectives.hpp"
 #include "../detail/worker.hpp"
 #include "../dtype.hpp"
 #include "../error.hpp"

@@ -25,8 +25,8 @@
 #include <string>
 #include <thread>
 
-#include "../detail/typed_collectives.hpp"
 #include "../detail/cuda_check.hpp"
+#include "../detail/typed_collectives.hpp"
 #include "../detail/worker.hpp"
 #include "../dtype.hpp"
 #include "../error.hpp"
