@@ -37,7 +37,9 @@ namespace ddp {
 inline namespace v0 {
 
 /// Memory the store may hold, so that no client (or crowd of clients) can grow rank 0 without
-/// bound. A write that would pass `max_bytes` is refused with errc::system on the writer; when
+/// bound. A write that would pass `max_bytes` is refused with errc::system on the writer
+/// (errc::invalid_argument when the one value is larger than `max_bytes`, or than the 64 MiB a
+/// frame holds, which the writer checks before sending); when
 /// the bytes buffered for all clients pass `max_buffered`, the clients holding the most are
 /// dropped until it fits (frames are limited to 64 MiB each besides).
 struct store_limits {
@@ -432,6 +434,15 @@ class store_server {
     auto it = data_.find(key);
     const std::size_t old = it == data_.end() ? 0 : key.size() + it->second.size();
     const std::size_t now = stored_.load() - old;
+    if (key.size() + value.size() > limits_.max_bytes) {
+      // Could never fit, however empty the store: a bad argument, not a full store.
+      const std::string why = "store value for key '" + key.substr(0, 64) + "' is too large: " +
+                              std::to_string(key.size() + value.size()) + " bytes with its key, and the store of rank " +
+                              std::to_string(rank_) + " holds at most " + std::to_string(limits_.max_bytes) +
+                              " (store_limits::max_bytes)";
+      reply(c, detail::store_status::too_large, {why});
+      return false;
+    }
     if (now + key.size() + value.size() > limits_.max_bytes) {
       const std::string why = "the store of rank " + std::to_string(rank_) + " is full: writing '" + key + "' (" +
                               std::to_string(value.size()) + " bytes) would pass its limit of " +
@@ -579,10 +590,36 @@ class store_client {
     return f.fields[0];
   }
 
+  /// Requests the store could never take are refused here, before they are sent: the server
+  /// drops a client whose frame passes its limits, which would break this connection (and with
+  /// it the group) for what is only a bad argument.
+  void check_request(detail::store_cmd cmd, const std::vector<std::string_view>& fields) const {
+    const std::string key = fields.empty() ? std::string() : std::string(fields[0].substr(0, 64));
+    const std::size_t nkeys = cmd == detail::store_cmd::wait ? fields.size() - 1 : 1;
+    for (std::size_t i = 0; i < nkeys && i < fields.size(); ++i)
+      if (fields[i].size() > detail::store_max_key)
+        detail::raise(errc::invalid_argument, rank_,
+                      "store key '" + std::string(fields[i].substr(0, 64)) + "...' is " +
+                          std::to_string(fields[i].size()) + " bytes; keys hold at most " +
+                          std::to_string(detail::store_max_key));
+    if (fields.size() > detail::store_max_fields)
+      detail::raise(errc::invalid_argument, rank_,
+                    "store wait for " + std::to_string(nkeys) + " keys; one request holds at most " +
+                        std::to_string(detail::store_max_fields - 1));
+    std::size_t frame = 1;
+    for (auto f : fields) frame += 4 + f.size();
+    if (frame > detail::store_max_frame)
+      detail::raise(errc::invalid_argument, rank_,
+                    "store value for key '" + key + "' is too large: the request is " + std::to_string(frame) +
+                        " bytes and a store frame holds at most " + std::to_string(detail::store_max_frame) +
+                        " (the store is for small metadata; send bulk data through a collective)");
+  }
+
   detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& fields, detail::deadline_t until) {
+    check_request(cmd, fields);
     std::lock_guard lock(mu_);
-    if (broken_)
-      detail::raise(errc::peer_lost, rank_, "store connection to rank 0 is unusable after an earlier failure");
+    if (!broken_.empty())
+      detail::raise(errc::peer_lost, rank_, "store connection to rank 0 is unusable after an earlier failure: " + broken_);
     const auto out = detail::encode_frame(static_cast<std::uint8_t>(cmd), fields);
     std::error_code ec;
     detail::send_all(fd_.get(), out.data(), out.size(), until, ec);
@@ -595,35 +632,44 @@ class store_client {
     detail::recv_all(fd_.get(), hdr, 4, rd, ec);
     if (ec) fail(ec);
     const std::uint32_t len = detail::get_u32(hdr);
-    if (len == 0 || len > detail::store_max_frame) detail::raise(errc::protocol, rank_, "store sent a bad frame length");
+    if (len == 0 || len > detail::store_max_frame)
+      broken(errc::protocol, "store sent a bad frame length (" + std::to_string(len) + " bytes)");
     std::string body(len, '\0');
     detail::recv_all(fd_.get(), body.data(), len, rd, ec);
     if (ec) fail(ec);
     detail::frame f;
-    if (detail::parse_body(body, f) != detail::parse_result::ok) detail::raise(errc::protocol, rank_, "store sent a malformed frame");
+    if (detail::parse_body(body, f) != detail::parse_result::ok) broken(errc::protocol, "store sent a malformed frame");
     if (f.code == static_cast<std::uint8_t>(detail::store_status::full))
       detail::raise(errc::system, rank_, f.fields.empty() ? std::string("the store of rank 0 is full") : f.fields[0]);
+    if (f.code == static_cast<std::uint8_t>(detail::store_status::too_large))
+      detail::raise(errc::invalid_argument, rank_,
+                    f.fields.empty() ? std::string("the value is larger than the store of rank 0 holds") : f.fields[0]);
     if (f.code == static_cast<std::uint8_t>(detail::store_status::bad_request))
       detail::raise(errc::protocol, rank_, "store rejected the request");
     if (f.code == static_cast<std::uint8_t>(detail::store_status::auth_required))
-      detail::raise(errc::auth_failed, rank_,
-                    "the store of rank 0 requires authentication and refused this process: set "
-                    "DDP_AUTH_TOKEN (or init_options::auth_token) to the group's secret");
+      broken(errc::auth_failed,
+             "the store of rank 0 requires authentication and refused this process: set "
+             "DDP_AUTH_TOKEN (or init_options::auth_token) to the group's secret");
     return f;
   }
 
   [[noreturn]] void fail(const std::error_code& ec) {
     // A reply may still be on its way: later calls would read it as theirs, so none may follow.
-    broken_ = true;
-    detail::raise(detail::to_errc(ec) == errc::timeout ? errc::timeout : errc::peer_lost, rank_,
-                  "store connection to rank 0: " + detail::describe(ec));
+    broken(detail::to_errc(ec) == errc::timeout ? errc::timeout : errc::peer_lost,
+           "store connection to rank 0: " + detail::describe(ec));
+  }
+  /// The byte stream can no longer be trusted to be in step with our requests (a reply still on
+  /// its way, or one we could not frame): every later call fails at once, naming this cause.
+  [[noreturn]] void broken(errc code, const std::string& why) {
+    broken_ = why;
+    detail::raise(code, rank_, why);
   }
 
   int rank_;
   std::shared_ptr<const authenticator> auth_;
   detail::fd_handle fd_;
   std::mutex mu_;
-  bool broken_ = false;
+  std::string broken_;  ///< why the connection is unusable (guarded by mu_); empty while it is fine
 };
 
 }  // namespace v0

@@ -6,11 +6,14 @@
 // every rank must end with the same bits.
 
 #include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
 #include <ddp/process_group.hpp>
+#include <ddp/request.hpp>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -123,6 +126,87 @@ void check_random_floats(ddp::process_group& pg, Reducer& red, std::size_t count
     require(std::fabs(v[i] - ref) <= 1e-5 * pg.size(), "random f32 sum off at " + std::to_string(i));
   }
   require_same_bits(pg, v.data(), v.size() * sizeof(float), "random f32 sum");
+}
+
+/// Runs `f`, which must raise a ddp::error with `code` on the calling thread (not later, from
+/// a request) whose message contains every one of `texts`.
+inline void require_raises(const std::function<void()>& f, ddp::errc code, const std::vector<std::string>& texts,
+                           const std::string& what) {
+  try {
+    f();
+  } catch (const ddp::error& e) {
+    require(e.condition() == code, what + ": raised " + e.what());
+    for (const auto& t : texts) require(std::string(e.what()).find(t) != std::string::npos, what + ": '" + t + "' not in " + e.what());
+    return;
+  }
+  throw std::runtime_error(what + ": did not raise");
+}
+
+/// An unknown dtype or op on the untyped entry points is errc::invalid_argument at the call, on
+/// every rank alike, before anything is sent; the reducer stays usable.
+template <class Reducer>
+void check_invalid_arguments(ddp::process_group& pg, Reducer& red) {
+  const auto bad_t = static_cast<ddp::dtype>(99);
+  const auto bad_o = static_cast<ddp::op>(42);
+  const auto inv = ddp::errc::invalid_argument;
+  const std::size_t n = static_cast<std::size_t>(pg.size());
+  std::vector<float> v(1000, 1.0f), all(1000 * n, 1.0f), one(1000);
+  require_raises([&] { (void)red.allreduce_async(v.data(), v.size(), bad_t, ddp::op::sum); }, inv,
+                 {"allreduce", "unknown dtype 99"}, "allreduce_async bad dtype");
+  require_raises([&] { red.allreduce(v.data(), v.size(), bad_t, ddp::op::sum); }, inv, {"unknown dtype 99"},
+                 "allreduce bad dtype");
+  require_raises([&] { red.allreduce(v.data(), v.size(), ddp::dtype::f32, bad_o); }, inv, {"unknown reduction op 42"},
+                 "allreduce bad op");
+  require_raises([&] { (void)red.allreduce_async(v.data(), v.size(), ddp::dtype::f32, bad_o); }, inv,
+                 {"unknown reduction op 42"}, "allreduce_async bad op");
+  require_raises([&] { (void)red.broadcast_async(v.data(), v.size(), bad_t, 0); }, inv, {"broadcast", "unknown dtype"},
+                 "broadcast bad dtype");
+  require_raises([&] { (void)red.reduce_scatter_async(all.data(), one.data(), one.size(), bad_t, ddp::op::sum); },
+                 inv, {"reduce_scatter", "unknown dtype"}, "reduce_scatter bad dtype");
+  require_raises([&] { (void)red.reduce_scatter_async(all.data(), one.data(), one.size(), ddp::dtype::f32, bad_o); },
+                 inv, {"reduce_scatter", "unknown reduction op"}, "reduce_scatter bad op");
+  require_raises([&] { (void)red.allgather_async(one.data(), all.data(), one.size(), bad_t); }, inv,
+                 {"allgather", "unknown dtype"}, "allgather bad dtype");
+  // Nothing was sent: the next collective pairs up with the peers' next one.
+  red.allreduce(std::span<float>(v), ddp::op::sum);
+  for (float x : v) require(x == static_cast<float>(n), "allreduce after refused calls");
+}
+
+/// reduce_scatter and allgather refuse overlapping buffers (errc::invalid_argument naming the
+/// collective and both byte ranges) except the in-place form, which gives the right values,
+/// also across the shm engine's chunk boundaries (`per` elements per rank).
+template <class Reducer>
+void check_overlap_rules(ddp::process_group& pg, Reducer& red, std::size_t per) {
+  const int r = pg.rank();
+  const std::size_t n = static_cast<std::size_t>(pg.size()), me = static_cast<std::size_t>(r);
+  const auto inv = ddp::errc::invalid_argument;
+  auto input = [](std::size_t q, std::size_t i) { return static_cast<float>((q * 7 + i * 3) % 1024); };
+  std::vector<float> buf(per * (n + 1));
+  for (std::size_t i = 0; i < per * n; ++i) buf[i] = input(me, i);
+  // Output shifted by one element from this rank's slice: overlaps, not in place.
+  require_raises([&] { (void)red.reduce_scatter_async(buf.data(), buf.data() + me * per + 1, per, ddp::dtype::f32, ddp::op::sum); },
+                 inv, {"reduce_scatter", "overlap", "0x"}, "reduce_scatter overlapping");
+  require_raises([&] { red.reduce_scatter(std::span<const float>(buf.data(), per * n), std::span<float>(buf.data() + per * n - 1, per), ddp::op::sum); },
+                 inv, {"reduce_scatter", "overlap"}, "typed reduce_scatter overlapping");
+  require_raises([&] { (void)red.allgather_async(buf.data() + me * per + 1, buf.data(), per, ddp::dtype::f32); }, inv,
+                 {"allgather", "overlap", "0x"}, "allgather overlapping");
+  // In place: the output is this rank's slice of the input.
+  float* slice = buf.data() + me * per;
+  red.reduce_scatter(std::span<const float>(buf.data(), per * n), std::span<float>(slice, per), ddp::op::sum);
+  for (std::size_t i = 0; i < per; ++i) {
+    float e = 0;
+    for (std::size_t q = 0; q < n; ++q) e += input(q, me * per + i);
+    if (slice[i] != e)
+      throw std::runtime_error("in-place reduce_scatter: element " + std::to_string(i) + " is " + std::to_string(slice[i]) +
+                               ", expected " + std::to_string(e));
+  }
+  // In place: the input is this rank's slice of the output.
+  for (std::size_t i = 0; i < per; ++i) slice[i] = static_cast<float>(me * 100000 + i);
+  red.allgather(std::span<const float>(slice, per), std::span<float>(buf.data(), per * n));
+  for (std::size_t q = 0; q < n; ++q)
+    for (std::size_t i = 0; i < per; ++i)
+      if (buf[q * per + i] != static_cast<float>(q * 100000 + i))
+        throw std::runtime_error("in-place allgather: element " + std::to_string(q * per + i) + " is wrong");
 }
 
 }  // namespace ddp_test

@@ -19,7 +19,8 @@ namespace detail {
 
 enum class store_cmd : std::uint8_t { set = 1, get = 2, add = 3, cas = 4, del = 5, check = 6, wait = 7 };
 // auth_required: the server has a secret and the client started without a handshake.
-enum class store_status : std::uint8_t { ok = 0, timeout = 1, bad_request = 2, auth_required = 3, full = 4 };
+// full: the write would pass store_limits::max_bytes; too_large: the value alone passes it.
+enum class store_status : std::uint8_t { ok = 0, timeout = 1, bad_request = 2, auth_required = 3, full = 4, too_large = 5 };
 
 inline constexpr std::uint32_t store_max_frame = 64u << 20;  ///< whole frame
 inline constexpr std::uint32_t store_max_key = 4096;         ///< one key

@@ -11,8 +11,10 @@
 /// req.wait(deadline);
 /// \endcode
 
+#include <atomic>
 #include <cstddef>
 #include <span>
+#include <string>
 #include <type_traits>
 
 #include "../detail/collective.hpp"
@@ -52,6 +54,14 @@ struct algorithm_for;
 /// Reducer front-end: `Algorithm` is `ring_algorithm` or `tree_algorithm`, `Transport` is
 /// `tcp` or `shm`. Constructing one is a collective: every rank constructs its reducers in the
 /// same order.
+///
+/// Threads. Any thread may issue collectives; they run one at a time, in the order their calls
+/// reached the reducer on this rank. Two threads that issue at the same time are ordered by
+/// whichever call gets there first, which may differ from rank to rank: then the collectives
+/// are paired wrongly across ranks, which is errc::mismatch when their descriptors differ and
+/// otherwise silently mixes the two calls' data. A program that issues from several threads
+/// must make the order the same on every rank (one issuing thread, or a lock plus an agreed
+/// order). See docs/reducers.md.
 template <class Algorithm, class Transport>
 class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, Transport>> {
   friend class detail::typed_collectives<basic_reducer<Algorithm, Transport>>;
@@ -64,9 +74,13 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
 
   using transport_type = Transport;
 
-  explicit basic_reducer(process_group& pg, reducer_options o = {}) : pg_(&pg), transport_(pg), opts_(o) {}
+  explicit basic_reducer(process_group& pg, reducer_options o = {}) : pg_(&pg), transport_(pg), opts_(o) {
+    agree();
+  }
   template <class TransportOptions>
-  basic_reducer(process_group& pg, TransportOptions t, reducer_options o) : pg_(&pg), transport_(pg, t), opts_(o) {}
+  basic_reducer(process_group& pg, TransportOptions t, reducer_options o) : pg_(&pg), transport_(pg, t), opts_(o) {
+    agree();
+  }
   basic_reducer(const basic_reducer&) = delete;
   basic_reducer& operator=(const basic_reducer&) = delete;
 
@@ -80,10 +94,12 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
   static constexpr bool supports(dtype, op) noexcept { return true; }
 
   // ---- untyped interface (what basic_data_parallel uses) ----------------------------------
+  // Arguments are checked here, on the calling thread, before anything is queued: an unknown
+  // dtype or op, or overlapping buffers, raise errc::invalid_argument at the call.
 
   /// Starts an allreduce of `count` elements of `t` at `data`, in place.
   request allreduce_async(void* data, std::size_t count, dtype t, op o) {
-    return submit(detail::coll_kind::allreduce, t, o, 0, count,
+    return submit(describe(detail::coll_kind::allreduce, t, o, 0, count),
                   [=, this](const detail::coll_desc& d, detail::deadline_t until) {
                     algo::allreduce(transport_, d, data, count, t, o, opts_, until);
                   });
@@ -91,38 +107,45 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
   /// Copies `root`'s `count` elements into every rank's `data`.
   request broadcast_async(void* data, std::size_t count, dtype t, int root) {
     check_root(root);
-    return submit(detail::coll_kind::broadcast, t, op::sum, root, count,
+    return submit(describe(detail::coll_kind::broadcast, t, op::sum, root, count),
                   [=, this](const detail::coll_desc& d, detail::deadline_t until) {
                     algo::broadcast(transport_, d, data, count * dtype_size(t), root, until);
                   });
   }
   /// `in` holds size() * count_per_rank elements; rank r receives the reduction of slice r.
+  /// `out` must not overlap `in`, except as exactly this rank's slice of it (in place).
   request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
-    return submit(detail::coll_kind::reduce_scatter, t, o, 0, count_per_rank,
-                  [=, this](const detail::coll_desc& d, detail::deadline_t until) {
-                    algo::reduce_scatter(transport_, d, in, out, count_per_rank, t, o, opts_, until);
-                  });
+    const auto desc = describe(detail::coll_kind::reduce_scatter, t, o, 0, count_per_rank);
+    const std::size_t slice = count_per_rank * dtype_size(t);
+    detail::check_overlap("reduce_scatter", rank(), in, slice * static_cast<std::size_t>(size()), out, slice);
+    return submit(desc, [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+      algo::reduce_scatter(transport_, d, in, out, count_per_rank, t, o, opts_, until);
+    });
   }
-  /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`.
+  /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`. `in` must
+  /// not overlap `out`, except as exactly this rank's slice of it (in place).
   request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) {
-    return submit(detail::coll_kind::allgather, t, op::sum, 0, count_per_rank,
-                  [=, this](const detail::coll_desc& d, detail::deadline_t until) {
-                    algo::allgather(transport_, d, in, out, count_per_rank, t, until);
-                  });
+    const auto desc = describe(detail::coll_kind::allgather, t, op::sum, 0, count_per_rank);
+    const std::size_t slice = count_per_rank * dtype_size(t);
+    detail::check_overlap("allgather", rank(), out, slice * static_cast<std::size_t>(size()), in, slice);
+    return submit(desc, [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+      algo::allgather(transport_, d, in, out, count_per_rank, t, until);
+    });
   }
   request barrier_async() {
-    return submit(detail::coll_kind::barrier, dtype::i32, op::sum, 0, 0,
+    return submit(describe(detail::coll_kind::barrier, dtype::i32, op::sum, 0, 0),
                   [this](const detail::coll_desc& d, detail::deadline_t until) { algo::barrier(transport_, d, until); });
   }
 
   /// Blocking allreduce; runs on the calling thread when no async work is pending.
   void allreduce(void* data, std::size_t count, dtype t, op o) {
-    run(detail::coll_kind::allreduce, t, o, 0, count, [=, this](const detail::coll_desc& d, detail::deadline_t until) {
-      algo::allreduce(transport_, d, data, count, t, o, opts_, until);
-    });
+    run(describe(detail::coll_kind::allreduce, t, o, 0, count),
+        [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+          algo::allreduce(transport_, d, data, count, t, o, opts_, until);
+        });
   }
   void barrier() {
-    run(detail::coll_kind::barrier, dtype::i32, op::sum, 0, 0,
+    run(describe(detail::coll_kind::barrier, dtype::i32, op::sum, 0, 0),
         [this](const detail::coll_desc& d, detail::deadline_t until) { algo::barrier(transport_, d, until); });
   }
 
@@ -130,6 +153,20 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
   void abort() noexcept { transport_.abort(); }
 
  private:
+  /// Every rank must run the same algorithm with the same schedule-changing options, or the
+  /// ranks would pair messages of different schedules (a hang, or wrong data where the sizes
+  /// happen to agree). Checked once here, through the group, so that every rank raises the same
+  /// errc::mismatch naming both sides; each descriptor carries the algorithm too.
+  void agree() {
+    const std::string mine = algo::signature(opts_);
+    const auto all = pg_->all_gather(mine);
+    for (int r = 1; r < size(); ++r)
+      if (all[static_cast<std::size_t>(r)] != all[0])
+        detail::raise(errc::mismatch, rank(),
+                      "reducer mismatch: rank 0 constructed " + all[0] + ", rank " + std::to_string(r) + " constructed " +
+                          all[static_cast<std::size_t>(r)] +
+                          "; every rank must construct the same reducer with the same reducer_options (docs/reducers.md)");
+  }
   void check_root(int root) const {
     if (root < 0 || root >= size())
       detail::raise(errc::invalid_argument, rank(), "root " + std::to_string(root) + " is not a rank");
@@ -139,34 +176,42 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
     // is too, so twice the timeout bounds the whole wait.
     r.wait(detail::clock::now() + 2 * pg_->timeout() + std::chrono::seconds(2));
   }
-  detail::coll_desc describe(detail::coll_kind k, dtype t, op o, int root, std::size_t count) {
-    if (static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
-      detail::raise(errc::invalid_argument, rank(), "unknown reduction op");
+  /// Checks the arguments and builds the descriptor, all but its sequence number: that is
+  /// taken when the collective starts (stamp), in the order collectives run.
+  detail::coll_desc describe(detail::coll_kind k, dtype t, op o, int root, std::size_t count) const {
+    detail::check_dtype(t, rank(), detail::coll_name(k));
+    detail::check_op(o, rank(), detail::coll_name(k));
     detail::coll_desc d;
     d.kind = k;
     d.type = t;
     d.oper = o;
     d.root = root;
-    d.seq = ++seq_;
     d.count = count;
+    d.algo = algo::id;
+    d.variant = algo::variant(k, count * dtype_size(t), opts_);
+    return d;
+  }
+  /// The sequence number, taken by the collective as it starts. Collectives run one at a time
+  /// (on the progress thread, or inline on a caller while the progress thread is idle), so the
+  /// numbers follow the order in which they run, whichever threads issued them.
+  detail::coll_desc stamp(detail::coll_desc d) {
+    d.seq = seq_.fetch_add(1, std::memory_order_relaxed) + 1;
     return d;
   }
   template <class Job>
-  request submit(detail::coll_kind k, dtype t, op o, int root, std::size_t count, Job job) {
-    const auto d = describe(k, t, o, root, count);
-    return worker_.submit([this, d, job] { job(d, detail::clock::now() + pg_->timeout()); });
+  request submit(const detail::coll_desc& d, Job job) {
+    return worker_.submit([this, d, job] { job(stamp(d), detail::clock::now() + pg_->timeout()); });
   }
   template <class Job>
-  void run(detail::coll_kind k, dtype t, op o, int root, std::size_t count, Job job) {
-    const auto d = describe(k, t, o, root, count);
-    if (!worker_.try_run_inline([&] { job(d, detail::clock::now() + pg_->timeout()); }))
-      wait(worker_.submit([this, d, job] { job(d, detail::clock::now() + pg_->timeout()); }));
+  void run(const detail::coll_desc& d, Job job) {
+    if (!worker_.try_run_inline([&] { job(stamp(d), detail::clock::now() + pg_->timeout()); }))
+      wait(worker_.submit([this, d, job] { job(stamp(d), detail::clock::now() + pg_->timeout()); }));
   }
 
   process_group* pg_;
   Transport transport_;
   reducer_options opts_;
-  std::uint64_t seq_ = 0;
+  std::atomic<std::uint64_t> seq_{0};  ///< collectives started (see stamp)
   detail::worker worker_;  // last: joins before the transport goes away
 };
 

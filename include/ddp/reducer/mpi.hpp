@@ -30,9 +30,12 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
+#include <vector>
 
+#include "../detail/collective.hpp"
 #include "../detail/kernels.hpp"
 #include "../detail/mpi_check.hpp"
 #include "../detail/typed_collectives.hpp"
@@ -125,30 +128,45 @@ class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
 
   /// Starts an in-place allreduce of `count` elements of `t` at `data`.
   request allreduce_async(void* data, std::size_t count, dtype t, op o) {
-    check_op(o);
+    check_types(t, o, "allreduce");
     return worker_.submit([=, this] { do_allreduce(data, count, t, o); });
   }
   /// Copies `root`'s `count` elements into every rank's `data`.
   request broadcast_async(void* data, std::size_t count, dtype t, int root) {
     check_root(root);
+    check_types(t, op::sum, "broadcast");
     return worker_.submit([=, this] { do_broadcast(data, count * dtype_size(t), root); });
   }
   /// `in` holds size() * count_per_rank elements; rank r receives the reduction of slice r.
+  /// `out` must not overlap `in`, except as exactly this rank's slice of it (in place).
   request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
-    check_op(o);
+    check_types(t, o, "reduce_scatter");
     check_int_count(count_per_rank, "reduce_scatter");
+    const std::size_t slice = count_per_rank * dtype_size(t);
+    detail::check_overlap("reduce_scatter", rank_, in, slice * static_cast<std::size_t>(size_), out, slice);
+    // MPI forbids aliased send and receive buffers, and its MPI_IN_PLACE form puts the result at
+    // the start of the input: the in-place form goes through a scratch slice.
+    const bool in_place = slice > 0 && out == static_cast<const char*>(in) + static_cast<std::size_t>(rank_) * slice;
     return worker_.submit([=, this] {
-      DDP_MPI_CHECK(MPI_Reduce_scatter_block(in, out, static_cast<int>(count_per_rank), mpi_type(t),
+      std::vector<char> tmp(in_place ? slice : 0);
+      void* dst = in_place ? static_cast<void*>(tmp.data()) : out;
+      DDP_MPI_CHECK(MPI_Reduce_scatter_block(in, dst, static_cast<int>(count_per_rank), mpi_type(t),
                                              mpi_op(t, o), res_.comm));
+      if (in_place) std::memcpy(out, dst, slice);
       if (o == op::avg) detail::scale_avg(out, count_per_rank, t, size_);
     });
   }
-  /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`.
+  /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`. `in` must
+  /// not overlap `out`, except as exactly this rank's slice of it (in place).
   request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) {
+    check_types(t, op::sum, "allgather");
     check_int_count(count_per_rank, "allgather");
+    const std::size_t slice = count_per_rank * dtype_size(t);
+    detail::check_overlap("allgather", rank_, out, slice * static_cast<std::size_t>(size_), in, slice);
+    const bool in_place = slice > 0 && in == static_cast<const char*>(out) + static_cast<std::size_t>(rank_) * slice;
     return worker_.submit([=, this] {
       const int n = static_cast<int>(count_per_rank);
-      DDP_MPI_CHECK(MPI_Allgather(in, n, mpi_type(t), out, n, mpi_type(t), res_.comm));
+      DDP_MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : in, n, mpi_type(t), out, n, mpi_type(t), res_.comm));
     });
   }
   request barrier_async() {
@@ -157,7 +175,7 @@ class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
 
   /// Blocking allreduce; runs on the calling thread when no async work is pending.
   void allreduce(void* data, std::size_t count, dtype t, op o) {
-    check_op(o);
+    check_types(t, o, "allreduce");
     if (!worker_.try_run_inline([&] { do_allreduce(data, count, t, o); }))
       wait(worker_.submit([=, this] { do_allreduce(data, count, t, o); }));
   }
@@ -300,9 +318,10 @@ class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
     }
   }
 
-  void check_op(op o) const {
-    if (static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
-      detail::raise(errc::invalid_argument, rank_, "unknown reduction op");
+  /// At the call, on every rank alike: an unknown dtype or op never reaches MPI or the queue.
+  void check_types(dtype t, op o, const char* what) const {
+    detail::check_dtype(t, rank_, what);
+    detail::check_op(o, rank_, what);
   }
   void check_root(int root) const {
     if (root < 0 || root >= size_)

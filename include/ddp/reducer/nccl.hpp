@@ -25,6 +25,7 @@
 #include <string>
 #include <thread>
 
+#include "../detail/collective.hpp"
 #include "../detail/cuda_check.hpp"
 #include "../detail/typed_collectives.hpp"
 #include "../detail/worker.hpp"
@@ -165,6 +166,7 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
 
   /// Starts an in-place allreduce of `count` elements of `t` at device address `data`.
   request allreduce_async(void* data, std::size_t count, dtype t, op o) {
+    check_types(t, o, "allreduce");
     const auto nt = nccl_type(t);
     const auto no = nccl_op(o);
     return launch("ncclAllReduce", [&] { return ncclAllReduce(data, data, count, nt, no, res_.comm, res_.stream); });
@@ -172,18 +174,27 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
   /// Copies `root`'s `count` elements into every rank's `data`.
   request broadcast_async(void* data, std::size_t count, dtype t, int root) {
     check_root(root);
+    check_types(t, op::sum, "broadcast");
     const auto nt = nccl_type(t);
     return launch("ncclBroadcast", [&] { return ncclBroadcast(data, data, count, nt, root, res_.comm, res_.stream); });
   }
   /// `in` holds size() * count_per_rank elements; rank r receives the reduction of slice r.
+  /// `out` must not overlap `in`, except as exactly this rank's slice of it (NCCL's in place).
   request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
+    check_types(t, o, "reduce_scatter");
+    const std::size_t slice = count_per_rank * dtype_size(t);
+    detail::check_overlap("reduce_scatter", rank_, in, slice * static_cast<std::size_t>(size_), out, slice);
     const auto nt = nccl_type(t);
     const auto no = nccl_op(o);
     return launch("ncclReduceScatter",
                   [&] { return ncclReduceScatter(in, out, count_per_rank, nt, no, res_.comm, res_.stream); });
   }
-  /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`.
+  /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`. `in` must
+  /// not overlap `out`, except as exactly this rank's slice of it (NCCL's in place).
   request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) {
+    check_types(t, op::sum, "allgather");
+    const std::size_t slice = count_per_rank * dtype_size(t);
+    detail::check_overlap("allgather", rank_, out, slice * static_cast<std::size_t>(size_), in, slice);
     const auto nt = nccl_type(t);
     return launch("ncclAllGather", [&] { return ncclAllGather(in, out, count_per_rank, nt, res_.comm, res_.stream); });
   }
@@ -294,6 +305,11 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
       case op::prod: return ncclProd;
     }
     detail::raise(errc::invalid_argument, -1, "unknown reduction op " + std::to_string(static_cast<int>(o)));
+  }
+  /// At the call: an unknown dtype or op never reaches NCCL or the queue.
+  void check_types(dtype t, op o, const char* what) const {
+    detail::check_dtype(t, rank_, what);
+    detail::check_op(o, rank_, what);
   }
   void check_root(int root) const {
     if (root < 0 || root >= size_)

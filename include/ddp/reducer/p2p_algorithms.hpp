@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "../detail/collective.hpp"
@@ -164,12 +165,14 @@ inline void finish_avg(void* p, std::size_t count, dtype ty, op o, int n) {
 }
 
 /// Recursive doubling (small) or halving-doubling (large), with the fold for non-powers of two.
+/// Which one is the descriptor's variant (so the schedule is what every peer checked), chosen
+/// from reducer_options::small_bytes by algorithm_for<tree_algorithm, T>::variant.
 template <class T>
 void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dtype ty, op o,
-                    const reducer_options& opts, deadline_t until) {
+                    const reducer_options& /*opts: decided in d.variant*/, deadline_t until) {
   const int n = t.size(), r = t.rank();
   const std::size_t es = dtype_size(ty), bytes = count * es;
-  const bool small = bytes <= opts.small_bytes;
+  const bool small = d.variant == coll_variant::recursive_doubling;
   const hd_plan p = small ? plan_recursive_doubling(r, n) : plan_halving_doubling(r, n);
   char* const tmp = scratch(bytes);
   auto combine_range = [&](std::size_t b, std::size_t e, bool mine_lower) {
@@ -221,6 +224,14 @@ void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dty
 /// Ring over a point-to-point transport.
 template <detail::point_to_point_transport Transport>
 struct algorithm_for<ring_algorithm, Transport> {
+  static constexpr detail::coll_algo id = detail::coll_algo::ring;
+  /// The ring's wire schedule depends on nothing but the world size (segment_bytes only sets
+  /// how soon received bytes are reduced), so it has no variant.
+  static detail::coll_variant variant(detail::coll_kind, std::size_t, const reducer_options&) noexcept {
+    return detail::coll_variant::none;
+  }
+  /// What every rank must agree on (basic_reducer checks it at construction).
+  static std::string signature(const reducer_options&) { return "ring"; }
   static void allreduce(Transport& t, const detail::coll_desc& d, void* data, std::size_t count, dtype ty, op o,
                         const reducer_options& opts, detail::deadline_t until) {
     const int n = t.size();
@@ -275,6 +286,15 @@ struct algorithm_for<ring_algorithm, Transport> {
 /// Tree over a point-to-point transport; reduce_scatter, allgather and barrier as the ring's.
 template <detail::point_to_point_transport Transport>
 struct algorithm_for<tree_algorithm, Transport> : algorithm_for<ring_algorithm, Transport> {
+  static constexpr detail::coll_algo id = detail::coll_algo::tree;
+  /// Allreduce of up to small_bytes: recursive doubling; larger: halving-doubling.
+  static detail::coll_variant variant(detail::coll_kind k, std::size_t bytes, const reducer_options& opts) noexcept {
+    if (k != detail::coll_kind::allreduce) return detail::coll_variant::none;
+    return bytes <= opts.small_bytes ? detail::coll_variant::recursive_doubling : detail::coll_variant::halving_doubling;
+  }
+  static std::string signature(const reducer_options& opts) {
+    return "tree with reducer_options::small_bytes " + std::to_string(opts.small_bytes);
+  }
   static void allreduce(Transport& t, const detail::coll_desc& d, void* data, std::size_t count, dtype ty, op o,
                         const reducer_options& opts, detail::deadline_t until) {
     if (t.size() == 1 || count == 0) {

@@ -202,7 +202,7 @@ class shm {
   void allreduce(void* data, std::size_t count, dtype t, op o, detail::deadline_t until,
                  shm_algo a = shm_algo::ring) {
     enter();
-    check_types(t, o);
+    check_types(t, o, "allreduce");
     const std::size_t es = dtype_size(t);
     // The tree path writes a rank's output while peers may still read its input, so arena
     // buffers are staged there like any other.
@@ -218,11 +218,16 @@ class shm {
   /// \code
   /// link.reduce_scatter(in.data(), mine.data(), mine.size(), ddp::dtype::f32, ddp::op::sum, pg.deadline());
   /// \endcode
+  /// `out_slice` must not overlap `in`, except as exactly this rank's slice of it (in place);
+  /// `a` only names the caller's algorithm in the descriptor, which peers compare.
   void reduce_scatter(const void* in, void* out_slice, std::size_t count_per_rank, dtype t, op o,
-                      detail::deadline_t until) {
+                      detail::deadline_t until, shm_algo a = shm_algo::ring) {
     enter();
-    check_types(t, o);
-    auto& d = begin(kind_reduce_scatter, count_per_rank, t, o, -1, shm_algo::ring, detail::shm_desc::no_offset);
+    check_types(t, o, "reduce_scatter");
+    const std::size_t slice_bytes = count_per_rank * dtype_size(t);
+    detail::check_overlap("reduce_scatter", rank_, in, slice_bytes * static_cast<std::size_t>(size_), out_slice,
+                          slice_bytes);
+    auto& d = begin(kind_reduce_scatter, count_per_rank, t, o, -1, a, detail::shm_desc::no_offset);
     guarded([&] {
       const std::size_t es = dtype_size(t);
       const std::size_t n = static_cast<std::size_t>(size_);
@@ -254,14 +259,17 @@ class shm {
   }
 
   /// Allgather: rank r's `count_per_rank` elements land at `out + r * count_per_rank` on every
-  /// rank. `in_slice` may be that very place in `out`.
+  /// rank. `in_slice` may be that very place in `out` (in place); any other overlap raises.
   /// \code
   /// link.allgather(mine.data(), all.data(), mine.size(), ddp::dtype::f32, pg.deadline());
   /// \endcode
-  void allgather(const void* in_slice, void* out, std::size_t count_per_rank, dtype t, detail::deadline_t until) {
+  void allgather(const void* in_slice, void* out, std::size_t count_per_rank, dtype t, detail::deadline_t until,
+                 shm_algo a = shm_algo::ring) {
     enter();
-    check_types(t, op::sum);
-    auto& d = begin(kind_allgather, count_per_rank, t, op::sum, -1, shm_algo::ring, detail::shm_desc::no_offset);
+    check_types(t, op::sum, "allgather");
+    const std::size_t slice_bytes = count_per_rank * dtype_size(t);
+    detail::check_overlap("allgather", rank_, out, slice_bytes * static_cast<std::size_t>(size_), in_slice, slice_bytes);
+    auto& d = begin(kind_allgather, count_per_rank, t, op::sum, -1, a, detail::shm_desc::no_offset);
     guarded([&] {
       const std::size_t es = dtype_size(t);
       const std::size_t c = layout_.slot_bytes / es;
@@ -294,12 +302,12 @@ class shm {
   /// \code
   /// link.broadcast(weights.data(), weights.size() * sizeof(float), 0, pg.deadline());
   /// \endcode
-  void broadcast(void* data, std::size_t bytes, int root, detail::deadline_t until) {
+  void broadcast(void* data, std::size_t bytes, int root, detail::deadline_t until, shm_algo a = shm_algo::ring) {
     enter();
     if (root < 0 || root >= size_)
       raise_here(errc::invalid_argument, "broadcast root " + std::to_string(root) + " is not a rank of " +
                                              std::to_string(size_));
-    auto& d = begin(kind_broadcast, bytes, dtype::f32, op::sum, root, shm_algo::ring, detail::shm_desc::no_offset);
+    auto& d = begin(kind_broadcast, bytes, dtype::f32, op::sum, root, a, detail::shm_desc::no_offset);
     guarded([&] {
       const std::size_t c = layout_.slot_bytes;
       auto* p = static_cast<std::byte*>(data);
@@ -332,9 +340,9 @@ class shm {
   /// \code
   /// link.barrier(pg.deadline());
   /// \endcode
-  void barrier(detail::deadline_t until) {
+  void barrier(detail::deadline_t until, shm_algo a = shm_algo::ring) {
     enter();
-    auto& d = begin(kind_barrier, 0, dtype::f32, op::sum, -1, shm_algo::ring, detail::shm_desc::no_offset);
+    auto& d = begin(kind_barrier, 0, dtype::f32, op::sum, -1, a, detail::shm_desc::no_offset);
     guarded([&] {
       signal();
       wait_all(count_, until, "barrier");
@@ -423,11 +431,9 @@ class shm {
     return "?";
   }
 
-  void check_types(dtype t, op o) const {
-    if (static_cast<unsigned>(t) > static_cast<unsigned>(dtype::i64) ||
-        static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
-      raise_here(errc::invalid_argument, "unknown dtype " + std::to_string(static_cast<int>(t)) + " or op " +
-                                             std::to_string(static_cast<int>(o)));
+  void check_types(dtype t, op o, const char* what) const {
+    detail::check_dtype(t, rank_, what);
+    detail::check_op(o, rank_, what);
   }
 
   /// Refuses calls on a transport that failed or was aborted: its counters no longer agree
@@ -487,7 +493,7 @@ class shm {
         break;
       case kind_allgather: s = std::to_string(d.count) + " x " + dtype_name(t) + " per rank"; break;
       case kind_broadcast: s = std::to_string(d.count) + " bytes from root " + std::to_string(d.root); break;
-      default: break;
+      default: s = "no data"; break;
     }
     if (with_algo) s += std::string(" (") + shm_algo_name(static_cast<shm_algo>(d.algo)) + ")";
     return s;
@@ -519,7 +525,10 @@ class shm {
                                        kind_name(a.kind) + other + "is in " + kind_name(b.kind));
       if (a.count != b.count || a.type != b.type || a.oper != b.oper || a.root != b.root || a.algo != b.algo)
         raise_here(errc::mismatch, std::string(kind_name(a.kind)) + " mismatch: " + ranks + "has " +
-                                       describe(a, a.algo != b.algo) + other + "has " + describe(b, a.algo != b.algo));
+                                       describe(a, a.algo != b.algo) + other + "has " + describe(b, a.algo != b.algo) +
+                                       (a.algo != b.algo ? " (every rank must use the same reducer: ring<shm> on all, or "
+                                                           "tree<shm> on all)"
+                                                         : ""));
     }
   }
 
@@ -760,23 +769,31 @@ template <class Algorithm>
   requires std::same_as<Algorithm, ring_algorithm> || std::same_as<Algorithm, tree_algorithm>
 struct algorithm_for<Algorithm, shm> {
   static constexpr shm_algo mode = std::same_as<Algorithm, ring_algorithm> ? shm_algo::ring : shm_algo::tree;
+  static constexpr detail::coll_algo id =
+      std::same_as<Algorithm, ring_algorithm> ? detail::coll_algo::ring : detail::coll_algo::tree;
+  /// The engine's own descriptors carry `mode` in every collective; it has no other variant.
+  static detail::coll_variant variant(detail::coll_kind, std::size_t, const reducer_options&) noexcept {
+    return detail::coll_variant::none;
+  }
+  /// The engine ignores reducer_options; only the algorithm must agree.
+  static std::string signature(const reducer_options&) { return std::string(shm_algo_name(mode)) + "<shm>"; }
   static void allreduce(shm& t, const detail::coll_desc&, void* data, std::size_t count, dtype ty, op o,
                         const reducer_options&, detail::deadline_t until) {
     t.allreduce(data, count, ty, o, until, mode);
   }
   static void reduce_scatter(shm& t, const detail::coll_desc&, const void* in, void* out, std::size_t per_rank,
                              dtype ty, op o, const reducer_options&, detail::deadline_t until) {
-    t.reduce_scatter(in, out, per_rank, ty, o, until);
+    t.reduce_scatter(in, out, per_rank, ty, o, until, mode);
   }
   static void allgather(shm& t, const detail::coll_desc&, const void* in, void* out, std::size_t per_rank, dtype ty,
                         detail::deadline_t until) {
-    t.allgather(in, out, per_rank, ty, until);
+    t.allgather(in, out, per_rank, ty, until, mode);
   }
   static void broadcast(shm& t, const detail::coll_desc&, void* data, std::size_t bytes, int root,
                         detail::deadline_t until) {
-    t.broadcast(data, bytes, root, until);
+    t.broadcast(data, bytes, root, until, mode);
   }
-  static void barrier(shm& t, const detail::coll_desc&, detail::deadline_t until) { t.barrier(until); }
+  static void barrier(shm& t, const detail::coll_desc&, detail::deadline_t until) { t.barrier(until, mode); }
 };
 
 }  // namespace v0

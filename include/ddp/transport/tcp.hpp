@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <span>
 #include <string>
 #include <thread>
@@ -177,14 +178,24 @@ class tcp {
   }
 
   void check_usable() const {
-    if (broken_.load(std::memory_order_relaxed))
-      detail::raise(errc::aborted, rank(), "tcp transport is unusable after an earlier failure: " + broken_reason_);
+    if (!broken_.load(std::memory_order_acquire)) return;
+    std::string why;
+    {
+      std::lock_guard lock(reason_mu_);
+      why = broken_reason_;
+    }
+    detail::raise(errc::aborted, rank(), "tcp transport is unusable after an earlier failure: " + why);
   }
 
+  /// The first failure wins; abort() (any thread) and the progress thread may race here, so the
+  /// reason is written under a lock, before the flag that makes readers look at it.
   void post_abort(errc code, const std::string& msg) {
-    bool expected = false;
-    if (!broken_.compare_exchange_strong(expected, true)) return;
-    broken_reason_ = msg;
+    {
+      std::lock_guard lock(reason_mu_);
+      if (broken_.load(std::memory_order_relaxed)) return;
+      broken_reason_ = msg;
+      broken_.store(true, std::memory_order_release);
+    }
     try {
       pg_->store().compare_set(channel_ + "/abort", "",
                                std::to_string(static_cast<int>(code)) + " rank " + std::to_string(rank()) + ": " + msg,
@@ -251,7 +262,8 @@ class tcp {
   std::string channel_;
   std::vector<detail::fd_handle> peers_;
   std::atomic<bool> broken_{false};
-  std::string broken_reason_;
+  mutable std::mutex reason_mu_;
+  std::string broken_reason_;  ///< guarded by reason_mu_; set once, before broken_
 };
 
 }  // namespace v0
