@@ -619,7 +619,7 @@ class store_client {
     check_request(cmd, fields);
     std::lock_guard lock(mu_);
     if (!broken_.empty())
-      detail::raise(errc::peer_lost, rank_, "store connection to rank 0 is unusable after an earlier failure: " + broken_);
+      detail::raise(broken_code_, rank_, "store connection to rank 0 is unusable after an earlier failure: " + broken_);
     const auto out = detail::encode_frame(static_cast<std::uint8_t>(cmd), fields);
     std::error_code ec;
     detail::send_all(fd_.get(), out.data(), out.size(), until, ec);
@@ -662,6 +662,7 @@ class store_client {
   /// its way, or one we could not frame): every later call fails at once, naming this cause.
   [[noreturn]] void broken(errc code, const std::string& why) {
     broken_ = why;
+    broken_code_ = code;
     detail::raise(code, rank_, why);
   }
 
@@ -670,6 +671,7 @@ class store_client {
   detail::fd_handle fd_;
   std::mutex mu_;
   std::string broken_;  ///< why the connection is unusable (guarded by mu_); empty while it is fine
+  errc broken_code_ = errc::peer_lost;
 };
 
 }  // namespace v0

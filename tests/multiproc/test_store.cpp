@@ -4,6 +4,7 @@
 
 #include <sys/resource.h>
 
+#include <atomic>
 #include <sstream>
 #include <thread>
 
@@ -302,4 +303,69 @@ TEST_CASE("out of file descriptors, the store sheds new connections without spin
   CHECK((WIFEXITED(st) && WEXITSTATUS(st) == 0));
   ::close(to_parent[0]);
   ::close(to_child[1]);
+}
+
+TEST_CASE("a value too large for the store fails on the writer with invalid_argument; the connection stays usable") {
+  ddp::store_server server{loopback_any_port(), 0, nullptr, ddp::store_limits{.max_bytes = 1 << 20}};
+  ddp::store_client c{"127.0.0.1", server.port(), 0, soon()};
+  auto refused = [&](auto&& f, const std::vector<std::string>& texts) {
+    try {
+      f();
+    } catch (const ddp::error& e) {
+      CHECK(e.code() == ddp::errc::invalid_argument);
+      for (const auto& t : texts) CHECK_MESSAGE(std::string(e.what()).find(t) != std::string::npos, e.what());
+      return;
+    }
+    FAIL("not refused");
+  };
+  // Larger than a frame: refused before it is sent (the server would drop the connection).
+  const std::string frame_plus((64u << 20) + 1, 'f');
+  refused([&] { c.set("model/blob", frame_plus); }, {"'model/blob'", "too large", "67108864"});
+  refused([&] { c.compare_set("model/blob", "", frame_plus); }, {"'model/blob'", "67108864"});
+  // A key longer than keys may be.
+  refused([&] { c.set(std::string(5000, 'k'), "v"); }, {"5000 bytes", "4096"});
+  // Larger than store_limits::max_bytes however empty the store is: invalid_argument too.
+  const std::string two_mib(2 << 20, 'm');
+  refused([&] { c.set("weights", two_mib); }, {"'weights'", "too large", "1048576", "store_limits::max_bytes"});
+  // Nothing broke: the same connection serves the next calls, and the server dropped nobody.
+  c.set("k", "v");
+  CHECK(c.get("k", soon()) == "v");
+  CHECK(server.dropped() == 0);
+}
+
+TEST_CASE("a store client that saw a bad frame length is broken: every later call fails at once naming why") {
+  // A fake store: answers the first request with an impossible length, the next ones with ok.
+  auto listener = ddp::detail::listen_on(loopback_any_port(), 0);
+  const int port = ddp::detail::port_of(ddp::detail::local_address(listener.get()));
+  std::atomic<int> served{0};
+  std::thread fake([&] {
+    pollfd p{listener.get(), POLLIN, 0};
+    if (::poll(&p, 1, 5000) != 1) return;
+    const int fd = ::accept(listener.get(), nullptr, nullptr);
+    if (fd < 0) return;
+    for (int i = 0; i < 3; ++i) {
+      char req[256];
+      pollfd q{fd, POLLIN, 0};
+      if (::poll(&q, 1, 1000) != 1 || ::recv(fd, req, sizeof req, 0) <= 0) break;
+      std::string out;
+      if (i == 0) ddp::detail::put_u32(out, 0xffffffffu);
+      else out = ddp::detail::encode_frame(static_cast<std::uint8_t>(ddp::detail::store_status::ok), {"1"});
+      (void)::send(fd, out.data(), out.size(), MSG_NOSIGNAL);
+      ++served;
+    }
+    ::close(fd);
+  });
+  ddp::store_client c{"127.0.0.1", port, 0, soon()};
+  CHECK_THROWS_WITH_AS(c.check("a", soon(2s)), doctest::Contains("bad frame length"), ddp::error);
+  const auto t0 = ddp::detail::clock::now();
+  try {
+    c.check("b", soon(2s));
+    FAIL("a broken client answered");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::protocol);
+    CHECK(std::string(e.what()).find("unusable after an earlier failure: store sent a bad frame length") != std::string::npos);
+  }
+  CHECK(ddp::detail::clock::now() - t0 < 500ms);
+  fake.join();
+  CHECK(served.load() == 1);  // the second call never went out
 }
