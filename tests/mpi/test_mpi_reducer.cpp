@@ -265,6 +265,45 @@ TEST_CASE("mpi_reducer: errors become ddp::error with the MPI condition") {
   CHECK(v[0] == static_cast<float>(pg().size()));
 }
 
+TEST_CASE("mpi_reducer: unknown dtype or op and overlapping buffers are invalid_argument at the call; in place works") {
+  ddp::mpi_reducer red{pg()};
+  const int n = pg().size();
+  const std::size_t me = static_cast<std::size_t>(pg().rank()), per = 1000, nn = static_cast<std::size_t>(n);
+  auto raised = [](auto&& f, const char* text) {
+    try {
+      f();
+    } catch (const ddp::error& e) {
+      CHECK_MESSAGE(std::string(e.what()).find(text) != std::string::npos, e.what());
+      return e.condition();
+    }
+    return ddp::errc{};
+  };
+  const auto bad_t = static_cast<ddp::dtype>(99);
+  std::vector<float> v(per, 1.0f), buf(per * (nn + 1), 1.0f);
+  const auto inv = ddp::errc::invalid_argument;
+  // Used to be queued and fail later on the progress thread (allreduce), or do nothing (broadcast).
+  CHECK(raised([&] { (void)red.allreduce_async(v.data(), per, bad_t, ddp::op::sum); }, "unknown dtype 99") == inv);
+  CHECK(raised([&] { (void)red.broadcast_async(v.data(), per, bad_t, 0); }, "unknown dtype 99") == inv);
+  CHECK(raised([&] { (void)red.allgather_async(v.data(), buf.data(), per, bad_t); }, "unknown dtype 99") == inv);
+  CHECK(raised([&] { (void)red.reduce_scatter_async(buf.data(), v.data(), per, ddp::dtype::f32, static_cast<ddp::op>(42)); },
+               "unknown reduction op 42") == inv);
+  CHECK(raised([&] { (void)red.reduce_scatter_async(buf.data(), buf.data() + me * per + 1, per, ddp::dtype::f32, ddp::op::sum); },
+               "overlap") == inv);
+  CHECK(raised([&] { (void)red.allgather_async(buf.data() + me * per + 1, buf.data(), per, ddp::dtype::f32); }, "overlap") ==
+        inv);
+  // In place: the output is this rank's slice of the input, and the other way round.
+  for (std::size_t i = 0; i < per * nn; ++i) buf[i] = static_cast<float>(i % 97);
+  float* slice = buf.data() + me * per;
+  red.reduce_scatter(std::span<const float>(buf.data(), per * nn), std::span<float>(slice, per), ddp::op::sum);
+  for (std::size_t i = 0; i < per; ++i) CHECK(slice[i] == static_cast<float>(n) * static_cast<float>((me * per + i) % 97));
+  for (std::size_t i = 0; i < per; ++i) slice[i] = static_cast<float>(me * 10000 + i);
+  red.allgather(std::span<const float>(slice, per), std::span<float>(buf.data(), per * nn));
+  for (std::size_t q = 0; q < nn; ++q) CHECK(buf[q * per + 7] == static_cast<float>(q * 10000 + 7));
+  // Nothing was queued by the refused calls: the reducer is in step with its peers.
+  red.allreduce(std::span<float>(v), ddp::op::sum);
+  CHECK(v[0] == static_cast<float>(n));
+}
+
 TEST_CASE("mpi_reducer: drives basic_data_parallel, gradients averaged") {
   using dp_t = ddp::basic_data_parallel<ddp::size_planner, ddp::mpi_reducer, ddp::host_allocator>;
   const int n = pg().size();
