@@ -297,3 +297,26 @@ TEST_CASE("two threads issuing blocking and async collectives at once: sequence 
   INFO(summary(outs));
   CHECK(all_ok(outs));
 }
+
+TEST_CASE("abort() from another thread while the progress thread runs collectives: errc::aborted, no race") {
+  // Under ThreadSanitizer this is the check that the abort reason is published race-free.
+  const int n = 2;
+  const int port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port, 10s));
+    ddp::ring<ddp::tcp> ring{pg};
+    std::vector<std::vector<float>> bufs(100, std::vector<float>(16384, 1.0f));
+    std::vector<ddp::request> reqs;
+    for (auto& b : bufs) reqs.push_back(ring.allreduce_async(std::span<float>(b), ddp::op::sum));
+    std::thread stopper([&] {
+      if (r == 0) ring.abort();
+    });
+    stopper.join();
+    for (auto& q : reqs) q.wait(std::chrono::steady_clock::now() + 20s);  // the last one raises
+  }, 60s);
+  INFO(summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.errc == static_cast<int>(ddp::errc::aborted));
+    CHECK(o.message.find("rank 0 called abort()") != std::string::npos);
+  }
+}

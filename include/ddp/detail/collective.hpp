@@ -107,8 +107,8 @@ inline std::string mismatch(const coll_desc& mine, int my_rank, const coll_desc&
 
 // ---- argument checks, shared by every reducer ---------------------------------------------
 
-inline bool valid_dtype(dtype t) noexcept { return dtype_size(t) != 0; }
-inline bool valid_op(op o) noexcept { return static_cast<unsigned>(o) <= static_cast<unsigned>(op::prod); }
+constexpr bool valid_dtype(dtype t) noexcept { return dtype_size(t) != 0; }
+constexpr bool valid_op(op o) noexcept { return static_cast<unsigned>(o) <= static_cast<unsigned>(op::prod); }
 
 /// Raises errc::invalid_argument unless `t` is one of ddp's dtypes.
 inline void check_dtype(dtype t, int rank, const char* what) {

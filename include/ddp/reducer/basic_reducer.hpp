@@ -90,8 +90,9 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
   process_group& group() noexcept { return *pg_; }
   const reducer_options& options() const noexcept { return opts_; }
 
-  /// Every reducer does every (dtype, op) pair of ddp; kept as a pre-check for generic code.
-  static constexpr bool supports(dtype, op) noexcept { return true; }
+  /// Every reducer does every (dtype, op) pair of ddp (false only for values outside the enums);
+  /// kept as a pre-check for generic code.
+  static constexpr bool supports(dtype t, op o) noexcept { return detail::valid_dtype(t) && detail::valid_op(o); }
 
   // ---- untyped interface (what basic_data_parallel uses) ----------------------------------
   // Arguments are checked here, on the calling thread, before anything is queued: an unknown

@@ -159,8 +159,9 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
   ncclComm_t comm() const noexcept { return res_.comm; }
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
-  /// Every (dtype, op) pair of ddp is supported; kept as a pre-check for generic code.
-  static constexpr bool supports(dtype, op) noexcept { return true; }
+  /// Every (dtype, op) pair of ddp is supported (false only for values outside the enums); kept
+  /// as a pre-check for generic code.
+  static constexpr bool supports(dtype t, op o) noexcept { return detail::valid_dtype(t) && detail::valid_op(o); }
 
   // ---- untyped interface (what basic_data_parallel uses) ----------------------------------
 
