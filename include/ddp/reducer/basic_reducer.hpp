@@ -74,13 +74,10 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
 
   using transport_type = Transport;
 
-  explicit basic_reducer(process_group& pg, reducer_options o = {}) : pg_(&pg), transport_(pg), opts_(o) {
-    agree();
-  }
+  explicit basic_reducer(process_group& pg, reducer_options o = {}) : pg_(agree(pg, o)), transport_(pg), opts_(o) {}
   template <class TransportOptions>
-  basic_reducer(process_group& pg, TransportOptions t, reducer_options o) : pg_(&pg), transport_(pg, t), opts_(o) {
-    agree();
-  }
+  basic_reducer(process_group& pg, TransportOptions t, reducer_options o)
+      : pg_(agree(pg, o)), transport_(pg, t), opts_(o) {}
   basic_reducer(const basic_reducer&) = delete;
   basic_reducer& operator=(const basic_reducer&) = delete;
 
@@ -156,17 +153,18 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
  private:
   /// Every rank must run the same algorithm with the same schedule-changing options, or the
   /// ranks would pair messages of different schedules (a hang, or wrong data where the sizes
-  /// happen to agree). Checked once here, through the group, so that every rank raises the same
-  /// errc::mismatch naming both sides; each descriptor carries the algorithm too.
-  void agree() {
-    const std::string mine = algo::signature(opts_);
-    const auto all = pg_->all_gather(mine);
-    for (int r = 1; r < size(); ++r)
+  /// happen to agree). Checked once, through the group, before the transport is built (so all
+  /// ranks are in the same phase), and every rank raises the same errc::mismatch naming both
+  /// sides; each descriptor carries the algorithm too.
+  static process_group* agree(process_group& pg, const reducer_options& o) {
+    const auto all = pg.all_gather(algo::signature(o));
+    for (int r = 1; r < pg.size(); ++r)
       if (all[static_cast<std::size_t>(r)] != all[0])
-        detail::raise(errc::mismatch, rank(),
+        detail::raise(errc::mismatch, pg.rank(),
                       "reducer mismatch: rank 0 constructed " + all[0] + ", rank " + std::to_string(r) + " constructed " +
                           all[static_cast<std::size_t>(r)] +
                           "; every rank must construct the same reducer with the same reducer_options (docs/reducers.md)");
+    return &pg;
   }
   void check_root(int root) const {
     if (root < 0 || root >= size())
