@@ -316,7 +316,7 @@ class basic_data_parallel {
       for (std::size_t i : missing) {
         ready_[i].store(true, std::memory_order_release);
         unused_[i] = 1;
-        fill_unused(i);
+        guarded("finish (a parameter never ready)", i, [&] { fill_unused(i); });
         complete(i, true);
       }
       {
@@ -352,10 +352,10 @@ class basic_data_parallel {
       reduced_at_[b] = requests_[b].valid() ? requests_[b].finished_at() : launched_at_[b];
       if (!opts_.gradient_as_bucket_view) {
         // Copy back bucket by bucket: later buckets keep reducing meanwhile.
-        guarded("finish", -1, [&] {
-          for (const auto& e : plan_.buckets[b].entries)
+        for (const auto& e : plan_.buckets[b].entries)
+          guarded("finish (copying the average back)", e.param, [&] {
             copy_bytes(views_[e.param].grad, slot(e.param), views_[e.param].bytes());
-        });
+          });
       }
     }
     const auto t_end = clock::now();
@@ -490,7 +490,7 @@ class basic_data_parallel {
         cause = "an exception of unknown type";
       }
       std::string where = what;
-      if (param >= 0) where += " of " + label(static_cast<std::size_t>(param));
+      if (param >= 0) where += " for " + label(static_cast<std::size_t>(param));
       const std::string msg = "data_parallel failed in " + where + " at step " + std::to_string(step_) + ": " + cause;
       {
         std::lock_guard lock(fail_mu_);
