@@ -492,14 +492,17 @@ namespace {
 struct test_allocator {
   static inline long copy_countdown = -1;  // the copy that finds it at 0 throws; -1: never
   static inline long zero_countdown = -1;
-  static inline long copies = 0;
+  static inline long allocate_countdown = -1;
   bool on_device = false;
 
-  void* allocate(std::size_t bytes) { return ddp::host_allocator{}.allocate(bytes); }
+  void* allocate(std::size_t bytes) {
+    if (allocate_countdown >= 0 && allocate_countdown-- == 0)
+      throw ddp::error(ddp::errc::system, -1, "test_allocator: injected allocate failure");
+    return ddp::host_allocator{}.allocate(bytes);
+  }
   void deallocate(void* p, std::size_t bytes) noexcept { ddp::host_allocator{}.deallocate(p, bytes); }
   ddp::memory_kind location() const noexcept { return on_device ? ddp::memory_kind::cuda : ddp::memory_kind::host; }
   void copy(void* dst, const void* src, std::size_t n) {
-    ++copies;
     if (copy_countdown >= 0 && copy_countdown-- == 0) throw std::runtime_error("test_allocator: injected copy failure");
     std::memcpy(dst, src, n);
   }
@@ -535,7 +538,7 @@ struct done_marks {
   }
 };
 
-enum class fault { copy_in_grad_ready, zero_in_mark_unused, copy_back_in_finish, zero_in_finish_unused };
+enum class fault { copy_in_grad_ready, zero_in_mark_unused, copy_back_in_finish, zero_in_finish_unused, allocate_in_rebuild };
 
 const char* fault_name(fault f) {
   switch (f) {
@@ -543,6 +546,7 @@ const char* fault_name(fault f) {
     case fault::zero_in_mark_unused: return "zero in mark_unused";
     case fault::copy_back_in_finish: return "copy back in finish";
     case fault::zero_in_finish_unused: return "zero in finish (find_unused_parameters)";
+    case fault::allocate_in_rebuild: return "allocate in the rebuild";
   }
   return "?";
 }
@@ -569,7 +573,7 @@ void expect_failed_with_cause(DP& dp, const std::string& cause) {
 }
 
 // Step 0 is clean; in step 1 (after the rebuild) rank `failing`'s allocator throws once at the
-// place `f` names. That rank's call raises the allocator's error, every later call raises
+// place `f` names (for the rebuild: at the end of step 0). That rank's call raises the allocator's error, every later call raises
 // naming it, and the other ranks' finish() fails within timeout + 2 s naming that rank (or, when
 // their step could still complete, returns the right average and the next step fails).
 template <class Reducer>
@@ -593,13 +597,17 @@ void flaky_run(int n, int failing, fault f) {
       backward(dp, m, r, s, false, false, static_cast<std::uint64_t>(r * 7 + s), skip);
       dp.finish();
     };
-    step(0);
-    check_average(dp, m, n, {0}, false, zero_for, "step 0");
-    const std::string cause = f == fault::copy_in_grad_ready || f == fault::copy_back_in_finish
-                                  ? "injected copy failure"
-                                  : "injected zero failure";
+    const int fail_step = f == fault::allocate_in_rebuild ? 0 : 1;
+    if (fail_step > 0) {
+      step(0);
+      check_average(dp, m, n, {0}, false, zero_for, "step 0");
+    }
+    const std::string cause = f == fault::copy_in_grad_ready || f == fault::copy_back_in_finish ? "injected copy failure"
+                              : f == fault::allocate_in_rebuild                                 ? "injected allocate failure"
+                                                                                                : "injected zero failure";
     if (r == failing) {
       switch (f) {
+        case fault::allocate_in_rebuild: test_allocator::allocate_countdown = 0; break;
         case fault::copy_in_grad_ready: test_allocator::copy_countdown = 3; break;
         case fault::zero_in_mark_unused: test_allocator::zero_countdown = 0; break;
         case fault::copy_back_in_finish: test_allocator::copy_countdown = static_cast<long>(m.size()) + 2; break;
@@ -607,7 +615,7 @@ void flaky_run(int n, int failing, fault f) {
       }
       bool threw = false;
       try {
-        step(1);
+        step(fail_step);
       } catch (const std::runtime_error& e) {
         threw = std::string(e.what()).find(cause) != std::string::npos;
       }
@@ -619,7 +627,7 @@ void flaky_run(int n, int failing, fault f) {
     }
     // The others: a step either completes with the right average (nothing of the failing rank
     // was missing) or fails naming the failing rank within timeout + 2 s.
-    for (int s = 1; s <= 2; ++s) {
+    for (int s = fail_step; s <= fail_step + 1; ++s) {
       const auto t0 = std::chrono::steady_clock::now();
       try {
         step(s);
@@ -633,8 +641,8 @@ void flaky_run(int n, int failing, fault f) {
                 "the error does not name rank " + std::to_string(failing) + ": " + msg);
         require(e.condition() == ddp::errc::aborted || e.condition() == ddp::errc::peer_lost,
                 std::string("errc: ") + msg);
-        if constexpr (std::is_same_v<typename Reducer::transport_type, ddp::tcp>)
-          require(msg.find(cause) != std::string::npos, "tcp carries the cause: " + msg);
+        if (std::is_same_v<typename Reducer::transport_type, ddp::tcp> || f == fault::allocate_in_rebuild)
+          require(msg.find(cause) != std::string::npos, "tcp (or the group, in the rebuild) carries the cause: " + msg);
         // And it stays failed.
         bool again = false;
         try {
@@ -660,7 +668,7 @@ void flaky_run(int n, int failing, fault f) {
 
 TEST_CASE("an allocator that throws once mid-step: that rank stays failed naming the cause, peers fail naming it") {
   for (fault f : {fault::copy_in_grad_ready, fault::zero_in_mark_unused, fault::copy_back_in_finish,
-                  fault::zero_in_finish_unused}) {
+                  fault::zero_in_finish_unused, fault::allocate_in_rebuild}) {
     CAPTURE(fault_name(f));
     flaky_run<ddp::ring<ddp::tcp>>(3, 1, f);
   }
