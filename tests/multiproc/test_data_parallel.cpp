@@ -519,6 +519,17 @@ struct device_test_allocator : test_allocator {
 };
 static_assert(ddp::device_allocator<device_test_allocator>);
 
+// ring<tcp> whose Nth launch throws, as a reducer refusing a collective would.
+struct flaky_ring : ddp::ring<ddp::tcp> {
+  static inline long launch_countdown = -1;
+  using ddp::ring<ddp::tcp>::ring;
+  ddp::request allreduce_async(void* data, std::size_t count, ddp::dtype t, ddp::op o) {
+    if (launch_countdown >= 0 && launch_countdown-- == 0) throw std::runtime_error("flaky_ring: injected launch failure");
+    return ddp::ring<ddp::tcp>::allreduce_async(data, count, t, o);
+  }
+};
+static_assert(ddp::reducer<flaky_ring>);
+
 // Rank `failing` keeps its process (and so its sockets) alive until the others are done, so
 // that what the others see comes from the failure itself, not from the process exiting.
 struct done_marks {
@@ -538,7 +549,7 @@ struct done_marks {
   }
 };
 
-enum class fault { copy_in_grad_ready, zero_in_mark_unused, copy_back_in_finish, zero_in_finish_unused, allocate_in_rebuild };
+enum class fault { copy_in_grad_ready, zero_in_mark_unused, copy_back_in_finish, zero_in_finish_unused, allocate_in_rebuild, launch };
 
 const char* fault_name(fault f) {
   switch (f) {
@@ -547,6 +558,7 @@ const char* fault_name(fault f) {
     case fault::copy_back_in_finish: return "copy back in finish";
     case fault::zero_in_finish_unused: return "zero in finish (find_unused_parameters)";
     case fault::allocate_in_rebuild: return "allocate in the rebuild";
+    case fault::launch: return "the reducer's launch";
   }
   return "?";
 }
@@ -604,10 +616,12 @@ void flaky_run(int n, int failing, fault f) {
     }
     const std::string cause = f == fault::copy_in_grad_ready || f == fault::copy_back_in_finish ? "injected copy failure"
                               : f == fault::allocate_in_rebuild                                 ? "injected allocate failure"
+                              : f == fault::launch                                              ? "injected launch failure"
                                                                                                 : "injected zero failure";
     if (r == failing) {
       switch (f) {
         case fault::allocate_in_rebuild: test_allocator::allocate_countdown = 0; break;
+        case fault::launch: flaky_ring::launch_countdown = 1; break;
         case fault::copy_in_grad_ready: test_allocator::copy_countdown = 3; break;
         case fault::zero_in_mark_unused: test_allocator::zero_countdown = 0; break;
         case fault::copy_back_in_finish: test_allocator::copy_countdown = static_cast<long>(m.size()) + 2; break;
@@ -673,6 +687,7 @@ TEST_CASE("an allocator that throws once mid-step: that rank stays failed naming
     flaky_run<ddp::ring<ddp::tcp>>(3, 1, f);
   }
   flaky_run<ddp::tree<ddp::tcp>>(3, 2, fault::copy_in_grad_ready);
+  flaky_run<flaky_ring>(3, 1, fault::launch);
 #ifdef DDP_TEST_HAS_SHM
   flaky_run<ddp::ring<ddp::shm>>(3, 1, fault::copy_in_grad_ready);
   flaky_run<ddp::ring<ddp::shm>>(2, 0, fault::copy_back_in_finish);
