@@ -53,7 +53,8 @@ inline namespace v0 {
 /// \endcode
 struct dp_options {
   /// The engine writes gradient i straight into bucket memory (`bucket_grad(i)`), so nothing is
-  /// copied in or out; the engine must re-read `bucket_grad(i)` when `generation()` changes.
+  /// copied in or out. The bucket layout is then fixed at construction (no rebuild from the
+  /// ready order), so a pointer from `bucket_grad(i)` stays valid for the wrapper's lifetime.
   bool gradient_as_bucket_view = false;
   /// Parameters that never became ready by `finish()` count as a zero gradient instead of being
   /// an error (models whose forward skips parts of the network).
@@ -87,7 +88,7 @@ struct step_stats {
   std::uint64_t step = 0;        ///< 0 for the first `finish()`
   bool synchronized = false;     ///< false for a step under `no_sync()`
   std::size_t bytes_reduced = 0; ///< sum of the bucket sizes reduced this step
-  std::size_t unused = 0;        ///< parameters counted as zero gradient (mark_unused or the option)
+  std::size_t unused = 0;        ///< parameters not ready in this step (mark_unused or the option)
   std::size_t launched_before_finish = 0;  ///< buckets launched while backward was still running
   double backward_ms = 0;  ///< first to last `grad_ready` (the backward window seen by ddp)
   double exposed_ms = 0;   ///< last `grad_ready` to `finish()` return: communication not hidden
@@ -182,16 +183,25 @@ class basic_data_parallel {
     if (opts_.broadcast_parameters && pg.size() > 1) broadcast_parameters();
     infos_.reserve(views_.size());
     for (auto& v : views_) infos_.push_back(param_info{v.numel, v.type, v.device});
+    // View mode hands bucket memory to the engine, which keeps the pointers: that layout must
+    // never move, so it is final from the start (docs/data-parallel.md, "View mode").
+    settled_ = opts_.gradient_as_bucket_view || !policy_.rebuild_from_ready_order;
     plan_ = planner_.plan(infos_, policy_, {});
     check_plan_agreement("at construction");
     allocate_buffers();
     if (opts_.gradient_as_bucket_view) {
       // The engine's current gradients become the bucket contents, so an engine that switches
       // to bucket_grad(i) keeps what it had accumulated.
-      for (std::size_t i = 0; i < views_.size(); ++i) copy_bytes(slot(i), views_[i].grad, views_[i].bytes());
+      try {
+        for (std::size_t i = 0; i < views_.size(); ++i) copy_bytes(slot(i), views_[i].grad, views_[i].bytes());
+      } catch (...) {
+        free_buffers(buffers_, plan_);
+        throw;
+      }
     }
     ready_ = std::make_unique<std::atomic<bool>[]>(views_.size());
     unused_.assign(views_.size(), 0);
+    accumulated_.assign(views_.size(), 0);
     order_.reserve(views_.size());
     reset_step();
   }
@@ -212,29 +222,39 @@ class basic_data_parallel {
   /// mode the engine has written it at `bucket_grad(i)`. A bucket whose gradients are all ready
   /// is launched at once, after every earlier bucket. Throws `errc::invalid_argument` for an
   /// index out of range, `errc::usage` when `i` was already ready (or marked unused) this step.
+  /// Any other exception (the allocator's copy, the reducer's launch) leaves the step half done:
+  /// the wrapper is failed from then on (every later call raises, naming this first cause) and
+  /// the peers are told, so that their `finish()` fails promptly naming this rank.
   /// \code
   /// engine.backward([&](std::size_t i) { dp.grad_ready(i); });
   /// \endcode
   void grad_ready(std::size_t i) {
     check_index(i, "grad_ready");
     claim(i, "grad_ready");
-    const bool sync = open_step();
-    if (sync && !opts_.gradient_as_bucket_view) copy_bytes(slot(i), views_[i].grad, views_[i].bytes());
-    complete(i, sync);
+    guarded("grad_ready", i, [&] {
+      const bool sync = open_step();
+      if (!sync) accumulated_[i] = 1;
+      if (sync && !opts_.gradient_as_bucket_view) copy_bytes(slot(i), views_[i].grad, views_[i].bytes());
+      complete(i, sync);
+    });
   }
 
-  /// Parameter `i` takes no part in this step: it counts as a zero gradient (the engine's
-  /// gradient is ignored; in view mode its bucket slot is zeroed). Same errors as `grad_ready`.
+  /// Parameter `i` produced no gradient in this step. It counts as a zero gradient, unless
+  /// `no_sync()` steps since the last synchronized step made it ready: then its accumulated
+  /// gradient (the engine's gradient in copy mode, the bucket slot in view mode) takes part in
+  /// the average, as in PyTorch DDP. Same errors as `grad_ready`.
   /// \code
   /// if (!used_expert[e]) dp.mark_unused(expert_param[e]);
   /// \endcode
   void mark_unused(std::size_t i) {
     check_index(i, "mark_unused");
     claim(i, "mark_unused");
-    const bool sync = open_step();
-    unused_[i] = 1;
-    if (sync) zero_bytes(slot(i), views_[i].bytes());
-    complete(i, sync);
+    guarded("mark_unused", i, [&] {
+      const bool sync = open_step();
+      unused_[i] = 1;
+      if (sync) fill_unused(i);
+      complete(i, sync);
+    });
   }
 
   /// Ends the step: launches the remaining buckets in plan order, waits for every reduction
@@ -242,7 +262,9 @@ class basic_data_parallel {
   /// resets for the next step. Under `no_sync()` it only resets. Parameters that never became
   /// ready are an `errc::usage` error naming them, raised before anything is launched (so the
   /// caller may `mark_unused` them and call `finish()` again), unless `find_unused_parameters`
-  /// is set. A failed reduction (timeout, peer_lost) leaves the wrapper unusable.
+  /// is set. A failed reduction (timeout, peer_lost) leaves the wrapper unusable, and so does
+  /// any other exception from inside (the allocator's copy, the rebuild): every later call
+  /// raises naming the first cause, and for a cause on this rank the peers are told.
   /// \code
   /// dp.finish();
   /// optimizer.step();
@@ -286,7 +308,7 @@ class basic_data_parallel {
                     -1, static_cast<int>(missing.front()));
     }
     const auto last_hook = last_ready_;
-    try {
+    guarded("finish", -1, [&] {
       {
         std::lock_guard lock(mu_);
         finishing_ = true;
@@ -294,7 +316,7 @@ class basic_data_parallel {
       for (std::size_t i : missing) {
         ready_[i].store(true, std::memory_order_release);
         unused_[i] = 1;
-        zero_bytes(slot(i), views_[i].bytes());
+        guarded("finish (a parameter never ready)", i, [&] { fill_unused(i); });
         complete(i, true);
       }
       {
@@ -302,30 +324,39 @@ class basic_data_parallel {
         last_ready_ = last_hook;  // unused parameters filled in here are not backward's work
         launch_ready_buckets();
       }
-      const auto wait_for = opts_.timeout.count() > 0 ? opts_.timeout : pg_->timeout();
-      const auto until = clock::now() + wait_for + std::chrono::seconds(2);
-      for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-        try {
-          requests_[b].wait(until);
-        } catch (const error& e) {
-          // A request that timed out knows no rank; say which rank and bucket waited.
-          if (e.rank() >= 0) throw;
+    });
+    const auto wait_for = opts_.timeout.count() > 0 ? opts_.timeout : pg_->timeout();
+    const auto until = clock::now() + wait_for + std::chrono::seconds(2);
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+      try {
+        requests_[b].wait(until);
+      } catch (const error& e) {
+        // The reducer already told the peers (its transport failed on every rank): record the
+        // failure here without blaming this rank.
+        if (e.rank() >= 0) {
+          record_failure("finish", -1, false);
+          throw;
+        }
+        // A request that timed out knows no rank; say which rank and bucket waited.
+        guarded("finish", -1, [&] {
           detail::raise(e.condition(), pg_->rank(),
                         "bucket " + std::to_string(b) + " was not reduced within " +
                             std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(wait_for).count()) +
                             " ms (a peer stopped answering?)",
                         static_cast<int>(b));
-        }
-        reduced_at_[b] = requests_[b].valid() ? requests_[b].finished_at() : launched_at_[b];
-        if (!opts_.gradient_as_bucket_view) {
-          // Copy back bucket by bucket: later buckets keep reducing meanwhile.
-          for (const auto& e : plan_.buckets[b].entries)
-            copy_bytes(views_[e.param].grad, slot(e.param), views_[e.param].bytes());
-        }
+        }, false);
+      } catch (...) {
+        record_failure("finish", -1, false);
+        throw;
       }
-    } catch (...) {
-      failed_ = true;
-      throw;
+      reduced_at_[b] = requests_[b].valid() ? requests_[b].finished_at() : launched_at_[b];
+      if (!opts_.gradient_as_bucket_view) {
+        // Copy back bucket by bucket: later buckets keep reducing meanwhile.
+        for (const auto& e : plan_.buckets[b].entries)
+          guarded("finish (copying the average back)", e.param, [&] {
+            copy_bytes(views_[e.param].grad, slot(e.param), views_[e.param].bytes());
+          });
+      }
     }
     const auto t_end = clock::now();
     fill_times(st, t_call, t_end);
@@ -342,14 +373,9 @@ class basic_data_parallel {
       bt.reduced_ms = ms(reduced_at_[b] - step_start_);
     }
     last_stats_ = std::move(st);
-    if (policy_.rebuild_from_ready_order && !rebuilt_) {
-      try {
-        rebuild_from_order();
-      } catch (...) {
-        failed_ = true;
-        throw;
-      }
-    }
+    // The accumulated gradients are in this step's average now.
+    std::fill(accumulated_.begin(), accumulated_.end(), 0);
+    if (!settled_) guarded("the bucket rebuild in finish", -1, [&] { rebuild_from_order(); });
     reset_step();
     ++step_;
   }
@@ -371,25 +397,32 @@ class basic_data_parallel {
   // ---- accessors ----------------------------------------------------------------------------
 
   /// Where the engine must write gradient `i` in view mode (in copy mode: where ddp stages it).
-  /// Valid until `generation()` changes (at most once, after the first synchronized step, when
-  /// the plan is rebuilt from the observed ready order).
+  /// In view mode the address never changes: the layout is fixed at construction, so an engine
+  /// may take the pointer once and keep it. In copy mode the staging slot moves once, when the
+  /// plan is rebuilt from the observed ready order after the first synchronized step
+  /// (`generation()` changes then); a copy-mode engine has no reason to keep it.
   /// \code
-  /// float* g = static_cast<float*>(dp.bucket_grad(i));  // view mode: backward writes here
+  /// float* g = static_cast<float*>(dp.bucket_grad(i));  // view mode: backward writes here, every step
   /// \endcode
   void* bucket_grad(std::size_t i) {
+    check_healthy();
     check_index(i, "bucket_grad");
     return slot(i);
   }
 
-  /// The parameters as ddp sees them; in view mode each `grad` points into bucket memory.
+  /// The parameters as ddp sees them; in view mode each `grad` points into bucket memory (as
+  /// stable as `bucket_grad(i)`).
   std::vector<tensor_view> views() const {
+    check_healthy();
     std::vector<tensor_view> out = views_;
     if (opts_.gradient_as_bucket_view)
       for (std::size_t i = 0; i < out.size(); ++i) out[i].grad = slot(i);
     return out;
   }
 
-  /// Bumped when the bucket layout changes (a rebuild); view-mode engines re-read `bucket_grad`.
+  /// Bumped when the bucket layout changes: once in copy mode, when the plan is rebuilt from the
+  /// observed ready order; never in view mode, whose layout is fixed at construction (so that
+  /// the bucket memory handed to the engine never moves).
   std::uint64_t generation() const noexcept { return generation_; }
   /// Statistics of the step the last `finish()` ended.
   const step_stats& last_step_stats() const noexcept { return last_stats_; }
@@ -416,8 +449,82 @@ class basic_data_parallel {
   }
 
   void check_healthy() const {
-    if (failed_)
-      detail::raise(errc::usage, pg_->rank(), "a previous step failed; this data_parallel wrapper cannot be used again");
+    if (!failed_.load(std::memory_order_acquire)) return;
+    std::lock_guard lock(fail_mu_);
+    detail::raise(fail_code_, pg_->rank(),
+                  "this data_parallel wrapper failed earlier and cannot be used again; the first cause: " + fail_what_);
+  }
+
+  // Runs the part of a call that changes step state. An exception from it leaves the step half
+  // done (a parameter claimed whose bucket can then never launch, a bucket counted but not
+  // launched, a gradient not copied back), which no later call could repair: the wrapper fails
+  // for good, and the peers are told (tell_peers) so that they do not wait for this rank.
+  template <class F>
+  void guarded(const char* what, std::ptrdiff_t param, F&& body, bool tell_peers = true) {
+    try {
+      body();
+    } catch (...) {
+      record_failure(what, param, tell_peers);
+      throw;
+    }
+  }
+
+  // Called inside a catch block: keeps the first failure's cause (later calls name it) and, for
+  // a cause on this rank, aborts the reducer and the group with that cause, so that peers
+  // blocked on this rank fail now (errc::aborted naming this rank) instead of at their deadline.
+  void record_failure(const char* what, std::ptrdiff_t param, bool tell_peers) noexcept {
+    try {
+      errc code = errc::aborted;
+      std::string cause;
+      try {
+        throw;
+      } catch (const error& e) {
+        code = e.condition();
+        cause = e.what();
+        // A lost peer, a timeout or an abort is a verdict about the group that its failure
+        // machinery has already posted; blaming this rank for it would hide the true cause.
+        if (code == errc::peer_lost || code == errc::timeout || code == errc::aborted) tell_peers = false;
+      } catch (const std::exception& e) {
+        cause = e.what();
+      } catch (...) {
+        cause = "an exception of unknown type";
+      }
+      std::string where = what;
+      if (param >= 0) where += " for " + label(static_cast<std::size_t>(param));
+      const std::string msg = "data_parallel failed in " + where + " at step " + std::to_string(step_) + ": " + cause;
+      {
+        std::lock_guard lock(fail_mu_);
+        if (failed_.load(std::memory_order_relaxed)) return;  // keep the first cause
+        fail_code_ = code;
+        fail_what_ = msg;
+        failed_.store(true, std::memory_order_release);
+      }
+      if (tell_peers) tell_peers_failed(msg);
+    } catch (...) {
+      failed_.store(true, std::memory_order_release);  // out of memory for the message: still failed
+    }
+  }
+
+  void tell_peers_failed(const std::string& msg) noexcept {
+    // A transport that can carry a reason (tcp) gives the peers the cause itself.
+    if constexpr (requires(Reducer& r) { r.transport().fail(errc::aborted, msg); }) {
+      try {
+        red_.transport().fail(errc::aborted, msg);
+      } catch (...) {
+      }
+    }
+    if constexpr (requires(Reducer& r) { r.abort(); }) red_.abort();
+    pg_->abort(msg);
+  }
+
+  // The bucket slot of a parameter that is not ready in a synchronized step: zero, or what
+  // no_sync() steps accumulated (PyTorch DDP keeps an accumulated gradient the same way).
+  void fill_unused(std::size_t i) {
+    if (!accumulated_[i])
+      zero_bytes(slot(i), views_[i].bytes());
+    else if (!opts_.gradient_as_bucket_view)
+      copy_bytes(slot(i), views_[i].grad, views_[i].bytes());
+    // View mode: the slot already holds the accumulated gradient.
   }
 
   void check_index(std::size_t i, const char* what) const {
@@ -453,7 +560,7 @@ class basic_data_parallel {
     const auto t = clock::now();
     std::lock_guard lock(mu_);
     last_ready_ = t;
-    if (!rebuilt_) order_.push_back(i);
+    if (!settled_) order_.push_back(i);
     if (!sync) return;
     const std::size_t b = plan_.where[i].first;
     if (--pending_[b] == 0) {
@@ -497,7 +604,7 @@ class basic_data_parallel {
     launched_before_finish_ = 0;
     finishing_ = false;
     step_open_ = false;
-    if (!rebuilt_) order_.clear();
+    if (!settled_) order_.clear();
   }
 
   void* slot(std::size_t i) const {
@@ -670,17 +777,29 @@ class basic_data_parallel {
                   -1, static_cast<int>(common));
   }
 
+  // Ranks agree on the plan and on whether it will be rebuilt (a collective of the group that
+  // a rank skipping it would leave its peers waiting on).
   void check_plan_agreement(const char* when) {
     std::string mine;
     put_u64(mine, plan_.fingerprint());
+    put_u64(mine, settled_ ? 1 : 0);
     const auto all = pg_->all_gather(mine);
-    std::string differing;
-    for (std::size_t r = 1; r < all.size(); ++r)
-      if (all[r] != all[0]) differing += (differing.empty() ? "rank " : ", rank ") + std::to_string(r);
-    if (!differing.empty())
+    std::string plans, rebuilds;
+    for (std::size_t r = 1; r < all.size(); ++r) {
+      if (all[r].compare(0, 8, all[0], 0, 8) != 0) plans += (plans.empty() ? "rank " : ", rank ") + std::to_string(r);
+      else if (all[r] != all[0]) rebuilds += (rebuilds.empty() ? "rank " : ", rank ") + std::to_string(r);
+    }
+    if (!plans.empty())
       detail::raise(errc::mismatch, pg_->rank(),
-                    std::string("bucket plans differ ") + when + " between rank 0 and " + differing +
+                    std::string("bucket plans differ ") + when + " between rank 0 and " + plans +
                         " (different bucket_policy or planner on those ranks?)");
+    if (!rebuilds.empty()) {
+      const bool rank0_rebuilds = all[0][8] == 0;
+      detail::raise(errc::mismatch, pg_->rank(),
+                    std::string("ranks disagree ") + when + " on rebuilding the bucket plan after the first step: rank 0 " +
+                        (rank0_rebuilds ? "does, " : "does not, ") + rebuilds + (rank0_rebuilds ? " do not" : " do") +
+                        " (bucket_policy::rebuild_from_ready_order or dp_options::gradient_as_bucket_view differ)");
+    }
   }
 
   void broadcast_parameters() {
@@ -693,9 +812,11 @@ class basic_data_parallel {
   }
 
   // Re-plan once from rank 0's observed ready order so that buckets fill in the order backward
-  // really produces gradients. Runs inside finish(), when no collective is in flight.
+  // really produces gradients. Runs inside finish(), when no collective is in flight, and only
+  // in copy mode: bucket slots then hold nothing between steps (each step fills them first),
+  // and no pointer into them was handed out to keep.
   void rebuild_from_order() {
-    rebuilt_ = true;
+    settled_ = true;
     const std::size_t n = views_.size();
     std::vector<std::uint64_t> order(n);
     if (order_.size() != n) return;  // cannot happen: every parameter was ready or unused
@@ -707,31 +828,10 @@ class basic_data_parallel {
       check_plan_agreement("after the rebuild");
       return;
     }
-    const bool carry = opts_.gradient_as_bucket_view;  // in view mode the buckets hold the engine's gradients
-    if (host_accessible(alloc_.location())) {
-      // Stage through host memory and free first: an arena sized for one plan (shm) still fits.
-      std::vector<std::vector<std::byte>> saved(carry ? n : 0);
-      for (std::size_t i = 0; i < saved.size(); ++i) {
-        saved[i].resize(views_[i].bytes());
-        if (!saved[i].empty()) std::memcpy(saved[i].data(), slot(i), saved[i].size());
-      }
-      free_buffers(buffers_, plan_);
-      plan_ = std::move(fresh);
-      buffers_ = allocate_for(plan_);
-      for (std::size_t i = 0; i < saved.size(); ++i)
-        if (!saved[i].empty()) std::memcpy(slot(i), saved[i].data(), saved[i].size());
-    } else {
-      std::vector<void*> bufs = allocate_for(fresh);
-      std::swap(plan_, fresh);
-      std::swap(buffers_, bufs);
-      for (std::size_t i = 0; carry && i < n; ++i) {
-        const auto [b, e] = fresh.where[i];
-        const auto& bk = fresh.buckets[b];
-        copy_bytes(slot(i), static_cast<std::byte*>(bufs[b]) + bk.entries[e].offset_elems * dtype_size(bk.type),
-                   views_[i].bytes());
-      }
-      free_buffers(bufs, fresh);
-    }
+    // Free first: an arena sized for one plan (shm) still fits the other.
+    free_buffers(buffers_, plan_);
+    plan_ = std::move(fresh);
+    buffers_ = allocate_for(plan_);
     ++generation_;
     check_plan_agreement("after the rebuild");
   }
@@ -764,12 +864,19 @@ class basic_data_parallel {
   bool step_open_ = false;
   bool step_sync_ = true;
   bool finishing_ = false;
-  bool rebuilt_ = false;
-  bool failed_ = false;
+  bool settled_ = true;  // the bucket layout can no longer change (view mode, or after the rebuild)
   int no_sync_depth_ = 0;
   std::uint64_t step_ = 0;
   std::uint64_t generation_ = 0;
   step_stats last_stats_;
+  // Parameters made ready in no_sync() steps since the last synchronized step: their
+  // accumulated gradient counts even when they are not ready in the synchronized step.
+  std::vector<std::uint8_t> accumulated_;
+  // The first failure: every later call raises it (record_failure).
+  std::atomic<bool> failed_{false};
+  mutable std::mutex fail_mu_;
+  errc fail_code_ = errc::aborted;
+  std::string fail_what_;
 };
 
 /// The default wrapper: greedy size planner, ring allreduce over TCP, aligned host buckets.

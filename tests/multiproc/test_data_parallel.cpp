@@ -1,6 +1,7 @@
 #include <ddp/data_parallel.hpp>
 
 #include <ddp/concepts.hpp>
+#include <ddp/memory/host_allocator.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/tree.hpp>
 #include <ddp/transport/tcp.hpp>
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -21,7 +23,10 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
+
+#include <unistd.h>
 
 #include "harness.hpp"
 
@@ -434,17 +439,17 @@ TEST_CASE("misuse: double grad_ready, index out of range, finish with parameters
   CHECK(all_ok(outs));
 }
 
-TEST_CASE("rebuild from the ready order: rank 0's order wins, plans agree, view pointers move") {
+TEST_CASE("rebuild from the ready order (copy mode): rank 0's order wins, plans agree, done once") {
   const int n = 3;
   const int port = free_port();
   auto outs = run_ranks(n, [&](int r) {
     auto pg = ddp::init_process_group(opts(r, n, port));
     model m = random_model(61, 30, 2000);
-    ddp::data_parallel dp{pg, m.views, {.cap_bytes = 4_KiB, .first_cap_bytes = 1_KiB}, {.gradient_as_bucket_view = true}};
+    ddp::data_parallel dp{pg, m.views, {.cap_bytes = 4_KiB, .first_cap_bytes = 1_KiB}};
     const auto before = dp.plan();
     // Step 0 in registration order (not the reverse order the initial plan assumed).
     for (std::size_t i = 0; i < m.size(); ++i) {
-      for (std::size_t j = 0; j < m.numel[i]; ++j) model::set(dp.bucket_grad(i), m.types[i], j, grad_value(r, i, j, 0));
+      for (std::size_t j = 0; j < m.numel[i]; ++j) model::set(m.grad[i].get(), m.types[i], j, grad_value(r, i, j, 0));
       dp.grad_ready(i);
     }
     dp.finish();
@@ -455,12 +460,11 @@ TEST_CASE("rebuild from the ready order: rank 0's order wins, plans agree, view 
     std::iota(order.begin(), order.end(), std::size_t{0});
     require(dp.plan() == ddp::size_planner{}.plan(infos, dp.policy(), order), "plan follows the observed order");
     require(!(dp.plan() == before), "plan changed");
-    // The averaged gradients moved with their parameters into the new layout.
-    check_average(dp, m, n, {0}, true, none, "after the rebuild");
-    backward(dp, m, r, 1, true, false, static_cast<std::uint64_t>(r));
+    check_average(dp, m, n, {0}, false, none, "step 0");
+    backward(dp, m, r, 1, false, false, static_cast<std::uint64_t>(r));
     dp.finish();
     require(dp.generation() == 1, "rebuilt only once");
-    check_average(dp, m, n, {1}, true, none, "second step");
+    check_average(dp, m, n, {1}, false, none, "second step");
   }, 60s);
   INFO(summary(outs));
   CHECK(all_ok(outs));
@@ -476,3 +480,379 @@ TEST_CASE("shared memory: ring<shm> and tree<shm>, buckets from shm_allocator, c
   random_run<ddp::ring<ddp::shm>, shm_alloc>(2, 85, 8, 4 << 20, {.cap_bytes = 4_MiB, .first_cap_bytes = 256_KiB}, true, 2);
 }
 #endif
+
+// ---- trust: no stale pointer, no lost accumulation, no trap, no silent success ---------------
+
+namespace {
+
+// Host memory behind an allocator with its own copy()/zero(), as device allocators have. It
+// can report a device location (the wrapper then never touches bucket memory itself, as with
+// cuda_allocator) and can be told to fail its Nth copy or zero. Counters are per process, and
+// every rank is its own process.
+struct test_allocator {
+  static inline long copy_countdown = -1;  // the copy that finds it at 0 throws; -1: never
+  static inline long zero_countdown = -1;
+  static inline long allocate_countdown = -1;
+  bool on_device = false;
+
+  void* allocate(std::size_t bytes) {
+    if (allocate_countdown >= 0 && allocate_countdown-- == 0)
+      throw ddp::error(ddp::errc::system, -1, "test_allocator: injected allocate failure");
+    return ddp::host_allocator{}.allocate(bytes);
+  }
+  void deallocate(void* p, std::size_t bytes) noexcept { ddp::host_allocator{}.deallocate(p, bytes); }
+  ddp::memory_kind location() const noexcept { return on_device ? ddp::memory_kind::cuda : ddp::memory_kind::host; }
+  void copy(void* dst, const void* src, std::size_t n) {
+    if (copy_countdown >= 0 && copy_countdown-- == 0) throw std::runtime_error("test_allocator: injected copy failure");
+    std::memcpy(dst, src, n);
+  }
+  void zero(void* dst, std::size_t n) {
+    if (zero_countdown >= 0 && zero_countdown-- == 0) throw std::runtime_error("test_allocator: injected zero failure");
+    std::memset(dst, 0, n);
+  }
+};
+static_assert(ddp::device_allocator<test_allocator>);
+
+// The same, reporting device memory: the wrapper plans device buckets.
+struct device_test_allocator : test_allocator {
+  device_test_allocator() { on_device = true; }
+};
+static_assert(ddp::device_allocator<device_test_allocator>);
+
+// ring<tcp> whose Nth launch throws, as a reducer refusing a collective would.
+struct flaky_ring : ddp::ring<ddp::tcp> {
+  static inline long launch_countdown = -1;
+  using ddp::ring<ddp::tcp>::ring;
+  ddp::request allreduce_async(void* data, std::size_t count, ddp::dtype t, ddp::op o) {
+    if (launch_countdown >= 0 && launch_countdown-- == 0) throw std::runtime_error("flaky_ring: injected launch failure");
+    return ddp::ring<ddp::tcp>::allreduce_async(data, count, t, o);
+  }
+};
+static_assert(ddp::reducer<flaky_ring>);
+
+// Rank `failing` keeps its process (and so its sockets) alive until the others are done, so
+// that what the others see comes from the failure itself, not from the process exiting.
+struct done_marks {
+  std::string prefix;
+  explicit done_marks(int port) : prefix("/tmp/ddp_dp_trust_" + std::to_string(::getpid()) + "_" + std::to_string(port) + "_") {}
+  void mark(int r) const { std::fclose(std::fopen((prefix + std::to_string(r)).c_str(), "w")); }
+  void wait_others(int n, int me, std::chrono::milliseconds limit) const {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    for (int q = 0; q < n; ++q) {
+      if (q == me) continue;
+      while (::access((prefix + std::to_string(q)).c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(20ms);
+    }
+  }
+  void clear(int n) const {
+    for (int q = 0; q < n; ++q) std::remove((prefix + std::to_string(q)).c_str());
+  }
+};
+
+enum class fault { copy_in_grad_ready, zero_in_mark_unused, copy_back_in_finish, zero_in_finish_unused, allocate_in_rebuild, launch };
+
+const char* fault_name(fault f) {
+  switch (f) {
+    case fault::copy_in_grad_ready: return "copy in grad_ready";
+    case fault::zero_in_mark_unused: return "zero in mark_unused";
+    case fault::copy_back_in_finish: return "copy back in finish";
+    case fault::zero_in_finish_unused: return "zero in finish (find_unused_parameters)";
+    case fault::allocate_in_rebuild: return "allocate in the rebuild";
+    case fault::launch: return "the reducer's launch";
+  }
+  return "?";
+}
+
+template <class DP>
+void expect_failed_with_cause(DP& dp, const std::string& cause) {
+  const auto check = [&](const char* what, auto&& f) {
+    try {
+      f();
+    } catch (const ddp::error& e) {
+      const std::string msg = e.what();
+      require(msg.find("failed earlier") != std::string::npos && msg.find(cause) != std::string::npos,
+              std::string(what) + " after the failure does not name the first cause: " + msg);
+      return;
+    }
+    throw std::runtime_error(std::string(what) + " after the failure did not raise");
+  };
+  check("grad_ready", [&] { dp.grad_ready(dp.size() - 1); });
+  check("mark_unused", [&] { dp.mark_unused(dp.size() - 1); });
+  check("finish", [&] { dp.finish(); });
+  check("no_sync", [&] { auto g = dp.no_sync(); });
+  check("bucket_grad", [&] { (void)dp.bucket_grad(0); });
+  check("finish again", [&] { dp.finish(); });
+}
+
+// Step 0 is clean; in step 1 (after the rebuild) rank `failing`'s allocator throws once at the
+// place `f` names (for the rebuild: at the end of step 0). That rank's call raises the allocator's error, every later call raises
+// naming it, and the other ranks' finish() fails within timeout + 2 s naming that rank (or, when
+// their step could still complete, returns the right average and the next step fails).
+template <class Reducer>
+void flaky_run(int n, int failing, fault f) {
+  const int port = free_port();
+  const done_marks marks(port);
+  const auto timeout = 4s;
+  auto outs = run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port, timeout));
+    model m = random_model(91, 24, 300);
+    const bool find_unused = f == fault::zero_in_finish_unused;
+    ddp::basic_data_parallel<ddp::size_planner, Reducer, test_allocator> dp{
+        pg, m.views, {.cap_bytes = 1_KiB, .first_cap_bytes = 256}, {.find_unused_parameters = find_unused}};
+    const std::vector<std::size_t> skip =
+        (f == fault::zero_in_mark_unused || f == fault::zero_in_finish_unused) ? std::vector<std::size_t>{0}
+                                                                              : std::vector<std::size_t>{};
+    const auto zero_for = [&](std::size_t i, int) { return !skip.empty() && i == 0; };
+    const auto step = [&](int s) {
+      if (!find_unused)
+        for (std::size_t i : skip) dp.mark_unused(i);
+      backward(dp, m, r, s, false, false, static_cast<std::uint64_t>(r * 7 + s), skip);
+      dp.finish();
+    };
+    const int fail_step = f == fault::allocate_in_rebuild ? 0 : 1;
+    if (fail_step > 0) {
+      step(0);
+      check_average(dp, m, n, {0}, false, zero_for, "step 0");
+    }
+    const std::string cause = f == fault::copy_in_grad_ready || f == fault::copy_back_in_finish ? "injected copy failure"
+                              : f == fault::allocate_in_rebuild                                 ? "injected allocate failure"
+                              : f == fault::launch                                              ? "injected launch failure"
+                                                                                                : "injected zero failure";
+    if (r == failing) {
+      switch (f) {
+        case fault::allocate_in_rebuild: test_allocator::allocate_countdown = 0; break;
+        case fault::launch: flaky_ring::launch_countdown = 1; break;
+        case fault::copy_in_grad_ready: test_allocator::copy_countdown = 3; break;
+        case fault::zero_in_mark_unused: test_allocator::zero_countdown = 0; break;
+        case fault::copy_back_in_finish: test_allocator::copy_countdown = static_cast<long>(m.size()) + 2; break;
+        case fault::zero_in_finish_unused: test_allocator::zero_countdown = 0; break;
+      }
+      bool threw = false;
+      try {
+        step(fail_step);
+      } catch (const std::runtime_error& e) {
+        threw = std::string(e.what()).find(cause) != std::string::npos;
+      }
+      require(threw, "the failing call raises the allocator's own error");
+      expect_failed_with_cause(dp, cause);
+      marks.mark(r);
+      marks.wait_others(n, r, timeout + 3s);
+      return;
+    }
+    // The others: a step either completes with the right average (nothing of the failing rank
+    // was missing) or fails naming the failing rank within timeout + 2 s.
+    for (int s = fail_step; s <= fail_step + 1; ++s) {
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        step(s);
+      } catch (const ddp::error& e) {
+        const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const std::string msg = e.what();
+        marks.mark(r);
+        require(took <= std::chrono::duration<double>(timeout).count() + 2.0,
+                "the error came after " + std::to_string(took) + " s: " + msg);
+        require(msg.find("rank " + std::to_string(failing)) != std::string::npos,
+                "the error does not name rank " + std::to_string(failing) + ": " + msg);
+        require(e.condition() == ddp::errc::aborted || e.condition() == ddp::errc::peer_lost,
+                std::string("errc: ") + msg);
+        if (std::is_same_v<typename Reducer::transport_type, ddp::tcp> || f == fault::allocate_in_rebuild)
+          require(msg.find(cause) != std::string::npos, "tcp (or the group, in the rebuild) carries the cause: " + msg);
+        // And it stays failed.
+        bool again = false;
+        try {
+          dp.finish();
+        } catch (const ddp::error&) {
+          again = true;
+        }
+        require(again, "the wrapper stays failed on the peers too");
+        return;
+      }
+      require(f == fault::copy_back_in_finish && s == 1, "step " + std::to_string(s) + " returned success");
+      check_average(dp, m, n, {s}, false, zero_for, "a step that completed");
+    }
+    marks.mark(r);
+    throw std::runtime_error("no error within two steps of the failure");
+  }, 60s);
+  marks.clear(n);
+  INFO(summary(outs));
+  CHECK(all_ok(outs));
+}
+
+}  // namespace
+
+TEST_CASE("an allocator that throws once mid-step: that rank stays failed naming the cause, peers fail naming it") {
+  for (fault f : {fault::copy_in_grad_ready, fault::zero_in_mark_unused, fault::copy_back_in_finish,
+                  fault::zero_in_finish_unused, fault::allocate_in_rebuild}) {
+    CAPTURE(fault_name(f));
+    flaky_run<ddp::ring<ddp::tcp>>(3, 1, f);
+  }
+  flaky_run<ddp::tree<ddp::tcp>>(3, 2, fault::copy_in_grad_ready);
+  flaky_run<flaky_ring>(3, 1, fault::launch);
+#ifdef DDP_TEST_HAS_SHM
+  flaky_run<ddp::ring<ddp::shm>>(3, 1, fault::copy_in_grad_ready);
+  flaky_run<ddp::ring<ddp::shm>>(2, 0, fault::copy_back_in_finish);
+#endif
+}
+
+namespace {
+
+// The engine of the issue: it takes each bucket_grad(i) once and keeps it, and produces its
+// gradients in registration order (not the reverse order the first plan assumed), which is
+// what used to trigger the rebuild that moved the memory under its pointers.
+template <class Reducer, class Allocator>
+void cached_view_run(int n, int steps) {
+  const int port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    model m = random_model(101, 40, 1500);
+    ddp::basic_data_parallel<ddp::size_planner, Reducer, Allocator> dp{
+        pg, m.views, {.cap_bytes = 2_KiB, .first_cap_bytes = 512}, {.gradient_as_bucket_view = true}};
+    std::vector<void*> g(m.size());
+    for (std::size_t i = 0; i < m.size(); ++i) g[i] = dp.bucket_grad(i);
+    for (int s = 0; s < steps; ++s) {
+      for (std::size_t i = 0; i < m.size(); ++i) {
+        for (std::size_t j = 0; j < m.numel[i]; ++j) model::set(g[i], m.types[i], j, grad_value(r, i, j, s));
+        dp.grad_ready(i);
+      }
+      dp.finish();
+      // The single-process reference: the mean over ranks of each rank's gradient.
+      for (std::size_t i = 0; i < m.size(); ++i) {
+        require(dp.bucket_grad(i) == g[i], "bucket_grad(" + std::to_string(i) + ") moved");
+        for (std::size_t j = 0; j < m.numel[i]; ++j) {
+          double expect = 0;
+          for (int q = 0; q < n; ++q) expect += grad_value(q, i, j, s);
+          expect /= n;
+          const double got = model::get(g[i], m.types[i], j);
+          require(std::abs(got - expect) <= 1e-5 * (1 + std::abs(expect)),
+                  "step " + std::to_string(s) + " parameter " + std::to_string(i) + " element " + std::to_string(j) +
+                      " is " + std::to_string(got) + ", expected " + std::to_string(expect));
+        }
+      }
+      require(dp.generation() == 0, "view mode never moves its layout");
+    }
+  }, 60s);
+  INFO(summary(outs));
+  CHECK(all_ok(outs));
+}
+
+}  // namespace
+
+TEST_CASE("view mode: pointers taken once stay valid, gradients in registration order, every allocator") {
+  cached_view_run<ddp::ring<ddp::tcp>, ddp::host_allocator>(3, 4);
+  cached_view_run<ddp::tree<ddp::tcp>, test_allocator>(2, 4);
+  cached_view_run<ddp::ring<ddp::tcp>, device_test_allocator>(2, 3);
+#ifdef DDP_TEST_HAS_SHM
+  cached_view_run<ddp::ring<ddp::shm>, ddp::shm_allocator>(3, 4);
+  cached_view_run<ddp::tree<ddp::shm>, ddp::shm_allocator>(2, 3);
+#endif
+  // pinned_allocator and cuda_allocator need a GPU: tests/cuda.
+}
+
+TEST_CASE("view and copy mode disagreeing between ranks: errc::mismatch at construction, not a hang") {
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 2, port, 10s));
+    model m = random_model(3, 20, 1000);
+    ddp::data_parallel dp{pg, m.views, {}, {.gradient_as_bucket_view = r == 1}};
+  }, 30s);
+  INFO(summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.errc == static_cast<int>(ddp::errc::mismatch));
+    CHECK(o.message.find("rebuilding the bucket plan") != std::string::npos);
+    CHECK(o.message.find("rank 0 does, rank 1 do not") != std::string::npos);
+  }
+}
+
+TEST_CASE("no_sync then unused in the synchronized step: the accumulated gradient is averaged, not lost") {
+  // Rank q leaves out V_q in both micro-steps and U_q in the synchronized step. A parameter's
+  // contribution from rank q is the sum of the steps it was used in: U_q \ V_q contribute the
+  // micro-steps' sum, U_q ∩ V_q nothing (whatever stale value the engine's buffer holds).
+  for (bool view : {false, true}) {
+    for (bool find_unused : {false, true}) {
+      CAPTURE(view);
+      CAPTURE(find_unused);
+      const int n = 3;
+      const int port = free_port();
+      auto outs = run_ranks(n, [&](int r) {
+        auto pg = ddp::init_process_group(opts(r, n, port));
+        model m = random_model(111, 30, 1000);
+        ddp::data_parallel dp{pg, m.views, {.cap_bytes = 2_KiB, .first_cap_bytes = 512},
+                              {.gradient_as_bucket_view = view, .find_unused_parameters = find_unused}};
+        const auto in_v = [](std::size_t i, int q) { return i % 5 == static_cast<std::size_t>(q); };
+        const auto in_u = [](std::size_t i, int q) { return i % 3 == static_cast<std::size_t>(q) || i == 29; };
+        for (int round = 0; round < 2; ++round) {
+          const int s0 = round * 10;
+          const std::vector<int> micro{s0, s0 + 1};
+          // The engine's gradient for parameter i this round: undefined until first used
+          // (like PyTorch's grad = None after zero_grad(set_to_none)), then accumulated.
+          std::vector<bool> defined(m.size(), false);
+          const auto run_step = [&](int s, auto skipped) {
+            for (std::size_t k = m.size(); k-- > 0;) {
+              if (skipped(k)) {
+                if (!find_unused) dp.mark_unused(k);
+                continue;
+              }
+              void* gp = view ? dp.bucket_grad(k) : m.grad[k].get();
+              for (std::size_t j = 0; j < m.numel[k]; ++j) {
+                const double v = grad_value(r, k, j, s);
+                model::set(gp, m.types[k], j, defined[k] ? model::get(gp, m.types[k], j) + v : v);
+              }
+              defined[k] = true;
+              dp.grad_ready(k);
+            }
+            dp.finish();
+          };
+          {
+            auto guard = dp.no_sync();
+            for (int s : micro) run_step(s, [&](std::size_t k) { return in_v(k, r); });
+          }
+          run_step(s0 + 2, [&](std::size_t k) { return in_u(k, r); });
+          require(dp.last_step_stats().synchronized, "synchronized step");
+          for (std::size_t i = 0; i < m.size(); ++i) {
+            const void* gp = view ? dp.bucket_grad(i) : m.grad[i].get();
+            for (std::size_t j = 0; j < m.numel[i]; ++j) {
+              double expect = 0;
+              for (int q = 0; q < n; ++q) {
+                if (!in_v(i, q))
+                  for (int s : micro) expect += grad_value(q, i, j, s);
+                if (!in_u(i, q)) expect += grad_value(q, i, j, s0 + 2);
+              }
+              expect /= n;
+              const double got = model::get(gp, m.types[i], j);
+              require(std::abs(got - expect) <= 1e-5 * (1 + std::abs(expect)),
+                      "round " + std::to_string(round) + " parameter " + std::to_string(i) + " element " +
+                          std::to_string(j) + " is " + std::to_string(got) + ", expected " + std::to_string(expect));
+            }
+          }
+        }
+      }, 60s);
+      INFO(summary(outs));
+      CHECK(all_ok(outs));
+    }
+  }
+}
+
+TEST_CASE("one device per rank (device = rank): plans agree, averages exact, copy and view mode") {
+  for (bool view : {false, true}) {
+    CAPTURE(view);
+    const int n = 3;
+    const int port = free_port();
+    auto outs = run_ranks(n, [&](int r) {
+      auto pg = ddp::init_process_group(opts(r, n, port));
+      model m = random_model(121, 30, 1000);
+      for (auto& v : m.views) v.device = r;  // this rank's device index
+      ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, device_test_allocator> dp{
+          pg, m.views, {.cap_bytes = 2_KiB, .first_cap_bytes = 512}, {.gradient_as_bucket_view = view}};
+      for (const auto& bk : dp.plan().buckets) require(bk.device == r, "buckets on this rank's device");
+      for (int s = 0; s < 3; ++s) {
+        backward(dp, m, r, s, view, false, static_cast<std::uint64_t>(r * 5 + s));
+        dp.finish();
+        check_average(dp, m, n, {s}, view, none, "device step " + std::to_string(s));
+      }
+      require(view ? dp.generation() == 0 : dp.generation() == 1, "rebuilt in copy mode only");
+      for (const auto& bk : dp.plan().buckets) require(bk.device == r, "buckets on this rank's device after the rebuild");
+    }, 60s);
+    INFO(summary(outs));
+    CHECK(all_ok(outs));
+  }
+}

@@ -273,9 +273,49 @@ TEST_CASE("planning is deterministic and the fingerprint tells plans apart") {
   CHECK(a.fingerprint() != c.fingerprint());
 
   auto d = a;
-  d.buckets.back().device = 7;  // one field differs
+  d.buckets.back().device = d.buckets.back().device >= 0 ? -1 : 7;  // host <-> device
   CHECK(d.fingerprint() != a.fingerprint());
+  auto e = a;
+  e.buckets.back().type = e.buckets.back().type == ddp::dtype::f64 ? ddp::dtype::f32 : ddp::dtype::f64;
+  CHECK(e.fingerprint() != a.fingerprint());
+  auto f = a;
+  f.buckets.back().numel += 1;
+  CHECK(f.fingerprint() != a.fingerprint());
   CHECK(ddp::bucket_plan{}.fingerprint() != a.fingerprint());
+}
+
+TEST_CASE("the fingerprint compares host or device, not the device index (one GPU per rank)") {
+  // Rank r keeps its device parameters on device r (device = local rank): same plan structure.
+  const auto params_on = [](int dev) {
+    return std::vector<ddp::param_info>{{100, ddp::dtype::f32, dev}, {300, ddp::dtype::f16, -1},
+                                        {50, ddp::dtype::f32, dev},  {70, ddp::dtype::f16, dev}};
+  };
+  const ddp::bucket_policy pol{.cap_bytes = 1_MiB, .first_cap_bytes = 256};
+  const auto p0 = ddp::size_planner{}.plan(params_on(0), pol);
+  check_invariants(p0, params_on(0), pol);
+  for (int dev = 1; dev < 8; ++dev) {
+    CAPTURE(dev);
+    const auto p = ddp::size_planner{}.plan(params_on(dev), pol);
+    check_invariants(p, params_on(dev), pol);
+    CHECK(p.fingerprint() == p0.fingerprint());
+    for (const auto& bk : p.buckets) CHECK((bk.device == -1 || bk.device == dev));
+  }
+  // Host instead of device is a different plan.
+  const auto host = ddp::size_planner{}.plan(params_on(-1), pol);
+  CHECK(host.fingerprint() != p0.fingerprint());
+  // Within one rank, buckets still never mix devices: two devices make more buckets, and a
+  // different structure.
+  std::vector<ddp::param_info> two{{100, ddp::dtype::f32, 0}, {100, ddp::dtype::f32, 1}, {100, ddp::dtype::f32, 0}};
+  std::vector<ddp::param_info> one{{100, ddp::dtype::f32, 1}, {100, ddp::dtype::f32, 1}, {100, ddp::dtype::f32, 1}};
+  const ddp::bucket_policy big{.cap_bytes = 1_MiB, .first_cap_bytes = 1_MiB};
+  const auto p2 = ddp::size_planner{}.plan(two, big);
+  const auto p1 = ddp::size_planner{}.plan(one, big);
+  check_invariants(p2, two, big);
+  CHECK(p2.buckets.size() == 2);
+  for (const auto& bk : p2.buckets)
+    for (const auto& en : bk.entries) CHECK(two[en.param].device == bk.device);
+  CHECK(p1.buckets.size() == 1);
+  CHECK(p2.fingerprint() != p1.fingerprint());
 }
 
 TEST_CASE("real model shapes from DDP_PARAMS_DIR") {

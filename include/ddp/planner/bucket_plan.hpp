@@ -73,7 +73,7 @@ struct bucket_entry {
 /// (gradient-ready order), packed back to back with no padding.
 struct bucket {
   dtype type = dtype::f32;
-  int device = -1;
+  int device = -1;  ///< -1 for host, else this rank's CUDA device index (may differ across ranks)
   std::size_t numel = 0;
   std::size_t bytes = 0;
   std::vector<bucket_entry> entries;
@@ -87,8 +87,10 @@ struct bucket_plan {
   /// `where[param] = {bucket index, entry index}`.
   std::vector<std::pair<std::size_t, std::size_t>> where;
 
-  /// 64-bit hash of the plan's structure (kinds, sizes, entries), cheap to exchange so that
-  /// ranks can confirm they planned alike before launching any collective.
+  /// 64-bit hash of the plan's structure (dtypes, host or device, sizes, entries), cheap to
+  /// exchange so that ranks can confirm they planned alike before launching any collective.
+  /// It hashes whether a bucket is on a device, not which device: with one GPU per rank each
+  /// rank's gradients live on its own device index, and the collectives still match.
   std::uint64_t fingerprint() const noexcept {
     // FNV-1a over 64-bit words: stable across compilers and platforms, unlike std::hash.
     std::uint64_t h = 0xcbf29ce484222325ull;
@@ -101,7 +103,7 @@ struct bucket_plan {
     mix(buckets.size());
     for (const auto& bk : buckets) {
       mix(static_cast<std::uint64_t>(bk.type));
-      mix(static_cast<std::uint64_t>(static_cast<std::int64_t>(bk.device)));
+      mix(bk.device >= 0 ? 1u : 0u);
       mix(bk.numel);
       mix(bk.entries.size());
       for (const auto& e : bk.entries) {
