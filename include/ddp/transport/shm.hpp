@@ -359,23 +359,25 @@ class shm {
   /// \endcode
   void* allocate(std::size_t bytes) {
     if (bytes == 0) return nullptr;
-    const std::size_t off = heap_->allocate(bytes);
-    if (off == detail::arena_heap::npos)
-      raise_here(errc::system, "shm arena exhausted: asked for " + std::to_string(bytes) + " bytes, the largest free block is " +
-                                   std::to_string(heap_->largest_free()) + " of this rank's " +
-                                   std::to_string(heap_->capacity()) +
-                                   " (each rank owns shm_options::segment_bytes / world; 0 sizes it from /dev/shm)");
     // First fit hands out the lowest free block, so this rank's reserved pages are the prefix
     // [part_begin, reserved_end_) of its part; freed blocks keep theirs for the next allocation.
     std::lock_guard lock(reserve_mu_);
+    const std::size_t off = heap_->allocate(bytes);
+    if (off == detail::arena_heap::npos) {
+      if (opts_.segment_bytes != 0)
+        raise_here(errc::system, "shm arena exhausted: asked for " + std::to_string(bytes) +
+                                     " bytes, the largest free block is " + std::to_string(heap_->largest_free()) +
+                                     " of this rank's " + std::to_string(heap_->capacity()) +
+                                     " (each rank owns shm_options::segment_bytes / world; 0 sizes it from /dev/shm)");
+      raise_here(errc::system, no_room(bytes) + "with it this rank's blocks would outgrow /dev/shm itself; " +
+                                   detail::shm_space());
+    }
     const std::size_t end = std::min(detail::round_up(off + bytes, detail::shm_page), layout_.part_end(rank_));
     if (end > reserved_end_) {
       const std::string why = map_.reserve(reserved_end_, end - reserved_end_);
       if (!why.empty()) {
         heap_->deallocate(off, bytes);
-        raise_here(errc::system, "shared-memory segment " + name_ + ": no room for a block of " + detail::shm_mib(bytes) +
-                                     " in this rank's part of the arena (" + detail::shm_mib(reserved_end_ - layout_.part_begin(rank_)) +
-                                     " reserved so far): " + why);
+        raise_here(errc::system, no_room(bytes) + why);
       }
       reserved_end_ = end;
     }
@@ -434,6 +436,12 @@ class shm {
   }
 
   [[noreturn]] void raise_here(errc e, const std::string& msg) const { detail::raise(e, rank_, msg); }
+
+  std::string no_room(std::size_t bytes) const {
+    return "shared-memory segment " + name_ + ": no room for a block of " + detail::shm_mib(bytes) +
+           " in this rank's part of the arena (" + detail::shm_mib(reserved_end_ - layout_.part_begin(rank_)) +
+           " reserved so far): ";
+  }
 
   static const char* kind_name(std::uint8_t k) noexcept {
     switch (k) {

@@ -1,0 +1,242 @@
+// A /dev/shm that is too small or fills up: every case is a clear errc::system, never SIGBUS.
+//
+// Each case runs its ranks in a private mount namespace with a small tmpfs of its own on
+// /dev/shm, so filling it cannot disturb anything else running on the machine. That needs
+// CAP_SYS_ADMIN (unshare + mount); where the environment refuses it the suite exits 77 (SKIP)
+// and says why.
+#include <ddp/transport/shm.hpp>
+#include <ddp/data_parallel.hpp>
+#include <ddp/memory/shm_allocator.hpp>
+#include <ddp/planner/size_planner.hpp>
+#include <ddp/reducer/ring.hpp>
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <doctest/doctest.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "harness.hpp"
+
+using namespace std::chrono_literals;
+using ddp::dtype;
+using ddp::op;
+using ddp_test::free_port;
+using ddp_test::run_ranks;
+
+namespace {
+
+constexpr int sigbus_exit = 128 + SIGBUS;
+
+ddp::init_options opts(int rank, int n, int port) {
+  ddp::init_options o;
+  o.rank = rank;
+  o.world_size = n;
+  o.master_addr = "127.0.0.1";
+  o.master_port = port;
+  o.timeout = 20s;
+  return o;
+}
+
+void require(bool cond, const std::string& what) {
+  if (!cond) throw std::runtime_error(what);
+}
+
+// A process that holds a private mount namespace with a tmpfs of `bytes` on /dev/shm; ranks
+// join it with enter() before they touch shared memory. It ends when the test and every rank
+// have closed their end of its pipe (or the test process dies).
+class private_dev_shm {
+ public:
+  explicit private_dev_shm(std::size_t bytes) {
+    int ready[2], hold[2];
+    if (::pipe2(ready, O_CLOEXEC) != 0 || ::pipe2(hold, O_CLOEXEC) != 0) std::abort();
+    std::fflush(nullptr);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ::close(ready[0]);
+      ::close(hold[1]);
+      const std::string size = "size=" + std::to_string(bytes);
+      std::string why;
+      if (::unshare(CLONE_NEWNS) != 0)
+        why = std::string("unshare(CLONE_NEWNS): ") + std::strerror(errno);
+      else if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0)
+        why = std::string("mount(/, MS_REC|MS_PRIVATE): ") + std::strerror(errno);
+      else if (::mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, size.c_str()) != 0)
+        why = std::string("mount(tmpfs, /dev/shm, ") + size + "): " + std::strerror(errno);
+      if (!why.empty()) (void)!::write(ready[1], why.data(), why.size());
+      ::close(ready[1]);
+      char c;
+      while (::read(hold[0], &c, 1) < 0 && errno == EINTR) {
+      }
+      ::_exit(0);
+    }
+    ::close(ready[1]);
+    ::close(hold[0]);
+    hold_ = hold[1];
+    char buf[512];
+    for (ssize_t n; (n = ::read(ready[0], buf, sizeof buf)) != 0;)
+      if (n > 0) why_.append(buf, static_cast<std::size_t>(n));
+      else if (errno != EINTR) break;
+    ::close(ready[0]);
+  }
+  private_dev_shm(const private_dev_shm&) = delete;
+  private_dev_shm& operator=(const private_dev_shm&) = delete;
+  ~private_dev_shm() {
+    ::close(hold_);
+    ::waitpid(pid_, nullptr, 0);
+  }
+
+  /// Empty when the namespace is ready, else why it could not be made.
+  const std::string& why_not() const { return why_; }
+
+  /// Moves the calling (single-threaded) process into the namespace.
+  void enter() const {
+    const std::string path = "/proc/" + std::to_string(pid_) + "/ns/mnt";
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    require(fd >= 0, "open(" + path + "): " + std::strerror(errno));
+    const int rc = ::setns(fd, CLONE_NEWNS);
+    const int e = errno;
+    ::close(fd);
+    require(rc == 0, std::string("setns: ") + std::strerror(e));
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int hold_ = -1;
+  std::string why_;
+};
+
+// Makes the namespace, or ends the suite as SKIP (exit 77) with the reason.
+void require_namespace(const private_dev_shm& ns) {
+  if (ns.why_not().empty()) return;
+  std::fprintf(stderr, "SKIP: this environment cannot give a test its own /dev/shm (%s)\n", ns.why_not().c_str());
+  std::fflush(nullptr);
+  std::_Exit(77);
+}
+
+std::size_t shm_free() {
+  struct statvfs v{};
+  require(::statvfs("/dev/shm", &v) == 0, "statvfs(/dev/shm)");
+  return static_cast<std::size_t>(v.f_bavail) * v.f_frsize;
+}
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("a /dev/shm too small for the staging slots: errc::system at construction on every rank, no SIGBUS") {
+  private_dev_shm ns(std::size_t{2} << 20);
+  require_namespace(ns);
+  using dp_type = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::shm>, ddp::shm_allocator>;
+  const int n = 3;
+  const int port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    ns.enter();
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    std::vector<float> data(1000, 1.0f), grad(1000, 1.0f);
+    std::vector<ddp::tensor_view> views{ddp::tensor_view{data.data(), grad.data(), data.size(), dtype::f32}};
+    dp_type dp{pg, views};  // default options: 3 ranks x 2 slots x 1 MiB do not fit in 2 MiB
+  });
+  INFO(ddp_test::summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.exit_code == 1);
+    CHECK(o.errc == static_cast<int>(ddp::errc::system));
+    // Every rank names the segment, its size and what /dev/shm holds: rank 0's reason.
+    CHECK(has(o.message, "shared-memory segment /ddp-"));
+    CHECK(has(o.message, ": rank 0: header and staging slots (6.0 MiB): cannot reserve 6.0 MiB"));
+    CHECK(has(o.message, "/dev/shm is full"));
+    CHECK(has(o.message, "free of 2.0 MiB"));
+  }
+}
+
+TEST_CASE("a model larger than /dev/shm: errc::system at data_parallel construction on every rank, no SIGBUS") {
+  private_dev_shm ns(std::size_t{48} << 20);
+  require_namespace(ns);
+  using dp_type = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::shm>, ddp::shm_allocator>;
+  const int n = 2;
+  const int port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    ns.enter();
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    // 50 MiB of gradients per rank: more than the whole /dev/shm, so each rank's buckets fail
+    // whatever the other rank holds.
+    const std::size_t count = std::size_t{50} << 18;
+    std::vector<float> data(count, 1.0f), grad(count, 1.0f);
+    std::vector<ddp::tensor_view> views;
+    for (std::size_t k = 0; k < 5; ++k)
+      views.push_back(ddp::tensor_view{data.data() + k * count / 5, grad.data() + k * count / 5, count / 5, dtype::f32});
+    dp_type dp{pg, views};
+  });
+  INFO(ddp_test::summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.exit_code == 1);
+    CHECK(o.errc == static_cast<int>(ddp::errc::system));
+    CHECK(has(o.message, "shared-memory segment /ddp-"));
+    CHECK(has(o.message, "in this rank's part of the arena"));
+    CHECK((has(o.message, "/dev/shm is full") || has(o.message, "would outgrow /dev/shm itself")));
+    CHECK(has(o.message, "free of 48.0 MiB"));
+  }
+}
+
+TEST_CASE("/dev/shm filled by someone else after construction: the allocation fails clearly, no SIGBUS later") {
+  // Before pages were reserved, both ranks passed construction (the segment fitted), the filler
+  // took the rest, and the first write into an arena block killed each rank with SIGBUS.
+  private_dev_shm ns(std::size_t{300} << 20);
+  require_namespace(ns);
+  const int n = 2;
+  const int port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    ns.enter();
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    ddp::shm link{pg};
+    ddp::shm_allocator alloc{link};
+    link.barrier(pg.deadline());
+    if (r == 0) {
+      // Another user of /dev/shm takes all but 8 MiB of it.
+      const int fd = ::shm_open("/filler", O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+      require(fd >= 0, "shm_open(/filler)");
+      const int e = ::posix_fallocate(fd, 0, static_cast<off_t>(shm_free() - (std::size_t{8} << 20)));
+      ::close(fd);  // the file keeps its pages; the tmpfs goes with the namespace
+      require(e == 0, std::string("posix_fallocate(filler): ") + std::strerror(e));
+    }
+    link.barrier(pg.deadline());
+    const std::size_t big = std::size_t{32} << 20;
+    try {
+      auto* p = static_cast<float*>(alloc.allocate(big));
+      std::fill(p, p + big / sizeof(float), 1.0f);
+      throw std::runtime_error("allocated 32 MiB from a /dev/shm with 8 MiB free");
+    } catch (const ddp::error& e) {
+      require(e.condition() == ddp::errc::system, std::string("wrong errc: ") + e.what());
+      const std::string m = e.what();
+      require(has(m, "no room for a block of 32.0 MiB") && has(m, "/dev/shm is full") && has(m, "free of 300.0 MiB"),
+              "unclear message: " + m);
+    }
+    // The transport is still whole: a block that fits works.
+    const std::size_t count = 1000;
+    auto* q = static_cast<float*>(alloc.allocate(count * sizeof(float)));
+    for (std::size_t i = 0; i < count; ++i) q[i] = static_cast<float>(r + 1) * static_cast<float>(i);
+    link.allreduce(q, count, dtype::f32, op::sum, pg.deadline());
+    for (std::size_t i = 0; i < count; ++i)
+      require(q[i] == 3.0f * static_cast<float>(i), "allreduce after the failed allocation: element " + std::to_string(i));
+    alloc.deallocate(q, count * sizeof(float));
+  });
+  INFO(ddp_test::summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.exit_code != sigbus_exit);
+    CHECK(o.ok());
+  }
+}
