@@ -18,6 +18,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -270,14 +271,18 @@ class shm_mapping {
 /// Arena bytes of a segment for `world` ranks when shm_options::segment_bytes is `asked`: that
 /// many, or for 0 (automatic) a part per rank as large as /dev/shm itself, so that a rank's
 /// buffers can fill /dev/shm before its part runs out. The object is sparse and only reserved
-/// ranges hold pages, so the size costs address space, not memory. Kept under 2^44 bytes in
-/// all (16 TiB of the 128 TiB a process can map).
+/// ranges hold pages, so the size costs address space, not memory: at most 2^44 bytes in all
+/// (16 TiB of the 128 TiB a process can map), and a quarter of RLIMIT_AS where one is set.
 inline std::size_t shm_arena_bytes(int world, std::size_t asked) noexcept {
   if (asked != 0) return asked;
   const std::size_t n = static_cast<std::size_t>(world < 1 ? 1 : world);
   std::size_t part = shm_capacity();
   if (part == 0) part = std::size_t{1} << 30;  // no statvfs: reservations still say when it is full
-  part = std::min(round_up(part, shm_page), (std::size_t{1} << 44) / n / shm_page * shm_page);
+  std::size_t space = std::size_t{1} << 44;
+  struct rlimit as{};
+  if (::getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY)
+    space = std::min(space, static_cast<std::size_t>(as.rlim_cur) / 4);
+  part = std::min(round_up(part, shm_page), std::max(shm_page, space / n / shm_page * shm_page));
   return part * n;
 }
 
