@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -239,4 +240,40 @@ TEST_CASE("/dev/shm filled by someone else after construction: the allocation fa
     CHECK(o.exit_code != sigbus_exit);
     CHECK(o.ok());
   }
+}
+
+TEST_CASE("buckets that fit one rank but not all: a clear error on the rank left without room, peer_lost on the others") {
+  private_dev_shm ns(std::size_t{48} << 20);
+  require_namespace(ns);
+  using dp_type = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::shm>, ddp::shm_allocator>;
+  const int n = 2;
+  const int port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    ns.enter();
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    // 30 MiB per rank: either rank alone fits in 48 MiB, both do not.
+    const std::size_t count = std::size_t{30} << 18;
+    std::vector<float> data(count, 1.0f), grad(count, 1.0f);
+    std::vector<ddp::tensor_view> views;
+    for (std::size_t k = 0; k < 3; ++k)
+      views.push_back(ddp::tensor_view{data.data() + k * count / 3, grad.data() + k * count / 3, count / 3, dtype::f32});
+    dp_type dp{pg, views};
+    for (std::size_t i = views.size(); i-- > 0;) dp.grad_ready(i);
+    dp.finish();
+    throw std::runtime_error("a step completed on a /dev/shm too small for both ranks");
+  });
+  INFO(ddp_test::summary(outs));
+  int no_room = 0;
+  for (auto& o : outs) {
+    CHECK(o.exit_code == 1);
+    CHECK(o.seconds < 20.0 + 2.0);
+    if (o.errc == static_cast<int>(ddp::errc::system)) {
+      ++no_room;
+      CHECK(has(o.message, "no room for a block of"));
+      CHECK(has(o.message, "free of 48.0 MiB"));
+    } else {
+      CHECK(o.errc == static_cast<int>(ddp::errc::peer_lost));
+    }
+  }
+  CHECK(no_room >= 1);
 }
