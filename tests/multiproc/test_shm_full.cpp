@@ -1,9 +1,9 @@
 // A /dev/shm that is too small or fills up: every case is a clear errc::system, never SIGBUS.
 //
 // Each case runs its ranks in a private mount namespace with a small tmpfs of its own on
-// /dev/shm, so filling it cannot disturb anything else running on the machine. That needs
-// CAP_SYS_ADMIN (unshare + mount); where the environment refuses it the suite exits 77 (SKIP)
-// and says why.
+// /dev/shm, so filling it cannot disturb anything else running on the machine. That needs root
+// (CAP_SYS_ADMIN) or, for other users, unprivileged user namespaces; where the environment
+// refuses both the suite exits 77 (SKIP) and says why.
 #include <ddp/transport/shm.hpp>
 #include <ddp/data_parallel.hpp>
 #include <ddp/memory/shm_allocator.hpp>
@@ -71,9 +71,15 @@ class private_dev_shm {
       ::close(ready[0]);
       ::close(hold[1]);
       const std::string size = "size=" + std::to_string(bytes);
+      const std::string uid = std::to_string(::getuid()), gid = std::to_string(::getgid());
       std::string why;
-      if (::unshare(CLONE_NEWNS) != 0)
-        why = std::string("unshare(CLONE_NEWNS): ") + std::strerror(errno);
+      if (::unshare(CLONE_NEWNS | (user_ns_ ? CLONE_NEWUSER : 0)) != 0)
+        why = std::string(user_ns_ ? "unshare(CLONE_NEWUSER|CLONE_NEWNS)" : "unshare(CLONE_NEWNS)") + ": " +
+              std::strerror(errno);
+      else if (user_ns_ && !(write_file("/proc/self/setgroups", "deny") &&
+                            write_file("/proc/self/uid_map", "0 " + uid + " 1") &&
+                            write_file("/proc/self/gid_map", "0 " + gid + " 1")))
+        why = std::string("writing the user namespace's id maps: ") + std::strerror(errno);
       else if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0)
         why = std::string("mount(/, MS_REC|MS_PRIVATE): ") + std::strerror(errno);
       else if (::mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, size.c_str()) != 0)
@@ -106,16 +112,32 @@ class private_dev_shm {
 
   /// Moves the calling (single-threaded) process into the namespace.
   void enter() const {
-    const std::string path = "/proc/" + std::to_string(pid_) + "/ns/mnt";
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    require(fd >= 0, "open(" + path + "): " + std::strerror(errno));
-    const int rc = ::setns(fd, CLONE_NEWNS);
-    const int e = errno;
-    ::close(fd);
-    require(rc == 0, std::string("setns: ") + std::strerror(e));
+    if (user_ns_) join("user", CLONE_NEWUSER);
+    join("mnt", CLONE_NEWNS);
   }
 
  private:
+  // Root mounts in a mount namespace of its own; anyone else first needs a user namespace in
+  // which it is root.
+  const bool user_ns_ = ::geteuid() != 0;
+
+  static bool write_file(const char* path, const std::string& text) {
+    const int fd = ::open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+    ::close(fd);
+    return ok;
+  }
+  void join(const char* ns, int type) const {
+    const std::string path = "/proc/" + std::to_string(pid_) + "/ns/" + ns;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    require(fd >= 0, "open(" + path + "): " + std::strerror(errno));
+    const int rc = ::setns(fd, type);
+    const int e = errno;
+    ::close(fd);
+    require(rc == 0, "setns(" + path + "): " + std::strerror(e));
+  }
+
   pid_t pid_ = -1;
   int hold_ = -1;
   std::string why_;

@@ -272,16 +272,22 @@ class shm_mapping {
 /// many, or for 0 (automatic) a part per rank as large as /dev/shm itself, so that a rank's
 /// buffers can fill /dev/shm before its part runs out. The object is sparse and only reserved
 /// ranges hold pages, so the size costs address space, not memory: at most 2^44 bytes in all
-/// (16 TiB of the 128 TiB a process can map), and a quarter of RLIMIT_AS where one is set.
-inline std::size_t shm_arena_bytes(int world, std::size_t asked) noexcept {
+/// (16 TiB of the 128 TiB a process can map), a quarter of RLIMIT_AS where one is set, and
+/// within RLIMIT_FSIZE after the `before` bytes that precede the arena (a larger ftruncate
+/// would raise SIGXFSZ).
+inline std::size_t shm_arena_bytes(int world, std::size_t asked, std::size_t before) noexcept {
   if (asked != 0) return asked;
   const std::size_t n = static_cast<std::size_t>(world < 1 ? 1 : world);
   std::size_t part = shm_capacity();
   if (part == 0) part = std::size_t{1} << 30;  // no statvfs: reservations still say when it is full
   std::size_t space = std::size_t{1} << 44;
-  struct rlimit as{};
-  if (::getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY)
-    space = std::min(space, static_cast<std::size_t>(as.rlim_cur) / 4);
+  struct rlimit lim{};
+  if (::getrlimit(RLIMIT_AS, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
+    space = std::min(space, static_cast<std::size_t>(lim.rlim_cur) / 4);
+  if (::getrlimit(RLIMIT_FSIZE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
+    const auto fsize = static_cast<std::size_t>(lim.rlim_cur);
+    space = std::min(space, fsize > before ? fsize - before : 0);
+  }
   part = std::min(round_up(part, shm_page), std::max(shm_page, space / n / shm_page * shm_page));
   return part * n;
 }

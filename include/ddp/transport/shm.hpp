@@ -135,8 +135,9 @@ class shm {
       }
     } guard{&name_};
     if (rank_ == 0) {
+      const std::size_t before = detail::make_shm_layout(size_, opts_.slot_bytes, nslots, 0).arena;
       layout_ = detail::make_shm_layout(size_, opts_.slot_bytes, nslots,
-                                        detail::shm_arena_bytes(size_, opts_.segment_bytes));
+                                        detail::shm_arena_bytes(size_, opts_.segment_bytes, before));
       // Header, control blocks and slots are reserved now; the arena as it is handed out.
       why = map_.create(name_, layout_.total, layout_.arena);
       if (!why.empty())
