@@ -1,7 +1,8 @@
 // A /dev/shm that is too small or fills up: every case is a clear errc::system, never SIGBUS.
 //
 // Each case runs its ranks in a private mount namespace with a small tmpfs of its own on
-// /dev/shm, so filling it cannot disturb anything else running on the machine. That needs root
+// /dev/shm, so filling it cannot disturb anything else running on the machine (tests run in
+// parallel with this one). That needs root
 // (CAP_SYS_ADMIN) or, for other users, unprivileged user namespaces; where the environment
 // refuses both the suite exits 77 (SKIP) and says why.
 #include <ddp/transport/shm.hpp>
@@ -14,7 +15,6 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
-#include <sys/prctl.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -25,7 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <optional>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -56,99 +56,96 @@ void require(bool cond, const std::string& what) {
   if (!cond) throw std::runtime_error(what);
 }
 
-// A process that holds a private mount namespace with a tmpfs of `bytes` on /dev/shm; ranks
-// join it with enter() before they touch shared memory. It ends when the test and every rank
-// have closed their end of its pipe (or the test process dies).
-class private_dev_shm {
- public:
-  explicit private_dev_shm(std::size_t bytes) {
-    int ready[2], hold[2];
-    if (::pipe2(ready, O_CLOEXEC) != 0 || ::pipe2(hold, O_CLOEXEC) != 0) std::abort();
-    std::fflush(nullptr);
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      ::close(ready[0]);
-      ::close(hold[1]);
-      const std::string size = "size=" + std::to_string(bytes);
-      const std::string uid = std::to_string(::getuid()), gid = std::to_string(::getgid());
-      std::string why;
-      if (::unshare(CLONE_NEWNS | (user_ns_ ? CLONE_NEWUSER : 0)) != 0)
-        why = std::string(user_ns_ ? "unshare(CLONE_NEWUSER|CLONE_NEWNS)" : "unshare(CLONE_NEWNS)") + ": " +
-              std::strerror(errno);
-      else if (user_ns_ && !(write_file("/proc/self/setgroups", "deny") &&
-                            write_file("/proc/self/uid_map", "0 " + uid + " 1") &&
-                            write_file("/proc/self/gid_map", "0 " + gid + " 1")))
-        why = std::string("writing the user namespace's id maps: ") + std::strerror(errno);
-      else if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0)
-        why = std::string("mount(/, MS_REC|MS_PRIVATE): ") + std::strerror(errno);
-      else if (::mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, size.c_str()) != 0)
-        why = std::string("mount(tmpfs, /dev/shm, ") + size + "): " + std::strerror(errno);
-      if (!why.empty()) (void)!::write(ready[1], why.data(), why.size());
-      ::close(ready[1]);
-      char c;
-      while (::read(hold[0], &c, 1) < 0 && errno == EINTR) {
-      }
-      ::_exit(0);
-    }
-    ::close(ready[1]);
-    ::close(hold[0]);
-    hold_ = hold[1];
-    char buf[512];
-    for (ssize_t n; (n = ::read(ready[0], buf, sizeof buf)) != 0;)
-      if (n > 0) why_.append(buf, static_cast<std::size_t>(n));
-      else if (errno != EINTR) break;
-    ::close(ready[0]);
-  }
-  private_dev_shm(const private_dev_shm&) = delete;
-  private_dev_shm& operator=(const private_dev_shm&) = delete;
-  ~private_dev_shm() {
-    ::close(hold_);
-    ::waitpid(pid_, nullptr, 0);
-  }
+bool write_file(const char* path, const std::string& text) {
+  const int fd = ::open(path, O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  return ok;
+}
 
-  /// Empty when the namespace is ready, else why it could not be made.
-  const std::string& why_not() const { return why_; }
+// Gives this process a mount namespace of its own with a tmpfs of `bytes` on /dev/shm. Root
+// needs only that; anyone else first needs a user namespace in which it is root. Returns why
+// it could not, or an empty string.
+std::string make_private_dev_shm(std::size_t bytes) {
+  const bool user_ns = ::geteuid() != 0;
+  const std::string uid = std::to_string(::getuid()), gid = std::to_string(::getgid());
+  const std::string size = "size=" + std::to_string(bytes);
+  if (::unshare(CLONE_NEWNS | (user_ns ? CLONE_NEWUSER : 0)) != 0)
+    return std::string(user_ns ? "unshare(CLONE_NEWUSER|CLONE_NEWNS)" : "unshare(CLONE_NEWNS)") + ": " +
+           std::strerror(errno);
+  if (user_ns && !(write_file("/proc/self/setgroups", "deny") && write_file("/proc/self/uid_map", "0 " + uid + " 1") &&
+                   write_file("/proc/self/gid_map", "0 " + gid + " 1")))
+    return std::string("writing the user namespace's id maps: ") + std::strerror(errno);
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0)
+    return std::string("mount(/, MS_REC|MS_PRIVATE): ") + std::strerror(errno);
+  if (::mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, size.c_str()) != 0)
+    return "mount(tmpfs, /dev/shm, " + size + "): " + std::strerror(errno);
+  return {};
+}
 
-  /// Moves the calling (single-threaded) process into the namespace.
-  void enter() const {
-    if (user_ns_) join("user", CLONE_NEWUSER);
-    join("mnt", CLONE_NEWNS);
-  }
-
- private:
-  // Root mounts in a mount namespace of its own; anyone else first needs a user namespace in
-  // which it is root.
-  const bool user_ns_ = ::geteuid() != 0;
-
-  static bool write_file(const char* path, const std::string& text) {
-    const int fd = ::open(path, O_WRONLY | O_CLOEXEC);
-    if (fd < 0) return false;
-    const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
-    ::close(fd);
-    return ok;
-  }
-  void join(const char* ns, int type) const {
-    const std::string path = "/proc/" + std::to_string(pid_) + "/ns/" + ns;
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    require(fd >= 0, "open(" + path + "): " + std::strerror(errno));
-    const int rc = ::setns(fd, type);
-    const int e = errno;
-    ::close(fd);
-    require(rc == 0, "setns(" + path + "): " + std::strerror(e));
-  }
-
-  pid_t pid_ = -1;
-  int hold_ = -1;
-  std::string why_;
-};
-
-// Makes the namespace, or ends the suite as SKIP (exit 77) with the reason.
-void require_namespace(const private_dev_shm& ns) {
-  if (ns.why_not().empty()) return;
-  std::fprintf(stderr, "SKIP: this environment cannot give a test its own /dev/shm (%s)\n", ns.why_not().c_str());
+// run_ranks(n, fn) with a /dev/shm of `bytes` that only these ranks see: a driver process makes
+// the namespace and forks the ranks inside it, then sends their outcomes back. Ends the suite as
+// SKIP (exit 77), saying why, where the environment cannot make the namespace.
+std::vector<ddp_test::outcome> run_ranks_with_dev_shm(std::size_t bytes, int n, const std::function<void(int)>& fn) {
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC) != 0) std::abort();
   std::fflush(nullptr);
-  std::_Exit(77);
+  const pid_t driver = ::fork();
+  if (driver == 0) {
+    ::close(p[0]);
+    std::string report;
+    if (const std::string why = make_private_dev_shm(bytes); !why.empty()) {
+      report = "skip " + why;
+    } else {
+      for (const auto& o : run_ranks(n, fn, 120s)) {
+        char head[160];
+        std::snprintf(head, sizeof head, "%d %d %d %d %.3f %zu\n", o.rank, o.exit_code, o.timed_out ? 1 : 0, o.errc,
+                      o.seconds, o.message.size());
+        report += head + o.message;
+      }
+    }
+    for (std::size_t off = 0; off < report.size();) {
+      const ssize_t w = ::write(p[1], report.data() + off, report.size() - off);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) break;
+      off += static_cast<std::size_t>(w);
+    }
+    ::_exit(0);
+  }
+  ::close(p[1]);
+  std::string report;
+  char buf[4096];
+  for (ssize_t r; (r = ::read(p[0], buf, sizeof buf)) != 0;)
+    if (r > 0) report.append(buf, static_cast<std::size_t>(r));
+    else if (errno != EINTR) break;
+  ::close(p[0]);
+  int st = 0;
+  ::waitpid(driver, &st, 0);
+  if (report.rfind("skip ", 0) == 0) {
+    std::fprintf(stderr, "SKIP: this environment cannot give a test its own /dev/shm (%s)\n", report.c_str() + 5);
+    std::fflush(nullptr);
+    std::_Exit(77);
+  }
+  std::vector<ddp_test::outcome> outs;
+  std::size_t at = 0;
+  while (at < report.size()) {
+    const std::size_t nl = report.find('\n', at);
+    if (nl == std::string::npos) break;
+    ddp_test::outcome o;
+    int timed_out = 0;
+    std::size_t len = 0;
+    if (std::sscanf(report.c_str() + at, "%d %d %d %d %lf %zu", &o.rank, &o.exit_code, &timed_out, &o.errc, &o.seconds,
+                    &len) != 6)
+      break;
+    o.timed_out = timed_out != 0;
+    o.message = report.substr(nl + 1, len);
+    at = nl + 1 + len;
+    outs.push_back(std::move(o));
+  }
+  REQUIRE_MESSAGE(static_cast<int>(outs.size()) == n, "the driver process reported " << outs.size() << " of " << n
+                                                                                       << " ranks (status " << st << ")");
+  return outs;
 }
 
 std::size_t shm_free() {
@@ -162,13 +159,11 @@ bool has(const std::string& s, const std::string& part) { return s.find(part) !=
 }  // namespace
 
 TEST_CASE("a /dev/shm too small for the staging slots: errc::system at construction on every rank, no SIGBUS") {
-  private_dev_shm ns(std::size_t{2} << 20);
-  require_namespace(ns);
+  const std::size_t dev_shm = std::size_t{2} << 20;
   using dp_type = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::shm>, ddp::shm_allocator>;
   const int n = 3;
   const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    ns.enter();
+  auto outs = run_ranks_with_dev_shm(dev_shm, n, [&](int r) {
     auto pg = ddp::init_process_group(opts(r, n, port));
     std::vector<float> data(1000, 1.0f), grad(1000, 1.0f);
     std::vector<ddp::tensor_view> views{ddp::tensor_view{data.data(), grad.data(), data.size(), dtype::f32}};
@@ -187,13 +182,11 @@ TEST_CASE("a /dev/shm too small for the staging slots: errc::system at construct
 }
 
 TEST_CASE("a model larger than /dev/shm: errc::system at data_parallel construction on every rank, no SIGBUS") {
-  private_dev_shm ns(std::size_t{48} << 20);
-  require_namespace(ns);
+  const std::size_t dev_shm = std::size_t{48} << 20;
   using dp_type = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::shm>, ddp::shm_allocator>;
   const int n = 2;
   const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    ns.enter();
+  auto outs = run_ranks_with_dev_shm(dev_shm, n, [&](int r) {
     auto pg = ddp::init_process_group(opts(r, n, port));
     // 50 MiB of gradients per rank: more than the whole /dev/shm, so each rank's buckets fail
     // whatever the other rank holds.
@@ -218,12 +211,10 @@ TEST_CASE("a model larger than /dev/shm: errc::system at data_parallel construct
 TEST_CASE("/dev/shm filled by someone else after construction: the allocation fails clearly, no SIGBUS later") {
   // Before pages were reserved, both ranks passed construction (the segment fitted), the filler
   // took the rest, and the first write into an arena block killed each rank with SIGBUS.
-  private_dev_shm ns(std::size_t{300} << 20);
-  require_namespace(ns);
+  const std::size_t dev_shm = std::size_t{300} << 20;
   const int n = 2;
   const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    ns.enter();
+  auto outs = run_ranks_with_dev_shm(dev_shm, n, [&](int r) {
     auto pg = ddp::init_process_group(opts(r, n, port));
     ddp::shm link{pg};
     ddp::shm_allocator alloc{link};
@@ -265,13 +256,11 @@ TEST_CASE("/dev/shm filled by someone else after construction: the allocation fa
 }
 
 TEST_CASE("buckets that fit one rank but not all: a clear error on the rank left without room, peer_lost on the others") {
-  private_dev_shm ns(std::size_t{48} << 20);
-  require_namespace(ns);
+  const std::size_t dev_shm = std::size_t{48} << 20;
   using dp_type = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::shm>, ddp::shm_allocator>;
   const int n = 2;
   const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    ns.enter();
+  auto outs = run_ranks_with_dev_shm(dev_shm, n, [&](int r) {
     auto pg = ddp::init_process_group(opts(r, n, port));
     // 30 MiB per rank: either rank alone fits in 48 MiB, both do not.
     const std::size_t count = std::size_t{30} << 18;
