@@ -12,14 +12,18 @@
 ///   slots[world][nslots][slot_bytes]  staging for ordinary user buffers
 ///   arena[arena_bytes]              zero-copy buffers; rank r allocates from part r
 /// ```
+/// The object is sparse: rank 0 reserves the pages of everything before the arena when it
+/// creates it, and each rank reserves pages of its own part as it hands blocks out.
 
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstddef>
@@ -125,70 +129,128 @@ constexpr shm_layout make_shm_layout(int world, std::size_t slot_bytes, std::siz
   return l;
 }
 
-/// A MAP_SHARED mapping of a POSIX shared-memory object; unmapped on destruction. The name is
-/// unlinked separately, as soon as every rank has mapped it.
+/// "12.3 MiB": sizes in messages about /dev/shm.
+inline std::string shm_mib(std::size_t bytes) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / double(1 << 20));
+  return buf;
+}
+
+/// What /dev/shm holds now ("/dev/shm has 1.2 MiB free of 64.0 MiB"), for error messages.
+inline std::string shm_space() {
+  struct statvfs vfs{};
+  if (::statvfs("/dev/shm", &vfs) != 0) return std::string("statvfs(/dev/shm): ") + std::strerror(errno);
+  return "/dev/shm has " + shm_mib(static_cast<std::size_t>(vfs.f_bavail) * vfs.f_frsize) + " free of " +
+         shm_mib(static_cast<std::size_t>(vfs.f_blocks) * vfs.f_frsize);
+}
+
+/// Size of /dev/shm (its tmpfs limit), or 0 when it cannot be read.
+inline std::size_t shm_capacity() noexcept {
+  struct statvfs vfs{};
+  if (::statvfs("/dev/shm", &vfs) != 0) return 0;
+  return static_cast<std::size_t>(vfs.f_blocks) * vfs.f_frsize;
+}
+
+/// A MAP_SHARED mapping of a POSIX shared-memory object; unmapped (and its descriptor closed)
+/// on destruction. The name is unlinked separately, as soon as every rank has mapped it.
+///
+/// tmpfs backs a page when it is first touched, and a full /dev/shm turns that touch into
+/// SIGBUS. So the object is made at its full (sparse) size, which costs nothing, and every range
+/// is `reserve`d (posix_fallocate) before it is handed out: a full /dev/shm is then an error
+/// where the memory is asked for, never a signal in the middle of a collective.
 class shm_mapping {
  public:
   shm_mapping() = default;
   shm_mapping(const shm_mapping&) = delete;
   shm_mapping& operator=(const shm_mapping&) = delete;
-  shm_mapping(shm_mapping&& o) noexcept : base_(std::exchange(o.base_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  shm_mapping(shm_mapping&& o) noexcept
+      : base_(std::exchange(o.base_, nullptr)), size_(std::exchange(o.size_, 0)), fd_(std::exchange(o.fd_, -1)) {}
   shm_mapping& operator=(shm_mapping&& o) noexcept {
     if (this != &o) {
       reset();
       base_ = std::exchange(o.base_, nullptr);
       size_ = std::exchange(o.size_, 0);
+      fd_ = std::exchange(o.fd_, -1);
     }
     return *this;
   }
   ~shm_mapping() { reset(); }
 
-  /// Creates `name` exclusively with `size` bytes and maps it. Returns an empty string on
-  /// success, else why it failed (the caller raises on every rank at once).
-  std::string create(const std::string& name, std::size_t size) {
-    // tmpfs allocates on first touch; a full /dev/shm would then kill us with SIGBUS in the
-    // middle of a collective, so refuse up front.
-    struct statvfs vfs{};
-    if (::statvfs("/dev/shm", &vfs) == 0) {
-      const auto avail = static_cast<unsigned long long>(vfs.f_bavail) * vfs.f_frsize;
-      if (avail < size)
-        return "/dev/shm has " + std::to_string(avail >> 20) + " MiB free but the segment needs " +
-               std::to_string(size >> 20) + " MiB (lower shm_options::segment_bytes)";
-    }
-    const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-    if (fd < 0) return "shm_open(" + name + ", O_CREAT|O_EXCL): " + std::strerror(errno);
+  /// Creates `name` exclusively with `size` bytes, reserves its first `reserved` bytes and maps
+  /// it. Returns an empty string on success, else why it failed (the caller raises on every
+  /// rank at once).
+  std::string create(const std::string& name, std::size_t size, std::size_t reserved) {
+    fd_ = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd_ < 0) return "shm_open(" + name + ", O_CREAT|O_EXCL): " + std::strerror(errno);
     std::string why;
-    if (::ftruncate(fd, static_cast<off_t>(size)) != 0)
+    if (::ftruncate(fd_, static_cast<off_t>(size)) != 0)
       why = "ftruncate(" + name + ", " + std::to_string(size) + "): " + std::strerror(errno);
-    else
-      why = map(fd, name, size);
-    ::close(fd);
-    if (!why.empty()) ::shm_unlink(name.c_str());
+    if (why.empty()) why = reserve(0, reserved);
+    if (why.empty()) why = map(name, size);
+    if (!why.empty()) {
+      reset();
+      ::shm_unlink(name.c_str());
+    }
     return why;
   }
 
   /// Opens an existing `name` and maps `size` bytes of it.
   std::string open(const std::string& name, std::size_t size) {
-    const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
-    if (fd < 0) return "shm_open(" + name + "): " + std::strerror(errno);
+    fd_ = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
+    if (fd_ < 0) return "shm_open(" + name + "): " + std::strerror(errno);
     struct stat st{};
     std::string why;
-    if (::fstat(fd, &st) != 0)
+    if (::fstat(fd_, &st) != 0)
       why = "fstat(" + name + "): " + std::strerror(errno);
     else if (static_cast<std::size_t>(st.st_size) < size)
       why = name + " holds " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(size);
     else
-      why = map(fd, name, size);
-    ::close(fd);
+      why = map(name, size);
+    if (!why.empty()) reset();
     return why;
+  }
+
+  /// Backs the `bytes` bytes at `offset` with pages now, so that touching them cannot fail
+  /// later. The range must not be reserved yet (its bytes are compared with the free space).
+  /// Returns an empty string on success, else why not, with what /dev/shm has free.
+  std::string reserve(std::size_t offset, std::size_t bytes) {
+    if (bytes == 0) return {};
+    // Refuse up front when /dev/shm plainly lacks the room: a doomed posix_fallocate would
+    // first take what is left from every other user of /dev/shm, then give it back.
+    struct statvfs vfs{};
+    if (::statvfs("/dev/shm", &vfs) == 0 && static_cast<std::size_t>(vfs.f_bavail) * vfs.f_frsize < bytes)
+      return reserve_failure(bytes, "statvfs", ENOSPC);
+    // In steps, so that a signal (EINTR: tmpfs undoes the interrupted call) costs one step's
+    // work, not the whole reservation, and a steady stream of signals cannot stall it.
+    constexpr std::size_t step = std::size_t{64} << 20;
+    int interrupted = 0;
+    for (std::size_t done = 0; done < bytes;) {
+      const std::size_t n = std::min(step, bytes - done);
+      const int e = ::posix_fallocate(fd_, static_cast<off_t>(offset + done), static_cast<off_t>(n));
+      if (e == EINTR && ++interrupted < 1000) continue;
+      if (e != 0) return reserve_failure(bytes, "posix_fallocate", e);
+      done += n;
+    }
+    return {};
   }
 
   std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
   std::size_t size() const noexcept { return size_; }
 
  private:
-  std::string map(int fd, const std::string& name, std::size_t size) {
-    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  static std::string reserve_failure(std::size_t bytes, const char* how, int e) {
+    std::string cause;
+    switch (e) {
+      case ENOSPC: cause = "/dev/shm is full (remove what fills it, or enlarge it, e.g. docker --shm-size)"; break;
+      case EFBIG: cause = "larger than a file may grow here (RLIMIT_FSIZE or the file system's limit)"; break;
+      case ENOMEM: cause = "out of memory (tmpfs pages count against this process's memory cgroup)"; break;
+      default: break;
+    }
+    return "cannot reserve " + shm_mib(bytes) + " (" + how + ": " + std::strerror(e) + ")" +
+           (cause.empty() ? "" : ": " + cause) + "; " + shm_space();
+  }
+  std::string map(const std::string& name, std::size_t size) {
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
     if (p == MAP_FAILED) return "mmap(" + name + ", " + std::to_string(size) + "): " + std::strerror(errno);
     base_ = p;
     size_ = size;
@@ -196,12 +258,39 @@ class shm_mapping {
   }
   void reset() noexcept {
     if (base_ != nullptr) ::munmap(base_, size_);
+    if (fd_ >= 0) ::close(fd_);
     base_ = nullptr;
     size_ = 0;
+    fd_ = -1;
   }
   void* base_ = nullptr;
   std::size_t size_ = 0;
+  int fd_ = -1;  ///< kept open to reserve more of the object after its name is gone
 };
+
+/// Arena bytes of a segment for `world` ranks when shm_options::segment_bytes is `asked`: that
+/// many, or for 0 (automatic) a part per rank as large as /dev/shm itself, so that a rank's
+/// buffers can fill /dev/shm before its part runs out. The object is sparse and only reserved
+/// ranges hold pages, so the size costs address space, not memory: at most 2^44 bytes in all
+/// (16 TiB of the 128 TiB a process can map), a quarter of RLIMIT_AS where one is set, and
+/// within RLIMIT_FSIZE after the `before` bytes that precede the arena (a larger ftruncate
+/// would raise SIGXFSZ).
+inline std::size_t shm_arena_bytes(int world, std::size_t asked, std::size_t before) noexcept {
+  if (asked != 0) return asked;
+  const std::size_t n = static_cast<std::size_t>(world < 1 ? 1 : world);
+  std::size_t part = shm_capacity();
+  if (part == 0) part = std::size_t{1} << 30;  // no statvfs: reservations still say when it is full
+  std::size_t space = std::size_t{1} << 44;
+  struct rlimit lim{};
+  if (::getrlimit(RLIMIT_AS, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
+    space = std::min(space, static_cast<std::size_t>(lim.rlim_cur) / 4);
+  if (::getrlimit(RLIMIT_FSIZE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
+    const auto fsize = static_cast<std::size_t>(lim.rlim_cur);
+    space = std::min(space, fsize > before ? fsize - before : 0);
+  }
+  part = std::min(round_up(part, shm_page), std::max(shm_page, space / n / shm_page * shm_page));
+  return part * n;
+}
 
 /// First-fit heap over one rank's part of the arena. Only its owner allocates from a part, so
 /// the bookkeeping stays in process memory (a crashed peer cannot corrupt it) and ranks never

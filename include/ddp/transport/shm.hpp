@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <thread>
@@ -63,8 +64,10 @@ constexpr const char* shm_algo_name(shm_algo a) noexcept { return a == shm_algo:
 /// from rank 0; `spin` and `host_id` are per rank.
 struct shm_options {
   /// Bytes of the zero-copy arena that `ddp::shm_allocator` hands out; each rank owns
-  /// segment_bytes / world of it. tmpfs backs pages on first touch, so unused bytes cost nothing.
-  std::size_t segment_bytes = std::size_t{256} << 20;
+  /// segment_bytes / world of it. 0 (the default): each rank's part is as large as /dev/shm, so
+  /// the arena holds whatever fits in /dev/shm. Either way pages are reserved only as blocks are
+  /// handed out. See "Shared-memory sizing" in docs/reducers.md.
+  std::size_t segment_bytes = 0;
   /// Staging bytes per rank per pipeline slot (two slots). Cache-sized, so staged chunks stay
   /// in L2/L3 between the copy-in, the reduction and the copy-out.
   std::size_t slot_bytes = std::size_t{1} << 20;
@@ -132,8 +135,13 @@ class shm {
       }
     } guard{&name_};
     if (rank_ == 0) {
-      layout_ = detail::make_shm_layout(size_, opts_.slot_bytes, nslots, opts_.segment_bytes);
-      why = map_.create(name_, layout_.total);
+      const std::size_t before = detail::make_shm_layout(size_, opts_.slot_bytes, nslots, 0).arena;
+      layout_ = detail::make_shm_layout(size_, opts_.slot_bytes, nslots,
+                                        detail::shm_arena_bytes(size_, opts_.segment_bytes, before));
+      // Header, control blocks and slots are reserved now; the arena as it is handed out.
+      why = map_.create(name_, layout_.total, layout_.arena);
+      if (!why.empty())
+        why = "header and staging slots (" + detail::shm_mib(layout_.arena) + "): " + why;
       if (why.empty()) init_segment();
       pg.store().set(key, why.empty() ? "ok " + std::to_string(layout_.slot_bytes) + " " +
                                             std::to_string(layout_.arena_bytes)
@@ -143,7 +151,7 @@ class shm {
       const std::string v = pg.store().get(key, until);
       unsigned long long slot = 0, arena = 0;
       if (v.rfind("error ", 0) == 0) {
-        why = "rank 0 could not create the segment";
+        why = "rank 0 could not create the segment: " + v.substr(6);
       } else if (std::sscanf(v.c_str(), "ok %llu %llu", &slot, &arena) != 2) {
         why = "malformed segment geometry '" + v + "' in the store";
       } else {
@@ -166,6 +174,7 @@ class shm {
                                      status[static_cast<std::size_t>(r)]);
 
     heap_ = std::make_unique<detail::arena_heap>(layout_.part_begin(rank_), layout_.part_end(rank_));
+    reserved_end_ = layout_.part_begin(rank_);
     ins_.resize(static_cast<std::size_t>(size_));
     outs_.resize(static_cast<std::size_t>(size_));
     blk_ins_.resize(static_cast<std::size_t>(size_));
@@ -350,20 +359,37 @@ class shm {
     });
   }
 
-  /// `bytes` of this rank's part of the arena, 64-byte aligned; nullptr for 0 bytes. Throws
-  /// errc::system when the part is full (raise shm_options::segment_bytes).
+  /// `bytes` of this rank's part of the arena, 64-byte aligned; nullptr for 0 bytes. Its pages
+  /// are reserved in /dev/shm before it is returned. Throws errc::system when /dev/shm cannot
+  /// hold it, or when an explicit shm_options::segment_bytes leaves too small a part.
   /// \code
   /// auto* g = static_cast<float*>(link.allocate(n * sizeof(float)));  // zero-copy allreduce
   /// link.deallocate(g, n * sizeof(float));
   /// \endcode
   void* allocate(std::size_t bytes) {
     if (bytes == 0) return nullptr;
+    // First fit hands out the lowest free block, so this rank's reserved pages are the prefix
+    // [part_begin, reserved_end_) of its part; freed blocks keep theirs for the next allocation.
+    std::lock_guard lock(reserve_mu_);
     const std::size_t off = heap_->allocate(bytes);
-    if (off == detail::arena_heap::npos)
-      raise_here(errc::system, "shm arena exhausted: asked for " + std::to_string(bytes) + " bytes, the largest free block is " +
-                                   std::to_string(heap_->largest_free()) + " of this rank's " +
-                                   std::to_string(heap_->capacity()) +
-                                   " (each rank owns shm_options::segment_bytes / world)");
+    if (off == detail::arena_heap::npos) {
+      if (opts_.segment_bytes != 0)
+        raise_here(errc::system, "shm arena exhausted: asked for " + std::to_string(bytes) +
+                                     " bytes, the largest free block is " + std::to_string(heap_->largest_free()) +
+                                     " of this rank's " + std::to_string(heap_->capacity()) +
+                                     " (each rank owns shm_options::segment_bytes / world; 0 sizes it from /dev/shm)");
+      raise_here(errc::system, no_room(bytes) + "with it this rank's blocks would outgrow /dev/shm itself; " +
+                                   detail::shm_space());
+    }
+    const std::size_t end = std::min(detail::round_up(off + bytes, detail::shm_page), layout_.part_end(rank_));
+    if (end > reserved_end_) {
+      const std::string why = map_.reserve(reserved_end_, end - reserved_end_);
+      if (!why.empty()) {
+        heap_->deallocate(off, bytes);
+        raise_here(errc::system, no_room(bytes) + why);
+      }
+      reserved_end_ = end;
+    }
     return map_.base() + off;
   }
   /// Returns a block from allocate(); nullptr is ignored.
@@ -419,6 +445,12 @@ class shm {
   }
 
   [[noreturn]] void raise_here(errc e, const std::string& msg) const { detail::raise(e, rank_, msg); }
+
+  std::string no_room(std::size_t bytes) const {
+    return "shared-memory segment " + name_ + ": no room for a block of " + detail::shm_mib(bytes) +
+           " in this rank's part of the arena (" + detail::shm_mib(reserved_end_ - layout_.part_begin(rank_)) +
+           " reserved so far): ";
+  }
 
   static const char* kind_name(std::uint8_t k) noexcept {
     switch (k) {
@@ -751,6 +783,8 @@ class shm {
   detail::shm_mapping map_;
   detail::shm_layout layout_{};
   std::unique_ptr<detail::arena_heap> heap_;
+  std::mutex reserve_mu_;         ///< guards reserved_end_
+  std::size_t reserved_end_ = 0;  ///< this rank's part has pages up to here (segment offset)
   std::uint64_t count_ = 0;  ///< signals sent; equal on all ranks between collectives
   std::uint64_t seq_ = 0;    ///< collectives started
   std::uint64_t turn_ = 0;   ///< slot rotation, advanced identically on every rank

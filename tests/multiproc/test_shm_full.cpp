@@ -1,0 +1,290 @@
+// A /dev/shm that is too small or fills up: every case is a clear errc::system, never SIGBUS.
+//
+// Each case runs its ranks in a private mount namespace with a small tmpfs of its own on
+// /dev/shm, so filling it cannot disturb anything else running on the machine (tests run in
+// parallel with this one). That needs root
+// (CAP_SYS_ADMIN) or, for other users, unprivileged user namespaces; where the environment
+// refuses both the suite exits 77 (SKIP) and says why.
+#include <ddp/transport/shm.hpp>
+#include <ddp/data_parallel.hpp>
+#include <ddp/memory/shm_allocator.hpp>
+#include <ddp/planner/size_planner.hpp>
+#include <ddp/reducer/ring.hpp>
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <doctest/doctest.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "harness.hpp"
+
+using namespace std::chrono_literals;
+using ddp::dtype;
+using ddp::op;
+using ddp_test::free_port;
+using ddp_test::run_ranks;
+
+namespace {
+
+constexpr int sigbus_exit = 128 + SIGBUS;
+
+ddp::init_options opts(int rank, int n, int port) {
+  ddp::init_options o;
+  o.rank = rank;
+  o.world_size = n;
+  o.master_addr = "127.0.0.1";
+  o.master_port = port;
+  o.timeout = 20s;
+  return o;
+}
+
+void require(bool cond, const std::string& what) {
+  if (!cond) throw std::runtime_error(what);
+}
+
+bool write_file(const char* path, const std::string& text) {
+  const int fd = ::open(path, O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  return ok;
+}
+
+// Gives this process a mount namespace of its own with a tmpfs of `bytes` on /dev/shm. Root
+// needs only that; anyone else first needs a user namespace in which it is root. Returns why
+// it could not, or an empty string.
+std::string make_private_dev_shm(std::size_t bytes) {
+  const bool user_ns = ::geteuid() != 0;
+  const std::string uid = std::to_string(::getuid()), gid = std::to_string(::getgid());
+  const std::string size = "size=" + std::to_string(bytes);
+  if (::unshare(CLONE_NEWNS | (user_ns ? CLONE_NEWUSER : 0)) != 0)
+    return std::string(user_ns ? "unshare(CLONE_NEWUSER|CLONE_NEWNS)" : "unshare(CLONE_NEWNS)") + ": " +
+           std::strerror(errno);
+  if (user_ns && !(write_file("/proc/self/setgroups", "deny") && write_file("/proc/self/uid_map", "0 " + uid + " 1") &&
+                   write_file("/proc/self/gid_map", "0 " + gid + " 1")))
+    return std::string("writing the user namespace's id maps: ") + std::strerror(errno);
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0)
+    return std::string("mount(/, MS_REC|MS_PRIVATE): ") + std::strerror(errno);
+  if (::mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, size.c_str()) != 0)
+    return "mount(tmpfs, /dev/shm, " + size + "): " + std::strerror(errno);
+  return {};
+}
+
+// run_ranks(n, fn) with a /dev/shm of `bytes` that only these ranks see: a driver process makes
+// the namespace and forks the ranks inside it, then sends their outcomes back. Ends the suite as
+// SKIP (exit 77), saying why, where the environment cannot make the namespace.
+std::vector<ddp_test::outcome> run_ranks_with_dev_shm(std::size_t bytes, int n, const std::function<void(int)>& fn) {
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC) != 0) std::abort();
+  std::fflush(nullptr);
+  const pid_t driver = ::fork();
+  if (driver == 0) {
+    ::close(p[0]);
+    std::string report;
+    if (const std::string why = make_private_dev_shm(bytes); !why.empty()) {
+      report = "skip " + why;
+    } else {
+      for (const auto& o : run_ranks(n, fn, 120s)) {
+        char head[160];
+        std::snprintf(head, sizeof head, "%d %d %d %d %.3f %zu\n", o.rank, o.exit_code, o.timed_out ? 1 : 0, o.errc,
+                      o.seconds, o.message.size());
+        report += head + o.message;
+      }
+    }
+    for (std::size_t off = 0; off < report.size();) {
+      const ssize_t w = ::write(p[1], report.data() + off, report.size() - off);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) break;
+      off += static_cast<std::size_t>(w);
+    }
+    ::_exit(0);
+  }
+  ::close(p[1]);
+  std::string report;
+  char buf[4096];
+  for (ssize_t r; (r = ::read(p[0], buf, sizeof buf)) != 0;)
+    if (r > 0) report.append(buf, static_cast<std::size_t>(r));
+    else if (errno != EINTR) break;
+  ::close(p[0]);
+  int st = 0;
+  ::waitpid(driver, &st, 0);
+  if (report.rfind("skip ", 0) == 0) {
+    std::fprintf(stderr, "SKIP: this environment cannot give a test its own /dev/shm (%s)\n", report.c_str() + 5);
+    std::fflush(nullptr);
+    std::_Exit(77);
+  }
+  std::vector<ddp_test::outcome> outs;
+  std::size_t at = 0;
+  while (at < report.size()) {
+    const std::size_t nl = report.find('\n', at);
+    if (nl == std::string::npos) break;
+    ddp_test::outcome o;
+    int timed_out = 0;
+    std::size_t len = 0;
+    if (std::sscanf(report.c_str() + at, "%d %d %d %d %lf %zu", &o.rank, &o.exit_code, &timed_out, &o.errc, &o.seconds,
+                    &len) != 6)
+      break;
+    o.timed_out = timed_out != 0;
+    o.message = report.substr(nl + 1, len);
+    at = nl + 1 + len;
+    outs.push_back(std::move(o));
+  }
+  REQUIRE_MESSAGE(static_cast<int>(outs.size()) == n, "the driver process reported " << outs.size() << " of " << n
+                                                                                       << " ranks (status " << st << ")");
+  return outs;
+}
+
+std::size_t shm_free() {
+  struct statvfs v{};
+  require(::statvfs("/dev/shm", &v) == 0, "statvfs(/dev/shm)");
+  return static_cast<std::size_t>(v.f_bavail) * v.f_frsize;
+}
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("a /dev/shm too small for the staging slots: errc::system at construction on every rank, no SIGBUS") {
+  const std::size_t dev_shm = std::size_t{2} << 20;
+  using dp_type = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::shm>, ddp::shm_allocator>;
+  const int n = 3;
+  const int port = free_port();
+  auto outs = run_ranks_with_dev_shm(dev_shm, n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    std::vector<float> data(1000, 1.0f), grad(1000, 1.0f);
+    std::vector<ddp::tensor_view> views{ddp::tensor_view{data.data(), grad.data(), data.size(), dtype::f32}};
+    dp_type dp{pg, views};  // default options: 3 ranks x 2 slots x 1 MiB do not fit in 2 MiB
+  });
+  INFO(ddp_test::summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.exit_code == 1);
+    CHECK(o.errc == static_cast<int>(ddp::errc::system));
+    // Every rank names the segment, its size and what /dev/shm holds: rank 0's reason.
+    CHECK(has(o.message, "shared-memory segment /ddp-"));
+    CHECK(has(o.message, ": rank 0: header and staging slots (6.0 MiB): cannot reserve 6.0 MiB"));
+    CHECK(has(o.message, "/dev/shm is full"));
+    CHECK(has(o.message, "free of 2.0 MiB"));
+  }
+}
+
+TEST_CASE("a model larger than /dev/shm: errc::system at data_parallel construction on every rank, no SIGBUS") {
+  const std::size_t dev_shm = std::size_t{48} << 20;
+  using dp_type = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::shm>, ddp::shm_allocator>;
+  const int n = 2;
+  const int port = free_port();
+  auto outs = run_ranks_with_dev_shm(dev_shm, n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    // 50 MiB of gradients per rank: more than the whole /dev/shm, so each rank's buckets fail
+    // whatever the other rank holds.
+    const std::size_t count = std::size_t{50} << 18;
+    std::vector<float> data(count, 1.0f), grad(count, 1.0f);
+    std::vector<ddp::tensor_view> views;
+    for (std::size_t k = 0; k < 5; ++k)
+      views.push_back(ddp::tensor_view{data.data() + k * count / 5, grad.data() + k * count / 5, count / 5, dtype::f32});
+    dp_type dp{pg, views};
+  });
+  INFO(ddp_test::summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.exit_code == 1);
+    CHECK(o.errc == static_cast<int>(ddp::errc::system));
+    CHECK(has(o.message, "shared-memory segment /ddp-"));
+    CHECK(has(o.message, "in this rank's part of the arena"));
+    CHECK((has(o.message, "/dev/shm is full") || has(o.message, "would outgrow /dev/shm itself")));
+    CHECK(has(o.message, "free of 48.0 MiB"));
+  }
+}
+
+TEST_CASE("/dev/shm filled by someone else after construction: the allocation fails clearly, no SIGBUS later") {
+  // Before pages were reserved, both ranks passed construction (the segment fitted), the filler
+  // took the rest, and the first write into an arena block killed each rank with SIGBUS.
+  const std::size_t dev_shm = std::size_t{300} << 20;
+  const int n = 2;
+  const int port = free_port();
+  auto outs = run_ranks_with_dev_shm(dev_shm, n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    ddp::shm link{pg};
+    ddp::shm_allocator alloc{link};
+    link.barrier(pg.deadline());
+    if (r == 0) {
+      // Another user of /dev/shm takes all but 8 MiB of it.
+      const int fd = ::shm_open("/filler", O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+      require(fd >= 0, "shm_open(/filler)");
+      const int e = ::posix_fallocate(fd, 0, static_cast<off_t>(shm_free() - (std::size_t{8} << 20)));
+      ::close(fd);  // the file keeps its pages; the tmpfs goes with the namespace
+      require(e == 0, std::string("posix_fallocate(filler): ") + std::strerror(e));
+    }
+    link.barrier(pg.deadline());
+    const std::size_t big = std::size_t{32} << 20;
+    try {
+      auto* p = static_cast<float*>(alloc.allocate(big));
+      std::fill(p, p + big / sizeof(float), 1.0f);
+      throw std::runtime_error("allocated 32 MiB from a /dev/shm with 8 MiB free");
+    } catch (const ddp::error& e) {
+      require(e.condition() == ddp::errc::system, std::string("wrong errc: ") + e.what());
+      const std::string m = e.what();
+      require(has(m, "no room for a block of 32.0 MiB") && has(m, "/dev/shm is full") && has(m, "free of 300.0 MiB"),
+              "unclear message: " + m);
+    }
+    // The transport is still whole: a block that fits works.
+    const std::size_t count = 1000;
+    auto* q = static_cast<float*>(alloc.allocate(count * sizeof(float)));
+    for (std::size_t i = 0; i < count; ++i) q[i] = static_cast<float>(r + 1) * static_cast<float>(i);
+    link.allreduce(q, count, dtype::f32, op::sum, pg.deadline());
+    for (std::size_t i = 0; i < count; ++i)
+      require(q[i] == 3.0f * static_cast<float>(i), "allreduce after the failed allocation: element " + std::to_string(i));
+    alloc.deallocate(q, count * sizeof(float));
+  });
+  INFO(ddp_test::summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.exit_code != sigbus_exit);
+    CHECK(o.ok());
+  }
+}
+
+TEST_CASE("buckets that fit one rank but not all: a clear error on the rank left without room, peer_lost on the others") {
+  const std::size_t dev_shm = std::size_t{48} << 20;
+  using dp_type = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::shm>, ddp::shm_allocator>;
+  const int n = 2;
+  const int port = free_port();
+  auto outs = run_ranks_with_dev_shm(dev_shm, n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    // 30 MiB per rank: either rank alone fits in 48 MiB, both do not.
+    const std::size_t count = std::size_t{30} << 18;
+    std::vector<float> data(count, 1.0f), grad(count, 1.0f);
+    std::vector<ddp::tensor_view> views;
+    for (std::size_t k = 0; k < 3; ++k)
+      views.push_back(ddp::tensor_view{data.data() + k * count / 3, grad.data() + k * count / 3, count / 3, dtype::f32});
+    dp_type dp{pg, views};
+    for (std::size_t i = views.size(); i-- > 0;) dp.grad_ready(i);
+    dp.finish();
+    throw std::runtime_error("a step completed on a /dev/shm too small for both ranks");
+  });
+  INFO(ddp_test::summary(outs));
+  int no_room = 0;
+  for (auto& o : outs) {
+    CHECK(o.exit_code == 1);
+    CHECK(o.seconds < 20.0 + 2.0);
+    if (o.errc == static_cast<int>(ddp::errc::system)) {
+      ++no_room;
+      CHECK(has(o.message, "no room for a block of"));
+      CHECK(has(o.message, "free of 48.0 MiB"));
+    } else {
+      CHECK(o.errc == static_cast<int>(ddp::errc::peer_lost));
+    }
+  }
+  CHECK(no_room >= 1);
+}
