@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "auth.hpp"
+#include "detail/fork.hpp"
 #include "detail/handshake.hpp"
 #include "detail/socket.hpp"
 #include "detail/store_protocol.hpp"
@@ -98,6 +99,12 @@ class store_server {
   /// Stops serving and closes every connection.
   void stop() noexcept {
     if (!thread_.joinable()) return;
+    if (owner_.forked()) {
+      // A forked child's copy: the serving thread is the parent's and does not exist here, and
+      // the wake-up descriptor is the parent's too. Only this process's descriptors close.
+      thread_.detach();
+      return;
+    }
     stopping_ = true;
     std::uint64_t one = 1;
     [[maybe_unused]] auto r = ::write(wake_.get(), &one, sizeof one);
@@ -486,6 +493,7 @@ class store_server {
   std::atomic<int> shed_{0};
   std::atomic<std::size_t> stored_{0};
   std::map<std::string, std::string, std::less<>> data_;
+  detail::owner_process owner_;
   std::thread thread_;
 };
 
@@ -580,6 +588,8 @@ class store_client {
   }
 
   detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& fields, detail::deadline_t until) {
+    // A forked child shares the connection with its parent: one frame from it would garble both.
+    owner_.check(rank_, "store_client");
     std::lock_guard lock(mu_);
     if (broken_)
       detail::raise(errc::peer_lost, rank_, "store connection to rank 0 is unusable after an earlier failure");
@@ -624,6 +634,7 @@ class store_client {
   detail::fd_handle fd_;
   std::mutex mu_;
   bool broken_ = false;
+  detail::owner_process owner_;
 };
 
 }  // namespace v0

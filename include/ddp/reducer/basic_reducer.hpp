@@ -12,6 +12,7 @@
 /// \endcode
 
 #include <cstddef>
+#include <optional>
 #include <span>
 #include <type_traits>
 
@@ -64,9 +65,12 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
 
   using transport_type = Transport;
 
-  explicit basic_reducer(process_group& pg, reducer_options o = {}) : pg_(&pg), transport_(pg), opts_(o) {}
+  /// Keeps a handle on `pg` of its own: the group stays open while the reducer lives.
+  explicit basic_reducer(process_group& pg, reducer_options o = {})
+      : pg_(pg), transport_(pg), opts_(o), worker_(pg.rank()) {}
   template <class TransportOptions>
-  basic_reducer(process_group& pg, TransportOptions t, reducer_options o) : pg_(&pg), transport_(pg, t), opts_(o) {}
+  basic_reducer(process_group& pg, TransportOptions t, reducer_options o)
+      : pg_(pg), transport_(pg, t), opts_(o), worker_(pg.rank()) {}
   basic_reducer(const basic_reducer&) = delete;
   basic_reducer& operator=(const basic_reducer&) = delete;
 
@@ -163,7 +167,7 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
       wait(worker_.submit([this, d, job] { job(d, detail::clock::now() + pg_->timeout()); }));
   }
 
-  process_group* pg_;
+  std::optional<process_group> pg_;  // the reducer's own handle (always engaged; optional for its ->)
   Transport transport_;
   reducer_options opts_;
   std::uint64_t seq_ = 0;
