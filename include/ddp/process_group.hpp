@@ -168,7 +168,8 @@ class process_group {
   /// on an empty handle or in a forked child.
   void abort(const std::string& why = "abort() called") noexcept;
 
-  /// Bound of a store round trip made while failing (see the state's store_budget()).
+  /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
+  /// may be the rank that is gone.
   detail::deadline_t store_budget() const;
 
   /// After a timeout, finds who stopped; returns the sentence for the error. Transports that
