@@ -27,12 +27,14 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "concepts.hpp"
 #include "detail/copy.hpp"
+#include "detail/fork.hpp"
 #include "dtype.hpp"
 #include "error.hpp"
 #include "memory/host_allocator.hpp"
@@ -169,7 +171,7 @@ class basic_data_parallel {
   template <parameter_set ParamSet, class... ReducerArgs>
   basic_data_parallel(process_group& pg, const ParamSet& params, bucket_policy policy = {}, dp_options opts = {},
                       ReducerArgs&&... reducer_args)
-      : pg_(&pg),
+      : pg_(pg),
         policy_(std::move(policy)),
         opts_(opts),
         views_(to_views(params)),
@@ -209,8 +211,15 @@ class basic_data_parallel {
   basic_data_parallel(const basic_data_parallel&) = delete;
   basic_data_parallel& operator=(const basic_data_parallel&) = delete;
 
-  /// Waits (bounded) for collectives a failed step left in flight, then frees the buckets.
+  /// Waits (bounded) for collectives a failed step left in flight, then frees the buckets. In a
+  /// forked child it waits for nothing and aborts nothing (the collectives are the parent's).
   ~basic_data_parallel() {
+    if (owner_.forked()) {
+      // The child frees its copy of host memory; CUDA memory is the parent's driver's.
+      const auto where = alloc_.location();
+      if (where == memory_kind::host || where == memory_kind::shared) free_buffers(buffers_, plan_);
+      return;
+    }
     if (drain()) free_buffers(buffers_, plan_);
     // Otherwise a collective may still write into a bucket: leaking it is the safe choice.
   }
@@ -449,6 +458,7 @@ class basic_data_parallel {
   }
 
   void check_healthy() const {
+    owner_.check(pg_->rank(), "data_parallel wrapper");
     if (!failed_.load(std::memory_order_acquire)) return;
     std::lock_guard lock(fail_mu_);
     detail::raise(fail_code_, pg_->rank(),
@@ -528,6 +538,7 @@ class basic_data_parallel {
   }
 
   void check_index(std::size_t i, const char* what) const {
+    owner_.check(pg_->rank(), "data_parallel wrapper");
     if (i >= views_.size())
       detail::raise(errc::invalid_argument, pg_->rank(),
                     std::string(what) + "(" + std::to_string(i) + "): there are only " +
@@ -836,7 +847,8 @@ class basic_data_parallel {
     check_plan_agreement("after the rebuild");
   }
 
-  process_group* pg_;
+  std::optional<process_group> pg_;  // the wrapper's own handle (always engaged; optional for its ->)
+  detail::owner_process owner_;
   bucket_policy policy_;
   dp_options opts_;
   std::vector<tensor_view> views_;

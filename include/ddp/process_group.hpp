@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "auth.hpp"
+#include "detail/fork.hpp"
 #include "detail/mesh.hpp"
 #include "detail/socket.hpp"
 #include "error.hpp"
@@ -99,13 +100,112 @@ struct init_options {
   }
 };
 
-/// A joined group of processes. Move-only; destroying it closes every connection, and rank 0
-/// keeps its store up until the other ranks have let go of it (bounded by the timeout).
+/// A joined group of processes, held through cheap handles: copies of a `process_group` share
+/// one group, and every reducer, transport and wrapper built from it keeps a handle of its own.
+/// The group closes (every connection; rank 0 keeps its store up until the other ranks have let
+/// go of it, bounded by the timeout) when its last handle goes away, so the handle a program
+/// got from `init_process_group` may be destroyed, moved or reassigned while those objects live.
+/// A moved-from or closed handle is empty: its calls raise `errc::usage`. In a child made by
+/// fork() every call that would communicate raises `errc::usage` too, and destroying the handle
+/// touches nothing of the parent's (docs/process-group.md).
+///
+/// \code
+/// auto pg = ddp::init_process_group(ddp::init_options::from_env());
+/// ddp::ring<ddp::tcp> ring{pg};   // keeps the group alive for as long as it lives
+/// \endcode
 class process_group {
  public:
-  process_group(process_group&&) noexcept = default;
+  process_group(const process_group&) = default;             ///< another handle on the same group
+  process_group& operator=(const process_group&) = default;
+  process_group(process_group&&) noexcept = default;         ///< leaves `other` empty
   process_group& operator=(process_group&&) noexcept = default;
-  ~process_group() { close(); }
+  ~process_group() = default;  ///< the last handle closes the group
+
+  /// This process's rank; -1 on an empty handle.
+  int rank() const noexcept;
+  /// The group size; 0 on an empty handle.
+  int size() const noexcept;
+  const init_options& options() const noexcept;
+  std::chrono::milliseconds timeout() const noexcept;
+  detail::deadline_t deadline() const { return detail::clock::now() + timeout(); }
+
+  /// The group's key-value store (hosted by rank 0).
+  store_client& store();
+
+  /// A group-unique id agreed at rendezvous (distinguishes this group's connections).
+  std::uint64_t id() const noexcept;
+
+  /// Next id for a sub-mesh or shared segment; all ranks must create them in the same order.
+  int next_channel_id();
+
+  /// Blocks until every rank has called barrier(), or throws (timeout, peer_lost).
+  void barrier() { barrier(deadline()); }
+  void barrier(detail::deadline_t until);
+
+  /// Copies `root`'s bytes into every rank's `data`; sizes must agree (errc::mismatch).
+  void broadcast(std::span<std::byte> data, int root = 0) { broadcast(data, root, deadline()); }
+  void broadcast(std::span<std::byte> data, int root, detail::deadline_t until);
+
+  /// Typed convenience: broadcast a contiguous range of trivially copyable values.
+  template <class T>
+  void broadcast(std::span<T> data, int root = 0) {
+    broadcast(std::as_writable_bytes(data), root, deadline());
+  }
+
+  /// Largest blob one rank may contribute to all_gather().
+  static constexpr std::uint64_t max_gather_blob = 1ull << 30;
+
+  /// Every rank contributes a blob; every rank gets all of them, indexed by rank.
+  std::vector<std::string> all_gather(const std::string& mine);
+
+  /// Socket connected to `peer` (for transports that share the group's mesh); -1 on an empty
+  /// handle or in a forked child.
+  int peer_socket(int peer) const noexcept;
+
+  /// Fails this rank's group on purpose: every call blocked on it, here or on a peer, ends with
+  /// an error at once instead of at its deadline (errc::aborted naming this rank). Reducers
+  /// have their own abort(); call both when a training step must stop everywhere. Does nothing
+  /// on an empty handle or in a forked child.
+  void abort(const std::string& why = "abort() called") noexcept;
+
+  /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
+  /// may be the rank that is gone.
+  detail::deadline_t store_budget() const;
+
+  /// After a timeout, finds who stopped; returns the sentence for the error. Transports that
+  /// share the group's store use it too.
+  std::string name_stopped(const std::string& prefix, int peer);
+
+  /// True once abort() was called on this rank's group.
+  bool aborted() const noexcept;
+
+  /// Lets go of this handle (it becomes empty). The group closes when no handle is left: the
+  /// last one closes the connections, and on rank 0 waits (bounded) for the others to leave
+  /// its store first.
+  void close() noexcept { s_.reset(); }
+
+ private:
+  class state;
+  friend process_group init_process_group(const init_options&);
+  explicit process_group(std::shared_ptr<state> s) noexcept : s_(std::move(s)) {}
+  /// The group, for a call named `what`: errc::usage on an empty handle or in a forked child.
+  state& live(const char* what) const;
+
+  std::shared_ptr<state> s_;
+};
+
+/// What a group is; shared by its handles, destroyed (closing the group) with the last one.
+class process_group::state {
+ public:
+  state() = default;
+  state(const state&) = delete;
+  state& operator=(const state&) = delete;
+  ~state() {
+    // In a forked child the members' destructors only close this process's copies of the
+    // descriptors: no wait for the other ranks, no store traffic (the store server's own
+    // destructor leaves the parent's thread alone).
+    if (!owner_.forked()) close();
+  }
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
@@ -298,7 +398,7 @@ class process_group {
 
  private:
   friend process_group init_process_group(const init_options&);
-  process_group() = default;
+  friend class process_group;
 
   void send(int peer, const void* p, std::size_t n, detail::deadline_t until, const char* what) {
     if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
@@ -369,24 +469,51 @@ class process_group {
   int size_ = 1;
   std::uint64_t group_id_ = 0;
   int next_channel_ = 1;
-  // An atomic flag that moves with the group (std::atomic itself does not move).
-  struct movable_flag {
-    std::atomic<bool> v{false};
-    movable_flag() = default;
-    movable_flag(movable_flag&& o) noexcept : v(o.v.load()) {}
-    movable_flag& operator=(movable_flag&& o) noexcept {
-      v = o.v.load();
-      return *this;
-    }
-    bool load() const noexcept { return v.load(); }
-    bool exchange(bool x) noexcept { return v.exchange(x); }
-  };
-  movable_flag aborted_;
-  movable_flag failed_;  // a failure was posted: close() does not wait for the others
+  std::atomic<bool> aborted_{false};
+  std::atomic<bool> failed_{false};  // a failure was posted: close() does not wait for the others
   std::unique_ptr<store_server> server_;
   std::unique_ptr<store_client> store_;
   std::vector<detail::fd_handle> mesh_;
+  detail::owner_process owner_;  // the process that joined: a forked child's copy only closes
 };
+
+inline process_group::state& process_group::live(const char* what) const {
+  if (!s_)
+    detail::raise(errc::usage, -1,
+                  std::string(what) + " on an empty process_group handle (it was moved from or closed); use "
+                                      "the handle it was moved to, or one kept by a reducer or wrapper");
+  s_->owner_.check(s_->rank_, std::string("process_group (") + what + ")");
+  return *s_;
+}
+
+inline int process_group::rank() const noexcept { return s_ ? s_->rank() : -1; }
+inline int process_group::size() const noexcept { return s_ ? s_->size() : 0; }
+inline const init_options& process_group::options() const noexcept {
+  static const init_options none{};
+  return s_ ? s_->options() : none;
+}
+inline std::chrono::milliseconds process_group::timeout() const noexcept { return options().timeout; }
+inline store_client& process_group::store() { return live("store()").store(); }
+inline std::uint64_t process_group::id() const noexcept { return s_ ? s_->id() : 0; }
+inline int process_group::next_channel_id() { return live("next_channel_id()").next_channel_id(); }
+inline void process_group::barrier(detail::deadline_t until) { live("barrier()").barrier(until); }
+inline void process_group::broadcast(std::span<std::byte> data, int root, detail::deadline_t until) {
+  live("broadcast()").broadcast(data, root, until);
+}
+inline std::vector<std::string> process_group::all_gather(const std::string& mine) {
+  return live("all_gather()").all_gather(mine);
+}
+inline int process_group::peer_socket(int peer) const noexcept {
+  return s_ && !s_->owner_.forked() ? s_->peer_socket(peer) : -1;
+}
+inline void process_group::abort(const std::string& why) noexcept {
+  if (s_ && !s_->owner_.forked()) s_->abort(why);
+}
+inline detail::deadline_t process_group::store_budget() const { return live("store_budget()").store_budget(); }
+inline std::string process_group::name_stopped(const std::string& prefix, int peer) {
+  return live("name_stopped()").name_stopped(prefix, peer);
+}
+inline bool process_group::aborted() const noexcept { return s_ && s_->aborted(); }
 
 /// Joins the group described by `opts` and returns once every rank has joined.
 ///
@@ -403,7 +530,8 @@ inline process_group init_process_group(const init_options& opts) {
   // when a secret was asked for.
   std::shared_ptr<const authenticator> auth;
   if (!opts.auth_token.empty()) auth = make_authenticator(opts.auth_token, opts.rank);
-  process_group pg;
+  auto group = std::make_shared<process_group::state>();
+  auto& pg = *group;
   pg.opts_ = opts;
   pg.rank_ = opts.rank;
   pg.size_ = opts.world_size;
@@ -450,7 +578,7 @@ inline process_group init_process_group(const init_options& opts) {
     throw;
   }
   pg.barrier(until);
-  return pg;
+  return process_group(std::move(group));
 }
 
 }  // namespace v0

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "auth.hpp"
+#include "detail/fork.hpp"
 #include "detail/handshake.hpp"
 #include "detail/socket.hpp"
 #include "detail/store_protocol.hpp"
@@ -100,6 +101,12 @@ class store_server {
   /// Stops serving and closes every connection.
   void stop() noexcept {
     if (!thread_.joinable()) return;
+    if (owner_.forked()) {
+      // A forked child's copy: the serving thread is the parent's and does not exist here, and
+      // the wake-up descriptor is the parent's too. Only this process's descriptors close.
+      thread_.detach();
+      return;
+    }
     stopping_ = true;
     std::uint64_t one = 1;
     [[maybe_unused]] auto r = ::write(wake_.get(), &one, sizeof one);
@@ -497,6 +504,7 @@ class store_server {
   std::atomic<int> shed_{0};
   std::atomic<std::size_t> stored_{0};
   std::map<std::string, std::string, std::less<>> data_;
+  detail::owner_process owner_;
   std::thread thread_;
 };
 
@@ -616,6 +624,8 @@ class store_client {
   }
 
   detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& fields, detail::deadline_t until) {
+    // A forked child shares the connection with its parent: one frame from it would garble both.
+    owner_.check(rank_, "store_client");
     check_request(cmd, fields);
     std::lock_guard lock(mu_);
     if (!broken_.empty())
@@ -672,6 +682,7 @@ class store_client {
   std::mutex mu_;
   std::string broken_;  ///< why the connection is unusable (guarded by mu_); empty while it is fine
   errc broken_code_ = errc::peer_lost;
+  detail::owner_process owner_;
 };
 
 }  // namespace v0

@@ -11,7 +11,9 @@
 #include <mutex>
 #include <thread>
 
+#include "../error.hpp"
 #include "../request.hpp"
+#include "fork.hpp"
 
 namespace ddp {
 inline namespace v0 {
@@ -19,51 +21,63 @@ namespace detail {
 
 class worker {
  public:
-  worker() : thread_([this] { run(); }) {}
+  /// `rank` and `what` name the owner in errors (a call in a forked child).
+  explicit worker(int rank = -1, const char* what = "reducer") : rank_(rank), what_(what), s_(std::make_unique<state>()) {
+    s_->thread = std::thread([s = s_.get()] { s->run(); });
+  }
   worker(const worker&) = delete;
   worker& operator=(const worker&) = delete;
   ~worker() {
-    {
-      std::lock_guard lock(mu_);
-      stop_ = true;
+    if (owner_.forked()) {
+      // The parent's copy: the thread does not exist here, and the condition variable it waited
+      // on could never be destroyed (its waiter would never leave). Leave it all as it is.
+      abandon(std::move(s_));
+      return;
     }
-    cv_.notify_all();
-    thread_.join();
+    {
+      std::lock_guard lock(s_->mu);
+      s_->stop = true;
+    }
+    s_->cv.notify_all();
+    s_->thread.join();
   }
 
   /// Runs `job` on the calling thread when nothing is queued or running (the caller would only
   /// wait for the worker anyway, and a thread hand-off costs tens of microseconds on a busy
   /// machine). Returns false, without running it, when the worker has work: then the caller
-  /// must submit() to keep the issue order.
+  /// must submit() to keep the issue order. Raises errc::usage in a forked child.
   template <class F>
   bool try_run_inline(F&& job) {
+    owner_.check(rank_, what_);
     {
-      std::lock_guard lock(mu_);
-      if (busy_ || !jobs_.empty()) return false;
-      busy_ = true;
+      std::lock_guard lock(s_->mu);
+      if (s_->busy || !s_->jobs.empty()) return false;
+      s_->busy = true;
     }
     struct release {
-      worker* w;
+      state* s;
       ~release() {
         {
-          std::lock_guard lock(w->mu_);
-          w->busy_ = false;
+          std::lock_guard lock(s->mu);
+          s->busy = false;
         }
-        w->cv_.notify_all();
+        s->cv.notify_all();
       }
-    } r{this};
+    } r{s_.get()};
     job();
     return true;
   }
 
   /// Queues `job`; the returned request completes when it has run (with its exception, if any).
+  /// Raises errc::usage in a forked child, where the thread does not exist.
   request submit(std::function<void()> job) {
+    owner_.check(rank_, what_);
     auto st = std::make_shared<request_state>();
     {
-      std::lock_guard lock(mu_);
-      jobs_.push_back({std::move(job), st});
+      std::lock_guard lock(s_->mu);
+      s_->jobs.push_back({std::move(job), st});
     }
-    cv_.notify_one();
+    s_->cv.notify_one();
     return request(st);
   }
 
@@ -72,37 +86,45 @@ class worker {
     std::function<void()> job;
     std::shared_ptr<request_state> state;
   };
-  void run() {
-    for (;;) {
-      item it;
-      {
-        std::unique_lock lock(mu_);
-        cv_.wait(lock, [&] { return (stop_ && !busy_) || (!jobs_.empty() && !busy_); });
-        if (jobs_.empty()) return;
-        it = std::move(jobs_.front());
-        jobs_.pop_front();
-        busy_ = true;
+  // On the heap, so that a forked child can leave it undestroyed (see ~worker).
+  struct state {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<item> jobs;
+    bool stop = false;
+    bool busy = false;  // a job runs, on the worker or inline on a caller
+    std::thread thread;
+
+    void run() {
+      for (;;) {
+        item it;
+        {
+          std::unique_lock lock(mu);
+          cv.wait(lock, [&] { return (stop && !busy) || (!jobs.empty() && !busy); });
+          if (jobs.empty()) return;
+          it = std::move(jobs.front());
+          jobs.pop_front();
+          busy = true;
+        }
+        std::exception_ptr err;
+        try {
+          it.job();
+        } catch (...) {
+          err = std::current_exception();
+        }
+        {
+          std::lock_guard lock(mu);
+          busy = false;
+        }
+        cv.notify_all();
+        it.state->complete(err);
       }
-      std::exception_ptr err;
-      try {
-        it.job();
-      } catch (...) {
-        err = std::current_exception();
-      }
-      {
-        std::lock_guard lock(mu_);
-        busy_ = false;
-      }
-      cv_.notify_all();
-      it.state->complete(err);
     }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<item> jobs_;
-  bool stop_ = false;
-  bool busy_ = false;  // a job runs, on the worker or inline on a caller
-  std::thread thread_;
+  };
+  int rank_;
+  const char* what_;
+  owner_process owner_;
+  std::unique_ptr<state> s_;
 };
 
 }  // namespace detail

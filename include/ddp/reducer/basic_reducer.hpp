@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -74,10 +75,12 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
 
   using transport_type = Transport;
 
-  explicit basic_reducer(process_group& pg, reducer_options o = {}) : pg_(agree(pg, o)), transport_(pg), opts_(o) {}
+  /// Keeps a handle on `pg` of its own: the group stays open while the reducer lives.
+  explicit basic_reducer(process_group& pg, reducer_options o = {})
+      : pg_(agree(pg, o)), transport_(pg), opts_(o), worker_(pg.rank()) {}
   template <class TransportOptions>
   basic_reducer(process_group& pg, TransportOptions t, reducer_options o)
-      : pg_(agree(pg, o)), transport_(pg, t), opts_(o) {}
+      : pg_(agree(pg, o)), transport_(pg, t), opts_(o), worker_(pg.rank()) {}
   basic_reducer(const basic_reducer&) = delete;
   basic_reducer& operator=(const basic_reducer&) = delete;
 
@@ -156,7 +159,7 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
   /// happen to agree). Checked once, through the group, before the transport is built (so all
   /// ranks are in the same phase), and every rank raises the same errc::mismatch naming both
   /// sides; each descriptor carries the algorithm too.
-  static process_group* agree(process_group& pg, const reducer_options& o) {
+  static process_group& agree(process_group& pg, const reducer_options& o) {
     const auto all = pg.all_gather(algo::signature(o));
     for (int r = 1; r < pg.size(); ++r)
       if (all[static_cast<std::size_t>(r)] != all[0])
@@ -164,7 +167,7 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
                       "reducer mismatch: rank 0 constructed " + all[0] + ", rank " + std::to_string(r) + " constructed " +
                           all[static_cast<std::size_t>(r)] +
                           "; every rank must construct the same reducer with the same reducer_options (docs/reducers.md)");
-    return &pg;
+    return pg;
   }
   void check_root(int root) const {
     if (root < 0 || root >= size())
@@ -207,7 +210,7 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
       wait(worker_.submit([this, d, job] { job(stamp(d), detail::clock::now() + pg_->timeout()); }));
   }
 
-  process_group* pg_;
+  std::optional<process_group> pg_;  // the reducer's own handle (always engaged; optional for its ->)
   Transport transport_;
   reducer_options opts_;
   std::atomic<std::uint64_t> seq_{0};  ///< collectives started (see stamp)

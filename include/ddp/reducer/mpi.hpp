@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "../detail/collective.hpp"
+#include "../detail/fork.hpp"
 #include "../detail/kernels.hpp"
 #include "../detail/mpi_check.hpp"
 #include "../detail/typed_collectives.hpp"
@@ -83,7 +84,7 @@ class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
   /// \code
   /// ddp::mpi_reducer mpi{pg};
   /// \endcode
-  explicit mpi_reducer(process_group& pg) : timeout_(pg.timeout()) {
+  explicit mpi_reducer(process_group& pg) : timeout_(pg.timeout()), worker_(pg.rank(), "mpi_reducer") {
     check_mpi_ready(pg.rank());
     int wsize = 0;
     DDP_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &wsize));
@@ -104,7 +105,7 @@ class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
   /// ddp::mpi_reducer mpi{MPI_COMM_WORLD, std::chrono::seconds(30)};
   /// \endcode
   explicit mpi_reducer(MPI_Comm comm, std::chrono::milliseconds timeout = std::chrono::seconds(60))
-      : timeout_(timeout) {
+      : timeout_(timeout), worker_(-1, "mpi_reducer") {
     check_mpi_ready(-1);
     if (comm == MPI_COMM_NULL) detail::raise(errc::invalid_argument, -1, "mpi_reducer: MPI_COMM_NULL");
     if (timeout.count() <= 0) detail::raise(errc::invalid_argument, -1, "mpi_reducer: timeout must be positive");
@@ -198,12 +199,14 @@ class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
     MPI_Op bf16[n_ops] = {};
     MPI_Op f32[n_ops] = {};
     MPI_Op f64[n_ops] = {};
+    detail::owner_process owner;
     mpi_resources() {
       for (int i = 0; i < n_ops; ++i) f16[i] = bf16[i] = f32[i] = f64[i] = MPI_OP_NULL;
     }
     mpi_resources(const mpi_resources&) = delete;
     mpi_resources& operator=(const mpi_resources&) = delete;
     ~mpi_resources() {
+      if (owner.forked()) return;  // MPI is the parent's: a forked child must not call it
       int fin = 1;
       if (MPI_Finalized(&fin) != MPI_SUCCESS || fin) return;
       for (MPI_Op* set : {f16, bf16, f32, f64})

@@ -27,6 +27,7 @@
 
 #include "../detail/collective.hpp"
 #include "../detail/cuda_check.hpp"
+#include "../detail/fork.hpp"
 #include "../detail/typed_collectives.hpp"
 #include "../detail/worker.hpp"
 #include "../dtype.hpp"
@@ -114,7 +115,7 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
   /// ddp::nccl_reducer nccl{pg, /*device=*/-1, my_stream};
   /// \endcode
   explicit nccl_reducer(process_group& pg, int device = -1, cudaStream_t stream = nullptr)
-      : rank_(pg.rank()), size_(pg.size()), timeout_(pg.timeout()) {
+      : rank_(pg.rank()), size_(pg.size()), timeout_(pg.timeout()), worker_(pg.rank(), "nccl_reducer") {
     ncclUniqueId id{};
     std::exception_ptr local_failure;
     try {
@@ -214,6 +215,7 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
   /// Aborts the communicator (`ncclCommAbort`: running NCCL kernels stop); pending and later
   /// requests fail with `errc::aborted`. Peers notice through their own deadline.
   void abort() noexcept {
+    if (res_.owner.forked()) return;  // the communicator is the parent's
     std::lock_guard lock(mu_);
     abort_locked();
   }
@@ -228,12 +230,13 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
     bool own_stream = false;
     void* scratch = nullptr;  // barrier's one int
     std::chrono::milliseconds timeout{0};
+    detail::owner_process owner;  // CUDA and NCCL handles are of no use in a forked child
 
     resources() = default;
     resources(const resources&) = delete;
     resources& operator=(const resources&) = delete;
     ~resources() {
-      if (device < 0) return;
+      if (device < 0 || owner.forked()) return;
       int previous = -1;
       (void)cudaGetDevice(&previous);
       (void)cudaSetDevice(device);
@@ -320,6 +323,7 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
   // Enqueues one NCCL call and an event behind it; the request completes when the event has.
   template <class Call>
   request launch(const char* what, Call&& call) {
+    res_.owner.check(rank_, "nccl_reducer");
     cudaEvent_t ev = nullptr;
     {
       std::unique_lock lock(mu_);

@@ -35,6 +35,7 @@
 #include <thread>
 #include <vector>
 
+#include "../detail/fork.hpp"
 #include "../detail/futex.hpp"
 #include "../detail/kernels.hpp"
 #include "../detail/schedule.hpp"
@@ -191,7 +192,9 @@ class shm {
   /// Peers waiting on this rank learn at once that it left (errc::peer_lost) instead of
   /// running into their deadline.
   ~shm() {
-    if (map_.base() == nullptr) return;
+    // A forked child's copy maps the parent's segment: marking it closed would fail the
+    // parent's peers. Only the child's mapping goes (with the members).
+    if (map_.base() == nullptr || owner_.forked()) return;
     auto& me = block(rank_);
     me.closed.store(1, std::memory_order_seq_cst);
     detail::futex_wake_all(&me.counter);
@@ -367,6 +370,7 @@ class shm {
   /// link.deallocate(g, n * sizeof(float));
   /// \endcode
   void* allocate(std::size_t bytes) {
+    owner_.check(rank_, "shm transport");  // the arena is shared with the parent's peers
     if (bytes == 0) return nullptr;
     // First fit hands out the lowest free block, so this rank's reserved pages are the prefix
     // [part_begin, reserved_end_) of its part; freed blocks keep theirs for the next allocation.
@@ -406,7 +410,7 @@ class shm {
   /// Makes every current and future wait on every rank fail with errc::aborted. Safe to call
   /// from any thread, e.g. while the progress thread is blocked in a collective.
   void abort() noexcept {
-    if (map_.base() == nullptr) return;
+    if (map_.base() == nullptr || owner_.forked()) return;  // a forked child must not fail the parent's group
     std::int32_t none = -1;
     header()->aborted_by.compare_exchange_strong(none, rank_, std::memory_order_seq_cst);
     for (int j = 0; j < size_; ++j) detail::futex_wake_all(&block(j).counter);
@@ -471,6 +475,7 @@ class shm {
   /// Refuses calls on a transport that failed or was aborted: its counters no longer agree
   /// with its peers'.
   void enter() {
+    owner_.check(rank_, "shm transport");
     check_abort();
     if (failed_ != errc{}) raise_here(failed_, "shm transport is unusable after an earlier error: " + failed_what_);
   }
@@ -795,6 +800,7 @@ class shm {
   std::vector<detail::shm_desc> peers_;
   errc failed_{};
   std::string failed_what_;
+  detail::owner_process owner_;  ///< a forked child's copy only unmaps
 };
 
 /// `ring<shm>` and `tree<shm>`: the shared-memory engine runs the whole collective itself (its

@@ -17,11 +17,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "../detail/fork.hpp"
 #include "../detail/mesh.hpp"
 #include "../detail/socket.hpp"
 #include "../error.hpp"
@@ -41,7 +43,8 @@ class tcp {
  public:
   static constexpr bool is_point_to_point = true;
 
-  explicit tcp(process_group& pg, tcp_options o = {}) : pg_(&pg), opts_(o) {
+  /// Keeps a handle on `pg` of its own: the group (its store) stays open while the transport lives.
+  explicit tcp(process_group& pg, tcp_options o = {}) : pg_(pg), opts_(o) {
     channel_ = "tcp/" + std::to_string(pg.next_channel_id());
     try {
       peers_ = detail::connect_mesh(pg.store(), pg.rank(), pg.size(), channel_, pg.id(), pg.deadline(),
@@ -164,6 +167,7 @@ class tcp {
 
   /// Shuts the transport down; peers blocked on this rank fail promptly (errc::aborted).
   void abort() noexcept {
+    if (owner_.forked()) return;  // a forked child must not shut the parent's connections
     try {
       post_abort(errc::aborted, "rank " + std::to_string(rank()) + " called abort()");
     } catch (...) {
@@ -172,6 +176,8 @@ class tcp {
 
  private:
   int fd(int peer) const {
+    // In a forked child the connections are the parent's: a byte from the child would garble them.
+    owner_.check(rank(), "tcp transport");
     if (peer < 0 || peer >= size() || peer == rank())
       detail::raise(errc::invalid_argument, rank(), "tcp: no connection to rank " + std::to_string(peer));
     return peers_[static_cast<std::size_t>(peer)].get();
@@ -257,13 +263,14 @@ class tcp {
     detail::raise(errc::peer_lost, rank(), msg);
   }
 
-  process_group* pg_;
+  std::optional<process_group> pg_;  // the transport's own handle (always engaged; optional for its ->)
   tcp_options opts_;
   std::string channel_;
   std::vector<detail::fd_handle> peers_;
   std::atomic<bool> broken_{false};
   mutable std::mutex reason_mu_;
   std::string broken_reason_;  ///< guarded by reason_mu_; set once, before broken_
+  detail::owner_process owner_;
 };
 
 }  // namespace v0
