@@ -426,92 +426,149 @@ template <class T>
   }
 }
 
+// The loops of `combine`, one function each, with the average's loop-invariant flags as
+// template arguments: no loop branches on them, other ops compile to exactly the plain loops,
+// and each loop's variables stay in registers (in one large function with lambdas, gcc kept a
+// loop counter in a vector register and ran 3x slower).
+//
 // `Out`/`In` are `T*`/`const T*` or `void*`/`const void*` (the type-erased entry point): each
-// pointer is converted on use, so a `void*` array is never read through a `T*` lvalue.
-// `av` is read only when O is op::avg.
+// pointer is converted on use, so a `void*` array is never read through a `T*` lvalue. `av` is
+// read only when O is op::avg.
+
+// Elements [i, i+k) of input `p`; `Raw`: a single rank's contribution, scaled on entry.
+template <class T, bool Raw, class In>
+[[gnu::always_inline]] inline typename lanes<T>::vec get_in(In p, std::size_t i, std::size_t k,
+                                                             const avg_vec<T>& av) noexcept {
+  using L = lanes<T>;
+  const T* q = static_cast<const T*>(p) + i;
+  auto x = k == L::width ? L::load(q) : load_n(q, k);
+  if constexpr (Raw) x = avg_in<T>(x, av);
+  return x;
+}
+
+// Writes `v` (elements [i, i+k) of the result) to every output; `Fin` finishes an average.
+template <class T, bool Fin, class Out>
+[[gnu::always_inline]] inline void put_out(Out const* outs, int nouts, std::size_t i, typename lanes<T>::vec v,
+                                           std::size_t k, const avg_vec<T>& av) noexcept {
+  using L = lanes<T>;
+  if constexpr (Fin) v = avg_out<T>(v, av);
+  if (k == L::width) {
+    for (int o = 0; o < nouts; ++o) L::store(static_cast<T*>(outs[o]) + i, v);
+  } else {
+    for (int o = 0; o < nouts; ++o) store_n(static_cast<T*>(outs[o]) + i, v, k);
+  }
+}
+
+// One input: only an average that scales or divides it gets here (combine_any copies otherwise).
+template <class T, bool Raw, bool Fin, class Out, class In>
+inline void combine_1(Out const* outs, int nouts, In in0, std::size_t n, const avg_vec<T> av) noexcept {
+  using L = lanes<T>;
+  for (std::size_t i = 0; i < n; i += L::width) {
+    const std::size_t k = n - i < L::width ? n - i : L::width;
+    auto x = get_in<T, Raw>(in0, i, k, av);
+    if constexpr (L::is_float) x = canonical_nan<T>(x);
+    put_out<T, Fin>(outs, nouts, i, x, k, av);
+  }
+}
+
+// Two inputs: no accumulator needed, one pass reads both inputs and writes every output.
+template <class T, op O, bool Raw0, bool Raw1, bool Fin, class Out, class In>
+inline void combine_2(Out const* outs, int nouts, In in0, In in1, std::size_t n, const avg_vec<T> av) noexcept {
+  using L = lanes<T>;
+  for (std::size_t i = 0; i < n; i += L::width) {
+    const std::size_t k = n - i < L::width ? n - i : L::width;
+    put_out<T, Fin>(outs, nouts, i, apply<T, O>(get_in<T, Raw0>(in0, i, k, av), get_in<T, Raw1>(in1, i, k, av)), k, av);
+  }
+}
+
+// Three or more inputs, tile by tile: the first two inputs into the accumulator, then each
+// further one, then the last on the way out.
+template <class T, op O, bool Raw0, bool Raw1, class In>
+[[gnu::noinline]] void tile_first(typename lanes<T>::vec* acc, In in0, In in1, std::size_t base, std::size_t m,
+                                  const avg_vec<T> av) noexcept {
+  constexpr std::size_t w = lanes<T>::width;
+  for (std::size_t v = 0; v * w < m; ++v) {
+    const std::size_t i = base + v * w, k = m - v * w < w ? m - v * w : w;
+    acc[v] = apply<T, O>(get_in<T, Raw0>(in0, i, k, av), get_in<T, Raw1>(in1, i, k, av));
+  }
+}
+template <class T, op O, bool Raw, class In>
+[[gnu::noinline]] void tile_next(typename lanes<T>::vec* acc, In in, std::size_t base, std::size_t m,
+                                 const avg_vec<T> av) noexcept {
+  constexpr std::size_t w = lanes<T>::width;
+  for (std::size_t v = 0; v * w < m; ++v) {
+    const std::size_t i = base + v * w, k = m - v * w < w ? m - v * w : w;
+    acc[v] = apply<T, O>(acc[v], get_in<T, Raw>(in, i, k, av));
+  }
+}
+template <class T, op O, bool Raw, bool Fin, class Out, class In>
+[[gnu::noinline]] void tile_last(Out const* outs, int nouts, const typename lanes<T>::vec* acc, In in, std::size_t base,
+                                 std::size_t m, const avg_vec<T> av) noexcept {
+  constexpr std::size_t w = lanes<T>::width;
+  for (std::size_t v = 0; v * w < m; ++v) {
+    const std::size_t i = base + v * w, k = m - v * w < w ? m - v * w : w;
+    put_out<T, Fin>(outs, nouts, i, apply<T, O>(acc[v], get_in<T, Raw>(in, i, k, av)), k, av);
+  }
+}
+
+// Calls f(std::bool_constant<b>{}); for ops other than avg every flag is false.
+template <op O, class F>
+[[gnu::always_inline]] inline void with_flag(bool b, F&& f) {
+  if constexpr (O == op::avg) {
+    if (b) f(std::true_type{});
+    else f(std::false_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
 template <class T, op O, class Out, class In>
 inline void combine_loop(Out const* outs, int nouts, In const* ins, int nins, std::size_t n,
                          const avg_vec<T>& av) noexcept {
-  using L = lanes<T>;
-  using V = typename L::vec;
-  constexpr std::size_t w = L::width;
+  using V = typename lanes<T>::vec;
+  static_assert(combine_tile % lanes<T>::width == 0);
   constexpr bool avg = O == op::avg;
-  static_assert(combine_tile % w == 0);
-  // Writes `v` (elements [i, i+k) of the result) to every output; an average is finished here.
-  auto put = [&](std::size_t i, V v, std::size_t k) {
-    if constexpr (avg) {
-      if (av.finish) v = avg_out<T>(v, av);
-    }
-    if (k == w) {
-      for (int o = 0; o < nouts; ++o) L::store(static_cast<T*>(outs[o]) + i, v);
-    } else {
-      for (int o = 0; o < nouts; ++o) store_n(static_cast<T*>(outs[o]) + i, v, k);
-    }
-  };
-  // Input j at [i, i+k); a single rank's contribution to an average is scaled on entry.
-  auto get = [&](In p, bool raw, std::size_t i, std::size_t k) {
-    const T* q = static_cast<const T*>(p) + i;
-    V x = k == w ? L::load(q) : load_n(q, k);
-    if constexpr (avg) {
-      if (raw) x = avg_in<T>(x, av);
-    }
-    return x;
-  };
-  auto is_raw = [&](int j) { return avg && j >= av.raw_from; };
+  const bool fin = avg && av.finish;
+  auto raw = [&](int j) { return avg && j >= av.raw_from; };
 
   if (nins == 1) {
-    // Reached only by an average that scales its one input (combine_any copies otherwise).
-    const bool raw = is_raw(0);
-    for (std::size_t i = 0; i < n; i += w) {
-      const std::size_t k = n - i < w ? n - i : w;
-      V x = get(ins[0], raw, i, k);
-      if constexpr (L::is_float) x = canonical_nan<T>(x);
-      put(i, x, k);
+    if constexpr (avg) {
+      with_flag<O>(raw(0), [&](auto r0) {
+        with_flag<O>(fin, [&](auto f) {
+          combine_1<T, decltype(r0)::value, decltype(f)::value>(outs, nouts, ins[0], n, av);
+        });
+      });
     }
     return;
   }
-
   if (nins == 2) {
-    // No accumulator needed: one pass reads both inputs and writes every output.
-    const bool raw0 = is_raw(0), raw1 = is_raw(1);
-    for (std::size_t i = 0; i < n; i += w) {
-      const std::size_t k = n - i < w ? n - i : w;
-      put(i, apply<T, O>(get(ins[0], raw0, i, k), get(ins[1], raw1, i, k)), k);
-    }
+    with_flag<O>(raw(0), [&](auto r0) {
+      with_flag<O>(raw(1), [&](auto r1) {
+        with_flag<O>(fin, [&](auto f) {
+          combine_2<T, O, decltype(r0)::value, decltype(r1)::value, decltype(f)::value>(outs, nouts, ins[0], ins[1],
+                                                                                        n, av);
+        });
+      });
+    });
     return;
   }
-
-  alignas(64) V acc[combine_tile / w];
+  alignas(64) V acc[combine_tile / lanes<T>::width];
   for (std::size_t base = 0; base < n; base += combine_tile) {
     const std::size_t m = n - base < combine_tile ? n - base : combine_tile;
-    const std::size_t nv = (m + w - 1) / w;
-    {
-      const In in0 = ins[0], in1 = ins[1];
-      const bool raw0 = is_raw(0), raw1 = is_raw(1);
-      for (std::size_t v = 0; v < nv; ++v) {
-        const std::size_t i = base + v * w;
-        const std::size_t k = m - v * w < w ? m - v * w : w;
-        acc[v] = apply<T, O>(get(in0, raw0, i, k), get(in1, raw1, i, k));
-      }
-    }
-    for (int j = 2; j + 1 < nins; ++j) {
-      const In in = ins[j];
-      const bool raw = is_raw(j);
-      for (std::size_t v = 0; v < nv; ++v) {
-        const std::size_t i = base + v * w;
-        const std::size_t k = m - v * w < w ? m - v * w : w;
-        acc[v] = apply<T, O>(acc[v], get(in, raw, i, k));
-      }
-    }
-    // The last input is folded in on the way out. Every input of this tile has been read
-    // before any output of it is written, so an output may be one of the inputs.
-    const In last = ins[nins - 1];
-    const bool raw = is_raw(nins - 1);
-    for (std::size_t v = 0; v < nv; ++v) {
-      const std::size_t i = base + v * w;
-      const std::size_t k = m - v * w < w ? m - v * w : w;
-      put(i, apply<T, O>(acc[v], get(last, raw, i, k)), k);
-    }
+    with_flag<O>(raw(0), [&](auto r0) {
+      with_flag<O>(raw(1), [&](auto r1) {
+        tile_first<T, O, decltype(r0)::value, decltype(r1)::value>(acc, ins[0], ins[1], base, m, av);
+      });
+    });
+    for (int j = 2; j + 1 < nins; ++j)
+      with_flag<O>(raw(j), [&](auto r) { tile_next<T, O, decltype(r)::value>(acc, ins[j], base, m, av); });
+    // Every input of this tile has been read before any output of it is written, so an output
+    // may be one of the inputs.
+    with_flag<O>(raw(nins - 1), [&](auto r) {
+      with_flag<O>(fin, [&](auto f) {
+        tile_last<T, O, decltype(r)::value, decltype(f)::value>(outs, nouts, acc, ins[nins - 1], base, m, av);
+      });
+    });
   }
 }
 
