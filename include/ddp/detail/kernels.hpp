@@ -338,7 +338,7 @@ constexpr avg_factors avg_factors_for(int world) noexcept {
 /// `ins[0, raw_from)` are partial results, already sums of scaled contributions; inputs
 /// `ins[raw_from, nins)` are single ranks' contributions, scaled as they enter the sum. With
 /// `finish` the result is final: it is divided by `post` (floats) or `world` (integers,
-/// truncating) before its one rounding to the element type. The default is a plain sum.
+/// truncating) before its one rounding to the element type.
 ///
 /// A ring step that adds its own data to a received partial result passes `{n, 1, last_step}`;
 /// its first step, where both inputs are single ranks' data, `{n, 0, n == 2}`; the n-input
