@@ -394,26 +394,41 @@ inline avg_vec<T> make_avg(const avg_step& a) noexcept {
   return v;
 }
 
+// How a finishing step divides: not at all (a world of 1), by a multiply with the exact
+// reciprocal (`post` a power of two), or by a true division.
+enum class fin_mode { none, mul, div };
+
+template <class T>
+constexpr fin_mode finish_of(const avg_vec<T>& a) noexcept {
+  if (!a.finish || !a.divide) return fin_mode::none;
+  if constexpr (lanes<T>::is_float) return a.by_inv ? fin_mode::mul : fin_mode::div;
+  else return fin_mode::div;
+}
+
 // A single rank's contribution entering an average.
 template <class T>
-[[gnu::always_inline]] inline typename lanes<T>::vec avg_in(typename lanes<T>::vec x, const avg_vec<T>& a) noexcept {
-  if constexpr (lanes<T>::is_float) return x * a.pre;
+[[gnu::always_inline]] inline typename lanes<T>::vec avg_in(typename lanes<T>::vec x, typename lanes<T>::vec pre) noexcept {
+  if constexpr (lanes<T>::is_float) return x * pre;
   else return x;
 }
 
-// The division that finishes an average. Floats divide (a multiply by the reciprocal would
-// differ in the last bit when `post` is not a power of two); integers truncate toward zero.
-// A finite sum whose quotient lies beyond the type's largest value got there by rounding (the
-// average of finite values is finite): it becomes that largest value rather than inf.
-template <class T>
-[[gnu::always_inline]] inline typename lanes<T>::vec avg_out(typename lanes<T>::vec x, const avg_vec<T>& a) noexcept {
+// The division that finishes an average: `d` is `post` (div) or its reciprocal (mul). Floats
+// divide (a multiply by the reciprocal would differ in the last bit when `post` is not a power
+// of two); integers truncate toward zero. A finite sum whose quotient lies beyond the type's
+// largest value got there by rounding (the average of finite values is finite): it becomes
+// that largest value rather than inf.
+template <class T, fin_mode F>
+[[gnu::always_inline]] inline typename lanes<T>::vec avg_out(typename lanes<T>::vec x, typename lanes<T>::vec d) noexcept {
   using L = lanes<T>;
   using V = typename L::vec;
-  if (!a.divide) return x;
-  if constexpr (L::is_float) {
+  if constexpr (F == fin_mode::none) {
+    return x;
+  } else if constexpr (L::is_float) {
     using M = typename L::mask;
     using S = typename L::scalar;
-    const V q = a.by_inv ? x * a.inv : x / a.post;
+    V q;
+    if constexpr (F == fin_mode::mul) q = x * d;
+    else q = x / d;
     const M sign = reinterpret_cast<M>(V{} + S(-0.0));
     const V ax = reinterpret_cast<V>(reinterpret_cast<M>(x) & ~sign);
     const V aq = reinterpret_cast<V>(reinterpret_cast<M>(q) & ~sign);
@@ -422,37 +437,46 @@ template <class T>
     const V clamped = reinterpret_cast<V>((reinterpret_cast<M>(q) & sign) | reinterpret_cast<M>(top));
     return canonical_nan<T>(select(over, clamped, q));
   } else {
-    return x / a.post;
+    return x / d;
   }
 }
 
+// The finishing operand of `avg_out<T, F>`.
+template <class T>
+constexpr typename lanes<T>::vec finish_operand(const avg_vec<T>& a) noexcept {
+  return finish_of(a) == fin_mode::mul ? a.inv : a.post;
+}
+
 // The loops of `combine`, one function each, with the average's loop-invariant flags as
-// template arguments: no loop branches on them, other ops compile to exactly the plain loops,
-// and each loop's variables stay in registers (in one large function with lambdas, gcc kept a
-// loop counter in a vector register and ran 3x slower).
+// template arguments and its factors as vector arguments: no loop branches on them or reloads
+// them, other ops compile to exactly the plain loops, and each loop's variables stay in
+// registers (in one large function with lambdas, gcc kept a loop counter in a vector register
+// and ran 3x slower).
 //
 // `Out`/`In` are `T*`/`const T*` or `void*`/`const void*` (the type-erased entry point): each
-// pointer is converted on use, so a `void*` array is never read through a `T*` lvalue. `av` is
-// read only when O is op::avg.
+// pointer is converted on use, so a `void*` array is never read through a `T*` lvalue.
 
-// Elements [i, i+k) of input `p`; `Raw`: a single rank's contribution, scaled on entry.
-template <class T, bool Raw, class In>
+// Elements [i, i+k) of input `p` (k == width: a whole vector); `Raw`: a single rank's
+// contribution, scaled on entry.
+template <class T, bool Raw, bool Whole, class In>
 [[gnu::always_inline]] inline typename lanes<T>::vec get_in(In p, std::size_t i, std::size_t k,
-                                                             const avg_vec<T>& av) noexcept {
+                                                             typename lanes<T>::vec pre) noexcept {
   using L = lanes<T>;
   const T* q = static_cast<const T*>(p) + i;
-  auto x = k == L::width ? L::load(q) : load_n(q, k);
-  if constexpr (Raw) x = avg_in<T>(x, av);
+  typename L::vec x;
+  if constexpr (Whole) x = L::load(q);
+  else x = load_n(q, k);
+  if constexpr (Raw) x = avg_in<T>(x, pre);
   return x;
 }
 
-// Writes `v` (elements [i, i+k) of the result) to every output; `Fin` finishes an average.
-template <class T, bool Fin, class Out>
+// Writes `v` (elements [i, i+k) of the result) to every output, finishing an average first.
+template <class T, fin_mode F, bool Whole, class Out>
 [[gnu::always_inline]] inline void put_out(Out const* outs, int nouts, std::size_t i, typename lanes<T>::vec v,
-                                           std::size_t k, const avg_vec<T>& av) noexcept {
+                                           std::size_t k, typename lanes<T>::vec d) noexcept {
   using L = lanes<T>;
-  if constexpr (Fin) v = avg_out<T>(v, av);
-  if (k == L::width) {
+  v = avg_out<T, F>(v, d);
+  if constexpr (Whole) {
     for (int o = 0; o < nouts; ++o) L::store(static_cast<T*>(outs[o]) + i, v);
   } else {
     for (int o = 0; o < nouts; ++o) store_n(static_cast<T*>(outs[o]) + i, v, k);
@@ -460,55 +484,67 @@ template <class T, bool Fin, class Out>
 }
 
 // One input: only an average that scales or divides it gets here (combine_any copies otherwise).
-template <class T, bool Raw, bool Fin, class Out, class In>
-inline void combine_1(Out const* outs, int nouts, In in0, std::size_t n, const avg_vec<T> av) noexcept {
+template <class T, bool Raw, fin_mode F, class Out, class In>
+inline void combine_1(Out const* outs, int nouts, In in0, std::size_t n, const typename lanes<T>::vec pre,
+                      const typename lanes<T>::vec d) noexcept {
   using L = lanes<T>;
-  for (std::size_t i = 0; i < n; i += L::width) {
-    const std::size_t k = n - i < L::width ? n - i : L::width;
-    auto x = get_in<T, Raw>(in0, i, k, av);
+  constexpr std::size_t w = L::width;
+  auto one = [&](auto whole, std::size_t i, std::size_t k) {
+    auto x = get_in<T, Raw, decltype(whole)::value>(in0, i, k, pre);
     if constexpr (L::is_float) x = canonical_nan<T>(x);
-    put_out<T, Fin>(outs, nouts, i, x, k, av);
-  }
+    put_out<T, F, decltype(whole)::value>(outs, nouts, i, x, k, d);
+  };
+  std::size_t i = 0;
+  for (; i + w <= n; i += w) one(std::true_type{}, i, w);
+  if (i < n) one(std::false_type{}, i, n - i);
 }
 
 // Two inputs: no accumulator needed, one pass reads both inputs and writes every output.
-template <class T, op O, bool Raw0, bool Raw1, bool Fin, class Out, class In>
-inline void combine_2(Out const* outs, int nouts, In in0, In in1, std::size_t n, const avg_vec<T> av) noexcept {
-  using L = lanes<T>;
-  for (std::size_t i = 0; i < n; i += L::width) {
-    const std::size_t k = n - i < L::width ? n - i : L::width;
-    put_out<T, Fin>(outs, nouts, i, apply<T, O>(get_in<T, Raw0>(in0, i, k, av), get_in<T, Raw1>(in1, i, k, av)), k, av);
+template <class T, op O, bool Raw0, bool Raw1, fin_mode F, class Out, class In>
+inline void combine_2(Out const* outs, int nouts, In in0, In in1, std::size_t n, const typename lanes<T>::vec pre,
+                      const typename lanes<T>::vec d) noexcept {
+  constexpr std::size_t w = lanes<T>::width;
+  std::size_t i = 0;
+  for (; i + w <= n; i += w)
+    put_out<T, F, true>(outs, nouts, i, apply<T, O>(get_in<T, Raw0, true>(in0, i, w, pre), get_in<T, Raw1, true>(in1, i, w, pre)), w, d);
+  if (i < n) {
+    const std::size_t k = n - i;
+    put_out<T, F, false>(outs, nouts, i, apply<T, O>(get_in<T, Raw0, false>(in0, i, k, pre), get_in<T, Raw1, false>(in1, i, k, pre)), k, d);
   }
 }
 
 // Three or more inputs, tile by tile: the first two inputs into the accumulator, then each
-// further one, then the last on the way out.
+// further one, then the last on the way out. `m` elements from `base`; the accumulator's last
+// vector may be partial.
 template <class T, op O, bool Raw0, bool Raw1, class In>
 [[gnu::noinline]] void tile_first(typename lanes<T>::vec* acc, In in0, In in1, std::size_t base, std::size_t m,
-                                  const avg_vec<T> av) noexcept {
+                                  const typename lanes<T>::vec pre) noexcept {
   constexpr std::size_t w = lanes<T>::width;
-  for (std::size_t v = 0; v * w < m; ++v) {
-    const std::size_t i = base + v * w, k = m - v * w < w ? m - v * w : w;
-    acc[v] = apply<T, O>(get_in<T, Raw0>(in0, i, k, av), get_in<T, Raw1>(in1, i, k, av));
-  }
+  std::size_t v = 0;
+  for (; (v + 1) * w <= m; ++v)
+    acc[v] = apply<T, O>(get_in<T, Raw0, true>(in0, base + v * w, w, pre), get_in<T, Raw1, true>(in1, base + v * w, w, pre));
+  if (v * w < m)
+    acc[v] = apply<T, O>(get_in<T, Raw0, false>(in0, base + v * w, m - v * w, pre),
+                         get_in<T, Raw1, false>(in1, base + v * w, m - v * w, pre));
 }
 template <class T, op O, bool Raw, class In>
 [[gnu::noinline]] void tile_next(typename lanes<T>::vec* acc, In in, std::size_t base, std::size_t m,
-                                 const avg_vec<T> av) noexcept {
+                                 const typename lanes<T>::vec pre) noexcept {
   constexpr std::size_t w = lanes<T>::width;
-  for (std::size_t v = 0; v * w < m; ++v) {
-    const std::size_t i = base + v * w, k = m - v * w < w ? m - v * w : w;
-    acc[v] = apply<T, O>(acc[v], get_in<T, Raw>(in, i, k, av));
-  }
+  std::size_t v = 0;
+  for (; (v + 1) * w <= m; ++v) acc[v] = apply<T, O>(acc[v], get_in<T, Raw, true>(in, base + v * w, w, pre));
+  if (v * w < m) acc[v] = apply<T, O>(acc[v], get_in<T, Raw, false>(in, base + v * w, m - v * w, pre));
 }
-template <class T, op O, bool Raw, bool Fin, class Out, class In>
+template <class T, op O, bool Raw, fin_mode F, class Out, class In>
 [[gnu::noinline]] void tile_last(Out const* outs, int nouts, const typename lanes<T>::vec* acc, In in, std::size_t base,
-                                 std::size_t m, const avg_vec<T> av) noexcept {
+                                 std::size_t m, const typename lanes<T>::vec pre, const typename lanes<T>::vec d) noexcept {
   constexpr std::size_t w = lanes<T>::width;
-  for (std::size_t v = 0; v * w < m; ++v) {
-    const std::size_t i = base + v * w, k = m - v * w < w ? m - v * w : w;
-    put_out<T, Fin>(outs, nouts, i, apply<T, O>(acc[v], get_in<T, Raw>(in, i, k, av)), k, av);
-  }
+  std::size_t v = 0;
+  for (; (v + 1) * w <= m; ++v)
+    put_out<T, F, true>(outs, nouts, base + v * w, apply<T, O>(acc[v], get_in<T, Raw, true>(in, base + v * w, w, pre)), w, d);
+  if (v * w < m)
+    put_out<T, F, false>(outs, nouts, base + v * w,
+                         apply<T, O>(acc[v], get_in<T, Raw, false>(in, base + v * w, m - v * w, pre)), m - v * w, d);
 }
 
 // Calls f(std::bool_constant<b>{}); for ops other than avg every flag is false.
@@ -521,6 +557,19 @@ template <op O, class F>
     f(std::false_type{});
   }
 }
+// Calls f(std::integral_constant<fin_mode, m>{}); for ops other than avg, none.
+template <op O, class F>
+[[gnu::always_inline]] inline void with_fin(fin_mode m, F&& f) {
+  if constexpr (O == op::avg) {
+    switch (m) {
+      case fin_mode::none: f(std::integral_constant<fin_mode, fin_mode::none>{}); return;
+      case fin_mode::mul: f(std::integral_constant<fin_mode, fin_mode::mul>{}); return;
+      case fin_mode::div: f(std::integral_constant<fin_mode, fin_mode::div>{}); return;
+    }
+  } else {
+    f(std::integral_constant<fin_mode, fin_mode::none>{});
+  }
+}
 
 template <class T, op O, class Out, class In>
 inline void combine_loop(Out const* outs, int nouts, In const* ins, int nins, std::size_t n,
@@ -528,15 +577,14 @@ inline void combine_loop(Out const* outs, int nouts, In const* ins, int nins, st
   using V = typename lanes<T>::vec;
   static_assert(combine_tile % lanes<T>::width == 0);
   constexpr bool avg = O == op::avg;
-  const bool fin = avg && av.finish;
+  const fin_mode fin = avg ? finish_of(av) : fin_mode::none;
+  const V pre = av.pre, d = finish_operand(av);
   auto raw = [&](int j) { return avg && j >= av.raw_from; };
 
   if (nins == 1) {
     if constexpr (avg) {
       with_flag<O>(raw(0), [&](auto r0) {
-        with_flag<O>(fin, [&](auto f) {
-          combine_1<T, decltype(r0)::value, decltype(f)::value>(outs, nouts, ins[0], n, av);
-        });
+        with_fin<O>(fin, [&](auto f) { combine_1<T, decltype(r0)::value, decltype(f)::value>(outs, nouts, ins[0], n, pre, d); });
       });
     }
     return;
@@ -544,9 +592,8 @@ inline void combine_loop(Out const* outs, int nouts, In const* ins, int nins, st
   if (nins == 2) {
     with_flag<O>(raw(0), [&](auto r0) {
       with_flag<O>(raw(1), [&](auto r1) {
-        with_flag<O>(fin, [&](auto f) {
-          combine_2<T, O, decltype(r0)::value, decltype(r1)::value, decltype(f)::value>(outs, nouts, ins[0], ins[1],
-                                                                                        n, av);
+        with_fin<O>(fin, [&](auto f) {
+          combine_2<T, O, decltype(r0)::value, decltype(r1)::value, decltype(f)::value>(outs, nouts, ins[0], ins[1], n, pre, d);
         });
       });
     });
@@ -557,16 +604,16 @@ inline void combine_loop(Out const* outs, int nouts, In const* ins, int nins, st
     const std::size_t m = n - base < combine_tile ? n - base : combine_tile;
     with_flag<O>(raw(0), [&](auto r0) {
       with_flag<O>(raw(1), [&](auto r1) {
-        tile_first<T, O, decltype(r0)::value, decltype(r1)::value>(acc, ins[0], ins[1], base, m, av);
+        tile_first<T, O, decltype(r0)::value, decltype(r1)::value>(acc, ins[0], ins[1], base, m, pre);
       });
     });
     for (int j = 2; j + 1 < nins; ++j)
-      with_flag<O>(raw(j), [&](auto r) { tile_next<T, O, decltype(r)::value>(acc, ins[j], base, m, av); });
+      with_flag<O>(raw(j), [&](auto r) { tile_next<T, O, decltype(r)::value>(acc, ins[j], base, m, pre); });
     // Every input of this tile has been read before any output of it is written, so an output
     // may be one of the inputs.
     with_flag<O>(raw(nins - 1), [&](auto r) {
-      with_flag<O>(fin, [&](auto f) {
-        tile_last<T, O, decltype(r)::value, decltype(f)::value>(outs, nouts, acc, ins[nins - 1], base, m, av);
+      with_fin<O>(fin, [&](auto f) {
+        tile_last<T, O, decltype(r)::value, decltype(f)::value>(outs, nouts, acc, ins[nins - 1], base, m, pre, d);
       });
     });
   }
@@ -681,45 +728,26 @@ inline void combine(T* const* outs, int nouts, const T* const* ins, int nins, st
 }
 
 /// The first half of an average computed by a library that only sums (MPI): `dst[i] = src[i] *
-/// 2^-k` for floating types (see "Averages"; exact short of the subnormal range, rounded once
+/// pre` for floating types (`avg_factors_for`; exact short of the subnormal range, rounded once
 /// there), a copy for integers. `dst` may be `src`. Then sum, then `avg_finish`.
 template <element T>
 inline void avg_prescale(T* dst, const T* src, std::size_t n, int world) {
   kern::check_world(world);
-  using L = kern::lanes<T>;
-  if constexpr (L::is_float) {
-    if (world == 1) {
-      if (dst != src) copy_bytes(dst, src, n * sizeof(T));
-      return;
-    }
-    const auto a = kern::make_avg<T>(avg_step{world, 0, false});
-    constexpr std::size_t w = L::width;
-    std::size_t i = 0;
-    for (; i + w <= n; i += w) L::store(dst + i, kern::canonical_nan<T>(kern::avg_in<T>(L::load(src + i), a)));
-    if (i < n) kern::store_n(dst + i, kern::canonical_nan<T>(kern::avg_in<T>(kern::load_n(src + i, n - i), a)), n - i);
-  } else if (dst != src) {
-    copy_bytes(dst, src, n * sizeof(T));
-  }
+  // The one-input combine of a single rank's contribution that does not finish.
+  T* outs[1] = {dst};
+  const T* ins[1] = {src};
+  kern::combine_any<T>(outs, 1, ins, 1, n, op::avg, avg_step{world, 0, false});
 }
 
-/// The second half: divides a sum of `avg_prescale`d contributions by world * 2^-k (floats,
+/// The second half: divides a sum of `avg_prescale`d contributions by `post` (floats,
 /// rounding once) or a plain sum by `world` (integers, truncating toward zero).
 template <element T>
 inline void avg_finish(T* p, std::size_t n, int world) {
   kern::check_world(world);
-  using L = kern::lanes<T>;
-  const auto a = kern::make_avg<T>(avg_step{world, 0, true});
-  if (!a.divide) return;
-  if constexpr (L::is_float) {
-    constexpr std::size_t w = L::width;
-    std::size_t i = 0;
-    for (; i + w <= n; i += w) L::store(p + i, kern::avg_out<T>(L::load(p + i), a));
-    if (i < n) kern::store_n(p + i, kern::avg_out<T>(kern::load_n(p + i, n - i), a), n - i);
-  } else {
-    // x86 has no SIMD integer division; avg of integers is rare enough to stay scalar.
-    const T d = static_cast<T>(world);
-    for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<T>(p[i] / d);
-  }
+  // The one-input combine of a partial result that finishes.
+  T* outs[1] = {p};
+  const T* ins[1] = {p};
+  kern::combine_any<T>(outs, 1, ins, 1, n, op::avg, avg_step{world, 1, true});
 }
 
 /// Type-erased `reduce_into`: `dst` and `src` hold `n` elements of `t`.
