@@ -94,6 +94,24 @@ void run(std::size_t bytes, int reps) {
     std::snprintf(name, sizeof name, "combine<float> %d in/1 out", k);
     report(name, median_seconds(reps, [&] { ddp::detail::combine(outs, 1, ins, k, nf, ddp::op::sum); }),
            (k + 1.0) * b);
+    // avg over 3 ranks: every input scaled on entry, the result divided by 3/8 (not a power of
+    // two: a true division), as the shm reducers finish a slice.
+    std::snprintf(name, sizeof name, "combine<float> avg %d in/%d out", k, k);
+    report(name, median_seconds(reps, [&] {
+             ddp::detail::combine(outs, k, ins, k, nf, ddp::op::avg, ddp::detail::avg_step{3, 0, true});
+           }), 2.0 * k * b);
+    std::snprintf(name, sizeof name, "combine<float> avg %d in/1 out", k);
+    report(name, median_seconds(reps, [&] {
+             ddp::detail::combine(outs, 1, ins, k, nf, ddp::op::avg, ddp::detail::avg_step{3, 0, true});
+           }), (k + 1.0) * b);
+  }
+  {
+    // A middle step of the tcp ring's avg: received partial result + own data scaled.
+    float* outs[1] = {f(0)};
+    const float* ins[2] = {f(1), f(0)};
+    report("combine<float> avg ring step", median_seconds(reps, [&] {
+             ddp::detail::combine(outs, 1, ins, 2, nf, ddp::op::avg, ddp::detail::avg_step{3, 1, false});
+           }), 3 * b);
   }
   auto h = [&](int i) { return reinterpret_cast<ddp::half*>(buf[static_cast<std::size_t>(i)].get()); };
   auto bf = [&](int i) { return reinterpret_cast<ddp::bfloat16*>(buf[static_cast<std::size_t>(i)].get()); };

@@ -109,6 +109,50 @@ TEST_CASE("mpi_reducer: every dtype and op, exact references") {
     check_all_types_and_ops(red, count);
 }
 
+TEST_CASE("mpi_reducer: an average whose sum overflows the type is still the average") {
+  // f16 40000 on two ranks sums to 80000, beyond f16's 65504: the average must not go through
+  // that sum (nor bf16's, f32's or f64's near their maxima), for allreduce and reduce_scatter.
+  ddp::mpi_reducer red{pg()};
+  const int n = pg().size(), r = pg().rank();
+  auto check = [&](auto tag, double base, double step, double u) {
+    using T = decltype(tag);
+    auto value = [&](int q, std::size_t i) { return base - step * static_cast<double>((q + static_cast<int>(i)) % 4); };
+    auto make = [&](double x) {
+      if constexpr (std::is_same_v<T, ddp::half> || std::is_same_v<T, ddp::bfloat16>) return T(static_cast<float>(x));
+      else return static_cast<T>(x);
+    };
+    auto back = [](T x) {
+      if constexpr (std::is_same_v<T, ddp::half> || std::is_same_v<T, ddp::bfloat16>) return static_cast<double>(static_cast<float>(x));
+      else return static_cast<double>(x);
+    };
+    const std::size_t count = 257;
+    std::vector<T> v(count), in(count * static_cast<std::size_t>(n)), out(count);
+    for (std::size_t i = 0; i < count; ++i) v[i] = make(value(r, i));
+    for (std::size_t i = 0; i < in.size(); ++i) in[i] = make(value(r, i));
+    red.allreduce(std::span<T>(v), ddp::op::avg);
+    red.reduce_scatter(std::span<const T>(in), std::span<T>(out), ddp::op::avg);
+    std::size_t bad = count, bad_rs = count;
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::size_t k = static_cast<std::size_t>(r) * count + i;
+      double e = 0, e_rs = 0;
+      for (int q = 0; q < n; ++q) e += back(make(value(q, i))), e_rs += back(make(value(q, k)));
+      e /= n, e_rs /= n;
+      if (bad == count && !(std::fabs(back(v[i]) - e) <= (n + 1) * u * std::fabs(e))) bad = i;
+      if (bad_rs == count && !(std::fabs(back(out[i]) - e_rs) <= (n + 1) * u * std::fabs(e_rs))) bad_rs = i;
+    }
+    INFO(std::string(ddp::dtype_name(ddp::dtype_of_v<T>)), " base ", base, " allreduce element ", bad, " = ",
+         bad < count ? back(v[bad]) : 0.0, ", reduce_scatter element ", bad_rs);
+    CHECK(bad == count);
+    CHECK(bad_rs == count);
+    CHECK(same_bits_everywhere(v.data(), v.size() * sizeof(T)));
+  };
+  check(ddp::half{}, 40000.0, 64.0, 0x1.0p-11);
+  check(ddp::half{}, -65504.0, -32.0, 0x1.0p-11);
+  check(ddp::bfloat16{}, 3.0e38, 1e37, 0x1.0p-8);
+  check(float{}, 3.4e38, 1e36, 0x1.0p-24);
+  check(double{}, 1.7e308, 1e306, 0x1.0p-53);
+}
+
 TEST_CASE("mpi_reducer: random floats against a double reference") {
   ddp::mpi_reducer red{pg()};
   auto input = [](int r, std::size_t i) {

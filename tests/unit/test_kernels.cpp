@@ -82,13 +82,60 @@ T ref_combine(const std::vector<const T*>& ins, std::size_t i, op o) {
 }
 
 template <class T>
-T ref_avg(T a, int world) {
-  if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>)
-    return T(canonical(static_cast<float>(a) / static_cast<float>(world)));
-  else if constexpr (std::is_floating_point_v<T>)
-    return canonical(a / static_cast<T>(world));
-  else
-    return static_cast<T>(a / static_cast<T>(world));
+constexpr bool is_16 = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
+
+// The compute type of T: float for the 16-bit floats.
+template <class T>
+using wide = std::conditional_t<is_16<T>, float, T>;
+
+// 2^-(k+1) with 2^k the smallest power of two >= world (1 for a world of 1), written out
+// independently.
+double ref_pre(int world) {
+  if (world == 1) return 1.0;
+  int k = 0;
+  while ((1 << k) < world) ++k;
+  return std::ldexp(1.0, -(k + 1));
+}
+
+template <class T>
+double ref_max() {
+  if constexpr (std::is_same_v<T, half>) return 65504.0;
+  else if constexpr (std::is_same_v<T, bfloat16>) return static_cast<double>(bfloat16::to_float(0x7f7f));
+  else return static_cast<double>(std::numeric_limits<T>::max());
+}
+
+// The finishing division: a finite sum whose quotient passes the type's largest value gets
+// that value (only rounding can carry an average of finite values there).
+template <class T, class W>
+W ref_finish(W acc, int world) {
+  const W post = static_cast<W>(world * ref_pre(world));
+  if (post == W(1)) return acc;
+  W q = acc / post;
+  if (std::isfinite(acc) && std::fabs(static_cast<double>(q)) > ref_max<T>()) q = std::copysign(static_cast<W>(ref_max<T>()), q);
+  return canonical(q);
+}
+
+// Documented avg semantics of one combine: inputs from raw_from on are multiplied by 2^-k as
+// they enter, the sum runs left to right in the compute type, and `finish` divides by
+// world * 2^-k (floats) or world (integers, truncating) before the one rounding.
+template <class T>
+T ref_combine_avg(const std::vector<const T*>& ins, std::size_t i, int world, int raw_from, bool finish) {
+  using W = wide<T>;
+  if constexpr (std::is_integral_v<T>) {
+    T acc = ins[0][i];
+    for (std::size_t j = 1; j < ins.size(); ++j) acc = ref_int_op(acc, ins[j][i], op::sum);
+    return finish ? static_cast<T>(acc / static_cast<T>(world)) : acc;
+  } else {
+    const W pre = static_cast<W>(ref_pre(world));
+    auto in = [&](std::size_t j) {
+      const W x = static_cast<W>(ins[j][i]);
+      return static_cast<int>(j) >= raw_from ? x * pre : x;
+    };
+    W acc = canonical(in(0));
+    for (std::size_t j = 1; j < ins.size(); ++j) acc = ref_float_op(acc, in(j), op::sum);
+    if (finish) acc = ref_finish<T>(acc, world);
+    return T(acc);
+  }
 }
 
 // ---- data -------------------------------------------------------------------------------------
@@ -190,16 +237,66 @@ void check_combine() {
 }
 
 template <class T>
-void check_scale_avg() {
+void check_combine_avg() {
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{31}, std::size_t{3001}}) {
+    for (int world : {1, 2, 3, 5, 8, 9}) {
+      for (int nins : {1, 2, 3, 5}) {
+        for (int raw_from = 0; raw_from <= nins; ++raw_from) {
+          for (bool finish : {false, true}) {
+            CAPTURE(n);
+            CAPTURE(world);
+            CAPTURE(nins);
+            CAPTURE(raw_from);
+            CAPTURE(finish);
+            std::vector<std::vector<T>> bufs;
+            for (int j = 0; j < nins; ++j)
+              bufs.push_back(random_data<T>(n + 1, static_cast<std::uint32_t>(j * 31 + world * 7 + n)));
+            std::vector<const T*> ins;
+            for (auto& b : bufs) ins.push_back(b.data() + 1);
+            std::vector<T> expect(n);
+            // One input that is only copied (a partial result, not finished) keeps its bits.
+            const bool copy = nins == 1 && (world == 1 || (raw_from == 1 && !finish));
+            for (std::size_t i = 0; i < n; ++i) expect[i] = copy ? ins[0][i] : ref_combine_avg(ins, i, world, raw_from, finish);
+            std::vector<T> separate(n + 1);
+            std::vector<T*> outs;
+            for (auto& b : bufs) outs.push_back(b.data() + 1);
+            outs.push_back(separate.data() + 1);
+            det::combine(outs.data(), static_cast<int>(outs.size()), ins.data(), nins, n, op::avg,
+                         det::avg_step{world, raw_from, finish});
+            for (std::size_t k = 0; k < outs.size(); ++k) {
+              CAPTURE(k);
+              CHECK(first_diff(outs[k], expect.data(), n) == n);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+void check_prescale_finish() {
   for (std::size_t n : sizes) {
-    for (int world : {1, 2, 3, 7}) {
+    for (int world : {1, 2, 3, 7, 9}) {
       CAPTURE(n);
       CAPTURE(world);
-      auto a = random_data<T>(n + 1, 5);
-      std::vector<T> expect(n);
-      for (std::size_t i = 0; i < n; ++i) expect[i] = world == 1 ? a[i + 1] : ref_avg(a[i + 1], world);
-      det::scale_avg(a.data() + 1, n, world);
-      CHECK(first_diff(a.data() + 1, expect.data(), n) == n);
+      const auto a = random_data<T>(n + 1, 5);
+      std::vector<T> pre(n + 1), fin(a), expect_pre(n), expect_fin(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        if constexpr (std::is_integral_v<T>) {
+          expect_pre[i] = a[i + 1];
+          expect_fin[i] = static_cast<T>(a[i + 1] / static_cast<T>(world));
+        } else {
+          using W = wide<T>;
+          const W x = static_cast<W>(a[i + 1]);
+          expect_pre[i] = world == 1 ? a[i + 1] : T(canonical(x * static_cast<W>(ref_pre(world))));
+          expect_fin[i] = world == 1 ? a[i + 1] : T(ref_finish<T>(x, world));
+        }
+      }
+      det::avg_prescale(pre.data() + 1, a.data() + 1, n, world);
+      CHECK(first_diff(pre.data() + 1, expect_pre.data(), n) == n);
+      det::avg_finish(fin.data() + 1, n, world);
+      CHECK(first_diff(fin.data() + 1, expect_fin.data(), n) == n);
     }
   }
 }
@@ -216,9 +313,105 @@ TEST_CASE_TEMPLATE("combine matches the scalar reference bit for bit", T, float,
   check_combine<T>();
 }
 
-TEST_CASE_TEMPLATE("scale_avg divides like the scalar reference", T, float, double, half,
+TEST_CASE_TEMPLATE("combine of an average scales, sums and divides like the scalar reference", T, float,
+                   double, half, bfloat16, std::int32_t, std::int64_t) {
+  check_combine_avg<T>();
+}
+
+TEST_CASE_TEMPLATE("avg_prescale and avg_finish match the scalar reference", T, float, double, half,
                    bfloat16, std::int32_t, std::int64_t) {
-  check_scale_avg<T>();
+  check_prescale_finish<T>();
+}
+
+TEST_CASE("an average that fits the type never overflows, whatever the sum") {
+  // Two ranks averaging f16 40000 (the sum, 80000, is beyond f16's 65504), every world size up
+  // to 9 at f16's largest value, bf16 and f32 near their maxima: one n-input combine (the
+  // shared-memory reduction) and a ring-like chain of two-input steps (the tcp ring).
+  auto check = [](auto tag, float value) {
+    using T = decltype(tag);
+    for (int world = 1; world <= 9; ++world) {
+      CAPTURE(world);
+      CAPTURE(value);
+      std::vector<T> data(static_cast<std::size_t>(world), T(value));
+      std::vector<const T*> ins;
+      for (auto& x : data) ins.push_back(&x);
+      T out{};
+      T* outs[] = {&out};
+      det::combine(outs, 1, ins.data(), world, 1, op::avg, det::avg_step{world, 0, true});
+      CHECK(static_cast<double>(static_cast<float>(out)) == doctest::Approx(value).epsilon(world * 0.004));
+      // Chain: step 0 combines two ranks' own data, later steps add one rank's data to the
+      // partial result, the last step finishes.
+      if (world < 2) continue;
+      T acc = data[0];
+      for (int s = 0; s + 1 < world; ++s) {
+        const T* in2[] = {&acc, &data[static_cast<std::size_t>(s) + 1]};
+        T* o2[] = {&acc};
+        det::combine(o2, 1, in2, 2, 1, op::avg, det::avg_step{world, s == 0 ? 0 : 1, s == world - 2});
+      }
+      CHECK(static_cast<double>(static_cast<float>(acc)) == doctest::Approx(value).epsilon(world * 0.004));
+    }
+  };
+  check(half{}, 40000.0f);
+  check(half{}, 65504.0f);
+  check(half{}, -65504.0f);
+  check(half{}, 9000.0f);
+  check(bfloat16{}, 3.3e38f);
+  check(bfloat16{}, -3.38e38f);
+  check(float{}, std::numeric_limits<float>::max());
+  check(float{}, -3.0e38f);
+  // f64 through the same kernels.
+  for (int world = 2; world <= 9; ++world) {
+    std::vector<double> d(static_cast<std::size_t>(world), std::numeric_limits<double>::max());
+    std::vector<const double*> ins;
+    for (auto& x : d) ins.push_back(&x);
+    double out = 0;
+    double* outs[] = {&out};
+    det::combine(outs, 1, ins.data(), world, 1, op::avg, det::avg_step{world, 0, true});
+    CHECK(out == doctest::Approx(std::numeric_limits<double>::max()));
+    CHECK(std::isfinite(out));
+  }
+}
+
+TEST_CASE("where the sum fits, an average is bit for bit the sum divided by the world size") {
+  // Scaling by a power of two is exact, so the new path must reproduce (sum) / n, the result of
+  // dividing after summing, on data that stays clear of overflow and the subnormal range.
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> d(-1000.0, 1000.0);
+  for (int world : {2, 3, 5, 6, 7, 9}) {
+    const std::size_t n = 1001;
+    std::vector<std::vector<float>> f(static_cast<std::size_t>(world), std::vector<float>(n));
+    std::vector<std::vector<double>> g(static_cast<std::size_t>(world), std::vector<double>(n));
+    for (int r = 0; r < world; ++r)
+      for (std::size_t i = 0; i < n; ++i) {
+        f[static_cast<std::size_t>(r)][i] = static_cast<float>(d(rng));
+        g[static_cast<std::size_t>(r)][i] = d(rng);
+      }
+    std::vector<const float*> fi;
+    std::vector<const double*> gi;
+    for (int r = 0; r < world; ++r) {
+      fi.push_back(f[static_cast<std::size_t>(r)].data());
+      gi.push_back(g[static_cast<std::size_t>(r)].data());
+    }
+    std::vector<float> fo(n);
+    std::vector<double> go(n);
+    float* fos[] = {fo.data()};
+    double* gos[] = {go.data()};
+    det::combine(fos, 1, fi.data(), world, n, op::avg, det::avg_step{world, 0, true});
+    det::combine(gos, 1, gi.data(), world, n, op::avg, det::avg_step{world, 0, true});
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      volatile float fs = fi[0][i];
+      volatile double gs = gi[0][i];
+      for (int r = 1; r < world; ++r) {
+        fs = fs + fi[static_cast<std::size_t>(r)][i];
+        gs = gs + gi[static_cast<std::size_t>(r)][i];
+      }
+      bad += std::bit_cast<std::uint32_t>(fo[i]) != std::bit_cast<std::uint32_t>(static_cast<float>(fs / static_cast<float>(world)));
+      bad += std::bit_cast<std::uint64_t>(go[i]) != std::bit_cast<std::uint64_t>(static_cast<double>(gs / world));
+    }
+    CAPTURE(world);
+    CHECK(bad == 0);
+  }
 }
 
 TEST_CASE("float sum is the plain left-to-right sum, exactly") {
@@ -253,8 +446,15 @@ TEST_CASE("integer sum and prod wrap") {
   CHECK(p[0] == 0);
   CHECK(p[1] == -15);
   std::int64_t m[] = {-7};
-  det::scale_avg(m, 1, 2);
+  det::avg_finish(m, 1, 2);
   CHECK(m[0] == -3);  // truncation toward zero
+  // Integer avg is the wrapping sum divided once: 3 ranks of INT32_MAX wrap before dividing.
+  const std::int32_t big[] = {std::numeric_limits<std::int32_t>::max()};
+  const std::int32_t* bins[] = {big, big, big};
+  std::int32_t bout[1];
+  std::int32_t* bouts[] = {bout};
+  det::combine(bouts, 1, bins, 3, 1, op::avg, det::avg_step{3, 0, true});
+  CHECK(bout[0] == static_cast<std::int32_t>(static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max()) * 3u) / 3);
 }
 
 TEST_CASE("min and max propagate NaN from either side") {
@@ -387,8 +587,15 @@ TEST_CASE("type-erased entry points dispatch on dtype and reject bad arguments")
   CHECK(static_cast<float>(x[1]) == 2.25f);
 
   std::vector<std::int32_t> z{9, -9};
-  det::scale_avg(z.data(), 2, dtype::i32, 2);
+  det::avg_finish(z.data(), 2, dtype::i32, 2);
   CHECK(z == std::vector<std::int32_t>{4, -4});
+  std::vector<half> h{half(40000.0f), half(-6.0f)};
+  det::avg_prescale(h.data(), h.data(), 2, dtype::f16, 3);  // 3 ranks: 2^-3
+  CHECK(static_cast<float>(h[0]) == 5000.0f);
+  CHECK(static_cast<float>(h[1]) == -0.75f);
+  det::avg_finish(h.data(), 2, dtype::f16, 3);  // divides by 3/8
+  CHECK(h[0] == half(5000.0f / 0.375f));  // 13336: the average of three ranks' 40000, one rounding
+  CHECK(static_cast<float>(h[1]) == -2.0f);
 
   auto code_of = [](auto&& f) {
     try {
@@ -402,6 +609,49 @@ TEST_CASE("type-erased entry points dispatch on dtype and reject bad arguments")
         ddp::errc::invalid_argument);
   CHECK(code_of([&] { det::reduce_into(a.data(), b.data(), 3, dtype::f64, static_cast<op>(9)); }) ==
         ddp::errc::invalid_argument);
-  CHECK(code_of([&] { det::scale_avg(z.data(), 2, dtype::i32, 0); }) == ddp::errc::invalid_argument);
+  CHECK(code_of([&] { det::avg_finish(z.data(), 2, dtype::i32, 0); }) == ddp::errc::invalid_argument);
+  CHECK(code_of([&] { det::avg_prescale(z.data(), z.data(), 2, dtype::i32, -1); }) == ddp::errc::invalid_argument);
   CHECK(a == std::vector<double>{11.0, 22.0, 33.0});  // rejected calls touched nothing
+}
+
+TEST_CASE("every kernel entry rejects an unknown dtype, op or avg step with invalid_argument") {
+  // Values no enumerator has: each must be errc::invalid_argument, never a trap (a division by
+  // dtype_size's 0) or a silent no-op, whatever the other arguments.
+  auto code_of = [](auto&& f) {
+    try {
+      f();
+    } catch (const ddp::error& e) {
+      return e.condition();
+    }
+    return ddp::errc{};
+  };
+  constexpr auto bad = ddp::errc::invalid_argument;
+  std::vector<double> a(4096, 1.0), b(4096, 2.0);
+  void* outs[] = {a.data()};
+  const void* ins[] = {a.data(), b.data()};
+  double* touts[] = {a.data()};
+  const double* tins[] = {a.data(), b.data()};
+  for (int t : {6, 7, 42, 255}) {
+    CAPTURE(t);
+    const auto dt = static_cast<dtype>(t);
+    CHECK(code_of([&] { det::reduce_into(a.data(), b.data(), 4096, dt, op::sum); }) == bad);
+    CHECK(code_of([&] { det::combine(outs, 1, ins, 2, 4096, dt, op::sum); }) == bad);
+    CHECK(code_of([&] { det::combine(outs, 1, ins, 2, 0, dt, op::avg, det::avg_step{2, 0, true}); }) == bad);
+    CHECK(code_of([&] { det::avg_prescale(a.data(), a.data(), 4096, dt, 2); }) == bad);
+    CHECK(code_of([&] { det::avg_finish(a.data(), 4096, dt, 2); }) == bad);
+    CHECK(code_of([&] { (void)det::checked_size(dt); }) == bad);
+  }
+  for (int o : {5, 9, 200}) {
+    CAPTURE(o);
+    const auto op_ = static_cast<op>(o);
+    CHECK(code_of([&] { det::reduce_into(a.data(), b.data(), 4096, dtype::f64, op_); }) == bad);
+    CHECK(code_of([&] { det::reduce_into(a.data(), b.data(), 4096, op_); }) == bad);
+    CHECK(code_of([&] { det::combine(outs, 1, ins, 2, 4096, dtype::f64, op_); }) == bad);
+    CHECK(code_of([&] { det::combine(touts, 1, tins, 2, 4096, op_); }) == bad);
+  }
+  for (auto s : {det::avg_step{0, 0, true}, det::avg_step{-3, 0, false}, det::avg_step{2, -1, true}, det::avg_step{2, 3, true}}) {
+    CHECK(code_of([&] { det::combine(outs, 1, ins, 2, 4096, dtype::f64, op::avg, s); }) == bad);
+    CHECK(code_of([&] { det::combine(touts, 1, tins, 2, 4096, op::avg, s); }) == bad);
+  }
+  CHECK(a == std::vector<double>(4096, 1.0));  // rejected calls touched nothing
 }

@@ -15,16 +15,18 @@ TEST_CASE("tbb-parallel combine is bitwise equal to the serial kernel") {
   for (std::size_t k = 0; k < in.size(); ++k)
     for (std::size_t i = 0; i < n; ++i) in[k][i] = static_cast<float>((i * 2654435761u + k * 97) % 1000003) * 1e-3f;
   const void* ins[4] = {in[0].data(), in[1].data(), in[2].data(), in[3].data()};
-  for (auto o : {ddp::op::sum, ddp::op::max, ddp::op::prod}) {
+  // avg over 3 ranks: scaled inputs and a true division, finished in each piece.
+  const ddp::detail::avg_step avg{3, 0, true};
+  for (auto o : {ddp::op::sum, ddp::op::max, ddp::op::prod, ddp::op::avg}) {
     CAPTURE(static_cast<int>(o));
     std::vector<float> serial(n), par(n), par2(n);
     {
       void* outs[1] = {serial.data()};
-      ddp::detail::kern::combine_any<float>(outs, 1, ins, 4, n, o);
+      ddp::detail::kern::combine_any<float>(outs, 1, ins, 4, n, o, avg);
     }
     ddp::set_kernel_threads(2);
     void* outs[2] = {par.data(), par2.data()};
-    ddp::detail::combine(outs, 2, ins, 4, n, ddp::dtype::f32, o);
+    ddp::detail::combine(outs, 2, ins, 4, n, ddp::dtype::f32, o, avg);
     CHECK(std::memcmp(serial.data(), par.data(), n * sizeof(float)) == 0);
     CHECK(std::memcmp(serial.data(), par2.data(), n * sizeof(float)) == 0);
   }

@@ -1,8 +1,8 @@
 #pragma once
 // IWYU pragma: private
 /// \file detail/kernels.hpp
-/// Host reduction kernels: elementwise `dst op= src`, the n-input `combine` at the heart of the
-/// shared-memory allreduce, and the division of `op::avg`.
+/// Host reduction kernels: elementwise `dst op= src`, the n-input `combine` at the heart of every
+/// host allreduce, and the scaling of `op::avg` (see "Averages" below).
 ///
 /// The kernels are single-threaded and pure: callers split work between threads or ranks with
 /// `partition` (detail/schedule.hpp). They are written with GNU vector extensions rather than
@@ -30,12 +30,26 @@
 ///   instructions when the target has them (-mf16c, -march=x86-64-v3 or native). The software
 ///   f16 path costs about 25 instructions per element on SSE2, so f16 reductions are compute
 ///   bound there (~1.5 GB/s against ~19 GB/s with F16C); bf16 needs only shifts.
+///
+/// Averages. A sum rounded to the element type before it is divided overflows whenever the sum
+/// does (two ranks averaging f16 40000 would give inf), so floating-point `op::avg` never forms
+/// the plain sum. Over a world of n >= 2 ranks, each rank's contribution enters the accumulator
+/// multiplied by `pre` = 2^-(k+1), 2^k the smallest power of two >= n; partial results are sums
+/// of scaled contributions, at most half the largest finite value even after rounding, so none
+/// overflows; the step that finishes an element divides by `post` = n * 2^-(k+1), in (1/4, 1/2],
+/// before its one rounding to the element type. Scaling by a power of two is exact (short of the
+/// subnormal range), so wherever the plain sum did not overflow the result is bit for bit
+/// `(sum) / n` as before, and where it did, it is the average. An average of finite values is
+/// finite: a quotient that rounding alone carries past the type's largest value becomes that
+/// value, not inf. See `avg_step`, and docs/reducers.md for the error bound. Integer avg is the
+/// wrapping sum divided once, truncating toward zero.
 
 #include <ddp/dtype.hpp>
 #include <ddp/detail/copy.hpp>
 #include <ddp/detail/parallel.hpp>
 #include <ddp/error.hpp>
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -302,135 +316,356 @@ inline void reduce_loop(T* dst, const T* src, std::size_t n) noexcept {
 // so each input crosses the memory bus once and each output is written once.
 inline constexpr std::size_t combine_tile = 1024;
 
-// `Out`/`In` are `T*`/`const T*` or `void*`/`const void*` (the type-erased entry point): each
-// pointer is converted on use, so a `void*` array is never read through a `T*` lvalue.
-template <class T, op O, class Out, class In>
-inline void combine_loop(Out const* outs, int nouts, In const* ins, int nins,
-                         std::size_t n) noexcept {
+}  // namespace kern
+
+/// The scale factors of floating-point `op::avg` over `world` ranks (see "Averages" above):
+/// each contribution is multiplied by `pre` = 2^-(k+1), 2^k the smallest power of two >= world,
+/// and the finished sum is divided by `post` = world * pre. Both are exact in every float type.
+/// A world of 1 has nothing to scale: {1, 1}.
+struct avg_factors {
+  double pre = 1.0;
+  double post = 1.0;
+};
+
+constexpr avg_factors avg_factors_for(int world) noexcept {
+  if (world <= 1) return {};
+  double pre = 0.5;
+  for (long long p2 = 1; p2 < world; p2 *= 2) pre /= 2;
+  return {pre, world * pre};
+}
+
+/// How one `combine` takes part in an `op::avg` (other ops ignore it). Inputs
+/// `ins[0, raw_from)` are partial results, already sums of scaled contributions; inputs
+/// `ins[raw_from, nins)` are single ranks' contributions, scaled as they enter the sum. With
+/// `finish` the result is final: it is divided by `post` (floats) or `world` (integers,
+/// truncating) before its one rounding to the element type.
+///
+/// A ring step that adds its own data to a received partial result passes `{n, 1, last_step}`;
+/// its first step, where both inputs are single ranks' data, `{n, 0, n == 2}`; the n-input
+/// shared-memory reduction `{n, 0, true}`. The default, a world of 1, is a plain sum.
+struct avg_step {
+  int world = 1;        ///< ranks averaged over, >= 1
+  int raw_from = 0;     ///< first input that is a single rank's contribution, in [0, nins]
+  bool finish = false;  ///< divide the result: it is the average
+};
+
+namespace kern {
+
+// Largest finite value of a floating element type, in its compute type.
+template <class T>
+constexpr typename lanes<T>::scalar max_finite() noexcept {
+  if constexpr (std::is_same_v<T, half>) return 65504.0f;
+  else if constexpr (std::is_same_v<T, bfloat16>) return std::bit_cast<float>(0x7f7f0000u);
+  else return std::numeric_limits<T>::max();
+}
+
+// `avg_step` with its factors broadcast to compute vectors.
+template <class T>
+struct avg_vec {
+  using V = typename lanes<T>::vec;
+  V pre{};               // floats: 2^-(k+1)
+  V post{};              // floats: world * pre; integers: world
+  V inv{};               // floats: 1 / post, used when it is exact (post a power of two)
+  int raw_from = 0;
+  bool finish = false;
+  bool divide = false;   // post != 1
+  bool by_inv = false;   // x * inv == x / post bit for bit
+};
+
+template <class T>
+inline avg_vec<T> make_avg(const avg_step& a) noexcept {
   using L = lanes<T>;
   using V = typename L::vec;
-  constexpr std::size_t w = L::width;
-  static_assert(combine_tile % w == 0);
-  // Writes `v` (elements [i, i+k) of the result) to every output.
-  auto put = [&](std::size_t i, V v, std::size_t k) {
-    if (k == w) {
-      for (int o = 0; o < nouts; ++o) L::store(static_cast<T*>(outs[o]) + i, v);
-    } else {
-      for (int o = 0; o < nouts; ++o) store_n(static_cast<T*>(outs[o]) + i, v, k);
-    }
-  };
-  auto get = [&](In p, std::size_t i, std::size_t k) {
-    const T* q = static_cast<const T*>(p) + i;
-    return k == w ? L::load(q) : load_n(q, k);
-  };
-
-  if (nins == 2) {
-    // No accumulator needed: one pass reads both inputs and writes every output.
-    for (std::size_t i = 0; i < n; i += w) {
-      const std::size_t k = n - i < w ? n - i : w;
-      put(i, apply<T, O>(get(ins[0], i, k), get(ins[1], i, k)), k);
-    }
-    return;
+  avg_vec<T> v;
+  v.raw_from = a.raw_from;
+  v.finish = a.finish;
+  if constexpr (L::is_float) {
+    using S = typename L::scalar;
+    const avg_factors f = avg_factors_for(a.world);
+    v.pre = V{} + static_cast<S>(f.pre);
+    v.post = V{} + static_cast<S>(f.post);
+    v.inv = V{} + static_cast<S>(1.0 / f.post);
+    v.divide = f.post != 1.0;
+    v.by_inv = (a.world & (a.world - 1)) == 0;  // post is then a power of two too
+  } else {
+    v.post = V{} + a.world;
+    v.divide = a.world != 1;
   }
+  return v;
+}
 
-  alignas(64) V acc[combine_tile / w];
-  for (std::size_t base = 0; base < n; base += combine_tile) {
-    const std::size_t m = n - base < combine_tile ? n - base : combine_tile;
-    const std::size_t nv = (m + w - 1) / w;
-    for (std::size_t v = 0; v < nv; ++v) {
-      const std::size_t i = base + v * w;
-      const std::size_t k = m - v * w < w ? m - v * w : w;
-      acc[v] = apply<T, O>(get(ins[0], i, k), get(ins[1], i, k));
-    }
-    for (int j = 2; j + 1 < nins; ++j) {
-      const In in = ins[j];
-      for (std::size_t v = 0; v < nv; ++v) {
-        const std::size_t i = base + v * w;
-        const std::size_t k = m - v * w < w ? m - v * w : w;
-        acc[v] = apply<T, O>(acc[v], get(in, i, k));
-      }
-    }
-    // The last input is folded in on the way out. Every input of this tile has been read
-    // before any output of it is written, so an output may be one of the inputs.
-    const In last = ins[nins - 1];
-    for (std::size_t v = 0; v < nv; ++v) {
-      const std::size_t i = base + v * w;
-      const std::size_t k = m - v * w < w ? m - v * w : w;
-      put(i, apply<T, O>(acc[v], get(last, i, k)), k);
-    }
+// How a finishing step divides: not at all (a world of 1), by a multiply with the exact
+// reciprocal (`post` a power of two), or by a true division.
+enum class fin_mode { none, mul, div };
+
+template <class T>
+constexpr fin_mode finish_of(const avg_vec<T>& a) noexcept {
+  if (!a.finish || !a.divide) return fin_mode::none;
+  if constexpr (lanes<T>::is_float) return a.by_inv ? fin_mode::mul : fin_mode::div;
+  else return fin_mode::div;
+}
+
+// A single rank's contribution entering an average.
+template <class T>
+[[gnu::always_inline]] inline typename lanes<T>::vec avg_in(typename lanes<T>::vec x, typename lanes<T>::vec pre) noexcept {
+  if constexpr (lanes<T>::is_float) return x * pre;
+  else return x;
+}
+
+// The division that finishes an average: `d` is `post` (div) or its reciprocal (mul). Floats
+// divide (a multiply by the reciprocal would differ in the last bit when `post` is not a power
+// of two); integers truncate toward zero. A finite sum whose quotient lies beyond the type's
+// largest value got there by rounding (the average of finite values is finite): it becomes
+// that largest value rather than inf.
+template <class T, fin_mode F>
+[[gnu::always_inline]] inline typename lanes<T>::vec avg_out(typename lanes<T>::vec x, typename lanes<T>::vec d) noexcept {
+  using L = lanes<T>;
+  using V = typename L::vec;
+  if constexpr (F == fin_mode::none) {
+    return x;
+  } else if constexpr (L::is_float) {
+    using M = typename L::mask;
+    using S = typename L::scalar;
+    V q;
+    if constexpr (F == fin_mode::mul) q = x * d;
+    else q = x / d;
+    const M sign = reinterpret_cast<M>(V{} + S(-0.0));
+    const V ax = reinterpret_cast<V>(reinterpret_cast<M>(x) & ~sign);
+    const V aq = reinterpret_cast<V>(reinterpret_cast<M>(q) & ~sign);
+    const V top = V{} + max_finite<T>();
+    const M over = (aq > top) & (ax <= std::numeric_limits<S>::max());  // false for NaN
+    const V clamped = reinterpret_cast<V>((reinterpret_cast<M>(q) & sign) | reinterpret_cast<M>(top));
+    return canonical_nan<T>(select(over, clamped, q));
+  } else {
+    return x / d;
   }
 }
 
-template <class T, class Out, class In>
-inline void combine_any(Out const* outs, int nouts, In const* ins, int nins, std::size_t n,
-                        op o) noexcept {
-  if (nins <= 0 || nouts <= 0 || n == 0) return;
+// The finishing operand of `avg_out<T, F>`.
+template <class T>
+constexpr typename lanes<T>::vec finish_operand(const avg_vec<T>& a) noexcept {
+  return finish_of(a) == fin_mode::mul ? a.inv : a.post;
+}
+
+// The loops of `combine`, one function each, with the average's loop-invariant flags as
+// template arguments and its factors as vector arguments: no loop branches on them or reloads
+// them, other ops compile to exactly the plain loops, and each loop's variables stay in
+// registers (in one large function with lambdas, gcc kept a loop counter in a vector register
+// and ran 3x slower).
+//
+// `Out`/`In` are `T*`/`const T*` or `void*`/`const void*` (the type-erased entry point): each
+// pointer is converted on use, so a `void*` array is never read through a `T*` lvalue.
+
+// Elements [i, i+k) of input `p` (k == width: a whole vector); `Raw`: a single rank's
+// contribution, scaled on entry.
+template <class T, bool Raw, bool Whole, class In>
+[[gnu::always_inline]] inline typename lanes<T>::vec get_in(In p, std::size_t i, std::size_t k,
+                                                             typename lanes<T>::vec pre) noexcept {
+  using L = lanes<T>;
+  const T* q = static_cast<const T*>(p) + i;
+  typename L::vec x;
+  if constexpr (Whole) x = L::load(q);
+  else x = load_n(q, k);
+  if constexpr (Raw) x = avg_in<T>(x, pre);
+  return x;
+}
+
+// Writes `v` (elements [i, i+k) of the result) to every output, finishing an average first.
+template <class T, fin_mode F, bool Whole, class Out>
+[[gnu::always_inline]] inline void put_out(Out const* outs, int nouts, std::size_t i, typename lanes<T>::vec v,
+                                           std::size_t k, typename lanes<T>::vec d) noexcept {
+  using L = lanes<T>;
+  v = avg_out<T, F>(v, d);
+  if constexpr (Whole) {
+    for (int o = 0; o < nouts; ++o) L::store(static_cast<T*>(outs[o]) + i, v);
+  } else {
+    for (int o = 0; o < nouts; ++o) store_n(static_cast<T*>(outs[o]) + i, v, k);
+  }
+}
+
+// One input: only an average that scales or divides it gets here (combine_any copies otherwise).
+template <class T, bool Raw, fin_mode F, class Out, class In>
+inline void combine_1(Out const* outs, int nouts, In in0, std::size_t n, const typename lanes<T>::vec pre,
+                      const typename lanes<T>::vec d) noexcept {
+  using L = lanes<T>;
+  constexpr std::size_t w = L::width;
+  auto one = [&](auto whole, std::size_t i, std::size_t k) {
+    auto x = get_in<T, Raw, decltype(whole)::value>(in0, i, k, pre);
+    if constexpr (L::is_float) x = canonical_nan<T>(x);
+    put_out<T, F, decltype(whole)::value>(outs, nouts, i, x, k, d);
+  };
+  std::size_t i = 0;
+  for (; i + w <= n; i += w) one(std::true_type{}, i, w);
+  if (i < n) one(std::false_type{}, i, n - i);
+}
+
+// Two inputs: no accumulator needed, one pass reads both inputs and writes every output.
+template <class T, op O, bool Raw0, bool Raw1, fin_mode F, class Out, class In>
+inline void combine_2(Out const* outs, int nouts, In in0, In in1, std::size_t n, const typename lanes<T>::vec pre,
+                      const typename lanes<T>::vec d) noexcept {
+  constexpr std::size_t w = lanes<T>::width;
+  std::size_t i = 0;
+  for (; i + w <= n; i += w)
+    put_out<T, F, true>(outs, nouts, i, apply<T, O>(get_in<T, Raw0, true>(in0, i, w, pre), get_in<T, Raw1, true>(in1, i, w, pre)), w, d);
+  if (i < n) {
+    const std::size_t k = n - i;
+    put_out<T, F, false>(outs, nouts, i, apply<T, O>(get_in<T, Raw0, false>(in0, i, k, pre), get_in<T, Raw1, false>(in1, i, k, pre)), k, d);
+  }
+}
+
+// Three or more inputs, tile by tile: the first two inputs into the accumulator, then each
+// further one, then the last on the way out. `m` elements from `base`; the accumulator's last
+// vector may be partial.
+template <class T, op O, bool Raw0, bool Raw1, class In>
+[[gnu::noinline]] void tile_first(typename lanes<T>::vec* acc, In in0, In in1, std::size_t base, std::size_t m,
+                                  const typename lanes<T>::vec pre) noexcept {
+  constexpr std::size_t w = lanes<T>::width;
+  std::size_t v = 0;
+  for (; (v + 1) * w <= m; ++v)
+    acc[v] = apply<T, O>(get_in<T, Raw0, true>(in0, base + v * w, w, pre), get_in<T, Raw1, true>(in1, base + v * w, w, pre));
+  if (v * w < m)
+    acc[v] = apply<T, O>(get_in<T, Raw0, false>(in0, base + v * w, m - v * w, pre),
+                         get_in<T, Raw1, false>(in1, base + v * w, m - v * w, pre));
+}
+template <class T, op O, bool Raw, class In>
+[[gnu::noinline]] void tile_next(typename lanes<T>::vec* acc, In in, std::size_t base, std::size_t m,
+                                 const typename lanes<T>::vec pre) noexcept {
+  constexpr std::size_t w = lanes<T>::width;
+  std::size_t v = 0;
+  for (; (v + 1) * w <= m; ++v) acc[v] = apply<T, O>(acc[v], get_in<T, Raw, true>(in, base + v * w, w, pre));
+  if (v * w < m) acc[v] = apply<T, O>(acc[v], get_in<T, Raw, false>(in, base + v * w, m - v * w, pre));
+}
+template <class T, op O, bool Raw, fin_mode F, class Out, class In>
+[[gnu::noinline]] void tile_last(Out const* outs, int nouts, const typename lanes<T>::vec* acc, In in, std::size_t base,
+                                 std::size_t m, const typename lanes<T>::vec pre, const typename lanes<T>::vec d) noexcept {
+  constexpr std::size_t w = lanes<T>::width;
+  std::size_t v = 0;
+  for (; (v + 1) * w <= m; ++v)
+    put_out<T, F, true>(outs, nouts, base + v * w, apply<T, O>(acc[v], get_in<T, Raw, true>(in, base + v * w, w, pre)), w, d);
+  if (v * w < m)
+    put_out<T, F, false>(outs, nouts, base + v * w,
+                         apply<T, O>(acc[v], get_in<T, Raw, false>(in, base + v * w, m - v * w, pre)), m - v * w, d);
+}
+
+// Calls f(std::bool_constant<b>{}); for ops other than avg every flag is false.
+template <op O, class F>
+[[gnu::always_inline]] inline void with_flag(bool b, F&& f) {
+  if constexpr (O == op::avg) {
+    if (b) f(std::true_type{});
+    else f(std::false_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+// Calls f(std::integral_constant<fin_mode, m>{}); for ops other than avg, none.
+template <op O, class F>
+[[gnu::always_inline]] inline void with_fin(fin_mode m, F&& f) {
+  if constexpr (O == op::avg) {
+    switch (m) {
+      case fin_mode::none: f(std::integral_constant<fin_mode, fin_mode::none>{}); return;
+      case fin_mode::mul: f(std::integral_constant<fin_mode, fin_mode::mul>{}); return;
+      case fin_mode::div: f(std::integral_constant<fin_mode, fin_mode::div>{}); return;
+    }
+  } else {
+    f(std::integral_constant<fin_mode, fin_mode::none>{});
+  }
+}
+
+template <class T, op O, class Out, class In>
+inline void combine_loop(Out const* outs, int nouts, In const* ins, int nins, std::size_t n,
+                         const avg_vec<T>& av) noexcept {
+  using V = typename lanes<T>::vec;
+  static_assert(combine_tile % lanes<T>::width == 0);
+  constexpr bool avg = O == op::avg;
+  const fin_mode fin = avg ? finish_of(av) : fin_mode::none;
+  const V pre = av.pre, d = finish_operand(av);
+  auto raw = [&](int j) { return avg && j >= av.raw_from; };
+
   if (nins == 1) {
+    if constexpr (avg) {
+      with_flag<O>(raw(0), [&](auto r0) {
+        with_fin<O>(fin, [&](auto f) { combine_1<T, decltype(r0)::value, decltype(f)::value>(outs, nouts, ins[0], n, pre, d); });
+      });
+    }
+    return;
+  }
+  if (nins == 2) {
+    with_flag<O>(raw(0), [&](auto r0) {
+      with_flag<O>(raw(1), [&](auto r1) {
+        with_fin<O>(fin, [&](auto f) {
+          combine_2<T, O, decltype(r0)::value, decltype(r1)::value, decltype(f)::value>(outs, nouts, ins[0], ins[1], n, pre, d);
+        });
+      });
+    });
+    return;
+  }
+  alignas(64) V acc[combine_tile / lanes<T>::width];
+  for (std::size_t base = 0; base < n; base += combine_tile) {
+    const std::size_t m = n - base < combine_tile ? n - base : combine_tile;
+    with_flag<O>(raw(0), [&](auto r0) {
+      with_flag<O>(raw(1), [&](auto r1) {
+        tile_first<T, O, decltype(r0)::value, decltype(r1)::value>(acc, ins[0], ins[1], base, m, pre);
+      });
+    });
+    for (int j = 2; j + 1 < nins; ++j)
+      with_flag<O>(raw(j), [&](auto r) { tile_next<T, O, decltype(r)::value>(acc, ins[j], base, m, pre); });
+    // Every input of this tile has been read before any output of it is written, so an output
+    // may be one of the inputs.
+    with_flag<O>(raw(nins - 1), [&](auto r) {
+      with_fin<O>(fin, [&](auto f) {
+        tile_last<T, O, decltype(r)::value, decltype(f)::value>(outs, nouts, acc, ins[nins - 1], base, m, pre, d);
+      });
+    });
+  }
+}
+
+// Requires a valid `o` (and, for avg, a valid `a`): the entry points check them.
+template <class T, class Out, class In>
+inline void combine_any(Out const* outs, int nouts, In const* ins, int nins, std::size_t n, op o,
+                        const avg_step& a) noexcept {
+  if (nins <= 0 || nouts <= 0 || n == 0) return;
+  const bool scales = o == op::avg && a.world > 1 && (a.raw_from == 0 || a.finish);
+  if (nins == 1 && !scales) {
     const void* src = ins[0];
     for (int k = 0; k < nouts; ++k)
       if (static_cast<const void*>(outs[k]) != src)
         copy_bytes(static_cast<void*>(outs[k]), src, n * sizeof(T));
     return;
   }
+  const avg_vec<T> none{};
   switch (o) {
-    case op::sum:
-    case op::avg: combine_loop<T, op::sum>(outs, nouts, ins, nins, n); return;
-    case op::min: combine_loop<T, op::min>(outs, nouts, ins, nins, n); return;
-    case op::max: combine_loop<T, op::max>(outs, nouts, ins, nins, n); return;
-    case op::prod: combine_loop<T, op::prod>(outs, nouts, ins, nins, n); return;
+    case op::sum: combine_loop<T, op::sum>(outs, nouts, ins, nins, n, none); return;
+    case op::avg: combine_loop<T, op::avg>(outs, nouts, ins, nins, n, make_avg<T>(a)); return;
+    case op::min: combine_loop<T, op::min>(outs, nouts, ins, nins, n, none); return;
+    case op::max: combine_loop<T, op::max>(outs, nouts, ins, nins, n, none); return;
+    case op::prod: combine_loop<T, op::prod>(outs, nouts, ins, nins, n, none); return;
   }
 }
 
-}  // namespace kern
+// ---- argument checks: a bad dtype, op or world is errc::invalid_argument, never UB ----------
 
-/// `dst[i] = dst[i] op src[i]` for i in [0, n). `op::avg` adds (the division is `scale_avg`).
-/// `dst` and `src` may be the same pointer but must not otherwise overlap. No alignment needed.
-template <element T>
-inline void reduce_into(T* dst, const T* src, std::size_t n, op o) noexcept {
-  switch (o) {
-    case op::sum:
-    case op::avg: kern::reduce_loop<T, op::sum>(dst, src, n); return;
-    case op::min: kern::reduce_loop<T, op::min>(dst, src, n); return;
-    case op::max: kern::reduce_loop<T, op::max>(dst, src, n); return;
-    case op::prod: kern::reduce_loop<T, op::prod>(dst, src, n); return;
-  }
+inline void check_op(op o) {
+  if (static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
+    raise(errc::invalid_argument, -1,
+          "unknown op " + std::to_string(static_cast<int>(o)) + " in a reduction kernel");
+}
+inline void check_dtype(dtype t) {
+  if (dtype_size(t) == 0)
+    raise(errc::invalid_argument, -1,
+          "unknown dtype " + std::to_string(static_cast<int>(t)) + " in a reduction kernel");
+}
+inline void check_world(int world) {
+  if (world < 1)
+    raise(errc::invalid_argument, -1, "avg over a world of " + std::to_string(world) + " ranks");
+}
+inline void check_avg(op o, const avg_step& a, int nins) {
+  if (o != op::avg) return;
+  check_world(a.world);
+  if (a.raw_from < 0 || a.raw_from > nins)
+    raise(errc::invalid_argument, -1,
+          "avg step: raw_from " + std::to_string(a.raw_from) + " outside [0, " + std::to_string(nins) + "]");
 }
 
-/// Writes `((ins[0] op ins[1]) op ins[2]) ... op ins[nins-1]`, elementwise and in exactly that
-/// order, to every `outs[k]`. f16/bf16 accumulate in float and round once.
-///
-/// Works in L1-sized tiles so that each input is read from memory once and each output written
-/// once: rank r of a shared-memory allreduce calls it on slice r of every rank's buffer, with
-/// `outs == ins`. Each output must either be one of the inputs (same pointer) or overlap none.
-/// Requires `nins >= 1`; with one input the outputs receive a copy of it.
-template <element T>
-inline void combine(T* const* outs, int nouts, const T* const* ins, int nins, std::size_t n,
-                    op o) noexcept {
-  kern::combine_any<T>(outs, nouts, ins, nins, n, o);
-}
-
-/// Divides each element by `world` (>= 1). Floats divide (a multiply by the reciprocal would
-/// differ in the last bit for worlds that are not powers of two); integers truncate toward zero;
-/// f16/bf16 divide in float and round once.
-template <element T>
-inline void scale_avg(T* p, std::size_t n, int world) noexcept {
-  if (world == 1) return;
-  using L = kern::lanes<T>;
-  if constexpr (L::is_float) {
-    using V = typename L::vec;
-    const V d = V{} + static_cast<typename L::scalar>(world);
-    constexpr std::size_t w = L::width;
-    std::size_t i = 0;
-    for (; i + w <= n; i += w) L::store(p + i, kern::canonical_nan<T>(L::load(p + i) / d));
-    if (i < n) kern::store_n(p + i, kern::canonical_nan<T>(kern::load_n(p + i, n - i) / d), n - i);
-  } else {
-    // x86 has no SIMD integer division; avg of integers is rare enough to stay scalar.
-    const T d = static_cast<T>(world);
-    for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<T>(p[i] / d);
-  }
-}
-
-namespace kern {
 template <class F>
 inline void dispatch(dtype t, F&& f) {
   switch (t) {
@@ -441,18 +676,83 @@ inline void dispatch(dtype t, F&& f) {
     case dtype::i32: f(std::int32_t{}); return;
     case dtype::i64: f(std::int64_t{}); return;
   }
-  raise(errc::invalid_argument, -1,
-        "unknown dtype " + std::to_string(static_cast<int>(t)) + " in a reduction kernel");
+  check_dtype(t);
 }
-inline void check_op(op o) {
-  if (static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
-    raise(errc::invalid_argument, -1,
-          "unknown op " + std::to_string(static_cast<int>(o)) + " in a reduction kernel");
-}
+
 }  // namespace kern
+
+/// Size of one element of `t`; an unknown dtype is `errc::invalid_argument` (where
+/// `dtype_size` would answer 0 and a caller dividing by it would trap).
+inline std::size_t checked_size(dtype t) {
+  kern::check_dtype(t);
+  return dtype_size(t);
+}
+
+/// True when `op::avg` over `t` scales contributions (floating types); integer averages are a
+/// sum divided once at the end.
+constexpr bool avg_scales(dtype t) noexcept {
+  return t == dtype::f32 || t == dtype::f64 || t == dtype::f16 || t == dtype::bf16;
+}
+
+/// `dst[i] = dst[i] op src[i]` for i in [0, n). `op::avg` adds (averages are `combine`'s, with
+/// an `avg_step`). `dst` and `src` may be the same pointer but must not otherwise overlap. No
+/// alignment needed. An unknown `o` is `errc::invalid_argument`.
+template <element T>
+inline void reduce_into(T* dst, const T* src, std::size_t n, op o) {
+  kern::check_op(o);
+  switch (o) {
+    case op::sum:
+    case op::avg: kern::reduce_loop<T, op::sum>(dst, src, n); return;
+    case op::min: kern::reduce_loop<T, op::min>(dst, src, n); return;
+    case op::max: kern::reduce_loop<T, op::max>(dst, src, n); return;
+    case op::prod: kern::reduce_loop<T, op::prod>(dst, src, n); return;
+  }
+}
+
+/// Writes `((ins[0] op ins[1]) op ins[2]) ... op ins[nins-1]`, elementwise and in exactly that
+/// order, to every `outs[k]`. f16/bf16 accumulate in float and round once. For `op::avg`, `a`
+/// says which inputs are single ranks' contributions and whether this step finishes the average
+/// (see `avg_step`); the default is a plain sum.
+///
+/// Works in L1-sized tiles so that each input is read from memory once and each output written
+/// once: rank r of a shared-memory allreduce calls it on slice r of every rank's buffer, with
+/// `outs == ins`. Each output must either be one of the inputs (same pointer) or overlap none.
+/// Requires `nins >= 1`; with one input the outputs receive a copy of it (scaled, for an average
+/// that scales it). An unknown `o` or an invalid `a` is `errc::invalid_argument`.
+template <element T>
+inline void combine(T* const* outs, int nouts, const T* const* ins, int nins, std::size_t n,
+                    op o, avg_step a = {}) {
+  kern::check_op(o);
+  kern::check_avg(o, a, nins);
+  kern::combine_any<T>(outs, nouts, ins, nins, n, o, a);
+}
+
+/// The first half of an average computed by a library that only sums (MPI): `dst[i] = src[i] *
+/// pre` for floating types (`avg_factors_for`; exact short of the subnormal range, rounded once
+/// there), a copy for integers. `dst` may be `src`. Then sum, then `avg_finish`.
+template <element T>
+inline void avg_prescale(T* dst, const T* src, std::size_t n, int world) {
+  kern::check_world(world);
+  // The one-input combine of a single rank's contribution that does not finish.
+  T* outs[1] = {dst};
+  const T* ins[1] = {src};
+  kern::combine_any<T>(outs, 1, ins, 1, n, op::avg, avg_step{world, 0, false});
+}
+
+/// The second half: divides a sum of `avg_prescale`d contributions by `post` (floats,
+/// rounding once) or a plain sum by `world` (integers, truncating toward zero).
+template <element T>
+inline void avg_finish(T* p, std::size_t n, int world) {
+  kern::check_world(world);
+  // The one-input combine of a partial result that finishes.
+  T* outs[1] = {p};
+  const T* ins[1] = {p};
+  kern::combine_any<T>(outs, 1, ins, 1, n, op::avg, avg_step{world, 1, true});
+}
 
 /// Type-erased `reduce_into`: `dst` and `src` hold `n` elements of `t`.
 inline void reduce_into(void* dst, const void* src, std::size_t n, dtype t, op o) {
+  kern::check_dtype(t);
   kern::check_op(o);
   kern::dispatch(t, [&](auto tag) {
     using T = decltype(tag);
@@ -464,36 +764,46 @@ inline void reduce_into(void* dst, const void* src, std::size_t n, dtype t, op o
 /// (ddp/parallel/tbb.hpp), when there is one; each piece keeps the fixed order of inputs, so the
 /// bits do not depend on how it was split.
 inline void combine(void* const* outs, int nouts, const void* const* ins, int nins, std::size_t n,
-                    dtype t, op o) {
+                    dtype t, op o, avg_step a = {}) {
+  kern::check_dtype(t);
   kern::check_op(o);
+  kern::check_avg(o, a, nins);
   const auto par = parallel_hook().load(std::memory_order_relaxed);
   const std::size_t es = dtype_size(t);
   if (par != nullptr && n * es >= parallel_min_bytes && nouts <= 64 && nins <= 64) {
     struct job {
-      void* const* outs; int nouts; const void* const* ins; int nins; dtype t; op o; std::size_t es;
-    } j{outs, nouts, ins, nins, t, o, es};
+      void* const* outs; int nouts; const void* const* ins; int nins; dtype t; op o; avg_step a; std::size_t es;
+    } j{outs, nouts, ins, nins, t, o, a, es};
     par(n, (std::size_t{256} << 10) / es, [](std::size_t b, std::size_t e, void* ctx) {
       const auto& j = *static_cast<const job*>(ctx);
       void* po[64];
       const void* pi[64];
       for (int k = 0; k < j.nouts; ++k) po[k] = static_cast<char*>(j.outs[k]) + b * j.es;
       for (int k = 0; k < j.nins; ++k) pi[k] = static_cast<const char*>(j.ins[k]) + b * j.es;
-      kern::dispatch(j.t, [&](auto tag) { kern::combine_any<decltype(tag)>(po, j.nouts, pi, j.nins, e - b, j.o); });
+      kern::dispatch(j.t, [&](auto tag) { kern::combine_any<decltype(tag)>(po, j.nouts, pi, j.nins, e - b, j.o, j.a); });
     }, &j);
     return;
   }
   kern::dispatch(t, [&](auto tag) {
-    kern::combine_any<decltype(tag)>(outs, nouts, ins, nins, n, o);
+    kern::combine_any<decltype(tag)>(outs, nouts, ins, nins, n, o, a);
   });
 }
 
-/// Type-erased `scale_avg`.
-inline void scale_avg(void* p, std::size_t n, dtype t, int world) {
-  if (world < 1)
-    raise(errc::invalid_argument, -1, "avg over a world of " + std::to_string(world) + " ranks");
+/// Type-erased `avg_prescale`.
+inline void avg_prescale(void* dst, const void* src, std::size_t n, dtype t, int world) {
+  kern::check_dtype(t);
   kern::dispatch(t, [&](auto tag) {
     using T = decltype(tag);
-    scale_avg(static_cast<T*>(p), n, world);
+    avg_prescale(static_cast<T*>(dst), static_cast<const T*>(src), n, world);
+  });
+}
+
+/// Type-erased `avg_finish`.
+inline void avg_finish(void* p, std::size_t n, dtype t, int world) {
+  kern::check_dtype(t);
+  kern::dispatch(t, [&](auto tag) {
+    using T = decltype(tag);
+    avg_finish(static_cast<T*>(p), n, world);
   });
 }
 

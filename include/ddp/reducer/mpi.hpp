@@ -150,12 +150,22 @@ class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
     // the start of the input: the in-place form goes through a scratch slice.
     const bool in_place = slice > 0 && out == static_cast<const char*>(in) + static_cast<std::size_t>(rank_) * slice;
     return worker_.submit([=, this] {
-      std::vector<char> tmp(in_place ? slice : 0);
-      void* dst = in_place ? static_cast<void*>(tmp.data()) : out;
-      DDP_MPI_CHECK(MPI_Reduce_scatter_block(in, dst, static_cast<int>(count_per_rank), mpi_type(t),
+      // An average sums prescaled contributions (see do_allreduce); `in` is the caller's.
+      std::vector<std::byte> scaled;
+      const void* src = in;
+      if (o == op::avg && detail::avg_scales(t) && size_ > 1) {
+        scaled.resize(count_per_rank * static_cast<std::size_t>(size_) * dtype_size(t));
+        detail::avg_prescale(scaled.data(), in, count_per_rank * static_cast<std::size_t>(size_), t, size_);
+        src = scaled.data();
+      }
+      // A scaled copy no longer aliases `out`; the caller's own buffer in place does.
+      const bool aliased = in_place && src == in;
+      std::vector<char> tmp(aliased ? slice : 0);
+      void* dst = aliased ? static_cast<void*>(tmp.data()) : out;
+      DDP_MPI_CHECK(MPI_Reduce_scatter_block(src, dst, static_cast<int>(count_per_rank), mpi_type(t),
                                              mpi_op(t, o), res_.comm));
-      if (in_place) std::memcpy(out, dst, slice);
-      if (o == op::avg) detail::scale_avg(out, count_per_rank, t, size_);
+      if (aliased) std::memcpy(out, dst, slice);
+      if (o == op::avg) detail::avg_finish(out, count_per_rank, t, size_);
     });
   }
   /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`. `in` must
@@ -301,16 +311,20 @@ class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
     detail::raise(errc::invalid_argument, rank_, "mpi_reducer: unknown reduction op");
   }
 
+  // An average of floats is a sum of contributions prescaled by a power of two, divided once
+  // after it (detail/kernels.hpp, "Averages"): dividing a plain sum would overflow where the sum
+  // does (f16 40000 on two ranks). Integers sum, then divide.
   void do_allreduce(void* data, std::size_t count, dtype t, op o) {
     const MPI_Datatype type = mpi_type(t);
     const MPI_Op mop = mpi_op(t, o);
     auto* p = static_cast<std::byte*>(data);
+    if (o == op::avg && count > 0) detail::avg_prescale(data, data, count, t, size_);
     for (std::size_t done = 0; done < count;) {
       const std::size_t n = std::min(max_piece, count - done);
       DDP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, p + done * dtype_size(t), static_cast<int>(n), type, mop, res_.comm));
       done += n;
     }
-    if (o == op::avg && count > 0) detail::scale_avg(data, count, t, size_);
+    if (o == op::avg && count > 0) detail::avg_finish(data, count, t, size_);
   }
 
   void do_broadcast(void* data, std::size_t bytes, int root) {

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../detail/collective.hpp"
@@ -101,12 +102,13 @@ void recv_checked(T& t, const coll_desc& d, int from, void* data, std::size_t n,
 }
 
 /// Reduce-scatter phase of the ring over `count` elements at `data`: afterwards this rank holds
-/// the reduction of chunk (rank + 1) mod n. Received segments are reduced as they land.
+/// the reduction of chunk (rank + 1) mod n, finished (an average is divided). Received segments
+/// are reduced as they land.
 template <class T>
 void ring_reduce_scatter(T& t, const coll_desc& d, char* data, std::size_t count, dtype ty, op o,
                          std::size_t segment_bytes, deadline_t until) {
   const int n = t.size(), r = t.rank();
-  const std::size_t es = dtype_size(ty);
+  const std::size_t es = checked_size(ty);
   const std::size_t seg = std::max<std::size_t>(es, segment_bytes / es * es);
   char* const tmp = scratch(partition(count, n, 0).size() * es);
   for (int step = 0; step < n - 1; ++step) {
@@ -117,13 +119,16 @@ void ring_reduce_scatter(T& t, const coll_desc& d, char* data, std::size_t count
     std::size_t reduced = 0;
     // mine = received op mine keeps the order of operands fixed by the ring: the chunk's
     // partial sum travels in rank order and each rank adds its own contribution on the right.
+    // An average scales each rank's data as it enters (the first step receives a rank's own
+    // data too) and is divided in the last step, by the chunk's owner, before its one rounding.
+    const avg_step avg{n, step == 0 ? 0 : 1, step == n - 2};
     auto reduce_upto = [&](std::size_t avail) {
       while (reduced < rbytes && (avail - reduced >= seg || avail == rbytes)) {
         const std::size_t len = std::min(seg, avail - reduced);
         if (len == 0) break;
         void* outs[1] = {dst + reduced};
         const void* ins[2] = {tmp + reduced, dst + reduced};
-        combine(outs, 1, ins, 2, len / es, ty, o);
+        combine(outs, 1, ins, 2, len / es, ty, o, avg);
         reduced += len;
       }
     };
@@ -158,12 +163,6 @@ void tree_broadcast(T& t, const coll_desc& d, void* data, std::size_t bytes, int
   for (int c : tr.children()) send_checked(t, d, c, data, bytes, until);
 }
 
-/// Scales the elements this rank finalized when the op is avg (once, by their owner, so all
-/// ranks end with the same bits).
-inline void finish_avg(void* p, std::size_t count, dtype ty, op o, int n) {
-  if (o == op::avg && count > 0) scale_avg(p, count, ty, n);
-}
-
 /// Recursive doubling (small) or halving-doubling (large), with the fold for non-powers of two.
 /// Which one is the descriptor's variant (so the schedule is what every peer checked), chosen
 /// from reducer_options::small_bytes by algorithm_for<tree_algorithm, T>::variant.
@@ -171,17 +170,29 @@ template <class T>
 void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dtype ty, op o,
                     const reducer_options& /*opts: decided in d.variant*/, deadline_t until) {
   const int n = t.size(), r = t.rank();
-  const std::size_t es = dtype_size(ty), bytes = count * es;
+  const std::size_t es = checked_size(ty), bytes = count * es;
   const bool small = d.variant == coll_variant::recursive_doubling;
   const hd_plan p = small ? plan_recursive_doubling(r, n) : plan_halving_doubling(r, n);
   char* const tmp = scratch(bytes);
-  auto combine_range = [&](std::size_t b, std::size_t e, bool mine_lower) {
+  // For an average, whether each side still holds its own rank's data, not yet scaled (see
+  // avg_step): true until a rank's first combine, i.e. the fold or level 0. A rank that folded
+  // in has combined already, so at level 0 the lower side can be scaled and the upper raw.
+  const int folded = 2 * (n - p.p2);  // real ranks below this took part in the fold
+  bool mine_raw = true;
+  // `last` finishes the average: after the last level this rank's part is the result.
+  auto combine_range = [&](std::size_t b, std::size_t e, bool mine_lower, bool theirs_raw, bool last) {
+    const bool lower_raw = mine_lower ? mine_raw : theirs_raw, upper_raw = mine_lower ? theirs_raw : mine_raw;
+    mine_raw = false;
     if (e <= b) return;
     void* outs[1] = {data + b * es};
-    const void* ins[2];
-    ins[mine_lower ? 0 : 1] = data + b * es;
-    ins[mine_lower ? 1 : 0] = tmp + b * es;
-    combine(outs, 1, ins, 2, e - b, ty, o);
+    const void* lower = (mine_lower ? data : tmp) + b * es;
+    const void* upper = (mine_lower ? tmp : data) + b * es;
+    // The order lower op upper is fixed for every op. An average takes its partial results
+    // first and raw data after (the kernel scales inputs from raw_from on); sums commute
+    // bitwise (NaNs are canonical), so both partners still compute the same bits.
+    const void* ins[2] = {lower, upper};
+    if (o == op::avg && lower_raw && !upper_raw) std::swap(ins[0], ins[1]);
+    combine(outs, 1, ins, 2, e - b, ty, o, avg_step{n, (lower_raw ? 0 : 1) + (upper_raw ? 0 : 1), last});
   };
   // Fold: odd ranks among the first 2(n - p2) hand their data to the even rank below.
   if (p.fold_partner >= 0) {
@@ -191,24 +202,25 @@ void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dty
       return;
     }
     recv_checked(t, d, p.fold_partner, tmp, bytes, until);
-    combine_range(0, count, true);  // the even rank is the lower one
+    combine_range(0, count, true, true, false);  // the even rank is the lower one
   }
-  if (small) {
-    for (const hd_level& l : p.levels()) {
+  const auto levels = p.levels();
+  for (std::size_t k = 0; k < levels.size(); ++k) {
+    const hd_level& l = levels[k];
+    const bool theirs_raw = k == 0 && l.peer >= folded, last = k + 1 == levels.size();
+    if (small) {
       exchange(t, d, l.peer, data, bytes, l.peer, tmp, bytes, until);
-      combine_range(0, count, l.lower);
-    }
-    finish_avg(data, count, ty, o, n);
-  } else {
-    auto span_of = [&](int b, int e) { return block_span(count, p.blocks, b, e); };
-    for (const hd_level& l : p.levels()) {
-      const range keep = span_of(l.keep_begin, l.keep_end), send = span_of(l.send_begin, l.send_end);
+      combine_range(0, count, l.lower, theirs_raw, last);
+    } else {
+      const range keep = block_span(count, p.blocks, l.keep_begin, l.keep_end);
+      const range send = block_span(count, p.blocks, l.send_begin, l.send_end);
       exchange(t, d, l.peer, data + send.begin * es, send.size() * es, l.peer, tmp + keep.begin * es,
                keep.size() * es, until);
-      combine_range(keep.begin, keep.end, l.lower);
+      combine_range(keep.begin, keep.end, l.lower, theirs_raw, last);  // the last keep is block vrank
     }
-    const range mine = span_of(p.vrank, p.vrank + 1);
-    finish_avg(data + mine.begin * es, mine.size(), ty, o, n);
+  }
+  if (!small) {
+    auto span_of = [&](int b, int e) { return block_span(count, p.blocks, b, e); };
     for (int k = p.num_levels - 1; k >= 0; --k) {
       const hd_level& l = p.level[static_cast<std::size_t>(k)];
       const range keep = span_of(l.keep_begin, l.keep_end), send = span_of(l.send_begin, l.send_end);
@@ -235,15 +247,13 @@ struct algorithm_for<ring_algorithm, Transport> {
   static void allreduce(Transport& t, const detail::coll_desc& d, void* data, std::size_t count, dtype ty, op o,
                         const reducer_options& opts, detail::deadline_t until) {
     const int n = t.size();
+    const std::size_t es = detail::checked_size(ty);  // also where there is nothing to reduce
     if (n == 1 || count == 0) {
       if (n > 1) detail::ring_barrier(t, d, until);  // still checks that everyone agrees
       return;
     }
     auto* p = static_cast<char*>(data);
-    const std::size_t es = dtype_size(ty);
     detail::ring_reduce_scatter(t, d, p, count, ty, o, opts.segment_bytes, until);
-    const auto own = detail::partition(count, n, (t.rank() + 1) % n);
-    detail::finish_avg(p + own.begin * es, own.size(), ty, o, n);
     detail::ring_allgather(t, d, p, count, es, until);
   }
   static void reduce_scatter(Transport& t, const detail::coll_desc& d, const void* in, void* out, std::size_t per_rank,
@@ -251,21 +261,19 @@ struct algorithm_for<ring_algorithm, Transport> {
     // Ring reduce-scatter leaves chunk (r+1) mod n on rank r; rotate the input by one chunk so
     // that rank r ends with slice r, as the caller asked.
     const int n = t.size(), r = t.rank();
-    const std::size_t es = dtype_size(ty), slice = per_rank * es;
+    const std::size_t es = detail::checked_size(ty), slice = per_rank * es;
     std::vector<char> work(slice * static_cast<std::size_t>(n));
     for (int c = 0; c < n; ++c)
       detail::copy_bytes(work.data() + static_cast<std::size_t>((c + 1) % n) * slice,
                   static_cast<const char*>(in) + static_cast<std::size_t>(c) * slice, slice);
     if (n > 1) detail::ring_reduce_scatter(t, d, work.data(), per_rank * static_cast<std::size_t>(n), ty, o,
                                            opts.segment_bytes, until);
-    char* mine = work.data() + static_cast<std::size_t>((r + 1) % n) * slice;
-    detail::finish_avg(mine, per_rank, ty, o, n);
-    detail::copy_bytes(out, mine, slice);
+    detail::copy_bytes(out, work.data() + static_cast<std::size_t>((r + 1) % n) * slice, slice);
   }
   static void allgather(Transport& t, const detail::coll_desc& d, const void* in, void* out, std::size_t per_rank,
                         dtype ty, detail::deadline_t until) {
     const int n = t.size(), r = t.rank();
-    const std::size_t es = dtype_size(ty), slice = per_rank * es;
+    const std::size_t es = detail::checked_size(ty), slice = per_rank * es;
     // Place our slice where the ring's allgather expects chunk (r+1) mod n, then rotate back.
     std::vector<char> work(slice * static_cast<std::size_t>(n));
     detail::copy_bytes(work.data() + static_cast<std::size_t>((r + 1) % n) * slice, in, slice);
@@ -297,6 +305,7 @@ struct algorithm_for<tree_algorithm, Transport> : algorithm_for<ring_algorithm, 
   }
   static void allreduce(Transport& t, const detail::coll_desc& d, void* data, std::size_t count, dtype ty, op o,
                         const reducer_options& opts, detail::deadline_t until) {
+    (void)detail::checked_size(ty);  // also where there is nothing to reduce
     if (t.size() == 1 || count == 0) {
       if (t.size() > 1) detail::ring_barrier(t, d, until);
       return;

@@ -178,7 +178,6 @@ class shm {
     reserved_end_ = layout_.part_begin(rank_);
     ins_.resize(static_cast<std::size_t>(size_));
     outs_.resize(static_cast<std::size_t>(size_));
-    blk_ins_.resize(static_cast<std::size_t>(size_));
     peers_.resize(static_cast<std::size_t>(size_));
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     oversubscribed_ = static_cast<unsigned>(size_) > cores;
@@ -262,8 +261,7 @@ class shm {
         if (len == 0) break;
         for (int j = 0; j < size_; ++j) ins_[j] = slot(j, s) + static_cast<std::size_t>(rank_) * c * es;
         void* out = dst + b * es;
-        detail::combine(&out, 1, ins_.data(), size_, len, t, o);
-        if (o == op::avg) detail::scale_avg(out, len, t, size_);
+        detail::combine(&out, 1, ins_.data(), size_, len, t, o, detail::avg_step{size_, 0, true});
         signal();
         slot_free_at_[s] = count_;
       } while (++k * c < count_per_rank);
@@ -668,27 +666,14 @@ class shm {
   // ---- allreduce -------------------------------------------------------------------------
 
   /// Reduces elements [0, len) of every rank's source into every rank's destination; this rank
-  /// owns the slice `part`. For avg the owner scales before writing out, block by block so the
-  /// block stays in cache, so every rank receives the owner's bits.
-  void reduce_slice(std::size_t es, detail::range part, dtype t, op o) {
+  /// owns the slice `part`, and computes each element once (an average is scaled and divided
+  /// inside the kernel's accumulator), so every rank receives the owner's bits.
+  void reduce_slice(detail::range part, dtype t, op o) {
     const std::size_t len = part.size();
     if (len == 0) return;
     const int n = size_;
-    if (o != op::avg) {
-      for (int j = 0; j < n; ++j) outs_[j] = const_cast<void*>(ins_[j]);
-      detail::combine(outs_.data(), n, ins_.data(), n, len, t, o);
-      return;
-    }
-    const std::size_t blk = std::max<std::size_t>(1, (std::size_t{32} << 10) / es);
-    for (std::size_t b = 0; b < len; b += blk) {
-      const std::size_t m = std::min(blk, len - b);
-      for (int j = 0; j < n; ++j) blk_ins_[j] = static_cast<const std::byte*>(ins_[j]) + b * es;
-      void* own = const_cast<void*>(blk_ins_[rank_]);
-      detail::combine(&own, 1, blk_ins_.data(), n, m, t, o);
-      detail::scale_avg(own, m, t, n);
-      for (int j = 0; j < n; ++j)
-        if (j != rank_) detail::copy_bytes(const_cast<void*>(blk_ins_[j]), own, m * es);
-    }
+    for (int j = 0; j < n; ++j) outs_[j] = const_cast<void*>(ins_[j]);
+    detail::combine(outs_.data(), n, ins_.data(), n, len, t, o, detail::avg_step{n, 0, true});
   }
 
   void allreduce_ring(std::byte* data, std::size_t count, dtype t, op o, detail::deadline_t until,
@@ -731,7 +716,7 @@ class shm {
         std::byte* src = off != detail::shm_desc::no_offset ? map_.base() + off + b * es : slot(j, s);
         ins_[j] = src + part.begin * es;
       }
-      reduce_slice(es, part, t, o);
+      reduce_slice(part, t, o);
       signal();
       const std::uint64_t done = count_;
       // Stage the next chunk while slower peers finish this one (double buffering).
@@ -770,8 +755,7 @@ class shm {
         if (len == 0) break;
         for (int j = 0; j < size_; ++j) ins_[j] = slot(j, s);
         void* out = p + b * es;
-        detail::combine(&out, 1, ins_.data(), size_, len, t, o);
-        if (o == op::avg) detail::scale_avg(out, len, t, size_);
+        detail::combine(&out, 1, ins_.data(), size_, len, t, o, detail::avg_step{size_, 0, true});
         signal();
         slot_free_at_[s] = count_;
       } while (++k * chunk < count);
@@ -796,7 +780,6 @@ class shm {
   std::array<std::uint64_t, nslots> slot_free_at_{};
   std::vector<const void*> ins_;
   std::vector<void*> outs_;
-  std::vector<const void*> blk_ins_;
   std::vector<detail::shm_desc> peers_;
   errc failed_{};
   std::string failed_what_;
