@@ -5,6 +5,7 @@
 
 #include <exception>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <utility>
 
@@ -74,10 +75,14 @@ class error : public std::system_error {
  public:
   error(errc code, int rank, const std::string& msg, int bucket = -1, int parameter = -1)
       : std::system_error(make_error_code(code)), what_(format(code, rank, msg)),
-        rank_(rank), bucket_(bucket), parameter_(parameter) {}
+        message_at_(what_.size() - msg.size()), rank_(rank), bucket_(bucket), parameter_(parameter) {}
 
   /// `[ddp.<errc>] rank <r>: <message>` (without system_error's appended category text).
   const char* what() const noexcept override { return what_.c_str(); }
+
+  /// The message alone, without the `[ddp.<errc>] rank <r>: ` prefix: what to build on when
+  /// the error is reported again, under another prefix (so no prefix is ever doubled).
+  std::string_view message() const noexcept { return std::string_view(what_).substr(message_at_); }
 
   /// Rank that raised the error (-1 when unknown, e.g. before the group exists).
   int rank() const noexcept { return rank_; }
@@ -98,18 +103,18 @@ class error : public std::system_error {
     return s;
   }
   std::string what_;
+  std::size_t message_at_;
   int rank_;
   int bucket_;
   int parameter_;
 };
 
 namespace detail {
-/// "rank 2: rank 3 never connected" from "[ddp.timeout] rank 2: rank 3 never connected": the
-/// message as it is posted to the store for the peers to report.
+/// "rank 3 never connected" from "[ddp.timeout] rank 2: rank 3 never connected", and what()
+/// of any other exception: the text to embed in another message (which has its own prefix).
 inline std::string message_of(const std::exception& e) {
-  const std::string w = e.what();
-  const auto p = w.find("] ");
-  return w.rfind("[ddp.", 0) == 0 && p != std::string::npos ? w.substr(p + 2) : w;
+  if (const auto* d = dynamic_cast<const error*>(&e)) return std::string(d->message());
+  return e.what();
 }
 
 /// The single throw site of ddp.

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <charconv>
 #include <chrono>
@@ -18,6 +19,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "auth.hpp"
@@ -227,7 +229,67 @@ class process_group {
   /// Reducers have their own abort(); call both when a training step must stop everywhere.
   void abort(const std::string& why = "abort() called") noexcept {
     if (aborted_.exchange(true)) return;
-    post_failure(errc::aborted, "group aborted by rank " + std::to_string(rank_) + ": " + why);
+    post_failure({errc::aborted, "group aborted by rank " + std::to_string(rank_) + ": " + why});
+  }
+
+  /// The same, for a rank that gives up because of an exception: the peers' errors quote it.
+  ///
+  /// \code
+  /// try { train(dp); } catch (const std::exception& e) { pg.abort(e); throw; }
+  /// \endcode
+  void abort(const std::exception& e) noexcept {
+    try {
+      abort(detail::message_of(e));
+    } catch (...) {
+      abort();
+    }
+  }
+
+  /// A failure as the group records it: its condition and a sentence that names the rank it
+  /// happened on ("rank 2 reports: lost connection to rank 3 (...)"), so that any rank can
+  /// raise it under its own prefix.
+  struct failure {
+    errc code{};
+    std::string text;
+    bool empty() const noexcept { return text.empty(); }
+  };
+
+  /// "rank <this rank> reports: <msg>": the text of a failure this rank saw itself.
+  std::string reported(const std::string& msg) const { return "rank " + std::to_string(rank_) + " reports: " + msg; }
+
+  /// Records `f` as the group's first failure unless one is recorded already, and returns the
+  /// one that holds: the first writer wins, so every rank that reads it before composing its
+  /// own error reports the same cause. Returns `f` when the store does not answer. Transports
+  /// that share the group's store record their failures here too.
+  failure record_failure(const failure& f) noexcept {
+    try {
+      if (!store_) return f;
+      return decode_failure(
+          store_->compare_set(failure_key, "", std::to_string(static_cast<int>(f.code)) + " " + f.text, store_budget()));
+    } catch (...) {
+      return f;
+    }
+  }
+
+  /// The group's first failure, or an empty one; sets *store_gone when the store does not answer.
+  /// With `linger`, waits up to min(200 ms, timeout / 8) for one to be recorded: a peer whose
+  /// connection just closed records its failure before it closes, but a peer that leaves by
+  /// an exception records it while it unwinds, which may come a moment later.
+  failure first_failure(bool* store_gone = nullptr, bool linger = false) noexcept {
+    const auto end = detail::clock::now() +
+                     (linger ? std::min<std::chrono::milliseconds>(std::chrono::milliseconds(200), opts_.timeout / 8)
+                             : std::chrono::milliseconds(0));
+    try {
+      for (;;) {
+        const auto until = store_budget();
+        if (store_ && store_->check(failure_key, until)) return decode_failure(store_->get(failure_key, until));
+        if (!store_ || detail::clock::now() >= end) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    } catch (...) {
+      if (store_gone != nullptr) *store_gone = true;
+    }
+    return {};
   }
 
   /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
@@ -237,10 +299,13 @@ class process_group {
   }
 
   /// After a timeout, finds who stopped: the rank this one waits for (`peer`) may itself wait
-  /// for another. Every rank that times out records under `prefix` whom it waits for; after a
-  /// short grace, the ranks that recorded nothing are the ones that stopped (frozen, swapping,
-  /// or stuck outside ddp). When the store (rank 0) does not answer either, rank 0 is the one.
-  /// Returns the sentence for the error. Transports that share the group's store use it too.
+  /// for another. Every rank that times out records under `prefix` whom it waits for; the
+  /// chain of those records, from `peer` on, ends at the rank that stopped (frozen, swapping,
+  /// or stuck outside ddp): a rank that is itself only waiting is never blamed. A rank at the
+  /// end of the chain gets a grace of min(1 s, timeout / 4) to record that it waits too (its
+  /// own deadline may come a little later). When the store (rank 0) does not answer either,
+  /// rank 0 is the one. Returns the sentence for the error. Transports that share the group's
+  /// store use it too.
   std::string name_stopped(const std::string& prefix, int peer) {
     const std::string waited = "rank " + std::to_string(rank_) + " waited for rank " + std::to_string(peer);
     const std::string store_silent = "rank 0 stopped answering (its store does not reply; " + waited + ")";
@@ -250,28 +315,49 @@ class process_group {
     } catch (const error&) {
       return store_silent;
     }
-    const auto grace = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(300), opts_.timeout / 8);
+    const auto grace = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(1000), opts_.timeout / 4);
     const auto end = detail::clock::now() + grace;
-    std::string silent;
-    int count = 0;
+    std::vector<int> waits_for(static_cast<std::size_t>(size_), -1);
+    std::vector<int> chain;
+    int silent = 0;
     for (;;) {
-      silent.clear();
-      count = 0;
+      silent = 0;
       try {
-        for (int r = 0; r < size_; ++r)
-          if (r != rank_ && !store_->check(prefix + "/waiting/" + std::to_string(r), store_budget())) {
-            silent += (silent.empty() ? "" : ", ") + std::to_string(r);
-            ++count;
-          }
+        for (int r = 0; r < size_; ++r) {
+          auto& w = waits_for[static_cast<std::size_t>(r)];
+          if (r == rank_) w = peer;
+          else if (w < 0 && store_->check(prefix + "/waiting/" + std::to_string(r), store_budget()))
+            w = std::atoi(store_->get(prefix + "/waiting/" + std::to_string(r), store_budget()).c_str());
+          if (w < 0) ++silent;
+        }
       } catch (const error&) {
         return store_silent;
       }
-      if (count <= 1 || detail::clock::now() >= end) break;
+      // Follow "waits for" from `peer` until a rank that records nothing, or a cycle.
+      chain.assign(1, peer);
+      for (int r = peer; r >= 0 && r < size_ && waits_for[static_cast<std::size_t>(r)] >= 0;) {
+        r = waits_for[static_cast<std::size_t>(r)];
+        if (std::find(chain.begin(), chain.end(), r) != chain.end() || r < 0 || r >= size_) {
+          chain.push_back(-1);  // a cycle: the ranks wait for each other
+          break;
+        }
+        chain.push_back(r);
+      }
+      // Certain once the chain's end is the only rank left silent; else wait out the grace.
+      if (chain.back() < 0 || silent <= 1 || detail::clock::now() >= end) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
-    if (count == 0) return "rank " + std::to_string(peer) + " did not answer within the deadline";
-    return std::string(count > 1 ? "ranks " : "rank ") + silent + " stopped answering within the deadline (" +
-           waited + ")";
+    // chain: peer, whom peer waits for, ... ending at a silent rank, or at -1 after a cycle.
+    std::string via = waited;
+    for (std::size_t i = 1; i < chain.size() && chain[i] >= 0; ++i)
+      via += ", which waited for rank " + std::to_string(chain[i]);
+    if (chain.back() < 0) {
+      std::string ring;
+      for (std::size_t i = 0; i + 1 < chain.size(); ++i) ring += (ring.empty() ? "" : ", ") + std::to_string(chain[i]);
+      return "ranks " + ring + " wait for each other and none of them stopped (" + via +
+             "): their calls do not match";
+    }
+    return "rank " + std::to_string(chain.back()) + " stopped answering within the deadline (" + via + ")";
   }
 
   /// True once abort() was called here.
@@ -283,7 +369,13 @@ class process_group {
   /// peers to read the posted reason, short enough that a frozen peer, which never leaves,
   /// does not hold this rank's error up by a whole timeout.
   void close() noexcept {
-    const bool failing = failed_.load() || aborted_.load() || std::uncaught_exceptions() > 0;
+    const bool unwinding = std::uncaught_exceptions() > 0;
+    // Leaving because of an exception that ddp did not record: tell the peers that this rank
+    // is failing, rather than let them find a closed connection and guess.
+    if (unwinding && !failed_.load() && !aborted_.load() && store_)
+      post_failure({errc::aborted, "rank " + std::to_string(rank_) +
+                                       " left the group while an exception was propagating (see its own error)"});
+    const bool failing = failed_.load() || aborted_.load() || unwinding;
     mesh_.clear();
     store_.reset();
     if (server_) {
@@ -312,55 +404,48 @@ class process_group {
     detail::recv_all(peer_socket(peer), p, n, until, ec);
     if (ec) lost(peer, ec, what);
   }
-  /// Records why this rank's group failed (first reason wins) and shuts the mesh, so that
-  /// peers blocked on this rank wake at once and report the same reason instead of naming us.
-  void post_failure(errc code, const std::string& msg) noexcept {
+  static constexpr const char* failure_key = "pg/failure";
+
+  static failure decode_failure(const std::string& v) {
+    const auto sp = v.find(' ');
+    if (sp == std::string::npos) return {errc::protocol, v};
+    return {static_cast<errc>(std::atoi(v.substr(0, sp).c_str())), v.substr(sp + 1)};
+  }
+
+  /// Records why this rank's group failed (the first failure recorded wins) and shuts the
+  /// mesh, so that peers blocked on this rank wake at once and report the same failure
+  /// instead of naming us. Returns the failure that holds.
+  failure post_failure(const failure& f) noexcept {
     failed_.exchange(true);
-    try {
-      if (store_) store_->compare_set("pg/abort", "", std::to_string(static_cast<int>(code)) + " " + msg, store_budget());
-    } catch (...) {
-    }
+    auto held = record_failure(f);
     for (auto& s : mesh_)
       if (s) ::shutdown(s.get(), SHUT_RDWR);
+    return held;
   }
 
-  /// The reason a rank posted for the group's failure ("<errc> <message>"), or empty; sets
-  /// *store_gone when the store does not answer.
-  std::string posted_reason(bool* store_gone = nullptr) {
-    try {
-      const auto until = store_budget();
-      if (store_ && store_->check("pg/abort", until)) return store_->get("pg/abort", until);
-    } catch (...) {
-      if (store_gone != nullptr) *store_gone = true;
-    }
-    return {};
-  }
-
-  /// Raises the failure another rank posted, as this rank's own (one verdict for everyone).
-  [[noreturn]] void adopt(const std::string& reason, const char* what) {
-    const auto sp = reason.find(' ');
-    const auto code = static_cast<errc>(std::atoi(reason.substr(0, sp).c_str()));
-    post_failure(code, reason.substr(sp + 1));
-    detail::raise(code, rank_, std::string(what) + ": " + reason.substr(sp + 1));
+  /// Raises `f` (recorded by some rank) as this rank's error: one verdict for everyone.
+  [[noreturn]] void raise_failure(const failure& f, const char* what) {
+    post_failure(f);
+    detail::raise(f.code, rank_, std::string(what) + ": " + f.text);
   }
 
   [[noreturn]] void lost(int peer, const std::error_code& ec, const char* what) {
     if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
     bool store_gone = false;
-    if (auto reason = posted_reason(&store_gone); !reason.empty()) adopt(reason, what);
     const bool timed_out = detail::to_errc(ec) == errc::timeout;
+    if (auto f = first_failure(&store_gone, !timed_out); !f.empty()) raise_failure(f, what);
     std::string msg;
     if (store_gone) {
       msg = "rank 0 is lost (its store does not answer; noticed waiting for rank " + std::to_string(peer) + ")";
     } else if (timed_out) {
       msg = name_stopped("pg", peer);
-      // Another rank may have reached its verdict meanwhile.
-      if (auto reason = posted_reason(); !reason.empty()) adopt(reason, what);
     } else {
       msg = "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
     }
     const errc code = timed_out && !store_gone ? errc::timeout : errc::peer_lost;
-    post_failure(code, "rank " + std::to_string(rank_) + " reports: " + msg);
+    // Another rank may have recorded its verdict meanwhile: the first one is everyone's.
+    const auto held = post_failure({code, reported(msg)});
+    if (held.text != reported(msg)) raise_failure(held, what);
     detail::raise(code, rank_, std::string(what) + ": " + msg);
   }
 
@@ -443,10 +528,11 @@ inline process_group init_process_group(const init_options& opts) {
   }
   pg.group_id_ = static_cast<std::uint64_t>(detail::decode_i64(st.get("pg/id", until)));
   try {
-    pg.mesh_ = detail::connect_mesh(st, rank, opts.world_size, "pg/mesh", pg.group_id_, until, 0);
+    detail::connect_mesh(pg.mesh_, st, rank, opts.world_size, "pg/mesh", pg.group_id_, until, 0);
   } catch (const error& e) {
-    // Peers already connected to this rank would only see a closed connection: say why.
-    pg.post_failure(e.condition(), detail::message_of(e));
+    // Peers already connected to this rank see a closed connection only after the failure is
+    // recorded (connect_mesh keeps the sockets open until then): they report the same cause.
+    pg.post_failure({e.condition(), pg.reported(detail::message_of(e))});
     throw;
   }
   pg.barrier(until);

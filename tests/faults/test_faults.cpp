@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <map>
 #include <optional>
+#include <regex>
 #include <stdexcept>
 
 #include "multiproc/harness.hpp"
@@ -381,6 +382,92 @@ TEST_CASE("faults: a rank lost while the shm segment is set up leaves no segment
   INFO("attempts: " << attempts);
   CHECK(kills == 2);
   CHECK(stops == 1);
+}
+
+// ---- blame: who is named when a rank stops -----------------------------------------------
+
+namespace {
+
+ddp::init_options blame_opts(int r, int n, int port, std::chrono::milliseconds timeout) {
+  ddp::init_options o;
+  o.rank = r;
+  o.world_size = n;
+  o.master_port = port;
+  o.timeout = timeout;
+  return o;
+}
+
+// The sentence from "rank 2 stopped" on, trailing whitespace dropped: the same on every rank
+// that reports the same failure.
+std::string verdict(const std::string& what) {
+  const auto p = what.find("rank 2 stopped");
+  if (p == std::string::npos) return what;
+  return what.substr(p, what.find_last_not_of(" \n") + 1 - p);
+}
+
+// "rank 1: rank 0: ...": a message raised again under a second rank prefix.
+bool doubled_prefix(const std::string& what) { return std::regex_search(what, std::regex("rank [0-9]+: rank [0-9]+:")); }
+
+}  // namespace
+
+// Rank 2 stops; rank 1 waits for rank 2, and rank 0 waits for rank 1, whose own deadline comes
+// half a second later. Rank 0 times out first, yet rank 1 is only waiting: both must name
+// rank 2 alone, with the same sentence.
+TEST_CASE("faults: a rank that is only waiting for the stopped rank is not blamed") {
+  const int port = ddp_test::free_port();
+  const auto timeout = 4000ms;
+  auto outs = ddp_test::run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(blame_opts(r, 3, port, timeout));
+    ddp::tcp t{pg};
+    pg.barrier();
+    char c = 0;
+    if (r == 2) {
+      std::this_thread::sleep_for(7s);  // stuck outside ddp: never answers in time
+      return;
+    }
+    if (r == 1) std::this_thread::sleep_for(500ms);
+    t.recv(r == 0 ? 1 : 2, &c, 1, std::chrono::steady_clock::now() + timeout);
+  }, 60s);
+  INFO(ddp_test::summary(outs));
+  for (int r = 0; r < 2; ++r) {
+    CHECK(outs[r].errc == static_cast<int>(ddp::errc::timeout));
+    CHECK(outs[r].message.find("rank 2 stopped answering") != std::string::npos);
+    CHECK(outs[r].message.find("ranks 1") == std::string::npos);
+    CHECK(outs[r].message.find("rank 1 stopped") == std::string::npos);
+  }
+  CHECK(verdict(outs[0].message) == verdict(outs[1].message));
+  for (int r = 0; r < 2; ++r) CHECK_FALSE(doubled_prefix(outs[r].message));
+  CHECK(outs[2].exit_code == 0);
+}
+
+// Rank 1 fails on its tcp transport (rank 2 stopped) while rank 0 waits for rank 1 in a
+// process-group call: when rank 1's group connections close, rank 0 must report rank 1's
+// failure (rank 2 stopped), not "lost connection to rank 1".
+TEST_CASE("faults: a failure on a transport is what peers in a group call report") {
+  const int port = ddp_test::free_port();
+  const auto timeout = 3000ms;
+  auto outs = ddp_test::run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(blame_opts(r, 3, port, timeout));
+    ddp::tcp t{pg};
+    pg.barrier();
+    char c = 0;
+    if (r == 2) {
+      std::this_thread::sleep_for(6s);
+      return;
+    }
+    if (r == 1) t.recv(2, &c, 1, std::chrono::steady_clock::now() + timeout);
+    std::this_thread::sleep_for(1500ms);
+    std::uint64_t v = 0;
+    pg.broadcast(std::span<std::uint64_t>(&v, 1), 1);  // rank 1 never gets here
+  }, 60s);
+  INFO(ddp_test::summary(outs));
+  CHECK(outs[1].errc == static_cast<int>(ddp::errc::timeout));
+  CHECK(outs[1].message.find("rank 2 stopped answering") != std::string::npos);
+  CHECK(outs[0].errc == static_cast<int>(ddp::errc::timeout));
+  CHECK(outs[0].message.find("rank 1 reports: rank 2 stopped answering") != std::string::npos);
+  CHECK(outs[0].message.find("lost connection") == std::string::npos);
+  CHECK(verdict(outs[0].message) == verdict(outs[1].message));
+  for (int r = 0; r < 2; ++r) CHECK_FALSE(doubled_prefix(outs[r].message));
 }
 
 TEST_CASE("faults: ring<tcp>") { fault_suite<ddp::ring<ddp::tcp>>("ring<tcp>", 1); }

@@ -131,11 +131,14 @@ inline void accept_peers(int lfd, std::vector<fd_handle>& peers, const authentic
   }
 }
 
-/// Connects every pair of ranks. Returns one socket per peer (invalid at [rank]).
-inline std::vector<fd_handle> connect_mesh(store_client& store, int rank, int size, const std::string& prefix,
-                                           std::uint64_t group, deadline_t until, int bufsize = 4 << 20) {
-  std::vector<fd_handle> peers(static_cast<std::size_t>(size));
-  if (size == 1) return peers;
+/// Connects every pair of ranks into `peers`: one socket per peer (invalid at [rank]). When it
+/// throws, the connections made so far stay in `peers`, open: the caller records why before
+/// it closes them, so that a peer which sees the connection close finds the reason first.
+inline void connect_mesh(std::vector<fd_handle>& peers, store_client& store, int rank, int size,
+                         const std::string& prefix, std::uint64_t group, deadline_t until, int bufsize = 4 << 20) {
+  peers.clear();
+  peers.resize(static_cast<std::size_t>(size));
+  if (size == 1) return;
   // Listen on the address our store connection leaves from: the interface that reaches the
   // master (loopback when the master is on loopback).
   sockaddr_storage local = local_address(store.native_handle());
@@ -188,6 +191,13 @@ inline std::vector<fd_handle> connect_mesh(store_client& store, int rank, int si
     peers[static_cast<std::size_t>(r)] = std::move(fd);
   }
   accept_peers(lfd.get(), peers, store.auth().get(), rank, size, group, until, bufsize);
+}
+
+/// The same, returning the sockets (closed at once when it throws).
+inline std::vector<fd_handle> connect_mesh(store_client& store, int rank, int size, const std::string& prefix,
+                                           std::uint64_t group, deadline_t until, int bufsize = 4 << 20) {
+  std::vector<fd_handle> peers;
+  connect_mesh(peers, store, rank, size, prefix, group, until, bufsize);
   return peers;
 }
 
