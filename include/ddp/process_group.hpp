@@ -11,6 +11,7 @@
 #include <charconv>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <memory>
@@ -45,12 +46,13 @@ struct init_options {
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};  ///< every blocking wait's bound
   std::string auth_token = {};                    ///< shared secret; needs an authenticator (docs/security.md)
   int local_rank = -1;                            ///< rank on this host, -1 when unknown
+  std::string job_id = {};                        ///< names the job; tells two jobs on one port apart (optional)
 
   /// Reads the environment: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`;
   /// when those are absent Open MPI's `OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`, MPICH/PMI's
   /// `PMI_RANK/PMI_SIZE` (`MPI_LOCALRANKID`) and Slurm's `SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID`;
-  /// `DDP_TIMEOUT` (seconds) and `DDP_AUTH_TOKEN`. Throws errc::invalid_argument for a variable
-  /// that is not a number.
+  /// `DDP_TIMEOUT` (seconds), `DDP_AUTH_TOKEN` and `DDP_JOB_ID` (set by `ddprun`). Throws
+  /// errc::invalid_argument for a variable that is not a number.
   static init_options from_env() { return from_env([](const char* n) { return std::getenv(n); }); }
 
   /// The same, with a custom lookup (used by tests and by embedders with their own config).
@@ -74,10 +76,11 @@ struct init_options {
                           "' is not an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
       return x;
     };
-    if (auto v = first({"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"}); v.first)
-      o.rank = static_cast<int>(as_int(v, -(1LL << 31), (1LL << 31) - 1));
-    if (auto v = first({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}); v.first)
-      o.world_size = static_cast<int>(as_int(v, -(1LL << 31), (1LL << 31) - 1));
+    const auto rank_var = first({"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"});
+    const auto size_var = first({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"});
+    if (rank_var.first) o.rank = static_cast<int>(as_int(rank_var, -(1LL << 31), (1LL << 31) - 1));
+    if (size_var.first) o.world_size = static_cast<int>(as_int(size_var, -(1LL << 31), (1LL << 31) - 1));
+    if (!rank_var.first && !size_var.first) note_world_of_one();
     if (auto v = first({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}); v.first)
       o.local_rank = static_cast<int>(as_int(v, 0, (1LL << 31) - 1));
     if (auto v = first({"MASTER_ADDR"}); v.first) o.master_addr = v.second;
@@ -85,7 +88,19 @@ struct init_options {
     if (auto v = first({"DDP_TIMEOUT"}); v.first)
       o.timeout = std::chrono::seconds(as_int(v, 1, 1LL << 31));
     if (auto v = first({"DDP_AUTH_TOKEN"}); v.first) o.auth_token = v.second;
+    if (auto v = first({"DDP_JOB_ID"}); v.first) o.job_id = v.second;
     return o;
+  }
+
+  /// Says once per process, on stderr, that no launcher set a rank: a program started by hand
+  /// runs alone, which is easy to miss when several ranks were meant.
+  static void note_world_of_one() noexcept {
+    static std::atomic<bool> said{false};
+    if (said.exchange(true)) return;
+    std::fputs("ddp: no rank in the environment (RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK/SIZE, PMI_RANK/SIZE or "
+               "SLURM_PROCID/NTASKS): running as a world of 1 (rank 0); start the ranks with ddprun, torchrun, "
+               "mpirun or srun to run more\n",
+               stderr);
   }
 
   /// Cheap check before any socket is opened; empty when the options are usable.
@@ -370,11 +385,21 @@ class process_group {
   /// does not hold this rank's error up by a whole timeout.
   void close() noexcept {
     const bool unwinding = std::uncaught_exceptions() > 0;
-    // Leaving because of an exception that ddp did not record: tell the peers that this rank
-    // is failing, rather than let them find a closed connection and guess.
-    if (unwinding && !failed_.load() && !aborted_.load() && store_)
-      post_failure({errc::aborted, "rank " + std::to_string(rank_) +
-                                       " left the group while an exception was propagating (see its own error)"});
+    // Leaving because of an exception: tell the peers why (the latest ddp::error alive here,
+    // which is the one in flight or the one that caused it), rather than let them find a
+    // closed connection and blame this rank.
+    if (unwinding && !failed_.load() && !aborted_.load() && store_) {
+      try {
+        errc code{};
+        std::string msg;
+        post_failure({errc::aborted, detail::latest_live_error(code, msg)
+                                         ? "rank " + std::to_string(rank_) + " left the group on its error (" +
+                                               std::string(detail::errc_name(code)) + "): " + msg
+                                         : "rank " + std::to_string(rank_) +
+                                               " left the group while an exception propagated"});
+      } catch (...) {
+      }
+    }
     const bool failing = failed_.load() || aborted_.load() || unwinding;
     mesh_.clear();
     store_.reset();
@@ -476,7 +501,8 @@ class process_group {
 /// Joins the group described by `opts` and returns once every rank has joined.
 ///
 /// Throws `ddp::error`: invalid_argument (bad rank, size, port), unresolvable (master address),
-/// address_in_use (rank 0's port taken), rank_conflict (two processes claim one rank), timeout
+/// address_in_use (rank 0's port taken, or another job's store answers on it: a different world
+/// size or job id), rank_conflict (two processes of this job claim one rank), timeout
 /// (a rank never arrived; the message names the missing ranks).
 /// \code
 /// auto pg = ddp::init_process_group(ddp::init_options::from_env());
@@ -501,6 +527,34 @@ inline process_group init_process_group(const init_options& opts) {
   pg.store_ = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
   auto& st = *pg.store_;
 
+  // Rank 0 describes its job (world size, job id) before anything else; every other rank
+  // checks that the store on this port is its own job's before it claims a rank. Another job's
+  // store answering here means the port is taken, not that two processes want one rank.
+  const std::string where = opts.master_addr + ":" + std::to_string(opts.master_port);
+  const std::string job = std::to_string(opts.world_size) + " " + opts.job_id;
+  auto describe_job = [](const std::string& j) {
+    const auto sp = j.find(' ');
+    const std::string id = sp == std::string::npos ? std::string() : j.substr(sp + 1);
+    return "a group of " + j.substr(0, sp) + " ranks" + (id.empty() ? std::string() : ", job '" + id + "'");
+  };
+  if (rank == 0) {
+    st.set("pg/job", job, until);
+  } else {
+    if (!st.wait({"pg/job"}, until).empty())
+      detail::raise(errc::timeout, rank,
+                    "rendezvous timed out after " + std::to_string(opts.timeout.count()) + " ms: the store at " +
+                        where + " answers, but its rank 0 never described its job");
+    const auto theirs = st.get("pg/job", until);
+    const auto sp = theirs.find(' ');
+    const std::string their_id = sp == std::string::npos ? std::string() : theirs.substr(sp + 1);
+    if (theirs.substr(0, sp) != std::to_string(opts.world_size) ||
+        (!opts.job_id.empty() && !their_id.empty() && their_id != opts.job_id))
+      detail::raise(errc::address_in_use, rank,
+                    "another job holds port " + std::to_string(opts.master_port) + " at " + opts.master_addr +
+                        ": the store there serves " + describe_job(theirs) + ", this process belongs to " +
+                        describe_job(job) + "; give each job its own MASTER_PORT");
+  }
+
   // Claim the rank with a token unique to this process; a second claimant sees another token.
   std::random_device rd;
   const std::uint64_t nonce = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
@@ -512,7 +566,10 @@ inline process_group init_process_group(const init_options& opts) {
   if (owner != token)
     detail::raise(errc::rank_conflict, rank,
                   "rank " + std::to_string(rank) + " is already taken by another process (" + owner +
-                      "); every process needs its own rank");
+                      "); every process needs its own rank" +
+                      (opts.job_id.empty() ? " (if another job of the same size uses " + where +
+                                                 ", give each job its own MASTER_PORT, or a DDP_JOB_ID)"
+                                           : ""));
   if (rank == 0) st.set("pg/id", detail::encode_i64(static_cast<std::int64_t>(nonce)), until);
 
   // Wait until every rank has claimed its place; name the missing ones on timeout.
