@@ -196,6 +196,7 @@ void rank_body(const trial_plan& t, shared_board& b, int r) {
   // Ranks start a little apart, as launched processes do.
   std::mt19937_64 g(t.seed ^ (0x9e3779b97f4a7c15ull * static_cast<std::uint64_t>(r + 1)));
   std::this_thread::sleep_for(std::chrono::microseconds(g() % 5000));
+  me.start_ns = now_ns();
   me.phase = rendezvous;
   if (victim && t.f.at_phase == rendezvous && self) self->arm(t.f.delay);
 
@@ -319,8 +320,10 @@ void fault_suite(const char* name, int salt) {
                   hard ? "  FAILED" : "");
       for (auto& rr : res.ranks)
         if (!rr.victim)
-          std::printf("    rank %d: %.3f s errc %d: %s%s%s\n", rr.rank, rr.detect_s, rr.errc, rr.what.c_str(),
-                      rr.problem.empty() ? "" : " | ", rr.problem.c_str());
+          std::printf("    rank %d: %.3f s%s errc %d: %s%s%s\n", rr.rank, rr.detect_s,
+                      rr.late_start_s > 0 ? (" (started " + std::to_string(rr.late_start_s) + " s after the fault)").c_str()
+                                          : "",
+                      rr.errc, rr.what.c_str(), rr.problem.empty() ? "" : " | ", rr.problem.c_str());
     }
   }
   std::printf("faults %s: seed %llu, %d trials, %d failed, %d hung ranks, %.1f s; max survivor cleanup %.3f s\n",
