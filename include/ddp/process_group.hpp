@@ -307,6 +307,24 @@ class process_group {
     return {};
   }
 
+  /// What to report for an error met while connecting to peers (a peer that never connected,
+  /// a connection refused or lost): the group's first failure when a rank recorded one; "rank 0
+  /// is lost" when its store does not answer either (the peer that never connected may have
+  /// failed on the store too: it is not the one to blame); else the error itself.
+  failure explain(const error& e) noexcept {
+    try {
+      const auto code = e.condition();
+      if (code != errc::timeout && code != errc::peer_lost) return {code, detail::message_of(e)};
+      bool store_gone = false;
+      if (auto f = first_failure(&store_gone); !f.empty()) return f;
+      if (store_gone)
+        return {errc::peer_lost, "rank 0 is lost (its store does not answer; " + detail::message_of(e) + ")"};
+      return {code, detail::message_of(e)};
+    } catch (...) {
+      return {e.condition(), {}};
+    }
+  }
+
   /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
   /// may be the rank that is gone.
   detail::deadline_t store_budget() const {
@@ -589,8 +607,13 @@ inline process_group init_process_group(const init_options& opts) {
   } catch (const error& e) {
     // Peers already connected to this rank see a closed connection only after the failure is
     // recorded (connect_mesh keeps the sockets open until then): they report the same cause.
-    pg.post_failure({e.condition(), pg.reported(detail::message_of(e))});
-    throw;
+    const auto f = pg.explain(e);
+    if (f.empty() || f.text == detail::message_of(e)) {
+      pg.post_failure({e.condition(), pg.reported(detail::message_of(e))});
+      throw;
+    }
+    pg.post_failure({f.code, pg.reported(f.text)});
+    detail::raise(f.code, rank, f.text);
   }
   pg.barrier(until);
   return pg;

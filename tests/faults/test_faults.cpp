@@ -473,6 +473,39 @@ TEST_CASE("faults: a failure on a transport is what peers in a group call report
   for (int r = 0; r < 2; ++r) CHECK_FALSE(doubled_prefix(outs[r].message));
 }
 
+// A rank that waits for a peer to connect, and times out, blames that peer only when the group
+// knows nothing better: when rank 0 (the store) is gone, the peer may have failed on the store
+// too, and rank 0 is the one named; when a rank recorded a failure, that failure is reported.
+TEST_CASE("faults: a peer that never connected is not blamed when rank 0 is gone or a failure is recorded") {
+  for (const bool store_gone : {true, false}) {
+    CAPTURE(store_gone);
+    const int port = ddp_test::free_port();
+    auto outs = ddp_test::run_ranks(3, [&](int r) {
+      auto pg = ddp::init_process_group(blame_opts(r, 3, port, 3000ms));
+      pg.barrier();
+      if (r == 0 && store_gone) ::_exit(0);  // gone, store and all
+      if (r == 2 && !store_gone) pg.abort("rank 2 gave up");
+      if (r != 1) {
+        std::this_thread::sleep_for(1500ms);
+        return;
+      }
+      std::this_thread::sleep_for(300ms);
+      const ddp::error seen(ddp::errc::timeout, 1, "rank 2 never connected");
+      const auto f = pg.explain(seen);
+      throw ddp::error(f.code, 1, f.text);
+    }, 60s);
+    INFO(ddp_test::summary(outs));
+    if (store_gone) {
+      CHECK(outs[1].errc == static_cast<int>(ddp::errc::peer_lost));
+      CHECK(outs[1].message.find("rank 0 is lost (its store does not answer; rank 2 never connected)") !=
+            std::string::npos);
+    } else {
+      CHECK(outs[1].errc == static_cast<int>(ddp::errc::aborted));
+      CHECK(outs[1].message.find("group aborted by rank 2: rank 2 gave up") != std::string::npos);
+    }
+  }
+}
+
 TEST_CASE("faults: ring<tcp>") { fault_suite<ddp::ring<ddp::tcp>>("ring<tcp>", 1); }
 TEST_CASE("faults: tree<tcp>") { fault_suite<ddp::tree<ddp::tcp>>("tree<tcp>", 2); }
 TEST_CASE("faults: ring<shm>") { fault_suite<ddp::ring<ddp::shm>>("ring<shm>", 3); }

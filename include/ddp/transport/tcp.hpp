@@ -48,8 +48,13 @@ class tcp {
     } catch (const error& e) {
       // Peers already connected to this rank see the connection close only after the failure
       // is recorded (connect_mesh leaves the sockets open): they report the same cause.
-      post_abort(e.condition(), detail::message_of(e));
-      throw;
+      const auto f = pg.explain(e);
+      if (f.empty() || f.text == detail::message_of(e)) {
+        post_abort(e.condition(), detail::message_of(e));
+        throw;
+      }
+      post_abort(f.code, f.text);
+      detail::raise(f.code, pg.rank(), f.text);
     }
   }
   tcp(const tcp&) = delete;
