@@ -2,7 +2,8 @@
 // or frozen (SIGSTOP) at a random point (during rendezvous, in the middle of an allreduce,
 // between two buckets of a data-parallel step, or inside finish()), by the parent, by a
 // sibling rank or by itself. Every survivor must raise ddp::error (peer_lost, timeout or
-// aborted) naming the lost rank within the timeout plus 2 s, no rank may hang, and nothing
+// aborted) naming the lost rank within the timeout plus 2 s (of the fault, or of its own start
+// when a loaded machine started it later), no rank may hang, and nothing
 // may stay behind: no /dev/shm segment, no listening port, no socket, mapping or thread in
 // the survivors once their ddp objects are gone.
 //
