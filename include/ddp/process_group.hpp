@@ -307,6 +307,16 @@ class process_group {
     return {};
   }
 
+  /// True when a rank recorded a failure, or the store does not answer (a quick check, for
+  /// waits that cannot see the failure otherwise, such as waiting for a peer to connect).
+  bool failure_recorded() noexcept {
+    try {
+      return store_ && store_->check(failure_key, store_budget());
+    } catch (...) {
+      return true;
+    }
+  }
+
   /// What to report for an error met while connecting to peers (a peer that never connected,
   /// a connection refused or lost): the group's first failure when a rank recorded one; "rank 0
   /// is lost" when its store does not answer either (the peer that never connected may have
@@ -603,7 +613,8 @@ inline process_group init_process_group(const init_options& opts) {
   }
   pg.group_id_ = static_cast<std::uint64_t>(detail::decode_i64(st.get("pg/id", until)));
   try {
-    detail::connect_mesh(pg.mesh_, st, rank, opts.world_size, "pg/mesh", pg.group_id_, until, 0);
+    detail::connect_mesh(pg.mesh_, st, rank, opts.world_size, "pg/mesh", pg.group_id_, until, 0,
+                         [&pg] { return pg.failure_recorded(); });
   } catch (const error& e) {
     // Peers already connected to this rank see a closed connection only after the failure is
     // recorded (connect_mesh keeps the sockets open until then): they report the same cause.

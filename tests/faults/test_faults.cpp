@@ -507,6 +507,29 @@ TEST_CASE("faults: a peer that never connected is not blamed when rank 0 is gone
   }
 }
 
+// Ranks 0 and 1 wait for rank 2 to connect (a transport's mesh); rank 2 gives up instead: they
+// stop at once and report its failure, not "rank 2 never connected" at the deadline.
+TEST_CASE("faults: ranks waiting for a peer to connect stop when the group failed") {
+  const int port = ddp_test::free_port();
+  auto outs = ddp_test::run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(blame_opts(r, 3, port, 6000ms));
+    pg.barrier();
+    if (r == 2) {
+      std::this_thread::sleep_for(500ms);
+      pg.abort("rank 2 cannot go on");
+      std::this_thread::sleep_for(1500ms);
+      return;
+    }
+    ddp::tcp t{pg};
+  }, 60s);
+  INFO(ddp_test::summary(outs));
+  for (int r : {0, 1}) {
+    CHECK(outs[r].errc == static_cast<int>(ddp::errc::aborted));
+    CHECK(outs[r].message.find("group aborted by rank 2: rank 2 cannot go on") != std::string::npos);
+    CHECK(outs[r].seconds < 3.0);  // the deadline is 6 s away
+  }
+}
+
 TEST_CASE("faults: ring<tcp>") { fault_suite<ddp::ring<ddp::tcp>>("ring<tcp>", 1); }
 TEST_CASE("faults: tree<tcp>") { fault_suite<ddp::tree<ddp::tcp>>("tree<tcp>", 2); }
 TEST_CASE("faults: ring<shm>") { fault_suite<ddp::ring<ddp::shm>>("ring<shm>", 3); }

@@ -44,7 +44,7 @@ class tcp {
     channel_ = "tcp/" + std::to_string(pg.next_channel_id());
     try {
       detail::connect_mesh(peers_, pg.store(), pg.rank(), pg.size(), channel_, pg.id(), pg.deadline(),
-                           o.socket_buffer);
+                           o.socket_buffer, [&pg] { return pg.failure_recorded(); });
     } catch (const error& e) {
       // Peers already connected to this rank see the connection close only after the failure
       // is recorded (connect_mesh leaves the sockets open): they report the same cause.
