@@ -3,21 +3,27 @@
 //   ddprun -n 4 [--master-addr 127.0.0.1] [--port P] [--timeout S] [--] prog args...
 //
 // Picks a free port unless --port is given, sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
-// LOCAL_RANK and LOCAL_WORLD_SIZE for each rank, prefixes every output line with "[rank] ", and
-// when one rank fails, ends the others and exits with that rank's status.
+// LOCAL_RANK, LOCAL_WORLD_SIZE and DDP_JOB_ID (unless set) for each rank, prefixes every output
+// line with "[rank] ", and when one rank fails, ends the others and exits with the status of the
+// rank that failed first (by exit time; ranks that fail after it, often because of it, and
+// ranks that ddprun ended itself are not blamed).
 
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -42,13 +48,31 @@ int pick_port(const std::string& addr) {
   return ddp::detail::port_of(ddp::detail::local_address(fd.get()));
 }
 
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// How a rank ended, written by its keeper: a process between ddprun and the program that
+// waits for the program and notes the moment it ended. ddprun itself may notice several
+// exits at once (its poll slice, a loaded machine), and would then not know which came first.
+struct exit_note {
+  std::atomic<int> done;
+  std::atomic<int> status;
+  std::atomic<std::int64_t> at_ns;
+};
+
 struct rank_proc {
-  pid_t pid = -1;
+  pid_t pid = -1;  // the keeper, leader of the rank's process group
   int out = -1;
   std::string pending;
-  bool exited = false;
+  bool exited = false;  // the keeper was reaped
+  bool ended = false;   // the program's end is known: status and at_ns are set
   int status = 0;
+  std::int64_t at_ns = 0;
 };
+
+int code_of(int st) { return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st); }
 
 void emit(int rank, std::string& pending, bool flush_all) {
   std::size_t pos;
@@ -101,13 +125,32 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  // One job id for all ranks, so that a second job started on the same port is told apart.
+  std::string job_id;
+  if (const char* j = std::getenv("DDP_JOB_ID"); j != nullptr && *j != '\0') {
+    job_id = j;
+  } else {
+    std::random_device rd;
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "ddprun-%08x%08x", rd(), rd());
+    job_id = buf;
+  }
+
+  void* shared = ::mmap(nullptr, sizeof(exit_note) * static_cast<std::size_t>(n), PROT_READ | PROT_WRITE,
+                        MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (shared == MAP_FAILED) { std::perror("ddprun: mmap"); return 2; }
+  auto* notes = static_cast<exit_note*>(shared);
+  for (int r = 0; r < n; ++r) new (&notes[r]) exit_note{};
+
   std::vector<rank_proc> procs(static_cast<std::size_t>(n));
   for (int r = 0; r < n; ++r) {
     int p[2];
     if (::pipe2(p, O_CLOEXEC) != 0) { std::perror("ddprun: pipe"); return 2; }
     const pid_t pid = ::fork();
     if (pid == 0) {
-      // Each rank leads its own process group, so ending a rank ends whatever it started.
+      // The keeper. Each rank leads its own process group, so ending a rank ends whatever it
+      // started; the keeper outlives the program by a moment only, and ignores the signals
+      // ddprun sends the group so that it can still write down how the program ended.
       ::setpgid(0, 0);
       ::dup2(p[1], 1);
       ::dup2(p[1], 2);
@@ -117,10 +160,28 @@ int main(int argc, char** argv) {
       ::setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
+      ::setenv("DDP_JOB_ID", job_id.c_str(), 1);
       if (!timeout.empty()) ::setenv("DDP_TIMEOUT", timeout.c_str(), 1);
-      ::execvp(argv[i], argv + i);
-      std::fprintf(stderr, "ddprun: cannot run %s: %s\n", argv[i], std::strerror(errno));
-      ::_exit(127);
+      struct sigaction ign{};
+      ign.sa_handler = SIG_IGN;
+      for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &ign, nullptr);
+      const pid_t prog = ::fork();
+      if (prog == 0) {
+        struct sigaction dfl{};
+        dfl.sa_handler = SIG_DFL;
+        for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaction(sig, &dfl, nullptr);
+        ::execvp(argv[i], argv + i);
+        std::fprintf(stderr, "ddprun: cannot run %s: %s\n", argv[i], std::strerror(errno));
+        ::_exit(127);
+      }
+      int st = 127 << 8;
+      if (prog > 0)
+        while (::waitpid(prog, &st, 0) < 0 && errno == EINTR) {
+        }
+      notes[r].at_ns = now_ns();
+      notes[r].status = st;
+      notes[r].done = 1;
+      ::_exit(0);
     }
     ::close(p[1]);
     ::setpgid(pid, pid);
@@ -131,17 +192,40 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   int failed_rank = -1;
   bool terminating = false;
+  std::int64_t ended_at = INT64_MAX;  // when ddprun began ending the ranks itself
   auto kill_deadline = std::chrono::steady_clock::time_point::max();
   auto end_all = [&](int sig) {
     for (auto& p : procs) ::kill(-p.pid, sig);
+  };
+  // The rank that failed first among those that ended before ddprun began ending them.
+  auto first_failure = [&]() -> int {
+    int first = -1;
+    for (int r = 0; r < n; ++r) {
+      const auto& p = procs[static_cast<std::size_t>(r)];
+      if (!p.ended || code_of(p.status) == 0 || p.at_ns >= ended_at) continue;
+      if (first < 0 || p.at_ns < procs[static_cast<std::size_t>(first)].at_ns) first = r;
+    }
+    return first;
+  };
+  // Ranks fail together (the survivors of a lost rank fail because of it), and their keepers
+  // may be scheduled late on a loaded machine: after the first failure is seen, wait a moment
+  // for the others' notes before naming the first.
+  constexpr auto settle = std::chrono::milliseconds(150);
+  constexpr auto never = std::chrono::steady_clock::time_point::max();
+  auto settle_until = never;
+  auto describe = [&](int r) {
+    const int st = procs[static_cast<std::size_t>(r)].status;
+    return std::string(WIFEXITED(st) ? "exited with status " : "was killed by signal ") +
+           std::to_string(WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
   };
   std::size_t running = procs.size();
   while (running > 0) {
     std::vector<pollfd> pf;
     for (auto& p : procs)
       if (p.out >= 0) pf.push_back({p.out, POLLIN, 0});
-    if (!pf.empty()) ::poll(pf.data(), pf.size(), 50);
-    else ::usleep(20000);
+    const bool settling = settle_until != never && !terminating;
+    if (!pf.empty()) ::poll(pf.data(), pf.size(), settling ? 10 : 50);
+    else ::usleep(settling ? 5000 : 20000);
     for (std::size_t r = 0; r < procs.size(); ++r) {
       auto& p = procs[r];
       if (p.out < 0) continue;
@@ -157,19 +241,33 @@ int main(int argc, char** argv) {
     }
     for (std::size_t r = 0; r < procs.size(); ++r) {
       auto& p = procs[r];
-      if (p.exited) continue;
-      int st = 0;
-      if (::waitpid(p.pid, &st, WNOHANG) != p.pid) continue;
-      p.exited = true;
-      --running;
-      const int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-      if (code != 0 && failed_rank < 0 && !terminating) {
-        failed_rank = static_cast<int>(r);
-        exit_code = code;
-        std::fprintf(stderr, "ddprun: rank %zu %s %d; ending the other ranks\n", r,
-                     WIFEXITED(st) ? "exited with status" : "was killed by signal",
-                     WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
+      if (!p.exited) {
+        int st = 0;
+        if (::waitpid(p.pid, &st, WNOHANG) == p.pid) {
+          p.exited = true;
+          --running;
+          if (!notes[r].done.load()) {  // the keeper itself was killed
+            p.ended = true;
+            p.status = st;
+            p.at_ns = now_ns();
+          }
+        }
+      }
+      if (!p.ended && notes[r].done.load()) {
+        p.ended = true;
+        p.status = notes[r].status.load();
+        p.at_ns = notes[r].at_ns.load();
+      }
+      if (p.ended && code_of(p.status) != 0 && settle_until == never)
+        settle_until = std::chrono::steady_clock::now() + settle;
+    }
+    if (!terminating && settle_until != never && (std::chrono::steady_clock::now() >= settle_until || running == 0)) {
+      failed_rank = first_failure();
+      if (failed_rank >= 0) {
+        exit_code = code_of(procs[static_cast<std::size_t>(failed_rank)].status);
+        std::fprintf(stderr, "ddprun: rank %d %s; ending the other ranks\n", failed_rank, describe(failed_rank).c_str());
         terminating = true;
+        ended_at = now_ns();
         end_all(SIGTERM);
         kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
       }
@@ -177,6 +275,7 @@ int main(int argc, char** argv) {
     if (g_signal != 0 && !terminating) {
       terminating = true;
       exit_code = 128 + g_signal;
+      ended_at = now_ns();
       end_all(g_signal);
       kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     }

@@ -3,10 +3,14 @@
 /// The one exception type of ddp: `ddp::error`, a `std::system_error` carrying the rank, and
 /// optionally the bucket and parameter, that the failure concerns.
 
+#include <algorithm>
 #include <exception>
+#include <mutex>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 namespace ddp {
 inline namespace v0 {
@@ -28,6 +32,8 @@ enum class errc {
   usage,                 ///< API misuse (order of calls, state)
 };
 
+class error;
+
 namespace detail {
 inline const char* errc_name(errc e) noexcept {
   switch (e) {
@@ -47,6 +53,26 @@ inline const char* errc_name(errc e) noexcept {
   }
   return "unknown";
 }
+
+/// The ddp::error objects alive in this process, oldest first: an error in flight or held by a
+/// request is here, one that was handled is gone. A process_group that is destroyed while an
+/// exception propagates reports the latest of them to its peers.
+struct live_errors {
+  std::mutex mu;
+  std::vector<const error*> all;
+  static live_errors& get() {
+    static auto* l = new live_errors;  // never destroyed: errors may outlive static destruction
+    return *l;
+  }
+  void add(const error* e) {
+    std::lock_guard lock(mu);
+    all.push_back(e);
+  }
+  void remove(const error* e) noexcept {
+    std::lock_guard lock(mu);
+    if (auto it = std::find(all.rbegin(), all.rend(), e); it != all.rend()) all.erase(std::next(it).base());
+  }
+};
 
 class error_category_impl final : public std::error_category {
  public:
@@ -74,10 +100,23 @@ class error : public std::system_error {
  public:
   error(errc code, int rank, const std::string& msg, int bucket = -1, int parameter = -1)
       : std::system_error(make_error_code(code)), what_(format(code, rank, msg)),
-        rank_(rank), bucket_(bucket), parameter_(parameter) {}
+        message_at_(what_.size() - msg.size()), rank_(rank), bucket_(bucket), parameter_(parameter) {
+    detail::live_errors::get().add(this);
+  }
+  error(const error& o)
+      : std::system_error(o), what_(o.what_), message_at_(o.message_at_), rank_(o.rank_), bucket_(o.bucket_),
+        parameter_(o.parameter_) {
+    detail::live_errors::get().add(this);
+  }
+  error& operator=(const error&) = default;
+  ~error() override { detail::live_errors::get().remove(this); }
 
   /// `[ddp.<errc>] rank <r>: <message>` (without system_error's appended category text).
   const char* what() const noexcept override { return what_.c_str(); }
+
+  /// The message alone, without the `[ddp.<errc>] rank <r>: ` prefix: what to build on when
+  /// the error is reported again, under another prefix (so no prefix is ever doubled).
+  std::string_view message() const noexcept { return std::string_view(what_).substr(message_at_); }
 
   /// Rank that raised the error (-1 when unknown, e.g. before the group exists).
   int rank() const noexcept { return rank_; }
@@ -98,18 +137,28 @@ class error : public std::system_error {
     return s;
   }
   std::string what_;
+  std::size_t message_at_;
   int rank_;
   int bucket_;
   int parameter_;
 };
 
 namespace detail {
-/// "rank 2: rank 3 never connected" from "[ddp.timeout] rank 2: rank 3 never connected": the
-/// message as it is posted to the store for the peers to report.
+/// "rank 3 never connected" from "[ddp.timeout] rank 2: rank 3 never connected", and what()
+/// of any other exception: the text to embed in another message (which has its own prefix).
 inline std::string message_of(const std::exception& e) {
-  const std::string w = e.what();
-  const auto p = w.find("] ");
-  return w.rfind("[ddp.", 0) == 0 && p != std::string::npos ? w.substr(p + 2) : w;
+  if (const auto* d = dynamic_cast<const error*>(&e)) return std::string(d->message());
+  return e.what();
+}
+
+/// The condition and message of the latest ddp::error alive in this process, if any.
+inline bool latest_live_error(errc& code, std::string& message) {
+  auto& l = live_errors::get();
+  std::lock_guard lock(l.mu);
+  if (l.all.empty()) return false;
+  code = l.all.back()->condition();
+  message = std::string(l.all.back()->message());
+  return true;
 }
 
 /// The single throw site of ddp.

@@ -6,10 +6,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <memory>
@@ -18,6 +20,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "auth.hpp"
@@ -44,12 +47,13 @@ struct init_options {
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};  ///< every blocking wait's bound
   std::string auth_token = {};                    ///< shared secret; needs an authenticator (docs/security.md)
   int local_rank = -1;                            ///< rank on this host, -1 when unknown
+  std::string job_id = {};                        ///< names the job; tells two jobs on one port apart (optional)
 
   /// Reads the environment: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`;
   /// when those are absent Open MPI's `OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`, MPICH/PMI's
   /// `PMI_RANK/PMI_SIZE` (`MPI_LOCALRANKID`) and Slurm's `SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID`;
-  /// `DDP_TIMEOUT` (seconds) and `DDP_AUTH_TOKEN`. Throws errc::invalid_argument for a variable
-  /// that is not a number.
+  /// `DDP_TIMEOUT` (seconds), `DDP_AUTH_TOKEN` and `DDP_JOB_ID` (set by `ddprun`). Throws
+  /// errc::invalid_argument for a variable that is not a number.
   static init_options from_env() { return from_env([](const char* n) { return std::getenv(n); }); }
 
   /// The same, with a custom lookup (used by tests and by embedders with their own config).
@@ -73,10 +77,11 @@ struct init_options {
                           "' is not an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
       return x;
     };
-    if (auto v = first({"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"}); v.first)
-      o.rank = static_cast<int>(as_int(v, -(1LL << 31), (1LL << 31) - 1));
-    if (auto v = first({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}); v.first)
-      o.world_size = static_cast<int>(as_int(v, -(1LL << 31), (1LL << 31) - 1));
+    const auto rank_var = first({"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"});
+    const auto size_var = first({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"});
+    if (rank_var.first) o.rank = static_cast<int>(as_int(rank_var, -(1LL << 31), (1LL << 31) - 1));
+    if (size_var.first) o.world_size = static_cast<int>(as_int(size_var, -(1LL << 31), (1LL << 31) - 1));
+    if (!rank_var.first && !size_var.first) note_world_of_one();
     if (auto v = first({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}); v.first)
       o.local_rank = static_cast<int>(as_int(v, 0, (1LL << 31) - 1));
     if (auto v = first({"MASTER_ADDR"}); v.first) o.master_addr = v.second;
@@ -84,7 +89,19 @@ struct init_options {
     if (auto v = first({"DDP_TIMEOUT"}); v.first)
       o.timeout = std::chrono::seconds(as_int(v, 1, 1LL << 31));
     if (auto v = first({"DDP_AUTH_TOKEN"}); v.first) o.auth_token = v.second;
+    if (auto v = first({"DDP_JOB_ID"}); v.first) o.job_id = v.second;
     return o;
+  }
+
+  /// Says once per process, on stderr, that no launcher set a rank: a program started by hand
+  /// runs alone, which is easy to miss when several ranks were meant.
+  static void note_world_of_one() noexcept {
+    static std::atomic<bool> said{false};
+    if (said.exchange(true)) return;
+    std::fputs("ddp: no rank in the environment (RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK/SIZE, PMI_RANK/SIZE or "
+               "SLURM_PROCID/NTASKS): running as a world of 1 (rank 0); start the ranks with ddprun, torchrun, "
+               "mpirun or srun to run more\n",
+               stderr);
   }
 
   /// Cheap check before any socket is opened; empty when the options are usable.
@@ -167,6 +184,42 @@ class process_group {
   /// have their own abort(); call both when a training step must stop everywhere. Does nothing
   /// on an empty handle or in a forked child.
   void abort(const std::string& why = "abort() called") noexcept;
+
+  /// A failure as the group records it: its condition and a sentence that names the rank it
+  /// happened on ("rank 2 reports: lost connection to rank 3 (...)"), so that any rank can
+  /// raise it under its own prefix.
+  struct failure {
+    errc code{};
+    std::string text;
+    bool empty() const noexcept { return text.empty(); }
+  };
+
+  /// The same as abort(why), for a rank that gives up because of an exception: the peers'
+  /// errors quote it.
+  ///
+  /// \code
+  /// try { train(dp); } catch (const std::exception& e) { pg.abort(e); throw; }
+  /// \endcode
+  void abort(const std::exception& e) noexcept;
+
+  /// "rank <this rank> reports: <msg>": the text of a failure this rank saw itself.
+  std::string reported(const std::string& msg) const;
+
+  /// Records `f` as the group's first failure unless one is recorded already, and returns the
+  /// one that holds (the first writer wins). Transports that share the group's store record
+  /// their failures here too.
+  failure record_failure(const failure& f) noexcept;
+
+  /// The group's first failure, or an empty one; sets *store_gone when the store does not
+  /// answer. With `linger`, waits up to min(200 ms, timeout / 8) for one to be recorded.
+  failure first_failure(bool* store_gone = nullptr, bool linger = false) noexcept;
+
+  /// True when a rank recorded a failure, or the store does not answer.
+  bool failure_recorded() noexcept;
+
+  /// What to report for an error met while connecting to peers: the group's first failure when
+  /// one is recorded, "rank 0 is lost" when its store does not answer either, else the error.
+  failure explain(const error& e) noexcept;
 
   /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
   /// may be the rank that is gone.
@@ -327,7 +380,87 @@ class process_group::state {
   /// Reducers have their own abort(); call both when a training step must stop everywhere.
   void abort(const std::string& why = "abort() called") noexcept {
     if (aborted_.exchange(true)) return;
-    post_failure(errc::aborted, "group aborted by rank " + std::to_string(rank_) + ": " + why);
+    post_failure({errc::aborted, "group aborted by rank " + std::to_string(rank_) + ": " + why});
+  }
+
+  /// The same, for a rank that gives up because of an exception: the peers' errors quote it.
+  ///
+  /// \code
+  /// try { train(dp); } catch (const std::exception& e) { pg.abort(e); throw; }
+  /// \endcode
+  void abort(const std::exception& e) noexcept {
+    try {
+      abort(detail::message_of(e));
+    } catch (...) {
+      abort();
+    }
+  }
+
+
+  /// "rank <this rank> reports: <msg>": the text of a failure this rank saw itself.
+  std::string reported(const std::string& msg) const { return "rank " + std::to_string(rank_) + " reports: " + msg; }
+
+  /// Records `f` as the group's first failure unless one is recorded already, and returns the
+  /// one that holds: the first writer wins, so every rank that reads it before composing its
+  /// own error reports the same cause. Returns `f` when the store does not answer. Transports
+  /// that share the group's store record their failures here too.
+  failure record_failure(const failure& f) noexcept {
+    try {
+      if (!store_) return f;
+      return decode_failure(
+          store_->compare_set(failure_key, "", std::to_string(static_cast<int>(f.code)) + " " + f.text, store_budget()));
+    } catch (...) {
+      return f;
+    }
+  }
+
+  /// The group's first failure, or an empty one; sets *store_gone when the store does not answer.
+  /// With `linger`, waits up to min(200 ms, timeout / 8) for one to be recorded: a peer whose
+  /// connection just closed records its failure before it closes, but a peer that leaves by
+  /// an exception records it while it unwinds, which may come a moment later.
+  failure first_failure(bool* store_gone = nullptr, bool linger = false) noexcept {
+    const auto end = detail::clock::now() +
+                     (linger ? std::min<std::chrono::milliseconds>(std::chrono::milliseconds(200), opts_.timeout / 8)
+                             : std::chrono::milliseconds(0));
+    try {
+      for (;;) {
+        const auto until = store_budget();
+        if (store_ && store_->check(failure_key, until)) return decode_failure(store_->get(failure_key, until));
+        if (!store_ || detail::clock::now() >= end) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    } catch (...) {
+      if (store_gone != nullptr) *store_gone = true;
+    }
+    return {};
+  }
+
+  /// True when a rank recorded a failure, or the store does not answer (a quick check, for
+  /// waits that cannot see the failure otherwise, such as waiting for a peer to connect).
+  bool failure_recorded() noexcept {
+    try {
+      return store_ && store_->check(failure_key, store_budget());
+    } catch (...) {
+      return true;
+    }
+  }
+
+  /// What to report for an error met while connecting to peers (a peer that never connected,
+  /// a connection refused or lost): the group's first failure when a rank recorded one; "rank 0
+  /// is lost" when its store does not answer either (the peer that never connected may have
+  /// failed on the store too: it is not the one to blame); else the error itself.
+  failure explain(const error& e) noexcept {
+    try {
+      const auto code = e.condition();
+      if (code != errc::timeout && code != errc::peer_lost) return {code, detail::message_of(e)};
+      bool store_gone = false;
+      if (auto f = first_failure(&store_gone); !f.empty()) return f;
+      if (store_gone)
+        return {errc::peer_lost, "rank 0 is lost (its store does not answer; " + detail::message_of(e) + ")"};
+      return {code, detail::message_of(e)};
+    } catch (...) {
+      return {e.condition(), {}};
+    }
   }
 
   /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
@@ -337,10 +470,13 @@ class process_group::state {
   }
 
   /// After a timeout, finds who stopped: the rank this one waits for (`peer`) may itself wait
-  /// for another. Every rank that times out records under `prefix` whom it waits for; after a
-  /// short grace, the ranks that recorded nothing are the ones that stopped (frozen, swapping,
-  /// or stuck outside ddp). When the store (rank 0) does not answer either, rank 0 is the one.
-  /// Returns the sentence for the error. Transports that share the group's store use it too.
+  /// for another. Every rank that times out records under `prefix` whom it waits for; the
+  /// chain of those records, from `peer` on, ends at the rank that stopped (frozen, swapping,
+  /// or stuck outside ddp): a rank that is itself only waiting is never blamed. A rank at the
+  /// end of the chain gets a grace of min(1 s, timeout / 4) to record that it waits too (its
+  /// own deadline may come a little later). When the store (rank 0) does not answer either,
+  /// rank 0 is the one. Returns the sentence for the error. Transports that share the group's
+  /// store use it too.
   std::string name_stopped(const std::string& prefix, int peer) {
     const std::string waited = "rank " + std::to_string(rank_) + " waited for rank " + std::to_string(peer);
     const std::string store_silent = "rank 0 stopped answering (its store does not reply; " + waited + ")";
@@ -350,28 +486,49 @@ class process_group::state {
     } catch (const error&) {
       return store_silent;
     }
-    const auto grace = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(300), opts_.timeout / 8);
+    const auto grace = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(1000), opts_.timeout / 4);
     const auto end = detail::clock::now() + grace;
-    std::string silent;
-    int count = 0;
+    std::vector<int> waits_for(static_cast<std::size_t>(size_), -1);
+    std::vector<int> chain;
+    int silent = 0;
     for (;;) {
-      silent.clear();
-      count = 0;
+      silent = 0;
       try {
-        for (int r = 0; r < size_; ++r)
-          if (r != rank_ && !store_->check(prefix + "/waiting/" + std::to_string(r), store_budget())) {
-            silent += (silent.empty() ? "" : ", ") + std::to_string(r);
-            ++count;
-          }
+        for (int r = 0; r < size_; ++r) {
+          auto& w = waits_for[static_cast<std::size_t>(r)];
+          if (r == rank_) w = peer;
+          else if (w < 0 && store_->check(prefix + "/waiting/" + std::to_string(r), store_budget()))
+            w = std::atoi(store_->get(prefix + "/waiting/" + std::to_string(r), store_budget()).c_str());
+          if (w < 0) ++silent;
+        }
       } catch (const error&) {
         return store_silent;
       }
-      if (count <= 1 || detail::clock::now() >= end) break;
+      // Follow "waits for" from `peer` until a rank that records nothing, or a cycle.
+      chain.assign(1, peer);
+      for (int r = peer; r >= 0 && r < size_ && waits_for[static_cast<std::size_t>(r)] >= 0;) {
+        r = waits_for[static_cast<std::size_t>(r)];
+        if (std::find(chain.begin(), chain.end(), r) != chain.end() || r < 0 || r >= size_) {
+          chain.push_back(-1);  // a cycle: the ranks wait for each other
+          break;
+        }
+        chain.push_back(r);
+      }
+      // Certain once the chain's end is the only rank left silent; else wait out the grace.
+      if (chain.back() < 0 || silent <= 1 || detail::clock::now() >= end) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
-    if (count == 0) return "rank " + std::to_string(peer) + " did not answer within the deadline";
-    return std::string(count > 1 ? "ranks " : "rank ") + silent + " stopped answering within the deadline (" +
-           waited + ")";
+    // chain: peer, whom peer waits for, ... ending at a silent rank, or at -1 after a cycle.
+    std::string via = waited;
+    for (std::size_t i = 1; i < chain.size() && chain[i] >= 0; ++i)
+      via += ", which waited for rank " + std::to_string(chain[i]);
+    if (chain.back() < 0) {
+      std::string ring;
+      for (std::size_t i = 0; i + 1 < chain.size(); ++i) ring += (ring.empty() ? "" : ", ") + std::to_string(chain[i]);
+      return "ranks " + ring + " wait for each other and none of them stopped (" + via +
+             "): their calls do not match";
+    }
+    return "rank " + std::to_string(chain.back()) + " stopped answering within the deadline (" + via + ")";
   }
 
   /// True once abort() was called here.
@@ -383,7 +540,23 @@ class process_group::state {
   /// peers to read the posted reason, short enough that a frozen peer, which never leaves,
   /// does not hold this rank's error up by a whole timeout.
   void close() noexcept {
-    const bool failing = failed_.load() || aborted_.load() || std::uncaught_exceptions() > 0;
+    const bool unwinding = std::uncaught_exceptions() > 0;
+    // Leaving because of an exception: tell the peers why (the latest ddp::error alive here,
+    // which is the one in flight or the one that caused it), rather than let them find a
+    // closed connection and blame this rank.
+    if (unwinding && !failed_.load() && !aborted_.load() && store_) {
+      try {
+        errc code{};
+        std::string msg;
+        post_failure({errc::aborted, detail::latest_live_error(code, msg)
+                                         ? "rank " + std::to_string(rank_) + " left the group on its error (" +
+                                               std::string(detail::errc_name(code)) + "): " + msg
+                                         : "rank " + std::to_string(rank_) +
+                                               " left the group while an exception propagated"});
+      } catch (...) {
+      }
+    }
+    const bool failing = failed_.load() || aborted_.load() || unwinding;
     mesh_.clear();
     store_.reset();
     if (server_) {
@@ -412,55 +585,48 @@ class process_group::state {
     detail::recv_all(peer_socket(peer), p, n, until, ec);
     if (ec) lost(peer, ec, what);
   }
-  /// Records why this rank's group failed (first reason wins) and shuts the mesh, so that
-  /// peers blocked on this rank wake at once and report the same reason instead of naming us.
-  void post_failure(errc code, const std::string& msg) noexcept {
+  static constexpr const char* failure_key = "pg/failure";
+
+  static failure decode_failure(const std::string& v) {
+    const auto sp = v.find(' ');
+    if (sp == std::string::npos) return {errc::protocol, v};
+    return {static_cast<errc>(std::atoi(v.substr(0, sp).c_str())), v.substr(sp + 1)};
+  }
+
+  /// Records why this rank's group failed (the first failure recorded wins) and shuts the
+  /// mesh, so that peers blocked on this rank wake at once and report the same failure
+  /// instead of naming us. Returns the failure that holds.
+  failure post_failure(const failure& f) noexcept {
     failed_.exchange(true);
-    try {
-      if (store_) store_->compare_set("pg/abort", "", std::to_string(static_cast<int>(code)) + " " + msg, store_budget());
-    } catch (...) {
-    }
+    auto held = record_failure(f);
     for (auto& s : mesh_)
       if (s) ::shutdown(s.get(), SHUT_RDWR);
+    return held;
   }
 
-  /// The reason a rank posted for the group's failure ("<errc> <message>"), or empty; sets
-  /// *store_gone when the store does not answer.
-  std::string posted_reason(bool* store_gone = nullptr) {
-    try {
-      const auto until = store_budget();
-      if (store_ && store_->check("pg/abort", until)) return store_->get("pg/abort", until);
-    } catch (...) {
-      if (store_gone != nullptr) *store_gone = true;
-    }
-    return {};
-  }
-
-  /// Raises the failure another rank posted, as this rank's own (one verdict for everyone).
-  [[noreturn]] void adopt(const std::string& reason, const char* what) {
-    const auto sp = reason.find(' ');
-    const auto code = static_cast<errc>(std::atoi(reason.substr(0, sp).c_str()));
-    post_failure(code, reason.substr(sp + 1));
-    detail::raise(code, rank_, std::string(what) + ": " + reason.substr(sp + 1));
+  /// Raises `f` (recorded by some rank) as this rank's error: one verdict for everyone.
+  [[noreturn]] void raise_failure(const failure& f, const char* what) {
+    post_failure(f);
+    detail::raise(f.code, rank_, std::string(what) + ": " + f.text);
   }
 
   [[noreturn]] void lost(int peer, const std::error_code& ec, const char* what) {
     if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
     bool store_gone = false;
-    if (auto reason = posted_reason(&store_gone); !reason.empty()) adopt(reason, what);
     const bool timed_out = detail::to_errc(ec) == errc::timeout;
+    if (auto f = first_failure(&store_gone, !timed_out); !f.empty()) raise_failure(f, what);
     std::string msg;
     if (store_gone) {
       msg = "rank 0 is lost (its store does not answer; noticed waiting for rank " + std::to_string(peer) + ")";
     } else if (timed_out) {
       msg = name_stopped("pg", peer);
-      // Another rank may have reached its verdict meanwhile.
-      if (auto reason = posted_reason(); !reason.empty()) adopt(reason, what);
     } else {
       msg = "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
     }
     const errc code = timed_out && !store_gone ? errc::timeout : errc::peer_lost;
-    post_failure(code, "rank " + std::to_string(rank_) + " reports: " + msg);
+    // Another rank may have recorded its verdict meanwhile: the first one is everyone's.
+    const auto held = post_failure({code, reported(msg)});
+    if (held.text != reported(msg)) raise_failure(held, what);
     detail::raise(code, rank_, std::string(what) + ": " + msg);
   }
 
@@ -514,11 +680,27 @@ inline std::string process_group::name_stopped(const std::string& prefix, int pe
   return live("name_stopped()").name_stopped(prefix, peer);
 }
 inline bool process_group::aborted() const noexcept { return s_ && s_->aborted(); }
+inline void process_group::abort(const std::exception& e) noexcept {
+  if (s_ && !s_->owner_.forked()) s_->abort(e);
+}
+inline std::string process_group::reported(const std::string& msg) const { return live("reported()").reported(msg); }
+inline process_group::failure process_group::record_failure(const failure& f) noexcept {
+  return s_ && !s_->owner_.forked() ? s_->record_failure(f) : f;
+}
+inline process_group::failure process_group::first_failure(bool* store_gone, bool linger) noexcept {
+  return s_ && !s_->owner_.forked() ? s_->first_failure(store_gone, linger) : failure{};
+}
+inline bool process_group::failure_recorded() noexcept { return s_ && !s_->owner_.forked() && s_->failure_recorded(); }
+inline process_group::failure process_group::explain(const error& e) noexcept {
+  if (s_ && !s_->owner_.forked()) return s_->explain(e);
+  return {e.condition(), detail::message_of(e)};
+}
 
 /// Joins the group described by `opts` and returns once every rank has joined.
 ///
 /// Throws `ddp::error`: invalid_argument (bad rank, size, port), unresolvable (master address),
-/// address_in_use (rank 0's port taken), rank_conflict (two processes claim one rank), timeout
+/// address_in_use (rank 0's port taken, or another job's store answers on it: a different world
+/// size or job id), rank_conflict (two processes of this job claim one rank), timeout
 /// (a rank never arrived; the message names the missing ranks).
 /// \code
 /// auto pg = ddp::init_process_group(ddp::init_options::from_env());
@@ -544,6 +726,34 @@ inline process_group init_process_group(const init_options& opts) {
   pg.store_ = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
   auto& st = *pg.store_;
 
+  // Rank 0 describes its job (world size, job id) before anything else; every other rank
+  // checks that the store on this port is its own job's before it claims a rank. Another job's
+  // store answering here means the port is taken, not that two processes want one rank.
+  const std::string where = opts.master_addr + ":" + std::to_string(opts.master_port);
+  const std::string job = std::to_string(opts.world_size) + " " + opts.job_id;
+  auto describe_job = [](const std::string& j) {
+    const auto sp = j.find(' ');
+    const std::string id = sp == std::string::npos ? std::string() : j.substr(sp + 1);
+    return "a group of " + j.substr(0, sp) + " ranks" + (id.empty() ? std::string() : ", job '" + id + "'");
+  };
+  if (rank == 0) {
+    st.set("pg/job", job, until);
+  } else {
+    if (!st.wait({"pg/job"}, until).empty())
+      detail::raise(errc::timeout, rank,
+                    "rendezvous timed out after " + std::to_string(opts.timeout.count()) + " ms: the store at " +
+                        where + " answers, but its rank 0 never described its job");
+    const auto theirs = st.get("pg/job", until);
+    const auto sp = theirs.find(' ');
+    const std::string their_id = sp == std::string::npos ? std::string() : theirs.substr(sp + 1);
+    if (theirs.substr(0, sp) != std::to_string(opts.world_size) ||
+        (!opts.job_id.empty() && !their_id.empty() && their_id != opts.job_id))
+      detail::raise(errc::address_in_use, rank,
+                    "another job holds port " + std::to_string(opts.master_port) + " at " + opts.master_addr +
+                        ": the store there serves " + describe_job(theirs) + ", this process belongs to " +
+                        describe_job(job) + "; give each job its own MASTER_PORT");
+  }
+
   // Claim the rank with a token unique to this process; a second claimant sees another token.
   std::random_device rd;
   const std::uint64_t nonce = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
@@ -555,7 +765,10 @@ inline process_group init_process_group(const init_options& opts) {
   if (owner != token)
     detail::raise(errc::rank_conflict, rank,
                   "rank " + std::to_string(rank) + " is already taken by another process (" + owner +
-                      "); every process needs its own rank");
+                      "); every process needs its own rank" +
+                      (opts.job_id.empty() ? " (if another job of the same size uses " + where +
+                                                 ", give each job its own MASTER_PORT, or a DDP_JOB_ID)"
+                                           : ""));
   if (rank == 0) st.set("pg/id", detail::encode_i64(static_cast<std::int64_t>(nonce)), until);
 
   // Wait until every rank has claimed its place; name the missing ones on timeout.
@@ -571,11 +784,18 @@ inline process_group init_process_group(const init_options& opts) {
   }
   pg.group_id_ = static_cast<std::uint64_t>(detail::decode_i64(st.get("pg/id", until)));
   try {
-    pg.mesh_ = detail::connect_mesh(st, rank, opts.world_size, "pg/mesh", pg.group_id_, until, 0);
+    detail::connect_mesh(pg.mesh_, st, rank, opts.world_size, "pg/mesh", pg.group_id_, until, 0,
+                         [&pg] { return pg.failure_recorded(); });
   } catch (const error& e) {
-    // Peers already connected to this rank would only see a closed connection: say why.
-    pg.post_failure(e.condition(), detail::message_of(e));
-    throw;
+    // Peers already connected to this rank see a closed connection only after the failure is
+    // recorded (connect_mesh keeps the sockets open until then): they report the same cause.
+    const auto f = pg.explain(e);
+    if (f.empty() || f.text == detail::message_of(e)) {
+      pg.post_failure({e.condition(), pg.reported(detail::message_of(e))});
+      throw;
+    }
+    pg.post_failure({f.code, pg.reported(f.text)});
+    detail::raise(f.code, rank, f.text);
   }
   pg.barrier(until);
   return process_group(std::move(group));

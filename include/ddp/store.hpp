@@ -542,7 +542,7 @@ class store_client {
 
   /// Waits until `key` exists (server-side wait) and returns its value.
   std::string get(std::string_view key, detail::deadline_t until = default_deadline()) {
-    const auto ms = detail::encode_ms(detail::ms_left(until));
+    const auto ms = detail::encode_ms(server_wait_ms(until));
     auto r = call(detail::store_cmd::get, {key, ms}, until);
     if (r.code == static_cast<std::uint8_t>(detail::store_status::timeout))
       detail::raise(errc::timeout, rank_, "store key '" + std::string(key) + "' never appeared");
@@ -575,7 +575,7 @@ class store_client {
   /// when all arrived).
   std::vector<std::string> wait(const std::vector<std::string>& keys, detail::deadline_t until) {
     std::vector<std::string_view> f(keys.begin(), keys.end());
-    const auto ms = detail::encode_ms(detail::ms_left(until));
+    const auto ms = detail::encode_ms(server_wait_ms(until));
     f.push_back(ms);
     auto r = call(detail::store_cmd::wait, f, until);
     if (r.code == static_cast<std::uint8_t>(detail::store_status::timeout)) return r.fields;
@@ -634,10 +634,11 @@ class store_client {
     std::error_code ec;
     detail::send_all(fd_.get(), out.data(), out.size(), until, ec);
     if (ec) fail(ec);
-    // The server answers get and wait itself when their time is up, so those may take a little
-    // longer than `until`; every other request is answered at once.
+    // The server answers get and wait itself when their time is up, a moment before `until`
+    // (server_wait_ms); the answer may take a little longer than `until` to arrive. Not much:
+    // a store that does not answer (rank 0 frozen) must be noticed soon after the deadline.
     const bool server_waits = cmd == detail::store_cmd::get || cmd == detail::store_cmd::wait;
-    const auto rd = server_waits ? until + std::chrono::seconds(2) : until;
+    const auto rd = server_waits ? until + reply_slack : until;
     char hdr[4];
     detail::recv_all(fd_.get(), hdr, 4, rd, ec);
     if (ec) fail(ec);
@@ -661,6 +662,14 @@ class store_client {
              "the store of rank 0 requires authentication and refused this process: set "
              "DDP_AUTH_TOKEN (or init_options::auth_token) to the group's secret");
     return f;
+  }
+
+  static constexpr auto reply_slack = std::chrono::milliseconds(250);
+
+  /// How long the server waits for a get/wait: up to `until`, less a margin for its answer.
+  static int server_wait_ms(detail::deadline_t until) {
+    const int left = detail::ms_left(until);
+    return std::max(0, left - std::min(left / 8, static_cast<int>(reply_slack.count())));
   }
 
   [[noreturn]] void fail(const std::error_code& ec) {

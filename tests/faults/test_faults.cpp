@@ -2,7 +2,8 @@
 // or frozen (SIGSTOP) at a random point (during rendezvous, in the middle of an allreduce,
 // between two buckets of a data-parallel step, or inside finish()), by the parent, by a
 // sibling rank or by itself. Every survivor must raise ddp::error (peer_lost, timeout or
-// aborted) naming the lost rank within the timeout plus 2 s, no rank may hang, and nothing
+// aborted) naming the lost rank within the timeout plus 2 s (of the fault, or of its own start
+// when a loaded machine started it later), no rank may hang, and nothing
 // may stay behind: no /dev/shm segment, no listening port, no socket, mapping or thread in
 // the survivors once their ddp objects are gone.
 //
@@ -25,6 +26,7 @@
 #include <cstdlib>
 #include <map>
 #include <optional>
+#include <regex>
 #include <stdexcept>
 
 #include "multiproc/harness.hpp"
@@ -195,6 +197,7 @@ void rank_body(const trial_plan& t, shared_board& b, int r) {
   // Ranks start a little apart, as launched processes do.
   std::mt19937_64 g(t.seed ^ (0x9e3779b97f4a7c15ull * static_cast<std::uint64_t>(r + 1)));
   std::this_thread::sleep_for(std::chrono::microseconds(g() % 5000));
+  me.start_ns = now_ns();
   me.phase = rendezvous;
   if (victim && t.f.at_phase == rendezvous && self) self->arm(t.f.delay);
 
@@ -318,8 +321,10 @@ void fault_suite(const char* name, int salt) {
                   hard ? "  FAILED" : "");
       for (auto& rr : res.ranks)
         if (!rr.victim)
-          std::printf("    rank %d: %.3f s errc %d: %s%s%s\n", rr.rank, rr.detect_s, rr.errc, rr.what.c_str(),
-                      rr.problem.empty() ? "" : " | ", rr.problem.c_str());
+          std::printf("    rank %d: %.3f s%s errc %d: %s%s%s\n", rr.rank, rr.detect_s,
+                      rr.late_start_s > 0 ? (" (started " + std::to_string(rr.late_start_s) + " s after the fault)").c_str()
+                                          : "",
+                      rr.errc, rr.what.c_str(), rr.problem.empty() ? "" : " | ", rr.problem.c_str());
     }
   }
   std::printf("faults %s: seed %llu, %d trials, %d failed, %d hung ranks, %.1f s; max survivor cleanup %.3f s\n",
@@ -381,6 +386,148 @@ TEST_CASE("faults: a rank lost while the shm segment is set up leaves no segment
   INFO("attempts: " << attempts);
   CHECK(kills == 2);
   CHECK(stops == 1);
+}
+
+// ---- blame: who is named when a rank stops -----------------------------------------------
+
+namespace {
+
+ddp::init_options blame_opts(int r, int n, int port, std::chrono::milliseconds timeout) {
+  ddp::init_options o;
+  o.rank = r;
+  o.world_size = n;
+  o.master_port = port;
+  o.timeout = timeout;
+  return o;
+}
+
+// The sentence from "rank 2 stopped" on, trailing whitespace dropped: the same on every rank
+// that reports the same failure.
+std::string verdict(const std::string& what) {
+  const auto p = what.find("rank 2 stopped");
+  if (p == std::string::npos) return what;
+  return what.substr(p, what.find_last_not_of(" \n") + 1 - p);
+}
+
+// "rank 1: rank 0: ...": a message raised again under a second rank prefix.
+bool doubled_prefix(const std::string& what) { return std::regex_search(what, std::regex("rank [0-9]+: rank [0-9]+:")); }
+
+}  // namespace
+
+// Rank 2 stops; rank 1 waits for rank 2, and rank 0 waits for rank 1, whose own deadline comes
+// half a second later. Rank 0 times out first, yet rank 1 is only waiting: both must name
+// rank 2 alone, with the same sentence.
+TEST_CASE("faults: a rank that is only waiting for the stopped rank is not blamed") {
+  const int port = ddp_test::free_port();
+  const auto timeout = 4000ms;
+  auto outs = ddp_test::run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(blame_opts(r, 3, port, timeout));
+    ddp::tcp t{pg};
+    pg.barrier();
+    char c = 0;
+    if (r == 2) {
+      std::this_thread::sleep_for(7s);  // stuck outside ddp: never answers in time
+      return;
+    }
+    if (r == 1) std::this_thread::sleep_for(500ms);
+    t.recv(r == 0 ? 1 : 2, &c, 1, std::chrono::steady_clock::now() + timeout);
+  }, 60s);
+  INFO(ddp_test::summary(outs));
+  for (int r = 0; r < 2; ++r) {
+    CHECK(outs[r].errc == static_cast<int>(ddp::errc::timeout));
+    CHECK(outs[r].message.find("rank 2 stopped answering") != std::string::npos);
+    CHECK(outs[r].message.find("ranks 1") == std::string::npos);
+    CHECK(outs[r].message.find("rank 1 stopped") == std::string::npos);
+  }
+  CHECK(verdict(outs[0].message) == verdict(outs[1].message));
+  for (int r = 0; r < 2; ++r) CHECK_FALSE(doubled_prefix(outs[r].message));
+  CHECK(outs[2].exit_code == 0);
+}
+
+// Rank 1 fails on its tcp transport (rank 2 stopped) while rank 0 waits for rank 1 in a
+// process-group call: when rank 1's group connections close, rank 0 must report rank 1's
+// failure (rank 2 stopped), not "lost connection to rank 1".
+TEST_CASE("faults: a failure on a transport is what peers in a group call report") {
+  const int port = ddp_test::free_port();
+  const auto timeout = 3000ms;
+  auto outs = ddp_test::run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(blame_opts(r, 3, port, timeout));
+    ddp::tcp t{pg};
+    pg.barrier();
+    char c = 0;
+    if (r == 2) {
+      std::this_thread::sleep_for(6s);
+      return;
+    }
+    if (r == 1) t.recv(2, &c, 1, std::chrono::steady_clock::now() + timeout);
+    std::this_thread::sleep_for(1500ms);
+    std::uint64_t v = 0;
+    pg.broadcast(std::span<std::uint64_t>(&v, 1), 1);  // rank 1 never gets here
+  }, 60s);
+  INFO(ddp_test::summary(outs));
+  CHECK(outs[1].errc == static_cast<int>(ddp::errc::timeout));
+  CHECK(outs[1].message.find("rank 2 stopped answering") != std::string::npos);
+  CHECK(outs[0].errc == static_cast<int>(ddp::errc::timeout));
+  CHECK(outs[0].message.find("rank 1 reports: rank 2 stopped answering") != std::string::npos);
+  CHECK(outs[0].message.find("lost connection") == std::string::npos);
+  CHECK(verdict(outs[0].message) == verdict(outs[1].message));
+  for (int r = 0; r < 2; ++r) CHECK_FALSE(doubled_prefix(outs[r].message));
+}
+
+// A rank that waits for a peer to connect, and times out, blames that peer only when the group
+// knows nothing better: when rank 0 (the store) is gone, the peer may have failed on the store
+// too, and rank 0 is the one named; when a rank recorded a failure, that failure is reported.
+TEST_CASE("faults: a peer that never connected is not blamed when rank 0 is gone or a failure is recorded") {
+  for (const bool store_gone : {true, false}) {
+    CAPTURE(store_gone);
+    const int port = ddp_test::free_port();
+    auto outs = ddp_test::run_ranks(3, [&](int r) {
+      auto pg = ddp::init_process_group(blame_opts(r, 3, port, 3000ms));
+      pg.barrier();
+      if (r == 0 && store_gone) ::_exit(0);  // gone, store and all
+      if (r == 2 && !store_gone) pg.abort("rank 2 gave up");
+      if (r != 1) {
+        std::this_thread::sleep_for(1500ms);
+        return;
+      }
+      std::this_thread::sleep_for(300ms);
+      const ddp::error seen(ddp::errc::timeout, 1, "rank 2 never connected");
+      const auto f = pg.explain(seen);
+      throw ddp::error(f.code, 1, f.text);
+    }, 60s);
+    INFO(ddp_test::summary(outs));
+    if (store_gone) {
+      CHECK(outs[1].errc == static_cast<int>(ddp::errc::peer_lost));
+      CHECK(outs[1].message.find("rank 0 is lost (its store does not answer; rank 2 never connected)") !=
+            std::string::npos);
+    } else {
+      CHECK(outs[1].errc == static_cast<int>(ddp::errc::aborted));
+      CHECK(outs[1].message.find("group aborted by rank 2: rank 2 gave up") != std::string::npos);
+    }
+  }
+}
+
+// Ranks 0 and 1 wait for rank 2 to connect (a transport's mesh); rank 2 gives up instead: they
+// stop at once and report its failure, not "rank 2 never connected" at the deadline.
+TEST_CASE("faults: ranks waiting for a peer to connect stop when the group failed") {
+  const int port = ddp_test::free_port();
+  auto outs = ddp_test::run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(blame_opts(r, 3, port, 6000ms));
+    pg.barrier();
+    if (r == 2) {
+      std::this_thread::sleep_for(500ms);
+      pg.abort("rank 2 cannot go on");
+      std::this_thread::sleep_for(1500ms);
+      return;
+    }
+    ddp::tcp t{pg};
+  }, 60s);
+  INFO(ddp_test::summary(outs));
+  for (int r : {0, 1}) {
+    CHECK(outs[r].errc == static_cast<int>(ddp::errc::aborted));
+    CHECK(outs[r].message.find("group aborted by rank 2: rank 2 cannot go on") != std::string::npos);
+    CHECK(outs[r].seconds < 3.0);  // the deadline is 6 s away
+  }
 }
 
 TEST_CASE("faults: ring<tcp>") { fault_suite<ddp::ring<ddp::tcp>>("ring<tcp>", 1); }

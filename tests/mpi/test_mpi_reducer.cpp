@@ -398,7 +398,8 @@ int main(int argc, char** argv) {
   int failed = 0;
   if (provided < MPI_THREAD_SERIALIZED) {
     // The reducer refuses such a library; say so instead of failing every case.
-    if (rank == 0) std::fprintf(stderr, "MPI provides thread level %d only; skipping\n", provided);
+    if (rank == 0)
+      std::fprintf(stderr, "MPI provides %s only; skipping\n", ddp::detail::mpi_thread_level_name(provided).c_str());
     MPI_Finalize();
     return 77;
   }

@@ -149,6 +149,35 @@ TEST_CASE("two processes claiming the same rank: one gets rank_conflict") {
       CHECK(o.message.find("rank 1 is already taken") != std::string::npos);
 }
 
+TEST_CASE("a second job on the same port is told that another job holds the port, not rank_conflict") {
+  const int port = free_port();
+  // 0, 1: job "A" (2 ranks). 101: rank 1 of a job of 3 ranks. 201: rank 1 of job "C" (2 ranks).
+  // 301: rank 1 of a job of 2 ranks without a job id: the same shape as A, so it cannot be told
+  // apart from a duplicate of A's rank 1; its message says both.
+  auto outs = run_processes({0, 1, 101, 201, 301}, [&](int code) {
+    const int r = code % 100, job = code / 100;
+    auto o = opts(r, job == 1 ? 3 : 2, port, 5s);
+    o.job_id = job == 0 ? "A" : job == 2 ? "C" : "";
+    if (job != 0) std::this_thread::sleep_for(500ms);  // job A's store is up by then
+    auto pg = ddp::init_process_group(o);
+    pg.barrier();
+    if (job == 0) std::this_thread::sleep_for(2500ms);  // keep the port while the others try
+  });
+  INFO(ddp_test::summary(outs));
+  CHECK(outs[0].ok());
+  CHECK(outs[1].ok());
+  for (int i : {2, 3}) {
+    CHECK(outs[i].errc == static_cast<int>(ddp::errc::address_in_use));
+    CHECK(outs[i].message.find("another job holds port " + std::to_string(port)) != std::string::npos);
+    CHECK(outs[i].message.find("every process needs its own rank") == std::string::npos);
+  }
+  CHECK(outs[2].message.find("a group of 2 ranks, job 'A'") != std::string::npos);
+  CHECK(outs[2].message.find("a group of 3 ranks") != std::string::npos);
+  CHECK(outs[3].message.find("job 'C'") != std::string::npos);
+  CHECK(outs[4].errc == static_cast<int>(ddp::errc::rank_conflict));
+  CHECK(outs[4].message.find("give each job its own MASTER_PORT") != std::string::npos);
+}
+
 TEST_CASE("ranks that never arrive: every waiting rank fails within the timeout and names them") {
   const int port = free_port();
   const auto timeout = 2s;
@@ -252,6 +281,45 @@ TEST_CASE("abort() on one rank wakes the others at once with errc::aborted namin
   }
   CHECK(outs[0].message.find("rank 1: giving up") != std::string::npos);
   CHECK(outs[2].message.find("rank 1: giving up") != std::string::npos);
+}
+
+TEST_CASE("a rank that fails with an exception: its peers learn its message") {
+  for (const bool by_abort : {false, true}) {
+    CAPTURE(by_abort);
+    const int port = free_port();
+    auto outs = run_ranks(3, [&](int r) {
+      auto pg = ddp::init_process_group(opts(r, 3, port, 30s));
+      pg.barrier();
+      if (r == 1) {
+        std::this_thread::sleep_for(200ms);
+        if (by_abort) {
+          // Not a ddp error: the program hands it to the group before it leaves.
+          try {
+            throw std::runtime_error("the data loader ran out of files");
+          } catch (const std::exception& e) {
+            pg.abort(e);
+            throw;
+          }
+        }
+        // A ddp error only this rank raises; the group goes while it propagates.
+        std::uint64_t v = 0;
+        pg.broadcast(std::span<std::uint64_t>(&v, 1), 7);
+      }
+      for (;;) pg.barrier();
+    }, 60s);
+    INFO(summary(outs));
+    for (int r : {0, 2}) {
+      CHECK(outs[r].errc == static_cast<int>(ddp::errc::aborted));
+      CHECK(outs[r].seconds < 5.0);
+      CHECK(outs[r].message.find("lost connection") == std::string::npos);
+      if (by_abort) {
+        CHECK(outs[r].message.find("group aborted by rank 1: the data loader ran out of files") != std::string::npos);
+      } else {
+        CHECK(outs[r].message.find("rank 1 left the group on its error (invalid_argument): broadcast root 7 is not a rank") !=
+              std::string::npos);
+      }
+    }
+  }
 }
 
 TEST_CASE("an auth token in a program without an authenticator is errc::unsupported, never ignored") {

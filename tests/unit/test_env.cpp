@@ -2,7 +2,13 @@
 
 #include <doctest/doctest.h>
 
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #include <map>
+#include <string>
 
 namespace {
 ddp::init_options parse(const std::map<std::string, std::string>& env) {
@@ -80,4 +86,70 @@ TEST_CASE("validate() explains what is wrong") {
   o.master_port = 1;
   o.world_size = 0;
   CHECK(o.validate().find("world_size") != std::string::npos);
+}
+
+namespace {
+// Runs this test program again, only the case `name`, and returns what it wrote to stderr. A
+// fresh process: the note is said once per process, and earlier cases here may have said it.
+std::string stderr_of_case(const char* name, const char* env) {
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(p[1], 2);
+    ::close(p[0]);
+    ::close(p[1]);
+    const int null = ::open("/dev/null", O_WRONLY);
+    ::dup2(null, 1);
+    ::setenv("DDP_TEST_ENV_CHILD", env, 1);
+    const std::string filter = std::string("-tc=") + name;
+    ::execl("/proc/self/exe", "unit_env", filter.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(p[1]);
+  std::string out;
+  char buf[4096];
+  ssize_t k;
+  while ((k = ::read(p[0], buf, sizeof buf)) > 0) out.append(buf, static_cast<std::size_t>(k));
+  ::close(p[0]);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  CHECK((WIFEXITED(st) && WEXITSTATUS(st) == 0));
+  return out;
+}
+
+std::size_t count(const std::string& s, const std::string& what) {
+  std::size_t n = 0;
+  for (auto p = s.find(what); p != std::string::npos; p = s.find(what, p + 1)) ++n;
+  return n;
+}
+}  // namespace
+
+// Runs only in the child started by the case below (DDP_TEST_ENV_CHILD names the environment).
+TEST_CASE("env child: from_env three times") {
+  const char* which = std::getenv("DDP_TEST_ENV_CHILD");
+  if (which == nullptr) return;
+  const std::string w = which;
+  std::map<std::string, std::string> env{{"MASTER_PORT", "1234"}};
+  if (w == "torchrun") env = {{"RANK", "0"}, {"WORLD_SIZE", "1"}};
+  if (w == "ompi") env = {{"OMPI_COMM_WORLD_SIZE", "1"}};
+  if (w == "slurm") env = {{"SLURM_PROCID", "0"}};
+  for (int i = 0; i < 3; ++i) (void)parse(env);
+}
+
+TEST_CASE("no rank environment at all: said once on stderr that the program runs as a world of 1") {
+  const auto err = stderr_of_case("env child: from_env three times", "none");
+  CHECK(count(err, "world of 1") == 1);
+  CHECK(err.find("RANK/WORLD_SIZE") != std::string::npos);
+  // A launcher's variables (any of them) mean the world size is meant: nothing is said.
+  for (const char* env : {"torchrun", "ompi", "slurm"}) {
+    CAPTURE(env);
+    CHECK(count(stderr_of_case("env child: from_env three times", env), "world of 1") == 0);
+  }
+}
+
+TEST_CASE("DDP_JOB_ID names the job") {
+  CHECK(parse({{"DDP_JOB_ID", "run-7"}}).job_id == "run-7");
+  CHECK(parse({}).job_id.empty());
 }

@@ -12,6 +12,7 @@
 #include <charconv>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -39,7 +40,15 @@ struct mesh_hello {
 /// not a valid hello (or that fail authentication, or stall past the handshake limit) are
 /// dropped, all from one poll loop so none of them delays the others.
 inline void accept_peers(int lfd, std::vector<fd_handle>& peers, const authenticator* auth, int rank, int size,
-                         std::uint64_t group, deadline_t until, int bufsize) {
+                         std::uint64_t group, deadline_t until, int bufsize,
+                         const std::function<bool()>& group_failed = {}) {
+#ifdef POLLRDHUP
+  constexpr short poll_rdhup = POLLRDHUP;
+#else
+  constexpr short poll_rdhup = 0;
+#endif
+  std::vector<bool> closed(static_cast<std::size_t>(size), false);
+  auto next_ask = clock::now() + std::chrono::milliseconds(100);
   struct pending {
     fd_handle fd;
     std::string in, out;
@@ -67,7 +76,38 @@ inline void accept_peers(int lfd, std::vector<fd_handle>& peers, const authentic
       pfds.push_back({p.fd.get(), POLLIN, 0});
       timeout = std::min(timeout, ms_left(p.limit) + 1);
     }
+    // While waiting, ask `group_failed` now and then whether a rank recorded a failure (the
+    // ranks still awaited may have failed, or be waiting for one that did): then stop now, for
+    // the caller to report that failure, instead of blaming the awaited ranks at the deadline.
+    // A peer connected already that closes its end is a reason to ask at once. (Data from such
+    // a peer is its traffic: not read here.)
+    const std::size_t first_peer = pfds.size();
+    if (group_failed) {
+      timeout = std::min(timeout, 100);
+      for (int r = 0; r < size; ++r)
+        if (r != rank && peers[static_cast<std::size_t>(r)] && !closed[static_cast<std::size_t>(r)])
+          pfds.push_back({peers[static_cast<std::size_t>(r)].get(), poll_rdhup, 0});
+    }
     ::poll(pfds.data(), pfds.size(), std::max(timeout, 1));
+    bool ask = group_failed && clock::now() >= next_ask;
+    for (std::size_t i = first_peer; i < pfds.size(); ++i)
+      if (pfds[i].revents & (poll_rdhup | POLLHUP | POLLERR)) {
+        for (int r = 0; r < size; ++r)
+          if (peers[static_cast<std::size_t>(r)].get() == pfds[i].fd) closed[static_cast<std::size_t>(r)] = true;
+        ask = group_failed != nullptr;
+      }
+    if (ask) {
+      next_ask = clock::now() + std::chrono::milliseconds(100);
+      if (group_failed()) {
+        std::string names;
+        for (int r = rank + 1; r < size; ++r)
+          if (!peers[static_cast<std::size_t>(r)]) names += (names.empty() ? "" : ", ") + std::to_string(r);
+        raise(errc::peer_lost, rank,
+              "the group failed while this rank waited for " +
+                  std::string(names.find(',') == std::string::npos ? "rank " : "ranks ") + names + " to connect");
+      }
+    }
+    pfds.resize(first_peer);
     // Pending connections first (pfds[i + 1] is pend[i]); new ones are appended after.
     std::vector<bool> drop(pend.size(), false);
     for (std::size_t i = 0; i < pend.size(); ++i) {
@@ -131,11 +171,17 @@ inline void accept_peers(int lfd, std::vector<fd_handle>& peers, const authentic
   }
 }
 
-/// Connects every pair of ranks. Returns one socket per peer (invalid at [rank]).
-inline std::vector<fd_handle> connect_mesh(store_client& store, int rank, int size, const std::string& prefix,
-                                           std::uint64_t group, deadline_t until, int bufsize = 4 << 20) {
-  std::vector<fd_handle> peers(static_cast<std::size_t>(size));
-  if (size == 1) return peers;
+/// Connects every pair of ranks into `peers`: one socket per peer (invalid at [rank]). When it
+/// throws, the connections made so far stay in `peers`, open: the caller records why before
+/// it closes them, so that a peer which sees the connection close finds the reason first.
+/// `group_failed`, when given, says whether a rank recorded a failure (or the store is gone):
+/// waiting for peers to connect then stops early (errc::peer_lost), for the caller to report it.
+inline void connect_mesh(std::vector<fd_handle>& peers, store_client& store, int rank, int size,
+                         const std::string& prefix, std::uint64_t group, deadline_t until, int bufsize = 4 << 20,
+                         const std::function<bool()>& group_failed = {}) {
+  peers.clear();
+  peers.resize(static_cast<std::size_t>(size));
+  if (size == 1) return;
   // Listen on the address our store connection leaves from: the interface that reaches the
   // master (loopback when the master is on loopback).
   sockaddr_storage local = local_address(store.native_handle());
@@ -168,7 +214,15 @@ inline std::vector<fd_handle> connect_mesh(store_client& store, int rank, int si
     if (sp == std::string::npos || std::from_chars(v.data() + sp + 1, end, port).ptr != end || port < 1 || port > 65535)
       raise(errc::protocol, rank, "rank " + std::to_string(r) + " announced a malformed address '" + v + "'");
     const auto eps = resolve(v.substr(0, sp), port, rank);
-    auto fd = connect_retry(eps, until, ec);
+    // The peer listened before it announced, and listens until its mesh is complete: a refused
+    // connection means it is gone, so say so now instead of retrying until the deadline.
+    fd_handle fd;
+    for (const auto& ep : eps)
+      if ((fd = try_connect(ep, until, ec)) || ec != std::errc::connection_refused) break;
+    if (!fd && ec == std::errc::connection_refused)
+      raise(errc::peer_lost, rank,
+            "rank " + std::to_string(r) + " is gone: its announced address " + v + " refused the connection");
+    if (!fd) fd = connect_retry(eps, until, ec);
     if (!fd) raise(to_errc(ec) == errc::timeout ? errc::timeout : errc::peer_lost, rank,
                    "cannot connect to rank " + std::to_string(r) + " at " + v + ": " + describe(ec));
     tune_stream(fd.get(), bufsize);
@@ -187,7 +241,14 @@ inline std::vector<fd_handle> connect_mesh(store_client& store, int rank, int si
     }
     peers[static_cast<std::size_t>(r)] = std::move(fd);
   }
-  accept_peers(lfd.get(), peers, store.auth().get(), rank, size, group, until, bufsize);
+  accept_peers(lfd.get(), peers, store.auth().get(), rank, size, group, until, bufsize, group_failed);
+}
+
+/// The same, returning the sockets (closed at once when it throws).
+inline std::vector<fd_handle> connect_mesh(store_client& store, int rank, int size, const std::string& prefix,
+                                           std::uint64_t group, deadline_t until, int bufsize = 4 << 20) {
+  std::vector<fd_handle> peers;
+  connect_mesh(peers, store, rank, size, prefix, group, until, bufsize);
   return peers;
 }
 

@@ -24,6 +24,16 @@ namespace ddp {
 inline namespace v0 {
 namespace detail {
 
+/// "MPI_THREAD_SINGLE" for MPI_THREAD_SINGLE, and so on: the name a user finds in the MPI
+/// documentation, where the number means nothing (the levels' values are the library's).
+inline std::string mpi_thread_level_name(int level) {
+  if (level == MPI_THREAD_SINGLE) return "MPI_THREAD_SINGLE";
+  if (level == MPI_THREAD_FUNNELED) return "MPI_THREAD_FUNNELED";
+  if (level == MPI_THREAD_SERIALIZED) return "MPI_THREAD_SERIALIZED";
+  if (level == MPI_THREAD_MULTIPLE) return "MPI_THREAD_MULTIPLE";
+  return "an unknown thread level (" + std::to_string(level) + ")";
+}
+
 /// The ddp condition of an MPI error class: argument errors are the caller's, a failed process
 /// (ULFM's MPIX_ERR_PROC_FAILED, where the MPI library has it) is a lost peer, the rest is the
 /// library's or the system's.

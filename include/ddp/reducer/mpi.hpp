@@ -253,7 +253,7 @@ class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
     DDP_MPI_CHECK(MPI_Query_thread(&level));
     if (level < MPI_THREAD_SERIALIZED)
       detail::raise(errc::unsupported, rank,
-                    "mpi_reducer: MPI was initialized at thread level " + std::to_string(level) +
+                    "mpi_reducer: MPI was initialized at " + detail::mpi_thread_level_name(level) +
                         "; the progress thread needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE (MPI_Init_thread)");
   }
 

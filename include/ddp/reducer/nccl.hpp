@@ -126,12 +126,24 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
     }
     // Every rank learns whether every other could set up, so a failure on one rank ends all of
     // them at once instead of leaving the others in initialization until the timeout.
-    const auto status = pg.all_gather(local_failure ? "0" : "1");
+    // A rank that failed sends its message along, so the others quote it.
+    std::string mine = "1";
+    if (local_failure) {
+      try {
+        std::rethrow_exception(local_failure);
+      } catch (const std::exception& e) {
+        mine = "0" + detail::message_of(e);
+      } catch (...) {
+        mine = "0";
+      }
+    }
+    const auto status = pg.all_gather(mine);
     if (local_failure) std::rethrow_exception(local_failure);
     for (std::size_t q = 0; q < status.size(); ++q)
       if (status[q] != "1")
         detail::raise(errc::aborted, rank_,
-                      "nccl_reducer: rank " + std::to_string(q) + " could not set up its GPU or the NCCL id");
+                      "nccl_reducer: rank " + std::to_string(q) + " could not set up its GPU or the NCCL id" +
+                          (status[q].size() > 1 ? ": " + status[q].substr(1) : std::string()));
     pg.broadcast(std::span<std::byte>(reinterpret_cast<std::byte*>(&id), sizeof id), 0);
 
     const auto until = std::chrono::steady_clock::now() + timeout_;

@@ -492,7 +492,7 @@ class shm {
       body();
     } catch (const error& e) {
       failed_ = e.condition();
-      failed_what_ = e.what();
+      failed_what_ = detail::message_of(e);
       auto& me = block(rank_);
       me.closed.store(2, std::memory_order_seq_cst);
       detail::futex_wake_all(&me.counter);

@@ -47,16 +47,18 @@ class tcp {
   explicit tcp(process_group& pg, tcp_options o = {}) : pg_(pg), opts_(o) {
     channel_ = "tcp/" + std::to_string(pg.next_channel_id());
     try {
-      peers_ = detail::connect_mesh(pg.store(), pg.rank(), pg.size(), channel_, pg.id(), pg.deadline(),
-                                    o.socket_buffer);
+      detail::connect_mesh(peers_, pg.store(), pg.rank(), pg.size(), channel_, pg.id(), pg.deadline(),
+                           o.socket_buffer, [&pg] { return pg.failure_recorded(); });
     } catch (const error& e) {
-      // Peers already connected to this rank would only see a closed connection: say why.
-      try {
-        pg.store().compare_set(channel_ + "/abort", "", std::to_string(e.code().value()) + " " + detail::message_of(e),
-                               store_budget());
-      } catch (...) {
+      // Peers already connected to this rank see the connection close only after the failure
+      // is recorded (connect_mesh leaves the sockets open): they report the same cause.
+      const auto f = pg.explain(e);
+      if (f.empty() || f.text == detail::message_of(e)) {
+        post_abort(e.condition(), detail::message_of(e));
+        throw;
       }
-      throw;
+      post_abort(f.code, f.text);
+      detail::raise(f.code, pg.rank(), f.text);
     }
   }
   tcp(const tcp&) = delete;
@@ -202,47 +204,25 @@ class tcp {
       broken_reason_ = msg;
       broken_.store(true, std::memory_order_release);
     }
-    try {
-      pg_->store().compare_set(channel_ + "/abort", "",
-                               std::to_string(static_cast<int>(code)) + " rank " + std::to_string(rank()) + ": " + msg,
-                               store_budget());
-    } catch (...) {
-      // The store may be gone too; shutting the sockets still tells the peers.
-    }
+    // The group's first-failure record (first writer wins; a store that is gone too is
+    // ignored: shutting the sockets still tells the peers).
+    pg_->record_failure({code, pg_->reported(msg)});
     for (auto& p : peers_)
       if (p) ::shutdown(p.get(), SHUT_RDWR);
   }
 
-  /// Bound of a store round trip made while failing: short, because rank 0 (the store's host)
-  /// may be the rank that is gone, and the error must still come out within the timeout.
-  detail::deadline_t store_budget() const {
-    return detail::clock::now() + std::min<std::chrono::milliseconds>(std::chrono::milliseconds(250), pg_->timeout() / 8);
+  [[noreturn]] void adopt(const process_group::failure& f) {
+    post_abort(f.code, f.text);
+    detail::raise(f.code, rank(), f.text);
   }
 
-  /// The reason a peer posted for this transport's failure, or empty.
-  std::string posted_reason(bool* store_gone = nullptr) {
-    try {
-      const auto key = channel_ + "/abort";
-      const auto until = store_budget();
-      if (pg_->store().check(key, until)) return pg_->store().get(key, until);
-    } catch (...) {
-      if (store_gone != nullptr) *store_gone = true;
-    }
-    return {};
-  }
-
-  [[noreturn]] void adopt(const std::string& reason) {
-    const auto sp = reason.find(' ');
-    const auto code = static_cast<errc>(std::atoi(reason.substr(0, sp).c_str()));
-    post_abort(code, reason.substr(sp + 1));
-    detail::raise(code, rank(), reason.substr(sp + 1));
-  }
-
-  /// A connection failed: report the reason a peer posted, if any, else name the lost peer.
+  /// A connection failed: report the group's first failure, if a rank recorded one (the peer
+  /// that closed the connection may still be recording why: wait for it briefly), else name
+  /// the lost peer.
   [[noreturn]] void lost(int peer, const std::error_code& ec) {
     bool store_gone = false;
-    if (auto reason = posted_reason(&store_gone); !reason.empty()) adopt(reason);
     const bool timed_out = detail::to_errc(ec) == errc::timeout;
+    if (auto f = pg_->first_failure(&store_gone, !timed_out); !f.empty()) adopt(f);
     if (store_gone) {
       // Rank 0 hosts the store: when it does not answer either, rank 0 is the one lost, whatever
       // connection happened to notice first.
@@ -251,16 +231,14 @@ class tcp {
       post_abort(errc::peer_lost, msg);
       detail::raise(errc::peer_lost, rank(), msg);
     }
-    if (timed_out) {
-      const std::string msg = pg_->name_stopped(channel_, peer);
-      // Another rank may have reached its verdict meanwhile: one verdict for everyone.
-      if (auto reason = posted_reason(); !reason.empty()) adopt(reason);
-      post_abort(errc::timeout, msg);
-      detail::raise(errc::timeout, rank(), msg);
-    }
-    const std::string msg = "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
-    post_abort(errc::peer_lost, msg);
-    detail::raise(errc::peer_lost, rank(), msg);
+    const errc code = timed_out ? errc::timeout : errc::peer_lost;
+    const std::string msg = timed_out ? pg_->name_stopped(channel_, peer)
+                                      : "lost connection to rank " + std::to_string(peer) + " (" +
+                                            detail::describe(ec) + ")";
+    // Another rank may have recorded its verdict meanwhile: the first one is everyone's.
+    if (auto held = pg_->record_failure({code, pg_->reported(msg)}); held.text != pg_->reported(msg)) adopt(held);
+    post_abort(code, msg);
+    detail::raise(code, rank(), msg);
   }
 
   std::optional<process_group> pg_;  // the transport's own handle (always engaged; optional for its ->)
