@@ -85,7 +85,7 @@ struct model {
     for (auto n : sizes) {
       data.emplace_back(n, 1.0f);
       grad.emplace_back(n, 0.0f);
-      names.push_back("p" + std::to_string(names.size()));
+      names.push_back(std::string(1, 'p').append(std::to_string(names.size())));
     }
     for (std::size_t i = 0; i < sizes.size(); ++i)
       views.push_back(ddp::tensor_view{data[i].data(), grad[i].data(), sizes[i], ddp::dtype::f32, -1, names[i],
