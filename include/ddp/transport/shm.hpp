@@ -166,8 +166,11 @@ class shm {
     }
     if (why.empty()) block(rank_).pid.store(static_cast<std::int32_t>(::getpid()), std::memory_order_release);
     // 3. Once everyone has it mapped (or failed), the name goes: the mapping keeps the memory.
+    // Every rank removes it (a second removal finds nothing): a rank returns from all_gather
+    // only after every rank had mapped the segment, and rank 0 may be killed right after it
+    // sent its part, before it could remove the name itself.
     const auto status = pg.all_gather(why);
-    if (rank_ == 0) ::shm_unlink(name_.c_str());
+    ::shm_unlink(name_.c_str());
     guard.name = nullptr;
     for (int r = 0; r < size_; ++r)
       if (!status[static_cast<std::size_t>(r)].empty())
