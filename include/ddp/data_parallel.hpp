@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -190,17 +191,7 @@ class basic_data_parallel {
     settled_ = opts_.gradient_as_bucket_view || !policy_.rebuild_from_ready_order;
     plan_ = planner_.plan(infos_, policy_, {});
     check_plan_agreement("at construction");
-    allocate_buffers();
-    if (opts_.gradient_as_bucket_view) {
-      // The engine's current gradients become the bucket contents, so an engine that switches
-      // to bucket_grad(i) keeps what it had accumulated.
-      try {
-        for (std::size_t i = 0; i < views_.size(); ++i) copy_bytes(slot(i), views_[i].grad, views_[i].bytes());
-      } catch (...) {
-        free_buffers(buffers_, plan_);
-        throw;
-      }
-    }
+    set_up_buffers();
     ready_ = std::make_unique<std::atomic<bool>[]>(views_.size());
     unused_.assign(views_.size(), 0);
     accumulated_.assign(views_.size(), 0);
@@ -656,6 +647,45 @@ class basic_data_parallel {
       alloc_.zero(dst, n);
     else
       std::memset(dst, 0, n);
+  }
+
+  // Allocates the buckets (and in view mode fills them with the engine's gradients), then tells
+  // every rank whether every other rank managed: a rank whose buckets do not fit (a full
+  // /dev/shm, device memory) fails here, and so do its peers, naming it, instead of learning
+  // of it at their first step.
+  void set_up_buffers() {
+    std::exception_ptr mine;
+    std::string status;  // "" when fine, else "<errc> <message>"
+    try {
+      allocate_buffers();
+      if (opts_.gradient_as_bucket_view) {
+        // The engine's current gradients become the bucket contents, so an engine that
+        // switches to bucket_grad(i) keeps what it had accumulated.
+        for (std::size_t i = 0; i < views_.size(); ++i) copy_bytes(slot(i), views_[i].grad, views_[i].bytes());
+      }
+    } catch (const error& e) {
+      mine = std::current_exception();
+      status = std::to_string(static_cast<int>(e.condition())) + " " + detail::message_of(e);
+    } catch (const std::exception& e) {
+      mine = std::current_exception();
+      status = std::to_string(static_cast<int>(errc::system)) + " " + e.what();
+    }
+    if (mine) free_buffers(buffers_, plan_);
+    if (pg_->size() == 1) {
+      if (mine) std::rethrow_exception(mine);
+      return;
+    }
+    const auto all = pg_->all_gather(status);
+    if (mine) std::rethrow_exception(mine);  // this rank's own cause, as it was raised
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      if (all[r].empty()) continue;
+      free_buffers(buffers_, plan_);
+      const auto sp = all[r].find(' ');
+      const int code = std::atoi(all[r].substr(0, sp).c_str());
+      detail::raise(static_cast<errc>(code), pg_->rank(),
+                    "rank " + std::to_string(r) + " could not set up its gradient buckets: " +
+                        (sp == std::string::npos ? std::string() : all[r].substr(sp + 1)));
+    }
   }
 
   void allocate_buffers() {
