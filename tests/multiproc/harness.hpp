@@ -22,6 +22,7 @@
 #include <vector>
 
 #include <ddp/error.hpp>
+#include <ddp/process_group.hpp>
 
 namespace ddp_test {
 
@@ -39,6 +40,16 @@ struct outcome {
 inline long env_long(const char* name, long dflt) {
   const char* v = std::getenv(name);
   return v != nullptr && *v != '\0' ? std::strtol(v, nullptr, 10) : dflt;
+}
+
+/// Options for rank `rank` of a group of `n` on localhost:`port`.
+inline ddp::init_options group_options(int rank, int n, int port, std::chrono::milliseconds timeout) {
+  ddp::init_options o;
+  o.rank = rank;
+  o.world_size = n;
+  o.master_port = port;
+  o.timeout = timeout;
+  return o;
 }
 
 /// An ephemeral port that was free a moment ago (the kernel hands out a fresh one each call).

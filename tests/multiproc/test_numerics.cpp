@@ -41,12 +41,7 @@ using ddp::op;
 namespace {
 
 ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 60s) {
-  ddp::init_options o;
-  o.rank = rank;
-  o.world_size = n;
-  o.master_port = port;
-  o.timeout = timeout;
-  return o;
+  return ddp_test::group_options(rank, n, port, timeout);
 }
 
 std::uint64_t mix(std::uint64_t x) {

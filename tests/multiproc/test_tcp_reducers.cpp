@@ -12,12 +12,7 @@ using namespace ddp_test;
 
 namespace {
 ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 30s) {
-  ddp::init_options o;
-  o.rank = rank;
-  o.world_size = n;
-  o.master_port = port;
-  o.timeout = timeout;
-  return o;
+  return ddp_test::group_options(rank, n, port, timeout);
 }
 
 template <class Reducer>
