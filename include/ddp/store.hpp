@@ -650,6 +650,8 @@ class store_client {
     if (ec) fail(ec);
     detail::frame f;
     if (detail::parse_body(body, f) != detail::parse_result::ok) broken(errc::protocol, "store sent a malformed frame");
+    if (f.code > static_cast<std::uint8_t>(detail::store_status::too_large))
+      broken(errc::protocol, "store sent an unknown status " + std::to_string(f.code));
     if (f.code == static_cast<std::uint8_t>(detail::store_status::full))
       detail::raise(errc::system, rank_, f.fields.empty() ? std::string("the store of rank 0 is full") : f.fields[0]);
     if (f.code == static_cast<std::uint8_t>(detail::store_status::too_large))

@@ -333,39 +333,50 @@ TEST_CASE("a value too large for the store fails on the writer with invalid_argu
   CHECK(server.dropped() == 0);
 }
 
-TEST_CASE("a store client that saw a bad frame length is broken: every later call fails at once naming why") {
-  // A fake store: answers the first request with an impossible length, the next ones with ok.
-  auto listener = ddp::detail::listen_on(loopback_any_port(), 0);
-  const int port = ddp::detail::port_of(ddp::detail::local_address(listener.get()));
-  std::atomic<int> served{0};
-  std::thread fake([&] {
-    pollfd p{listener.get(), POLLIN, 0};
-    if (::poll(&p, 1, 5000) != 1) return;
-    const int fd = ::accept(listener.get(), nullptr, nullptr);
-    if (fd < 0) return;
-    for (int i = 0; i < 3; ++i) {
-      char req[256];
-      pollfd q{fd, POLLIN, 0};
-      if (::poll(&q, 1, 1000) != 1 || ::recv(fd, req, sizeof req, 0) <= 0) break;
-      std::string out;
-      if (i == 0) ddp::detail::put_u32(out, 0xffffffffu);
-      else out = ddp::detail::encode_frame(static_cast<std::uint8_t>(ddp::detail::store_status::ok), {"1"});
-      (void)::send(fd, out.data(), out.size(), MSG_NOSIGNAL);
-      ++served;
+TEST_CASE("a store client that saw a bad frame length or an unknown status is broken: every later call fails at once naming why") {
+  struct bad_reply {
+    std::string bytes, why;
+  };
+  std::string bad_length;
+  ddp::detail::put_u32(bad_length, 0xffffffffu);
+  const bad_reply cases[] = {
+      {bad_length, "store sent a bad frame length"},
+      {ddp::detail::encode_frame(99, {}), "store sent an unknown status 99"},
+  };
+  for (const auto& bad : cases) {
+    CAPTURE(bad.why);
+    // A fake store: answers the first request with the bad reply, the next ones with ok.
+    auto listener = ddp::detail::listen_on(loopback_any_port(), 0);
+    const int port = ddp::detail::port_of(ddp::detail::local_address(listener.get()));
+    std::atomic<int> served{0};
+    std::thread fake([&] {
+      pollfd p{listener.get(), POLLIN, 0};
+      if (::poll(&p, 1, 5000) != 1) return;
+      const int fd = ::accept(listener.get(), nullptr, nullptr);
+      if (fd < 0) return;
+      for (int i = 0; i < 3; ++i) {
+        char req[256];
+        pollfd q{fd, POLLIN, 0};
+        if (::poll(&q, 1, 1000) != 1 || ::recv(fd, req, sizeof req, 0) <= 0) break;
+        const std::string out =
+            i == 0 ? bad.bytes : ddp::detail::encode_frame(static_cast<std::uint8_t>(ddp::detail::store_status::ok), {"1"});
+        (void)::send(fd, out.data(), out.size(), MSG_NOSIGNAL);
+        ++served;
+      }
+      ::close(fd);
+    });
+    ddp::store_client c{"127.0.0.1", port, 0, soon()};
+    CHECK_THROWS_WITH_AS(c.check("a", soon(2s)), doctest::Contains(bad.why.c_str()), ddp::error);
+    const auto t0 = ddp::detail::clock::now();
+    try {
+      c.check("b", soon(2s));
+      FAIL("a broken client answered");
+    } catch (const ddp::error& e) {
+      CHECK(e.code() == ddp::errc::protocol);
+      CHECK(std::string(e.what()).find("unusable after an earlier failure: " + bad.why) != std::string::npos);
     }
-    ::close(fd);
-  });
-  ddp::store_client c{"127.0.0.1", port, 0, soon()};
-  CHECK_THROWS_WITH_AS(c.check("a", soon(2s)), doctest::Contains("bad frame length"), ddp::error);
-  const auto t0 = ddp::detail::clock::now();
-  try {
-    c.check("b", soon(2s));
-    FAIL("a broken client answered");
-  } catch (const ddp::error& e) {
-    CHECK(e.code() == ddp::errc::protocol);
-    CHECK(std::string(e.what()).find("unusable after an earlier failure: store sent a bad frame length") != std::string::npos);
+    CHECK(ddp::detail::clock::now() - t0 < 500ms);
+    fake.join();
+    CHECK(served.load() == 1);  // the second call never went out
   }
-  CHECK(ddp::detail::clock::now() - t0 < 500ms);
-  fake.join();
-  CHECK(served.load() == 1);  // the second call never went out
 }
