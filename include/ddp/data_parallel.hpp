@@ -481,7 +481,7 @@ class basic_data_parallel {
         throw;
       } catch (const error& e) {
         code = e.condition();
-        cause = e.what();
+        cause = detail::message_of(e);  // without its "[ddp.x] rank N:" prefix: ours comes later
         // A lost peer, a timeout or an abort is a verdict about the group that its failure
         // machinery has already posted; blaming this rank for it would hide the true cause.
         if (code == errc::peer_lost || code == errc::timeout || code == errc::aborted) tell_peers = false;

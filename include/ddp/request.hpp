@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 
+#include "detail/fork.hpp"
 #include "error.hpp"
 
 namespace ddp {
@@ -28,6 +29,9 @@ struct request_state {
   bool done = false;
   std::exception_ptr error;
   std::chrono::steady_clock::time_point finished_at{};
+  // After fork() a parent's thread may have been waiting on `cv`: destroying it in the child
+  // would wait for that waiter forever (see ~request).
+  unsigned fork_generation = detail::fork_generation();
 
   void complete(std::exception_ptr e = nullptr) {
     {
@@ -46,6 +50,16 @@ class request {
  public:
   request() = default;
   explicit request(std::shared_ptr<detail::request_state> s) noexcept : state_(std::move(s)) {}
+  request(const request&) = default;
+  request(request&&) noexcept = default;
+  request& operator=(const request&) = default;
+  request& operator=(request&&) noexcept = default;
+  /// In a child made by fork() the state is left alive: a thread of the parent may have been
+  /// waiting on it, and destroying its condition variable would wait for that thread forever.
+  ~request() {
+    if (state_ && state_->fork_generation != detail::fork_generation())
+      detail::abandon(std::make_unique<std::shared_ptr<detail::request_state>>(std::move(state_)));
+  }
 
   /// True when the collective has finished (successfully or not); never blocks.
   bool test() const {

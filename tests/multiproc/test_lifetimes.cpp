@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -372,4 +373,41 @@ TEST_CASE("fork: a child may exit either way without touching its parent's group
   }, 120s);
   INFO(summary(outs));
   CHECK(all_ok(outs));
+}
+
+TEST_CASE("fork: a child may drop a request that a thread of its parent is waiting on") {
+  // The parent's thread blocks on the request's condition variable; the child's copy of that
+  // variable still counts the waiter, which does not exist in the child, so destroying it there
+  // would wait forever. The child must be able to let go of the request and exit.
+  auto state = std::make_shared<ddp::detail::request_state>();
+  ddp::request req(state);
+  std::atomic<bool> waiting{false};
+  std::thread waiter([&] {
+    waiting = true;
+    req.wait(std::chrono::steady_clock::now() + 20s);
+  });
+  while (!waiting) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(100ms);  // inside wait() by now
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::alarm(5);  // a hang ends as SIGALRM
+    state.reset();
+    { ddp::request last = std::move(req); }  // the child's last reference
+    ::_exit(0);
+  }
+  int status = -1;
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  pid_t got = 0;
+  while ((got = ::waitpid(child, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(10ms);
+  if (got == 0) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, &status, 0);
+  }
+  state->complete();
+  waiter.join();
+  CHECK(got == child);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
 }
