@@ -5,6 +5,7 @@
 #include <ddp/reducer/ring.hpp>
 
 #include <dirent.h>
+#include <sys/resource.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -517,6 +518,31 @@ TEST_CASE("shm across hosts is an unsupported error on every rank") {
     CHECK(o.message.find("shm needs all ranks on one host; ranks 0 and 2 are on different hosts") != std::string::npos);
   }
 }
+
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+TEST_CASE("under an address-space limit the automatic arena says what sized it") {
+  no_leftovers guard;
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    // 2 GiB of address space: the automatic arena takes a quarter, 256 MiB per rank.
+    const rlimit lim{std::size_t{2} << 30, std::size_t{2} << 30};
+    if (::setrlimit(RLIMIT_AS, &lim) != 0) throw std::runtime_error("setrlimit failed");
+    auto pg = ddp::init_process_group(opts(r, 2, port, 10s));
+    ddp::shm link{pg};
+    void* small = link.allocate(1 << 20);  // what fits still works
+    link.deallocate(small, 1 << 20);
+    (void)link.allocate(std::size_t{300} << 20);
+  });
+  INFO(ddp_test::summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.errc == static_cast<int>(ddp::errc::system));
+    CHECK(o.message.find("no room for a block of 300.0 MiB") != std::string::npos);
+    CHECK(o.message.find("would outgrow its part of the arena (256.0 MiB, sized by a quarter of the "
+                         "address-space limit (RLIMIT_AS, ulimit -v)") != std::string::npos);
+    CHECK(o.message.find("outgrow /dev/shm") == std::string::npos);
+  }
+}
+#endif
 
 TEST_CASE("bad options are an invalid_argument error on every rank") {
   no_leftovers guard;

@@ -275,21 +275,47 @@ class shm_mapping {
 /// (16 TiB of the 128 TiB a process can map), a quarter of RLIMIT_AS where one is set, and
 /// within RLIMIT_FSIZE after the `before` bytes that precede the arena (a larger ftruncate
 /// would raise SIGXFSZ).
-inline std::size_t shm_arena_bytes(int world, std::size_t asked, std::size_t before) noexcept {
-  if (asked != 0) return asked;
+struct shm_arena_size {
+  std::size_t bytes = 0;  ///< the whole arena (world parts)
+  const char* bound = "";  ///< what limited each part, for messages
+};
+
+/// The automatic arena (`asked` == 0): each rank's part as large as /dev/shm, within a quarter of
+/// the address-space limit and within the file-size limit, whichever is least; `bound` says which.
+inline shm_arena_size shm_arena(int world, std::size_t asked, std::size_t before) noexcept {
+  if (asked != 0) return {asked, "shm_options::segment_bytes"};
   const std::size_t n = static_cast<std::size_t>(world < 1 ? 1 : world);
   std::size_t part = shm_capacity();
-  if (part == 0) part = std::size_t{1} << 30;  // no statvfs: reservations still say when it is full
+  const char* bound = "the size of /dev/shm";
+  if (part == 0) {
+    part = std::size_t{1} << 30;  // no statvfs: reservations still say when it is full
+    bound = "1 GiB (the size of /dev/shm is unknown)";
+  }
+  part = round_up(part, shm_page);
   std::size_t space = std::size_t{1} << 44;
+  const char* space_bound = "16 TiB of address space";
   struct rlimit lim{};
-  if (::getrlimit(RLIMIT_AS, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
-    space = std::min(space, static_cast<std::size_t>(lim.rlim_cur) / 4);
+  if (::getrlimit(RLIMIT_AS, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur / 4 < space) {
+    space = static_cast<std::size_t>(lim.rlim_cur) / 4;
+    space_bound = "a quarter of the address-space limit (RLIMIT_AS, ulimit -v), shared by the ranks";
+  }
   if (::getrlimit(RLIMIT_FSIZE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
     const auto fsize = static_cast<std::size_t>(lim.rlim_cur);
-    space = std::min(space, fsize > before ? fsize - before : 0);
+    if ((fsize > before ? fsize - before : 0) < space) {
+      space = fsize > before ? fsize - before : 0;
+      space_bound = "the file-size limit (RLIMIT_FSIZE, ulimit -f), shared by the ranks";
+    }
   }
-  part = std::min(round_up(part, shm_page), std::max(shm_page, space / n / shm_page * shm_page));
-  return part * n;
+  const std::size_t by_space = std::max(shm_page, space / n / shm_page * shm_page);
+  if (by_space < part) {
+    part = by_space;
+    bound = space_bound;
+  }
+  return {part * n, bound};
+}
+
+inline std::size_t shm_arena_bytes(int world, std::size_t asked, std::size_t before) noexcept {
+  return shm_arena(world, asked, before).bytes;
 }
 
 /// First-fit heap over one rank's part of the arena. Only its owner allocates from a part, so

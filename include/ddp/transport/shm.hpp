@@ -137,12 +137,16 @@ class shm {
     } guard{&name_};
     if (rank_ == 0) {
       const std::size_t before = detail::make_shm_layout(size_, opts_.slot_bytes, nslots, 0).arena;
-      layout_ = detail::make_shm_layout(size_, opts_.slot_bytes, nslots,
-                                        detail::shm_arena_bytes(size_, opts_.segment_bytes, before));
+      const auto arena = detail::shm_arena(size_, opts_.segment_bytes, before);
+      layout_ = detail::make_shm_layout(size_, opts_.slot_bytes, nslots, arena.bytes);
       // Header, control blocks and slots are reserved now; the arena as it is handed out.
       why = map_.create(name_, layout_.total, layout_.arena);
-      if (!why.empty())
+      if (why.rfind("mmap(", 0) == 0)
+        why = "mapping its " + detail::shm_mib(layout_.total) + " of address space (an arena sized by " +
+              arena.bound + "; pass shm_options::segment_bytes to map less): " + why;
+      else if (!why.empty())
         why = "header and staging slots (" + detail::shm_mib(layout_.arena) + "): " + why;
+      arena_bound_ = arena.bound;
       if (why.empty()) init_segment();
       pg.store().set(key, why.empty() ? "ok " + std::to_string(layout_.slot_bytes) + " " +
                                             std::to_string(layout_.arena_bytes)
@@ -157,6 +161,7 @@ class shm {
         why = "malformed segment geometry '" + v + "' in the store";
       } else {
         layout_ = detail::make_shm_layout(size_, slot, nslots, arena);
+        arena_bound_ = detail::shm_arena(size_, opts_.segment_bytes, layout_.arena).bound;
         why = map_.open(name_, layout_.total);
         if (why.empty() && (header()->magic != detail::shm_magic || header()->version != detail::shm_version ||
                             header()->world != static_cast<std::uint32_t>(size_) ||
@@ -174,8 +179,8 @@ class shm {
     guard.name = nullptr;
     for (int r = 0; r < size_; ++r)
       if (!status[static_cast<std::size_t>(r)].empty())
-        raise_here(errc::system, "shared-memory segment " + name_ + ": rank " + std::to_string(r) + ": " +
-                                     status[static_cast<std::size_t>(r)]);
+        raise_here(errc::system, "shared-memory segment " + name_ + " could not be set up on rank " +
+                                     std::to_string(r) + ": " + status[static_cast<std::size_t>(r)]);
 
     heap_ = std::make_unique<detail::arena_heap>(layout_.part_begin(rank_), layout_.part_end(rank_));
     reserved_end_ = layout_.part_begin(rank_);
@@ -383,7 +388,8 @@ class shm {
                                      " bytes, the largest free block is " + std::to_string(heap_->largest_free()) +
                                      " of this rank's " + std::to_string(heap_->capacity()) +
                                      " (each rank owns shm_options::segment_bytes / world; 0 sizes it from /dev/shm)");
-      raise_here(errc::system, no_room(bytes) + "with it this rank's blocks would outgrow /dev/shm itself; " +
+      raise_here(errc::system, no_room(bytes) + "with it this rank's blocks would outgrow its part of the arena (" +
+                                   detail::shm_mib(heap_->capacity()) + ", sized by " + arena_bound_ + "); " +
                                    detail::shm_space());
     }
     const std::size_t end = std::min(detail::round_up(off + bytes, detail::shm_page), layout_.part_end(rank_));
@@ -777,6 +783,7 @@ class shm {
   std::unique_ptr<detail::arena_heap> heap_;
   std::mutex reserve_mu_;         ///< guards reserved_end_
   std::size_t reserved_end_ = 0;  ///< this rank's part has pages up to here (segment offset)
+  const char* arena_bound_ = "";   ///< what sized each rank's part of the arena (for messages)
   std::uint64_t count_ = 0;  ///< signals sent; equal on all ranks between collectives
   std::uint64_t seq_ = 0;    ///< collectives started
   std::uint64_t turn_ = 0;   ///< slot rotation, advanced identically on every rank
