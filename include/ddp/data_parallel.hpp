@@ -28,7 +28,6 @@
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -300,7 +299,7 @@ class basic_data_parallel {
       const std::size_t shown = std::min<std::size_t>(missing.size(), 8);
       for (std::size_t k = 0; k < shown; ++k) list += (k ? ", " : "") + label(missing[k]);
       if (shown < missing.size()) list += " and " + std::to_string(missing.size() - shown) + " more";
-      detail::raise(errc::usage, pg_->rank(),
+      detail::raise(errc::usage, pg_.rank(),
                     "finish() while " + std::to_string(missing.size()) + " parameter" +
                         (missing.size() > 1 ? "s" : "") + " never became ready this step: " + list +
                         "; call grad_ready(i) or mark_unused(i) for each, or set "
@@ -325,7 +324,7 @@ class basic_data_parallel {
         launch_ready_buckets();
       }
     });
-    const auto wait_for = opts_.timeout.count() > 0 ? opts_.timeout : pg_->timeout();
+    const auto wait_for = opts_.timeout.count() > 0 ? opts_.timeout : pg_.timeout();
     const auto until = clock::now() + wait_for + std::chrono::seconds(2);
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
       try {
@@ -339,7 +338,7 @@ class basic_data_parallel {
         }
         // A request that timed out knows no rank; say which rank and bucket waited.
         guarded("finish", -1, [&] {
-          detail::raise(e.condition(), pg_->rank(),
+          detail::raise(e.condition(), pg_.rank(),
                         "bucket " + std::to_string(b) + " was not reduced within " +
                             std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(wait_for).count()) +
                             " ms (a peer stopped answering?)",
@@ -390,7 +389,7 @@ class basic_data_parallel {
   no_sync_guard no_sync() {
     check_healthy();
     if (step_open_)
-      detail::raise(errc::usage, pg_->rank(), "no_sync() in the middle of a step; call it before the first grad_ready");
+      detail::raise(errc::usage, pg_.rank(), "no_sync() in the middle of a step; call it before the first grad_ready");
     return no_sync_guard(*this);
   }
 
@@ -432,11 +431,11 @@ class basic_data_parallel {
   const bucket_policy& policy() const noexcept { return policy_; }
   const dp_options& options() const noexcept { return opts_; }
   std::size_t size() const noexcept { return views_.size(); }
-  int rank() const noexcept { return pg_->rank(); }
-  int world_size() const noexcept { return pg_->size(); }
+  int rank() const noexcept { return pg_.rank(); }
+  int world_size() const noexcept { return pg_.size(); }
   Reducer& get_reducer() noexcept { return red_; }
   Allocator& get_allocator() noexcept { return alloc_; }
-  process_group& group() noexcept { return *pg_; }
+  process_group& group() noexcept { return pg_; }
 
  private:
   using clock = std::chrono::steady_clock;
@@ -449,10 +448,10 @@ class basic_data_parallel {
   }
 
   void check_healthy() const {
-    owner_.check(pg_->rank(), "data_parallel wrapper");
+    owner_.check(pg_.rank(), "data_parallel wrapper");
     if (!failed_.load(std::memory_order_acquire)) return;
     std::lock_guard lock(fail_mu_);
-    detail::raise(fail_code_, pg_->rank(),
+    detail::raise(fail_code_, pg_.rank(),
                   "this data_parallel wrapper failed earlier and cannot be used again; the first cause: " + fail_what_);
   }
 
@@ -515,7 +514,7 @@ class basic_data_parallel {
       }
     }
     if constexpr (requires(Reducer& r) { r.abort(); }) red_.abort();
-    pg_->abort(msg);
+    pg_.abort(msg);
   }
 
   // The bucket slot of a parameter that is not ready in a synchronized step: zero, or what
@@ -529,9 +528,9 @@ class basic_data_parallel {
   }
 
   void check_index(std::size_t i, const char* what) const {
-    owner_.check(pg_->rank(), "data_parallel wrapper");
+    owner_.check(pg_.rank(), "data_parallel wrapper");
     if (i >= views_.size())
-      detail::raise(errc::invalid_argument, pg_->rank(),
+      detail::raise(errc::invalid_argument, pg_.rank(),
                     std::string(what) + "(" + std::to_string(i) + "): there are only " +
                         std::to_string(views_.size()) + " parameters",
                     -1, static_cast<int>(i));
@@ -540,7 +539,7 @@ class basic_data_parallel {
   void claim(std::size_t i, const char* what) {
     check_healthy();
     if (ready_[i].exchange(true, std::memory_order_acq_rel))
-      detail::raise(errc::usage, pg_->rank(),
+      detail::raise(errc::usage, pg_.rank(),
                     std::string(what) + ": " + label(i) + " was already " +
                         (unused_[i] ? "marked unused" : "ready") + " in this step (step " + std::to_string(step_) +
                         "); call finish() between steps",
@@ -621,12 +620,12 @@ class basic_data_parallel {
     constexpr bool custom_copy = requires(Allocator& a, void* d, const void* s, std::size_t n) { a.copy(d, s, n); };
     if constexpr (!custom_copy) {
       if (!host_accessible(alloc_.location()))
-        detail::raise(errc::unsupported, pg_->rank(),
+        detail::raise(errc::unsupported, pg_.rank(),
                       std::string("bucket memory of kind '") + memory_kind_name(alloc_.location()) +
                           "' needs an allocator with copy(dst, src, bytes)");
       for (std::size_t i = 0; i < views_.size(); ++i)
         if (views_[i].device >= 0)
-          detail::raise(errc::unsupported, pg_->rank(),
+          detail::raise(errc::unsupported, pg_.rank(),
                         label(i) + " lives on device " + std::to_string(views_[i].device) +
                             " but the allocator policy cannot copy device memory (use cuda_allocator)",
                         -1, static_cast<int>(i));
@@ -671,18 +670,18 @@ class basic_data_parallel {
       status = std::to_string(static_cast<int>(errc::system)) + " " + e.what();
     }
     if (mine) free_buffers(buffers_, plan_);
-    if (pg_->size() == 1) {
+    if (pg_.size() == 1) {
       if (mine) std::rethrow_exception(mine);
       return;
     }
-    const auto all = pg_->all_gather(status);
+    const auto all = pg_.all_gather(status);
     if (mine) std::rethrow_exception(mine);  // this rank's own cause, as it was raised
     for (std::size_t r = 0; r < all.size(); ++r) {
       if (all[r].empty()) continue;
       free_buffers(buffers_, plan_);
       const auto sp = all[r].find(' ');
       const int code = std::atoi(all[r].substr(0, sp).c_str());
-      detail::raise(static_cast<errc>(code), pg_->rank(),
+      detail::raise(static_cast<errc>(code), pg_.rank(),
                     "rank " + std::to_string(r) + " could not set up its gradient buckets: " +
                         (sp == std::string::npos ? std::string() : all[r].substr(sp + 1)));
     }
@@ -727,7 +726,7 @@ class basic_data_parallel {
     for (auto& r : requests_) pending = pending || (r.valid() && !r.test());
     if (!pending) return true;
     try {
-      if (wait_all(clock::now() + pg_->timeout())) return true;
+      if (wait_all(clock::now() + pg_.timeout())) return true;
       if constexpr (requires(Reducer& r) { r.abort(); }) red_.abort();
       return wait_all(clock::now() + std::chrono::seconds(2));
     } catch (...) {
@@ -792,7 +791,7 @@ class basic_data_parallel {
 
   // Every rank sees every rank's signatures, so every rank raises the same error.
   void check_signatures() {
-    const auto all = pg_->all_gather(encode_signatures());
+    const auto all = pg_.all_gather(encode_signatures());
     if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) return;
     std::vector<std::vector<signature>> sigs;
     for (const auto& s : all) sigs.push_back(decode_signatures(s));
@@ -804,7 +803,7 @@ class basic_data_parallel {
         if (!(sigs[r][i] == sigs[0][i]))
           differing += (differing.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + describe(sigs[r][i]));
       if (!differing.empty())
-        detail::raise(errc::mismatch, pg_->rank(),
+        detail::raise(errc::mismatch, pg_.rank(),
                       "ranks disagree on " + label(i) + ": rank 0 has " + describe(sigs[0][i]) + ", " + differing,
                       -1, static_cast<int>(i));
     }
@@ -812,7 +811,7 @@ class basic_data_parallel {
     for (std::size_t r = 0; r < sigs.size(); ++r)
       if (sigs[r].size() != sigs[0].size() || r == 0)
         counts += (counts.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + std::to_string(sigs[r].size()));
-    detail::raise(errc::mismatch, pg_->rank(),
+    detail::raise(errc::mismatch, pg_.rank(),
                   "ranks disagree on the number of parameters: " + counts + "; the first differing is " +
                       label(common),
                   -1, static_cast<int>(common));
@@ -824,19 +823,19 @@ class basic_data_parallel {
     std::string mine;
     put_u64(mine, plan_.fingerprint());
     put_u64(mine, settled_ ? 1 : 0);
-    const auto all = pg_->all_gather(mine);
+    const auto all = pg_.all_gather(mine);
     std::string plans, rebuilds;
     for (std::size_t r = 1; r < all.size(); ++r) {
       if (all[r].compare(0, 8, all[0], 0, 8) != 0) plans += (plans.empty() ? "rank " : ", rank ") + std::to_string(r);
       else if (all[r] != all[0]) rebuilds += (rebuilds.empty() ? "rank " : ", rank ") + std::to_string(r);
     }
     if (!plans.empty())
-      detail::raise(errc::mismatch, pg_->rank(),
+      detail::raise(errc::mismatch, pg_.rank(),
                     std::string("bucket plans differ ") + when + " between rank 0 and " + plans +
                         " (different bucket_policy or planner on those ranks?)");
     if (!rebuilds.empty()) {
       const bool rank0_rebuilds = all[0][8] == 0;
-      detail::raise(errc::mismatch, pg_->rank(),
+      detail::raise(errc::mismatch, pg_.rank(),
                     std::string("ranks disagree ") + when + " on rebuilding the bucket plan after the first step: rank 0 " +
                         (rank0_rebuilds ? "does, " : "does not, ") + rebuilds + (rank0_rebuilds ? " do not" : " do") +
                         " (bucket_policy::rebuild_from_ready_order or dp_options::gradient_as_bucket_view differ)");
@@ -848,7 +847,7 @@ class basic_data_parallel {
     reqs.reserve(views_.size());
     for (auto& v : views_)
       if (v.numel > 0) reqs.push_back(red_.broadcast_async(v.data, v.numel, v.type, 0));
-    const auto until = clock::now() + 2 * pg_->timeout() + std::chrono::seconds(2);
+    const auto until = clock::now() + 2 * pg_.timeout() + std::chrono::seconds(2);
     for (auto& r : reqs) r.wait(until);
   }
 
@@ -862,7 +861,7 @@ class basic_data_parallel {
     std::vector<std::uint64_t> order(n);
     if (order_.size() != n) return;  // cannot happen: every parameter was ready or unused
     for (std::size_t k = 0; k < n; ++k) order[k] = order_[k];
-    pg_->broadcast(std::span<std::uint64_t>(order), 0);
+    pg_.broadcast(std::span<std::uint64_t>(order), 0);
     std::vector<std::size_t> walk(order.begin(), order.end());
     bucket_plan fresh = planner_.plan(infos_, policy_, walk);
     if (fresh == plan_) {
@@ -877,7 +876,7 @@ class basic_data_parallel {
     check_plan_agreement("after the rebuild");
   }
 
-  std::optional<process_group> pg_;  // the wrapper's own handle (always engaged; optional for its ->)
+  process_group pg_;  // the wrapper's own handle: the group stays open while this lives
   detail::owner_process owner_;
   bucket_policy policy_;
   dp_options opts_;

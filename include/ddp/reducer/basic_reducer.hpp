@@ -13,7 +13,6 @@
 
 #include <atomic>
 #include <cstddef>
-#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -84,10 +83,10 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
   basic_reducer(const basic_reducer&) = delete;
   basic_reducer& operator=(const basic_reducer&) = delete;
 
-  int rank() const noexcept { return pg_->rank(); }
-  int size() const noexcept { return pg_->size(); }
+  int rank() const noexcept { return pg_.rank(); }
+  int size() const noexcept { return pg_.size(); }
   Transport& transport() noexcept { return transport_; }
-  process_group& group() noexcept { return *pg_; }
+  process_group& group() noexcept { return pg_; }
   const reducer_options& options() const noexcept { return opts_; }
 
   /// Every reducer does every (dtype, op) pair of ddp (false only for values outside the enums);
@@ -176,7 +175,7 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
   void wait(const request& r) const {
     // The collective itself is bounded by the timeout once it starts; queued work ahead of it
     // is too, so twice the timeout bounds the whole wait.
-    r.wait(detail::clock::now() + 2 * pg_->timeout() + std::chrono::seconds(2));
+    r.wait(detail::clock::now() + 2 * pg_.timeout() + std::chrono::seconds(2));
   }
   /// Checks the arguments and builds the descriptor, all but its sequence number: that is
   /// taken when the collective starts (stamp), in the order collectives run.
@@ -202,15 +201,15 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
   }
   template <class Job>
   request submit(const detail::coll_desc& d, Job job) {
-    return worker_.submit([this, d, job] { job(stamp(d), detail::clock::now() + pg_->timeout()); });
+    return worker_.submit([this, d, job] { job(stamp(d), detail::clock::now() + pg_.timeout()); });
   }
   template <class Job>
   void run(const detail::coll_desc& d, Job job) {
-    if (!worker_.try_run_inline([&] { job(stamp(d), detail::clock::now() + pg_->timeout()); }))
-      wait(worker_.submit([this, d, job] { job(stamp(d), detail::clock::now() + pg_->timeout()); }));
+    if (!worker_.try_run_inline([&] { job(stamp(d), detail::clock::now() + pg_.timeout()); }))
+      wait(worker_.submit([this, d, job] { job(stamp(d), detail::clock::now() + pg_.timeout()); }));
   }
 
-  std::optional<process_group> pg_;  // the reducer's own handle (always engaged; optional for its ->)
+  process_group pg_;  // the reducer's own handle: the group stays open while this lives
   Transport transport_;
   reducer_options opts_;
   std::atomic<std::uint64_t> seq_{0};  ///< collectives started (see stamp)

@@ -17,7 +17,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
-#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -64,9 +63,9 @@ class tcp {
   tcp(const tcp&) = delete;
   tcp& operator=(const tcp&) = delete;
 
-  int rank() const noexcept { return pg_->rank(); }
-  int size() const noexcept { return pg_->size(); }
-  process_group& group() noexcept { return *pg_; }
+  int rank() const noexcept { return pg_.rank(); }
+  int size() const noexcept { return pg_.size(); }
+  process_group& group() noexcept { return pg_; }
 
   void send(int peer, const void* data, std::size_t n, detail::deadline_t until) {
     check_usable();
@@ -206,7 +205,7 @@ class tcp {
     }
     // The group's first-failure record (first writer wins; a store that is gone too is
     // ignored: shutting the sockets still tells the peers).
-    pg_->record_failure({code, pg_->reported(msg)});
+    pg_.record_failure({code, pg_.reported(msg)});
     for (auto& p : peers_)
       if (p) ::shutdown(p.get(), SHUT_RDWR);
   }
@@ -222,7 +221,7 @@ class tcp {
   [[noreturn]] void lost(int peer, const std::error_code& ec) {
     bool store_gone = false;
     const bool timed_out = detail::to_errc(ec) == errc::timeout;
-    if (auto f = pg_->first_failure(&store_gone, !timed_out); !f.empty()) adopt(f);
+    if (auto f = pg_.first_failure(&store_gone, !timed_out); !f.empty()) adopt(f);
     if (store_gone) {
       // Rank 0 hosts the store: when it does not answer either, rank 0 is the one lost, whatever
       // connection happened to notice first.
@@ -232,16 +231,16 @@ class tcp {
       detail::raise(errc::peer_lost, rank(), msg);
     }
     const errc code = timed_out ? errc::timeout : errc::peer_lost;
-    const std::string msg = timed_out ? pg_->name_stopped(channel_, peer)
+    const std::string msg = timed_out ? pg_.name_stopped(channel_, peer)
                                       : "lost connection to rank " + std::to_string(peer) + " (" +
                                             detail::describe(ec) + ")";
     // Another rank may have recorded its verdict meanwhile: the first one is everyone's.
-    if (auto held = pg_->record_failure({code, pg_->reported(msg)}); held.text != pg_->reported(msg)) adopt(held);
+    if (auto held = pg_.record_failure({code, pg_.reported(msg)}); held.text != pg_.reported(msg)) adopt(held);
     post_abort(code, msg);
     detail::raise(code, rank(), msg);
   }
 
-  std::optional<process_group> pg_;  // the transport's own handle (always engaged; optional for its ->)
+  process_group pg_;  // the transport's own handle: the group stays open while this lives
   tcp_options opts_;
   std::string channel_;
   std::vector<detail::fd_handle> peers_;
