@@ -24,7 +24,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -654,7 +653,7 @@ class basic_data_parallel {
   // of it at their first step.
   void set_up_buffers() {
     std::exception_ptr mine;
-    std::string status;  // "" when fine, else "<errc> <message>"
+    process_group::failure status;  // empty when fine
     try {
       allocate_buffers();
       if (opts_.gradient_as_bucket_view) {
@@ -664,26 +663,24 @@ class basic_data_parallel {
       }
     } catch (const error& e) {
       mine = std::current_exception();
-      status = std::to_string(static_cast<int>(e.condition())) + " " + detail::message_of(e);
+      status = {e.condition(), detail::message_of(e)};
     } catch (const std::exception& e) {
       mine = std::current_exception();
-      status = std::to_string(static_cast<int>(errc::system)) + " " + e.what();
+      status = {errc::system, e.what()};
     }
     if (mine) free_buffers(buffers_, plan_);
     if (pg_.size() == 1) {
       if (mine) std::rethrow_exception(mine);
       return;
     }
-    const auto all = pg_.all_gather(status);
+    const auto all = pg_.all_gather(status.empty() ? std::string() : status.encode());
     if (mine) std::rethrow_exception(mine);  // this rank's own cause, as it was raised
     for (std::size_t r = 0; r < all.size(); ++r) {
       if (all[r].empty()) continue;
       free_buffers(buffers_, plan_);
-      const auto sp = all[r].find(' ');
-      const int code = std::atoi(all[r].substr(0, sp).c_str());
-      detail::raise(static_cast<errc>(code), pg_.rank(),
-                    "rank " + std::to_string(r) + " could not set up its gradient buckets: " +
-                        (sp == std::string::npos ? std::string() : all[r].substr(sp + 1)));
+      const auto theirs = process_group::failure::decode(all[r]);
+      detail::raise(theirs.code, pg_.rank(),
+                    "rank " + std::to_string(r) + " could not set up its gradient buckets: " + theirs.text);
     }
   }
 

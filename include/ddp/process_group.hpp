@@ -192,6 +192,13 @@ class process_group {
     errc code{};
     std::string text;
     bool empty() const noexcept { return text.empty(); }
+    /// "<errc> <text>": how a failure travels between ranks (store record, all_gather).
+    std::string encode() const { return std::to_string(static_cast<int>(code)) + " " + text; }
+    static failure decode(const std::string& v) {
+      const auto sp = v.find(' ');
+      if (sp == std::string::npos) return {errc::protocol, v};
+      return {static_cast<errc>(std::atoi(v.substr(0, sp).c_str())), v.substr(sp + 1)};
+    }
   };
 
   /// The same as abort(why), for a rank that gives up because of an exception: the peers'
@@ -407,8 +414,8 @@ class process_group::state {
   failure record_failure(const failure& f) noexcept {
     try {
       if (!store_) return f;
-      return decode_failure(
-          store_->compare_set(failure_key, "", std::to_string(static_cast<int>(f.code)) + " " + f.text, store_budget()));
+      return failure::decode(
+          store_->compare_set(failure_key, "", f.encode(), store_budget()));
     } catch (...) {
       return f;
     }
@@ -425,7 +432,7 @@ class process_group::state {
     try {
       for (;;) {
         const auto until = store_budget();
-        if (store_ && store_->check(failure_key, until)) return decode_failure(store_->get(failure_key, until));
+        if (store_ && store_->check(failure_key, until)) return failure::decode(store_->get(failure_key, until));
         if (!store_ || detail::clock::now() >= end) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
@@ -586,12 +593,6 @@ class process_group::state {
     if (ec) lost(peer, ec, what);
   }
   static constexpr const char* failure_key = "pg/failure";
-
-  static failure decode_failure(const std::string& v) {
-    const auto sp = v.find(' ');
-    if (sp == std::string::npos) return {errc::protocol, v};
-    return {static_cast<errc>(std::atoi(v.substr(0, sp).c_str())), v.substr(sp + 1)};
-  }
 
   /// Records why this rank's group failed (the first failure recorded wins) and shuts the
   /// mesh, so that peers blocked on this rank wake at once and report the same failure
