@@ -1,7 +1,7 @@
 #pragma once
 /// \file process_group.hpp
-/// Process group: rendezvous through rank 0's TCP store, a full mesh of TCP connections,
-/// barrier and broadcast. Options come explicitly or from the environment that torchrun-style
+/// Process group: rendezvous through rank 0's TCP store, TCP connections between ranks made on
+/// first use, barrier, broadcast and all_gather. Options come explicitly or from the environment that torchrun-style
 /// launchers, `ddprun`, `mpirun` (Open MPI, MPICH/PMI) and Slurm set.
 
 #include <unistd.h>
@@ -26,6 +26,7 @@
 #include "auth.hpp"
 #include "detail/fork.hpp"
 #include "detail/mesh.hpp"
+#include "detail/rendezvous.hpp"
 #include "detail/socket.hpp"
 #include "error.hpp"
 #include "store.hpp"
@@ -48,6 +49,12 @@ struct init_options {
   std::string auth_token = {};                    ///< shared secret; needs an authenticator (docs/security.md)
   int local_rank = -1;                            ///< rank on this host, -1 when unknown
   std::string job_id = {};                        ///< names the job; tells two jobs on one port apart (optional)
+  /// Lets a group without a secret serve its store beyond loopback (any host that reaches the
+  /// port could then join or disturb the group). Off by default; DDP_INSECURE=1 sets it.
+  bool insecure = false;
+
+  /// Largest group: 2^20 ranks. Larger sizes are refused at once (errc::invalid_argument).
+  static constexpr int max_world_size = 1 << 20;
 
   /// Reads the environment: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`;
   /// when those are absent Open MPI's `OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`, MPICH/PMI's
@@ -90,6 +97,7 @@ struct init_options {
       o.timeout = std::chrono::seconds(as_int(v, 1, 1LL << 31));
     if (auto v = first({"DDP_AUTH_TOKEN"}); v.first) o.auth_token = v.second;
     if (auto v = first({"DDP_JOB_ID"}); v.first) o.job_id = v.second;
+    if (auto v = first({"DDP_INSECURE"}); v.first) o.insecure = as_int(v, 0, 1) == 1;
     return o;
   }
 
@@ -107,6 +115,9 @@ struct init_options {
   /// Cheap check before any socket is opened; empty when the options are usable.
   std::string validate() const {
     if (world_size < 1) return "world_size must be at least 1 (got " + std::to_string(world_size) + ")";
+    if (world_size > max_world_size)
+      return "world_size " + std::to_string(world_size) + " is larger than the " + std::to_string(max_world_size) +
+             " ranks a group supports";
     if (rank < 0 || rank >= world_size)
       return "rank " + std::to_string(rank) + " is outside [0, " + std::to_string(world_size) + ")";
     if (master_port < 1 || master_port > 65535)
@@ -175,9 +186,14 @@ class process_group {
   /// Every rank contributes a blob; every rank gets all of them, indexed by rank.
   std::vector<std::string> all_gather(const std::string& mine);
 
-  /// Socket connected to `peer` (for transports that share the group's mesh); -1 on an empty
-  /// handle or in a forked child.
-  int peer_socket(int peer) const noexcept;
+  /// Socket connected to `peer`, connected now if this is the first exchange with it (both
+  /// ranks must then talk to each other before `until`). -1 on an empty handle or in a forked
+  /// child; throws errc::timeout / errc::peer_lost when the connection cannot be made.
+  int peer_socket(int peer, detail::deadline_t until);
+
+  /// Connections this rank holds to its peers now: they are made on first use, so a group of
+  /// thousands of ranks holds a handful per rank. 0 on an empty handle.
+  int connections() const noexcept;
 
   /// Fails this rank's group on purpose: every call blocked on it, here or on a peer, ends with
   /// an error at once instead of at its deadline (errc::aborted naming this rank). Reducers
@@ -339,34 +355,44 @@ class process_group::state {
   /// Largest blob one rank may contribute to all_gather().
   static constexpr std::uint64_t max_gather_blob = 1ull << 30;
 
-  /// Every rank contributes a blob; every rank gets all of them, indexed by rank.
+  /// Every rank contributes a blob; every rank gets all of them, indexed by rank. A binomial
+  /// tree gathers the blobs to rank 0 (each rank talks to log2(size) peers, never rank 0 to
+  /// all), then a broadcast hands the result out.
   std::vector<std::string> all_gather(const std::string& mine) {
     const auto until = deadline();
-    std::vector<std::string> all(static_cast<std::size_t>(size_));
-    all[static_cast<std::size_t>(rank_)] = mine;
-    if (rank_ != 0) {
-      const std::uint64_t n = mine.size();
-      send(0, &n, sizeof n, until, "all_gather");
-      send(0, mine.data(), mine.size(), until, "all_gather");
-    } else {
-      for (int r = 1; r < size_; ++r) {
-        std::uint64_t n = 0;
-        recv(r, &n, sizeof n, until, "all_gather");
-        if (n > max_gather_blob) detail::raise(errc::protocol, rank_, "all_gather blob from rank " + std::to_string(r) + " is too large");
-        all[static_cast<std::size_t>(r)].resize(n);
-        recv(r, all[static_cast<std::size_t>(r)].data(), n, until, "all_gather");
+    if (mine.size() > max_gather_blob)
+      detail::raise(errc::invalid_argument, rank_,
+                    "all_gather blob of " + std::to_string(mine.size()) + " bytes; at most " +
+                        std::to_string(max_gather_blob));
+    // `packed`: (u64 length, bytes) for ranks rank_, rank_ + 1, ... of this rank's subtree.
+    std::string packed = detail::encode_i64(static_cast<std::int64_t>(mine.size())) + mine;
+    for (int mask = 1; mask < size_; mask <<= 1) {
+      if (rank_ & mask) {
+        const std::uint64_t n = packed.size();
+        send(rank_ - mask, &n, sizeof n, until, "all_gather");
+        send(rank_ - mask, packed.data(), packed.size(), until, "all_gather");
+        break;
       }
+      const int child = rank_ + mask;
+      if (child >= size_) continue;
+      const auto ranks = static_cast<std::uint64_t>(std::min(mask, size_ - child));
+      std::uint64_t n = 0;
+      recv(child, &n, sizeof n, until, "all_gather");
+      // Lengths from the wire are checked before anything is allocated with them.
+      if (n > ranks * (8 + max_gather_blob))
+        detail::raise(errc::protocol, rank_, "all_gather: rank " + std::to_string(child) + " announced " +
+                                                 std::to_string(n) + " bytes for " + std::to_string(ranks) + " ranks");
+      const auto at = packed.size();
+      packed.resize(at + n);
+      recv(child, packed.data() + at, n, until, "all_gather");
     }
-    std::string packed;
-    if (rank_ == 0)
-      for (auto& s : all) { packed += detail::encode_i64(static_cast<std::int64_t>(s.size())); packed += s; }
     std::uint64_t len = packed.size();
     broadcast(std::as_writable_bytes(std::span(&len, 1)), 0, until);
-    // Lengths from the wire are checked before anything is allocated or indexed with them.
     if (len > static_cast<std::uint64_t>(size_) * (8 + max_gather_blob))
       detail::raise(errc::protocol, rank_, "all_gather: rank 0 announced " + std::to_string(len) + " bytes");
     packed.resize(len);
     broadcast(std::as_writable_bytes(std::span(packed.data(), packed.size())), 0, until);
+    std::vector<std::string> all(static_cast<std::size_t>(size_));
     std::size_t pos = 0;
     for (auto& s : all) {
       if (packed.size() - pos < 8) detail::raise(errc::protocol, rank_, "all_gather: truncated result from rank 0");
@@ -375,11 +401,15 @@ class process_group::state {
       s = packed.substr(pos + 8, n);
       pos += 8 + n;
     }
+    if (pos != packed.size()) detail::raise(errc::protocol, rank_, "all_gather: malformed result from rank 0");
     return all;
   }
 
-  /// Socket connected to `peer` (for transports that share the group's mesh).
-  int peer_socket(int peer) const noexcept { return mesh_[static_cast<std::size_t>(peer)].get(); }
+  /// Socket connected to `peer`, made now when this is the first exchange with it.
+  int peer_socket(int peer, detail::deadline_t until) { return links_->get(peer, until); }
+
+  /// Connections this rank holds to its peers now (made on first use).
+  int connections() const noexcept { return links_ ? links_->connections() : 0; }
 
   /// Fails this rank's group on purpose: every call blocked on it, here or on a peer, ends with
   /// an error at once instead of at its deadline. The reason goes to the store so peers report
@@ -564,7 +594,7 @@ class process_group::state {
       }
     }
     const bool failing = failed_.load() || aborted_.load() || unwinding;
-    mesh_.clear();
+    links_.reset();
     store_.reset();
     if (server_) {
       const auto until = detail::clock::now() + (failing ? std::min<std::chrono::milliseconds>(
@@ -581,16 +611,27 @@ class process_group::state {
   friend class process_group;
 
   void send(int peer, const void* p, std::size_t n, detail::deadline_t until, const char* what) {
-    if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
+    const int fd = link(peer, until, what);
     std::error_code ec;
-    detail::send_all(peer_socket(peer), p, n, until, ec);
+    detail::send_all(fd, p, n, until, ec);
     if (ec) lost(peer, ec, what);
   }
   void recv(int peer, void* p, std::size_t n, detail::deadline_t until, const char* what) {
-    if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
+    const int fd = link(peer, until, what);
     std::error_code ec;
-    detail::recv_all(peer_socket(peer), p, n, until, ec);
+    detail::recv_all(fd, p, n, until, ec);
     if (ec) lost(peer, ec, what);
+  }
+  /// The connection to `peer` for a call named `what`, made now if there is none yet.
+  int link(int peer, detail::deadline_t until, const char* what) {
+    if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
+    if (const int fd = links_->connected(peer); fd >= 0) return fd;
+    try {
+      return links_->get(peer, until);
+    } catch (const error& e) {
+      if (e.condition() != errc::timeout && e.condition() != errc::peer_lost) throw;
+      lost(peer, make_error_code(e.condition()), what, detail::message_of(e));
+    }
   }
   static constexpr const char* failure_key = "pg/failure";
 
@@ -600,8 +641,7 @@ class process_group::state {
   failure post_failure(const failure& f) noexcept {
     failed_.exchange(true);
     auto held = record_failure(f);
-    for (auto& s : mesh_)
-      if (s) ::shutdown(s.get(), SHUT_RDWR);
+    if (links_) links_->shutdown();
     return held;
   }
 
@@ -611,7 +651,9 @@ class process_group::state {
     detail::raise(f.code, rank_, std::string(what) + ": " + f.text);
   }
 
-  [[noreturn]] void lost(int peer, const std::error_code& ec, const char* what) {
+  /// A link failed (`ec`; `why`, when given, says how better than `ec`): report the group's
+  /// first failure, or the rank that stopped, or the lost peer.
+  [[noreturn]] void lost(int peer, const std::error_code& ec, const char* what, const std::string& why = {}) {
     if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
     bool store_gone = false;
     const bool timed_out = detail::to_errc(ec) == errc::timeout;
@@ -622,7 +664,7 @@ class process_group::state {
     } else if (timed_out) {
       msg = name_stopped("pg", peer);
     } else {
-      msg = "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
+      msg = !why.empty() ? why : "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
     }
     const errc code = timed_out && !store_gone ? errc::timeout : errc::peer_lost;
     // Another rank may have recorded its verdict meanwhile: the first one is everyone's.
@@ -640,7 +682,7 @@ class process_group::state {
   std::atomic<bool> failed_{false};  // a failure was posted: close() does not wait for the others
   std::unique_ptr<store_server> server_;
   std::unique_ptr<store_client> store_;
-  std::vector<detail::fd_handle> mesh_;
+  std::unique_ptr<detail::peer_links> links_;
   detail::owner_process owner_;  // the process that joined: a forked child's copy only closes
 };
 
@@ -670,8 +712,9 @@ inline void process_group::broadcast(std::span<std::byte> data, int root, detail
 inline std::vector<std::string> process_group::all_gather(const std::string& mine) {
   return live("all_gather()").all_gather(mine);
 }
-inline int process_group::peer_socket(int peer) const noexcept {
-  return s_ && !s_->owner_.forked() ? s_->peer_socket(peer) : -1;
+inline int process_group::connections() const noexcept { return s_ ? s_->connections() : 0; }
+inline int process_group::peer_socket(int peer, detail::deadline_t until) {
+  return s_ && !s_->owner_.forked() ? s_->peer_socket(peer, until) : -1;
 }
 inline void process_group::abort(const std::string& why) noexcept {
   if (s_ && !s_->owner_.forked()) s_->abort(why);
@@ -696,6 +739,16 @@ inline process_group::failure process_group::explain(const error& e) noexcept {
   if (s_ && !s_->owner_.forked()) return s_->explain(e);
   return {e.condition(), detail::message_of(e)};
 }
+
+namespace detail {
+/// Lazily made connections for a channel of the group (`prefix` names it in the store).
+template <class Group>
+std::unique_ptr<peer_links> open_links(Group& pg, const std::string& prefix, int bufsize) {
+  auto& st = pg.store();
+  return std::make_unique<peer_links>(store_directory(st, pg.timeout()), local_address(st.native_handle()), st.auth(), pg.rank(),
+                                      pg.size(), prefix, pg.id(), bufsize, [&pg] { return pg.failure_recorded(); });
+}
+}  // namespace detail
 
 /// Joins the group described by `opts` and returns once every rank has joined.
 ///
@@ -723,81 +776,29 @@ inline process_group init_process_group(const init_options& opts) {
 
   // Resolve first, so an unresolvable master fails at once on every rank.
   const auto eps = detail::resolve(opts.master_addr, opts.master_port, rank);
+  // Without a secret, anyone who reaches the store could join the group or disturb it: that is
+  // only acceptable on loopback, unless the user says otherwise.
+  if (!auth && !opts.insecure)
+    for (const auto& ep : eps)
+      if (!detail::is_loopback(ep.addr))
+        detail::raise(errc::auth_failed, rank,
+                      "the group's store at " + opts.master_addr + ":" + std::to_string(opts.master_port) + " (" +
+                          detail::to_string(ep.addr) +
+                          ") is reachable beyond this host and the group has no secret: any process that reaches "
+                          "it could join or disturb the group. Give every rank the same secret in DDP_AUTH_TOKEN "
+                          "(or init_options::auth_token; docs/security.md), or accept an unauthenticated network "
+                          "with DDP_INSECURE=1 (or init_options::insecure = true)");
   if (rank == 0) pg.server_ = std::make_unique<store_server>(eps.front(), 0, auth);
   pg.store_ = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
   auto& st = *pg.store_;
 
-  // Rank 0 describes its job (world size, job id) before anything else; every other rank
-  // checks that the store on this port is its own job's before it claims a rank. Another job's
-  // store answering here means the port is taken, not that two processes want one rank.
-  const std::string where = opts.master_addr + ":" + std::to_string(opts.master_port);
-  const std::string job = std::to_string(opts.world_size) + " " + opts.job_id;
-  auto describe_job = [](const std::string& j) {
-    const auto sp = j.find(' ');
-    const std::string id = sp == std::string::npos ? std::string() : j.substr(sp + 1);
-    return "a group of " + j.substr(0, sp) + " ranks" + (id.empty() ? std::string() : ", job '" + id + "'");
-  };
-  if (rank == 0) {
-    st.set("pg/job", job, until);
-  } else {
-    if (!st.wait({"pg/job"}, until).empty())
-      detail::raise(errc::timeout, rank,
-                    "rendezvous timed out after " + std::to_string(opts.timeout.count()) + " ms: the store at " +
-                        where + " answers, but its rank 0 never described its job");
-    const auto theirs = st.get("pg/job", until);
-    const auto sp = theirs.find(' ');
-    const std::string their_id = sp == std::string::npos ? std::string() : theirs.substr(sp + 1);
-    if (theirs.substr(0, sp) != std::to_string(opts.world_size) ||
-        (!opts.job_id.empty() && !their_id.empty() && their_id != opts.job_id))
-      detail::raise(errc::address_in_use, rank,
-                    "another job holds port " + std::to_string(opts.master_port) + " at " + opts.master_addr +
-                        ": the store there serves " + describe_job(theirs) + ", this process belongs to " +
-                        describe_job(job) + "; give each job its own MASTER_PORT");
-  }
-
-  // Claim the rank with a token unique to this process; a second claimant sees another token.
-  std::random_device rd;
-  const std::uint64_t nonce = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  const std::string token = std::string(host) + ":" + std::to_string(::getpid()) + ":" + std::to_string(nonce);
-  const std::string rk = "pg/rank/" + std::to_string(rank);
-  const auto owner = st.compare_set(rk, "", token, until);
-  if (owner != token)
-    detail::raise(errc::rank_conflict, rank,
-                  "rank " + std::to_string(rank) + " is already taken by another process (" + owner +
-                      "); every process needs its own rank" +
-                      (opts.job_id.empty() ? " (if another job of the same size uses " + where +
-                                                 ", give each job its own MASTER_PORT, or a DDP_JOB_ID)"
-                                           : ""));
-  if (rank == 0) st.set("pg/id", detail::encode_i64(static_cast<std::int64_t>(nonce)), until);
-
-  // Wait until every rank has claimed its place; name the missing ones on timeout.
-  std::vector<std::string> keys;
-  for (int r = 0; r < opts.world_size; ++r) keys.push_back("pg/rank/" + std::to_string(r));
-  if (auto missing = st.wait(keys, until); !missing.empty()) {
-    std::string names;
-    for (auto& k : missing) names += (names.empty() ? "" : ", ") + k.substr(k.rfind('/') + 1);
-    detail::raise(errc::timeout, rank,
-                  "rendezvous timed out after " + std::to_string(opts.timeout.count()) + " ms: rank" +
-                      (missing.size() > 1 ? "s " : " ") + names + " of " + std::to_string(opts.world_size) +
-                      " never arrived");
-  }
-  pg.group_id_ = static_cast<std::uint64_t>(detail::decode_i64(st.get("pg/id", until)));
-  try {
-    detail::connect_mesh(pg.mesh_, st, rank, opts.world_size, "pg/mesh", pg.group_id_, until, 0,
-                         [&pg] { return pg.failure_recorded(); });
-  } catch (const error& e) {
-    // Peers already connected to this rank see a closed connection only after the failure is
-    // recorded (connect_mesh keeps the sockets open until then): they report the same cause.
-    const auto f = pg.explain(e);
-    if (f.empty() || f.text == detail::message_of(e)) {
-      pg.post_failure({e.condition(), pg.reported(detail::message_of(e))});
-      throw;
-    }
-    pg.post_failure({f.code, pg.reported(f.text)});
-    detail::raise(f.code, rank, f.text);
-  }
+  pg.group_id_ = detail::join_store(
+      st, {rank, opts.world_size, opts.job_id, opts.master_addr + ":" + std::to_string(opts.master_port),
+           static_cast<long long>(opts.timeout.count())},
+      until);
+  pg.links_ = detail::open_links(pg, "pg/mesh", 0);
+  // The first barrier makes each rank's first connections (log2(size) peers) and proves the
+  // group can talk; a failure there is reported like any other.
   pg.barrier(until);
   return process_group(std::move(group));
 }

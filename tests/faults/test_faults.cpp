@@ -511,8 +511,9 @@ TEST_CASE("faults: a peer that never connected is not blamed when rank 0 is gone
   }
 }
 
-// Ranks 0 and 1 wait for rank 2 to connect (a transport's mesh); rank 2 gives up instead: they
-// stop at once and report its failure, not "rank 2 never connected" at the deadline.
+// Ranks 0 and 1 wait for rank 2 to connect (their first exchange with it over a transport, which
+// rank 2 never opens); rank 2 gives up instead: they stop at once and report its failure, not
+// "rank 2 never connected" at the deadline.
 TEST_CASE("faults: ranks waiting for a peer to connect stop when the group failed") {
   const int port = ddp_test::free_port();
   auto outs = ddp_test::run_ranks(3, [&](int r) {
@@ -525,6 +526,8 @@ TEST_CASE("faults: ranks waiting for a peer to connect stop when the group faile
       return;
     }
     ddp::tcp t{pg};
+    char b = 0;
+    t.recv(2, &b, 1, pg.deadline());
   }, 60s);
   INFO(ddp_test::summary(outs));
   for (int r : {0, 1}) {

@@ -1,6 +1,6 @@
-// The accepting side of the transport handshake: rank 0 of a two-rank group runs the real
-// detail::connect_mesh while a stranger connects first and sends arbitrary bytes, then either
-// hangs up or stays connected and silent; then the real rank 1 runs connect_mesh too.
+// The accepting side of the transport handshake: rank 0 of a two-rank group opens the real
+// detail::peer_links while a stranger connects first and sends arbitrary bytes, then either
+// hangs up or stays connected and silent; then the real rank 1 connects to rank 0.
 // Properties: nothing crashes; a stranger that stalls holds nobody up; both ranks end with a
 // connection to each other; and rank 0's connection really is rank 1's unless the stranger sent
 // a hello that a member could have sent (right magic, rank, size and group: without a secret
@@ -10,9 +10,10 @@
 // Input: a mode byte (bit 0: the stranger stays connected), then the stranger's bytes.
 
 #include <ddp/detail/mesh.hpp>
+#include <ddp/detail/rendezvous.hpp>
 
 #include <cstring>
-#include <future>
+#include <thread>
 
 #include "fuzz_common.hpp"
 
@@ -39,7 +40,7 @@ bool member_hello(std::string_view bytes) {
   if (bytes.size() < sizeof(mesh_hello)) return false;
   mesh_hello h;
   std::memcpy(&h, bytes.data(), sizeof h);
-  return h.magic == mesh_magic && h.rank == 1 && h.size == 2 && h.group == group;
+  return h.magic == mesh_magic && h.rank == 1 && h.size == 2 && h.to == 0 && h.group == group;
 }
 
 /// Connects to where rank 0 announced it listens.
@@ -58,37 +59,44 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const auto bytes = in.rest();
   const std::string prefix = "fuzz/" + std::to_string(++f.round);
 
-  auto r0 = std::async(std::launch::async, [&] { return connect_mesh(f.rank0, 0, 2, prefix, group, ddp_fuzz::soon()); });
+  peer_links l0{store_directory(f.rank0, std::chrono::seconds(5)), local_address(f.rank0.native_handle()), nullptr,
+                0, 2, prefix, group, 0};
   auto stranger = connect_to_rank0(f.rank1, prefix);
   ddp_fuzz::send_bytes(stranger.get(), bytes);
   if (!stays) stranger.reset();  // a short hello then ends at once, not at the deadline
 
   if (member_hello(bytes)) {
-    // Rank 0 took the stranger for rank 1 and stopped listening; the real rank 1 would find
-    // nobody. Its connection must be the stranger's: what followed the hello, then the hang-up.
-    auto p0 = r0.get();
-    ddp_fuzz::require(p0.size() == 2 && !p0[0] && p0[1], "mesh incomplete");
+    // Rank 0's acceptor took the stranger for rank 1. Its connection must be the stranger's:
+    // what followed the hello, then the hang-up.
+    const auto until = ddp_fuzz::soon();
+    while (l0.connected(1) < 0 && clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const int c0 = l0.connected(1);
+    ddp_fuzz::require(c0 >= 0, "rank 0 did not take a member's hello");
     const auto after = bytes.substr(sizeof(mesh_hello));
     std::string got(after.size() + 1, '\0');
     std::error_code ec;
-    recv_all(p0[1].get(), got.data(), after.size(), ddp_fuzz::soon(), ec);
+    recv_all(c0, got.data(), after.size(), ddp_fuzz::soon(), ec);
     ddp_fuzz::require(!ec && got.substr(0, after.size()) == after, "rank 0 lost the bytes after the hello");
     stranger.reset();
-    recv_all(p0[1].get(), got.data(), 1, ddp_fuzz::soon(), ec);
+    recv_all(c0, got.data(), 1, ddp_fuzz::soon(), ec);
     ddp_fuzz::require(static_cast<bool>(ec), "rank 0 took the stranger, yet hears someone else");
     return 0;
   }
-  auto p1 = connect_mesh(f.rank1, 1, 2, prefix, group, ddp_fuzz::soon());
-  auto p0 = r0.get();  // a stalled stranger must not hold this up until the deadline
-  ddp_fuzz::require(p0.size() == 2 && p1.size() == 2 && !p0[0] && p0[1] && p1[0] && !p1[1], "mesh incomplete");
+  peer_links l1{store_directory(f.rank1, std::chrono::seconds(5)), local_address(f.rank1.native_handle()), nullptr,
+                1, 2, prefix, group, 0};
+  // Rank 1 connects; a stalled stranger must not hold this up until the deadline.
+  const auto t0 = clock::now();
+  const int c1 = l1.get(0, ddp_fuzz::soon());
+  const int c0 = l0.get(1, ddp_fuzz::soon());
+  ddp_fuzz::require(clock::now() - t0 < std::chrono::seconds(2), "a stranger held the real peers up");
 
   // Rank 1 speaks; rank 0 must hear it on its connection to rank 1, not on the stranger's.
   const char ping = 'p';
   std::error_code ec;
-  send_all(p1[0].get(), &ping, 1, ddp_fuzz::soon(), ec);
+  send_all(c1, &ping, 1, ddp_fuzz::soon(), ec);
   ddp_fuzz::require(!ec, "rank 1 cannot send to rank 0");
   char got = 0;
-  recv_all(p0[1].get(), &got, 1, ddp_fuzz::soon(), ec);
+  recv_all(c0, &got, 1, ddp_fuzz::soon(), ec);
   ddp_fuzz::require(!ec && got == ping, "rank 0 let a stranger in");
   return 0;
 }

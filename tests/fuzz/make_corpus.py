@@ -91,8 +91,9 @@ def store_client():
     }
 
 
-def hello(magic=MESH_MAGIC, rank=1, size=2, group=GROUP):
-    return struct.pack("<IIIIQ", magic, rank, size, 0, group)
+def hello(magic=MESH_MAGIC, rank=1, size=2, group=GROUP, to=0):
+    # magic, initiator rank, group size, the rank it means to reach, group id
+    return struct.pack("<IIIIQ", magic, rank, size, to, group)
 
 
 def mesh_hello():
@@ -104,6 +105,7 @@ def mesh_hello():
         "wrong_size": hello(size=3),
         "rank_zero": hello(rank=0),
         "rank_too_big": hello(rank=2),
+        "wrong_target": hello(to=1),
         "truncated": hello()[:10],
         "empty": b"",
     }

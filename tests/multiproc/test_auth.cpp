@@ -341,8 +341,9 @@ TEST_CASE("a stranger at a rank's mesh port, stalled or with a wrong secret, nei
         }
         if (who == 1) st.get("stranger/done", soon());  // rank 1 comes after the stranger
         const auto t0 = detail::clock::now();
-        auto peers = detail::connect_mesh(st, who, 2, "m", 77, soon(10s), 0);
-        const int other = peers[static_cast<std::size_t>(1 - who)].get();
+        detail::peer_links links{detail::store_directory(st, 10s), detail::local_address(st.native_handle()),
+                                 auth, who, 2, "m", 77, 0};
+        const int other = links.get(1 - who, soon(10s));
         const char out = static_cast<char>('a' + who);
         char in = 0;
         std::error_code ec;

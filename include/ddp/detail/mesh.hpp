@@ -1,24 +1,42 @@
 #pragma once
 // IWYU pragma: private
-// Full mesh of TCP connections between the ranks of a group, set up through the store: every
-// rank listens on the interface that reaches the master, announces "host port" under
-// `<prefix>/addr/<rank>`, accepts from higher ranks and connects to lower ones. A hello frame
-// (magic, group id, rank) makes sure a stray connection is not mistaken for a peer; when the
-// store connection is authenticated, the hello is the challenge-response of handshake.hpp
-// instead, so only holders of the secret get in. Incoming connections are served from one poll
-// loop, so a stranger that connects and stalls does not hold up the real peers.
+// Connections between the ranks of a group, made lazily: a rank connects to a peer the first
+// time it talks to it, so a ring or a tree over thousands of ranks holds a handful of sockets
+// per rank, not thousands. Every rank listens on the interface that reaches the master and
+// announces "host port" through a directory (the group's store); a background thread accepts
+// and runs the handshakes, so a peer's connection is taken whatever this rank's own thread is
+// doing.
+//
+// Either side may connect first, and both may at once. One socket per pair survives: when both
+// attempts meet, the one made by the lower rank wins. The acceptor answers each attempt with
+// one byte after the handshake: link_accepted, or link_duplicate (this side is connecting too
+// and its attempt wins, or a connection exists); an initiator told "duplicate" waits for the
+// acceptor to hand over the peer's connection, which is then on its way.
+//
+// A hello (magic, rank, size, to, group) makes sure a stray connection is not mistaken for a
+// peer; with a secret the hello is the challenge-response of handshake.hpp instead, so only
+// holders of the secret get in. Strangers are served from the same poll loop as the peers,
+// capped in number (the oldest goes first) and in time, so they cannot hold up or crowd out
+// a real peer; a peer whose attempt is dropped before its verdict tries again until its
+// deadline.
+
+#include <sys/eventfd.h>
 
 #include <algorithm>
 #include <charconv>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "../auth.hpp"
 #include "../error.hpp"
-#include "../store.hpp"
+#include "fork.hpp"
 #include "handshake.hpp"
 #include "socket.hpp"
 
@@ -30,227 +48,389 @@ inline constexpr std::uint32_t mesh_magic = 0x30504444u;  // "DDP0"
 
 struct mesh_hello {
   std::uint32_t magic;
-  std::uint32_t rank;
-  std::uint32_t size;
-  std::uint32_t pad;
+  std::uint32_t rank;  ///< initiator
+  std::uint32_t size;  ///< group size
+  std::uint32_t to;    ///< rank it means to reach
   std::uint64_t group;
 };
 
-/// Accepts the higher ranks of the mesh on `lfd` until each has arrived. Connections that are
-/// not a valid hello (or that fail authentication, or stall past the handshake limit) are
-/// dropped, all from one poll loop so none of them delays the others.
-inline void accept_peers(int lfd, std::vector<fd_handle>& peers, const authenticator* auth, int rank, int size,
-                         std::uint64_t group, deadline_t until, int bufsize,
-                         const std::function<bool()>& group_failed = {}) {
-#ifdef POLLRDHUP
-  constexpr short poll_rdhup = POLLRDHUP;
-#else
-  constexpr short poll_rdhup = 0;
-#endif
-  std::vector<bool> closed(static_cast<std::size_t>(size), false);
-  auto next_ask = clock::now() + std::chrono::milliseconds(100);
-  struct pending {
-    fd_handle fd;
-    std::string in, out;
-    std::optional<auth_responder> hs;
-    deadline_t limit;
-  };
-  constexpr std::size_t max_pending = 256;
-  std::vector<pending> pend;
-  int expected = size - 1 - rank;
-  auto admit = [&](std::uint32_t from, std::uint32_t to, std::uint32_t sz, std::uint64_t grp) {
-    return grp == group && sz == static_cast<std::uint32_t>(size) && to == static_cast<std::uint32_t>(rank) &&
-           from > static_cast<std::uint32_t>(rank) && from < static_cast<std::uint32_t>(size) && !peers[from];
-  };
-  while (expected > 0) {
-    if (clock::now() >= until) {
-      std::string names;
-      for (int r = rank + 1; r < size; ++r)
-        if (!peers[static_cast<std::size_t>(r)]) names += (names.empty() ? "" : ", ") + std::to_string(r);
-      raise(errc::timeout, rank,
-            (names.find(',') == std::string::npos ? "rank " : "ranks ") + names + " never connected");
+inline constexpr char link_accepted = 'A';
+inline constexpr char link_duplicate = 'D';
+
+/// Where ranks announce their listening address, and how a rank looks a peer's up.
+struct link_directory {
+  std::function<void(const std::string& key, const std::string& value)> publish;
+  /// Waits until `key` exists and returns its value; nullopt when `until` passed first.
+  std::function<std::optional<std::string>(const std::string& key, deadline_t until)> lookup;
+};
+
+/// One group's connections, made on first use. Thread-safe: any thread may ask for a link.
+class peer_links {
+ public:
+  /// Listens on `local`'s address (any port) and announces it under `<prefix>/addr/<rank>`.
+  /// `group_failed`, when given, says whether a rank recorded a failure: a wait for a peer's
+  /// connection then stops early (errc::peer_lost) instead of blaming that peer at its deadline.
+  peer_links(link_directory dir, const sockaddr_storage& local, std::shared_ptr<const authenticator> auth, int rank,
+             int size, std::string prefix, std::uint64_t group, int bufsize = 4 << 20,
+             std::function<bool()> group_failed = {})
+      : dir_(std::move(dir)),
+        auth_(std::move(auth)),
+        rank_(rank),
+        size_(size),
+        prefix_(std::move(prefix)),
+        group_(group),
+        bufsize_(bufsize),
+        group_failed_(std::move(group_failed)),
+        slots_(static_cast<std::size_t>(size)) {
+    if (size_ == 1) return;
+    endpoint ep;
+    ep.addr = local;
+    ep.len = local.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+    if (local.ss_family == AF_INET) reinterpret_cast<sockaddr_in&>(ep.addr).sin_port = 0;
+    else reinterpret_cast<sockaddr_in6&>(ep.addr).sin6_port = 0;
+    listen_ = listen_on(ep, rank_, 4096);
+    const auto me = local_address(listen_.get());
+    wake_ = fd_handle(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    thread_ = std::thread([this] { accept_loop(); });
+    try {
+      dir_.publish(prefix_ + "/addr/" + std::to_string(rank_), to_string(me) + " " + std::to_string(port_of(me)));
+    } catch (...) {
+      stop();
+      throw;
     }
-    std::vector<pollfd> pfds{{lfd, POLLIN, 0}};
-    int timeout = ms_left(until);
-    for (auto& p : pend) {
-      pfds.push_back({p.fd.get(), POLLIN, 0});
-      timeout = std::min(timeout, ms_left(p.limit) + 1);
-    }
-    // While waiting, ask `group_failed` now and then whether a rank recorded a failure (the
-    // ranks still awaited may have failed, or be waiting for one that did): then stop now, for
-    // the caller to report that failure, instead of blaming the awaited ranks at the deadline.
-    // A peer connected already that closes its end is a reason to ask at once. (Data from such
-    // a peer is its traffic: not read here.)
-    const std::size_t first_peer = pfds.size();
-    if (group_failed) {
-      timeout = std::min(timeout, 100);
-      for (int r = 0; r < size; ++r)
-        if (r != rank && peers[static_cast<std::size_t>(r)] && !closed[static_cast<std::size_t>(r)])
-          pfds.push_back({peers[static_cast<std::size_t>(r)].get(), poll_rdhup, 0});
-    }
-    ::poll(pfds.data(), pfds.size(), std::max(timeout, 1));
-    bool ask = group_failed && clock::now() >= next_ask;
-    for (std::size_t i = first_peer; i < pfds.size(); ++i)
-      if (pfds[i].revents & (poll_rdhup | POLLHUP | POLLERR)) {
-        for (int r = 0; r < size; ++r)
-          if (peers[static_cast<std::size_t>(r)].get() == pfds[i].fd) closed[static_cast<std::size_t>(r)] = true;
-        ask = group_failed != nullptr;
-      }
-    if (ask) {
-      next_ask = clock::now() + std::chrono::milliseconds(100);
-      if (group_failed()) {
-        std::string names;
-        for (int r = rank + 1; r < size; ++r)
-          if (!peers[static_cast<std::size_t>(r)]) names += (names.empty() ? "" : ", ") + std::to_string(r);
-        raise(errc::peer_lost, rank,
-              "the group failed while this rank waited for " +
-                  std::string(names.find(',') == std::string::npos ? "rank " : "ranks ") + names + " to connect");
-      }
-    }
-    pfds.resize(first_peer);
-    // Pending connections first (pfds[i + 1] is pend[i]); new ones are appended after.
-    std::vector<bool> drop(pend.size(), false);
-    for (std::size_t i = 0; i < pend.size(); ++i) {
-      auto& p = pend[i];
-      if (clock::now() >= p.limit) { drop[i] = true; continue; }
-      if (!(pfds[i + 1].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      // Read only what the current step needs: whatever follows belongs to the peer's traffic.
-      std::size_t want = sizeof(mesh_hello);
-      if (p.hs) want = p.hs->current() == auth_responder::state::hello ? auth_hello_size : auth_proof_size;
-      char buf[auth_hello_size];
-      const ssize_t k = ::recv(p.fd.get(), buf, want - p.in.size(), 0);
-      if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) { drop[i] = true; continue; }
-      if (k < 0) continue;
-      p.in.append(buf, static_cast<std::size_t>(k));
-      if (!p.hs) {
-        if (p.in.size() < sizeof(mesh_hello)) continue;
-        mesh_hello h{};
-        std::memcpy(&h, p.in.data(), sizeof h);
-        drop[i] = true;
-        if (h.magic != mesh_magic || !admit(h.rank, static_cast<std::uint32_t>(rank), h.size, h.group)) continue;
-        tune_stream(p.fd.get(), bufsize);
-        peers[h.rank] = std::move(p.fd);
-        --expected;
+  }
+  peer_links(const peer_links&) = delete;
+  peer_links& operator=(const peer_links&) = delete;
+  ~peer_links() { stop(); }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+
+  /// The socket connected to `peer`, connecting first when there is none. Throws errc::timeout
+  /// (no connection before `until`), errc::peer_lost (the peer is gone, or the group failed
+  /// meanwhile, see shutdown()), errc::auth_failed.
+  int get(int peer, deadline_t until) {
+    if (peer < 0 || peer >= size_ || peer == rank_)
+      raise(errc::invalid_argument, rank_, "no connection to rank " + std::to_string(peer) + " in a group of " +
+                                               std::to_string(size_));
+    std::unique_lock lk(mu_);
+    auto& s = slots_[static_cast<std::size_t>(peer)];
+    auto backoff = std::chrono::milliseconds(5);
+    for (;;) {
+      if (s.state == link::ready) return s.fd.get();
+      if (shut_) raise(errc::peer_lost, rank_, "the group failed before a connection to rank " + std::to_string(peer) + " was made");
+      if (s.state == link::none) {
+        s.state = link::connecting;
+        lk.unlock();
+        attempt_result r{};
+        try {
+          r = attempt(peer, until);
+        } catch (...) {
+          lk.lock();
+          if (s.state == link::connecting) s.state = link::none;
+          cv_.notify_all();
+          throw;
+        }
+        lk.lock();
+        if (r.verdict == link_accepted) {
+          s.fd = std::move(r.fd);
+          s.state = link::ready;
+          cv_.notify_all();
+          return s.fd.get();
+        }
+        if (r.verdict == link_duplicate) {
+          // The peer's own attempt wins and is on its way to our acceptor (or already here).
+          if (s.state == link::connecting) s.state = link::awaiting;
+        } else if (s.state == link::connecting) {
+          // Dropped before its verdict (a crowd of strangers at the peer's listener): again.
+          s.state = link::none;
+          cv_.notify_all();
+          if (clock::now() >= until) raise(errc::timeout, rank_, "could not connect to rank " + std::to_string(peer) + " before the deadline (its listener dropped every attempt)");
+          lk.unlock();
+          std::this_thread::sleep_for(backoff);
+          backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+          lk.lock();
+        }
         continue;
       }
-      const auto st = p.hs->feed(p.in, p.out, [&](const auth_hello& h) { return admit(h.from, h.to, h.size, h.group); });
-      if (!p.out.empty()) {
-        // One short message at a time, into an empty socket buffer: this does not block.
-        std::error_code ec;
-        send_all(p.fd.get(), p.out.data(), p.out.size(), std::min(until, clock::now() + std::chrono::seconds(1)), ec);
-        p.out.clear();
-        if (ec) { drop[i] = true; continue; }
-      }
-      if (st == auth_responder::state::done) {
-        tune_stream(p.fd.get(), bufsize);
-        peers[p.hs->hello().from] = std::move(p.fd);
-        --expected;
-        drop[i] = true;
-      } else if (st == auth_responder::state::failed || st == auth_responder::state::foreign) {
-        drop[i] = true;
-      }
-    }
-    std::size_t j = 0;
-    for (std::size_t i = 0; i < pend.size(); ++i) {
-      if (drop[i]) continue;
-      if (i != j) pend[j] = std::move(pend[i]);  // never self-move: it may empty the strings
-      ++j;
-    }
-    pend.resize(j);
-    if (pfds[0].revents & POLLIN) {
-      for (;;) {
-        const int fd = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (fd < 0) break;
-        // A flood of strangers pushes out the oldest of them, never the listener.
-        if (pend.size() >= max_pending) pend.erase(pend.begin());
-        pending p{fd_handle(fd), {}, {}, std::nullopt, clock::now() + auth_handshake_limit};
-        if (auth) p.hs.emplace(auth, auth_kind::mesh);
-        pend.push_back(std::move(p));
+      // Another of our threads is connecting, or the peer's connection is on its way.
+      const auto step = std::min(until, clock::now() + std::chrono::milliseconds(100));
+      if (cv_.wait_until(lk, step) == std::cv_status::timeout) {
+        if (s.state == link::ready) continue;
+        if (clock::now() >= until)
+          raise(errc::timeout, rank_, "rank " + std::to_string(peer) + " never connected");
+        if (group_failed_) {
+          lk.unlock();
+          const bool failed = group_failed_();
+          lk.lock();
+          if (failed && s.state != link::ready)
+            raise(errc::peer_lost, rank_,
+                  "the group failed while this rank waited for rank " + std::to_string(peer) + " to connect");
+        }
       }
     }
   }
-}
 
-/// Connects every pair of ranks into `peers`: one socket per peer (invalid at [rank]). When it
-/// throws, the connections made so far stay in `peers`, open: the caller records why before
-/// it closes them, so that a peer which sees the connection close finds the reason first.
-/// `group_failed`, when given, says whether a rank recorded a failure (or the store is gone):
-/// waiting for peers to connect then stops early (errc::peer_lost), for the caller to report it.
-inline void connect_mesh(std::vector<fd_handle>& peers, store_client& store, int rank, int size,
-                         const std::string& prefix, std::uint64_t group, deadline_t until, int bufsize = 4 << 20,
-                         const std::function<bool()>& group_failed = {}) {
-  peers.clear();
-  peers.resize(static_cast<std::size_t>(size));
-  if (size == 1) return;
-  // Listen on the address our store connection leaves from: the interface that reaches the
-  // master (loopback when the master is on loopback).
-  sockaddr_storage local = local_address(store.native_handle());
-  endpoint ep;
-  ep.addr = local;
-  ep.len = local.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
-  if (local.ss_family == AF_INET) reinterpret_cast<sockaddr_in&>(ep.addr).sin_port = 0;
-  else reinterpret_cast<sockaddr_in6&>(ep.addr).sin6_port = 0;
-  fd_handle lfd = listen_on(ep, rank);
-  const auto me = local_address(lfd.get());
-  store.set(prefix + "/addr/" + std::to_string(rank), to_string(me) + " " + std::to_string(port_of(me)), until);
-
-  std::vector<std::string> keys;
-  for (int r = 0; r < rank; ++r) keys.push_back(prefix + "/addr/" + std::to_string(r));
-  if (!keys.empty()) {
-    auto missing = store.wait(keys, until);
-    if (!missing.empty()) {
-      std::string names;
-      for (auto& k : missing) names += (names.empty() ? "" : ", ") + k.substr(k.rfind('/') + 1);
-      raise(errc::timeout, rank,
-            (missing.size() > 1 ? "ranks " : "rank ") + names + " never announced their address");
-    }
+  /// The socket to `peer` when connected, else -1 (never connects).
+  int connected(int peer) const noexcept {
+    std::lock_guard lk(mu_);
+    if (peer < 0 || peer >= size_) return -1;
+    const auto& s = slots_[static_cast<std::size_t>(peer)];
+    return s.state == link::ready ? s.fd.get() : -1;
   }
-  std::error_code ec;
-  for (int r = 0; r < rank; ++r) {
-    const auto v = store.get(prefix + "/addr/" + std::to_string(r), until);
+
+  /// Number of peers connected now.
+  int connections() const noexcept {
+    std::lock_guard lk(mu_);
+    return static_cast<int>(std::count_if(slots_.begin(), slots_.end(), [](const slot& s) { return s.state == link::ready; }));
+  }
+
+  /// Shuts every connection down (peers blocked on this rank wake) and stops new ones: later
+  /// get() calls for a peer not yet connected raise errc::peer_lost.
+  void shutdown() noexcept {
+    std::lock_guard lk(mu_);
+    shut_ = true;
+    for (auto& s : slots_)
+      if (s.fd) ::shutdown(s.fd.get(), SHUT_RDWR);
+    cv_.notify_all();
+  }
+
+ private:
+  enum class link { none, connecting, awaiting, ready };
+  struct slot {
+    link state = link::none;
+    fd_handle fd;
+    std::string addr;  // the peer's announced address, once looked up
+  };
+  struct attempt_result {
+    fd_handle fd;
+    char verdict = 0;  // 0: dropped before the verdict
+  };
+
+  void stop() noexcept {
+    if (!thread_.joinable()) return;
+    if (owner_.forked()) {
+      // A forked child's copy: the acceptor thread is the parent's and does not exist here.
+      // Only this process's copies of the descriptors close.
+      thread_.detach();
+      return;
+    }
+    stopping_ = true;
+    std::uint64_t one = 1;
+    [[maybe_unused]] auto r = ::write(wake_.get(), &one, sizeof one);
+    thread_.join();
+  }
+
+  /// One connection attempt to `peer`, through the handshake, up to the acceptor's verdict.
+  attempt_result attempt(int peer, deadline_t until) {
+    const std::string key = prefix_ + "/addr/" + std::to_string(peer);
+    std::string v;
+    {
+      std::lock_guard lk(mu_);
+      v = slots_[static_cast<std::size_t>(peer)].addr;
+    }
+    while (v.empty()) {
+      // The peer announces its address when it opens this channel; it may not have yet. Look
+      // in slices, so that a group that failed meanwhile ends the wait at once.
+      if (auto a = dir_.lookup(key, std::min(until, clock::now() + std::chrono::milliseconds(200)))) {
+        v = std::move(*a);
+        std::lock_guard lk(mu_);
+        slots_[static_cast<std::size_t>(peer)].addr = v;
+        break;
+      }
+      if (clock::now() >= until)
+        raise(errc::timeout, rank_, "rank " + std::to_string(peer) + " never connected (it never opened this channel)");
+      if (group_failed_ && group_failed_())
+        raise(errc::peer_lost, rank_,
+              "the group failed while this rank waited for rank " + std::to_string(peer) + " to connect");
+    }
     const auto sp = v.rfind(' ');
     int port = 0;
     const char* end = v.data() + v.size();
     if (sp == std::string::npos || std::from_chars(v.data() + sp + 1, end, port).ptr != end || port < 1 || port > 65535)
-      raise(errc::protocol, rank, "rank " + std::to_string(r) + " announced a malformed address '" + v + "'");
-    const auto eps = resolve(v.substr(0, sp), port, rank);
-    // The peer listened before it announced, and listens until its mesh is complete: a refused
-    // connection means it is gone, so say so now instead of retrying until the deadline.
+      raise(errc::protocol, rank_, "rank " + std::to_string(peer) + " announced a malformed address '" + v + "'");
+    const auto eps = resolve(v.substr(0, sp), port, rank_);
+    // The peer listened before it announced, and listens for as long as it is in the group: a
+    // refused connection means it is gone, so say so now instead of retrying until the deadline.
+    std::error_code ec;
     fd_handle fd;
     for (const auto& ep : eps)
       if ((fd = try_connect(ep, until, ec)) || ec != std::errc::connection_refused) break;
     if (!fd && ec == std::errc::connection_refused)
-      raise(errc::peer_lost, rank,
-            "rank " + std::to_string(r) + " is gone: its announced address " + v + " refused the connection");
+      raise(errc::peer_lost, rank_,
+            "rank " + std::to_string(peer) + " is gone: its announced address " + v + " refused the connection");
     if (!fd) fd = connect_retry(eps, until, ec);
-    if (!fd) raise(to_errc(ec) == errc::timeout ? errc::timeout : errc::peer_lost, rank,
-                   "cannot connect to rank " + std::to_string(r) + " at " + v + ": " + describe(ec));
-    tune_stream(fd.get(), bufsize);
-    if (const authenticator* auth = store.auth().get()) {
+    if (!fd)
+      raise(to_errc(ec) == errc::timeout ? errc::timeout : errc::peer_lost, rank_,
+            "cannot connect to rank " + std::to_string(peer) + " at " + v + ": " + describe(ec));
+    tune_stream(fd.get(), bufsize_);
+    attempt_result r;
+    if (auth_) {
       auth_hello h;
       h.kind = auth_kind::mesh;
-      h.from = static_cast<std::uint32_t>(rank);
-      h.to = static_cast<std::uint32_t>(r);
-      h.size = static_cast<std::uint32_t>(size);
-      h.group = group;
-      auth_initiate(fd.get(), *auth, h, until, rank, "rank " + std::to_string(r) + " at " + v);
+      h.from = static_cast<std::uint32_t>(rank_);
+      h.to = static_cast<std::uint32_t>(peer);
+      h.size = static_cast<std::uint32_t>(size_);
+      h.group = group_;
+      try {
+        auth_initiate(fd.get(), *auth_, h, until, rank_, "rank " + std::to_string(peer) + " at " + v);
+      } catch (const error& e) {
+        if (e.condition() == errc::peer_lost) return r;  // dropped mid-handshake: try again
+        throw;
+      }
     } else {
-      mesh_hello h{mesh_magic, static_cast<std::uint32_t>(rank), static_cast<std::uint32_t>(size), 0, group};
+      mesh_hello h{mesh_magic, static_cast<std::uint32_t>(rank_), static_cast<std::uint32_t>(size_),
+                   static_cast<std::uint32_t>(peer), group_};
       send_all(fd.get(), &h, sizeof h, until, ec);
-      if (ec) raise(errc::peer_lost, rank, "handshake with rank " + std::to_string(r) + ": " + describe(ec));
+      if (ec) {
+        if (to_errc(ec) == errc::peer_lost) return r;
+        raise(to_errc(ec) == errc::timeout ? errc::timeout : errc::peer_lost, rank_,
+              "handshake with rank " + std::to_string(peer) + ": " + describe(ec));
+      }
     }
-    peers[static_cast<std::size_t>(r)] = std::move(fd);
+    char verdict = 0;
+    recv_all(fd.get(), &verdict, 1, until, ec);
+    if (ec) {
+      if (to_errc(ec) == errc::peer_lost) return r;
+      raise(errc::timeout, rank_, "rank " + std::to_string(peer) + " never answered this rank's connection");
+    }
+    if (verdict != link_accepted && verdict != link_duplicate)
+      raise(errc::protocol, rank_, "rank " + std::to_string(peer) + " answered a connection with a bad verdict");
+    r.verdict = verdict;
+    if (verdict == link_accepted) r.fd = std::move(fd);
+    return r;
   }
-  accept_peers(lfd.get(), peers, store.auth().get(), rank, size, group, until, bufsize, group_failed);
-}
 
-/// The same, returning the sockets (closed at once when it throws).
-inline std::vector<fd_handle> connect_mesh(store_client& store, int rank, int size, const std::string& prefix,
-                                           std::uint64_t group, deadline_t until, int bufsize = 4 << 20) {
-  std::vector<fd_handle> peers;
-  connect_mesh(peers, store, rank, size, prefix, group, until, bufsize);
-  return peers;
-}
+  /// The acceptor's decision for a proven connection from `from`; takes `fd` when accepted.
+  char decide(std::uint32_t from, fd_handle& fd) {
+    std::lock_guard lk(mu_);
+    auto& s = slots_[from];
+    const bool take = !shut_ && (s.state == link::none || s.state == link::awaiting ||
+                                 (s.state == link::connecting && static_cast<int>(from) < rank_));
+    const char verdict = take ? link_accepted : link_duplicate;
+    // One byte into an empty socket buffer: this does not block.
+    [[maybe_unused]] auto k = ::send(fd.get(), &verdict, 1, MSG_NOSIGNAL);
+    if (take) {
+      tune_stream(fd.get(), bufsize_);
+      s.fd = std::move(fd);
+      s.state = link::ready;
+      cv_.notify_all();
+    }
+    return verdict;
+  }
+
+  bool admit(std::uint32_t from, std::uint32_t to, std::uint32_t sz, std::uint64_t grp) const {
+    return grp == group_ && sz == static_cast<std::uint32_t>(size_) && to == static_cast<std::uint32_t>(rank_) &&
+           from < static_cast<std::uint32_t>(size_) && from != static_cast<std::uint32_t>(rank_);
+  }
+
+  void accept_loop() {
+    struct pending {
+      fd_handle fd;
+      std::string in, out;
+      std::optional<auth_responder> hs;
+      deadline_t limit;
+    };
+    // Past this many handshakes in progress, the oldest is dropped (its initiator, if a peer,
+    // tries again) and the newcomers get a short limit.
+    constexpr std::size_t max_pending = 256;
+    constexpr auto crowded_limit = std::chrono::seconds(1);
+    std::vector<pending> pend;
+    deadline_t accept_pause{};
+    while (!stopping_) {
+      std::vector<pollfd> pfds{{wake_.get(), POLLIN, 0}};
+      const auto before = clock::now();
+      pfds.push_back({listen_.get(), static_cast<short>(before >= accept_pause ? POLLIN : 0), 0});
+      int timeout = before >= accept_pause ? 1000 : ms_left(accept_pause) + 1;
+      for (auto& p : pend) {
+        pfds.push_back({p.fd.get(), POLLIN, 0});
+        timeout = std::min(timeout, ms_left(p.limit) + 1);
+      }
+      ::poll(pfds.data(), pfds.size(), std::max(timeout, 1));
+      if (stopping_) break;
+      const auto now = clock::now();
+      std::vector<bool> drop(pend.size(), false);
+      for (std::size_t i = 0; i < pend.size(); ++i) {
+        auto& p = pend[i];
+        if (now >= p.limit) { drop[i] = true; continue; }
+        if (!(pfds[i + 2].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+        // Read only what the current step needs: whatever follows belongs to the peer's traffic.
+        std::size_t want = sizeof(mesh_hello);
+        if (p.hs) want = p.hs->current() == auth_responder::state::hello ? auth_hello_size : auth_proof_size;
+        char buf[auth_hello_size];
+        const ssize_t k = ::recv(p.fd.get(), buf, want - p.in.size(), 0);
+        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) { drop[i] = true; continue; }
+        if (k < 0) continue;
+        p.in.append(buf, static_cast<std::size_t>(k));
+        if (!p.hs) {
+          if (p.in.size() < sizeof(mesh_hello)) continue;
+          mesh_hello h{};
+          std::memcpy(&h, p.in.data(), sizeof h);
+          drop[i] = true;
+          if (h.magic != mesh_magic || !admit(h.rank, h.to, h.size, h.group)) continue;
+          decide(h.rank, p.fd);
+          continue;
+        }
+        const auto st = p.hs->feed(p.in, p.out, [&](const auth_hello& h) { return admit(h.from, h.to, h.size, h.group); });
+        if (!p.out.empty()) {
+          // One short message at a time, into an empty socket buffer: this does not block.
+          [[maybe_unused]] auto s = ::send(p.fd.get(), p.out.data(), p.out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+          p.out.clear();
+        }
+        if (st == auth_responder::state::done) {
+          decide(p.hs->hello().from, p.fd);
+          drop[i] = true;
+        } else if (st == auth_responder::state::failed || st == auth_responder::state::foreign) {
+          drop[i] = true;
+        }
+      }
+      std::size_t j = 0;
+      for (std::size_t i = 0; i < pend.size(); ++i) {
+        if (drop[i]) continue;
+        if (i != j) pend[j] = std::move(pend[i]);  // never self-move: it may empty the strings
+        ++j;
+      }
+      pend.resize(j);
+      if (pfds[1].revents & POLLIN) {
+        for (;;) {
+          const int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+          if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE) {
+              // Out of descriptors: the oldest handshake makes room, and the listener rests.
+              if (!pend.empty()) pend.erase(pend.begin());
+              accept_pause = clock::now() + std::chrono::milliseconds(20);
+            }
+            break;
+          }
+          if (pend.size() >= max_pending) pend.erase(pend.begin());
+          const bool crowded = pend.size() >= max_pending / 4;
+          pending p{fd_handle(fd), {}, {}, std::nullopt,
+                    clock::now() + (crowded ? crowded_limit : auth_handshake_limit)};
+          if (auth_) p.hs.emplace(auth_.get(), auth_kind::mesh);
+          pend.push_back(std::move(p));
+        }
+      }
+    }
+  }
+
+  link_directory dir_;
+  std::shared_ptr<const authenticator> auth_;
+  int rank_;
+  int size_;
+  std::string prefix_;
+  std::uint64_t group_;
+  int bufsize_;
+  std::function<bool()> group_failed_;
+  std::vector<slot> slots_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool shut_ = false;
+  fd_handle listen_;
+  fd_handle wake_;
+  std::atomic<bool> stopping_{false};
+  owner_process owner_;
+  std::thread thread_;
+};
 
 }  // namespace detail
 }  // namespace v0

@@ -1,7 +1,8 @@
 #pragma once
 /// \file tcp.hpp
 /// `ddp::tcp`: the point-to-point transport over TCP between any hosts. Each instance opens its
-/// own full mesh (so a reducer's progress thread never shares a socket with the process group),
+/// own connections (so a reducer's progress thread never shares a socket with the process group),
+/// made on first use: a ring connects each rank to its two neighbours only,
 /// with non-blocking sockets, large socket buffers and TCP_NODELAY. `sendrecv` drives both
 /// directions of a link at once, which is what a ring needs.
 ///
@@ -16,6 +17,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -45,20 +47,8 @@ class tcp {
   /// Keeps a handle on `pg` of its own: the group (its store) stays open while the transport lives.
   explicit tcp(process_group& pg, tcp_options o = {}) : pg_(pg), opts_(o) {
     channel_ = "tcp/" + std::to_string(pg.next_channel_id());
-    try {
-      detail::connect_mesh(peers_, pg.store(), pg.rank(), pg.size(), channel_, pg.id(), pg.deadline(),
-                           o.socket_buffer, [&pg] { return pg.failure_recorded(); });
-    } catch (const error& e) {
-      // Peers already connected to this rank see the connection close only after the failure
-      // is recorded (connect_mesh leaves the sockets open): they report the same cause.
-      const auto f = pg.explain(e);
-      if (f.empty() || f.text == detail::message_of(e)) {
-        post_abort(e.condition(), detail::message_of(e));
-        throw;
-      }
-      post_abort(f.code, f.text);
-      detail::raise(f.code, pg.rank(), f.text);
-    }
+    // Connections are made on first use: a ring touches two peers, a tree three.
+    links_ = detail::open_links(pg_, channel_, o.socket_buffer);
   }
   tcp(const tcp&) = delete;
   tcp& operator=(const tcp&) = delete;
@@ -70,14 +60,14 @@ class tcp {
   void send(int peer, const void* data, std::size_t n, detail::deadline_t until) {
     check_usable();
     std::error_code ec;
-    detail::send_all(fd(peer), data, n, until, ec);
+    detail::send_all(fd(peer, until), data, n, until, ec);
     if (ec) lost(peer, ec);
   }
 
   void recv(int peer, void* data, std::size_t n, detail::deadline_t until) {
     check_usable();
     std::error_code ec;
-    detail::recv_all(fd(peer), data, n, until, ec);
+    detail::recv_all(fd(peer, until), data, n, until, ec);
     if (ec) lost(peer, ec);
   }
 
@@ -89,7 +79,7 @@ class tcp {
   void sendrecv(int to, std::span<const iovec> out, int from, std::span<const iovec> in, detail::deadline_t until,
                 OnRecv&& on_recv) {
     check_usable();
-    const int sfd = fd(to), rfd = fd(from);
+    const int sfd = fd(to, until), rfd = fd(from, until);
     iovec sv[4], rv[4];
     std::size_t ns = 0, nr = 0, sleft = 0, rleft = 0;
     for (auto& v : out) if (v.iov_len) { sv[ns++] = v; sleft += v.iov_len; }
@@ -176,12 +166,24 @@ class tcp {
   }
 
  private:
-  int fd(int peer) const {
+  /// The connection to `peer`, made now if this is the first exchange with it.
+  int fd(int peer, detail::deadline_t until) {
     // In a forked child the connections are the parent's: a byte from the child would garble them.
     owner_.check(rank(), "tcp transport");
     if (peer < 0 || peer >= size() || peer == rank())
       detail::raise(errc::invalid_argument, rank(), "tcp: no connection to rank " + std::to_string(peer));
-    return peers_[static_cast<std::size_t>(peer)].get();
+    if (const int f = links_->connected(peer); f >= 0) return f;
+    try {
+      return links_->get(peer, until);
+    } catch (const error& e) {
+      // Report the group's first failure when a rank recorded one (the peer that never
+      // connected may have failed first), else what went wrong here.
+      if (e.condition() == errc::timeout) lost(peer, make_error_code(errc::timeout));
+      const auto f = pg_.explain(e);
+      if (!f.empty() && f.text != detail::message_of(e)) adopt(f);
+      post_abort(e.condition(), detail::message_of(e));
+      throw;
+    }
   }
 
   void check_usable() const {
@@ -206,8 +208,7 @@ class tcp {
     // The group's first-failure record (first writer wins; a store that is gone too is
     // ignored: shutting the sockets still tells the peers).
     pg_.record_failure({code, pg_.reported(msg)});
-    for (auto& p : peers_)
-      if (p) ::shutdown(p.get(), SHUT_RDWR);
+    if (links_) links_->shutdown();
   }
 
   [[noreturn]] void adopt(const process_group::failure& f) {
@@ -243,7 +244,7 @@ class tcp {
   process_group pg_;  // the transport's own handle: the group stays open while this lives
   tcp_options opts_;
   std::string channel_;
-  std::vector<detail::fd_handle> peers_;
+  std::unique_ptr<detail::peer_links> links_;
   std::atomic<bool> broken_{false};
   mutable std::mutex reason_mu_;
   std::string broken_reason_;  ///< guarded by reason_mu_; set once, before broken_

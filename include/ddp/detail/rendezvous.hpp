@@ -1,0 +1,159 @@
+#pragma once
+// IWYU pragma: private
+// The store half of joining a group: every rank's requests are O(1) in the world size, so the
+// same protocol joins 2 ranks or a million.
+//
+//   rank 0:  cas pg/rank/0 "" -> token      (first: the claim makes its connection a member)
+//            set pg/job "<world> <job id>", set pg/id <group id>
+//   rank r:  wait pg/job, check it is this job's; cas pg/rank/<r> "" -> token
+//   all:     add pg/arrived 1; the rank that makes it <world> sets pg/complete
+//            wait pg/complete; get pg/id
+//
+// On a timeout a rank names the missing ranks by asking which claims are absent: in one request
+// when the world fits in one (up to store_max_fields - 2 ranks). Larger worlds would have every
+// rank scan every claim, so only rank 0 scans them there and posts the list under pg/missing;
+// the other ranks quote it when it is there, and otherwise say how many ranks arrived.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../error.hpp"
+#include "../store.hpp"
+#include "mesh.hpp"
+#include "socket.hpp"
+#include "store_protocol.hpp"
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+/// The group's store as the directory where ranks announce their listening address (mesh.hpp).
+inline link_directory store_directory(store_client& st, std::chrono::milliseconds timeout) {
+  return {[&st, timeout](const std::string& k, const std::string& v) { st.set(k, v, clock::now() + timeout); },
+          [&st](const std::string& k, deadline_t until) -> std::optional<std::string> {
+            if (!st.wait({k}, until).empty()) return std::nullopt;
+            return st.get(k, until);
+          }};
+}
+
+/// Who joins, for join_store(); `where` ("host:port") and `timeout_ms` are for messages.
+struct join_request {
+  int rank = 0;
+  int world = 1;
+  std::string job_id;
+  std::string where;
+  long long timeout_ms = 0;
+};
+
+/// Names ranks compactly: "rank 3", "ranks 1, 2, 5", "ranks 1, 2, ... (40 in all)".
+inline std::string name_ranks(const std::vector<int>& ranks, std::size_t shown = 32) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size() && i < shown; ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  if (ranks.size() > shown) s += ", ... (" + std::to_string(ranks.size()) + " in all)";
+  return s;
+}
+
+/// The ranks whose claim key is missing now (rank 0's check after a timeout).
+inline std::vector<int> missing_ranks(store_client& st, int world, deadline_t until) {
+  std::vector<int> missing;
+  const int chunk = static_cast<int>(store_max_fields) - 2;
+  for (int lo = 0; lo < world; lo += chunk) {
+    std::vector<std::string> keys;
+    for (int r = lo; r < std::min(world, lo + chunk); ++r) keys.push_back("pg/rank/" + std::to_string(r));
+    // Already past `until`: the store answers at once with the keys still missing.
+    for (auto& k : st.wait(keys, std::min(until, clock::now())))
+      missing.push_back(std::atoi(k.c_str() + k.rfind('/') + 1));
+  }
+  std::sort(missing.begin(), missing.end());
+  return missing;
+}
+
+/// Runs the store half of joining; returns the group id that rank 0 chose. Throws
+/// errc::address_in_use (another job's store), errc::rank_conflict, errc::timeout.
+inline std::uint64_t join_store(store_client& st, const join_request& req, deadline_t until) {
+  const int rank = req.rank;
+  const std::string job = std::to_string(req.world) + " " + req.job_id;
+  auto describe_job = [](const std::string& j) {
+    const auto sp = j.find(' ');
+    const std::string id = sp == std::string::npos ? std::string() : j.substr(sp + 1);
+    return "a group of " + j.substr(0, sp) + " ranks" + (id.empty() ? std::string() : ", job '" + id + "'");
+  };
+  const std::string port = req.where.substr(req.where.rfind(':') + 1);
+  const std::string host = req.where.substr(0, req.where.rfind(':'));
+
+  // A claim token unique to this process; a second claimant of the rank sees another token.
+  std::random_device rd;
+  const std::uint64_t nonce = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+  char hostname[256] = {};
+  ::gethostname(hostname, sizeof hostname - 1);
+  const std::string token = std::string(hostname) + ":" + std::to_string(::getpid()) + ":" + std::to_string(nonce);
+  const std::string rk = "pg/rank/" + std::to_string(rank);
+  auto claim = [&] {
+    const auto owner = st.compare_set(rk, "", token, until);
+    if (owner != token)
+      raise(errc::rank_conflict, rank,
+            "rank " + std::to_string(rank) + " is already taken by another process (" + owner +
+                "); every process needs its own rank" +
+                (req.job_id.empty() ? " (if another job of the same size uses " + req.where +
+                                          ", give each job its own MASTER_PORT, or a DDP_JOB_ID)"
+                                    : ""));
+  };
+
+  if (rank == 0) {
+    // Rank 0 describes its job (world size, job id) before anything else; every other rank
+    // checks that the store on this port is its own job's before it claims a rank: another
+    // job's store answering here means the port is taken, not that two processes want a rank.
+    claim();
+    st.set("pg/job", job, until);
+    st.set("pg/id", encode_i64(static_cast<std::int64_t>(nonce)), until);
+  } else {
+    if (!st.wait({"pg/job"}, until).empty())
+      raise(errc::timeout, rank,
+            "rendezvous timed out after " + std::to_string(req.timeout_ms) + " ms: the store at " + req.where +
+                " answers, but its rank 0 never described its job");
+    const auto theirs = st.get("pg/job", until);
+    const auto sp = theirs.find(' ');
+    const std::string their_id = sp == std::string::npos ? std::string() : theirs.substr(sp + 1);
+    if (theirs.substr(0, sp) != std::to_string(req.world) ||
+        (!req.job_id.empty() && !their_id.empty() && their_id != req.job_id))
+      raise(errc::address_in_use, rank,
+            "another job holds port " + port + " at " + host + ": the store there serves " + describe_job(theirs) +
+                ", this process belongs to " + describe_job(job) + "; give each job its own MASTER_PORT");
+    claim();
+  }
+
+  if (st.add("pg/arrived", 1, until) == req.world) st.set("pg/complete", "1", until);
+  if (!st.wait({"pg/complete"}, until).empty()) {
+    // Name the missing ranks: rank 0 scans the claims and posts what it found; the others
+    // quote that, or say how many arrived.
+    const auto budget = clock::now() + std::chrono::seconds(2);
+    std::string what;
+    try {
+      if (rank == 0 || req.world <= static_cast<int>(store_max_fields) - 2) {
+        const auto missing = missing_ranks(st, req.world, budget);
+        what = name_ranks(missing) + " of " + std::to_string(req.world) + " never arrived";
+        if (rank == 0) st.set("pg/missing", what, budget);
+      } else if (st.check("pg/missing", budget)) {
+        what = st.get("pg/missing", budget);
+      } else {
+        const auto arrived = st.add("pg/arrived", 0, budget);
+        what = std::to_string(req.world - arrived) + " of " + std::to_string(req.world) +
+               " ranks never arrived (rank 0's error names them)";
+      }
+    } catch (const error&) {
+      what = "not every rank of " + std::to_string(req.world) + " arrived";
+    }
+    raise(errc::timeout, rank, "rendezvous timed out after " + std::to_string(req.timeout_ms) + " ms: " + what);
+  }
+  return static_cast<std::uint64_t>(decode_i64(st.get("pg/id", until)));
+}
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp
