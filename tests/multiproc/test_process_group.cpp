@@ -1,6 +1,10 @@
 #include <ddp/process_group.hpp>
 
 #include <doctest/doctest.h>
+#include <arpa/inet.h>
+#include <ddp/transport/tcp.hpp>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <sys/socket.h>
 
 #include <numeric>
@@ -97,6 +101,11 @@ TEST_CASE("invalid options are rejected with clear errors before any socket") {
   expect(opts(0, 0, 29500), "world_size must be at least 1");
   expect(opts(0, 2, 70000), "master_port 70000 is outside [1, 65535]");
   expect(opts(0, 2, 0), "master_port 0 is outside");
+  // At once, before any socket or allocation the size would drive (it once ended in
+  // std::bad_alloc after 14 s).
+  const auto t0 = std::chrono::steady_clock::now();
+  expect(opts(1, 2147483647, 29500), "world_size 2147483647 is larger than the 1048576 ranks a group supports");
+  CHECK(std::chrono::steady_clock::now() - t0 < 100ms);
 }
 
 TEST_CASE("an unresolvable master is an unresolvable error") {
@@ -334,4 +343,130 @@ TEST_CASE("an auth token in a program without an authenticator is errc::unsuppor
     CHECK(e.code() == ddp::errc::unsupported);
     CHECK(std::string(e.what()).find("<ddp/auth/sodium.hpp>") != std::string::npos);
   }
+}
+
+TEST_CASE("connections are made on first use: a rank holds its barrier peers, a ring over tcp two more") {
+  const int n = 16;
+  const int port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port, 60s));
+    // Joining ends with a dissemination barrier: peers r +- 1, 2, 4, 8, seven in all.
+    require(pg.connections() <= 7, "after joining, rank " + std::to_string(r) + " holds " +
+                                       std::to_string(pg.connections()) + " connections");
+    auto all = pg.all_gather(std::to_string(r));  // a binomial tree: the same peers
+    for (int q = 0; q < n; ++q) require(all[static_cast<std::size_t>(q)] == std::to_string(q), "all_gather");
+    require(pg.connections() <= 7, "all_gather opened more connections than its tree needs");
+    ddp::tcp t{pg};
+    require(t.connections() == 0, "a new transport connected before its first exchange");
+    int out = r, in = -1;
+    const int next = (r + 1) % n, prev = (r + n - 1) % n;
+    t.sendrecv(next, &out, sizeof out, prev, &in, sizeof in, pg.deadline());
+    require(in == prev, "ring exchange");
+    require(t.connections() == 2, "a ring step holds " + std::to_string(t.connections()) + " connections");
+    pg.barrier();
+  }, 120s);
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("two ranks that first talk to each other at the same moment end with one working connection") {
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 2, port));
+    for (int round = 0; round < 40; ++round) {
+      ddp::tcp t{pg};  // a fresh channel: both ranks connect at once, each to the other
+      std::uint64_t out = static_cast<std::uint64_t>(round * 2 + r), in = 0;
+      t.sendrecv(1 - r, &out, sizeof out, 1 - r, &in, sizeof in, pg.deadline());
+      require(in == static_cast<std::uint64_t>(round * 2 + 1 - r), "round " + std::to_string(round) + ": wrong value");
+      require(t.connections() == 1, "round " + std::to_string(round) + ": " + std::to_string(t.connections()) +
+                                        " connections to the one peer");
+    }
+  });
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("a crowd of idle strangers at a rank's listener does not keep a real peer out") {
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 2, port));
+    ddp::tcp t{pg};
+    std::vector<ddp::detail::fd_handle> strangers;
+    if (r == 1) {
+      // 400 idle connections to rank 0's listener for this channel (more than it keeps
+      // handshakes for), then the real first exchange.
+      const auto v = pg.store().get(std::string("tcp/1/addr/0"), pg.deadline());
+      const auto sp = v.rfind(' ');
+      const auto eps = ddp::detail::resolve(v.substr(0, sp), std::stoi(v.substr(sp + 1)), 1);
+      std::error_code ec;
+      for (int i = 0; i < 400; ++i) {
+        strangers.push_back(ddp::detail::connect_retry(eps, pg.deadline(), ec));
+        require(static_cast<bool>(strangers.back()), "stranger " + std::to_string(i) + " could not connect");
+      }
+      pg.store().set("crowd", "1");
+    } else {
+      pg.store().get("crowd");
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    int out = r, in = -1;
+    t.sendrecv(1 - r, &out, sizeof out, 1 - r, &in, sizeof in, pg.deadline());
+    require(in == 1 - r, "exchange");
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    require(secs < 3.0, "the first exchange took " + std::to_string(secs) + " s behind the strangers");
+  });
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+namespace {
+/// An address of this host that is not loopback, or empty when there is none.
+std::string outside_address() {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return {};
+  std::string found;
+  for (auto* a = list; a != nullptr && found.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET || (a->ifa_flags & IFF_LOOPBACK)) continue;
+    char buf[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, buf, sizeof buf);
+    found = buf;
+  }
+  ::freeifaddrs(list);
+  return found;
+}
+}  // namespace
+
+TEST_CASE("a store reachable beyond loopback without a secret is refused unless the user opts in") {
+  const std::string addr = outside_address();
+  if (addr.empty()) {
+    WARN_MESSAGE(false, "this host has no IPv4 address besides loopback: the non-loopback case is not exercised");
+    return;
+  }
+  for (int rank : {0, 1}) {
+    CAPTURE(rank);
+    auto o = opts(rank, 2, free_port(), 5s);
+    o.master_addr = addr;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      (void)ddp::init_process_group(o);
+      FAIL("an unauthenticated store beyond loopback was accepted");
+    } catch (const ddp::error& e) {
+      CHECK(e.code() == ddp::errc::auth_failed);
+      const std::string what = e.what();
+      CHECK(what.find("is reachable beyond this host and the group has no secret") != std::string::npos);
+      CHECK(what.find("DDP_AUTH_TOKEN") != std::string::npos);
+      CHECK(what.find("DDP_INSECURE=1") != std::string::npos);
+    }
+    CHECK(std::chrono::steady_clock::now() - t0 < 1s);  // at once, not at the timeout
+  }
+  // Opting in: the group forms on that address.
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto o = opts(r, 2, port);
+    o.master_addr = addr;
+    o.insecure = true;
+    auto pg = ddp::init_process_group(o);
+    pg.barrier();
+  });
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
 }

@@ -153,3 +153,19 @@ TEST_CASE("DDP_JOB_ID names the job") {
   CHECK(parse({{"DDP_JOB_ID", "run-7"}}).job_id == "run-7");
   CHECK(parse({}).job_id.empty());
 }
+
+TEST_CASE("DDP_INSECURE opts in to a store beyond loopback without a secret") {
+  CHECK(parse({{"DDP_INSECURE", "1"}}).insecure);
+  CHECK_FALSE(parse({{"DDP_INSECURE", "0"}}).insecure);
+  CHECK_FALSE(parse({}).insecure);
+  CHECK_THROWS_WITH_AS(parse({{"DDP_INSECURE", "yes"}}), doctest::Contains("DDP_INSECURE"), ddp::error);
+}
+
+TEST_CASE("an impossible WORLD_SIZE is refused by validate(), not discovered by an allocation") {
+  auto o = parse({{"RANK", "1"}, {"WORLD_SIZE", "2147483647"}});
+  CHECK(o.world_size == 2147483647);
+  CHECK(o.validate().find("world_size 2147483647 is larger than the 1048576 ranks a group supports") !=
+        std::string::npos);
+  o.world_size = ddp::init_options::max_world_size;
+  CHECK(o.validate().empty());
+}

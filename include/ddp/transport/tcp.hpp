@@ -57,6 +57,9 @@ class tcp {
   int size() const noexcept { return pg_.size(); }
   process_group& group() noexcept { return pg_; }
 
+  /// Peers this transport is connected to now (connections are made on first exchange).
+  int connections() const noexcept { return links_ ? links_->connections() : 0; }
+
   void send(int peer, const void* data, std::size_t n, detail::deadline_t until) {
     check_usable();
     std::error_code ec;
@@ -136,8 +139,11 @@ class tcp {
         if (sleft) p[np++] = {sfd, POLLOUT, 0};
         if (rleft) p[np++] = {rfd, POLLIN, 0};
       }
+      // ms_left() is capped (about 16.7 minutes): a poll that ends with nothing ready is a
+      // timeout only once the deadline itself has passed.
       const int left = detail::ms_left(until);
-      if (left == 0 || ::poll(p, np, left) == 0) lost(rleft ? from : to, make_error_code(errc::timeout));
+      if (left == 0 || (::poll(p, np, left) == 0 && detail::clock::now() >= until))
+        lost(rleft ? from : to, make_error_code(errc::timeout));
     }
   }
 
