@@ -357,7 +357,6 @@ TEST_CASE("connections are made on first use: a rank holds its barrier peers, a 
     for (int q = 0; q < n; ++q) require(all[static_cast<std::size_t>(q)] == std::to_string(q), "all_gather");
     require(pg.connections() <= 7, "all_gather opened more connections than its tree needs");
     ddp::tcp t{pg};
-    require(t.connections() == 0, "a new transport connected before its first exchange");
     int out = r, in = -1;
     const int next = (r + 1) % n, prev = (r + n - 1) % n;
     t.sendrecv(next, &out, sizeof out, prev, &in, sizeof in, pg.deadline());
