@@ -21,6 +21,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "auth.hpp"
@@ -525,34 +526,42 @@ class process_group::state {
     }
     const auto grace = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(1000), opts_.timeout / 4);
     const auto end = detail::clock::now() + grace;
-    std::vector<int> waits_for(static_cast<std::size_t>(size_), -1);
+    // Small groups read every rank's record, so the search can end as soon as the chain's end is
+    // the only rank left silent; large ones read only the records along the chain (a thousand
+    // ranks timing out together must not each read a thousand keys), and give its end the grace.
+    const bool scan_all = size_ <= 64;
+    std::unordered_map<int, int> waits_for{{rank_, peer}};
+    auto record_of = [&](int r) {
+      auto it = waits_for.find(r);
+      if (it != waits_for.end()) return it->second;
+      const std::string key = prefix + "/waiting/" + std::to_string(r);
+      if (!store_->check(key, store_budget())) return -1;
+      const int w = std::atoi(store_->get(key, store_budget()).c_str());
+      waits_for[r] = w;
+      return w;
+    };
     std::vector<int> chain;
-    int silent = 0;
     for (;;) {
-      silent = 0;
+      int silent = 0;
       try {
-        for (int r = 0; r < size_; ++r) {
-          auto& w = waits_for[static_cast<std::size_t>(r)];
-          if (r == rank_) w = peer;
-          else if (w < 0 && store_->check(prefix + "/waiting/" + std::to_string(r), store_budget()))
-            w = std::atoi(store_->get(prefix + "/waiting/" + std::to_string(r), store_budget()).c_str());
-          if (w < 0) ++silent;
+        if (scan_all)
+          for (int r = 0; r < size_; ++r)
+            if (record_of(r) < 0) ++silent;
+        // Follow "waits for" from `peer` until a rank that records nothing, or a cycle.
+        chain.assign(1, peer);
+        for (int r = peer; r >= 0 && r < size_ && record_of(r) >= 0;) {
+          r = record_of(r);
+          if (std::find(chain.begin(), chain.end(), r) != chain.end() || r < 0 || r >= size_) {
+            chain.push_back(-1);  // a cycle: the ranks wait for each other
+            break;
+          }
+          chain.push_back(r);
         }
       } catch (const error&) {
         return store_silent;
       }
-      // Follow "waits for" from `peer` until a rank that records nothing, or a cycle.
-      chain.assign(1, peer);
-      for (int r = peer; r >= 0 && r < size_ && waits_for[static_cast<std::size_t>(r)] >= 0;) {
-        r = waits_for[static_cast<std::size_t>(r)];
-        if (std::find(chain.begin(), chain.end(), r) != chain.end() || r < 0 || r >= size_) {
-          chain.push_back(-1);  // a cycle: the ranks wait for each other
-          break;
-        }
-        chain.push_back(r);
-      }
       // Certain once the chain's end is the only rank left silent; else wait out the grace.
-      if (chain.back() < 0 || silent <= 1 || detail::clock::now() >= end) break;
+      if (chain.back() < 0 || (scan_all && silent <= 1) || detail::clock::now() >= end) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     // chain: peer, whom peer waits for, ... ending at a silent rank, or at -1 after a cycle.

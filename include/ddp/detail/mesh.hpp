@@ -32,6 +32,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "../auth.hpp"
@@ -80,8 +81,7 @@ class peer_links {
         prefix_(std::move(prefix)),
         group_(group),
         bufsize_(bufsize),
-        group_failed_(std::move(group_failed)),
-        slots_(static_cast<std::size_t>(size)) {
+        group_failed_(std::move(group_failed)) {
     if (size_ == 1) return;
     endpoint ep;
     ep.addr = local;
@@ -114,7 +114,7 @@ class peer_links {
       raise(errc::invalid_argument, rank_, "no connection to rank " + std::to_string(peer) + " in a group of " +
                                                std::to_string(size_));
     std::unique_lock lk(mu_);
-    auto& s = slots_[static_cast<std::size_t>(peer)];
+    auto& s = slots_[peer];
     auto backoff = std::chrono::milliseconds(5);
     for (;;) {
       if (s.state == link::ready) return s.fd.get();
@@ -175,14 +175,14 @@ class peer_links {
   int connected(int peer) const noexcept {
     std::lock_guard lk(mu_);
     if (peer < 0 || peer >= size_) return -1;
-    const auto& s = slots_[static_cast<std::size_t>(peer)];
-    return s.state == link::ready ? s.fd.get() : -1;
+    const auto it = slots_.find(peer);
+    return it != slots_.end() && it->second.state == link::ready ? it->second.fd.get() : -1;
   }
 
   /// Number of peers connected now.
   int connections() const noexcept {
     std::lock_guard lk(mu_);
-    return static_cast<int>(std::count_if(slots_.begin(), slots_.end(), [](const slot& s) { return s.state == link::ready; }));
+    return static_cast<int>(std::count_if(slots_.begin(), slots_.end(), [](const auto& kv) { return kv.second.state == link::ready; }));
   }
 
   /// Shuts every connection down (peers blocked on this rank wake) and stops new ones: later
@@ -190,7 +190,7 @@ class peer_links {
   void shutdown() noexcept {
     std::lock_guard lk(mu_);
     shut_ = true;
-    for (auto& s : slots_)
+    for (auto& [peer, s] : slots_)
       if (s.fd) ::shutdown(s.fd.get(), SHUT_RDWR);
     cv_.notify_all();
   }
@@ -227,7 +227,7 @@ class peer_links {
     std::string v;
     {
       std::lock_guard lk(mu_);
-      v = slots_[static_cast<std::size_t>(peer)].addr;
+      v = slots_[peer].addr;
     }
     while (v.empty()) {
       // The peer announces its address when it opens this channel; it may not have yet. Look
@@ -235,7 +235,7 @@ class peer_links {
       if (auto a = dir_.lookup(key, std::min(until, clock::now() + std::chrono::milliseconds(200)))) {
         v = std::move(*a);
         std::lock_guard lk(mu_);
-        slots_[static_cast<std::size_t>(peer)].addr = v;
+        slots_[peer].addr = v;
         break;
       }
       if (clock::now() >= until)
@@ -304,7 +304,7 @@ class peer_links {
   /// The acceptor's decision for a proven connection from `from`; takes `fd` when accepted.
   char decide(std::uint32_t from, fd_handle& fd) {
     std::lock_guard lk(mu_);
-    auto& s = slots_[from];
+    auto& s = slots_[static_cast<int>(from)];
     const bool take = !shut_ && (s.state == link::none || s.state == link::awaiting ||
                                  (s.state == link::connecting && static_cast<int>(from) < rank_));
     const char verdict = take ? link_accepted : link_duplicate;
@@ -421,7 +421,7 @@ class peer_links {
   std::uint64_t group_;
   int bufsize_;
   std::function<bool()> group_failed_;
-  std::vector<slot> slots_;
+  std::unordered_map<int, slot> slots_;  // only the peers this rank has dealt with (node-stable)
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool shut_ = false;
