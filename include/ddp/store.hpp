@@ -315,7 +315,7 @@ class store_server {
       if (c.in.empty() && c.in.capacity() > (64u << 10)) std::string().swap(c.in);
       if (c.out.empty() && c.out.capacity() > (64u << 10)) std::string().swap(c.out);
       // A client whose replies pile up is not read until it takes them (backpressure).
-      const bool want_in = !c.eof && (c.closing || c.out.size() < detail::store_max_frame);
+      const bool want_in = !c.eof && (c.closing || c.out.size() < backpressure);
       const std::uint32_t want = (want_in ? EPOLLIN : 0u) | (c.out.empty() ? 0u : EPOLLOUT);
       if (want != c.events) {
         watch_fd(c.fd.get(), want, c.seq, EPOLL_CTL_MOD);
@@ -530,7 +530,7 @@ class store_server {
   /// its first 4 bytes, never after buffering the rest of what the client sent.
   read_result on_readable(client& c) {
     char buf[65536];
-    while (!c.closing && c.out.size() < detail::store_max_frame) {
+    while (!c.closing && c.out.size() < backpressure) {
       const ssize_t k = ::recv(c.fd.get(), buf, sizeof buf, 0);
       if (k > 0) {
         if (c.in.empty() && !c.hs && static_cast<std::size_t>(k) >= 4) {
@@ -808,6 +808,9 @@ class store_server {
   }
 
   static constexpr auto eof_linger = std::chrono::seconds(10);
+  // Replies a client has not taken yet past which it is not read (a pipelining client slows
+  // down instead of piling its answers up to store_limits::max_buffered).
+  static constexpr std::size_t backpressure = std::size_t{1} << 20;
   static constexpr auto pressure_handshake_limit = std::chrono::seconds(1);
   static constexpr auto pressure_linger = std::chrono::seconds(10);
   static constexpr std::int64_t max_wait_ms = std::int64_t{366} * 86'400'000;
