@@ -43,8 +43,9 @@ namespace ddp {
 inline namespace v0 {
 
 /// Memory the store may hold, so that no client (or crowd of clients) can grow rank 0 without
-/// bound (docs/security.md). By default the store's growth is bounded by 256 MiB in all: 192 MiB
-/// of entries and 64 MiB of everything held for connections.
+/// bound (docs/security.md). By default the store's growth is bounded by 256 MiB in all: 128 MiB
+/// of entries and 128 MiB of everything held for connections (65,536 ranks, each parked on a
+/// wait, take about 60 MiB of it).
 ///
 /// Entries count their key, their value and `entry_overhead` bytes each (what a tiny entry
 /// really costs in memory). A write that would pass `max_bytes` is refused with errc::system on
@@ -63,12 +64,12 @@ inline namespace v0 {
 /// refused connections, then handshakes still running (oldest first), then connections that
 /// never sent a valid request, then (with members) connections that did not claim a rank.
 struct store_limits {
-  std::size_t max_bytes = std::size_t{192} << 20;    ///< entries: keys, values and entry_overhead each
-  std::size_t max_buffered = std::size_t{64} << 20;  ///< buffers, parked requests and connection_overhead
+  std::size_t max_bytes = std::size_t{128} << 20;     ///< entries: keys, values and entry_overhead each
+  std::size_t max_buffered = std::size_t{128} << 20;  ///< buffers, parked requests and connection_overhead
   std::size_t max_connections = 65536;               ///< open connections, handshakes included
 
   static constexpr std::size_t entry_overhead = 160;       ///< per key held (a map node, its strings)
-  static constexpr std::size_t connection_overhead = 1024;  ///< per open connection
+  static constexpr std::size_t connection_overhead = 512;   ///< per open connection
   static constexpr std::size_t waiter_overhead = 256;       ///< per parked get/wait, plus 32 per key
 };
 
@@ -533,12 +534,7 @@ class store_server {
     while (!c.closing && c.out.size() < backpressure) {
       const ssize_t k = ::recv(c.fd.get(), buf, sizeof buf, 0);
       if (k > 0) {
-        if (c.in.empty() && !c.hs && static_cast<std::size_t>(k) >= 4) {
-          // Room for the whole frame at once: growing by doubling would hold twice its size.
-          const std::uint32_t len = detail::get_u32(buf);
-          if (len > 0 && len <= detail::store_max_frame && len + std::size_t{4} > static_cast<std::size_t>(k))
-            c.in.reserve(len + std::size_t{4});
-        }
+        make_room(c.in, static_cast<std::size_t>(k));
         c.in.append(buf, static_cast<std::size_t>(k));
         if (!consume(c)) return read_result::invalid;
         account(c);
@@ -555,6 +551,23 @@ class store_server {
       return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? read_result::ok : read_result::closed;
     }
     return read_result::ok;
+  }
+
+  /// Grows `in` for `k` more bytes: doubling, but never past the end of the frame at its front,
+  /// so a frame of 64 MiB holds 64 MiB, not 128. Nothing is reserved for what a length only
+  /// claims: memory follows the bytes that really arrived.
+  static void make_room(std::string& in, std::size_t k) {
+    const std::size_t need = in.size() + k;
+    if (need <= in.capacity()) return;
+    std::size_t target = std::max(need, 2 * in.capacity());
+    if (in.size() >= 4) {
+      const std::size_t frame_end = std::size_t{4} + detail::get_u32(in.data());
+      if (frame_end >= need && frame_end <= std::size_t{4} + detail::store_max_frame) target = std::min(target, frame_end);
+    }
+    std::string grown;  // reserve() on `in` itself would at least double it
+    grown.reserve(target);
+    grown.append(in);
+    in.swap(grown);
   }
 
   /// A refused client: read and discard until it hangs up.
