@@ -55,8 +55,8 @@ inline namespace v0 {
 /// Connections count `connection_overhead` bytes each, plus their unread requests and unsent
 /// replies (the buffers' capacity) and their parked get/wait requests (`waiter_overhead` each,
 /// plus their keys). When the total passes `max_buffered`, the connections holding the most are
-/// dropped until it fits. A request or reply larger than `max_buffered` thus cannot be served:
-/// raise it for values near the 64 MiB frame limit.
+/// dropped until it fits: large values fill it quickly (a 64 MiB value read by two clients at
+/// once holds two 64 MiB replies), the store is for small metadata.
 ///
 /// At most `max_connections` connections are open at once (and no more than the process's
 /// descriptors allow: the server raises RLIMIT_NOFILE's soft limit to the hard limit when it
