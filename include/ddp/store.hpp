@@ -151,8 +151,11 @@ class store_server {
     if (!thread_.joinable()) return;
     if (owner_.forked()) {
       // A forked child's copy: the serving thread is the parent's and does not exist here, and
-      // the wake-up descriptor is the parent's too. Only this process's descriptors close.
+      // the wake-up descriptor is the parent's too. Only this process's descriptors close
+      // (the listener's and the wake-up's copies); the connections' copies stay with the
+      // abandoned state.
       thread_.detach();
+      detail::abandon(std::move(st_));
       return;
     }
     stopping_ = true;
@@ -370,6 +373,12 @@ class store_server {
       }
   }
 
+  /// Connections the store may hold now: store_limits::max_connections, and fewer for a while
+  /// after the process ran out of descriptors.
+  std::size_t room(detail::deadline_t now) const {
+    return now < fd_room_until_ ? std::min(limits_.max_connections, fd_room_) : limits_.max_connections;
+  }
+
   bool under_pressure(detail::deadline_t now) const {
     return now < pressure_until_ || clients_.size() * 4 >= limits_.max_connections * 3;
   }
@@ -439,7 +448,7 @@ class store_server {
     for (int i = 0; i < 512; ++i) {
       const int fd = accept_one(now);
       if (fd < 0) return;
-      if (clients_.size() >= limits_.max_connections && !evict_stranger()) {
+      if (clients_.size() >= room(now) && !evict_stranger()) {
         ::close(fd);
         ++shed_;
         continue;
@@ -489,8 +498,15 @@ class store_server {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return -1;
       if (errno == EMFILE || errno == ENFILE) {
+        // Out of descriptors: the store takes no more than it has now, less a reserve for
+        // the rest of the process (the group's mesh, files), for a second; strangers go to
+        // make that room.
         pressure_until_ = now + pressure_linger;
-        if (evict_stranger()) continue;
+        fd_room_ = clients_.size() > descriptor_reserve ? clients_.size() - descriptor_reserve : 0;
+        fd_room_until_ = now + fd_room_linger;
+        bool freed = false;
+        while (clients_.size() > fd_room_ && evict_stranger()) freed = true;
+        if (freed) continue;
       }
       bool drained = false;
       if ((errno == EMFILE || errno == ENFILE) && spare_) {
@@ -826,6 +842,8 @@ class store_server {
   static constexpr std::size_t backpressure = std::size_t{1} << 20;
   static constexpr auto pressure_handshake_limit = std::chrono::seconds(1);
   static constexpr auto pressure_linger = std::chrono::seconds(10);
+  static constexpr auto fd_room_linger = std::chrono::seconds(1);
+  static constexpr std::size_t descriptor_reserve = 16;  // left to the rest of the process
   static constexpr std::int64_t max_wait_ms = std::int64_t{366} * 86'400'000;
   int rank_;
   std::shared_ptr<const authenticator> auth_;
@@ -834,6 +852,8 @@ class store_server {
   detail::fd_handle spare_;  // given up to accept (and close) one connection when out of descriptors
   detail::deadline_t accept_pause_{};
   detail::deadline_t pressure_until_{};  // out of descriptors lately
+  detail::deadline_t fd_room_until_{};   // fd_room_ holds until then
+  std::size_t fd_room_ = 0;              // connections that fit the descriptors left
   int port_ = 0;
   detail::fd_handle listen_;
   detail::fd_handle wake_;
@@ -847,17 +867,31 @@ class store_server {
   std::atomic<int> evicted_{0};
   std::atomic<std::size_t> stored_{0};
   std::atomic<std::size_t> buffered_{0};
-  std::map<std::string, std::string, std::less<>> data_;
-  // Serving thread only:
-  std::unordered_map<std::uint64_t, std::unique_ptr<client>> clients_;  // by seq
-  std::set<std::pair<int, std::uint64_t>> by_tier_;  // strangers: (tier, seq)
-  std::unordered_map<std::uint64_t, waiter> waiters_;
-  watch_map watch_;       // key -> parked requests waiting for it
-  timer_map deadlines_;   // when each parked request times out
-  timer_map timers_;      // when each connection's handshake, linger or eof linger ends (by fd)
-  std::vector<std::string> pending_wakes_;
-  std::vector<std::uint64_t> touched_;
-  std::vector<std::uint64_t> dead_;
+  // What the serving thread works on, on the heap: a forked child abandons it (the parent's
+  // thread may have been changing it at the fork) instead of destroying it.
+  struct serving {
+    std::map<std::string, std::string, std::less<>> data;
+    std::unordered_map<std::uint64_t, std::unique_ptr<client>> clients;  // by seq
+    std::set<std::pair<int, std::uint64_t>> by_tier;  // strangers: (tier, seq)
+    std::unordered_map<std::uint64_t, waiter> waiters;
+    watch_map watch;      // key -> parked requests waiting for it
+    timer_map deadlines;  // when each parked request times out
+    timer_map timers;     // when each connection's handshake, linger or eof linger ends (by seq)
+    std::vector<std::string> pending_wakes;
+    std::vector<std::uint64_t> touched;
+    std::vector<std::uint64_t> dead;
+  };
+  std::unique_ptr<serving> st_ = std::make_unique<serving>();
+  std::map<std::string, std::string, std::less<>>& data_ = st_->data;
+  std::unordered_map<std::uint64_t, std::unique_ptr<client>>& clients_ = st_->clients;
+  std::set<std::pair<int, std::uint64_t>>& by_tier_ = st_->by_tier;
+  std::unordered_map<std::uint64_t, waiter>& waiters_ = st_->waiters;
+  watch_map& watch_ = st_->watch;
+  timer_map& deadlines_ = st_->deadlines;
+  timer_map& timers_ = st_->timers;
+  std::vector<std::string>& pending_wakes_ = st_->pending_wakes;
+  std::vector<std::uint64_t>& touched_ = st_->touched;
+  std::vector<std::uint64_t>& dead_ = st_->dead;
   std::uint64_t seq_ = 0;
   std::uint64_t waiter_seq_ = 0;
   std::size_t total_held_ = 0;

@@ -394,6 +394,7 @@ namespace {
 struct server_stats {
   long rss = 0;  // bytes resident
   int evicted = 0, shed = 0, clients = 0, dropped = 0, refused = 0;
+  int free_fds = 0;  // descriptors the hosting process can still open (up to 8)
   std::size_t stored = 0, buffered = 0;
 };
 long rss_of(pid_t pid) {
@@ -439,6 +440,14 @@ struct hosted_server {
           st.refused = server.refused();
           st.stored = server.stored_bytes();
           st.buffered = server.buffered_bytes();
+          std::vector<int> opened;
+          for (int k = 0; k < 8; ++k) {
+            const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+            if (fd < 0) break;
+            opened.push_back(fd);
+          }
+          st.free_fds = static_cast<int>(opened.size());
+          for (int fd : opened) ::close(fd);
           if (::write(to_parent[1], &st, sizeof st) != sizeof st) ::_exit(5);
         }
       } catch (...) {
@@ -674,10 +683,14 @@ TEST_CASE("no client grows the store's process past its limits: parked requests 
   CHECK(after.stored <= defaults.max_bytes);
   CHECK(after.dropped >= 2);
   // The bound, plus slack for the allocator's own bookkeeping and fragmentation; and what is
-  // counted covers what the entries really cost.
+  // counted covers what the entries really cost. (AddressSanitizer's allocator costs far more
+  // than the real one: only the counts are checked under it.)
   const long slack = 64l << 20;
+#ifndef __SANITIZE_ADDRESS__
   CHECK(grown < static_cast<long>(defaults.max_bytes + defaults.max_buffered) + slack);
   CHECK(static_cast<long>(after.stored + after.buffered) + slack > grown);
+#endif
+  CHECK(after.buffered <= defaults.max_buffered);
 
   // The store still works for a well-behaved client.
   ddp::store_client good{"127.0.0.1", host.port, 0, soon()};
@@ -768,6 +781,7 @@ TEST_CASE("strangers holding the store's descriptors are evicted for real client
                        << strangers.size());
     CHECK(st.evicted >= 200);
     CHECK(closed >= 200);
+    CHECK(st.free_fds == 8);  // the store left descriptors to the rest of its process
     for (int fd : strangers) ::close(fd);
     CHECK(host.finish());
   }
