@@ -571,6 +571,10 @@ TEST_CASE("thousands of clients parked on one key are all answered by one set, s
   while (host.stats().buffered < n * (ddp::store_limits::connection_overhead + ddp::store_limits::waiter_overhead) &&
          ddp::detail::clock::now() < until)
     std::this_thread::sleep_for(20ms);
+  const auto parked = host.stats();
+  MESSAGE("counted per parked client: " << parked.buffered / static_cast<std::size_t>(n + 1) << " bytes; server RSS "
+                                        << (parked.rss >> 20) << " MiB");
+  CHECK(parked.buffered / static_cast<std::size_t>(n + 1) < 1024);  // 65,536 ranks fit max_buffered twice over
   const auto t0 = ddp::detail::clock::now();
   c.set("pg/complete", "1");
   int ok = 0;
