@@ -28,6 +28,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -62,7 +63,8 @@ inline namespace v0 {
 /// descriptors allow: the server raises RLIMIT_NOFILE's soft limit to the hard limit when it
 /// starts). When a new connection finds no room, strangers are closed first (docs/security.md):
 /// refused connections, then handshakes still running (oldest first), then connections that
-/// never sent a valid request, then (with members) connections that did not claim a rank.
+/// never sent a valid request, then (with members, without a secret) idle connections that did
+/// not claim a rank.
 struct store_limits {
   std::size_t max_bytes = std::size_t{128} << 20;     ///< entries: keys, values and entry_overhead each
   std::size_t max_buffered = std::size_t{128} << 20;  ///< buffers, parked requests and connection_overhead
@@ -188,6 +190,8 @@ class store_server {
     bool touched = false;                      // settled at the end of this round
     std::uint32_t events = 0;                  // epoll interest now
     int tier = trusted;
+    std::uint64_t order = 0;                   // its place in by_tier_
+    std::uint64_t active = 0;                  // when a request of it was last answered
     detail::deadline_t accepted{};
     detail::deadline_t eof_limit{};            // ... within this time at most
     detail::deadline_t limit{};                // end of the handshake or of the closing linger
@@ -268,8 +272,8 @@ class store_server {
     if (!timers_.empty()) next = std::min(next, timers_.begin()->first);
     if (now < accept_pause_) next = std::min(next, accept_pause_);
     if (under_pressure(now))
-      if (auto it = by_tier_.lower_bound({handshaking, 0}); it != by_tier_.end() && it->first == handshaking)
-        next = std::min(next, clients_.at(it->second)->accepted + pressure_handshake_limit);
+      if (auto it = by_tier_.lower_bound({handshaking, 0, 0}); it != by_tier_.end() && std::get<0>(*it) == handshaking)
+        next = std::min(next, clients_.at(std::get<2>(*it))->accepted + pressure_handshake_limit);
     if (next <= now) return 0;
     return static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(next - now).count()) + 1;
   }
@@ -361,8 +365,9 @@ class store_server {
     // Under pressure a handshake gets far less time: strangers stalled mid-handshake must not
     // hold the descriptors real ranks need.
     if (under_pressure(now))
-      for (auto it = by_tier_.lower_bound({handshaking, 0}); it != by_tier_.end() && it->first == handshaking;) {
-        auto& c = *clients_.at(it->second);
+      for (auto it = by_tier_.lower_bound({handshaking, 0, 0});
+           it != by_tier_.end() && std::get<0>(*it) == handshaking;) {
+        auto& c = *clients_.at(std::get<2>(*it));
         ++it;
         if (now - c.accepted < pressure_handshake_limit) break;
         if (!c.dead) {
@@ -397,15 +402,21 @@ class store_server {
     if (c.closing) return refused_tier;
     if (c.hs) return handshaking;
     if (!c.confirmed) return unconfirmed;
-    if (!member_prefix_.empty() && !c.member && !auth_) return not_member;
+    // A rank waits (a parked request) for rank 0's job record before it claims its rank:
+    // only idle non-members are strangers.
+    if (!member_prefix_.empty() && !c.member && !auth_ && c.parked.empty()) return not_member;
     return trusted;
   }
   void retier(client& c) {
     const int t = tier_of(c);
-    if (t == c.tier) return;
-    if (c.tier != trusted) by_tier_.erase({c.tier, c.seq});
+    // Oldest first; non-members by their last request answered (a rank whose wait was just
+    // answered is about to claim: idle strangers go before it).
+    const std::uint64_t order = t == not_member ? c.active : c.seq;
+    if (t == c.tier && order == c.order) return;
+    if (c.tier != trusted) by_tier_.erase({c.tier, c.order, c.seq});
     c.tier = t;
-    if (t != trusted) by_tier_.insert({t, c.seq});
+    c.order = order;
+    if (t != trusted) by_tier_.insert({t, order, c.seq});
   }
   void recount(client& c) {
     // Only clients that got in count: a stranger stalled mid-handshake (or one that never
@@ -433,7 +444,7 @@ class store_server {
     auto& c = *it->second;
     while (!c.parked.empty()) unpark(c.parked.back());
     if (c.timed) timers_.erase(c.timer);
-    if (c.tier != trusted) by_tier_.erase({c.tier, c.seq});
+    if (c.tier != trusted) by_tier_.erase({c.tier, c.order, c.seq});
     if (c.counted) --nclients_;
     total_held_ -= c.held;
     buffered_ = total_held_;
@@ -478,7 +489,7 @@ class store_server {
   /// then not a member; oldest first), now, to free its descriptor. False when there is none.
   bool evict_stranger() {
     if (by_tier_.empty()) return false;
-    const auto seq = by_tier_.begin()->second;
+    const auto seq = std::get<2>(*by_tier_.begin());
     auto& c = *clients_.at(seq);
     ++evicted_;
     if (c.hs && !c.closing) ++refused_;
@@ -652,6 +663,7 @@ class store_server {
       c.in.erase(0, 4 + static_cast<std::size_t>(len));
       if (!detail::valid_request(f)) return false;
       c.confirmed = true;
+      c.active = ++activity_;
       if (!execute(c, f)) {
         // Our client parks at most one request at a time; many more is a misbehaving peer.
         if (c.parked.size() >= detail::store_max_waiting) return false;
@@ -829,6 +841,7 @@ class store_server {
           continue;
         }
         [[maybe_unused]] const bool done = execute(c, w.req);
+        c.active = ++activity_;
         unpark(id);
         touch(c);
       }
@@ -872,7 +885,7 @@ class store_server {
   struct serving {
     std::map<std::string, std::string, std::less<>> data;
     std::unordered_map<std::uint64_t, std::unique_ptr<client>> clients;  // by seq
-    std::set<std::pair<int, std::uint64_t>> by_tier;  // strangers: (tier, seq)
+    std::set<std::tuple<int, std::uint64_t, std::uint64_t>> by_tier;  // strangers: (tier, order, seq)
     std::unordered_map<std::uint64_t, waiter> waiters;
     watch_map watch;      // key -> parked requests waiting for it
     timer_map deadlines;  // when each parked request times out
@@ -884,7 +897,7 @@ class store_server {
   std::unique_ptr<serving> st_ = std::make_unique<serving>();
   std::map<std::string, std::string, std::less<>>& data_ = st_->data;
   std::unordered_map<std::uint64_t, std::unique_ptr<client>>& clients_ = st_->clients;
-  std::set<std::pair<int, std::uint64_t>>& by_tier_ = st_->by_tier;
+  std::set<std::tuple<int, std::uint64_t, std::uint64_t>>& by_tier_ = st_->by_tier;
   std::unordered_map<std::uint64_t, waiter>& waiters_ = st_->waiters;
   watch_map& watch_ = st_->watch;
   timer_map& deadlines_ = st_->deadlines;
@@ -894,6 +907,7 @@ class store_server {
   std::vector<std::uint64_t>& dead_ = st_->dead;
   std::uint64_t seq_ = 0;
   std::uint64_t waiter_seq_ = 0;
+  std::uint64_t activity_ = 0;
   std::size_t total_held_ = 0;
   detail::owner_process owner_;
   std::thread thread_;

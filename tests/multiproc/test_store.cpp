@@ -974,3 +974,41 @@ TEST_CASE("get and wait ask the store to wait as long as their deadline says, da
   CHECK_MESSAGE(seen[3] <= 2000 - 240, seen[3]);
   CHECK_MESSAGE(seen[3] >= 1600, seen[3]);
 }
+
+TEST_CASE("with members and no secret, idle strangers that never claimed a rank make room; a rank waiting to claim stays") {
+  using ddp::detail::store_cmd;
+  hosted_server host{64, nullptr, {}, "pg/rank/"};
+  // A rank that waits for rank 0's job record before it claims (as the rendezvous does).
+  std::string waiter_error;
+  bool waited = false;
+  std::thread early([&] {
+    try {
+      ddp::store_client c{"127.0.0.1", host.port, 5, soon(20s)};
+      waited = c.wait({"pg/job"}, soon(20s)).empty() && c.compare_set("pg/rank/5", "", "t5") == "t5";
+    } catch (const std::exception& e) {
+      waiter_error = e.what();
+    }
+  });
+  std::this_thread::sleep_for(200ms);
+  // 150 strangers, each served one check (so not "never served"), then idle.
+  std::vector<int> strangers;
+  const auto check = request(store_cmd::check, {"pg/id"});
+  for (int i = 0; i < 150; ++i) {
+    strangers.push_back(raw_connect(host.port));
+    (void)::send(strangers.back(), check.data(), check.size(), MSG_NOSIGNAL);
+  }
+  // The real ranks claim, and rank 0 posts the job record.
+  for (int r = 0; r < 4; ++r) {
+    ddp::store_client c{"127.0.0.1", host.port, r, soon(20s)};
+    CHECK(c.compare_set("pg/rank/" + std::to_string(r), "", "t" + std::to_string(r)) == "t" + std::to_string(r));
+    if (r == 0) c.set("pg/job", "4 job");
+  }
+  early.join();
+  CHECK_MESSAGE(waiter_error.empty(), waiter_error);
+  CHECK(waited);
+  const auto st = host.stats();
+  MESSAGE("evicted " << st.evicted << ", shed " << st.shed);
+  CHECK(st.evicted >= 90);
+  for (int fd : strangers) ::close(fd);
+  CHECK(host.finish());
+}
