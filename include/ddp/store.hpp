@@ -13,7 +13,9 @@
 /// \endcode
 
 #include <fcntl.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -23,8 +25,12 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "auth.hpp"
@@ -38,35 +44,71 @@ namespace ddp {
 inline namespace v0 {
 
 /// Memory the store may hold, so that no client (or crowd of clients) can grow rank 0 without
-/// bound. A write that would pass `max_bytes` is refused with errc::system on the writer
-/// (errc::invalid_argument when the one value is larger than `max_bytes`, or than the 64 MiB a
-/// frame holds, which the writer checks before sending); when
-/// the bytes buffered for all clients pass `max_buffered`, the clients holding the most are
-/// dropped until it fits (frames are limited to 64 MiB each besides).
+/// bound (docs/security.md). By default the store's growth is bounded by 256 MiB in all: 128 MiB
+/// of entries and 128 MiB of everything held for connections (65,536 ranks, each parked on a
+/// wait, take about 60 MiB of it).
+///
+/// Entries count their key, their value and `entry_overhead` bytes each (what a tiny entry
+/// really costs in memory). A write that would pass `max_bytes` is refused with errc::system on
+/// the writer (errc::invalid_argument when the one entry is larger than `max_bytes`, or the value
+/// larger than the 64 MiB a frame holds, which the writer checks before sending).
+///
+/// Connections count `connection_overhead` bytes each, plus their unread requests and unsent
+/// replies (the buffers' capacity) and their parked get/wait requests (`waiter_overhead` each,
+/// plus their keys). When the total passes `max_buffered`, the connections holding the most are
+/// dropped until it fits: large values fill it quickly (a 64 MiB value read by two clients at
+/// once holds two 64 MiB replies), the store is for small metadata.
+///
+/// At most `max_connections` connections are open at once (and no more than the process's
+/// descriptors allow: the server raises RLIMIT_NOFILE's soft limit to the hard limit when it
+/// starts). When a new connection finds no room, strangers are closed first (docs/security.md):
+/// refused connections, then handshakes still running (oldest first), then connections that
+/// never sent a valid request, then (with members, without a secret) idle connections that did
+/// not claim a rank.
 struct store_limits {
-  std::size_t max_bytes = std::size_t{1} << 30;     ///< keys and values held
-  std::size_t max_buffered = std::size_t{1} << 30;  ///< unread requests and unsent replies, all clients
+  std::size_t max_bytes = std::size_t{128} << 20;     ///< entries: keys, values and entry_overhead each
+  std::size_t max_buffered = std::size_t{128} << 20;  ///< buffers, parked requests and connection_overhead
+  std::size_t max_connections = 65536;               ///< open connections, handshakes included
+
+  static constexpr std::size_t entry_overhead = 160;       ///< per key held (a map node, its strings)
+  static constexpr std::size_t connection_overhead = 512;   ///< per open connection
+  static constexpr std::size_t waiter_overhead = 256;       ///< per parked get/wait, plus 32 per key
 };
 
-/// Serves the store on one listening socket from a background thread. Each client has its own
-/// input buffer and the loop never blocks on one client, so a client that sends half a frame
-/// and stalls delays nobody; a client that sends garbage is dropped. Handshakes run in the same
-/// loop, one state per client, so a client stalled mid-handshake delays nobody either.
+/// Serves the store on one listening socket from a background thread, with epoll: the cost of
+/// an event does not grow with the number of connections, and a `set` wakes only the requests
+/// parked on its key. Each client has its own input buffer and the loop never blocks on one
+/// client, so a client that sends half a frame and stalls delays nobody; a client that sends
+/// garbage is dropped. Handshakes run in the same loop, one state per client, so a client
+/// stalled mid-handshake delays nobody either.
+///
+/// With a non-empty `member_prefix` the store has members: a connection joins by a successful
+/// compare_set from the empty value of a key that starts with `member_prefix` (process_group
+/// claims "pg/rank/<r>" this way). Other connections may read (get, check, wait) and claim, but
+/// every other write is refused with errc::auth_failed on the writer, and clients() counts
+/// members only, so a stranger can neither plant the group's failure nor delay its end.
 class store_server {
  public:
   /// Binds `ep` (port 0 picks a free port). Throws errc::address_in_use when taken. With `auth`,
   /// only clients that prove the same secret are served; without it, binding beyond loopback
-  /// prints a one-line warning to stderr.
+  /// prints a one-line warning to stderr. Raises this process's RLIMIT_NOFILE soft limit to its
+  /// hard limit (every connection holds a descriptor).
   store_server(const detail::endpoint& ep, int rank, std::shared_ptr<const authenticator> auth = nullptr,
-               store_limits limits = {})
-      : rank_(rank), auth_(std::move(auth)), limits_(limits) {
-    listen_ = detail::listen_on(ep, rank);
+               store_limits limits = {}, std::string member_prefix = {})
+      : rank_(rank), auth_(std::move(auth)), limits_(limits), member_prefix_(std::move(member_prefix)) {
+    raise_descriptor_limit();
+    listen_ = detail::listen_on(ep, rank, 4096);
     const auto bound = detail::local_address(listen_.get());
     port_ = detail::port_of(bound);
     if (!auth_ && !detail::is_loopback(bound))
       std::fprintf(stderr, "ddp: store listening on %s:%d without authentication; set DDP_AUTH_TOKEN\n",
                    detail::to_string(bound).c_str(), port_);
     wake_ = detail::fd_handle(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    epoll_ = detail::fd_handle(::epoll_create1(EPOLL_CLOEXEC));
+    if (!wake_ || !epoll_) detail::raise(errc::system, rank, "store: eventfd/epoll: " + detail::errno_text(errno));
+    watch_fd(wake_.get(), EPOLLIN, wake_id);
+    watch_fd(listen_.get(), EPOLLIN, listen_id);
+    listening_ = true;
     spare_ = detail::fd_handle(::open("/dev/null", O_RDONLY | O_CLOEXEC));
     thread_ = std::thread([this] { loop(); });
   }
@@ -77,8 +119,9 @@ class store_server {
   /// The port actually bound.
   int port() const noexcept { return port_; }
 
-  /// Number of clients connected right now (authenticated ones, when there is a secret; not
-  /// counting clients that hung up and are only owed answers).
+  /// Number of clients connected right now: authenticated ones, when there is a secret; members
+  /// only, when the store has members; not counting clients that hung up and are only owed
+  /// answers.
   int clients() const noexcept { return nclients_.load(); }
 
   /// Rank that hosts this store (for messages).
@@ -88,11 +131,18 @@ class store_server {
   /// the store_limits::max_buffered was passed.
   int dropped() const noexcept { return dropped_.load(); }
 
-  /// Connections closed unserved because this process was out of file descriptors.
+  /// Connections closed unserved because this process was out of file descriptors (or at
+  /// store_limits::max_connections) and no stranger could make room.
   int shed() const noexcept { return shed_.load(); }
 
-  /// Bytes of keys and values held now.
+  /// Strangers closed to make room for new connections (docs/security.md).
+  int evicted() const noexcept { return evicted_.load(); }
+
+  /// Bytes counted against store_limits::max_bytes now: keys, values and entry_overhead each.
   std::size_t stored_bytes() const noexcept { return stored_.load(); }
+
+  /// Bytes counted against store_limits::max_buffered now.
+  std::size_t buffered_bytes() const noexcept { return buffered_.load(); }
 
   /// Connections refused by authentication (no, wrong or replayed proof; a handshake that did
   /// not finish in time; a handshake offered to a server without a secret) since start.
@@ -103,8 +153,11 @@ class store_server {
     if (!thread_.joinable()) return;
     if (owner_.forked()) {
       // A forked child's copy: the serving thread is the parent's and does not exist here, and
-      // the wake-up descriptor is the parent's too. Only this process's descriptors close.
+      // the wake-up descriptor is the parent's too. Only this process's descriptors close
+      // (the listener's and the wake-up's copies); the connections' copies stay with the
+      // abandoned state.
       thread_.detach();
+      detail::abandon(std::move(st_));
       return;
     }
     stopping_ = true;
@@ -114,123 +167,358 @@ class store_server {
   }
 
  private:
+  using timer_map = std::multimap<detail::deadline_t, std::uint64_t>;
+  using watch_map = std::multimap<std::string, std::uint64_t, std::less<>>;
+
+  /// Who a connection is, from the stranger most readily closed to make room (0) to a client
+  /// that is never closed for room (4).
+  enum tier : int { refused_tier = 0, handshaking = 1, unconfirmed = 2, not_member = 3, trusted = 4 };
+
   struct client {
     detail::fd_handle fd;
+    std::uint64_t seq = 0;                     // order of arrival
     std::string in;
     std::string out;
     std::optional<detail::auth_responder> hs;  // engaged until the handshake is done
     bool closing = false;                      // refused: say why, then close
     bool shut = false;                         // closing and our side is shut down
     bool eof = false;                          // the client shut its side: answer, then close
+    bool confirmed = false;                    // authenticated, or answered a valid request
+    bool member = false;                       // claimed a rank (store with members)
+    bool counted = false;                      // counted by clients()
+    bool dead = false;                         // closed at the end of this round
+    bool touched = false;                      // settled at the end of this round
+    std::uint32_t events = 0;                  // epoll interest now
+    int tier = trusted;
+    std::uint64_t order = 0;                   // its place in by_tier_
+    std::uint64_t active = 0;                  // when a request of it was last answered
+    detail::deadline_t accepted{};
     detail::deadline_t eof_limit{};            // ... within this time at most
     detail::deadline_t limit{};                // end of the handshake or of the closing linger
+    timer_map::iterator timer{};               // in timers_ when `timed`
+    bool timed = false;
+    std::vector<std::uint64_t> parked;         // ids of its parked requests
+    std::size_t parked_bytes = 0;
+    std::size_t held = 0;                      // counted in buffered_
   };
   struct waiter {
-    int fd;
+    std::uint64_t owner;  // the client's seq
     detail::frame req;
-    detail::deadline_t until;
+    std::size_t cursor = 0;  // the key it is registered on
+    std::size_t bytes = 0;
+    watch_map::iterator watch;
+    timer_map::iterator timer;
   };
 
+  static void raise_descriptor_limit() noexcept {
+    rlimit rl{};
+    if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+      rl.rlim_cur = rl.rlim_max;
+      ::setrlimit(RLIMIT_NOFILE, &rl);
+    }
+  }
+
+  // epoll reports a connection by its seq, never reused, so an event that was pending for a
+  // connection closed meanwhile cannot reach a new one that got the same descriptor.
+  static constexpr std::uint64_t wake_id = ~std::uint64_t{0};
+  static constexpr std::uint64_t listen_id = wake_id - 1;
+
+  void watch_fd(int fd, std::uint32_t events, std::uint64_t id, int op = EPOLL_CTL_ADD) {
+    epoll_event ev{};
+    ev.events = events;
+    ev.data.u64 = id;
+    ::epoll_ctl(epoll_.get(), op, fd, &ev);
+  }
+
   void loop() {
-    std::map<int, client> clients;
-    std::vector<waiter> waiters;
-    std::vector<pollfd> pfds;
+    std::vector<epoll_event> events(1024);
     while (!stopping_) {
-      pfds.clear();
-      pfds.push_back({wake_.get(), POLLIN, 0});
       const auto before = detail::clock::now();
       // Out of descriptors for longer than shedding helps: leave the listener alone a while
       // rather than spin on it.
-      pfds.push_back({listen_.get(), static_cast<short>(before >= accept_pause_ ? POLLIN : 0), 0});
-      int timeout = before >= accept_pause_ ? 1000 : detail::ms_left(accept_pause_) + 1;
-      for (auto& [fd, c] : clients) {
-        // A client whose replies pile up is not read until it takes them (backpressure).
-        const bool want_in = !c.eof && (c.closing || c.out.size() < detail::store_max_frame);
-        pfds.push_back({fd, static_cast<short>((want_in ? POLLIN : 0) | (c.out.empty() ? 0 : POLLOUT)), 0});
-        if (c.hs || c.closing) timeout = std::min(timeout, detail::ms_left(c.limit) + 1);
-        if (c.eof) timeout = std::min(timeout, detail::ms_left(c.eof_limit) + 1);
+      const bool listen_now = before >= accept_pause_;
+      if (listen_now != listening_) {
+        watch_fd(listen_.get(), listen_now ? EPOLLIN : 0u, listen_id, EPOLL_CTL_MOD);
+        listening_ = listen_now;
       }
-      for (const auto& w : waiters) timeout = std::min(timeout, detail::ms_left(w.until) + 1);
-      ::poll(pfds.data(), pfds.size(), timeout);
+      const int n = ::epoll_wait(epoll_.get(), events.data(), static_cast<int>(events.size()), next_timeout(before));
       if (stopping_) break;
       const auto now = detail::clock::now();
-      if (pfds[1].revents & POLLIN) {
-        for (;;) {
-          const int fd = accept_one(now);
-          if (fd < 0) break;
-          if (clients.size() >= max_clients) { ::close(fd); continue; }
-          detail::tune_stream(fd, 0);
-          auto& c = clients[fd];
-          c.fd = detail::fd_handle(fd);
-          if (auth_) {
-            c.hs.emplace(auth_.get(), detail::auth_kind::store);
-            c.limit = now + detail::auth_handshake_limit;
-          }
-        }
-      }
-      std::vector<int> dead;
-      for (std::size_t i = 2; i < pfds.size(); ++i) {
-        const int fd = pfds[i].fd;
-        auto it = clients.find(fd);
-        if (it == clients.end()) continue;  // accepted after pfds was built
-        auto& c = it->second;
-        if (pfds[i].revents & (POLLERR | POLLHUP | POLLNVAL) && !(pfds[i].revents & POLLIN)) {
-          dead.push_back(fd);
+      for (int i = 0; i < n; ++i) {
+        const std::uint64_t id = events[static_cast<std::size_t>(i)].data.u64;
+        const auto ev = events[static_cast<std::size_t>(i)].events;
+        if (id == wake_id) continue;
+        if (id == listen_id) {
+          accept_all(now);
           continue;
         }
-        if (pfds[i].revents & POLLIN) {
-          const auto r = c.closing ? drain(c) : on_readable(fd, c, waiters);
-          if (r == read_result::closed) { dead.push_back(fd); continue; }
-          if (r == read_result::invalid) { ++dropped_; dead.push_back(fd); continue; }
-        }
-        if (!c.out.empty() && !flush(c)) { dead.push_back(fd); continue; }
-        if (c.closing && c.out.empty() && !c.shut) {
-          // Half-close and linger until the client hangs up, so it reads our answer rather
-          // than a reset.
-          ::shutdown(fd, SHUT_WR);
-          c.shut = true;
-        }
-        if ((c.hs || c.closing) && now >= c.limit) {
-          if (c.hs && !c.closing) ++refused_;
-          dead.push_back(fd);
-        }
+        auto it = clients_.find(id);
+        if (it == clients_.end() || it->second->dead) continue;
+        on_event(*it->second, ev);
       }
-      serve_waiters(clients, waiters);
+      expire(now);
+      settle_touched(now);
+      shed_buffers();
+      reap();
+    }
+    // Closing: every descriptor goes with clients_.
+  }
+
+  /// Milliseconds until the next thing that is due (a parked request's or a connection's
+  /// deadline, the listener's pause, a handshake's end under pressure); at most a second.
+  int next_timeout(detail::deadline_t now) const {
+    auto next = now + std::chrono::seconds(1);
+    if (!deadlines_.empty()) next = std::min(next, deadlines_.begin()->first);
+    if (!timers_.empty()) next = std::min(next, timers_.begin()->first);
+    if (now < accept_pause_) next = std::min(next, accept_pause_);
+    if (under_pressure(now))
+      if (auto it = by_tier_.lower_bound({handshaking, 0, 0}); it != by_tier_.end() && std::get<0>(*it) == handshaking)
+        next = std::min(next, clients_.at(std::get<2>(*it))->accepted + pressure_handshake_limit);
+    if (next <= now) return 0;
+    return static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(next - now).count()) + 1;
+  }
+
+  void touch(client& c) {
+    if (c.touched || c.dead) return;
+    c.touched = true;
+    touched_.push_back(c.seq);
+  }
+  void kill(client& c) {
+    if (c.dead) return;
+    c.dead = true;
+    dead_.push_back(c.seq);
+  }
+
+  void on_event(client& c, std::uint32_t ev) {
+    touch(c);
+    if ((ev & (EPOLLERR | EPOLLHUP)) && !(ev & EPOLLIN)) { kill(c); return; }
+    if (ev & EPOLLIN) {
+      const auto r = c.closing ? drain(c) : on_readable(c);
+      if (r == read_result::closed) { kill(c); return; }
+      if (r == read_result::invalid) { ++dropped_; kill(c); return; }
+    }
+  }
+
+  /// After a round's events: flush, half-close refused clients, close the ones that are done,
+  /// and bring each touched connection's epoll interest, timers, tier and counts up to date.
+  void settle_touched(detail::deadline_t now) {
+    for (std::size_t i = 0; i < touched_.size(); ++i) {
+      auto it = clients_.find(touched_[i]);
+      if (it == clients_.end()) continue;
+      auto& c = *it->second;
+      c.touched = false;
+      if (c.dead) continue;
+      if (!c.out.empty() && !flush(c)) { kill(c); continue; }
+      if (c.closing && c.out.empty() && !c.shut) {
+        // Half-close and linger until the client hangs up, so it reads our answer rather
+        // than a reset.
+        ::shutdown(c.fd.get(), SHUT_WR);
+        c.shut = true;
+      }
       // A client that shut its side goes once it has every answer it is owed, or after
       // eof_linger: a closed socket looks the same as a half-closed one, and requests parked
       // by a client that is gone must not hold a descriptor for as long as they asked to wait.
-      for (auto& [fd, c] : clients)
-        if (c.eof && ((c.out.empty() && std::none_of(waiters.begin(), waiters.end(),
-                                                     [fd = fd](const waiter& w) { return w.fd == fd; })) ||
-                      now >= c.eof_limit))
-          dead.push_back(fd);
-      shed_buffers(clients, dead);
-      std::sort(dead.begin(), dead.end());
-      dead.erase(std::unique(dead.begin(), dead.end()), dead.end());
-      for (int fd : dead) {
-        clients.erase(fd);
-        std::erase_if(waiters, [fd](const waiter& w) { return w.fd == fd; });
+      if (c.eof && ((c.out.empty() && c.parked.empty()) || now >= c.eof_limit)) { kill(c); continue; }
+      // Memory a 64 MiB frame left behind goes back once it is handled.
+      if (c.in.empty() && c.in.capacity() > (64u << 10)) std::string().swap(c.in);
+      if (c.out.empty() && c.out.capacity() > (64u << 10)) std::string().swap(c.out);
+      // A client whose replies pile up is not read until it takes them (backpressure).
+      const bool want_in = !c.eof && (c.closing || c.out.size() < backpressure);
+      const std::uint32_t want = (want_in ? EPOLLIN : 0u) | (c.out.empty() ? 0u : EPOLLOUT);
+      if (want != c.events) {
+        watch_fd(c.fd.get(), want, c.seq, EPOLL_CTL_MOD);
+        c.events = want;
       }
-      // Only clients that got in count: a stranger stalled mid-handshake must not keep rank 0
-      // waiting for it to leave.
-      nclients_ = static_cast<int>(std::count_if(clients.begin(), clients.end(), [](const auto& kv) {
-        return !kv.second.hs && !kv.second.closing && !kv.second.eof;
-      }));
+      retime(c);
+      retier(c);
+      recount(c);
+      account(c);
     }
+    touched_.clear();
+  }
+
+  /// Parked requests and connections whose time is up.
+  void expire(detail::deadline_t now) {
+    while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+      const auto id = deadlines_.begin()->second;
+      auto& w = waiters_.at(id);
+      auto& c = *clients_.at(w.owner);
+      // Timed out: say which keys are still missing, so callers can name absent ranks.
+      std::vector<std::string_view> missing;
+      for (std::size_t i = 0; i < detail::waited_keys(w.req); ++i)
+        if (!data_.count(w.req.fields[i])) missing.push_back(w.req.fields[i]);
+      reply(c, detail::store_status::timeout, missing);
+      unpark(id);
+      touch(c);
+    }
+    while (!timers_.empty() && timers_.begin()->first <= now) {
+      auto& c = *clients_.at(timers_.begin()->second);
+      timers_.erase(c.timer);
+      c.timed = false;
+      if ((c.hs || c.closing) && now >= c.limit) {
+        if (c.hs && !c.closing) ++refused_;
+        kill(c);
+      } else {
+        touch(c);  // the end of its eof linger: settle closes it
+      }
+    }
+    // Under pressure a handshake gets far less time: strangers stalled mid-handshake must not
+    // hold the descriptors real ranks need.
+    if (under_pressure(now))
+      for (auto it = by_tier_.lower_bound({handshaking, 0, 0});
+           it != by_tier_.end() && std::get<0>(*it) == handshaking;) {
+        auto& c = *clients_.at(std::get<2>(*it));
+        ++it;
+        if (now - c.accepted < pressure_handshake_limit) break;
+        if (!c.dead) {
+          ++refused_;
+          ++evicted_;
+          kill(c);
+        }
+      }
+  }
+
+  /// Connections the store may hold now: store_limits::max_connections, and fewer for a while
+  /// after the process ran out of descriptors.
+  std::size_t room(detail::deadline_t now) const {
+    return now < fd_room_until_ ? std::min(limits_.max_connections, fd_room_) : limits_.max_connections;
+  }
+
+  bool under_pressure(detail::deadline_t now) const {
+    return now < pressure_until_ || clients_.size() * 4 >= limits_.max_connections * 3;
+  }
+
+  void retime(client& c) {
+    auto when = detail::deadline_t::max();
+    if (c.hs || c.closing) when = c.limit;
+    if (c.eof) when = std::min(when, c.eof_limit);
+    if (c.timed && c.timer->first == when) return;
+    if (c.timed) timers_.erase(c.timer);
+    c.timed = when != detail::deadline_t::max();
+    if (c.timed) c.timer = timers_.emplace(when, c.seq);
+  }
+
+  int tier_of(const client& c) const {
+    if (c.closing) return refused_tier;
+    if (c.hs) return handshaking;
+    if (!c.confirmed) return unconfirmed;
+    // A rank waits (a parked request) for rank 0's job record before it claims its rank:
+    // only idle non-members are strangers.
+    if (!member_prefix_.empty() && !c.member && !auth_ && c.parked.empty()) return not_member;
+    return trusted;
+  }
+  void retier(client& c) {
+    const int t = tier_of(c);
+    // Oldest first; non-members by their last request answered (a rank whose wait was just
+    // answered is about to claim: idle strangers go before it).
+    const std::uint64_t order = t == not_member ? c.active : c.seq;
+    if (t == c.tier && order == c.order) return;
+    if (c.tier != trusted) by_tier_.erase({c.tier, c.order, c.seq});
+    c.tier = t;
+    c.order = order;
+    if (t != trusted) by_tier_.insert({t, order, c.seq});
+  }
+  void recount(client& c) {
+    // Only clients that got in count: a stranger stalled mid-handshake (or one that never
+    // claimed a rank, in a store with members) must not keep rank 0 waiting for it to leave.
+    const bool should = !c.hs && !c.closing && !c.eof && !c.dead && (member_prefix_.empty() || c.member);
+    if (should != c.counted) nclients_ += should ? 1 : -1;
+    c.counted = should;
+  }
+  void account(client& c) {
+    const std::size_t held = limits_.connection_overhead + c.in.capacity() + c.out.capacity() + c.parked_bytes;
+    total_held_ = total_held_ - c.held + held;
+    c.held = held;
+    buffered_ = total_held_;
+  }
+
+  /// Closes the clients marked dead this round.
+  void reap() {
+    for (auto seq : dead_) close_client(seq);
+    dead_.clear();
+  }
+
+  void close_client(std::uint64_t seq) {
+    auto it = clients_.find(seq);
+    if (it == clients_.end()) return;
+    auto& c = *it->second;
+    while (!c.parked.empty()) unpark(c.parked.back());
+    if (c.timed) timers_.erase(c.timer);
+    if (c.tier != trusted) by_tier_.erase({c.tier, c.order, c.seq});
+    if (c.counted) --nclients_;
+    total_held_ -= c.held;
+    buffered_ = total_held_;
+    clients_.erase(it);  // closes the descriptor, which leaves the epoll set
   }
 
   enum class read_result { ok, closed, invalid };
 
-  /// Accepts one connection, or returns -1 when none is waiting. Out of descriptors, the
-  /// waiting connections are accepted on a spare descriptor and closed at once (their clients
-  /// see the connection closed instead of hanging), so the loop never spins on a listener it
-  /// cannot serve; when even that fails, the listener rests for 100 ms.
+  /// Accepts what is waiting (a bounded number per round, so a flood cannot starve the
+  /// clients already in).
+  void accept_all(detail::deadline_t now) {
+    for (int i = 0; i < 512; ++i) {
+      const int fd = accept_one(now);
+      if (fd < 0) return;
+      if (clients_.size() >= room(now) && !evict_stranger()) {
+        ::close(fd);
+        ++shed_;
+        continue;
+      }
+      detail::tune_stream(fd, 0);
+      auto c = std::make_unique<client>();
+      c->fd = detail::fd_handle(fd);
+      c->seq = ++seq_;
+      c->accepted = now;
+      c->tier = trusted;
+      if (auth_) {
+        c->hs.emplace(auth_.get(), detail::auth_kind::store);
+        c->limit = now + detail::auth_handshake_limit;
+      }
+      auto& ref = *c;
+      clients_.emplace(ref.seq, std::move(c));
+      ref.events = EPOLLIN;
+      watch_fd(fd, EPOLLIN, ref.seq);
+      retime(ref);
+      retier(ref);
+      recount(ref);
+      account(ref);
+    }
+  }
+
+  /// Closes the stranger most readily closed (refused, then mid-handshake, then never served,
+  /// then not a member; oldest first), now, to free its descriptor. False when there is none.
+  bool evict_stranger() {
+    if (by_tier_.empty()) return false;
+    const auto seq = std::get<2>(*by_tier_.begin());
+    auto& c = *clients_.at(seq);
+    ++evicted_;
+    if (c.hs && !c.closing) ++refused_;
+    close_client(seq);
+    return true;
+  }
+
+  /// Accepts one connection, or returns -1 when none is waiting. Out of descriptors, a stranger
+  /// is closed to make room (evict_stranger); when there is none, the waiting connections are
+  /// accepted on a spare descriptor and closed at once (their clients see the connection closed
+  /// and retry instead of hanging), so the loop never spins on a listener it cannot serve; when
+  /// even that fails, the listener rests for 100 ms.
   int accept_one(detail::deadline_t now) {
     for (;;) {
       const int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd >= 0) return fd;
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return -1;
+      if (errno == EMFILE || errno == ENFILE) {
+        // Out of descriptors: the store takes no more than it has now, less a reserve for
+        // the rest of the process (the group's mesh, files), for a second; strangers go to
+        // make that room.
+        pressure_until_ = now + pressure_linger;
+        fd_room_ = clients_.size() > descriptor_reserve ? clients_.size() - descriptor_reserve : 0;
+        fd_room_until_ = now + fd_room_linger;
+        bool freed = false;
+        while (clients_.size() > fd_room_ && evict_stranger()) freed = true;
+        if (freed) continue;
+      }
       bool drained = false;
       if ((errno == EMFILE || errno == ENFILE) && spare_) {
         spare_.reset();
@@ -251,35 +539,34 @@ class store_server {
     }
   }
 
-  /// Keeps the bytes buffered for all clients under limits_.max_buffered by dropping the
-  /// clients that hold the most (a legitimate client's frames are small next to a flood).
-  void shed_buffers(std::map<int, client>& clients, std::vector<int>& dead) {
-    std::size_t total = 0;
-    for (const auto& [fd, c] : clients) total += c.in.size() + c.out.size();
-    while (total > limits_.max_buffered) {
-      auto worst = clients.end();
-      for (auto it = clients.begin(); it != clients.end(); ++it) {
-        if (std::find(dead.begin(), dead.end(), it->first) != dead.end()) continue;
-        if (worst == clients.end() || it->second.in.size() + it->second.out.size() >
-                                          worst->second.in.size() + worst->second.out.size())
-          worst = it;
-      }
-      if (worst == clients.end()) break;
-      total -= worst->second.in.size() + worst->second.out.size();
-      dead.push_back(worst->first);
+  /// Keeps what is held for all clients under limits_.max_buffered by dropping the clients
+  /// that hold the most (a legitimate client's frames are small next to a flood).
+  void shed_buffers() {
+    while (total_held_ > limits_.max_buffered) {
+      client* worst = nullptr;
+      for (auto& [fd, c] : clients_)
+        if (!c->dead && (worst == nullptr || c->held > worst->held)) worst = c.get();
+      if (worst == nullptr) break;
       ++dropped_;
+      kill(*worst);
+      total_held_ -= worst->held;  // reap takes it off again: count it once
+      worst->held = 0;
     }
   }
 
   /// Reads what is there and acts on it one chunk at a time, so a bad length is caught after
   /// its first 4 bytes, never after buffering the rest of what the client sent.
-  read_result on_readable(int fd, client& c, std::vector<waiter>& waiters) {
+  read_result on_readable(client& c) {
     char buf[65536];
-    while (!c.closing && c.out.size() < detail::store_max_frame) {
+    while (!c.closing && c.out.size() < backpressure) {
       const ssize_t k = ::recv(c.fd.get(), buf, sizeof buf, 0);
       if (k > 0) {
+        make_room(c.in, static_cast<std::size_t>(k));
         c.in.append(buf, static_cast<std::size_t>(k));
-        if (!consume(fd, c, waiters)) return read_result::invalid;
+        if (!consume(c)) return read_result::invalid;
+        account(c);
+        // Past the budget: stop reading; shed_buffers drops whoever holds the most.
+        if (total_held_ > limits_.max_buffered) return read_result::ok;
         continue;
       }
       if (k == 0) {
@@ -291,6 +578,23 @@ class store_server {
       return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? read_result::ok : read_result::closed;
     }
     return read_result::ok;
+  }
+
+  /// Grows `in` for `k` more bytes: doubling, but never past the end of the frame at its front,
+  /// so a frame of 64 MiB holds 64 MiB, not 128. Nothing is reserved for what a length only
+  /// claims: memory follows the bytes that really arrived.
+  static void make_room(std::string& in, std::size_t k) {
+    const std::size_t need = in.size() + k;
+    if (need <= in.capacity()) return;
+    std::size_t target = std::max(need, 2 * in.capacity());
+    if (in.size() >= 4) {
+      const std::size_t frame_end = std::size_t{4} + detail::get_u32(in.data());
+      if (frame_end >= need && frame_end <= std::size_t{4} + detail::store_max_frame) target = std::min(target, frame_end);
+    }
+    std::string grown;  // reserve() on `in` itself would at least double it
+    grown.reserve(target);
+    grown.append(in);
+    in.swap(grown);
   }
 
   /// A refused client: read and discard until it hangs up.
@@ -313,13 +617,16 @@ class store_server {
   }
 
   /// Runs the handshake while one is due, then the requests; false drops the client.
-  bool consume(int fd, client& c, std::vector<waiter>& waiters) {
+  bool consume(client& c) {
     using state = detail::auth_responder::state;
     if (c.hs) {
       switch (c.hs->feed(c.in, c.out, [](const detail::auth_hello&) { return true; })) {
         case state::hello:
         case state::proof: return true;
-        case state::done: c.hs.reset(); break;
+        case state::done:
+          c.hs.reset();
+          c.confirmed = true;
+          break;
         case state::failed: refuse(c); return true;
         case state::foreign:
           // Most likely a rank started without the token: tell it so before closing.
@@ -333,7 +640,7 @@ class store_server {
       refuse(c);
       return true;
     }
-    return handle_frames(fd, c, waiters);
+    return handle_frames(c);
   }
 
   static bool flush(client& c) {
@@ -345,7 +652,7 @@ class store_server {
     return true;
   }
 
-  bool handle_frames(int fd, client& c, std::vector<waiter>& waiters) {
+  bool handle_frames(client& c) {
     for (;;) {
       std::uint32_t len = 0;
       const auto hr = detail::check_header(c.in, len);
@@ -355,16 +662,14 @@ class store_server {
       if (detail::parse_body(std::string_view(c.in).substr(4, len), f) != detail::parse_result::ok) return false;
       c.in.erase(0, 4 + static_cast<std::size_t>(len));
       if (!detail::valid_request(f)) return false;
+      c.confirmed = true;
+      c.active = ++activity_;
       if (!execute(c, f)) {
         // Our client parks at most one request at a time; many more is a misbehaving peer.
-        if (std::count_if(waiters.begin(), waiters.end(), [fd](const waiter& w) { return w.fd == fd; }) >=
-            static_cast<std::ptrdiff_t>(detail::store_max_waiting))
-          return false;
-        const auto ms = detail::decode_i64(f.fields.back());
-        // The wait comes from the client: clamp it (a day) before it meets the clock's range.
-        const std::int64_t bounded = std::clamp<std::int64_t>(ms, 0, std::int64_t{86'400'000});
-        waiters.push_back({fd, std::move(f), detail::clock::now() + std::chrono::milliseconds(bounded)});
+        if (c.parked.size() >= detail::store_max_waiting) return false;
+        park(c, std::move(f));
       }
+      wake_pending();
     }
   }
 
@@ -376,6 +681,15 @@ class store_server {
   bool execute(client& c, const detail::frame& f) {
     using detail::store_cmd;
     const auto& k = f.fields[0];
+    const bool claim = detail::is_claim(f, member_prefix_);
+    if (!member_prefix_.empty() && !c.member && detail::is_write(f.code) && !claim) {
+      static constexpr const char* names[] = {"", "set", "get", "add", "compare_set", "erase", "check", "wait"};
+      reply(c, detail::store_status::forbidden,
+            {"the store of rank " + std::to_string(rank_) + " refused to " + names[f.code] + " key '" + k.substr(0, 64) +
+             "': this connection has not joined the group (only a connection that claimed a rank, with "
+             "compare_set on a key under '" + member_prefix_ + "', may write)"});
+      return true;
+    }
     switch (static_cast<store_cmd>(f.code)) {
       case store_cmd::set:
         if (!store_value(c, k, f.fields[1])) return true;
@@ -400,24 +714,26 @@ class store_server {
       }
       case store_cmd::cas: {
         auto it = data_.find(k);
+        bool stored = false;
         if (it == data_.end()) {
           if (f.fields[1].empty()) {
             if (!store_value(c, k, f.fields[2])) return true;
-            reply(c, detail::store_status::ok, {f.fields[2]});
-          } else {
-            reply(c, detail::store_status::ok, {f.fields[1].substr(0, 0)});
+            stored = true;
           }
-          return true;
+        } else if (it->second == f.fields[1]) {
+          if (!store_value(c, k, f.fields[2])) return true;
+          stored = true;
         }
-        if (it->second == f.fields[1] && !store_value(c, k, f.fields[2])) return true;
-        reply(c, detail::store_status::ok, {data_.find(k)->second});
+        if (stored && claim) c.member = true;
+        it = data_.find(k);
+        reply(c, detail::store_status::ok, {it == data_.end() ? std::string_view() : std::string_view(it->second)});
         return true;
       }
       case store_cmd::del: {
         auto it = data_.find(k);
         const bool erased = it != data_.end();
         if (erased) {
-          stored_ -= it->first.size() + it->second.size();
+          stored_ -= it->first.size() + it->second.size() + store_limits::entry_overhead;
           data_.erase(it);
         }
         reply(c, detail::store_status::ok, {erased ? "1" : "0"});
@@ -439,20 +755,22 @@ class store_server {
   /// data_[key] = value within limits_.max_bytes; otherwise answers `full` and returns false.
   bool store_value(client& c, const std::string& key, std::string_view value) {
     auto it = data_.find(key);
-    const std::size_t old = it == data_.end() ? 0 : key.size() + it->second.size();
+    constexpr std::size_t overhead = store_limits::entry_overhead;
+    const std::size_t old = it == data_.end() ? 0 : key.size() + it->second.size() + overhead;
     const std::size_t now = stored_.load() - old;
-    if (key.size() + value.size() > limits_.max_bytes) {
+    const std::size_t need = key.size() + value.size() + overhead;
+    if (need > limits_.max_bytes) {
       // Could never fit, however empty the store: a bad argument, not a full store.
       const std::string why = "store value for key '" + key.substr(0, 64) + "' is too large: " +
-                              std::to_string(key.size() + value.size()) + " bytes with its key, and the store of rank " +
+                              std::to_string(need) + " bytes with its key and entry overhead, and the store of rank " +
                               std::to_string(rank_) + " holds at most " + std::to_string(limits_.max_bytes) +
                               " (store_limits::max_bytes)";
       reply(c, detail::store_status::too_large, {why});
       return false;
     }
-    if (now + key.size() + value.size() > limits_.max_bytes) {
-      const std::string why = "the store of rank " + std::to_string(rank_) + " is full: writing '" + key + "' (" +
-                              std::to_string(value.size()) + " bytes) would pass its limit of " +
+    if (now + need > limits_.max_bytes) {
+      const std::string why = "the store of rank " + std::to_string(rank_) + " is full: writing '" + key.substr(0, 64) +
+                              "' (" + std::to_string(value.size()) + " bytes) would pass its limit of " +
                               std::to_string(limits_.max_bytes) + " bytes (store_limits::max_bytes; " +
                               std::to_string(now) + " held)";
       reply(c, detail::store_status::full, {why});
@@ -460,50 +778,137 @@ class store_server {
     }
     if (it == data_.end()) data_.emplace(key, std::string(value));
     else it->second.assign(value);
-    stored_ = now + key.size() + value.size();
+    stored_ = now + need;
+    if (watch_.find(key) != watch_.end()) pending_wakes_.push_back(key);
     return true;
   }
 
-  void serve_waiters(std::map<int, client>& clients, std::vector<waiter>& waiters) {
-    const auto now = detail::clock::now();
-    for (auto it = waiters.begin(); it != waiters.end();) {
-      auto cit = clients.find(it->fd);
-      if (cit == clients.end()) { it = waiters.erase(it); continue; }
-      if (execute(cit->second, it->req)) {
-        it = waiters.erase(it);
-      } else if (now >= it->until) {
-        // Timed out: say which keys are still missing, so callers can name absent ranks.
-        std::vector<std::string_view> missing;
-        const std::size_t nkeys = it->req.code == static_cast<std::uint8_t>(detail::store_cmd::wait)
-                                      ? it->req.fields.size() - 1 : 1;
-        for (std::size_t i = 0; i < nkeys; ++i)
-          if (!data_.count(it->req.fields[i])) missing.push_back(it->req.fields[i]);
-        reply(cit->second, detail::store_status::timeout, missing);
-        it = waiters.erase(it);
-      } else {
-        ++it;
-      }
-      if (cit != clients.end() && !cit->second.out.empty()) flush(cit->second);
-    }
+  /// Parks a get/wait until its keys exist or its time is up, registered on its first missing key.
+  void park(client& c, detail::frame f) {
+    const auto ms = detail::decode_i64(f.fields.back());
+    // The wait comes from the client: clamp it (a year) before it meets the clock's range.
+    const std::int64_t bounded = std::clamp<std::int64_t>(ms, 0, max_wait_ms);
+    const auto id = ++waiter_seq_;
+    std::size_t bytes = store_limits::waiter_overhead;
+    for (const auto& field : f.fields) bytes += field.size() + 32;
+    auto& w = waiters_.emplace(id, waiter{c.seq, std::move(f), 0, 0, {}, {}}).first->second;
+    w.bytes = bytes;
+    w.timer = deadlines_.emplace(detail::clock::now() + std::chrono::milliseconds(bounded), id);
+    w.cursor = first_missing(w.req, 0);
+    w.watch = watch_.emplace(w.req.fields[w.cursor], id);
+    c.parked.push_back(id);
+    c.parked_bytes += bytes;
   }
 
-  static constexpr std::size_t max_clients = 65536;
+  /// Index of the first key of `f` from `from` on that is missing (wrapping around); the number
+  /// of keys when all exist.
+  std::size_t first_missing(const detail::frame& f, std::size_t from) const {
+    const std::size_t n = detail::waited_keys(f);
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t k = (from + i) % n;
+      if (!data_.count(f.fields[k])) return k;
+    }
+    return n;
+  }
+
+  void unpark(std::uint64_t id) {
+    auto it = waiters_.find(id);
+    auto& c = *clients_.at(it->second.owner);
+    watch_.erase(it->second.watch);
+    deadlines_.erase(it->second.timer);
+    c.parked_bytes -= it->second.bytes;
+    std::erase(c.parked, id);
+    waiters_.erase(it);
+  }
+
+  /// Serves the requests parked on the keys written since the last call: each either completes
+  /// or moves on to its next missing key.
+  void wake_pending() {
+    for (std::size_t i = 0; i < pending_wakes_.size(); ++i) {
+      auto [b, e] = watch_.equal_range(pending_wakes_[i]);
+      std::vector<std::uint64_t> ids;
+      for (auto it = b; it != e; ++it) ids.push_back(it->second);
+      for (auto id : ids) {
+        auto& w = waiters_.at(id);
+        auto& c = *clients_.at(w.owner);
+        const std::size_t next = first_missing(w.req, w.cursor);
+        if (next < detail::waited_keys(w.req)) {
+          if (next != w.cursor) {
+            watch_.erase(w.watch);
+            w.cursor = next;
+            w.watch = watch_.emplace(w.req.fields[next], id);
+          }
+          continue;
+        }
+        [[maybe_unused]] const bool done = execute(c, w.req);
+        c.active = ++activity_;
+        unpark(id);
+        touch(c);
+      }
+    }
+    pending_wakes_.clear();
+  }
+
   static constexpr auto eof_linger = std::chrono::seconds(10);
+  // Replies a client has not taken yet past which it is not read (a pipelining client slows
+  // down instead of piling its answers up to store_limits::max_buffered).
+  static constexpr std::size_t backpressure = std::size_t{1} << 20;
+  static constexpr auto pressure_handshake_limit = std::chrono::seconds(1);
+  static constexpr auto pressure_linger = std::chrono::seconds(10);
+  static constexpr auto fd_room_linger = std::chrono::seconds(1);
+  static constexpr std::size_t descriptor_reserve = 16;  // left to the rest of the process
+  static constexpr std::int64_t max_wait_ms = std::int64_t{366} * 86'400'000;
   int rank_;
   std::shared_ptr<const authenticator> auth_;
   store_limits limits_;
+  std::string member_prefix_;
   detail::fd_handle spare_;  // given up to accept (and close) one connection when out of descriptors
   detail::deadline_t accept_pause_{};
+  detail::deadline_t pressure_until_{};  // out of descriptors lately
+  detail::deadline_t fd_room_until_{};   // fd_room_ holds until then
+  std::size_t fd_room_ = 0;              // connections that fit the descriptors left
   int port_ = 0;
   detail::fd_handle listen_;
   detail::fd_handle wake_;
+  detail::fd_handle epoll_;
+  bool listening_ = false;
   std::atomic<bool> stopping_{false};
   std::atomic<int> nclients_{0};
   std::atomic<int> dropped_{0};
   std::atomic<int> refused_{0};
   std::atomic<int> shed_{0};
+  std::atomic<int> evicted_{0};
   std::atomic<std::size_t> stored_{0};
-  std::map<std::string, std::string, std::less<>> data_;
+  std::atomic<std::size_t> buffered_{0};
+  // What the serving thread works on, on the heap: a forked child abandons it (the parent's
+  // thread may have been changing it at the fork) instead of destroying it.
+  struct serving {
+    std::map<std::string, std::string, std::less<>> data;
+    std::unordered_map<std::uint64_t, std::unique_ptr<client>> clients;  // by seq
+    std::set<std::tuple<int, std::uint64_t, std::uint64_t>> by_tier;  // strangers: (tier, order, seq)
+    std::unordered_map<std::uint64_t, waiter> waiters;
+    watch_map watch;      // key -> parked requests waiting for it
+    timer_map deadlines;  // when each parked request times out
+    timer_map timers;     // when each connection's handshake, linger or eof linger ends (by seq)
+    std::vector<std::string> pending_wakes;
+    std::vector<std::uint64_t> touched;
+    std::vector<std::uint64_t> dead;
+  };
+  std::unique_ptr<serving> st_ = std::make_unique<serving>();
+  std::map<std::string, std::string, std::less<>>& data_ = st_->data;
+  std::unordered_map<std::uint64_t, std::unique_ptr<client>>& clients_ = st_->clients;
+  std::set<std::tuple<int, std::uint64_t, std::uint64_t>>& by_tier_ = st_->by_tier;
+  std::unordered_map<std::uint64_t, waiter>& waiters_ = st_->waiters;
+  watch_map& watch_ = st_->watch;
+  timer_map& deadlines_ = st_->deadlines;
+  timer_map& timers_ = st_->timers;
+  std::vector<std::string>& pending_wakes_ = st_->pending_wakes;
+  std::vector<std::uint64_t>& touched_ = st_->touched;
+  std::vector<std::uint64_t>& dead_ = st_->dead;
+  std::uint64_t seq_ = 0;
+  std::uint64_t waiter_seq_ = 0;
+  std::uint64_t activity_ = 0;
+  std::size_t total_held_ = 0;
   detail::owner_process owner_;
   std::thread thread_;
 };
@@ -511,28 +916,46 @@ class store_server {
 /// A connection to the store. Calls are serialized by a mutex; each takes a deadline.
 class store_client {
  public:
-  /// Connects, retrying until `until` because rank 0 may start after us. With `auth`, proves
-  /// the secret and checks the server's proof before anything else (errc::auth_failed when
-  /// either fails).
+  /// Connects, retrying until `until` because rank 0 may start after us, and returns once the
+  /// store has answered: with `auth`, the handshake (it proves the secret and checks the
+  /// server's proof; errc::auth_failed when either fails); without, a `check` round trip. A
+  /// connection the store closes before that (shed or evicted while it had no room,
+  /// docs/security.md) is made again until `until`.
   store_client(const std::string& host, int port, int rank, detail::deadline_t until,
                std::shared_ptr<const authenticator> auth = nullptr)
       : rank_(rank), auth_(std::move(auth)) {
     const auto eps = detail::resolve(host, port, rank);
-    std::error_code ec;
-    fd_ = detail::connect_retry(eps, until, ec);
-    if (!fd_) {
-      // Retrying ran into the deadline: the master (rank 0) never came up.
-      detail::raise(errc::timeout, rank,
-                    "could not reach the store of rank 0 at " + host + ":" + std::to_string(port) +
-                        " before the deadline (rank 0 never arrived?): last error: " + detail::describe(ec));
-    }
-    detail::tune_stream(fd_.get(), 0);
-    if (auth_) {
-      detail::auth_hello h;
-      h.kind = detail::auth_kind::store;
-      h.from = static_cast<std::uint32_t>(rank);
-      detail::auth_initiate(fd_.get(), *auth_, h, until, rank,
-                            "the store of rank 0 at " + host + ":" + std::to_string(port));
+    const std::string where = host + ":" + std::to_string(port);
+    auto backoff = std::chrono::milliseconds(5);
+    for (;;) {
+      std::error_code ec;
+      fd_ = detail::connect_retry(eps, until, ec);
+      if (!fd_) {
+        // Retrying ran into the deadline: the master (rank 0) never came up.
+        detail::raise(errc::timeout, rank,
+                      "could not reach the store of rank 0 at " + where +
+                          " before the deadline (rank 0 never arrived?): last error: " + detail::describe(ec));
+      }
+      detail::tune_stream(fd_.get(), 0);
+      try {
+        if (auth_) {
+          detail::auth_hello h;
+          h.kind = detail::auth_kind::store;
+          h.from = static_cast<std::uint32_t>(rank);
+          detail::auth_initiate(fd_.get(), *auth_, h, until, rank, "the store of rank 0 at " + where);
+        } else {
+          (void)check("store/hello", until);
+        }
+        return;
+      } catch (const error& e) {
+        // Closed before it was served: the store had no room for us yet. Anything else (a
+        // refusal, a protocol error, the deadline) is the answer.
+        if (e.code() != errc::peer_lost || detail::clock::now() + backoff >= until) throw;
+      }
+      fd_.reset();
+      broken_.clear();
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
     }
   }
 
@@ -650,13 +1073,17 @@ class store_client {
     if (ec) fail(ec);
     detail::frame f;
     if (detail::parse_body(body, f) != detail::parse_result::ok) broken(errc::protocol, "store sent a malformed frame");
-    if (f.code > static_cast<std::uint8_t>(detail::store_status::too_large))
+    if (f.code > detail::store_last_status)
       broken(errc::protocol, "store sent an unknown status " + std::to_string(f.code));
     if (f.code == static_cast<std::uint8_t>(detail::store_status::full))
       detail::raise(errc::system, rank_, f.fields.empty() ? std::string("the store of rank 0 is full") : f.fields[0]);
     if (f.code == static_cast<std::uint8_t>(detail::store_status::too_large))
       detail::raise(errc::invalid_argument, rank_,
                     f.fields.empty() ? std::string("the value is larger than the store of rank 0 holds") : f.fields[0]);
+    if (f.code == static_cast<std::uint8_t>(detail::store_status::forbidden))
+      detail::raise(errc::auth_failed, rank_,
+                    f.fields.empty() ? "the store of rank 0 refused a write: this connection has not joined the group"
+                                     : f.fields[0]);
     if (f.code == static_cast<std::uint8_t>(detail::store_status::bad_request))
       detail::raise(errc::protocol, rank_, "store rejected the request");
     if (f.code == static_cast<std::uint8_t>(detail::store_status::auth_required))
@@ -668,10 +1095,12 @@ class store_client {
 
   static constexpr auto reply_slack = std::chrono::milliseconds(250);
 
-  /// How long the server waits for a get/wait: up to `until`, less a margin for its answer.
-  static int server_wait_ms(detail::deadline_t until) {
-    const int left = detail::ms_left(until);
-    return std::max(0, left - std::min(left / 8, static_cast<int>(reply_slack.count())));
+  /// How long the server waits for a get/wait: up to `until` (however far: days), less a
+  /// margin for its answer.
+  static std::int64_t server_wait_ms(detail::deadline_t until) {
+    const std::int64_t left = std::max<std::int64_t>(
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(until - detail::clock::now()).count());
+    return left - std::min<std::int64_t>(left / 8, reply_slack.count());
   }
 
   [[noreturn]] void fail(const std::error_code& ec) {

@@ -8,6 +8,9 @@
 
 #include <ddp/store.hpp>
 
+#include <optional>
+#include <thread>
+
 #include "fuzz_common.hpp"
 
 namespace {
@@ -45,13 +48,26 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::uint8_t which = in.byte();
   const auto answer = in.rest();
 
-  ddp::store_client client{"127.0.0.1", f.port, 0, ddp_fuzz::soon()};
-  std::error_code ec;
-  auto server_side = accept_until(f.listener.get(), ddp_fuzz::soon(), ec);
-  ddp_fuzz::require(static_cast<bool>(server_side), "fake store cannot accept");
-  // Small answers fit the socket buffer: send all, then hang up, before the client asks.
-  ddp_fuzz::send_bytes(server_side.get(), answer);
-  ::shutdown(server_side.get(), SHUT_WR);
+  // The client's constructor waits for the answer to its hello (a check), so the fake store
+  // answers from another thread: ok to the hello, then the fuzzed answer, then it hangs up.
+  // Small answers fit the socket buffer: all is sent before the client asks.
+  fd_handle server_side;
+  std::thread fake([&] {
+    std::error_code ec;
+    server_side = accept_until(f.listener.get(), ddp_fuzz::soon(), ec);
+    if (!server_side) return;
+    ddp_fuzz::send_bytes(server_side.get(), encode_frame(static_cast<std::uint8_t>(store_status::ok), {"0"}));
+    ddp_fuzz::send_bytes(server_side.get(), answer);
+    ::shutdown(server_side.get(), SHUT_WR);
+  });
+  std::optional<ddp::store_client> made;
+  try {
+    made.emplace("127.0.0.1", f.port, 0, ddp_fuzz::soon());
+  } catch (const ddp::error&) {
+  }
+  fake.join();
+  ddp_fuzz::require(made.has_value() && static_cast<bool>(server_side), "fake store cannot serve the hello");
+  auto& client = *made;
   try {
     call(client, which);
   } catch (const ddp::error&) {

@@ -88,6 +88,14 @@ void check_one_frame(std::string_view bytes) {
     case store_cmd::check: ddp_fuzz::require(f.fields.size() == 1, "del/check shape"); break;
     default: ddp_fuzz::require(false, "unknown command accepted");
   }
+  // The server's membership check and its parked requests rely on these.
+  const bool claim = is_claim(f, "pg/rank/");
+  ddp_fuzz::require(!claim || (is_write(f.code) && f.fields[0].starts_with("pg/rank/") && f.fields[1].empty()),
+                    "a claim that is not a compare_set from the empty value under the prefix");
+  ddp_fuzz::require(!is_claim(f, ""), "a claim without a prefix");
+  ddp_fuzz::require(is_write(f.code) == (f.code == 1 || f.code == 3 || f.code == 4 || f.code == 5), "write set");
+  if (f.code == static_cast<std::uint8_t>(store_cmd::get) || f.code == static_cast<std::uint8_t>(store_cmd::wait))
+    ddp_fuzz::require(waited_keys(f) >= 1 && waited_keys(f) < f.fields.size(), "waited keys out of the fields");
   for (std::size_t i = 0; i < f.fields.size(); ++i) {
     const bool value = (f.code == static_cast<std::uint8_t>(store_cmd::set) && i == 1) ||
                        (f.code == static_cast<std::uint8_t>(store_cmd::cas) && i >= 1);

@@ -3,9 +3,13 @@
 // client exactly when the frame parser says the stream is malformed; closed clients are reaped; and a
 // well-behaved client is served correctly after every input.
 //
-// Input: one byte that chooses how many reads the stream is cut into, then the stream.
-// Between reads the harness waits until the server has handled what it sent, so partial
-// frames really arrive in separate reads.
+// With members (store_server's member_prefix, as process_group runs it): the stray client is
+// never a member unless it claims a rank, so a stream without a claim changes nothing stored
+// (its writes are refused with `forbidden`, which does not drop it).
+//
+// Input: one byte that chooses how many reads the stream is cut into (bits 0-1) and whether
+// the store has members (bit 4), then the stream. Between reads the harness waits until the
+// server has handled what it sent, so partial frames really arrive in separate reads.
 
 #include <ddp/store.hpp>
 
@@ -17,8 +21,14 @@ namespace {
 
 using namespace ddp::detail;
 
+constexpr std::string_view member_prefix = "pg/rank/";
+
 struct fixture {
-  ddp::store_server server{resolve("127.0.0.1", 0, 0, true).front(), 0};
+  explicit fixture(bool members)
+      : server{resolve("127.0.0.1", 0, 0, true).front(), 0, nullptr, {}, std::string(members ? member_prefix : "")} {
+    if (members) client.compare_set("pg/rank/0", "", "fixture", ddp_fuzz::soon());
+  }
+  ddp::store_server server;
   ddp::store_client client{"127.0.0.1", server.port(), 0, ddp_fuzz::soon()};
   std::uint64_t round = 0;
 
@@ -31,14 +41,14 @@ struct fixture {
 
 /// The server of the current round. A fresh one now and then, so that the keys earlier inputs
 /// stored do not pile up over a long run.
-fixture& fx() {
-  static fixture* f = nullptr;  // never destroyed at exit: its server thread outlives statics
-  static unsigned uses = 0;
-  if (uses++ % 4096 == 0) {
-    delete f;
-    f = new fixture;
+fixture& fx(bool members) {
+  static fixture* f[2] = {};  // never destroyed at exit: their server threads outlive statics
+  static unsigned uses[2] = {};
+  if (uses[members]++ % 4096 == 0) {
+    delete f[members];
+    f[members] = new fixture(members);
   }
-  return *f;
+  return *f[members];
 }
 
 /// What the server must conclude about a stream: whether it must drop the client, and whether
@@ -47,6 +57,7 @@ fixture& fx() {
 struct verdict {
   bool must = false;
   bool may = false;
+  bool claims = false;  // holds a claim of a rank (compare_set under member_prefix from "")
 };
 
 verdict must_drop(std::string_view bytes) {
@@ -64,6 +75,7 @@ verdict must_drop(std::string_view bytes) {
       break;
     }
     in.erase(0, 4 + static_cast<std::size_t>(len));
+    if (is_claim(f, member_prefix)) v.claims = true;
     if (f.code == static_cast<std::uint8_t>(store_cmd::get) || f.code == static_cast<std::uint8_t>(store_cmd::wait))
       ++parkable;
   }
@@ -74,13 +86,16 @@ verdict must_drop(std::string_view bytes) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  auto& f = fx();
   ddp_fuzz::reader in(data, size);
-  const std::size_t reads = 1 + in.byte() % 4;
+  const std::uint8_t mode = in.byte();
+  const bool members = (mode & 0x10) != 0;
+  auto& f = fx(members);
+  const std::size_t reads = 1 + mode % 4;
   const auto bytes = in.rest();
   // A client the server stops serving is either dropped (malformed request) or refused (it
   // offered a handshake this server does not take); either way the parser must reject it too.
   const int gone_before = f.server.dropped() + f.server.refused();
+  const std::size_t stored_before = f.server.stored_bytes();
 
   {
     const auto stray = ddp_fuzz::connect_loopback(f.server.port());
@@ -95,6 +110,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     ddp_fuzz::require(gone == 0 || gone == 1, "one client dropped more than once");
     ddp_fuzz::require(!v.must || gone == 1, "server kept a client whose stream the parser rejects");
     ddp_fuzz::require(v.may || gone == 0, "server dropped a client whose stream the parser accepts");
+    ddp_fuzz::require(!members || v.claims || f.server.stored_bytes() == stored_before,
+                      "a client that never claimed a rank changed the store");
   }  // the stray client hangs up here, possibly with requests still waiting
 
   // A real client is still served correctly.

@@ -17,7 +17,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 # include/ddp/detail/store_protocol.hpp
 SET, GET, ADD, CAS, DEL, CHECK, WAIT = range(1, 8)
-OK, TIMEOUT, BAD_REQUEST = range(3)
+OK, TIMEOUT, BAD_REQUEST, AUTH_REQUIRED, FULL, TOO_LARGE, FORBIDDEN = range(7)
 MAX_FRAME = 64 << 20
 # include/ddp/detail/mesh.hpp and tests/fuzz/fuzz_mesh_hello.cpp
 MESH_MAGIC = 0x30504444
@@ -67,12 +67,34 @@ def requests():
 
 def store_frame():
     # First byte: how the stream is cut into reads.
-    return {name: bytes([i % 17]) + data for i, (name, data) in enumerate(requests().items())}
+    reqs = {**requests(), **{"members_" + k: v for k, v in member_requests().items()}}
+    return {name: bytes([i % 17]) + data for i, (name, data) in enumerate(reqs.items())}
+
+
+def member_requests():
+    """A stranger to a store with members (prefix pg/rank/): writes it may not make, reads it
+    may, and claims of a taken and of a free rank."""
+    ms = i64(20)
+    return {
+        "forbidden_writes": frame(SET, b"pg/abort", b"stranger") + frame(ADD, b"pg/arrived", i64(1)) +
+                            frame(CAS, b"pg/failure", b"", b"x") + frame(DEL, b"pg/id") +
+                            frame(SET, b"tcp/1/abort", b"y"),
+        "reads": frame(GET, b"pg/rank/0", ms) + frame(CHECK, b"pg/id") + frame(WAIT, b"pg/rank/0", ms),
+        "claim_taken": frame(CAS, b"pg/rank/0", b"", b"mine") + frame(SET, b"pg/abort", b"z"),
+        "claim_then_write": frame(CAS, b"pg/rank/7", b"", b"t7") + frame(SET, b"pg/abort", b"z") +
+                            frame(DEL, b"pg/abort"),
+        "claim_not_from_empty": frame(CAS, b"pg/rank/8", b"old", b"t8") + frame(SET, b"k", b"v"),
+    }
 
 
 def store_server():
-    # First byte: into how many reads the stream is cut.
-    return {name: bytes([i % 4]) + data for i, (name, data) in enumerate(requests().items())}
+    # First byte: into how many reads the stream is cut (bits 0-1); bit 4: the store has members.
+    seeds = {name: bytes([i % 4]) + data for i, (name, data) in enumerate(requests().items())}
+    seeds.update({"members_" + name: bytes([0x10 | (i % 4)]) + data
+                  for i, (name, data) in enumerate(member_requests().items())})
+    seeds.update({"members_" + name: bytes([0x10 | (i % 4)]) + data
+                  for i, (name, data) in enumerate(requests().items()) if name in ("set", "cas", "wait")})
+    return seeds
 
 
 def store_client():
@@ -87,6 +109,11 @@ def store_client():
         "check_ok": bytes([5]) + frame(OK, b"0"),
         "wait_timeout": bytes([6]) + frame(TIMEOUT, b"a", b"b"),
         "bad_request": bytes([0]) + frame(BAD_REQUEST),
+        "set_forbidden": bytes([0]) + frame(FORBIDDEN, b"the store of rank 0 refused to set key 'pg/abort'"),
+        "add_forbidden_no_text": bytes([2]) + frame(FORBIDDEN),
+        "set_full": bytes([0]) + frame(FULL, b"full"),
+        "set_too_large": bytes([0]) + frame(TOO_LARGE, b"too large"),
+        "unknown_status": bytes([5]) + frame(FORBIDDEN + 1, b"0"),
         "truncated": bytes([1]) + frame(OK, b"value")[:-2],
     }
 

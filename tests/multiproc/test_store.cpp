@@ -4,7 +4,10 @@
 
 #include <sys/resource.h>
 
+#include <array>
 #include <atomic>
+#include <cstring>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -192,7 +195,8 @@ TEST_CASE("the store refuses writes past its byte limit, and drops the clients t
   ddp::store_client c{"127.0.0.1", server.port(), 0, soon()};
   const std::string big(600 << 10, 'a'), half(300 << 10, 'b');
   c.set("a", big);
-  CHECK(server.stored_bytes() == 1 + big.size());
+  constexpr auto entry = ddp::store_limits::entry_overhead;
+  CHECK(server.stored_bytes() == 1 + big.size() + entry);
   CHECK_THROWS_WITH_AS(c.set("b", big), doctest::Contains("is full"), ddp::error);
   try {
     c.set("b", big);
@@ -204,10 +208,10 @@ TEST_CASE("the store refuses writes past its byte limit, and drops the clients t
   CHECK_THROWS_AS(c.compare_set("b", "", big), ddp::error);
   c.set("a", half);  // overwriting with less frees the difference
   c.set("b", big);
-  CHECK(server.stored_bytes() == 2 + half.size() + big.size());
+  CHECK(server.stored_bytes() == 2 + half.size() + big.size() + 2 * entry);
   CHECK(c.add("n", 3) == 3);
   CHECK(c.erase("a"));
-  CHECK(server.stored_bytes() == 2 + big.size() + 8);
+  CHECK(server.stored_bytes() == 2 + big.size() + 8 + 2 * entry);
 
   // A stranger claims a 32 MiB frame and sends 6 MiB of it: past max_buffered, it is dropped;
   // the real client is served throughout.
@@ -241,14 +245,15 @@ TEST_CASE("out of file descriptors, the store sheds new connections without spin
   const pid_t pid = ::fork();
   if (pid == 0) {
     // Keep only stdio and the two pipe ends (as fds 3 and 4), then allow the server its
-    // listener, eventfd and spare, plus room for 4 clients.
+    // listener, eventfd, epoll and spare, plus room for 4 clients (the hard limit too: the
+    // server raises the soft limit to it).
     if (::dup2(to_parent[1], 3) < 0 || ::dup2(to_child[0], 4) < 0) ::_exit(2);
     to_parent[1] = 3;
     to_child[0] = 4;
     for (int fd = 5; fd < 4096; ++fd) ::close(fd);
     rlimit rl{};
     ::getrlimit(RLIMIT_NOFILE, &rl);
-    rl.rlim_cur = 5 + 3 + 4;
+    rl.rlim_cur = rl.rlim_max = 5 + 4 + 4;
     if (::setrlimit(RLIMIT_NOFILE, &rl) != 0) ::_exit(3);
     try {
       ddp::store_server server{loopback_any_port(), 0};
@@ -256,7 +261,7 @@ TEST_CASE("out of file descriptors, the store sheds new connections without spin
       if (::write(to_parent[1], &port, sizeof port) != sizeof port) ::_exit(4);
       char go;
       if (::read(to_child[0], &go, 1) != 1) ::_exit(5);  // the parent is done
-      const int shed = server.shed();
+      const int shed = server.shed() + server.evicted();
       if (::write(to_parent[1], &shed, sizeof shed) != sizeof shed) ::_exit(6);
     } catch (...) {
       ::_exit(7);
@@ -358,8 +363,9 @@ TEST_CASE("a store client that saw a bad frame length or an unknown status is br
         char req[256];
         pollfd q{fd, POLLIN, 0};
         if (::poll(&q, 1, 1000) != 1 || ::recv(fd, req, sizeof req, 0) <= 0) break;
+        // The first request is the client's hello (a check): answered ok.
         const std::string out =
-            i == 0 ? bad.bytes : ddp::detail::encode_frame(static_cast<std::uint8_t>(ddp::detail::store_status::ok), {"1"});
+            i == 1 ? bad.bytes : ddp::detail::encode_frame(static_cast<std::uint8_t>(ddp::detail::store_status::ok), {"1"});
         (void)::send(fd, out.data(), out.size(), MSG_NOSIGNAL);
         ++served;
       }
@@ -377,6 +383,632 @@ TEST_CASE("a store client that saw a bad frame length or an unknown status is br
     }
     CHECK(ddp::detail::clock::now() - t0 < 500ms);
     fake.join();
-    CHECK(served.load() == 1);  // the second call never went out
+    CHECK(served.load() == 2);  // the hello and the first call; the second call never went out
   }
+}
+
+namespace {
+// A store server hosted by a forked child, so that its memory and descriptors are its own:
+// the child lowers RLIMIT_NOFILE (soft and hard) to `nofile` when that is not 0, and answers
+// stats() with its own figures until the object goes.
+struct server_stats {
+  long rss = 0;  // bytes resident
+  int evicted = 0, shed = 0, clients = 0, dropped = 0, refused = 0;
+  int free_fds = 0;  // descriptors the hosting process can still open (up to 8)
+  std::size_t stored = 0, buffered = 0;
+};
+long rss_of(pid_t pid) {
+  std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/statm").c_str(), "r");
+  if (f == nullptr) return -1;
+  long pages = 0, resident = 0;
+  if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = -1;
+  std::fclose(f);
+  return resident * ::sysconf(_SC_PAGESIZE);
+}
+struct hosted_server {
+  pid_t pid = -1;
+  int port = 0;
+  int cmd = -1, res = -1;
+
+  hosted_server(long nofile, std::shared_ptr<const ddp::authenticator> auth = nullptr, ddp::store_limits limits = {},
+                std::string member_prefix = {}) {
+    int to_parent[2], to_child[2];
+    REQUIRE(::pipe(to_parent) == 0);
+    REQUIRE(::pipe(to_child) == 0);
+    std::fflush(nullptr);
+    pid = ::fork();
+    if (pid == 0) {
+      ::close(to_parent[0]);
+      ::close(to_child[1]);
+      if (nofile > 0) {
+        rlimit rl{};
+        rl.rlim_cur = rl.rlim_max = static_cast<rlim_t>(nofile);
+        if (::setrlimit(RLIMIT_NOFILE, &rl) != 0) ::_exit(3);
+      }
+      try {
+        ddp::store_server server{loopback_any_port(), 0, auth, limits, member_prefix};
+        const int p = server.port();
+        if (::write(to_parent[1], &p, sizeof p) != sizeof p) ::_exit(4);
+        char c;
+        while (::read(to_child[0], &c, 1) == 1 && c == 's') {
+          server_stats st;
+          st.rss = rss_of(::getpid());
+          st.evicted = server.evicted();
+          st.shed = server.shed();
+          st.clients = server.clients();
+          st.dropped = server.dropped();
+          st.refused = server.refused();
+          st.stored = server.stored_bytes();
+          st.buffered = server.buffered_bytes();
+          std::vector<int> opened;
+          for (int k = 0; k < 8; ++k) {
+            const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+            if (fd < 0) break;
+            opened.push_back(fd);
+          }
+          st.free_fds = static_cast<int>(opened.size());
+          for (int fd : opened) ::close(fd);
+          if (::write(to_parent[1], &st, sizeof st) != sizeof st) ::_exit(5);
+        }
+      } catch (...) {
+        ::_exit(7);
+      }
+      ::_exit(0);
+    }
+    ::close(to_parent[1]);
+    ::close(to_child[0]);
+    cmd = to_child[1];
+    res = to_parent[0];
+    REQUIRE(::read(res, &port, sizeof port) == sizeof port);
+  }
+  hosted_server(const hosted_server&) = delete;
+  hosted_server& operator=(const hosted_server&) = delete;
+  server_stats stats() const {
+    server_stats st;
+    REQUIRE(::write(cmd, "s", 1) == 1);
+    REQUIRE(::read(res, &st, sizeof st) == sizeof st);
+    return st;
+  }
+  /// Stops the server; true when the child ended cleanly.
+  bool finish() {
+    if (pid < 0) return true;
+    ::close(cmd);
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    ::close(res);
+    pid = -1;
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0;
+  }
+  ~hosted_server() { finish(); }
+};
+
+ddp::detail::frame read_frame(int fd, std::chrono::milliseconds limit = 5s) {
+  std::error_code ec;
+  char hdr[4];
+  ddp::detail::recv_all(fd, hdr, 4, soon(limit), ec);
+  REQUIRE_MESSAGE(!ec, ddp::detail::describe(ec));
+  std::string body(ddp::detail::get_u32(hdr), '\0');
+  ddp::detail::recv_all(fd, body.data(), body.size(), soon(limit), ec);
+  REQUIRE(!ec);
+  ddp::detail::frame f;
+  REQUIRE(ddp::detail::parse_body(body, f) == ddp::detail::parse_result::ok);
+  return f;
+}
+std::string request(ddp::detail::store_cmd cmd, const std::vector<std::string_view>& fields) {
+  return ddp::detail::encode_frame(static_cast<std::uint8_t>(cmd), fields);
+}
+}  // namespace
+
+TEST_CASE("a set answers only the requests parked on its key; a wait moves from missing key to missing key") {
+  using ddp::detail::store_cmd;
+  ddp::store_server server{loopback_any_port(), 0};
+  ddp::store_client c{"127.0.0.1", server.port(), 0, soon()};
+  const auto ms = ddp::detail::encode_ms(5000);
+  // Three raw clients: one parks get("x"), one get("y"), one wait({a, b, c}).
+  std::vector<int> fds;
+  for (int i = 0; i < 3; ++i) fds.push_back(raw_connect(server.port()));
+  auto send = [](int fd, const std::string& bytes) {
+    REQUIRE(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size()));
+  };
+  send(fds[0], request(store_cmd::get, {"x", ms}));
+  send(fds[1], request(store_cmd::get, {"y", ms}));
+  send(fds[2], request(store_cmd::wait, {"a", "b", "c", ms}));
+  auto answered = [](int fd) {
+    pollfd p{fd, POLLIN, 0};
+    return ::poll(&p, 1, 200) == 1;
+  };
+  c.set("x", "vx");
+  CHECK(read_frame(fds[0]).fields == std::vector<std::string>{"vx"});
+  CHECK_FALSE(answered(fds[1]));
+  // The wait needs all three at once: b, then a, then a goes before c arrives.
+  c.set("b", "");
+  c.set("a", "");
+  CHECK_FALSE(answered(fds[2]));
+  CHECK(c.erase("a"));
+  c.set("c", "");
+  CHECK_FALSE(answered(fds[2]));
+  c.set("a", "again");
+  const auto w = read_frame(fds[2]);
+  CHECK(w.code == static_cast<std::uint8_t>(ddp::detail::store_status::ok));
+  CHECK(w.fields.empty());
+  // An add and a compare_set wake the ones parked on their key too.
+  c.add("y", 7);
+  CHECK(ddp::detail::decode_i64(read_frame(fds[1]).fields.at(0)) == 7);
+  send(fds[0], request(store_cmd::get, {"z", ms}));
+  CHECK_FALSE(answered(fds[0]));
+  CHECK(c.compare_set("z", "", "vz") == "vz");
+  CHECK(read_frame(fds[0]).fields == std::vector<std::string>{"vz"});
+  // A request that times out says which keys are still missing, and leaves nothing behind.
+  send(fds[0], request(store_cmd::wait, {"a", "m1", "m2", ddp::detail::encode_ms(100)}));
+  const auto t = read_frame(fds[0]);
+  CHECK(t.code == static_cast<std::uint8_t>(ddp::detail::store_status::timeout));
+  CHECK(t.fields == std::vector<std::string>{"m1", "m2"});
+  for (int fd : fds) ::close(fd);
+  const auto deadline = soon(3s);
+  while (server.buffered_bytes() > ddp::store_limits::connection_overhead + 4096 && ddp::detail::clock::now() < deadline)
+    std::this_thread::sleep_for(10ms);
+  CHECK(server.buffered_bytes() <= ddp::store_limits::connection_overhead + 4096);  // c's alone
+}
+
+TEST_CASE("thousands of clients parked on one key are all answered by one set, soon") {
+  // The rendezvous at scale: every rank parks wait({"pg/complete"}) and the last one sets it.
+  using ddp::detail::store_cmd;
+  hosted_server host{0};
+  rlimit rl{};
+  ::getrlimit(RLIMIT_NOFILE, &rl);
+  rl.rlim_cur = rl.rlim_max;
+  ::setrlimit(RLIMIT_NOFILE, &rl);
+  const int n = static_cast<int>(std::min<rlim_t>(3000, rl.rlim_cur - 64));
+  std::vector<int> fds;
+  const auto req = request(store_cmd::wait, {"pg/complete", ddp::detail::encode_ms(60000)});
+  for (int i = 0; i < n; ++i) {
+    fds.push_back(raw_connect(host.port));
+    REQUIRE(::send(fds.back(), req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size()));
+  }
+  ddp::store_client c{"127.0.0.1", host.port, 0, soon(20s)};
+  // All parked: the server holds each wait (a few hundred bytes) besides its connection.
+  const auto until = soon(20s);
+  while (host.stats().buffered < n * (ddp::store_limits::connection_overhead + ddp::store_limits::waiter_overhead) &&
+         ddp::detail::clock::now() < until)
+    std::this_thread::sleep_for(20ms);
+  const auto parked = host.stats();
+  MESSAGE("counted per parked client: " << parked.buffered / static_cast<std::size_t>(n + 1) << " bytes; server RSS "
+                                        << (parked.rss >> 20) << " MiB");
+  CHECK(parked.buffered / static_cast<std::size_t>(n + 1) < 1024);  // 65,536 ranks fit max_buffered twice over
+  const auto t0 = ddp::detail::clock::now();
+  c.set("pg/complete", "1");
+  int ok = 0;
+  for (int fd : fds) {
+    const auto f = read_frame(fd, 20s);
+    if (f.code == static_cast<std::uint8_t>(ddp::detail::store_status::ok)) ++ok;
+  }
+  const double secs = std::chrono::duration<double>(ddp::detail::clock::now() - t0).count();
+  MESSAGE(n << " parked waits answered in " << secs << " s");
+  CHECK(ok == n);
+  CHECK(secs < 5.0);
+  for (int fd : fds) ::close(fd);
+  CHECK(host.finish());
+}
+
+TEST_CASE("no client grows the store's process past its limits: parked requests with huge keys, millions of tiny keys") {
+  using ddp::detail::store_cmd;
+  hosted_server host{0};
+  const auto before = host.stats();
+  REQUIRE(before.rss > 0);
+  const ddp::store_limits defaults;
+  CHECK(defaults.max_bytes + defaults.max_buffered == std::size_t{256} << 20);
+
+  // 1. Two connections each try to park 64 waits on 4095 keys of 4 KiB (16 MiB a request, a
+  //    GiB a connection): they are dropped once they hold more than max_buffered.
+  std::vector<std::string_view> fields;
+  std::vector<std::string> keys;
+  for (int i = 0; i < 4095; ++i) keys.push_back(std::string(4096, static_cast<char>('a' + i % 26)) + std::to_string(i));
+  for (auto& k : keys) k.resize(4096);
+  for (const auto& k : keys) fields.push_back(k);
+  const auto ms = ddp::detail::encode_ms(60000);
+  fields.push_back(ms);
+  const std::string huge = request(store_cmd::wait, fields);
+  REQUIRE(huge.size() > (16u << 20));
+  std::atomic<int> parked_sent{0};
+  auto park_flood = [&] {
+    const int fd = raw_connect(host.port);
+    for (int i = 0; i < 64; ++i) {
+      std::error_code ec;
+      ddp::detail::send_all(fd, huge.data(), huge.size(), soon(10s), ec);
+      if (ec) break;
+      ++parked_sent;
+    }
+    char b;
+    std::error_code ec;
+    ddp::detail::recv_all(fd, &b, 1, soon(10s), ec);  // until the server drops it
+    ::close(fd);
+  };
+  std::thread p1(park_flood), p2(park_flood);
+  p1.join();
+  p2.join();
+  CHECK(parked_sent.load() < 2 * 64);
+
+  // 2. A connection stores 2.5 million tiny keys (pipelined): refused once max_bytes is reached.
+  const int fd = raw_connect(host.port);
+  const int nkeys = 2'500'000;
+  std::atomic<long> ok{0}, full{0};
+  std::thread reader([&] {
+    std::string got;
+    char buf[65536];
+    long frames = 0;
+    while (frames < nkeys) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 20000) != 1) break;
+      const ssize_t k = ::recv(fd, buf, sizeof buf, 0);
+      if (k <= 0) break;
+      got.append(buf, static_cast<std::size_t>(k));
+      std::size_t pos = 0;
+      for (;;) {
+        std::uint32_t len = 0;
+        if (ddp::detail::check_header(std::string_view(got).substr(pos), len) != ddp::detail::parse_result::ok) break;
+        const auto code = static_cast<ddp::detail::store_status>(got[pos + 4]);
+        if (code == ddp::detail::store_status::ok) ++ok;
+        if (code == ddp::detail::store_status::full) ++full;
+        pos += 4 + len;
+        ++frames;
+      }
+      got.erase(0, pos);
+    }
+  });
+  {
+    std::string batch;
+    char key[16];
+    for (int i = 0; i < nkeys; ++i) {
+      std::snprintf(key, sizeof key, "t%07d", i);
+      batch += request(store_cmd::set, {key, ""});
+      if (batch.size() > (1u << 20) || i + 1 == nkeys) {
+        std::error_code ec;
+        ddp::detail::send_all(fd, batch.data(), batch.size(), soon(30s), ec);
+        if (ec) {
+          const auto st = host.stats();
+          FAIL_CHECK("sending key " << i << ": " << ddp::detail::describe(ec) << "; ok " << ok.load() << " full "
+                                    << full.load() << " dropped " << st.dropped << " buffered " << st.buffered
+                                    << " stored " << st.stored);
+          break;
+        }
+        batch.clear();
+      }
+    }
+  }
+  reader.join();
+  ::close(fd);
+  CHECK(ok.load() + full.load() == nkeys);
+  CHECK(full.load() > 0);
+  const auto after = host.stats();
+  const long grown = after.rss - before.rss;
+  MESSAGE("stored " << ok.load() << " tiny keys; the server grew by " << (grown >> 20) << " MiB; counted "
+                    << (after.stored >> 20) << " MiB of entries, " << (after.buffered >> 10) << " KiB buffered; dropped "
+                    << after.dropped);
+  CHECK(after.stored <= defaults.max_bytes);
+  CHECK(after.dropped >= 2);
+  // The bound, plus slack for the allocator's own bookkeeping and fragmentation; and what is
+  // counted covers what the entries really cost. (AddressSanitizer's allocator costs far more
+  // than the real one: only the counts are checked under it.)
+  const long slack = 64l << 20;
+#ifndef __SANITIZE_ADDRESS__
+  CHECK(grown < static_cast<long>(defaults.max_bytes + defaults.max_buffered) + slack);
+  CHECK(static_cast<long>(after.stored + after.buffered) + slack > grown);
+#endif
+  CHECK(after.buffered <= defaults.max_buffered);
+
+  // The store still works for a well-behaved client.
+  ddp::store_client good{"127.0.0.1", host.port, 0, soon()};
+  CHECK(good.get("t0000000", soon()) == "");
+  CHECK_THROWS_WITH_AS(good.set("new", "v"), doctest::Contains("is full"), ddp::error);
+  CHECK(good.erase("t0000001"));
+  CHECK(good.erase("t0000002"));
+  good.set("new", "v");
+  CHECK(good.get("new", soon()) == "v");
+  CHECK(host.finish());
+}
+
+namespace {
+// A stand-in for a real MAC (keyed FNV-1a), enough for the store's handshake in tests that do
+// not link an authenticator implementation.
+class toy_authenticator final : public ddp::authenticator {
+ public:
+  explicit toy_authenticator(std::uint64_t key) : key_(key) {}
+  void mac(std::span<const std::byte> message, std::span<std::byte, mac_size> out) const override {
+    for (std::size_t part = 0; part < mac_size / 8; ++part) {
+      std::uint64_t h = 1469598103934665603ull ^ key_ ^ (part * 0x9e3779b97f4a7c15ull);
+      for (auto b : message) h = (h ^ static_cast<std::uint64_t>(b)) * 1099511628211ull;
+      std::memcpy(out.data() + part * 8, &h, 8);
+    }
+  }
+  bool verify(std::span<const std::byte> message, std::span<const std::byte, mac_size> tag) const override {
+    std::array<std::byte, mac_size> want;
+    mac(message, want);
+    return std::memcmp(want.data(), tag.data(), mac_size) == 0;
+  }
+  void random(std::span<std::byte> out) const override {
+    std::random_device rd;
+    for (auto& b : out) b = static_cast<std::byte>(rd());
+  }
+  std::string_view algorithm() const noexcept override { return "toy"; }
+
+ private:
+  std::uint64_t key_;
+};
+}  // namespace
+
+TEST_CASE("strangers holding the store's descriptors are evicted for real clients, which retry until served") {
+  for (const bool with_auth : {false, true}) {
+    CAPTURE(with_auth);
+    std::shared_ptr<const ddp::authenticator> auth;
+    if (with_auth) auth = std::make_shared<toy_authenticator>(42);
+    // Room for about 50 connections.
+    hosted_server host{64, auth};
+    // 200 strangers: idle ones, and (with a secret) ones stalled mid-handshake after a hello.
+    std::vector<int> strangers;
+    ddp::detail::auth_hello hello;
+    hello.kind = ddp::detail::auth_kind::store;
+    const std::string hello_bytes = ddp::detail::encode_hello(hello);
+    for (int i = 0; i < 200; ++i) {
+      strangers.push_back(raw_connect(host.port));
+      if (with_auth && i % 2 == 1)
+        (void)::send(strangers.back(), hello_bytes.data(), hello_bytes.size(), MSG_NOSIGNAL);
+    }
+    // Real clients, in threads, while more strangers keep coming: each connects, is served and
+    // works (none fails with peer_lost).
+    std::atomic<int> worked{0};
+    std::vector<std::string> errors(8);
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < 8; ++r)
+      ranks.emplace_back([&, r] {
+        try {
+          ddp::store_client c{"127.0.0.1", host.port, r, soon(20s), auth};
+          c.set("rank/" + std::to_string(r), std::to_string(r));
+          if (c.add("arrived", 1) < 1) throw std::runtime_error("add");
+          if (c.wait({"rank/0", "rank/7"}, soon(20s)).empty() && c.get("rank/7", soon()) == "7") ++worked;
+        } catch (const std::exception& e) {
+          errors[static_cast<std::size_t>(r)] = e.what();
+        }
+      });
+    for (int i = 0; i < 100; ++i) strangers.push_back(raw_connect(host.port));
+    for (auto& t : ranks) t.join();
+    for (const auto& e : errors) CHECK_MESSAGE(e.empty(), e);
+    CHECK(worked.load() == 8);
+    // The strangers that made room were closed by the server.
+    int closed = 0;
+    for (int fd : strangers) {
+      char b[128];
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 0) == 1 && ::recv(fd, b, sizeof b, MSG_DONTWAIT) <= 0) ++closed;
+    }
+    const auto st = host.stats();
+    MESSAGE("evicted " << st.evicted << ", shed " << st.shed << ", strangers closed " << closed << " of "
+                       << strangers.size());
+    CHECK(st.evicted >= 200);
+    CHECK(closed >= 200);
+    CHECK(st.free_fds == 8);  // the store left descriptors to the rest of its process
+    for (int fd : strangers) ::close(fd);
+    CHECK(host.finish());
+  }
+}
+
+TEST_CASE("a store client closed by the store before it was served connects again until its deadline") {
+  // A fake store that closes its first three connections at once (as a store out of room
+  // does), then answers everything with ok.
+  auto listener = ddp::detail::listen_on(loopback_any_port(), 0);
+  const int port = ddp::detail::port_of(ddp::detail::local_address(listener.get()));
+  std::atomic<int> accepted{0};
+  std::thread fake([&] {
+    for (int i = 0; i < 4; ++i) {
+      std::error_code ec;
+      auto fd = ddp::detail::accept_until(listener.get(), soon(5s), ec);
+      if (!fd) return;
+      ++accepted;
+      if (i < 3) {
+        linger hard{1, 0};  // a reset for some, a plain close for others
+        if (i == 1) ::setsockopt(fd.get(), SOL_SOCKET, SO_LINGER, &hard, sizeof hard);
+        continue;
+      }
+      for (int k = 0; k < 2; ++k) {
+        (void)read_frame(fd.get());
+        const auto ok = ddp::detail::encode_frame(static_cast<std::uint8_t>(ddp::detail::store_status::ok), {"1"});
+        (void)::send(fd.get(), ok.data(), ok.size(), MSG_NOSIGNAL);
+      }
+      char b;
+      ::recv(fd.get(), &b, 1, 0);  // until the client hangs up
+    }
+  });
+  {
+    ddp::store_client c{"127.0.0.1", port, 3, soon(5s)};
+    CHECK(accepted.load() == 4);
+    CHECK(c.check("k", soon()));
+  }
+  fake.join();
+  // Closed every time: the deadline ends it, with the cause.
+  auto listener2 = ddp::detail::listen_on(loopback_any_port(), 0);
+  const int port2 = ddp::detail::port_of(ddp::detail::local_address(listener2.get()));
+  std::atomic<bool> stop{false};
+  std::thread closer([&] {
+    while (!stop) {
+      std::error_code ec;
+      auto fd = ddp::detail::accept_until(listener2.get(), soon(100ms), ec);
+    }
+  });
+  const auto t0 = ddp::detail::clock::now();
+  try {
+    ddp::store_client c{"127.0.0.1", port2, 3, soon(500ms)};
+    FAIL("a store that closes every connection served a client");
+  } catch (const ddp::error& e) {
+    CHECK(e.code() == ddp::errc::peer_lost);
+    CHECK(std::string(e.what()).find("store connection to rank 0") != std::string::npos);
+  }
+  const auto took = ddp::detail::clock::now() - t0;
+  CHECK(took >= 250ms);  // it retried until the next retry would pass the deadline
+  CHECK(took < 2s);
+  stop = true;
+  closer.join();
+}
+
+TEST_CASE("with members, a connection that did not claim a rank may read but not write, and does not count") {
+  ddp::store_server server{loopback_any_port(), 0, nullptr, {}, "pg/rank/"};
+  ddp::store_client stranger{"127.0.0.1", server.port(), 9, soon()};
+  ddp::store_client rank0{"127.0.0.1", server.port(), 0, soon()};
+  ddp::store_client rank1{"127.0.0.1", server.port(), 1, soon()};
+  auto wait_clients = [&](int n) {
+    const auto until = soon(2s);
+    while (server.clients() != n && ddp::detail::clock::now() < until) std::this_thread::sleep_for(5ms);
+    return server.clients();
+  };
+  CHECK(wait_clients(0) == 0);  // nobody has joined yet
+  CHECK(rank0.compare_set("pg/rank/0", "", "token0") == "token0");
+  CHECK(rank1.compare_set("pg/rank/1", "", "token1") == "token1");
+  CHECK(wait_clients(2) == 2);
+  rank0.set("pg/id", "group");
+  CHECK(rank1.add("pg/arrived", 1) == 1);
+
+  auto refused = [&](auto&& f, const std::string& key) {
+    try {
+      f();
+      FAIL("a stranger wrote '" << key << "'");
+    } catch (const ddp::error& e) {
+      CHECK(e.code() == ddp::errc::auth_failed);
+      const std::string what = e.what();
+      CHECK_MESSAGE(what.find("has not joined the group") != std::string::npos, what);
+      CHECK_MESSAGE(what.find("'" + key + "'") != std::string::npos, what);
+    }
+  };
+  for (const std::string key : {"pg/failure", "pg/abort", "tcp/1/abort", "pg/id"}) {
+    CAPTURE(key);
+    refused([&] { stranger.set(key, "stranger's cause"); }, key);
+    refused([&] { stranger.add(key, 1); }, key);
+    refused([&] { stranger.compare_set(key, "", "stranger's cause"); }, key);
+    refused([&] { stranger.erase(key); }, key);
+  }
+  // Claiming a rank that is taken does not make it a member either.
+  CHECK(stranger.compare_set("pg/rank/1", "", "mine") == "token1");
+  refused([&] { stranger.set("pg/abort", "x"); }, "pg/abort");
+  // It may read, and its connection is still fine.
+  CHECK(stranger.get("pg/id", soon()) == "group");
+  CHECK(stranger.check("pg/rank/0"));
+  CHECK(stranger.wait({"pg/rank/0", "pg/rank/1"}, soon()).empty());
+  CHECK_FALSE(rank0.check("pg/abort"));
+  CHECK_FALSE(rank0.check("pg/failure"));
+  CHECK(rank0.get("pg/id", soon()) == "group");
+  CHECK(rank0.add("pg/arrived", 0) == 1);
+  // Members hang up: clients() falls to 0 although the stranger is still connected, so it
+  // cannot delay rank 0's exit.
+  {
+    ddp::store_client rank2{"127.0.0.1", server.port(), 2, soon()};
+    CHECK(rank2.compare_set("pg/rank/2", "", "token2") == "token2");
+    CHECK(wait_clients(3) == 3);
+  }
+  CHECK(wait_clients(2) == 2);
+  CHECK(rank1.erase("pg/rank/1"));  // a member may erase
+  // A stranger that claims a free rank becomes a member (without a secret, claiming is joining).
+  CHECK(stranger.compare_set("pg/rank/5", "", "t5") == "t5");
+  stranger.set("late", "1");
+  CHECK(wait_clients(3) == 3);
+}
+
+TEST_CASE("without members every connection may write and counts, as before") {
+  ddp::store_server server{loopback_any_port(), 0};
+  ddp::store_client c{"127.0.0.1", server.port(), 0, soon()};
+  c.set("pg/abort", "x");
+  CHECK(c.add("n", 2) == 2);
+  const auto until = soon(2s);
+  while (server.clients() != 1 && ddp::detail::clock::now() < until) std::this_thread::sleep_for(5ms);
+  CHECK(server.clients() == 1);
+}
+
+namespace {
+// A fake store that answers every request with ok and records the time limit (ms) of the
+// get and wait requests it saw.
+struct recording_store {
+  ddp::detail::fd_handle listener = ddp::detail::listen_on(loopback_any_port(), 0);
+  int port = ddp::detail::port_of(ddp::detail::local_address(listener.get()));
+  std::vector<std::int64_t> ms;
+  std::thread t{[this] {
+    std::error_code ec;
+    auto fd = ddp::detail::accept_until(listener.get(), soon(5s), ec);
+    if (!fd) return;
+    for (;;) {
+      char hdr[4];
+      ddp::detail::recv_all(fd.get(), hdr, 4, soon(5s), ec);
+      if (ec) return;
+      std::string body(ddp::detail::get_u32(hdr), '\0');
+      ddp::detail::recv_all(fd.get(), body.data(), body.size(), soon(5s), ec);
+      ddp::detail::frame f;
+      if (ec || ddp::detail::parse_body(body, f) != ddp::detail::parse_result::ok) return;
+      if (f.code == static_cast<std::uint8_t>(ddp::detail::store_cmd::get) ||
+          f.code == static_cast<std::uint8_t>(ddp::detail::store_cmd::wait))
+        ms.push_back(ddp::detail::decode_i64(f.fields.back()));
+      const auto ok = ddp::detail::encode_frame(static_cast<std::uint8_t>(ddp::detail::store_status::ok), {"v"});
+      ddp::detail::send_all(fd.get(), ok.data(), ok.size(), soon(5s), ec);
+    }
+  }};
+  ~recording_store() { t.join(); }
+};
+}  // namespace
+
+TEST_CASE("get and wait ask the store to wait as long as their deadline says, days included") {
+  using namespace std::chrono;
+  std::vector<std::int64_t> seen;
+  {
+    recording_store fake;
+    ddp::store_client c{"127.0.0.1", fake.port, 0, soon()};
+    const auto now = ddp::detail::clock::now();
+    (void)c.get("k", now + minutes(20));
+    (void)c.wait({"a", "b"}, now + hours(72));
+    (void)c.get("k", now + days(30));
+    (void)c.get("k", now + 2s);
+    ::shutdown(c.native_handle(), SHUT_WR);
+    fake.t.join();
+    fake.t = std::thread([] {});
+    seen = fake.ms;
+  }
+  REQUIRE(seen.size() == 4);
+  // Each asks for its time less at most 250 ms for the answer to arrive.
+  auto near = [](std::int64_t got, std::int64_t want) { return got <= want && got >= want - 400; };
+  CHECK_MESSAGE(near(seen[0], 20 * 60'000), seen[0]);
+  CHECK_MESSAGE(near(seen[1], 72 * 3'600'000), seen[1]);
+  CHECK_MESSAGE(near(seen[2], std::int64_t{30} * 86'400'000), seen[2]);
+  CHECK_MESSAGE(seen[3] <= 2000 - 240, seen[3]);
+  CHECK_MESSAGE(seen[3] >= 1600, seen[3]);
+}
+
+TEST_CASE("with members and no secret, idle strangers that never claimed a rank make room; a rank waiting to claim stays") {
+  using ddp::detail::store_cmd;
+  hosted_server host{64, nullptr, {}, "pg/rank/"};
+  // A rank that waits for rank 0's job record before it claims (as the rendezvous does).
+  std::string waiter_error;
+  bool waited = false;
+  std::thread early([&] {
+    try {
+      ddp::store_client c{"127.0.0.1", host.port, 5, soon(20s)};
+      waited = c.wait({"pg/job"}, soon(20s)).empty() && c.compare_set("pg/rank/5", "", "t5") == "t5";
+    } catch (const std::exception& e) {
+      waiter_error = e.what();
+    }
+  });
+  std::this_thread::sleep_for(200ms);
+  // 150 strangers, each served one check (so not "never served"), then idle.
+  std::vector<int> strangers;
+  const auto check = request(store_cmd::check, {"pg/id"});
+  for (int i = 0; i < 150; ++i) {
+    strangers.push_back(raw_connect(host.port));
+    (void)::send(strangers.back(), check.data(), check.size(), MSG_NOSIGNAL);
+  }
+  // The real ranks claim, and rank 0 posts the job record.
+  for (int r = 0; r < 4; ++r) {
+    ddp::store_client c{"127.0.0.1", host.port, r, soon(20s)};
+    CHECK(c.compare_set("pg/rank/" + std::to_string(r), "", "t" + std::to_string(r)) == "t" + std::to_string(r));
+    if (r == 0) c.set("pg/job", "4 job");
+  }
+  early.join();
+  CHECK_MESSAGE(waiter_error.empty(), waiter_error);
+  CHECK(waited);
+  const auto st = host.stats();
+  MESSAGE("evicted " << st.evicted << ", shed " << st.shed);
+  CHECK(st.evicted >= 90);
+  for (int fd : strangers) ::close(fd);
+  CHECK(host.finish());
 }

@@ -74,3 +74,29 @@ TEST_CASE("i64 encoding is little endian and round-trips negatives") {
   for (std::int64_t v : std::initializer_list<std::int64_t>{0, 1, -1, 123456789012345, INT64_MIN, INT64_MAX}) CHECK(decode_i64(encode_i64(v)) == v);
   CHECK(encode_i64(1)[0] == '\x01');
 }
+
+TEST_CASE("writes, claims and waited keys, as the server's membership and parked requests see them") {
+  auto parsed = [](const std::string& bytes) {
+    frame f;
+    REQUIRE(parse_body(std::string_view(bytes).substr(4), f) == parse_result::ok);
+    REQUIRE(valid_request(f));
+    return f;
+  };
+  const auto ms = encode_ms(10);
+  for (auto c : {store_cmd::set, store_cmd::add, store_cmd::cas, store_cmd::del})
+    CHECK(is_write(static_cast<std::uint8_t>(c)));
+  for (auto c : {store_cmd::get, store_cmd::check, store_cmd::wait}) CHECK_FALSE(is_write(static_cast<std::uint8_t>(c)));
+  const auto claim = parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::cas), {"pg/rank/3", "", "token"}));
+  CHECK(is_claim(claim, "pg/rank/"));
+  CHECK_FALSE(is_claim(claim, ""));             // no members: nothing is a claim
+  CHECK_FALSE(is_claim(claim, "pg/rank/3/x"));  // another prefix
+  CHECK_FALSE(is_claim(parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::cas), {"pg/rank/3", "old", "t"})),
+                       "pg/rank/"));  // not from the empty value
+  CHECK_FALSE(is_claim(parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::cas), {"pg/abort", "", "t"})),
+                       "pg/rank/"));
+  CHECK_FALSE(is_claim(parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::set), {"pg/rank/3", ""})), "pg/rank/"));
+  CHECK(waited_keys(parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::get), {"k", ms}))) == 1);
+  CHECK(waited_keys(parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::wait), {"a", "b", "c", ms}))) == 3);
+  CHECK(static_cast<int>(store_status::forbidden) == 6);
+  CHECK(store_last_status == 6);
+}

@@ -33,6 +33,8 @@ namespace detail {
 using clock = std::chrono::steady_clock;
 using deadline_t = clock::time_point;
 
+/// Milliseconds until `d`, for one poll: capped at 1,000,000, so a loop that polls must check
+/// the deadline again when poll returns 0 rather than take it for the deadline.
 inline int ms_left(deadline_t d) noexcept {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(d - clock::now()).count();
   if (left <= 0) return 0;
@@ -171,7 +173,8 @@ inline fd_handle try_connect(const endpoint& ep, deadline_t d, std::error_code& 
   if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&ep.addr), ep.len) != 0) {
     if (errno != EINPROGRESS) { ec.assign(errno, std::generic_category()); return {}; }
     pollfd p{fd.get(), POLLOUT, 0};
-    const int r = ::poll(&p, 1, ms_left(d));
+    int r = 0;
+    for (int left = ms_left(d); r == 0 && left > 0; left = ms_left(d)) r = ::poll(&p, 1, left);
     if (r <= 0) { ec = make_error_code(errc::timeout); return {}; }
     int err = 0;
     socklen_t len = sizeof err;
@@ -225,7 +228,8 @@ inline void send_all(int fd, const void* data, std::size_t n, deadline_t d, std:
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       pollfd pf{fd, POLLOUT, 0};
       const int left = ms_left(d);
-      if (left == 0 || ::poll(&pf, 1, left) == 0) { ec = make_error_code(errc::timeout); return; }
+      if (left == 0) { ec = make_error_code(errc::timeout); return; }
+      ::poll(&pf, 1, left);  // 0 (capped wait over, or the deadline): the loop checks again
       continue;
     }
     ec = (errno == EPIPE || errno == ECONNRESET) ? make_error_code(errc::peer_lost)
@@ -246,7 +250,8 @@ inline void recv_all(int fd, void* data, std::size_t n, deadline_t d, std::error
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
       pollfd pf{fd, POLLIN, 0};
       const int left = ms_left(d);
-      if (left == 0 || ::poll(&pf, 1, left) == 0) { ec = make_error_code(errc::timeout); return; }
+      if (left == 0) { ec = make_error_code(errc::timeout); return; }
+      ::poll(&pf, 1, left);  // 0 (capped wait over, or the deadline): the loop checks again
       continue;
     }
     ec = errno == ECONNRESET ? make_error_code(errc::peer_lost) : std::error_code(errno, std::generic_category());

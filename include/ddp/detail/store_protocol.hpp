@@ -20,7 +20,12 @@ namespace detail {
 enum class store_cmd : std::uint8_t { set = 1, get = 2, add = 3, cas = 4, del = 5, check = 6, wait = 7 };
 // auth_required: the server has a secret and the client started without a handshake.
 // full: the write would pass store_limits::max_bytes; too_large: the value alone passes it.
-enum class store_status : std::uint8_t { ok = 0, timeout = 1, bad_request = 2, auth_required = 3, full = 4, too_large = 5 };
+// forbidden: a store with members (store_server's member_prefix) refused a write from a
+// connection that has not claimed a rank; the one field says which key and why.
+enum class store_status : std::uint8_t {
+  ok = 0, timeout = 1, bad_request = 2, auth_required = 3, full = 4, too_large = 5, forbidden = 6
+};
+inline constexpr std::uint8_t store_last_status = static_cast<std::uint8_t>(store_status::forbidden);
 
 inline constexpr std::uint32_t store_max_frame = 64u << 20;  ///< whole frame
 inline constexpr std::uint32_t store_max_key = 4096;         ///< one key
@@ -120,6 +125,24 @@ inline std::int64_t decode_i64(std::string_view s) {
   return static_cast<std::int64_t>(u);
 }
 inline std::string encode_ms(std::int64_t ms) { return encode_i64(ms); }
+
+/// True for the requests that change the store (refused to non-members of a store with members).
+inline bool is_write(std::uint8_t code) {
+  const auto c = static_cast<store_cmd>(code);
+  return c == store_cmd::set || c == store_cmd::add || c == store_cmd::cas || c == store_cmd::del;
+}
+
+/// True when `f` (a valid request) claims a rank of a store with members: compare_set of a key
+/// under `prefix` from the empty value.
+inline bool is_claim(const frame& f, std::string_view prefix) {
+  return !prefix.empty() && f.code == static_cast<std::uint8_t>(store_cmd::cas) && f.fields.size() == 3 &&
+         f.fields[0].starts_with(prefix) && f.fields[1].empty();
+}
+
+/// Number of keys a get (1) or wait (all fields but the last, its time limit) waits for.
+inline std::size_t waited_keys(const frame& f) {
+  return f.code == static_cast<std::uint8_t>(store_cmd::wait) ? f.fields.size() - 1 : 1;
+}
 
 }  // namespace detail
 }  // namespace v0
