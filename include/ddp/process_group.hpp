@@ -797,7 +797,9 @@ inline process_group init_process_group(const init_options& opts) {
                           "it could join or disturb the group. Give every rank the same secret in DDP_AUTH_TOKEN "
                           "(or init_options::auth_token; docs/security.md), or accept an unauthenticated network "
                           "with DDP_INSECURE=1 (or init_options::insecure = true)");
-  if (rank == 0) pg.server_ = std::make_unique<store_server>(eps.front(), 0, auth);
+  // Only connections that claimed a rank (pg/rank/<r>) may write: a stranger can read, but can
+  // neither plant a failure, an address or a record, nor hold rank 0's exit (docs/security.md).
+  if (rank == 0) pg.server_ = std::make_unique<store_server>(eps.front(), 0, auth, store_limits{}, "pg/rank/");
   pg.store_ = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
   auto& st = *pg.store_;
 
