@@ -467,6 +467,10 @@ class process_group::state {
         if (!store_ || detail::clock::now() >= end) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
+    } catch (const error& e) {
+      // Gone when the connection broke; a request that only waited its turn behind another
+      // thread's long wait says nothing about rank 0.
+      if (store_gone != nullptr && (e.condition() != errc::timeout || store_->unusable())) *store_gone = true;
     } catch (...) {
       if (store_gone != nullptr) *store_gone = true;
     }
@@ -478,6 +482,10 @@ class process_group::state {
   bool failure_recorded() noexcept {
     try {
       return store_ && store_->check(failure_key, store_budget());
+    } catch (const error& e) {
+      // A request that timed out (the connection busy with another thread's long wait, or a
+      // slow rank 0) says nothing yet; a connection that is gone says the group is.
+      return e.condition() != errc::timeout || store_->unusable();
     } catch (...) {
       return true;
     }
@@ -754,8 +762,13 @@ namespace detail {
 template <class Group>
 std::unique_ptr<peer_links> open_links(Group& pg, const std::string& prefix, int bufsize) {
   auto& st = pg.store();
-  return std::make_unique<peer_links>(store_directory(st, pg.timeout()), local_address(st.native_handle()), st.auth(), pg.rank(),
-                                      pg.size(), prefix, pg.id(), bufsize, [&pg] { return pg.failure_recorded(); });
+  // Each channel's hellos carry its own id (the group's, mixed with the channel's name): a late
+  // first contact meant for a closed channel is never admitted into a new one on the same port.
+  std::uint64_t channel = pg.id();
+  for (unsigned char c : prefix) channel = (channel ^ c) * 0x100000001b3ull;
+  return std::make_unique<peer_links>(store_directory(st, pg.timeout()), local_address(st.native_handle()), st.auth(),
+                                      pg.rank(), pg.size(), prefix, channel, bufsize,
+                                      [&pg] { return pg.failure_recorded(); });
 }
 }  // namespace detail
 
@@ -799,7 +812,9 @@ inline process_group init_process_group(const init_options& opts) {
                           "with DDP_INSECURE=1 (or init_options::insecure = true)");
   // Only connections that claimed a rank (pg/rank/<r>) may write: a stranger can read, but can
   // neither plant a failure, an address or a record, nor hold rank 0's exit (docs/security.md).
-  if (rank == 0) pg.server_ = std::make_unique<store_server>(eps.front(), 0, auth, store_limits{}, "pg/rank/");
+  if (rank == 0)
+    pg.server_ = std::make_unique<store_server>(eps.front(), 0, auth, store_limits{}, "pg/rank/",
+                                                static_cast<std::uint32_t>(opts.world_size));
   pg.store_ = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
   auto& st = *pg.store_;
 

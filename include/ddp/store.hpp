@@ -83,8 +83,9 @@ struct store_limits {
 /// stalled mid-handshake delays nobody either.
 ///
 /// With a non-empty `member_prefix` the store has members: a connection joins by a successful
-/// compare_set from the empty value of a key that starts with `member_prefix` (process_group
-/// claims "pg/rank/<r>" this way). Other connections may read (get, check, wait) and claim, but
+/// compare_set from the empty value of a key `member_prefix` + `<r>` (process_group claims
+/// "pg/rank/<r>" this way); with `members` > 0, `<r>` must be a number below it written without
+/// leading zeros, so that once every seat is taken nobody else can join. Other connections may read (get, check, wait) and claim, but
 /// every other write is refused with errc::auth_failed on the writer, and clients() counts
 /// members only, so a stranger can neither plant the group's failure nor delay its end.
 class store_server {
@@ -94,8 +95,8 @@ class store_server {
   /// prints a one-line warning to stderr. Raises this process's RLIMIT_NOFILE soft limit to its
   /// hard limit (every connection holds a descriptor).
   store_server(const detail::endpoint& ep, int rank, std::shared_ptr<const authenticator> auth = nullptr,
-               store_limits limits = {}, std::string member_prefix = {})
-      : rank_(rank), auth_(std::move(auth)), limits_(limits), member_prefix_(std::move(member_prefix)) {
+               store_limits limits = {}, std::string member_prefix = {}, std::uint32_t members = 0)
+      : rank_(rank), auth_(std::move(auth)), limits_(limits), member_prefix_(std::move(member_prefix)), members_(members) {
     raise_descriptor_limit();
     listen_ = detail::listen_on(ep, rank, 4096);
     const auto bound = detail::local_address(listen_.get());
@@ -681,13 +682,13 @@ class store_server {
   bool execute(client& c, const detail::frame& f) {
     using detail::store_cmd;
     const auto& k = f.fields[0];
-    const bool claim = detail::is_claim(f, member_prefix_);
+    const bool claim = detail::is_claim(f, member_prefix_, members_);
     if (!member_prefix_.empty() && !c.member && detail::is_write(f.code) && !claim) {
       static constexpr const char* names[] = {"", "set", "get", "add", "compare_set", "erase", "check", "wait"};
       reply(c, detail::store_status::forbidden,
             {"the store of rank " + std::to_string(rank_) + " refused to " + names[f.code] + " key '" + k.substr(0, 64) +
              "': this connection has not joined the group (only a connection that claimed a rank, with "
-             "compare_set on a key under '" + member_prefix_ + "', may write)"});
+             "compare_set of '" + member_prefix_ + "<rank>', may write)"});
       return true;
     }
     switch (static_cast<store_cmd>(f.code)) {
@@ -862,6 +863,7 @@ class store_server {
   std::shared_ptr<const authenticator> auth_;
   store_limits limits_;
   std::string member_prefix_;
+  std::uint32_t members_ = 0;  ///< seats that can be claimed (0: any key under member_prefix_)
   detail::fd_handle spare_;  // given up to accept (and close) one connection when out of descriptors
   detail::deadline_t accept_pause_{};
   detail::deadline_t pressure_until_{};  // out of descriptors lately
@@ -1007,6 +1009,9 @@ class store_client {
 
   int native_handle() const noexcept { return fd_.get(); }
 
+  /// True once a failure made the connection unusable (every later call fails at once).
+  bool unusable() const noexcept { return unusable_.load(); }
+
   /// The authenticator this connection was opened with (null without a secret); the mesh
   /// connections opened through this store use it too.
   const std::shared_ptr<const authenticator>& auth() const noexcept { return auth_; }
@@ -1050,9 +1055,23 @@ class store_client {
     // A forked child shares the connection with its parent: one frame from it would garble both.
     owner_.check(rank_, "store_client");
     check_request(cmd, fields);
-    std::lock_guard lock(mu_);
+    // Other threads share this connection: the deadline may pass while this call waits for its
+    // turn. That is this call's timeout, not a fault of the connection: nothing was sent.
+    std::unique_lock lock(mu_, std::defer_lock);
+    if (!lock.try_lock_until(until))
+      detail::raise(errc::timeout, rank_,
+                    "store request timed out waiting for its turn on the connection to rank 0 (another thread's "
+                    "request held it)");
     if (!broken_.empty())
       detail::raise(broken_code_, rank_, "store connection to rank 0 is unusable after an earlier failure: " + broken_);
+    const auto start = detail::clock::now();
+    if (start >= until)
+      detail::raise(errc::timeout, rank_,
+                    "store request timed out waiting for its turn on the connection to rank 0 (another thread's "
+                    "request held it)");
+    // Once sent, the answer is read for a moment at least, whatever is left of `until`: an
+    // answer abandoned half-way would make the connection unusable for every later call.
+    until = std::max(until, start + min_answer);
     const auto out = detail::encode_frame(static_cast<std::uint8_t>(cmd), fields);
     std::error_code ec;
     detail::send_all(fd_.get(), out.data(), out.size(), until, ec);
@@ -1094,6 +1113,7 @@ class store_client {
   }
 
   static constexpr auto reply_slack = std::chrono::milliseconds(250);
+  static constexpr auto min_answer = std::chrono::milliseconds(100);
 
   /// How long the server waits for a get/wait: up to `until` (however far: days), less a
   /// margin for its answer.
@@ -1113,13 +1133,15 @@ class store_client {
   [[noreturn]] void broken(errc code, const std::string& why) {
     broken_ = why;
     broken_code_ = code;
+    unusable_ = true;
     detail::raise(code, rank_, why);
   }
 
   int rank_;
   std::shared_ptr<const authenticator> auth_;
   detail::fd_handle fd_;
-  std::mutex mu_;
+  std::atomic<bool> unusable_{false};
+  std::timed_mutex mu_;  ///< one request at a time on the connection; waited for until the deadline
   std::string broken_;  ///< why the connection is unusable (guarded by mu_); empty while it is fine
   errc broken_code_ = errc::peer_lost;
   detail::owner_process owner_;

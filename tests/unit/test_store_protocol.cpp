@@ -95,6 +95,19 @@ TEST_CASE("writes, claims and waited keys, as the server's membership and parked
   CHECK_FALSE(is_claim(parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::cas), {"pg/abort", "", "t"})),
                        "pg/rank/"));
   CHECK_FALSE(is_claim(parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::set), {"pg/rank/3", ""})), "pg/rank/"));
+  // With a number of seats, only a seat is a claim: a stranger cannot join by claiming a key
+  // no rank owns, once every real seat is taken.
+  auto seat = [&](const char* key) {
+    return parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::cas), {key, "", "t"}));
+  };
+  CHECK(is_claim(seat("pg/rank/0"), "pg/rank/", 4));
+  CHECK(is_claim(seat("pg/rank/3"), "pg/rank/", 4));
+  for (const char* k : {"pg/rank/4", "pg/rank/999999", "pg/rank/03", "pg/rank/", "pg/rank/-1", "pg/rank/+1",
+                        "pg/rank/1x", "pg/rank/3/aux", "pg/rank/99999999999999999999"}) {
+    CAPTURE(k);
+    CHECK_FALSE(is_claim(seat(k), "pg/rank/", 4));
+  }
+  CHECK(is_claim(seat("pg/rank/999999"), "pg/rank/"));  // no count: any key under the prefix
   CHECK(waited_keys(parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::get), {"k", ms}))) == 1);
   CHECK(waited_keys(parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::wait), {"a", "b", "c", ms}))) == 3);
   CHECK(static_cast<int>(store_status::forbidden) == 6);

@@ -61,8 +61,8 @@ inline constexpr char link_duplicate = 'D';
 /// Where ranks announce their listening address, and how a rank looks a peer's up.
 struct link_directory {
   std::function<void(const std::string& key, const std::string& value)> publish;
-  /// Waits until `key` exists and returns its value; nullopt when `until` passed first.
-  std::function<std::optional<std::string>(const std::string& key, deadline_t until)> lookup;
+  /// The value of `key` if it exists now (a short request), else nullopt.
+  std::function<std::optional<std::string>(const std::string& key)> lookup;
 };
 
 /// One group's connections, made on first use. Thread-safe: any thread may ask for a link.
@@ -74,7 +74,10 @@ class peer_links {
   peer_links(link_directory dir, const sockaddr_storage& local, std::shared_ptr<const authenticator> auth, int rank,
              int size, std::string prefix, std::uint64_t group, int bufsize = 4 << 20,
              std::function<bool()> group_failed = {})
-      : dir_(std::move(dir)),
+      : sync_(std::make_unique<sync>()),
+        mu_(sync_->mu),
+        cv_(sync_->cv),
+        dir_(std::move(dir)),
         auth_(std::move(auth)),
         rank_(rank),
         size_(size),
@@ -136,6 +139,12 @@ class peer_links {
           s.fd = std::move(r.fd);
           s.state = link::ready;
           cv_.notify_all();
+          if (shut_) {
+            // shutdown() ran while this attempt was in flight: this link must not escape it.
+            ::shutdown(s.fd.get(), SHUT_RDWR);
+            raise(errc::peer_lost, rank_,
+                  "the group failed before a connection to rank " + std::to_string(peer) + " was made");
+          }
           return s.fd.get();
         }
         if (r.verdict == link_duplicate) {
@@ -159,6 +168,19 @@ class peer_links {
         if (s.state == link::ready) continue;
         if (clock::now() >= until)
           raise(errc::timeout, rank_, "rank " + std::to_string(peer) + " never connected");
+        if (s.state == link::awaiting && clock::now() >= s.next_probe) {
+          // A peer that died after promising its connection never sends it; its listener,
+          // closed with it, refuses. Ask now and then rather than wait for the deadline.
+          s.next_probe = clock::now() + std::chrono::milliseconds(250);
+          const std::string addr = s.addr;
+          lk.unlock();
+          const bool gone = refuses(addr);
+          lk.lock();
+          if (gone && s.state != link::ready)
+            raise(errc::peer_lost, rank_,
+                  "rank " + std::to_string(peer) + " is gone: its announced address " + addr +
+                      " refused the connection it had promised");
+        }
         if (group_failed_) {
           lk.unlock();
           const bool failed = group_failed_();
@@ -173,6 +195,7 @@ class peer_links {
 
   /// The socket to `peer` when connected, else -1 (never connects).
   int connected(int peer) const noexcept {
+    if (owner_.forked()) return -1;  // the parent's connections; its threads may hold the lock
     std::lock_guard lk(mu_);
     if (peer < 0 || peer >= size_) return -1;
     const auto it = slots_.find(peer);
@@ -181,6 +204,7 @@ class peer_links {
 
   /// Number of peers connected now.
   int connections() const noexcept {
+    if (owner_.forked()) return 0;
     std::lock_guard lk(mu_);
     return static_cast<int>(std::count_if(slots_.begin(), slots_.end(), [](const auto& kv) { return kv.second.state == link::ready; }));
   }
@@ -188,6 +212,7 @@ class peer_links {
   /// Shuts every connection down (peers blocked on this rank wake) and stops new ones: later
   /// get() calls for a peer not yet connected raise errc::peer_lost.
   void shutdown() noexcept {
+    if (owner_.forked()) return;  // never shut the parent's connections from a child
     std::lock_guard lk(mu_);
     shut_ = true;
     for (auto& [peer, s] : slots_)
@@ -201,6 +226,7 @@ class peer_links {
     link state = link::none;
     fd_handle fd;
     std::string addr;  // the peer's announced address, once looked up
+    deadline_t next_probe{};
   };
   struct attempt_result {
     fd_handle fd;
@@ -210,15 +236,36 @@ class peer_links {
   void stop() noexcept {
     if (!thread_.joinable()) return;
     if (owner_.forked()) {
-      // A forked child's copy: the acceptor thread is the parent's and does not exist here.
-      // Only this process's copies of the descriptors close.
+      // A forked child's copy: the acceptor thread is the parent's and does not exist here, and
+      // the parent's threads may have been inside the mutex or waiting on the condition
+      // variable at the fork (destroying it would wait for them forever). Only this process's
+      // copies of the descriptors close.
       thread_.detach();
+      abandon(std::move(sync_));
       return;
     }
     stopping_ = true;
     std::uint64_t one = 1;
     [[maybe_unused]] auto r = ::write(wake_.get(), &one, sizeof one);
     thread_.join();
+  }
+
+  /// True when the announced address `v` refuses a connection: the peer's process is gone.
+  bool refuses(const std::string& v) const {
+    try {
+      const auto sp = v.rfind(' ');
+      if (sp == std::string::npos) return false;
+      const auto eps = resolve(v.substr(0, sp), std::atoi(v.c_str() + sp + 1), rank_);
+      std::error_code ec;
+      for (const auto& ep : eps) {
+        // Closed at once: the peer's acceptor sees a connection that ends before its hello.
+        auto fd = try_connect(ep, clock::now() + std::chrono::milliseconds(100), ec);
+        if (fd || ec != std::errc::connection_refused) return false;
+      }
+      return !eps.empty();
+    } catch (...) {
+      return false;
+    }
   }
 
   /// One connection attempt to `peer`, through the handshake, up to the acceptor's verdict.
@@ -229,20 +276,28 @@ class peer_links {
       std::lock_guard lk(mu_);
       v = slots_[peer].addr;
     }
-    while (v.empty()) {
-      // The peer announces its address when it opens this channel; it may not have yet. Look
-      // in slices, so that a group that failed meanwhile ends the wait at once.
-      if (auto a = dir_.lookup(key, std::min(until, clock::now() + std::chrono::milliseconds(200)))) {
+    auto pause = std::chrono::milliseconds(2);
+    for (int round = 0; v.empty(); ++round) {
+      // The peer announces its address when it opens this channel; it may not have yet. Ask
+      // with short requests (the directory may be shared with other threads), and between
+      // them see whether the peer's own connection arrived meanwhile, or the group failed.
+      if (auto a = dir_.lookup(key)) {
         v = std::move(*a);
         std::lock_guard lk(mu_);
         slots_[peer].addr = v;
         break;
       }
+      {
+        std::lock_guard lk(mu_);
+        if (slots_[peer].state == link::ready) return {};  // the peer connected to us: done
+      }
       if (clock::now() >= until)
         raise(errc::timeout, rank_, "rank " + std::to_string(peer) + " never connected (it never opened this channel)");
-      if (group_failed_ && group_failed_())
+      if (group_failed_ && round % 8 == 7 && group_failed_())
         raise(errc::peer_lost, rank_,
               "the group failed while this rank waited for rank " + std::to_string(peer) + " to connect");
+      std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(pause, until - clock::now()));
+      pause = std::min(pause * 2, std::chrono::milliseconds(25));
     }
     const auto sp = v.rfind(' ');
     int port = 0;
@@ -413,6 +468,13 @@ class peer_links {
     }
   }
 
+  struct sync {
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  std::unique_ptr<sync> sync_;  // on the heap: a forked child abandons it (stop())
+  std::mutex& mu_;
+  std::condition_variable& cv_;
   link_directory dir_;
   std::shared_ptr<const authenticator> auth_;
   int rank_;
@@ -422,8 +484,7 @@ class peer_links {
   int bufsize_;
   std::function<bool()> group_failed_;
   std::unordered_map<int, slot> slots_;  // only the peers this rank has dealt with (node-stable)
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
+
   bool shut_ = false;
   fd_handle listen_;
   fd_handle wake_;

@@ -36,9 +36,17 @@ namespace detail {
 /// The group's store as the directory where ranks announce their listening address (mesh.hpp).
 inline link_directory store_directory(store_client& st, std::chrono::milliseconds timeout) {
   return {[&st, timeout](const std::string& k, const std::string& v) { st.set(k, v, clock::now() + timeout); },
-          [&st](const std::string& k, deadline_t until) -> std::optional<std::string> {
-            if (!st.wait({k}, until).empty()) return std::nullopt;
-            return st.get(k, until);
+          [&st](const std::string& k) -> std::optional<std::string> {
+            // Short, so that a thread holding the shared connection for a long wait of its own
+            // delays a first contact by this much at most each time, and never fails it.
+            const auto until = clock::now() + std::chrono::milliseconds(100);
+            try {
+              if (!st.check(k, until)) return std::nullopt;
+              return st.get(k, until);
+            } catch (const error& e) {
+              if (e.condition() == errc::timeout) return std::nullopt;
+              throw;
+            }
           }};
 }
 
@@ -53,6 +61,7 @@ struct join_request {
 
 /// Names ranks compactly: "rank 3", "ranks 1, 2, 5", "ranks 1, 2, ... (40 in all)".
 inline std::string name_ranks(const std::vector<int>& ranks, std::size_t shown = 32) {
+  if (ranks.empty()) return "no rank";
   std::string s = ranks.size() == 1 ? "rank " : "ranks ";
   for (std::size_t i = 0; i < ranks.size() && i < shown; ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
   if (ranks.size() > shown) s += ", ... (" + std::to_string(ranks.size()) + " in all)";
@@ -66,8 +75,9 @@ inline std::vector<int> missing_ranks(store_client& st, int world, deadline_t un
   for (int lo = 0; lo < world; lo += chunk) {
     std::vector<std::string> keys;
     for (int r = lo; r < std::min(world, lo + chunk); ++r) keys.push_back("pg/rank/" + std::to_string(r));
-    // Already past `until`: the store answers at once with the keys still missing.
-    for (auto& k : st.wait(keys, std::min(until, clock::now())))
+    // A wait of a millisecond: the store answers at once with the keys still missing.
+    if (clock::now() >= until) raise(errc::timeout, -1, "no time left to list the missing ranks");
+    for (auto& k : st.wait(keys, clock::now() + std::chrono::milliseconds(1)))
       missing.push_back(std::atoi(k.c_str() + k.rfind('/') + 1));
   }
   std::sort(missing.begin(), missing.end());
@@ -137,7 +147,18 @@ inline std::uint64_t join_store(store_client& st, const join_request& req, deadl
     try {
       if (rank == 0 || req.world <= static_cast<int>(store_max_fields) - 2) {
         const auto missing = missing_ranks(st, req.world, budget);
-        what = name_ranks(missing) + " of " + std::to_string(req.world) + " never arrived";
+        if (!missing.empty()) {
+          what = name_ranks(missing) + " of " + std::to_string(req.world) + " never arrived";
+        } else {
+          // Every seat is claimed, yet the count never completed: a rank stopped or died
+          // between its claim and its count (or, the last one, before announcing completion).
+          const auto arrived = st.add("pg/arrived", 0, budget);
+          what = "every rank claimed its place, but " +
+                 (arrived < req.world ? std::to_string(req.world - arrived) + " of " + std::to_string(req.world) +
+                                            " ranks stopped before finishing their join"
+                                      : std::string("the last rank to arrive stopped before announcing it")) +
+                 " (a rank died or froze while joining)";
+        }
         if (rank == 0) st.set("pg/missing", what, budget);
       } else if (st.check("pg/missing", budget)) {
         what = st.get("pg/missing", budget);

@@ -134,9 +134,20 @@ inline bool is_write(std::uint8_t code) {
 
 /// True when `f` (a valid request) claims a rank of a store with members: compare_set of a key
 /// under `prefix` from the empty value.
-inline bool is_claim(const frame& f, std::string_view prefix) {
-  return !prefix.empty() && f.code == static_cast<std::uint8_t>(store_cmd::cas) && f.fields.size() == 3 &&
-         f.fields[0].starts_with(prefix) && f.fields[1].empty();
+inline bool is_claim(const frame& f, std::string_view prefix, std::uint32_t members = 0) {
+  if (prefix.empty() || f.code != static_cast<std::uint8_t>(store_cmd::cas) || f.fields.size() != 3 ||
+      !f.fields[0].starts_with(prefix) || !f.fields[1].empty())
+    return false;
+  if (members == 0) return true;
+  // A seat: a number below `members`, in its one spelling (no sign, no leading zero).
+  const std::string_view seat = std::string_view(f.fields[0]).substr(prefix.size());
+  if (seat.empty() || seat.size() > 10 || (seat.size() > 1 && seat[0] == '0')) return false;
+  std::uint64_t r = 0;
+  for (char ch : seat) {
+    if (ch < '0' || ch > '9') return false;
+    r = r * 10 + static_cast<std::uint64_t>(ch - '0');
+  }
+  return r < members;
 }
 
 /// Number of keys a get (1) or wait (all fields but the last, its time limit) waits for.
