@@ -7,7 +7,9 @@ Per rank, what init_process_group does with the store:
   TCPStore(host, port, world_size, is_master=rank == 0, timeout, multi_tenant=True)
       (rendezvous.py's _create_c10d_store; the constructor connects twice, a client and a
       callback client, and adds 1 to the store's init key; the master waits until that key
-      reaches world_size)
+      reaches world_size, polling it every 10 ms. Here the master's TCPStore is made before the
+      clock starts, as ddp's store_server is, without that wait: the barrier waits for the
+      same ranks.)
   _store_based_barrier on PrefixStore("default_pg", store): add(key, 1), then add(key, 0)
       every 10 ms until it equals world_size, or RuntimeError after the timeout.
 Rank 0 (the master) runs in its own process; `--procs` forked processes drive ranks 1..N-1,
@@ -74,14 +76,16 @@ def recv_obj(fd):
     return pickle.loads(recv_exact(fd, n))
 
 
-def join(rank, world, port, timeout, is_master):
-    """One rank's rendezvous; returns the number of store requests it made."""
-    store = dist.TCPStore("127.0.0.1", port, world, is_master, timeout, multi_tenant=True)
+def join(rank, world, port, timeout, store=None):
+    """One rank's rendezvous after its TCPStore is made; returns the store and the number of
+    store requests the rank made (the constructor's add of the init key included)."""
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, world, False, timeout, multi_tenant=True)
+    requests = 1
     store = dist.PrefixStore("default_pg", store)
-    requests = 2  # the constructor's add of the init key, then the barrier's add
     store.add(BARRIER_KEY, 1)
     count = store.add(BARRIER_KEY, 0)
-    requests += 1
+    requests += 2
     start = time.time()
     while count != world:
         time.sleep(0.01)
@@ -105,7 +109,7 @@ def client_process(lo, hi, world, port, timeout, stack_kb, rd, wr):
     def run(i):
         go.wait()
         try:
-            store, req = join(lo + i, world, port, timeout, False)
+            store, req = join(lo + i, world, port, timeout)
             results[i] = (time.monotonic_ns(), req, None)
             finished.release()
             release.wait()  # hold the connection, as a real rank holds its store
@@ -143,15 +147,29 @@ def client_process(lo, hi, world, port, timeout, stack_kb, rd, wr):
 def master_process(world, port, timeout, rd, wr):
     raise_nofile()
     rss0 = rss_kib()
+    out = {"failed": 0, "errors": [], "requests": 0}
+    # The master listens from before the clock starts, as ddp's store_server does. Its
+    # constructor's wait for the workers (one more poller, of the init key, every 10 ms) is left
+    # out: TCPStore's binding holds the GIL through it, and the barrier below waits for the same
+    # ranks anyway.
+    made = {}
+    try:
+        made["store"] = dist.TCPStore("127.0.0.1", port, world, True, timeout, wait_for_workers=False,
+                                      multi_tenant=True)
+    except Exception as e:  # noqa: BLE001
+        made["error"] = "{}: {}".format(type(e).__name__, e)
     os.write(wr, b"r")
     recv_exact(rd, 1)
-    out = {"failed": 0, "errors": [], "requests": 0}
     store = None
-    try:
-        store, out["requests"] = join(0, world, port, timeout, True)
-    except Exception as e:  # noqa: BLE001
+    if "store" in made:
+        try:
+            store, out["requests"] = join(0, world, port, timeout, made["store"])
+        except Exception as e:  # noqa: BLE001
+            out["failed"] = 1
+            out["errors"] = ["{}: {}".format(type(e).__name__, e)]
+    else:
         out["failed"] = 1
-        out["errors"] = ["{}: {}".format(type(e).__name__, e)]
+        out["errors"] = [made.get("error", "TCPStore master: no store")]
     out["joined_ns"] = time.monotonic_ns()
     os.write(wr, b"j")
     try:
@@ -195,6 +213,37 @@ def free_port():
     return port
 
 
+class Stalled(Exception):
+    pass
+
+
+def recv_until(fd, n, deadline):
+    """recv_exact that gives up at `deadline` (time.monotonic()): a stalled child is a result."""
+    import select
+    buf = b""
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise Stalled
+        c = os.read(fd, n - len(buf))
+        if not c:
+            raise EOFError
+        buf += c
+    return buf
+
+
+def recv_obj_until(fd, deadline):
+    (n,) = struct.unpack("<I", recv_until(fd, 4, deadline))
+    return pickle.loads(recv_until(fd, n, deadline))
+
+
+def describe_exit(pid):
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return "killed by signal {}".format(os.WTERMSIG(status))
+    return "exited with status {}".format(os.WEXITSTATUS(status))
+
+
 def one_run(world, procs, timeout, stack_kb):
     port = free_port()
     procs = max(1, min(procs, world - 1))
@@ -209,29 +258,57 @@ def one_run(world, procs, timeout, stack_kb):
     for c in clients:
         recv_exact(c[2], 1)
     t0 = time.monotonic_ns()
+    # Every rank gives up at the timeout; past it (and a minute for the failures to come in),
+    # what has not answered is reported as stalled.
+    deadline = time.monotonic() + timeout.total_seconds() + 60
     os.write(m[1], b"g")
     for c in clients:
         os.write(c[1], b"g")
-    reps = [recv_obj(c[2]) for c in clients]
-    recv_exact(m[2], 1)
-    os.write(m[1], b"m")
-    r0 = recv_obj(m[2])
+    reps, errors, died = [], [], []
+    for i, c in enumerate(clients):
+        try:
+            reps.append(recv_obj_until(c[2], deadline))
+        except Stalled:
+            errors.append("client process {} (ranks {}..) stalled: no result {:.0f} s after the timeout".format(
+                i, 1 + (world - 1) * i // procs, 60))
+            died.append(c)
+        except EOFError:
+            errors.append("client process {} died".format(i))
+            died.append(c)
+    r0 = None
+    try:
+        recv_until(m[2], 1, deadline)
+        os.write(m[1], b"m")
+        r0 = recv_obj_until(m[2], deadline)
+    except (Stalled, EOFError, BrokenPipeError) as e:
+        errors.append("TCPStore master process: " + ("stalled" if isinstance(e, Stalled) else "died"))
+    for c in died:
+        os.kill(c[0], 9)
+    if r0 is None:
+        os.kill(m[0], 9)
     for c in clients:
         os.close(c[1])
         os.close(c[2])
     for c in clients:
-        os.waitpid(c[0], 0)
+        st = describe_exit(c[0])
+        if c in died:
+            errors.append("  that client process " + st)
     os.close(m[1])
     os.close(m[2])
-    os.waitpid(m[0], 0)
+    st = describe_exit(m[0])
+    if r0 is None:
+        errors.append("  the master process " + st)
+        r0 = {"joined_ns": 0, "errors": [], "failed": 1, "requests": 0, "fds": -1, "rss_growth_kib": -1024}
     last = max([r["last_ns"] for r in reps] + [r0["joined_ns"]])
-    errors = r0["errors"] + [e for r in reps for e in r["errors"]]
+    errors = r0["errors"] + [e for r in reps for e in r["errors"]] + errors
+    ranks_lost = sum(hi - lo for hi, lo in [(1 + (world - 1) * (clients.index(c) + 1) // procs,
+                                              1 + (world - 1) * clients.index(c) // procs) for c in died])
     return {
         "join_ms": (last - t0) / 1e6,
         "rss_mib": r0["rss_growth_kib"] / 1024.0,
         "fds": r0["fds"],
         "requests": max([r["requests"] for r in reps] + [r0["requests"]]),
-        "failed": r0["failed"] + sum(r["failed"] for r in reps),
+        "failed": r0["failed"] + sum(r["failed"] for r in reps) + ranks_lost,
         "errors": errors,
     }
 
@@ -260,7 +337,7 @@ def main():
                 world, rep, r["join_ms"], r["rss_mib"], r["fds"], r["requests"],
                 ", FAILED ({} of {} ranks)".format(r["failed"], world) if r["failed"] else ""),
                 file=sys.stderr, flush=True)
-            for e in r["errors"][:4]:
+            for e in r["errors"][:8]:
                 print("#   " + e.replace("\n", " ")[:300], file=sys.stderr, flush=True)
             joins.append(r["join_ms"])
             rss.append(r["rss_mib"])
