@@ -3,12 +3,14 @@
 // over its own real store_client socket, and we time it.
 //
 //   store_scale [--ranks 1024,4096,16384] [--procs 8] [--reps 3] [--timeout-ms 120000]
-//               [--stack-kb 128] [--header]
+//               [--stack-kb 128] [--connect-first] [--no-header]
 //
 // Processes: the "rank 0" process hosts the store_server and runs rank 0's join_store; `procs`
 // forked processes drive ranks 1..N-1, one thread per rank (small stacks), all released at
 // once. Per N and repetition:
-//   join_ms    from the release to the last rank's join_store return (connect included)
+//   join_ms    from the release to the last rank's join_store return: connecting included, or,
+//              with --connect-first, every process connects its ranks one after another before
+//              the release (as bench/peers/torch_store_scale.py must), and the time is joining alone
 //   rss_mib    rank 0's resident memory growth from before the release until every rank joined
 //   fds        descriptors rank 0 holds then (/proc/self/fd)
 //   req/rank   store requests per rank (send() calls per client thread: one frame each), max
@@ -118,6 +120,7 @@ struct options {
   long long timeout_ms = 120000;
   std::size_t stack_kb = 128;
   bool header = true;
+  bool connect_first = false;  // connections made before the clock starts (TCPStore's script does)
 };
 
 // What a client process reports once all its ranks returned.
@@ -153,6 +156,7 @@ struct rank_thread {
   long bytes = 0;
   std::uint64_t group = 0;
   std::string error;
+  std::unique_ptr<ddp::store_client> st;  // made before the release with --connect-first
 };
 
 void* run_rank(void* arg) {
@@ -160,10 +164,10 @@ void* run_rank(void* arg) {
   while (t.go->load(std::memory_order_acquire) == 0) t.go->wait(0, std::memory_order_acquire);
   try {
     const auto until = ddp::detail::clock::now() + std::chrono::milliseconds(t.timeout_ms);
-    ddp::store_client st("127.0.0.1", t.port, t.rank, until);
+    if (!t.st) t.st = std::make_unique<ddp::store_client>("127.0.0.1", t.port, t.rank, until);
     ddp::detail::join_request req{t.rank, t.world, "store_scale", "127.0.0.1:" + std::to_string(t.port),
                                   t.timeout_ms};
-    t.group = ddp::detail::join_store(st, req, until);
+    t.group = ddp::detail::join_store(*t.st, req, until);
     t.done_ns = now_ns();
     t.requests = t_sends;
     t.bytes = t_bytes;
@@ -175,6 +179,7 @@ void* run_rank(void* arg) {
     t.done_ns = now_ns();
     t.requests = t_sends;
     t.error = e.what();
+    t.st.reset();
     t.finished->fetch_add(1);
     t.finished->notify_all();
   }
@@ -197,6 +202,9 @@ void* run_rank(void* arg) {
     ts[i].timeout_ms = o.timeout_ms;
     ts[i].go = &go;
     ts[i].finished = &finished;
+    if (o.connect_first)
+      ts[i].st = std::make_unique<ddp::store_client>(
+          "127.0.0.1", port, ts[i].rank, ddp::detail::clock::now() + std::chrono::milliseconds(o.timeout_ms));
     if (::pthread_create(&ids[i], &attr, run_rank, &ts[i]) != 0) {
       std::fprintf(stderr, "store_scale: pthread_create failed at rank %d: %s\n", lo + static_cast<int>(i),
                    std::strerror(errno));
@@ -240,10 +248,15 @@ void* run_rank(void* arg) {
   write_all(out, &port, sizeof port);
   const long rss0 = rss_kib();
   char c;
+  std::unique_ptr<ddp::store_client> early;
+  if (o.connect_first)
+    early = std::make_unique<ddp::store_client>("127.0.0.1", port, 0,
+                                                ddp::detail::clock::now() + std::chrono::milliseconds(o.timeout_ms));
   if (!read_all(in, &c, 1)) std::_Exit(5);
   try {
     const auto until = ddp::detail::clock::now() + std::chrono::milliseconds(o.timeout_ms);
-    ddp::store_client st("127.0.0.1", port, 0, until);
+    if (!early) early = std::make_unique<ddp::store_client>("127.0.0.1", port, 0, until);
+    auto& st = *early;
     ddp::detail::join_request req{0, world, "store_scale", "127.0.0.1:" + std::to_string(port), o.timeout_ms};
     rep.group = ddp::detail::join_store(st, req, until);
     rep.joined_ns = now_ns();
@@ -396,10 +409,11 @@ int main(int argc, char** argv) {
     else if (a == "--timeout-ms") o.timeout_ms = std::atoll(next());
     else if (a == "--stack-kb") o.stack_kb = static_cast<std::size_t>(std::atoll(next()));
     else if (a == "--no-header") o.header = false;
+    else if (a == "--connect-first") o.connect_first = true;
     else {
       std::fprintf(stderr,
                    "usage: store_scale [--ranks 1024,4096,16384] [--procs 8] [--reps 3] [--timeout-ms 120000] "
-                   "[--stack-kb 128] [--no-header]\n");
+                   "[--stack-kb 128] [--connect-first] [--no-header]\n");
       return 2;
     }
   }
@@ -434,7 +448,7 @@ int main(int argc, char** argv) {
       failed = std::max(failed, res.failed);
     }
     if (failed) ++bad;
-    std::printf("ddp,%d,%d,%d,%.1f,%.1f,%.1f,%.1f,%.0f,%.0f,%d\n", world, o.procs, o.reps, median(join),
+    std::printf("%s,%d,%d,%d,%.1f,%.1f,%.1f,%.1f,%.0f,%.0f,%d\n", o.connect_first ? "ddp_connected" : "ddp", world, o.procs, o.reps, median(join),
                 *std::min_element(join.begin(), join.end()), *std::max_element(join.begin(), join.end()),
                 median(rss), median(fds), median(req), failed);
     std::fflush(stdout);

@@ -76,11 +76,9 @@ def recv_obj(fd):
     return pickle.loads(recv_exact(fd, n))
 
 
-def join(rank, world, port, timeout, store=None):
+def join(rank, world, timeout, store):
     """One rank's rendezvous after its TCPStore is made; returns the store and the number of
     store requests the rank made (the constructor's add of the init key included)."""
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", port, world, False, timeout, multi_tenant=True)
     requests = 1
     store = dist.PrefixStore("default_pg", store)
     store.add(BARRIER_KEY, 1)
@@ -106,10 +104,26 @@ def client_process(lo, hi, world, port, timeout, stack_kb, rd, wr):
     results = [None] * (hi - lo)
     finished = threading.Semaphore(0)
 
+    # TCPStore's constructor holds the GIL while it connects: made from many threads at once,
+    # one slow connection would stop every simulated rank of this process. So each process
+    # makes its ranks' stores one after another before the clock starts (8 processes connect
+    # at once), and the timed part is the barrier.
+    t_connect = time.monotonic_ns()
+    stores = [None] * (hi - lo)
+    for i in range(hi - lo):
+        try:
+            stores[i] = dist.TCPStore("127.0.0.1", port, world, False, timeout, multi_tenant=True)
+        except Exception as e:  # noqa: BLE001 -- reported to the driver
+            results[i] = (time.monotonic_ns(), 0, "{}: {}".format(type(e).__name__, e))
+    connect_ms = (time.monotonic_ns() - t_connect) / 1e6
+
     def run(i):
         go.wait()
+        if stores[i] is None:
+            finished.release()
+            return
         try:
-            store, req = join(lo + i, world, port, timeout)
+            store, req = join(lo + i, world, timeout, stores[i])
             results[i] = (time.monotonic_ns(), req, None)
             finished.release()
             release.wait()  # hold the connection, as a real rank holds its store
@@ -135,6 +149,7 @@ def client_process(lo, hi, world, port, timeout, stack_kb, rd, wr):
         "failed": sum(1 for r in results if r[2] is not None),
         "requests": max(r[1] for r in results),
         "errors": list(errors.values())[:4],
+        "connect_ms": connect_ms,
     })
     try:
         recv_exact(rd, 1)
@@ -163,7 +178,7 @@ def master_process(world, port, timeout, rd, wr):
     store = None
     if "store" in made:
         try:
-            store, out["requests"] = join(0, world, port, timeout, made["store"])
+            store, out["requests"] = join(0, world, timeout, made["store"])
         except Exception as e:  # noqa: BLE001
             out["failed"] = 1
             out["errors"] = ["{}: {}".format(type(e).__name__, e)]
@@ -255,8 +270,19 @@ def one_run(world, procs, timeout, stack_kb):
         hi = 1 + (world - 1) * (p + 1) // procs
         clients.append(spawn(lambda rd, wr, lo=lo, hi=hi: client_process(lo, hi, world, port, timeout,
                                                                           stack_kb, rd, wr)))
-    for c in clients:
-        recv_exact(c[2], 1)
+    ready_by = time.monotonic() + timeout.total_seconds() + 60
+    t_ready = time.monotonic_ns()
+    for i, c in enumerate(clients):
+        try:
+            recv_until(c[2], 1, ready_by)
+        except (Stalled, EOFError):
+            print("#   client process {} never finished connecting its ranks; killed".format(i), file=sys.stderr)
+            for k in clients + [m]:
+                os.kill(k[0], 9)
+                os.waitpid(k[0], 0)
+            return {"join_ms": 0, "rss_mib": -1, "fds": -1, "requests": 0, "failed": world, "connect_ms":
+                    (time.monotonic_ns() - t_ready) / 1e6, "errors": ["stalled while connecting"]}
+    connect_ms = (time.monotonic_ns() - t_ready) / 1e6
     t0 = time.monotonic_ns()
     # Every rank gives up at the timeout; past it (and a minute for the failures to come in),
     # what has not answered is reported as stalled.
@@ -299,7 +325,7 @@ def one_run(world, procs, timeout, stack_kb):
     if r0 is None:
         errors.append("  the master process " + st)
         r0 = {"joined_ns": 0, "errors": [], "failed": 1, "requests": 0, "fds": -1, "rss_growth_kib": -1024}
-    last = max([r["last_ns"] for r in reps] + [r0["joined_ns"]])
+    last = max([r["last_ns"] for r in reps] + [r0["joined_ns"], t0])
     errors = r0["errors"] + [e for r in reps for e in r["errors"]] + errors
     ranks_lost = sum(hi - lo for hi, lo in [(1 + (world - 1) * (clients.index(c) + 1) // procs,
                                               1 + (world - 1) * clients.index(c) // procs) for c in died])
@@ -310,6 +336,7 @@ def one_run(world, procs, timeout, stack_kb):
         "requests": max([r["requests"] for r in reps] + [r0["requests"]]),
         "failed": r0["failed"] + sum(r["failed"] for r in reps) + ranks_lost,
         "errors": errors,
+        "connect_ms": connect_ms,
     }
 
 
@@ -333,8 +360,9 @@ def main():
         joins, rss, fds, req, failed = [], [], [], [], 0
         for rep in range(a.reps):
             r = one_run(world, a.procs, timeout, a.stack_kb)
-            print("# torch ranks {} rep {}: join {:.1f} ms, master rss +{:.1f} MiB, {} fds, {} requests/rank{}".format(
-                world, rep, r["join_ms"], r["rss_mib"], r["fds"], r["requests"],
+            print("# torch ranks {} rep {}: connect (untimed) {:.0f} ms, join {:.1f} ms, master rss +{:.1f} MiB, {} fds, "
+                  "{} requests/rank{}".format(
+                world, rep, r["connect_ms"], r["join_ms"], r["rss_mib"], r["fds"], r["requests"],
                 ", FAILED ({} of {} ranks)".format(r["failed"], world) if r["failed"] else ""),
                 file=sys.stderr, flush=True)
             for e in r["errors"][:8]:
