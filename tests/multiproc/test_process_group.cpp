@@ -9,6 +9,7 @@
 
 #include <numeric>
 #include <stdexcept>
+#include <thread>
 
 #include "harness.hpp"
 
@@ -466,6 +467,52 @@ TEST_CASE("a store reachable beyond loopback without a secret is refused unless 
     auto pg = ddp::init_process_group(o);
     pg.barrier();
   });
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("a stranger without a token can neither plant the group's failure nor hold rank 0's exit") {
+  const int port = free_port();
+  auto outs = run_processes({0, 1, 2}, [&](int who) {
+    if (who == 2) {
+      // A stranger: connects to rank 0's store, tries to decide the group's error, then idles.
+      ddp::store_client st("127.0.0.1", port, 99, ddp::detail::clock::now() + 10s);
+      st.wait({"pg/complete"}, ddp::detail::clock::now() + 10s);
+      for (const char* key : {"pg/failure", "pg/abort", "tcp/1/abort", "pg/mesh/addr/1"}) {
+        try {
+          st.set(key, "9 group aborted by rank 1: planted");
+          throw std::runtime_error(std::string("a stranger wrote ") + key);
+        } catch (const ddp::error& e) {
+          require(e.condition() == ddp::errc::auth_failed, e.what());
+        }
+      }
+      // Every seat is taken; a key that is not a seat is no claim: refused like any write.
+      for (const char* key : {"pg/rank/1", "pg/rank/999", "pg/rank/01"}) {
+        try {
+          const auto owner = st.compare_set(key, "", "x", ddp::detail::clock::now() + 1s);
+          require(std::string(key) == "pg/rank/1" && owner != "x", std::string("a stranger claimed ") + key);
+        } catch (const ddp::error& e) {
+          require(e.condition() == ddp::errc::auth_failed, e.what());
+        }
+      }
+      try {
+        st.set("pg/failure", "9 planted");
+        throw std::runtime_error("a stranger became a member");
+      } catch (const ddp::error& e) {
+        require(e.condition() == ddp::errc::auth_failed, e.what());
+      }
+      std::this_thread::sleep_for(5s);  // idle, connected, while the group closes
+      return;
+    }
+    auto pg = ddp::init_process_group(opts(who, 2, port, 20s));
+    std::this_thread::sleep_for(300ms);
+    require(!pg.failure_recorded(), "a failure was recorded");
+    pg.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    pg.close();
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    require(secs < 2.0, "closing took " + std::to_string(secs) + " s");
+  }, 60s);
   INFO(ddp_test::summary(outs));
   CHECK(ddp_test::all_ok(outs));
 }
