@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -201,6 +202,7 @@ class store_server {
     std::vector<std::uint64_t> parked;         // ids of its parked requests
     std::size_t parked_bytes = 0;
     std::size_t held = 0;                      // counted in buffered_
+    bool backlogged = false;                   // complete frames wait in `in` for a later round
   };
   struct waiter {
     std::uint64_t owner;  // the client's seq
@@ -242,7 +244,8 @@ class store_server {
         watch_fd(listen_.get(), listen_now ? EPOLLIN : 0u, listen_id, EPOLL_CTL_MOD);
         listening_ = listen_now;
       }
-      const int n = ::epoll_wait(epoll_.get(), events.data(), static_cast<int>(events.size()), next_timeout(before));
+      const int n = ::epoll_wait(epoll_.get(), events.data(), static_cast<int>(events.size()),
+                                 backlog_.empty() ? next_timeout(before) : 0);
       if (stopping_) break;
       const auto now = detail::clock::now();
       for (int i = 0; i < n; ++i) {
@@ -257,6 +260,7 @@ class store_server {
         if (it == clients_.end() || it->second->dead) continue;
         on_event(*it->second, ev);
       }
+      serve_backlog();
       expire(now);
       settle_touched(now);
       shed_buffers();
@@ -300,6 +304,23 @@ class store_server {
     }
   }
 
+  /// Handles the frames that waited for this round (handle_frames' budget).
+  void serve_backlog() {
+    std::vector<std::uint64_t> now;
+    now.swap(backlog_);
+    for (auto seq : now) {
+      auto it = clients_.find(seq);
+      if (it == clients_.end() || it->second->dead) continue;
+      auto& c = *it->second;
+      c.backlogged = false;
+      touch(c);
+      if (!c.closing && !c.hs && !handle_frames(c)) {
+        ++dropped_;
+        kill(c);
+      }
+    }
+  }
+
   /// After a round's events: flush, half-close refused clients, close the ones that are done,
   /// and bring each touched connection's epoll interest, timers, tier and counts up to date.
   void settle_touched(detail::deadline_t now) {
@@ -310,6 +331,14 @@ class store_server {
       c.touched = false;
       if (c.dead) continue;
       if (!c.out.empty() && !flush(c)) { kill(c); continue; }
+      // Replies taken: frames that waited for them are handled next round.
+      if (!c.backlogged && !c.closing && !c.hs && c.out.size() < backpressure) {
+        std::uint32_t len = 0;
+        if (detail::check_header(c.in, len) == detail::parse_result::ok) {
+          c.backlogged = true;
+          backlog_.push_back(c.seq);
+        }
+      }
       if (c.closing && c.out.empty() && !c.shut) {
         // Half-close and linger until the client hangs up, so it reads our answer rather
         // than a reset.
@@ -336,6 +365,8 @@ class store_server {
       account(c);
     }
     touched_.clear();
+    replies_ = 0;  // every answer made this round is in its client's `out` now, counted
+
   }
 
   /// Parked requests and connections whose time is up.
@@ -403,9 +434,11 @@ class store_server {
     if (c.closing) return refused_tier;
     if (c.hs) return handshaking;
     if (!c.confirmed) return unconfirmed;
-    // A rank waits (a parked request) for rank 0's job record before it claims its rank:
-    // only idle non-members are strangers.
-    if (!member_prefix_.empty() && !c.member && !auth_ && c.parked.empty()) return not_member;
+    // In a store with members and no secret, every connection that did not claim a rank is a
+    // stranger, parked requests or not (a parked request costs a stranger nothing); the least
+    // recently answered go first, so a rank that just read the job record and is about to claim
+    // stays.
+    if (!member_prefix_.empty() && !c.member && !auth_) return not_member;
     return trusted;
   }
   void retier(client& c) {
@@ -559,15 +592,20 @@ class store_server {
   /// its first 4 bytes, never after buffering the rest of what the client sent.
   read_result on_readable(client& c) {
     char buf[65536];
-    while (!c.closing && c.out.size() < backpressure) {
+    // Frames left for a later round are handled first: read nothing more until then. And at
+    // most 1 MiB a round from one client (level-triggered epoll reports the rest next round):
+    // a client that streams requests must not keep the loop to itself.
+    for (int chunks = 0; chunks < 16 && !c.closing && !c.backlogged && c.out.size() < backpressure; ++chunks) {
       const ssize_t k = ::recv(c.fd.get(), buf, sizeof buf, 0);
       if (k > 0) {
         make_room(c.in, static_cast<std::size_t>(k));
         c.in.append(buf, static_cast<std::size_t>(k));
         if (!consume(c)) return read_result::invalid;
         account(c);
-        // Past the budget: stop reading; shed_buffers drops whoever holds the most.
-        if (total_held_ > limits_.max_buffered) return read_result::ok;
+        // Past the budget: stop reading; shed_buffers drops whoever holds the most. Frames
+        // left for a later round: read no more until they are handled (level-triggered epoll
+        // reports the socket again).
+        if (total_held_ > limits_.max_buffered || c.backlogged) return read_result::ok;
         continue;
       }
       if (k == 0) {
@@ -654,7 +692,17 @@ class store_server {
   }
 
   bool handle_frames(client& c) {
-    for (;;) {
+    // A budget per client and round, and none while its replies pile up: one client streaming
+    // cheap requests must not keep the loop (the other clients, stop()) waiting for it.
+    for (std::size_t budget = work_per_round;;) {
+      if (budget == 0 || c.out.size() >= backpressure) {
+        std::uint32_t len = 0;
+        if (detail::check_header(c.in, len) == detail::parse_result::ok && !c.backlogged && budget == 0) {
+          c.backlogged = true;
+          backlog_.push_back(c.seq);
+        }
+        return true;
+      }
       std::uint32_t len = 0;
       const auto hr = detail::check_header(c.in, len);
       if (hr == detail::parse_result::invalid) return false;
@@ -663,6 +711,8 @@ class store_server {
       if (detail::parse_body(std::string_view(c.in).substr(4, len), f) != detail::parse_result::ok) return false;
       c.in.erase(0, 4 + static_cast<std::size_t>(len));
       if (!detail::valid_request(f)) return false;
+      // A request costs its keys (a wait for 4095 keys is 4095 lookups).
+      budget -= std::min(budget, 1 + f.fields.size());
       c.confirmed = true;
       c.active = ++activity_;
       if (!execute(c, f)) {
@@ -674,7 +724,27 @@ class store_server {
     }
   }
 
-  static void reply(client& c, detail::store_status st, const std::vector<std::string_view>& fields = {}) {
+  /// Queues an answer. Answers are counted as they are made: one that would take what all
+  /// clients hold past store_limits::max_buffered is not made, and its client is dropped (a
+  /// crowd of strangers reading a large value, or parked on it, cannot multiply it in memory).
+  void reply(client& c, detail::store_status st, const std::vector<std::string_view>& fields = {}) {
+    std::size_t len = 5;
+    for (auto f : fields) len += 4 + f.size();
+    if (c.dead) return;
+    while (len > 4096 && total_held_ + replies_ + len > limits_.max_buffered) {
+      // Make room by dropping whoever holds the most, as shed_buffers does, unless that is
+      // less than this answer: then this answer's client goes.
+      client* worst = nullptr;
+      for (auto& [seq, o] : clients_)
+        if (!o->dead && o.get() != &c && (worst == nullptr || o->held > worst->held)) worst = o.get();
+      client& gone = worst != nullptr && worst->held >= len ? *worst : c;
+      ++dropped_;
+      kill(gone);
+      total_held_ -= gone.held;  // reap takes it off again: count it once
+      gone.held = 0;
+      if (&gone == &c) return;
+    }
+    replies_ += len;
     c.out += detail::encode_frame(static_cast<std::uint8_t>(st), fields);
   }
 
@@ -791,7 +861,9 @@ class store_server {
     const std::int64_t bounded = std::clamp<std::int64_t>(ms, 0, max_wait_ms);
     const auto id = ++waiter_seq_;
     std::size_t bytes = store_limits::waiter_overhead;
-    for (const auto& field : f.fields) bytes += field.size() + 32;
+    // Each key is a std::string (32 bytes) with its own heap block past 15 bytes (its length
+    // rounded up to malloc's 16, plus 16): count 64 bytes besides its length.
+    for (const auto& field : f.fields) bytes += field.size() + 64;
     auto& w = waiters_.emplace(id, waiter{c.seq, std::move(f), 0, 0, {}, {}}).first->second;
     w.bytes = bytes;
     w.timer = deadlines_.emplace(detail::clock::now() + std::chrono::milliseconds(bounded), id);
@@ -829,6 +901,9 @@ class store_server {
       auto [b, e] = watch_.equal_range(pending_wakes_[i]);
       std::vector<std::uint64_t> ids;
       for (auto it = b; it != e; ++it) ids.push_back(it->second);
+      // Members first: when answers are large and memory is short, strangers go without.
+      std::stable_partition(ids.begin(), ids.end(),
+                            [this](std::uint64_t id) { return clients_.at(waiters_.at(id).owner)->member; });
       for (auto id : ids) {
         auto& w = waiters_.at(id);
         auto& c = *clients_.at(w.owner);
@@ -854,6 +929,8 @@ class store_server {
   // Replies a client has not taken yet past which it is not read (a pipelining client slows
   // down instead of piling its answers up to store_limits::max_buffered).
   static constexpr std::size_t backpressure = std::size_t{1} << 20;
+  /// Work a client gets per round of the loop, in keys looked up (a request costs 1 + its fields).
+  static constexpr std::size_t work_per_round = 16384;
   static constexpr auto pressure_handshake_limit = std::chrono::seconds(1);
   static constexpr auto pressure_linger = std::chrono::seconds(10);
   static constexpr auto fd_room_linger = std::chrono::seconds(1);
@@ -882,6 +959,8 @@ class store_server {
   std::atomic<int> evicted_{0};
   std::atomic<std::size_t> stored_{0};
   std::atomic<std::size_t> buffered_{0};
+  std::size_t replies_ = 0;               ///< answer bytes made this round, not yet counted in `held`
+  std::vector<std::uint64_t> backlog_;    ///< clients with frames left for the next round
   // What the serving thread works on, on the heap: a forked child abandons it (the parent's
   // thread may have been changing it at the fork) instead of destroying it.
   struct serving {
@@ -915,7 +994,8 @@ class store_server {
   std::thread thread_;
 };
 
-/// A connection to the store. Calls are serialized by a mutex; each takes a deadline.
+/// A connection to the store. Calls take turns on it (each waits for its turn until its own
+/// deadline); each takes a deadline.
 class store_client {
  public:
   /// Connects, retrying until `until` because rank 0 may start after us, and returns once the
@@ -923,20 +1003,33 @@ class store_client {
   /// server's proof; errc::auth_failed when either fails); without, a `check` round trip. A
   /// connection the store closes before that (shed or evicted while it had no room,
   /// docs/security.md) is made again until `until`.
+  ~store_client() {
+    if (owner_.forked()) detail::abandon(std::move(turn_));
+  }
+  store_client(const store_client&) = delete;
+  store_client& operator=(const store_client&) = delete;
+
   store_client(const std::string& host, int port, int rank, detail::deadline_t until,
                std::shared_ptr<const authenticator> auth = nullptr)
       : rank_(rank), auth_(std::move(auth)) {
     const auto eps = detail::resolve(host, port, rank);
     const std::string where = host + ":" + std::to_string(port);
     auto backoff = std::chrono::milliseconds(5);
+    int closed = 0;  // connections the store closed before serving them
     for (;;) {
       std::error_code ec;
       fd_ = detail::connect_retry(eps, until, ec);
       if (!fd_) {
-        // Retrying ran into the deadline: the master (rank 0) never came up.
+        // Retrying ran into the deadline: the master (rank 0) never came up, or its store kept
+        // closing our connections (no room).
         detail::raise(errc::timeout, rank,
-                      "could not reach the store of rank 0 at " + where +
-                          " before the deadline (rank 0 never arrived?): last error: " + detail::describe(ec));
+                      closed > 0 ? "the store of rank 0 at " + where + " closed this rank's connection " +
+                                       std::to_string(closed) +
+                                       " times before serving it, until the deadline: it had no room (too many "
+                                       "connections or no descriptors left on rank 0; strangers flooding it?)"
+                                 : "could not reach the store of rank 0 at " + where +
+                                       " before the deadline (rank 0 never arrived?): last error: " +
+                                       detail::describe(ec));
       }
       detail::tune_stream(fd_.get(), 0);
       try {
@@ -952,7 +1045,13 @@ class store_client {
       } catch (const error& e) {
         // Closed before it was served: the store had no room for us yet. Anything else (a
         // refusal, a protocol error, the deadline) is the answer.
-        if (e.code() != errc::peer_lost || detail::clock::now() + backoff >= until) throw;
+        if (e.code() != errc::peer_lost) throw;
+        ++closed;
+        if (detail::clock::now() + backoff >= until)
+          detail::raise(errc::timeout, rank,
+                        "the store of rank 0 at " + where + " closed this rank's connection " + std::to_string(closed) +
+                            " times before serving it, until the deadline: it had no room (too many connections or "
+                            "no descriptors left on rank 0; strangers flooding it?)");
       }
       fd_.reset();
       broken_.clear();
@@ -1057,8 +1156,8 @@ class store_client {
     check_request(cmd, fields);
     // Other threads share this connection: the deadline may pass while this call waits for its
     // turn. That is this call's timeout, not a fault of the connection: nothing was sent.
-    std::unique_lock lock(mu_, std::defer_lock);
-    if (!lock.try_lock_until(until))
+    turn_guard lock(*turn_, until);
+    if (!lock.held)
       detail::raise(errc::timeout, rank_,
                     "store request timed out waiting for its turn on the connection to rank 0 (another thread's "
                     "request held it)");
@@ -1141,8 +1240,35 @@ class store_client {
   std::shared_ptr<const authenticator> auth_;
   detail::fd_handle fd_;
   std::atomic<bool> unusable_{false};
-  std::timed_mutex mu_;  ///< one request at a time on the connection; waited for until the deadline
-  std::string broken_;  ///< why the connection is unusable (guarded by mu_); empty while it is fine
+  /// One request at a time on the connection, waited for until the caller's deadline. (A mutex
+  /// and a flag rather than std::timed_mutex, whose timed lock ThreadSanitizer cannot follow.)
+  /// On the heap: a forked child abandons it, since a parent thread may have been waiting on it.
+  struct turn {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool busy = false;
+  };
+  struct turn_guard {
+    turn& t;
+    bool held;
+    turn_guard(turn& tt, detail::deadline_t until) : t(tt) {
+      std::unique_lock lk(t.mu);
+      held = t.cv.wait_until(lk, until, [&] { return !t.busy; });
+      if (held) t.busy = true;
+    }
+    ~turn_guard() {
+      if (!held) return;
+      {
+        std::lock_guard lk(t.mu);
+        t.busy = false;
+      }
+      t.cv.notify_one();
+    }
+    turn_guard(const turn_guard&) = delete;
+    turn_guard& operator=(const turn_guard&) = delete;
+  };
+  std::unique_ptr<turn> turn_ = std::make_unique<turn>();  ///< one request at a time on the connection; waited for until the deadline
+  std::string broken_;  ///< why the connection is unusable (written during a turn); empty while it is fine
   errc broken_code_ = errc::peer_lost;
   detail::owner_process owner_;
 };
