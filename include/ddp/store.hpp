@@ -435,9 +435,9 @@ class store_server {
     if (c.hs) return handshaking;
     if (!c.confirmed) return unconfirmed;
     // In a store with members and no secret, every connection that did not claim a rank is a
-    // stranger, parked requests or not (a parked request costs a stranger nothing); the least
-    // recently answered go first, so a rank that just read the job record and is about to claim
-    // stays.
+    // stranger, parked requests or not (a parked request costs a stranger nothing); idle ones go
+    // first, then the least recently answered (retier), so a rank that waits for the job record
+    // or just read it stays as long as any other stranger can make room.
     if (!member_prefix_.empty() && !c.member && !auth_) return not_member;
     return trusted;
   }
@@ -445,7 +445,9 @@ class store_server {
     const int t = tier_of(c);
     // Oldest first; non-members by their last request answered (a rank whose wait was just
     // answered is about to claim: idle strangers go before it).
-    const std::uint64_t order = t == not_member ? c.active : c.seq;
+    // Among non-members, idle ones before those with a request parked (a rank waiting for the
+    // job record), each by its last request answered.
+    const std::uint64_t order = t == not_member ? c.active + (c.parked.empty() ? 0 : std::uint64_t{1} << 62) : c.seq;
     if (t == c.tier && order == c.order) return;
     if (c.tier != trusted) by_tier_.erase({c.tier, c.order, c.seq});
     c.tier = t;
