@@ -1018,6 +1018,11 @@ class store_client {
     const std::string where = host + ":" + std::to_string(port);
     auto backoff = std::chrono::milliseconds(5);
     int closed = 0;  // connections the store closed before serving them
+    auto no_room = [&] {
+      return "the store of rank 0 at " + where + " closed this rank's connection " + std::to_string(closed) +
+             " times before serving it, until the deadline: it had no room (too many connections or no "
+             "descriptors left on rank 0; strangers flooding it?)";
+    };
     for (;;) {
       std::error_code ec;
       fd_ = detail::connect_retry(eps, until, ec);
@@ -1025,10 +1030,7 @@ class store_client {
         // Retrying ran into the deadline: the master (rank 0) never came up, or its store kept
         // closing our connections (no room).
         detail::raise(errc::timeout, rank,
-                      closed > 0 ? "the store of rank 0 at " + where + " closed this rank's connection " +
-                                       std::to_string(closed) +
-                                       " times before serving it, until the deadline: it had no room (too many "
-                                       "connections or no descriptors left on rank 0; strangers flooding it?)"
+                      closed > 0 ? no_room()
                                  : "could not reach the store of rank 0 at " + where +
                                        " before the deadline (rank 0 never arrived?): last error: " +
                                        detail::describe(ec));
@@ -1049,14 +1051,12 @@ class store_client {
         // refusal, a protocol error, the deadline) is the answer.
         if (e.code() != errc::peer_lost) throw;
         ++closed;
-        if (detail::clock::now() + backoff >= until)
-          detail::raise(errc::timeout, rank,
-                        "the store of rank 0 at " + where + " closed this rank's connection " + std::to_string(closed) +
-                            " times before serving it, until the deadline: it had no room (too many connections or "
-                            "no descriptors left on rank 0; strangers flooding it?)");
+        if (detail::clock::now() + backoff >= until) detail::raise(errc::timeout, rank, no_room());
       }
+      // A fresh connection: nothing of the closed one's failure carries over.
       fd_.reset();
       broken_.clear();
+      unusable_ = false;
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
     }

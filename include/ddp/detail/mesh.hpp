@@ -23,11 +23,13 @@
 #include <sys/eventfd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -186,8 +188,7 @@ class peer_links {
           const bool failed = group_failed_();
           lk.lock();
           if (failed && s.state != link::ready)
-            raise(errc::peer_lost, rank_,
-                  "the group failed while this rank waited for rank " + std::to_string(peer) + " to connect");
+            group_failed_while_waiting(peer);
         }
       }
     }
@@ -250,6 +251,10 @@ class peer_links {
     thread_.join();
   }
 
+  [[noreturn]] void group_failed_while_waiting(int peer) const {
+    raise(errc::peer_lost, rank_, "the group failed while this rank waited for rank " + std::to_string(peer) + " to connect");
+  }
+
   /// True when the announced address `v` refuses a connection: the peer's process is gone.
   bool refuses(const std::string& v) const {
     try {
@@ -294,8 +299,7 @@ class peer_links {
       if (clock::now() >= until)
         raise(errc::timeout, rank_, "rank " + std::to_string(peer) + " never connected (it never opened this channel)");
       if (group_failed_ && round % 8 == 7 && group_failed_())
-        raise(errc::peer_lost, rank_,
-              "the group failed while this rank waited for rank " + std::to_string(peer) + " to connect");
+        group_failed_while_waiting(peer);
       std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(pause, until - clock::now()));
       pause = std::min(pause * 2, std::chrono::milliseconds(25));
     }
