@@ -11,7 +11,7 @@
 #include <ddp/memory/shm_allocator.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/tree.hpp>
-#include <ddp/transport/shm.hpp>
+#include <ddp/reducer/shm.hpp>
 #include <ddp/transport/tcp.hpp>
 
 #include <sys/wait.h>

@@ -10,7 +10,7 @@
 
 #include <ddp/memory/shm_allocator.hpp>
 #include <ddp/process_group.hpp>
-#include <ddp/transport/shm.hpp>
+#include <ddp/reducer/shm.hpp>
 
 #include <netinet/in.h>
 #include <sys/socket.h>

@@ -12,9 +12,9 @@
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/tree.hpp>
 #include <ddp/transport/tcp.hpp>
-#if __has_include(<ddp/transport/shm.hpp>)
+#if __has_include(<ddp/reducer/shm.hpp>)
 #include <ddp/memory/shm_allocator.hpp>
-#include <ddp/transport/shm.hpp>
+#include <ddp/reducer/shm.hpp>
 #define DDP_EXAMPLE_HAS_SHM 1
 #endif
 

@@ -22,7 +22,7 @@
 #include <string>
 #include <string_view>
 
-#include "error.hpp"
+#include <ddp/error.hpp>
 
 namespace ddp {
 inline namespace v0 {

@@ -17,12 +17,12 @@
 #include <concepts>
 #include <cstddef>
 
-#include "dtype.hpp"
-#include "memory/allocator_concept.hpp"  // IWYU pragma: export
-#include "parameter.hpp"                 // IWYU pragma: export
-#include "planner/planner_concept.hpp"   // IWYU pragma: export
-#include "process_group.hpp"
-#include "request.hpp"
+#include <ddp/dtype.hpp>
+#include <ddp/memory/allocator_concept.hpp>  // IWYU pragma: export
+#include <ddp/parameter.hpp>                 // IWYU pragma: export
+#include <ddp/planner/planner_concept.hpp>   // IWYU pragma: export
+#include <ddp/process_group.hpp>
+#include <ddp/request.hpp>
 
 namespace ddp {
 inline namespace v0 {

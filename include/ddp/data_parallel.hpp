@@ -31,19 +31,19 @@
 #include <utility>
 #include <vector>
 
-#include "concepts.hpp"
-#include "detail/copy.hpp"
-#include "detail/fork.hpp"
-#include "dtype.hpp"
-#include "error.hpp"
-#include "memory/host_allocator.hpp"
-#include "parameter.hpp"
-#include "planner/bucket_plan.hpp"
-#include "planner/size_planner.hpp"
-#include "process_group.hpp"
-#include "reducer/ring.hpp"
-#include "request.hpp"
-#include "transport/tcp.hpp"
+#include <ddp/concepts.hpp>
+#include <ddp/detail/copy.hpp>
+#include <ddp/detail/fork.hpp>
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+#include <ddp/memory/host_allocator.hpp>
+#include <ddp/parameter.hpp>
+#include <ddp/planner/bucket_plan.hpp>
+#include <ddp/planner/size_planner.hpp>
+#include <ddp/process_group.hpp>
+#include <ddp/reducer/ring.hpp>
+#include <ddp/request.hpp>
+#include <ddp/transport/tcp.hpp>
 
 namespace ddp {
 inline namespace v0 {

@@ -10,13 +10,13 @@
 /// pg.barrier();
 /// \endcode
 
-#include "concepts.hpp"       // IWYU pragma: export
-#include "data_parallel.hpp"  // IWYU pragma: export
-#include "dtype.hpp"          // IWYU pragma: export
-#include "error.hpp"          // IWYU pragma: export
-#include "process_group.hpp"  // IWYU pragma: export
-#include "reducer/ring.hpp"   // IWYU pragma: export
-#include "reducer/tree.hpp"   // IWYU pragma: export
-#include "store.hpp"          // IWYU pragma: export
-#include "transport/shm.hpp"  // IWYU pragma: export
-#include "transport/tcp.hpp"  // IWYU pragma: export
+#include <ddp/concepts.hpp>       // IWYU pragma: export
+#include <ddp/data_parallel.hpp>  // IWYU pragma: export
+#include <ddp/dtype.hpp>          // IWYU pragma: export
+#include <ddp/error.hpp>          // IWYU pragma: export
+#include <ddp/process_group.hpp>  // IWYU pragma: export
+#include <ddp/reducer/ring.hpp>   // IWYU pragma: export
+#include <ddp/reducer/tree.hpp>   // IWYU pragma: export
+#include <ddp/store.hpp>          // IWYU pragma: export
+#include <ddp/reducer/shm.hpp>  // IWYU pragma: export
+#include <ddp/transport/tcp.hpp>  // IWYU pragma: export

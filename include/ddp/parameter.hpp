@@ -20,8 +20,8 @@
 #include <utility>
 #include <vector>
 
-#include "ddp/dtype.hpp"
-#include "ddp/error.hpp"
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
 
 namespace ddp {
 inline namespace v0 {

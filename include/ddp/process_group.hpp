@@ -24,13 +24,14 @@
 #include <unordered_map>
 #include <vector>
 
-#include "auth.hpp"
-#include "detail/fork.hpp"
-#include "detail/mesh.hpp"
-#include "detail/rendezvous.hpp"
-#include "detail/socket.hpp"
-#include "error.hpp"
-#include "store.hpp"
+#include <ddp/clock.hpp>
+#include <ddp/auth.hpp>
+#include <ddp/detail/fork.hpp>
+#include <ddp/detail/mesh.hpp>
+#include <ddp/detail/rendezvous.hpp>
+#include <ddp/detail/socket.hpp>
+#include <ddp/error.hpp>
+#include <ddp/store.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -156,7 +157,7 @@ class process_group {
   int size() const noexcept;
   const init_options& options() const noexcept;
   std::chrono::milliseconds timeout() const noexcept;
-  detail::deadline_t deadline() const { return detail::clock::now() + timeout(); }
+  deadline_t deadline() const { return clock::now() + timeout(); }
 
   /// The group's key-value store (hosted by rank 0).
   store_client& store();
@@ -169,11 +170,11 @@ class process_group {
 
   /// Blocks until every rank has called barrier(), or throws (timeout, peer_lost).
   void barrier() { barrier(deadline()); }
-  void barrier(detail::deadline_t until);
+  void barrier(deadline_t until);
 
   /// Copies `root`'s bytes into every rank's `data`; sizes must agree (errc::mismatch).
   void broadcast(std::span<std::byte> data, int root = 0) { broadcast(data, root, deadline()); }
-  void broadcast(std::span<std::byte> data, int root, detail::deadline_t until);
+  void broadcast(std::span<std::byte> data, int root, deadline_t until);
 
   /// Typed convenience: broadcast a contiguous range of trivially copyable values.
   template <class T>
@@ -190,7 +191,7 @@ class process_group {
   /// Socket connected to `peer`, connected now if this is the first exchange with it (both
   /// ranks must then talk to each other before `until`). -1 on an empty handle or in a forked
   /// child; throws errc::timeout / errc::peer_lost when the connection cannot be made.
-  int peer_socket(int peer, detail::deadline_t until);
+  int peer_socket(int peer, deadline_t until);
 
   /// Connections this rank holds to its peers now: they are made on first use, so a group of
   /// thousands of ranks holds a handful per rank. 0 on an empty handle.
@@ -247,7 +248,7 @@ class process_group {
 
   /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
   /// may be the rank that is gone.
-  detail::deadline_t store_budget() const;
+  deadline_t store_budget() const;
 
   /// After a timeout, finds who stopped; returns the sentence for the error. Transports that
   /// share the group's store use it too.
@@ -288,7 +289,7 @@ class process_group::state {
   int size() const noexcept { return size_; }
   const init_options& options() const noexcept { return opts_; }
   std::chrono::milliseconds timeout() const noexcept { return opts_.timeout; }
-  detail::deadline_t deadline() const { return detail::clock::now() + opts_.timeout; }
+  deadline_t deadline() const { return clock::now() + opts_.timeout; }
 
   /// The group's key-value store (hosted by rank 0).
   store_client& store() { return *store_; }
@@ -301,7 +302,7 @@ class process_group::state {
 
   /// Blocks until every rank has called barrier(), or throws (timeout, peer_lost).
   void barrier() { barrier(deadline()); }
-  void barrier(detail::deadline_t until) {
+  void barrier(deadline_t until) {
     // Dissemination barrier: log2(n) rounds of one byte each way.
     for (int k = 1; k < size_; k <<= 1) {
       const int to = (rank_ + k) % size_, from = (rank_ - k + size_) % size_;
@@ -315,7 +316,7 @@ class process_group::state {
 
   /// Copies `root`'s bytes into every rank's `data`; sizes must agree (errc::mismatch).
   void broadcast(std::span<std::byte> data, int root = 0) { broadcast(data, root, deadline()); }
-  void broadcast(std::span<std::byte> data, int root, detail::deadline_t until) {
+  void broadcast(std::span<std::byte> data, int root, deadline_t until) {
     if (root < 0 || root >= size_)
       detail::raise(errc::invalid_argument, rank_, "broadcast root " + std::to_string(root) + " is not a rank");
     // Binomial tree rooted at `root`, in virtual ranks relative to the root.
@@ -407,7 +408,7 @@ class process_group::state {
   }
 
   /// Socket connected to `peer`, made now when this is the first exchange with it.
-  int peer_socket(int peer, detail::deadline_t until) { return links_->get(peer, until); }
+  int peer_socket(int peer, deadline_t until) { return links_->get(peer, until); }
 
   /// Connections this rank holds to its peers now (made on first use).
   int connections() const noexcept { return links_ ? links_->connections() : 0; }
@@ -457,14 +458,14 @@ class process_group::state {
   /// connection just closed records its failure before it closes, but a peer that leaves by
   /// an exception records it while it unwinds, which may come a moment later.
   failure first_failure(bool* store_gone = nullptr, bool linger = false) noexcept {
-    const auto end = detail::clock::now() +
+    const auto end = clock::now() +
                      (linger ? std::min<std::chrono::milliseconds>(std::chrono::milliseconds(200), opts_.timeout / 8)
                              : std::chrono::milliseconds(0));
     try {
       for (;;) {
         const auto until = store_budget();
         if (store_ && store_->check(failure_key, until)) return failure::decode(store_->get(failure_key, until));
-        if (!store_ || detail::clock::now() >= end) break;
+        if (!store_ || clock::now() >= end) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
     } catch (const error& e) {
@@ -511,8 +512,8 @@ class process_group::state {
 
   /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
   /// may be the rank that is gone.
-  detail::deadline_t store_budget() const {
-    return detail::clock::now() + std::min<std::chrono::milliseconds>(std::chrono::milliseconds(250), opts_.timeout / 8);
+  deadline_t store_budget() const {
+    return clock::now() + std::min<std::chrono::milliseconds>(std::chrono::milliseconds(250), opts_.timeout / 8);
   }
 
   /// After a timeout, finds who stopped: the rank this one waits for (`peer`) may itself wait
@@ -533,7 +534,7 @@ class process_group::state {
       return store_silent;
     }
     const auto grace = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(1000), opts_.timeout / 4);
-    const auto end = detail::clock::now() + grace;
+    const auto end = clock::now() + grace;
     // Small groups read every rank's record, so the search can end as soon as the chain's end is
     // the only rank left silent; large ones read only the records along the chain (a thousand
     // ranks timing out together must not each read a thousand keys), and give its end the grace.
@@ -569,7 +570,7 @@ class process_group::state {
         return store_silent;
       }
       // Certain once the chain's end is the only rank left silent; else wait out the grace.
-      if (chain.back() < 0 || (scan_all && silent <= 1) || detail::clock::now() >= end) break;
+      if (chain.back() < 0 || (scan_all && silent <= 1) || clock::now() >= end) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     // chain: peer, whom peer waits for, ... ending at a silent rank, or at -1 after a cycle.
@@ -614,10 +615,10 @@ class process_group::state {
     links_.reset();
     store_.reset();
     if (server_) {
-      const auto until = detail::clock::now() + (failing ? std::min<std::chrono::milliseconds>(
+      const auto until = clock::now() + (failing ? std::min<std::chrono::milliseconds>(
                                                                std::chrono::milliseconds(500), opts_.timeout / 4)
                                                          : opts_.timeout);
-      while (server_->clients() > 0 && detail::clock::now() < until)
+      while (server_->clients() > 0 && clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
       server_.reset();
     }
@@ -627,20 +628,20 @@ class process_group::state {
   friend process_group init_process_group(const init_options&);
   friend class process_group;
 
-  void send(int peer, const void* p, std::size_t n, detail::deadline_t until, const char* what) {
+  void send(int peer, const void* p, std::size_t n, deadline_t until, const char* what) {
     const int fd = link(peer, until, what);
     std::error_code ec;
     detail::send_all(fd, p, n, until, ec);
     if (ec) lost(peer, ec, what);
   }
-  void recv(int peer, void* p, std::size_t n, detail::deadline_t until, const char* what) {
+  void recv(int peer, void* p, std::size_t n, deadline_t until, const char* what) {
     const int fd = link(peer, until, what);
     std::error_code ec;
     detail::recv_all(fd, p, n, until, ec);
     if (ec) lost(peer, ec, what);
   }
   /// The connection to `peer` for a call named `what`, made now if there is none yet.
-  int link(int peer, detail::deadline_t until, const char* what) {
+  int link(int peer, deadline_t until, const char* what) {
     if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
     if (const int fd = links_->connected(peer); fd >= 0) return fd;
     try {
@@ -722,21 +723,21 @@ inline std::chrono::milliseconds process_group::timeout() const noexcept { retur
 inline store_client& process_group::store() { return live("store()").store(); }
 inline std::uint64_t process_group::id() const noexcept { return s_ ? s_->id() : 0; }
 inline int process_group::next_channel_id() { return live("next_channel_id()").next_channel_id(); }
-inline void process_group::barrier(detail::deadline_t until) { live("barrier()").barrier(until); }
-inline void process_group::broadcast(std::span<std::byte> data, int root, detail::deadline_t until) {
+inline void process_group::barrier(deadline_t until) { live("barrier()").barrier(until); }
+inline void process_group::broadcast(std::span<std::byte> data, int root, deadline_t until) {
   live("broadcast()").broadcast(data, root, until);
 }
 inline std::vector<std::string> process_group::all_gather(const std::string& mine) {
   return live("all_gather()").all_gather(mine);
 }
 inline int process_group::connections() const noexcept { return s_ ? s_->connections() : 0; }
-inline int process_group::peer_socket(int peer, detail::deadline_t until) {
+inline int process_group::peer_socket(int peer, deadline_t until) {
   return s_ && !s_->owner_.forked() ? s_->peer_socket(peer, until) : -1;
 }
 inline void process_group::abort(const std::string& why) noexcept {
   if (s_ && !s_->owner_.forked()) s_->abort(why);
 }
-inline detail::deadline_t process_group::store_budget() const { return live("store_budget()").store_budget(); }
+inline deadline_t process_group::store_budget() const { return live("store_budget()").store_budget(); }
 inline std::string process_group::name_stopped(const std::string& prefix, int peer) {
   return live("name_stopped()").name_stopped(prefix, peer);
 }
@@ -793,7 +794,7 @@ inline process_group init_process_group(const init_options& opts) {
   pg.opts_ = opts;
   pg.rank_ = opts.rank;
   pg.size_ = opts.world_size;
-  const auto until = detail::clock::now() + opts.timeout;
+  const auto until = clock::now() + opts.timeout;
   const int rank = opts.rank;
 
   // Resolve first, so an unresolvable master fails at once on every rank.

@@ -15,8 +15,8 @@
 #include <memory>
 #include <mutex>
 
-#include "detail/fork.hpp"
-#include "error.hpp"
+#include <ddp/detail/fork.hpp>
+#include <ddp/error.hpp>
 
 namespace ddp {
 inline namespace v0 {

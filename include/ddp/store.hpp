@@ -34,12 +34,13 @@
 #include <utility>
 #include <vector>
 
-#include "auth.hpp"
-#include "detail/fork.hpp"
-#include "detail/handshake.hpp"
-#include "detail/socket.hpp"
-#include "detail/store_protocol.hpp"
-#include "error.hpp"
+#include <ddp/clock.hpp>
+#include <ddp/auth.hpp>
+#include <ddp/detail/fork.hpp>
+#include <ddp/detail/handshake.hpp>
+#include <ddp/detail/socket.hpp>
+#include <ddp/detail/store_protocol.hpp>
+#include <ddp/error.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -169,7 +170,7 @@ class store_server {
   }
 
  private:
-  using timer_map = std::multimap<detail::deadline_t, std::uint64_t>;
+  using timer_map = std::multimap<deadline_t, std::uint64_t>;
   using watch_map = std::multimap<std::string, std::uint64_t, std::less<>>;
 
   /// Who a connection is, from the stranger most readily closed to make room (0) to a client
@@ -194,9 +195,9 @@ class store_server {
     int tier = trusted;
     std::uint64_t order = 0;                   // its place in by_tier_
     std::uint64_t active = 0;                  // when a request of it was last answered
-    detail::deadline_t accepted{};
-    detail::deadline_t eof_limit{};            // ... within this time at most
-    detail::deadline_t limit{};                // end of the handshake or of the closing linger
+    deadline_t accepted{};
+    deadline_t eof_limit{};            // ... within this time at most
+    deadline_t limit{};                // end of the handshake or of the closing linger
     timer_map::iterator timer{};               // in timers_ when `timed`
     bool timed = false;
     std::vector<std::uint64_t> parked;         // ids of its parked requests
@@ -236,7 +237,7 @@ class store_server {
   void loop() {
     std::vector<epoll_event> events(1024);
     while (!stopping_) {
-      const auto before = detail::clock::now();
+      const auto before = clock::now();
       // Out of descriptors for longer than shedding helps: leave the listener alone a while
       // rather than spin on it.
       const bool listen_now = before >= accept_pause_;
@@ -247,7 +248,7 @@ class store_server {
       const int n = ::epoll_wait(epoll_.get(), events.data(), static_cast<int>(events.size()),
                                  backlog_.empty() ? next_timeout(before) : 0);
       if (stopping_) break;
-      const auto now = detail::clock::now();
+      const auto now = clock::now();
       for (int i = 0; i < n; ++i) {
         const std::uint64_t id = events[static_cast<std::size_t>(i)].data.u64;
         const auto ev = events[static_cast<std::size_t>(i)].events;
@@ -271,7 +272,7 @@ class store_server {
 
   /// Milliseconds until the next thing that is due (a parked request's or a connection's
   /// deadline, the listener's pause, a handshake's end under pressure); at most a second.
-  int next_timeout(detail::deadline_t now) const {
+  int next_timeout(deadline_t now) const {
     auto next = now + std::chrono::seconds(1);
     if (!deadlines_.empty()) next = std::min(next, deadlines_.begin()->first);
     if (!timers_.empty()) next = std::min(next, timers_.begin()->first);
@@ -323,7 +324,7 @@ class store_server {
 
   /// After a round's events: flush, half-close refused clients, close the ones that are done,
   /// and bring each touched connection's epoll interest, timers, tier and counts up to date.
-  void settle_touched(detail::deadline_t now) {
+  void settle_touched(deadline_t now) {
     for (std::size_t i = 0; i < touched_.size(); ++i) {
       auto it = clients_.find(touched_[i]);
       if (it == clients_.end()) continue;
@@ -370,7 +371,7 @@ class store_server {
   }
 
   /// Parked requests and connections whose time is up.
-  void expire(detail::deadline_t now) {
+  void expire(deadline_t now) {
     while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
       const auto id = deadlines_.begin()->second;
       auto& w = waiters_.at(id);
@@ -412,21 +413,21 @@ class store_server {
 
   /// Connections the store may hold now: store_limits::max_connections, and fewer for a while
   /// after the process ran out of descriptors.
-  std::size_t room(detail::deadline_t now) const {
+  std::size_t room(deadline_t now) const {
     return now < fd_room_until_ ? std::min(limits_.max_connections, fd_room_) : limits_.max_connections;
   }
 
-  bool under_pressure(detail::deadline_t now) const {
+  bool under_pressure(deadline_t now) const {
     return now < pressure_until_ || clients_.size() * 4 >= limits_.max_connections * 3;
   }
 
   void retime(client& c) {
-    auto when = detail::deadline_t::max();
+    auto when = deadline_t::max();
     if (c.hs || c.closing) when = c.limit;
     if (c.eof) when = std::min(when, c.eof_limit);
     if (c.timed && c.timer->first == when) return;
     if (c.timed) timers_.erase(c.timer);
-    c.timed = when != detail::deadline_t::max();
+    c.timed = when != deadline_t::max();
     if (c.timed) c.timer = timers_.emplace(when, c.seq);
   }
 
@@ -491,7 +492,7 @@ class store_server {
 
   /// Accepts what is waiting (a bounded number per round, so a flood cannot starve the
   /// clients already in).
-  void accept_all(detail::deadline_t now) {
+  void accept_all(deadline_t now) {
     for (int i = 0; i < 512; ++i) {
       const int fd = accept_one(now);
       if (fd < 0) return;
@@ -538,7 +539,7 @@ class store_server {
   /// accepted on a spare descriptor and closed at once (their clients see the connection closed
   /// and retry instead of hanging), so the loop never spins on a listener it cannot serve; when
   /// even that fails, the listener rests for 100 ms.
-  int accept_one(detail::deadline_t now) {
+  int accept_one(deadline_t now) {
     for (;;) {
       const int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd >= 0) return fd;
@@ -613,7 +614,7 @@ class store_server {
       if (k == 0) {
         // Half-closed: requests already read are still answered (parked ones included).
         c.eof = true;
-        c.eof_limit = detail::clock::now() + eof_linger;
+        c.eof_limit = clock::now() + eof_linger;
         return read_result::ok;
       }
       return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? read_result::ok : read_result::closed;
@@ -654,7 +655,7 @@ class store_server {
     c.closing = true;
     c.in.clear();
     c.hs.reset();
-    c.limit = detail::clock::now() + std::chrono::seconds(2);
+    c.limit = clock::now() + std::chrono::seconds(2);
   }
 
   /// Runs the handshake while one is due, then the requests; false drops the client.
@@ -868,7 +869,7 @@ class store_server {
     for (const auto& field : f.fields) bytes += field.size() + 64;
     auto& w = waiters_.emplace(id, waiter{c.seq, std::move(f), 0, 0, {}, {}}).first->second;
     w.bytes = bytes;
-    w.timer = deadlines_.emplace(detail::clock::now() + std::chrono::milliseconds(bounded), id);
+    w.timer = deadlines_.emplace(clock::now() + std::chrono::milliseconds(bounded), id);
     w.cursor = first_missing(w.req, 0);
     w.watch = watch_.emplace(w.req.fields[w.cursor], id);
     c.parked.push_back(id);
@@ -944,9 +945,9 @@ class store_server {
   std::string member_prefix_;
   std::uint32_t members_ = 0;  ///< seats that can be claimed (0: any key under member_prefix_)
   detail::fd_handle spare_;  // given up to accept (and close) one connection when out of descriptors
-  detail::deadline_t accept_pause_{};
-  detail::deadline_t pressure_until_{};  // out of descriptors lately
-  detail::deadline_t fd_room_until_{};   // fd_room_ holds until then
+  deadline_t accept_pause_{};
+  deadline_t pressure_until_{};  // out of descriptors lately
+  deadline_t fd_room_until_{};   // fd_room_ holds until then
   std::size_t fd_room_ = 0;              // connections that fit the descriptors left
   int port_ = 0;
   detail::fd_handle listen_;
@@ -1011,7 +1012,7 @@ class store_client {
   store_client(const store_client&) = delete;
   store_client& operator=(const store_client&) = delete;
 
-  store_client(const std::string& host, int port, int rank, detail::deadline_t until,
+  store_client(const std::string& host, int port, int rank, deadline_t until,
                std::shared_ptr<const authenticator> auth = nullptr)
       : rank_(rank), auth_(std::move(auth)) {
     const auto eps = detail::resolve(host, port, rank);
@@ -1051,7 +1052,7 @@ class store_client {
         // refusal, a protocol error, the deadline) is the answer.
         if (e.code() != errc::peer_lost) throw;
         ++closed;
-        if (detail::clock::now() + backoff >= until) detail::raise(errc::timeout, rank, no_room());
+        if (clock::now() + backoff >= until) detail::raise(errc::timeout, rank, no_room());
       }
       // A fresh connection: nothing of the closed one's failure carries over.
       fd_.reset();
@@ -1062,12 +1063,12 @@ class store_client {
     }
   }
 
-  void set(std::string_view key, std::string_view value, detail::deadline_t until = default_deadline()) {
+  void set(std::string_view key, std::string_view value, deadline_t until = default_deadline()) {
     call(detail::store_cmd::set, {key, value}, until);
   }
 
   /// Waits until `key` exists (server-side wait) and returns its value.
-  std::string get(std::string_view key, detail::deadline_t until = default_deadline()) {
+  std::string get(std::string_view key, deadline_t until = default_deadline()) {
     const auto ms = detail::encode_ms(server_wait_ms(until));
     auto r = call(detail::store_cmd::get, {key, ms}, until);
     if (r.code == static_cast<std::uint8_t>(detail::store_status::timeout))
@@ -1075,7 +1076,7 @@ class store_client {
     return r.fields.empty() ? std::string() : r.fields[0];
   }
 
-  std::int64_t add(std::string_view key, std::int64_t delta, detail::deadline_t until = default_deadline()) {
+  std::int64_t add(std::string_view key, std::int64_t delta, deadline_t until = default_deadline()) {
     const auto d = detail::encode_i64(delta);
     auto r = call(detail::store_cmd::add, {key, d}, until);
     return detail::decode_i64(first_field(r, "add", 8));
@@ -1084,22 +1085,22 @@ class store_client {
   /// Sets `key` to `desired` if its value is `expected` (empty `expected`: the key is absent).
   /// Returns the value after the call.
   std::string compare_set(std::string_view key, std::string_view expected, std::string_view desired,
-                          detail::deadline_t until = default_deadline()) {
+                          deadline_t until = default_deadline()) {
     auto r = call(detail::store_cmd::cas, {key, expected, desired}, until);
     return first_field(r, "compare_set");
   }
 
-  bool erase(std::string_view key, detail::deadline_t until = default_deadline()) {
+  bool erase(std::string_view key, deadline_t until = default_deadline()) {
     return first_field(call(detail::store_cmd::del, {key}, until), "erase") == "1";
   }
 
-  bool check(std::string_view key, detail::deadline_t until = default_deadline()) {
+  bool check(std::string_view key, deadline_t until = default_deadline()) {
     return first_field(call(detail::store_cmd::check, {key}, until), "check") == "1";
   }
 
   /// Waits until every key exists; returns the keys still missing when `until` passed (empty
   /// when all arrived).
-  std::vector<std::string> wait(const std::vector<std::string>& keys, detail::deadline_t until) {
+  std::vector<std::string> wait(const std::vector<std::string>& keys, deadline_t until) {
     std::vector<std::string_view> f(keys.begin(), keys.end());
     const auto ms = detail::encode_ms(server_wait_ms(until));
     f.push_back(ms);
@@ -1117,7 +1118,7 @@ class store_client {
   /// connections opened through this store use it too.
   const std::shared_ptr<const authenticator>& auth() const noexcept { return auth_; }
 
-  static detail::deadline_t default_deadline() { return detail::clock::now() + std::chrono::seconds(300); }
+  static deadline_t default_deadline() { return clock::now() + std::chrono::seconds(300); }
 
  private:
   /// The answer's first field; an answer without it (or of the wrong size) is a protocol error.
@@ -1152,7 +1153,7 @@ class store_client {
                         " (the store is for small metadata; send bulk data through a collective)");
   }
 
-  detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& fields, detail::deadline_t until) {
+  detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& fields, deadline_t until) {
     // A forked child shares the connection with its parent: one frame from it would garble both.
     owner_.check(rank_, "store_client");
     check_request(cmd, fields);
@@ -1165,7 +1166,7 @@ class store_client {
                     "request held it)");
     if (!broken_.empty())
       detail::raise(broken_code_, rank_, "store connection to rank 0 is unusable after an earlier failure: " + broken_);
-    const auto start = detail::clock::now();
+    const auto start = clock::now();
     if (start >= until)
       detail::raise(errc::timeout, rank_,
                     "store request timed out waiting for its turn on the connection to rank 0 (another thread's "
@@ -1218,9 +1219,9 @@ class store_client {
 
   /// How long the server waits for a get/wait: up to `until` (however far: days), less a
   /// margin for its answer.
-  static std::int64_t server_wait_ms(detail::deadline_t until) {
+  static std::int64_t server_wait_ms(deadline_t until) {
     const std::int64_t left = std::max<std::int64_t>(
-        0, std::chrono::duration_cast<std::chrono::milliseconds>(until - detail::clock::now()).count());
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(until - clock::now()).count());
     return left - std::min<std::int64_t>(left / 8, reply_slack.count());
   }
 
@@ -1253,7 +1254,7 @@ class store_client {
   struct turn_guard {
     turn& t;
     bool held;
-    turn_guard(turn& tt, detail::deadline_t until) : t(tt) {
+    turn_guard(turn& tt, deadline_t until) : t(tt) {
       std::unique_lock lk(t.mu);
       held = t.cv.wait_until(lk, until, [&] { return !t.busy; });
       if (held) t.busy = true;

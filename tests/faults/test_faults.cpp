@@ -18,7 +18,7 @@
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/tree.hpp>
-#include <ddp/transport/shm.hpp>
+#include <ddp/reducer/shm.hpp>
 #include <ddp/transport/tcp.hpp>
 
 #include <doctest/doctest.h>

@@ -10,6 +10,7 @@
 // Input: a mode byte (bit 0: the stranger stays connected), then the stranger's bytes.
 
 #include <ddp/detail/mesh.hpp>
+#include <ddp/store.hpp>
 #include <ddp/detail/rendezvous.hpp>
 
 #include <cstring>

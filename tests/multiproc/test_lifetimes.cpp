@@ -3,7 +3,7 @@
 #include <ddp/data_parallel.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/tree.hpp>
-#include <ddp/transport/shm.hpp>
+#include <ddp/reducer/shm.hpp>
 #include <ddp/transport/tcp.hpp>
 
 #include <doctest/doctest.h>

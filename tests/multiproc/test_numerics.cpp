@@ -2,7 +2,7 @@
 
 #include <ddp/data_parallel.hpp>
 #include <ddp/reducer/tree.hpp>
-#include <ddp/transport/shm.hpp>
+#include <ddp/reducer/shm.hpp>
 #include <ddp/transport/tcp.hpp>
 
 #include <doctest/doctest.h>

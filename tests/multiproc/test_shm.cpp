@@ -1,4 +1,4 @@
-#include <ddp/transport/shm.hpp>
+#include <ddp/reducer/shm.hpp>
 #include <ddp/data_parallel.hpp>
 #include <ddp/memory/shm_allocator.hpp>
 #include <ddp/planner/size_planner.hpp>

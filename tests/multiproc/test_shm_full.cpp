@@ -5,7 +5,7 @@
 // parallel with this one). That needs root
 // (CAP_SYS_ADMIN) or, for other users, unprivileged user namespaces; where the environment
 // refuses both the suite exits 77 (SKIP) and says why.
-#include <ddp/transport/shm.hpp>
+#include <ddp/reducer/shm.hpp>
 #include <ddp/data_parallel.hpp>
 #include <ddp/memory/shm_allocator.hpp>
 #include <ddp/planner/size_planner.hpp>

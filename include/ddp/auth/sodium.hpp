@@ -19,8 +19,8 @@
 #include <span>
 #include <string_view>
 
-#include "../auth.hpp"
-#include "../error.hpp"
+#include <ddp/auth.hpp>
+#include <ddp/error.hpp>
 
 namespace ddp {
 inline namespace v0 {

@@ -16,8 +16,8 @@
 #include <cstdio>
 #include <string>
 
-#include "../dtype.hpp"
-#include "../error.hpp"
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
 
 namespace ddp {
 inline namespace v0 {

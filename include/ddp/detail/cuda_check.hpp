@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "ddp/error.hpp"
+#include <ddp/error.hpp>
 
 namespace ddp {
 inline namespace v0 {

@@ -18,7 +18,7 @@
 #include <string_view>
 #include <vector>
 
-#include "../error.hpp"
+#include <ddp/error.hpp>
 
 namespace ddp {
 inline namespace v0 {

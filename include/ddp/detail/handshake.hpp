@@ -24,10 +24,10 @@
 #include <string>
 #include <string_view>
 
-#include "../auth.hpp"
-#include "../error.hpp"
-#include "socket.hpp"
-#include "store_protocol.hpp"
+#include <ddp/auth.hpp>
+#include <ddp/error.hpp>
+#include <ddp/detail/socket.hpp>
+#include <ddp/detail/store_protocol.hpp>
 
 namespace ddp {
 inline namespace v0 {

@@ -37,11 +37,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../auth.hpp"
-#include "../error.hpp"
-#include "fork.hpp"
-#include "handshake.hpp"
-#include "socket.hpp"
+#include <ddp/auth.hpp>
+#include <ddp/error.hpp>
+#include <ddp/detail/fork.hpp>
+#include <ddp/detail/handshake.hpp>
+#include <ddp/detail/socket.hpp>
 
 namespace ddp {
 inline namespace v0 {

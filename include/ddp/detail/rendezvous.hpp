@@ -13,6 +13,9 @@
 // when the world fits in one (up to store_max_fields - 2 ranks). Larger worlds would have every
 // rank scan every claim, so only rank 0 scans them there and posts the list under pg/missing;
 // the other ranks quote it when it is there, and otherwise say how many ranks arrived.
+//
+// `Store` is `ddp::store_client` (store.hpp, a layer above detail/): the functions take it as a
+// template parameter so that this header needs only the wire protocol, not the store itself.
 
 #include <unistd.h>
 
@@ -23,18 +26,18 @@
 #include <string>
 #include <vector>
 
-#include "../error.hpp"
-#include "../store.hpp"
-#include "mesh.hpp"
-#include "socket.hpp"
-#include "store_protocol.hpp"
+#include <ddp/error.hpp>
+#include <ddp/detail/mesh.hpp>
+#include <ddp/detail/socket.hpp>
+#include <ddp/detail/store_protocol.hpp>
 
 namespace ddp {
 inline namespace v0 {
 namespace detail {
 
 /// The group's store as the directory where ranks announce their listening address (mesh.hpp).
-inline link_directory store_directory(store_client& st, std::chrono::milliseconds timeout) {
+template <class Store>
+link_directory store_directory(Store& st, std::chrono::milliseconds timeout) {
   return {[&st, timeout](const std::string& k, const std::string& v) { st.set(k, v, clock::now() + timeout); },
           [&st](const std::string& k) -> std::optional<std::string> {
             // Short, so that a thread holding the shared connection for a long wait of its own
@@ -69,7 +72,8 @@ inline std::string name_ranks(const std::vector<int>& ranks, std::size_t shown =
 }
 
 /// The ranks whose claim key is missing now (rank 0's check after a timeout).
-inline std::vector<int> missing_ranks(store_client& st, int world, deadline_t until) {
+template <class Store>
+std::vector<int> missing_ranks(Store& st, int world, deadline_t until) {
   std::vector<int> missing;
   const int chunk = static_cast<int>(store_max_fields) - 2;
   for (int lo = 0; lo < world; lo += chunk) {
@@ -86,7 +90,8 @@ inline std::vector<int> missing_ranks(store_client& st, int world, deadline_t un
 
 /// Runs the store half of joining; returns the group id that rank 0 chose. Throws
 /// errc::address_in_use (another job's store), errc::rank_conflict, errc::timeout.
-inline std::uint64_t join_store(store_client& st, const join_request& req, deadline_t until) {
+template <class Store>
+std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
   const int rank = req.rank;
   const std::string job = std::to_string(req.world) + " " + req.job_id;
   auto describe_job = [](const std::string& j) {

@@ -39,7 +39,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "copy.hpp"
+#include <ddp/detail/copy.hpp>
 
 namespace ddp {
 inline namespace v0 {

@@ -24,14 +24,15 @@
 #include <utility>
 #include <vector>
 
-#include "../error.hpp"
+#include <ddp/clock.hpp>
+#include <ddp/error.hpp>
 
 namespace ddp {
 inline namespace v0 {
 namespace detail {
 
-using clock = std::chrono::steady_clock;
-using deadline_t = clock::time_point;
+using ddp::clock;
+using ddp::deadline_t;
 
 /// Milliseconds until `d`, for one poll: capped at 1,000,000, so a loop that polls must check
 /// the deadline again when poll returns 0 rather than take it for the deadline.

@@ -7,8 +7,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "ddp/error.hpp"
-#include "ddp/memory/allocator_concept.hpp"
+#include <ddp/error.hpp>
+#include <ddp/memory/allocator_concept.hpp>
 
 namespace ddp {
 inline namespace v0 {

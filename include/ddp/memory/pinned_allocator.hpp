@@ -7,8 +7,8 @@
 
 #include <cstddef>
 
-#include "ddp/detail/cuda_check.hpp"
-#include "ddp/memory/allocator_concept.hpp"
+#include <ddp/detail/cuda_check.hpp>
+#include <ddp/memory/allocator_concept.hpp>
 
 namespace ddp {
 inline namespace v0 {

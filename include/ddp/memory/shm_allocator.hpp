@@ -5,8 +5,8 @@
 
 #include <cstddef>
 
-#include "../transport/shm.hpp"
-#include "allocator_concept.hpp"
+#include <ddp/reducer/shm.hpp>
+#include <ddp/memory/allocator_concept.hpp>
 
 namespace ddp {
 inline namespace v0 {

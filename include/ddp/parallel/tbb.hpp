@@ -20,7 +20,7 @@
 #include <mutex>
 #include <thread>
 
-#include "../detail/parallel.hpp"
+#include <ddp/detail/parallel.hpp>
 
 namespace ddp {
 inline namespace v0 {

@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "ddp/dtype.hpp"
+#include <ddp/dtype.hpp>
 
 namespace ddp {
 inline namespace v0 {

@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <span>
 
-#include "ddp/planner/bucket_plan.hpp"
+#include <ddp/planner/bucket_plan.hpp>
 
 namespace ddp {
 inline namespace v0 {

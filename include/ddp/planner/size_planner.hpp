@@ -10,10 +10,10 @@
 #include <utility>
 #include <vector>
 
-#include "ddp/dtype.hpp"
-#include "ddp/error.hpp"
-#include "ddp/planner/bucket_plan.hpp"
-#include "ddp/planner/planner_concept.hpp"
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+#include <ddp/planner/bucket_plan.hpp>
+#include <ddp/planner/planner_concept.hpp>
 
 namespace ddp {
 inline namespace v0 {

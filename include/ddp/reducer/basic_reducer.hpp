@@ -17,13 +17,14 @@
 #include <string>
 #include <type_traits>
 
-#include "../detail/collective.hpp"
-#include "../detail/typed_collectives.hpp"
-#include "../detail/worker.hpp"
-#include "../dtype.hpp"
-#include "../error.hpp"
-#include "../process_group.hpp"
-#include "../request.hpp"
+#include <ddp/clock.hpp>
+#include <ddp/detail/collective.hpp>
+#include <ddp/reducer/detail/typed_collectives.hpp>
+#include <ddp/reducer/detail/worker.hpp>
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+#include <ddp/process_group.hpp>
+#include <ddp/request.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -100,7 +101,7 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
   /// Starts an allreduce of `count` elements of `t` at `data`, in place.
   request allreduce_async(void* data, std::size_t count, dtype t, op o) {
     return submit(describe(detail::coll_kind::allreduce, t, o, 0, count),
-                  [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+                  [=, this](const detail::coll_desc& d, deadline_t until) {
                     algo::allreduce(transport_, d, data, count, t, o, opts_, until);
                   });
   }
@@ -108,7 +109,7 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
   request broadcast_async(void* data, std::size_t count, dtype t, int root) {
     check_root(root);
     return submit(describe(detail::coll_kind::broadcast, t, op::sum, root, count),
-                  [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+                  [=, this](const detail::coll_desc& d, deadline_t until) {
                     algo::broadcast(transport_, d, data, count * dtype_size(t), root, until);
                   });
   }
@@ -118,7 +119,7 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
     const auto desc = describe(detail::coll_kind::reduce_scatter, t, o, 0, count_per_rank);
     const std::size_t slice = count_per_rank * dtype_size(t);
     detail::check_overlap("reduce_scatter", rank(), in, slice * static_cast<std::size_t>(size()), out, slice);
-    return submit(desc, [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+    return submit(desc, [=, this](const detail::coll_desc& d, deadline_t until) {
       algo::reduce_scatter(transport_, d, in, out, count_per_rank, t, o, opts_, until);
     });
   }
@@ -128,25 +129,25 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
     const auto desc = describe(detail::coll_kind::allgather, t, op::sum, 0, count_per_rank);
     const std::size_t slice = count_per_rank * dtype_size(t);
     detail::check_overlap("allgather", rank(), out, slice * static_cast<std::size_t>(size()), in, slice);
-    return submit(desc, [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+    return submit(desc, [=, this](const detail::coll_desc& d, deadline_t until) {
       algo::allgather(transport_, d, in, out, count_per_rank, t, until);
     });
   }
   request barrier_async() {
     return submit(describe(detail::coll_kind::barrier, dtype::i32, op::sum, 0, 0),
-                  [this](const detail::coll_desc& d, detail::deadline_t until) { algo::barrier(transport_, d, until); });
+                  [this](const detail::coll_desc& d, deadline_t until) { algo::barrier(transport_, d, until); });
   }
 
   /// Blocking allreduce; runs on the calling thread when no async work is pending.
   void allreduce(void* data, std::size_t count, dtype t, op o) {
     run(describe(detail::coll_kind::allreduce, t, o, 0, count),
-        [=, this](const detail::coll_desc& d, detail::deadline_t until) {
+        [=, this](const detail::coll_desc& d, deadline_t until) {
           algo::allreduce(transport_, d, data, count, t, o, opts_, until);
         });
   }
   void barrier() {
     run(describe(detail::coll_kind::barrier, dtype::i32, op::sum, 0, 0),
-        [this](const detail::coll_desc& d, detail::deadline_t until) { algo::barrier(transport_, d, until); });
+        [this](const detail::coll_desc& d, deadline_t until) { algo::barrier(transport_, d, until); });
   }
 
   /// Wakes every waiter on this rank and tells the peers (errc::aborted).
@@ -175,7 +176,7 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
   void wait(const request& r) const {
     // The collective itself is bounded by the timeout once it starts; queued work ahead of it
     // is too, so twice the timeout bounds the whole wait.
-    r.wait(detail::clock::now() + 2 * pg_.timeout() + std::chrono::seconds(2));
+    r.wait(clock::now() + 2 * pg_.timeout() + std::chrono::seconds(2));
   }
   /// Checks the arguments and builds the descriptor, all but its sequence number: that is
   /// taken when the collective starts (stamp), in the order collectives run.
@@ -201,12 +202,12 @@ class basic_reducer : public detail::typed_collectives<basic_reducer<Algorithm, 
   }
   template <class Job>
   request submit(const detail::coll_desc& d, Job job) {
-    return worker_.submit([this, d, job] { job(stamp(d), detail::clock::now() + pg_.timeout()); });
+    return worker_.submit([this, d, job] { job(stamp(d), clock::now() + pg_.timeout()); });
   }
   template <class Job>
   void run(const detail::coll_desc& d, Job job) {
-    if (!worker_.try_run_inline([&] { job(stamp(d), detail::clock::now() + pg_.timeout()); }))
-      wait(worker_.submit([this, d, job] { job(stamp(d), detail::clock::now() + pg_.timeout()); }));
+    if (!worker_.try_run_inline([&] { job(stamp(d), clock::now() + pg_.timeout()); }))
+      wait(worker_.submit([this, d, job] { job(stamp(d), clock::now() + pg_.timeout()); }));
   }
 
   process_group pg_;  // the reducer's own handle: the group stays open while this lives

@@ -35,16 +35,16 @@
 #include <string>
 #include <vector>
 
-#include "../detail/collective.hpp"
-#include "../detail/fork.hpp"
-#include "../detail/kernels.hpp"
-#include "../detail/mpi_check.hpp"
-#include "../detail/typed_collectives.hpp"
-#include "../detail/worker.hpp"
-#include "../dtype.hpp"
-#include "../error.hpp"
-#include "../process_group.hpp"
-#include "../request.hpp"
+#include <ddp/detail/collective.hpp>
+#include <ddp/detail/fork.hpp>
+#include <ddp/detail/kernels.hpp>
+#include <ddp/detail/mpi_check.hpp>
+#include <ddp/reducer/detail/typed_collectives.hpp>
+#include <ddp/reducer/detail/worker.hpp>
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+#include <ddp/process_group.hpp>
+#include <ddp/request.hpp>
 
 namespace ddp {
 inline namespace v0 {

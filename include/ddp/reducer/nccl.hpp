@@ -25,15 +25,15 @@
 #include <string>
 #include <thread>
 
-#include "../detail/collective.hpp"
-#include "../detail/cuda_check.hpp"
-#include "../detail/fork.hpp"
-#include "../detail/typed_collectives.hpp"
-#include "../detail/worker.hpp"
-#include "../dtype.hpp"
-#include "../error.hpp"
-#include "../process_group.hpp"
-#include "../request.hpp"
+#include <ddp/detail/collective.hpp>
+#include <ddp/detail/cuda_check.hpp>
+#include <ddp/detail/fork.hpp>
+#include <ddp/reducer/detail/typed_collectives.hpp>
+#include <ddp/reducer/detail/worker.hpp>
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+#include <ddp/process_group.hpp>
+#include <ddp/request.hpp>
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
 #error "ddp/reducer/nccl.hpp needs NCCL 2.14 or newer (non-blocking communicators, ncclCommFinalize)"

@@ -14,12 +14,13 @@
 #include <utility>
 #include <vector>
 
-#include "../detail/collective.hpp"
-#include "../detail/copy.hpp"
-#include "../detail/kernels.hpp"
-#include "../detail/schedule.hpp"
-#include "../error.hpp"
-#include "basic_reducer.hpp"
+#include <ddp/clock.hpp>
+#include <ddp/detail/collective.hpp>
+#include <ddp/detail/copy.hpp>
+#include <ddp/detail/kernels.hpp>
+#include <ddp/detail/schedule.hpp>
+#include <ddp/error.hpp>
+#include <ddp/reducer/basic_reducer.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -245,7 +246,7 @@ struct algorithm_for<ring_algorithm, Transport> {
   /// What every rank must agree on (basic_reducer checks it at construction).
   static std::string signature(const reducer_options&) { return "ring"; }
   static void allreduce(Transport& t, const detail::coll_desc& d, void* data, std::size_t count, dtype ty, op o,
-                        const reducer_options& opts, detail::deadline_t until) {
+                        const reducer_options& opts, deadline_t until) {
     const int n = t.size();
     const std::size_t es = detail::checked_size(ty);  // also where there is nothing to reduce
     if (n == 1 || count == 0) {
@@ -257,7 +258,7 @@ struct algorithm_for<ring_algorithm, Transport> {
     detail::ring_allgather(t, d, p, count, es, until);
   }
   static void reduce_scatter(Transport& t, const detail::coll_desc& d, const void* in, void* out, std::size_t per_rank,
-                             dtype ty, op o, const reducer_options& opts, detail::deadline_t until) {
+                             dtype ty, op o, const reducer_options& opts, deadline_t until) {
     // Ring reduce-scatter leaves chunk (r+1) mod n on rank r; rotate the input by one chunk so
     // that rank r ends with slice r, as the caller asked.
     const int n = t.size(), r = t.rank();
@@ -271,7 +272,7 @@ struct algorithm_for<ring_algorithm, Transport> {
     detail::copy_bytes(out, work.data() + static_cast<std::size_t>((r + 1) % n) * slice, slice);
   }
   static void allgather(Transport& t, const detail::coll_desc& d, const void* in, void* out, std::size_t per_rank,
-                        dtype ty, detail::deadline_t until) {
+                        dtype ty, deadline_t until) {
     const int n = t.size(), r = t.rank();
     const std::size_t es = detail::checked_size(ty), slice = per_rank * es;
     // Place our slice where the ring's allgather expects chunk (r+1) mod n, then rotate back.
@@ -283,10 +284,10 @@ struct algorithm_for<ring_algorithm, Transport> {
                   work.data() + static_cast<std::size_t>((c + 1) % n) * slice, slice);
   }
   static void broadcast(Transport& t, const detail::coll_desc& d, void* data, std::size_t bytes, int root,
-                        detail::deadline_t until) {
+                        deadline_t until) {
     detail::tree_broadcast(t, d, data, bytes, root, until);
   }
-  static void barrier(Transport& t, const detail::coll_desc& d, detail::deadline_t until) {
+  static void barrier(Transport& t, const detail::coll_desc& d, deadline_t until) {
     detail::ring_barrier(t, d, until);
   }
 };
@@ -304,7 +305,7 @@ struct algorithm_for<tree_algorithm, Transport> : algorithm_for<ring_algorithm, 
     return "tree with reducer_options::small_bytes " + std::to_string(opts.small_bytes);
   }
   static void allreduce(Transport& t, const detail::coll_desc& d, void* data, std::size_t count, dtype ty, op o,
-                        const reducer_options& opts, detail::deadline_t until) {
+                        const reducer_options& opts, deadline_t until) {
     (void)detail::checked_size(ty);  // also where there is nothing to reduce
     if (t.size() == 1 || count == 0) {
       if (t.size() > 1) detail::ring_barrier(t, d, until);

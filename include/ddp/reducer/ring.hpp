@@ -6,4 +6,4 @@
 /// ddp::ring<ddp::tcp> ring{pg};
 /// ring.allreduce(std::span<float>{v}, ddp::op::sum);
 /// \endcode
-#include "p2p_algorithms.hpp"  // IWYU pragma: export
+#include <ddp/reducer/p2p_algorithms.hpp>  // IWYU pragma: export

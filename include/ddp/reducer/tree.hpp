@@ -6,4 +6,4 @@
 /// ddp::tree<ddp::tcp> tree{pg};
 /// tree.allreduce(std::span<float>{v}, ddp::op::max);
 /// \endcode
-#include "p2p_algorithms.hpp"  // IWYU pragma: export
+#include <ddp/reducer/p2p_algorithms.hpp>  // IWYU pragma: export

@@ -24,11 +24,12 @@
 #include <thread>
 #include <vector>
 
-#include "../detail/fork.hpp"
-#include "../detail/mesh.hpp"
-#include "../detail/socket.hpp"
-#include "../error.hpp"
-#include "../process_group.hpp"
+#include <ddp/clock.hpp>
+#include <ddp/detail/fork.hpp>
+#include <ddp/detail/mesh.hpp>
+#include <ddp/detail/socket.hpp>
+#include <ddp/error.hpp>
+#include <ddp/process_group.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -60,14 +61,14 @@ class tcp {
   /// Peers this transport is connected to now (connections are made on first exchange).
   int connections() const noexcept { return links_ ? links_->connections() : 0; }
 
-  void send(int peer, const void* data, std::size_t n, detail::deadline_t until) {
+  void send(int peer, const void* data, std::size_t n, deadline_t until) {
     check_usable();
     std::error_code ec;
     detail::send_all(fd(peer, until), data, n, until, ec);
     if (ec) lost(peer, ec);
   }
 
-  void recv(int peer, void* data, std::size_t n, detail::deadline_t until) {
+  void recv(int peer, void* data, std::size_t n, deadline_t until) {
     check_usable();
     std::error_code ec;
     detail::recv_all(fd(peer, until), data, n, until, ec);
@@ -79,7 +80,7 @@ class tcp {
   /// `on_recv(bytes_received_so_far)` runs after each read so callers can check a header or
   /// reduce the segments that have arrived while the rest is still in flight.
   template <class OnRecv>
-  void sendrecv(int to, std::span<const iovec> out, int from, std::span<const iovec> in, detail::deadline_t until,
+  void sendrecv(int to, std::span<const iovec> out, int from, std::span<const iovec> in, deadline_t until,
                 OnRecv&& on_recv) {
     check_usable();
     const int sfd = fd(to, until), rfd = fd(from, until);
@@ -142,14 +143,14 @@ class tcp {
       // ms_left() is capped (about 16.7 minutes): a poll that ends with nothing ready is a
       // timeout only once the deadline itself has passed.
       const int left = detail::ms_left(until);
-      if (left == 0 || (::poll(p, np, left) == 0 && detail::clock::now() >= until))
+      if (left == 0 || (::poll(p, np, left) == 0 && clock::now() >= until))
         lost(rleft ? from : to, make_error_code(errc::timeout));
     }
   }
 
   /// Plain full-duplex exchange of one buffer each way.
   void sendrecv(int to, const void* sbuf, std::size_t sn, int from, void* rbuf, std::size_t rn,
-                detail::deadline_t until) {
+                deadline_t until) {
     const iovec o{const_cast<void*>(sbuf), sn}, i{rbuf, rn};
     sendrecv(to, std::span(&o, 1), from, std::span(&i, 1), until, [](std::size_t) {});
   }
@@ -173,7 +174,7 @@ class tcp {
 
  private:
   /// The connection to `peer`, made now if this is the first exchange with it.
-  int fd(int peer, detail::deadline_t until) {
+  int fd(int peer, deadline_t until) {
     // In a forked child the connections are the parent's: a byte from the child would garble them.
     owner_.check(rank(), "tcp transport");
     if (peer < 0 || peer >= size() || peer == rank())

@@ -11,9 +11,9 @@
 #include <mutex>
 #include <thread>
 
-#include "../error.hpp"
-#include "../request.hpp"
-#include "fork.hpp"
+#include <ddp/error.hpp>
+#include <ddp/request.hpp>
+#include <ddp/detail/fork.hpp>
 
 namespace ddp {
 inline namespace v0 {

@@ -1,5 +1,5 @@
 #pragma once
-/// \file transport/shm.hpp
+/// \file reducer/shm.hpp
 /// `ddp::shm`: collectives between the ranks of one host through one POSIX shared-memory
 /// segment. Ordinary user buffers are pipelined through per-rank staging slots; buffers that
 /// already live in the segment's arena (see `ddp::shm_allocator`) are reduced in place, each
@@ -35,16 +35,17 @@
 #include <thread>
 #include <vector>
 
-#include "../detail/fork.hpp"
-#include "../detail/futex.hpp"
-#include "../detail/kernels.hpp"
-#include "../detail/schedule.hpp"
-#include "../detail/shm_segment.hpp"
-#include "../detail/socket.hpp"
-#include "../dtype.hpp"
-#include "../error.hpp"
-#include "../process_group.hpp"
-#include "../reducer/basic_reducer.hpp"
+#include <ddp/clock.hpp>
+#include <ddp/detail/fork.hpp>
+#include <ddp/detail/futex.hpp>
+#include <ddp/detail/kernels.hpp>
+#include <ddp/detail/schedule.hpp>
+#include <ddp/detail/shm_segment.hpp>
+#include <ddp/detail/socket.hpp>
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+#include <ddp/process_group.hpp>
+#include <ddp/reducer/basic_reducer.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -218,7 +219,7 @@ class shm {
   /// \code
   /// link.allreduce(v.data(), v.size(), ddp::dtype::f32, ddp::op::avg, pg.deadline());
   /// \endcode
-  void allreduce(void* data, std::size_t count, dtype t, op o, detail::deadline_t until,
+  void allreduce(void* data, std::size_t count, dtype t, op o, deadline_t until,
                  shm_algo a = shm_algo::ring) {
     enter();
     check_types(t, o, "allreduce");
@@ -240,7 +241,7 @@ class shm {
   /// `out_slice` must not overlap `in`, except as exactly this rank's slice of it (in place);
   /// `a` only names the caller's algorithm in the descriptor, which peers compare.
   void reduce_scatter(const void* in, void* out_slice, std::size_t count_per_rank, dtype t, op o,
-                      detail::deadline_t until, shm_algo a = shm_algo::ring) {
+                      deadline_t until, shm_algo a = shm_algo::ring) {
     enter();
     check_types(t, o, "reduce_scatter");
     const std::size_t slice_bytes = count_per_rank * dtype_size(t);
@@ -281,7 +282,7 @@ class shm {
   /// \code
   /// link.allgather(mine.data(), all.data(), mine.size(), ddp::dtype::f32, pg.deadline());
   /// \endcode
-  void allgather(const void* in_slice, void* out, std::size_t count_per_rank, dtype t, detail::deadline_t until,
+  void allgather(const void* in_slice, void* out, std::size_t count_per_rank, dtype t, deadline_t until,
                  shm_algo a = shm_algo::ring) {
     enter();
     check_types(t, op::sum, "allgather");
@@ -320,7 +321,7 @@ class shm {
   /// \code
   /// link.broadcast(weights.data(), weights.size() * sizeof(float), 0, pg.deadline());
   /// \endcode
-  void broadcast(void* data, std::size_t bytes, int root, detail::deadline_t until, shm_algo a = shm_algo::ring) {
+  void broadcast(void* data, std::size_t bytes, int root, deadline_t until, shm_algo a = shm_algo::ring) {
     enter();
     if (root < 0 || root >= size_)
       raise_here(errc::invalid_argument, "broadcast root " + std::to_string(root) + " is not a rank of " +
@@ -358,7 +359,7 @@ class shm {
   /// \code
   /// link.barrier(pg.deadline());
   /// \endcode
-  void barrier(detail::deadline_t until, shm_algo a = shm_algo::ring) {
+  void barrier(deadline_t until, shm_algo a = shm_algo::ring) {
     enter();
     auto& d = begin(kind_barrier, 0, dtype::f32, op::sum, -1, a, detail::shm_desc::no_offset);
     guarded([&] {
@@ -601,12 +602,12 @@ class shm {
   /// Raises if rank j can no longer send signal `want`. A peer's last signal precedes its
   /// `closed` flag (and its death), so the counter is read again after them: a peer that
   /// signalled and then left is not an error.
-  void check_peer(int j, std::uint64_t want, detail::deadline_t until, const char* what) const {
+  void check_peer(int j, std::uint64_t want, deadline_t until, const char* what) const {
     check_abort();
     auto& b = block(j);
     const auto closed = b.closed.load(std::memory_order_seq_cst);
     const bool dead = closed == 0 && !detail::process_alive(b.pid.load(std::memory_order_acquire));
-    const bool late = detail::clock::now() >= until;
+    const bool late = clock::now() >= until;
     if (!closed && !dead && !late) return;
     if (reached(b.counter.load(std::memory_order_seq_cst), want)) return;
     if (closed != 0)
@@ -627,7 +628,7 @@ class shm {
   /// than cores, or cores taken by other processes) every poll delays the peer, so the budget
   /// adapts like an adaptive mutex: it grows while polls succeed and halves whenever the wait
   /// ended in a sleep. A yield every few polls hands the core to a peer queued behind us.
-  void wait_rank(int j, std::uint64_t want, detail::deadline_t until, const char* what) {
+  void wait_rank(int j, std::uint64_t want, deadline_t until, const char* what) {
     auto& b = block(j);
     if (reached(b.counter.load(std::memory_order_acquire), want)) return;
     for (int i = 0; i < budget_; ++i) {
@@ -643,18 +644,18 @@ class shm {
     // yield hands it the core at once, where a futex sleep would cost a wake-up through the
     // scheduler (tens of microseconds). So keep yielding for a while before sleeping.
     if (oversubscribed_) {
-      const auto stop = detail::clock::now() + std::chrono::microseconds(500);
+      const auto stop = clock::now() + std::chrono::microseconds(500);
       do {
         ::sched_yield();
         if (reached(b.counter.load(std::memory_order_acquire), want)) return;
-      } while (detail::clock::now() < stop);
+      } while (clock::now() < stop);
     }
     for (;;) {
       check_peer(j, want, until, what);
       b.waiters.fetch_add(1, std::memory_order_seq_cst);
       const std::uint32_t v = b.counter.load(std::memory_order_seq_cst);
       if (!reached(v, want)) {
-        const auto left = until - detail::clock::now();
+        const auto left = until - clock::now();
         detail::futex_wait(&b.counter, v, std::min<std::chrono::nanoseconds>(slice, left));
       }
       b.waiters.fetch_sub(1, std::memory_order_seq_cst);
@@ -662,13 +663,13 @@ class shm {
     }
   }
 
-  void wait_all(std::uint64_t want, detail::deadline_t until, const char* what) {
+  void wait_all(std::uint64_t want, deadline_t until, const char* what) {
     for (int j = 1; j < size_; ++j) wait_rank((rank_ + j) % size_, want, until, what);
   }
 
   /// Peers read (and in the ring also write) this rank's slot s until they signal the step
   /// recorded in slot_free_at_[s].
-  void wait_slot_free(std::size_t s, detail::deadline_t until, const char* what) {
+  void wait_slot_free(std::size_t s, deadline_t until, const char* what) {
     wait_all(slot_free_at_[s], until, what);
   }
 
@@ -685,7 +686,7 @@ class shm {
     detail::combine(outs_.data(), n, ins_.data(), n, len, t, o, detail::avg_step{n, 0, true});
   }
 
-  void allreduce_ring(std::byte* data, std::size_t count, dtype t, op o, detail::deadline_t until,
+  void allreduce_ring(std::byte* data, std::size_t count, dtype t, op o, deadline_t until,
                       const detail::shm_desc& d) {
     const std::size_t es = dtype_size(t);
     const bool staged = d.arena_offset == detail::shm_desc::no_offset;
@@ -744,7 +745,7 @@ class shm {
     }
   }
 
-  void allreduce_tree(void* data, std::size_t count, dtype t, op o, detail::deadline_t until, const detail::shm_desc& d) {
+  void allreduce_tree(void* data, std::size_t count, dtype t, op o, deadline_t until, const detail::shm_desc& d) {
     guarded([&] {
       const std::size_t es = dtype_size(t);
       const std::size_t chunk = layout_.slot_bytes / es;
@@ -811,22 +812,22 @@ struct algorithm_for<Algorithm, shm> {
   /// The engine ignores reducer_options; only the algorithm must agree.
   static std::string signature(const reducer_options&) { return std::string(shm_algo_name(mode)) + "<shm>"; }
   static void allreduce(shm& t, const detail::coll_desc&, void* data, std::size_t count, dtype ty, op o,
-                        const reducer_options&, detail::deadline_t until) {
+                        const reducer_options&, deadline_t until) {
     t.allreduce(data, count, ty, o, until, mode);
   }
   static void reduce_scatter(shm& t, const detail::coll_desc&, const void* in, void* out, std::size_t per_rank,
-                             dtype ty, op o, const reducer_options&, detail::deadline_t until) {
+                             dtype ty, op o, const reducer_options&, deadline_t until) {
     t.reduce_scatter(in, out, per_rank, ty, o, until, mode);
   }
   static void allgather(shm& t, const detail::coll_desc&, const void* in, void* out, std::size_t per_rank, dtype ty,
-                        detail::deadline_t until) {
+                        deadline_t until) {
     t.allgather(in, out, per_rank, ty, until, mode);
   }
   static void broadcast(shm& t, const detail::coll_desc&, void* data, std::size_t bytes, int root,
-                        detail::deadline_t until) {
+                        deadline_t until) {
     t.broadcast(data, bytes, root, until, mode);
   }
-  static void barrier(shm& t, const detail::coll_desc&, detail::deadline_t until) { t.barrier(until, mode); }
+  static void barrier(shm& t, const detail::coll_desc&, deadline_t until) { t.barrier(until, mode); }
 };
 
 }  // namespace v0

@@ -19,9 +19,9 @@
 #include <cstddef>
 #include <span>
 
-#include "../dtype.hpp"
-#include "../error.hpp"
-#include "../request.hpp"
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+#include <ddp/request.hpp>
 
 namespace ddp {
 inline namespace v0 {

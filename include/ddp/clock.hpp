@@ -1,0 +1,23 @@
+#pragma once
+/// \file clock.hpp
+/// The clock every deadline of ddp is read on, and the deadline type itself. Every blocking
+/// call of ddp takes (or derives from the group's timeout) a `ddp::deadline_t`; it is a point
+/// on the steady clock, so wall-clock jumps never shorten or lengthen a wait.
+///
+/// \code
+/// #include <ddp/clock.hpp>
+/// ddp::deadline_t until = ddp::clock::now() + std::chrono::seconds(30);
+/// \endcode
+
+#include <chrono>
+
+namespace ddp {
+inline namespace v0 {
+
+/// The steady clock all of ddp's deadlines are read on.
+using clock = std::chrono::steady_clock;
+/// A deadline: the point on `ddp::clock` past which a blocking call gives up.
+using deadline_t = clock::time_point;
+
+}  // namespace v0
+}  // namespace ddp
