@@ -221,6 +221,26 @@ void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dty
   if (p.fold_partner >= 0) send_checked(t, d, p.fold_partner, data, bytes, until);
 }
 
+/// Allreduce of `count` elements at `data`, in place, by `Algorithm` (ring_algorithm or
+/// tree_algorithm) over any `ddp::transport`; `d` is the stamped descriptor every message carries.
+template <class Algorithm, class T>
+void p2p_allreduce(T& t, const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype ty, op o,
+                   const reducer_options& opts) {
+  const int n = t.size();
+  [[maybe_unused]] const std::size_t es = checked_size(ty);  // also where there is nothing to reduce
+  if (n == 1 || count == 0) {
+    if (n > 1) ring_barrier(t, d, until);  // still checks that everyone agrees
+    return;
+  }
+  auto* p = static_cast<char*>(data);
+  if constexpr (std::same_as<Algorithm, tree_algorithm>) {
+    tree_allreduce(t, d, p, count, ty, o, opts, until);
+  } else {
+    ring_reduce_scatter(t, d, p, count, ty, o, opts.segment_bytes, until);
+    ring_allgather(t, d, p, count, es, until);
+  }
+}
+
 /// The engine of `ring<T>` and `tree<T>` over a point-to-point transport: the reducer's group
 /// handle, the transport and the options, and the algorithms above. Tree's reduce_scatter,
 /// allgather, broadcast and barrier are the ring's. Runs on the front end's thread.
@@ -267,20 +287,7 @@ class p2p_engine {
   void abort() noexcept { transport_.abort(); }
 
   void allreduce(const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype ty, op o) {
-    Transport& t = transport_;
-    const int n = t.size();
-    [[maybe_unused]] const std::size_t es = checked_size(ty);  // also where there is nothing to reduce
-    if (n == 1 || count == 0) {
-      if (n > 1) ring_barrier(t, d, until);  // still checks that everyone agrees
-      return;
-    }
-    auto* p = static_cast<char*>(data);
-    if constexpr (is_tree) {
-      tree_allreduce(t, d, p, count, ty, o, opts_, until);
-    } else {
-      ring_reduce_scatter(t, d, p, count, ty, o, opts_.segment_bytes, until);
-      ring_allgather(t, d, p, count, es, until);
-    }
+    p2p_allreduce<Algorithm>(transport_, d, until, data, count, ty, o, opts_);
   }
   void reduce_scatter(const coll_desc& d, deadline_t until, const void* in, void* out, std::size_t per_rank, dtype ty,
                       op o) {
