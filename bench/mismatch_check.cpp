@@ -1,6 +1,7 @@
 // The CPU cost of one collective-descriptor check (detail::mismatch on two equal descriptors,
-// the path every message of a tcp ring or tree takes), in nanoseconds; bench/mismatch_cost.sh
-// turns it into a bound on the share of a 1 MiB allreduce.
+// the path every message of a tcp ring or tree and every shm collective takes when nothing is
+// wrong), in nanoseconds; bench/mismatch_cost.sh turns it into a bound on the share of a 1 MiB
+// allreduce.
 #include <ddp/detail/collective.hpp>
 
 #include <algorithm>

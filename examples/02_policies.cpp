@@ -97,7 +97,7 @@ result train(ddp::process_group& pg, const char* name, ddp::bucket_policy policy
 #ifdef DDP_EXAMPLE_HAS_SHM
 // The shared-memory reducers come with the shm transport; this stays false until they exist.
 template <class Transport>
-constexpr bool shm_reducers_ready = requires { sizeof(ddp::algorithm_for<ddp::ring_algorithm, Transport>); };
+constexpr bool shm_reducers_ready = requires { sizeof(typename ddp::engine_for<ddp::ring_algorithm, Transport>::type); };
 
 template <class Transport>
 void train_shm(ddp::process_group& pg, std::vector<result>& out, ddp::bucket_policy policy) {

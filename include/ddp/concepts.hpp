@@ -23,6 +23,7 @@
 #include <ddp/planner/planner_concept.hpp>   // IWYU pragma: export
 #include <ddp/process_group.hpp>
 #include <ddp/request.hpp>
+#include <ddp/transport/concept.hpp>  // IWYU pragma: export
 
 namespace ddp {
 inline namespace v0 {

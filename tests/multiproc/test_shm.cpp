@@ -380,12 +380,12 @@ TEST_CASE("mismatched collectives raise errc::mismatch on every rank, with the s
   no_leftovers guard;
   struct variant { const char* name; const char* text; };
   const variant variants[] = {
-      {"count", "allreduce mismatch: rank 0 has 1024 x f32 sum, rank 2 has 1000 x f32 sum"},
-      {"dtype", "allreduce mismatch: rank 0 has 1024 x f32 sum, rank 2 has 1024 x i32 sum"},
-      {"op", "allreduce mismatch: rank 0 has 1024 x f32 sum, rank 2 has 1024 x f32 max"},
-      {"kind", "rank 0 is in allreduce, rank 2 is in broadcast"},
-      {"algo", "allreduce mismatch: rank 0 has 1024 x f32 sum (ring), rank 2 has 1024 x f32 sum (tree)"},
-      {"arena", "allreduce mismatch: rank 0 has 1024 x f32 sum, rank 2 has 1000 x f32 sum"},
+      {"count", "collective mismatch: rank 0 called allreduce #2 of 1024 x f32 sum by ring, rank 2 called allreduce #2 of 1000 x f32 sum by ring"},
+      {"dtype", "collective mismatch: rank 0 called allreduce #2 of 1024 x f32 sum by ring, rank 2 called allreduce #2 of 1024 x i32 sum by ring"},
+      {"op", "collective mismatch: rank 0 called allreduce #2 of 1024 x f32 sum by ring, rank 2 called allreduce #2 of 1024 x f32 max by ring"},
+      {"kind", "rank 0 called allreduce #2 of 1024 x f32 sum by ring, rank 2 called broadcast #2 of 4096 bytes from root 0 by ring"},
+      {"algo", "rank 0 called allreduce #2 of 1024 x f32 sum by ring, rank 2 called allreduce #2 of 1024 x f32 sum by tree (every rank must use the same reducer"},
+      {"arena", "collective mismatch: rank 0 called allreduce #2 of 1024 x f32 sum by ring, rank 2 called allreduce #2 of 1000 x f32 sum by ring"},
   };
   for (const auto& v : variants) {
     CAPTURE(v.name);

@@ -7,6 +7,10 @@
 // errc::mismatch instead of a hang or wrong numbers, even when the byte counts agree (f32
 // against i32, sum against max).
 //
+// One descriptor type and one check (mismatch) for every engine that compares descriptors: the
+// ring and tree algorithms send it ahead of each message, the shared-memory engine publishes it
+// in its segment.
+//
 // Also the argument checks every reducer runs at the call, before anything is queued or sent:
 // a valid dtype and op (an unknown dtype has size 0, which nothing may divide by) and buffers
 // that do not overlap where the collective cannot allow it.
@@ -62,6 +66,7 @@ inline const char* variant_name(coll_variant v) noexcept {
 inline constexpr std::uint32_t coll_magic = 0x43504444u;  // "DDPC"
 
 struct coll_desc {
+  /// A broadcast's count is bytes and its type is f32 (unused).
   std::uint32_t magic = coll_magic;
   coll_kind kind = coll_kind::allreduce;
   dtype type = dtype::f32;
@@ -77,12 +82,12 @@ struct coll_desc {
 };
 static_assert(sizeof(coll_desc) == 32);
 
-/// "allreduce #12 of 1024 x f32 sum by tree (recursive doubling)" (root shown for rooted
-/// collectives).
+/// "allreduce #12 of 1024 x f32 sum by tree (recursive doubling)", "broadcast #3 of 4096 bytes
+/// from root 0" (a broadcast copies bytes, whatever their type: its count is bytes).
 inline std::string describe(const coll_desc& d) {
   if (d.magic != coll_magic) return "a corrupt collective header";
   std::string s = std::string(coll_name(d.kind)) + " #" + std::to_string(d.seq) + " of " + std::to_string(d.count) +
-                  " x " + dtype_name(d.type);
+                  (d.kind == coll_kind::broadcast ? std::string(" bytes") : std::string(" x ") + dtype_name(d.type));
   if (d.kind == coll_kind::allreduce || d.kind == coll_kind::reduce_scatter) s += std::string(" ") + op_name(d.oper);
   if (d.kind == coll_kind::broadcast) s += " from root " + std::to_string(d.root);
   if (d.algo != coll_algo::none) s += std::string(" by ") + algo_name(d.algo);

@@ -39,6 +39,7 @@
 #include <type_traits>
 #include <utility>
 
+#include <ddp/detail/collective.hpp>
 #include <ddp/detail/copy.hpp>
 
 namespace ddp {
@@ -46,7 +47,7 @@ inline namespace v0 {
 namespace detail {
 
 inline constexpr std::uint64_t shm_magic = 0x316d68732d706464ull;  // "ddp-shm1", little endian
-inline constexpr std::uint32_t shm_version = 1;
+inline constexpr std::uint32_t shm_version = 2;  // 2: descriptors are coll_desc
 inline constexpr std::size_t shm_line = 64;
 inline constexpr std::size_t shm_page = 4096;
 
@@ -56,14 +57,8 @@ constexpr std::size_t round_up(std::size_t x, std::size_t a) noexcept { return (
 /// Plain data: written by its owner before the signal that publishes it, read by peers after
 /// they observed that signal.
 struct shm_desc {
-  std::uint64_t seq = 0;           ///< collective number on this transport, from 1
-  std::uint64_t count = 0;         ///< elements (bytes for broadcast)
+  coll_desc coll{};                ///< the collective, as every engine describes it (detail/collective.hpp)
   std::uint64_t arena_offset = 0;  ///< user buffer's offset in the segment, or `no_offset`
-  std::int32_t root = -1;
-  std::uint8_t kind = 0;
-  std::uint8_t type = 0;  ///< ddp::dtype
-  std::uint8_t oper = 0;  ///< ddp::op
-  std::uint8_t algo = 0;
   static constexpr std::uint64_t no_offset = ~std::uint64_t{0};
 };
 static_assert(std::is_trivially_copyable_v<shm_desc>);

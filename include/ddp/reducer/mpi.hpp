@@ -39,8 +39,7 @@
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/kernels.hpp>
 #include <ddp/detail/mpi_check.hpp>
-#include <ddp/reducer/detail/typed_collectives.hpp>
-#include <ddp/reducer/detail/worker.hpp>
+#include <ddp/reducer/detail/front_end.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>
@@ -49,42 +48,17 @@
 namespace ddp {
 inline namespace v0 {
 
-/// Reducer that runs each collective as one MPI call on the reducer's progress thread, in issue
-/// order (so every rank issues the same sequence, as MPI requires).
-///
-/// Threading: MPI must be initialized with `MPI_Init_thread` at level `MPI_THREAD_SERIALIZED`
-/// or higher, because the progress thread is not the main thread. `SERIALIZED` is enough when
-/// the program makes no MPI call of its own while a request is in flight and uses one
-/// `mpi_reducer`; otherwise ask for `MPI_THREAD_MULTIPLE`.
-///
-/// Deadlines bound the caller's wait only: an MPI call cannot be interrupted, so a collective
-/// whose peer died keeps the progress thread until MPI itself returns an error or the job is
-/// aborted (`MPI_Abort`, or the launcher killing it). The destructor waits for the running
-/// collective. Types without an MPI equivalent (f16, bf16) travel as 2-byte elements with
-/// user-defined ops that widen to float and round after each pairwise step; float min/max use
-/// ddp's kernels too, so NaN propagates as with every other reducer. `avg` is an MPI sum
-/// divided by the world size afterwards (integers truncate).
-class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
-  friend class detail::typed_collectives<mpi_reducer>;
+/// The engine of `mpi_reducer`: the MPI handles, and one MPI call per collective, made on the
+/// reducer's progress thread (reducer/detail/front_end.hpp calls it; use `mpi_reducer`).
+class mpi_engine {
  public:
-  // Typed overloads (spans of ddp's element types): detail/typed_collectives.hpp.
-  using detail::typed_collectives<mpi_reducer>::allreduce;
-  using detail::typed_collectives<mpi_reducer>::allreduce_async;
+  static constexpr const char* name = "mpi_reducer";
+  static constexpr bool descriptors = false;  ///< MPI matches collectives itself
+  static constexpr bool deadlines = false;    ///< an MPI call cannot be interrupted
+  static constexpr bool launches_at_call = false;
 
-  /// MPI moves the bytes itself: there is no ddp transport for an allocator to be built from
-  /// (`basic_data_parallel` default-constructs its allocator; `host_allocator` is the usual one).
-  struct engine_transport {};
-  using transport_type = engine_transport;
-
-  /// Joins MPI_COMM_WORLD with the ranks numbered as in `pg` (a collective on both): the MPI
-  /// world must hold exactly `pg.size()` processes, each also a member of `pg`; ranks may be
-  /// numbered differently by the launcher and by `pg`. Throws `errc::usage` when MPI is not
-  /// initialized, `errc::unsupported` below `MPI_THREAD_SERIALIZED`, `errc::invalid_argument`
-  /// when the sizes differ. The group's timeout bounds blocking calls.
-  /// \code
-  /// ddp::mpi_reducer mpi{pg};
-  /// \endcode
-  explicit mpi_reducer(process_group& pg) : timeout_(pg.timeout()), worker_(pg.rank(), "mpi_reducer") {
+  /// See mpi_reducer(process_group&).
+  explicit mpi_engine(process_group& pg) : timeout_(pg.timeout()) {
     check_mpi_ready(pg.rank());
     int wsize = 0;
     DDP_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &wsize));
@@ -99,109 +73,96 @@ class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
     DDP_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, 0, pg.rank(), &res_.comm));
     finish_setup(pg.rank());
   }
-
-  /// Uses a duplicate of `comm` (a collective on `comm`); `timeout` bounds blocking calls.
-  /// \code
-  /// ddp::mpi_reducer mpi{MPI_COMM_WORLD, std::chrono::seconds(30)};
-  /// \endcode
-  explicit mpi_reducer(MPI_Comm comm, std::chrono::milliseconds timeout = std::chrono::seconds(60))
-      : timeout_(timeout), worker_(-1, "mpi_reducer") {
+  /// See mpi_reducer(MPI_Comm, std::chrono::milliseconds).
+  mpi_engine(MPI_Comm comm, std::chrono::milliseconds timeout) : timeout_(timeout) {
     check_mpi_ready(-1);
     if (comm == MPI_COMM_NULL) detail::raise(errc::invalid_argument, -1, "mpi_reducer: MPI_COMM_NULL");
     if (timeout.count() <= 0) detail::raise(errc::invalid_argument, -1, "mpi_reducer: timeout must be positive");
     DDP_MPI_CHECK(MPI_Comm_dup(comm, &res_.comm));
     finish_setup(-1);
   }
-
-  mpi_reducer(const mpi_reducer&) = delete;
-  mpi_reducer& operator=(const mpi_reducer&) = delete;
+  mpi_engine(const mpi_engine&) = delete;
+  mpi_engine& operator=(const mpi_engine&) = delete;
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
-  /// The reducer's private communicator (its ranks match `rank()`).
   MPI_Comm comm() const noexcept { return res_.comm; }
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
-  /// Every (dtype, op) pair of ddp is supported (false only for values outside the enums); kept
-  /// as a pre-check for generic code.
-  static constexpr bool supports(dtype t, op o) noexcept { return detail::valid_dtype(t) && detail::valid_op(o); }
-
-  // ---- untyped interface (what basic_data_parallel uses) ----------------------------------
-
-  /// Starts an in-place allreduce of `count` elements of `t` at `data`.
-  request allreduce_async(void* data, std::size_t count, dtype t, op o) {
-    check_types(t, o, "allreduce");
-    return worker_.submit([=, this] { do_allreduce(data, count, t, o); });
+  /// At the call, after the dtype and op: MPI counts are int, and reduce_scatter and allgather
+  /// cannot be split into pieces.
+  void check(detail::coll_kind k, std::size_t count_per_rank) const {
+    if ((k == detail::coll_kind::reduce_scatter || k == detail::coll_kind::allgather) &&
+        count_per_rank > static_cast<std::size_t>(INT_MAX))
+      detail::raise(errc::unsupported, rank_,
+                    std::string("mpi_reducer: ") + detail::coll_name(k) + " of more than INT_MAX elements per rank");
   }
-  /// Copies `root`'s `count` elements into every rank's `data`.
-  request broadcast_async(void* data, std::size_t count, dtype t, int root) {
-    check_root(root);
-    check_types(t, op::sum, "broadcast");
-    return worker_.submit([=, this] { do_broadcast(data, count * dtype_size(t), root); });
+
+  // An average of floats is a sum of contributions prescaled by a power of two, divided once
+  // after it (detail/kernels.hpp, "Averages"): dividing a plain sum would overflow where the sum
+  // does (f16 40000 on two ranks). Integers sum, then divide.
+  void allreduce(void* data, std::size_t count, dtype t, op o) {
+    const MPI_Datatype type = mpi_type(t);
+    const MPI_Op mop = mpi_op(t, o);
+    auto* p = static_cast<std::byte*>(data);
+    if (o == op::avg && count > 0) detail::avg_prescale(data, data, count, t, size_);
+    for (std::size_t done = 0; done < count;) {
+      const std::size_t n = std::min(max_piece, count - done);
+      DDP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, p + done * dtype_size(t), static_cast<int>(n), type, mop, res_.comm));
+      done += n;
+    }
+    if (o == op::avg && count > 0) detail::avg_finish(data, count, t, size_);
   }
-  /// `in` holds size() * count_per_rank elements; rank r receives the reduction of slice r.
-  /// `out` must not overlap `in`, except as exactly this rank's slice of it (in place).
-  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
-    check_types(t, o, "reduce_scatter");
-    check_int_count(count_per_rank, "reduce_scatter");
-    const std::size_t slice = count_per_rank * dtype_size(t);
-    detail::check_overlap("reduce_scatter", rank_, in, slice * static_cast<std::size_t>(size_), out, slice);
+
+  void broadcast(void* data, std::size_t count, dtype t, int root) {
+    const std::size_t bytes = count * dtype_size(t);
+    auto* p = static_cast<std::byte*>(data);
+    for (std::size_t done = 0; done < bytes;) {
+      const std::size_t n = std::min(max_piece, bytes - done);
+      DDP_MPI_CHECK(MPI_Bcast(p + done, static_cast<int>(n), MPI_BYTE, root, res_.comm));
+      done += n;
+    }
+  }
+
+  void reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
     // MPI forbids aliased send and receive buffers, and its MPI_IN_PLACE form puts the result at
     // the start of the input: the in-place form goes through a scratch slice.
-    const bool in_place = slice > 0 && out == static_cast<const char*>(in) + static_cast<std::size_t>(rank_) * slice;
-    return worker_.submit([=, this] {
-      // An average sums prescaled contributions (see do_allreduce); `in` is the caller's.
-      std::vector<std::byte> scaled;
-      const void* src = in;
-      if (o == op::avg && detail::avg_scales(t) && size_ > 1) {
-        scaled.resize(count_per_rank * static_cast<std::size_t>(size_) * dtype_size(t));
-        detail::avg_prescale(scaled.data(), in, count_per_rank * static_cast<std::size_t>(size_), t, size_);
-        src = scaled.data();
-      }
-      // A scaled copy no longer aliases `out`; the caller's own buffer in place does.
-      const bool aliased = in_place && src == in;
-      std::vector<char> tmp(aliased ? slice : 0);
-      void* dst = aliased ? static_cast<void*>(tmp.data()) : out;
-      DDP_MPI_CHECK(MPI_Reduce_scatter_block(src, dst, static_cast<int>(count_per_rank), mpi_type(t),
-                                             mpi_op(t, o), res_.comm));
-      if (aliased) std::memcpy(out, dst, slice);
-      if (o == op::avg) detail::avg_finish(out, count_per_rank, t, size_);
-    });
-  }
-  /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`. `in` must
-  /// not overlap `out`, except as exactly this rank's slice of it (in place).
-  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) {
-    check_types(t, op::sum, "allgather");
-    check_int_count(count_per_rank, "allgather");
     const std::size_t slice = count_per_rank * dtype_size(t);
-    detail::check_overlap("allgather", rank_, out, slice * static_cast<std::size_t>(size_), in, slice);
-    const bool in_place = slice > 0 && in == static_cast<const char*>(out) + static_cast<std::size_t>(rank_) * slice;
-    return worker_.submit([=, this] {
-      const int n = static_cast<int>(count_per_rank);
-      DDP_MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : in, n, mpi_type(t), out, n, mpi_type(t), res_.comm));
-    });
-  }
-  request barrier_async() {
-    return worker_.submit([this] { DDP_MPI_CHECK(MPI_Barrier(res_.comm)); });
+    const bool in_place = slice > 0 && out == static_cast<const char*>(in) + static_cast<std::size_t>(rank_) * slice;
+    // An average sums prescaled contributions (see allreduce); `in` is the caller's.
+    std::vector<std::byte> scaled;
+    const void* src = in;
+    if (o == op::avg && detail::avg_scales(t) && size_ > 1) {
+      scaled.resize(count_per_rank * static_cast<std::size_t>(size_) * dtype_size(t));
+      detail::avg_prescale(scaled.data(), in, count_per_rank * static_cast<std::size_t>(size_), t, size_);
+      src = scaled.data();
+    }
+    // A scaled copy no longer aliases `out`; the caller's own buffer in place does.
+    const bool aliased = in_place && src == in;
+    std::vector<char> tmp(aliased ? slice : 0);
+    void* dst = aliased ? static_cast<void*>(tmp.data()) : out;
+    DDP_MPI_CHECK(MPI_Reduce_scatter_block(src, dst, static_cast<int>(count_per_rank), mpi_type(t), mpi_op(t, o),
+                                           res_.comm));
+    if (aliased) std::memcpy(out, dst, slice);
+    if (o == op::avg) detail::avg_finish(out, count_per_rank, t, size_);
   }
 
-  /// Blocking allreduce; runs on the calling thread when no async work is pending.
-  void allreduce(void* data, std::size_t count, dtype t, op o) {
-    check_types(t, o, "allreduce");
-    if (!worker_.try_run_inline([&] { do_allreduce(data, count, t, o); }))
-      wait(worker_.submit([=, this] { do_allreduce(data, count, t, o); }));
+  void allgather(const void* in, void* out, std::size_t count_per_rank, dtype t) {
+    const std::size_t slice = count_per_rank * dtype_size(t);
+    const bool in_place = slice > 0 && in == static_cast<const char*>(out) + static_cast<std::size_t>(rank_) * slice;
+    const int n = static_cast<int>(count_per_rank);
+    DDP_MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : in, n, mpi_type(t), out, n, mpi_type(t), res_.comm));
   }
-  void barrier() {
-    if (!worker_.try_run_inline([&] { DDP_MPI_CHECK(MPI_Barrier(res_.comm)); })) wait(barrier_async());
-  }
+
+  void barrier() { DDP_MPI_CHECK(MPI_Barrier(res_.comm)); }
 
  private:
   // MPI counts are int; larger buffers go in pieces of this many elements.
   static constexpr std::size_t max_piece = std::size_t{1} << 30;
   static constexpr int n_ops = 5;
 
-  // MPI handles, freed after the progress thread has stopped (declared before worker_) and only
-  // while MPI is still alive: a program that finalizes MPI first has already released them.
+  // MPI handles, freed after the progress thread has stopped (the engine outlives the front
+  // end's thread) and only while MPI is still alive: a program that finalizes MPI first has already released them.
   struct mpi_resources {
     MPI_Comm comm = MPI_COMM_NULL;
     MPI_Datatype half_type = MPI_DATATYPE_NULL;  // 2 opaque bytes: f16 and bf16
@@ -311,56 +272,54 @@ class mpi_reducer : public detail::typed_collectives<mpi_reducer> {
     detail::raise(errc::invalid_argument, rank_, "mpi_reducer: unknown reduction op");
   }
 
-  // An average of floats is a sum of contributions prescaled by a power of two, divided once
-  // after it (detail/kernels.hpp, "Averages"): dividing a plain sum would overflow where the sum
-  // does (f16 40000 on two ranks). Integers sum, then divide.
-  void do_allreduce(void* data, std::size_t count, dtype t, op o) {
-    const MPI_Datatype type = mpi_type(t);
-    const MPI_Op mop = mpi_op(t, o);
-    auto* p = static_cast<std::byte*>(data);
-    if (o == op::avg && count > 0) detail::avg_prescale(data, data, count, t, size_);
-    for (std::size_t done = 0; done < count;) {
-      const std::size_t n = std::min(max_piece, count - done);
-      DDP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, p + done * dtype_size(t), static_cast<int>(n), type, mop, res_.comm));
-      done += n;
-    }
-    if (o == op::avg && count > 0) detail::avg_finish(data, count, t, size_);
-  }
-
-  void do_broadcast(void* data, std::size_t bytes, int root) {
-    auto* p = static_cast<std::byte*>(data);
-    for (std::size_t done = 0; done < bytes;) {
-      const std::size_t n = std::min(max_piece, bytes - done);
-      DDP_MPI_CHECK(MPI_Bcast(p + done, static_cast<int>(n), MPI_BYTE, root, res_.comm));
-      done += n;
-    }
-  }
-
-  /// At the call, on every rank alike: an unknown dtype or op never reaches MPI or the queue.
-  void check_types(dtype t, op o, const char* what) const {
-    detail::check_dtype(t, rank_, what);
-    detail::check_op(o, rank_, what);
-  }
-  void check_root(int root) const {
-    if (root < 0 || root >= size_)
-      detail::raise(errc::invalid_argument, rank_, "root " + std::to_string(root) + " is not a rank");
-  }
-  void check_int_count(std::size_t n, const char* what) const {
-    if (n > static_cast<std::size_t>(INT_MAX))
-      detail::raise(errc::unsupported, rank_,
-                    std::string("mpi_reducer: ") + what + " of more than INT_MAX elements per rank");
-  }
-  void wait(const request& r) const {
-    // Work queued ahead of this request is bounded by the timeout too, so twice the timeout
-    // bounds the whole wait (as in basic_reducer).
-    r.wait(std::chrono::steady_clock::now() + 2 * timeout_ + std::chrono::seconds(2));
-  }
-
   std::chrono::milliseconds timeout_;
   int rank_ = -1;
   int size_ = 0;
-  mpi_resources res_;
-  detail::worker worker_;  // last: joins before the MPI handles are freed
+  mpi_resources res_;  // freed after the front end's progress thread has stopped
+};
+
+/// Reducer that runs each collective as one MPI call on the reducer's progress thread, in issue
+/// order (so every rank issues the same sequence, as MPI requires).
+///
+/// Threading: MPI must be initialized with `MPI_Init_thread` at level `MPI_THREAD_SERIALIZED`
+/// or higher, because the progress thread is not the main thread. `SERIALIZED` is enough when
+/// the program makes no MPI call of its own while a request is in flight and uses one
+/// `mpi_reducer`; otherwise ask for `MPI_THREAD_MULTIPLE`.
+///
+/// Deadlines bound the caller's wait only: an MPI call cannot be interrupted, so a collective
+/// whose peer died keeps the progress thread until MPI itself returns an error or the job is
+/// aborted (`MPI_Abort`, or the launcher killing it). The destructor waits for the running
+/// collective. Types without an MPI equivalent (f16, bf16) travel as 2-byte elements with
+/// user-defined ops that widen to float and round after each pairwise step; float min/max use
+/// ddp's kernels too, so NaN propagates as with every other reducer. `avg` is an MPI sum
+/// divided by the world size afterwards (integers truncate).
+class mpi_reducer : public detail::reducer_front_end<mpi_engine> {
+ public:
+  /// MPI moves the bytes itself: there is no ddp transport for an allocator to be built from
+  /// (`basic_data_parallel` default-constructs its allocator; `host_allocator` is the usual one).
+  struct engine_transport {};
+  using transport_type = engine_transport;
+
+  /// Joins MPI_COMM_WORLD with the ranks numbered as in `pg` (a collective on both): the MPI
+  /// world must hold exactly `pg.size()` processes, each also a member of `pg`; ranks may be
+  /// numbered differently by the launcher and by `pg`. Throws `errc::usage` when MPI is not
+  /// initialized, `errc::unsupported` below `MPI_THREAD_SERIALIZED`, `errc::invalid_argument`
+  /// when the sizes differ. The group's timeout bounds blocking calls.
+  /// \code
+  /// ddp::mpi_reducer mpi{pg};
+  /// \endcode
+  explicit mpi_reducer(process_group& pg) : reducer_front_end(pg.rank(), pg) {}
+
+  /// Uses a duplicate of `comm` (a collective on `comm`); `timeout` bounds blocking calls.
+  /// \code
+  /// ddp::mpi_reducer mpi{MPI_COMM_WORLD, std::chrono::seconds(30)};
+  /// \endcode
+  explicit mpi_reducer(MPI_Comm comm, std::chrono::milliseconds timeout = std::chrono::seconds(60))
+      : reducer_front_end(-1, comm, timeout) {}
+
+  /// The reducer's private communicator (its ranks match `rank()`).
+  MPI_Comm comm() const noexcept { return engine().comm(); }
+  std::chrono::milliseconds timeout() const noexcept { return engine().timeout(); }
 };
 
 }  // namespace v0

@@ -28,8 +28,7 @@
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/cuda_check.hpp>
 #include <ddp/detail/fork.hpp>
-#include <ddp/reducer/detail/typed_collectives.hpp>
-#include <ddp/reducer/detail/worker.hpp>
+#include <ddp/reducer/detail/front_end.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>
@@ -76,46 +75,19 @@ inline errc nccl_condition(ncclResult_t r) noexcept {
 namespace ddp {
 inline namespace v0 {
 
-/// Reducer that enqueues each collective on one CUDA stream of one GPU, in issue order, and
-/// completes its request when the GPU has finished it (an event, polled by the reducer's
-/// progress thread with a growing sleep, so a waiting rank does not take a core).
-///
-/// Buffers are device memory of this reducer's device (`cuda_allocator{.device = device()}`),
-/// or managed memory. Work on the caller's stream is ordered before a collective when the
-/// reducer was given that stream; with no stream the reducer creates its own blocking stream,
-/// which orders it after work on the legacy default stream only.
-///
-/// One GPU per rank: NCCL refuses two ranks of one communicator on the same device.
-///
-/// Deadlines: every request must complete within the group's timeout of reaching the GPU;
-/// otherwise the reducer aborts the communicator (`ncclCommAbort`, which also stops the
-/// kernels) and the request fails with `errc::timeout`; later calls fail with `errc::aborted`.
-/// `ncclRemoteError` and other asynchronous NCCL errors end it the same way. Semantics are
-/// NCCL's: `avg` is `ncclAvg` (floats are scaled before summing, so the last bit can differ
-/// from the host reducers), integer sums wrap, and min/max follow CUDA's `fmin`/`fmax` (a NaN
-/// loses against a number).
-class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
-  friend class detail::typed_collectives<nccl_reducer>;
+/// The engine of `nccl_reducer`: the communicator, its stream and device. A collective is
+/// enqueued on the caller's thread (NCCL orders it on the stream) and completed on the reducer's
+/// progress thread (reducer/detail/front_end.hpp calls it; use `nccl_reducer`).
+class nccl_engine {
  public:
-  // Typed overloads (spans of ddp's element types): detail/typed_collectives.hpp.
-  using detail::typed_collectives<nccl_reducer>::allreduce;
-  using detail::typed_collectives<nccl_reducer>::allreduce_async;
+  static constexpr const char* name = "nccl_reducer";
+  static constexpr bool descriptors = false;  ///< NCCL matches collectives itself
+  static constexpr bool deadlines = false;    ///< each request's deadline starts at the GPU (await)
+  static constexpr bool launches_at_call = true;
 
-  /// NCCL moves the bytes itself: there is no ddp transport for an allocator to be built from.
-  struct engine_transport {};
-  using transport_type = engine_transport;
-
-  /// Creates the communicator of `pg` (a collective: every rank constructs its reducers in the
-  /// same order). `device` < 0 picks `local_rank % device count` (`pg.rank()` when the local
-  /// rank is unknown); `stream` nullptr makes the reducer create one. Rank 0 creates the NCCL
-  /// unique id and broadcasts it through the group. Throws `errc::unsupported` without a CUDA
-  /// device, `errc::invalid_argument` for a device that does not exist, `errc::timeout` when
-  /// the communicator is not ready within the group's timeout.
-  /// \code
-  /// ddp::nccl_reducer nccl{pg, /*device=*/-1, my_stream};
-  /// \endcode
-  explicit nccl_reducer(process_group& pg, int device = -1, cudaStream_t stream = nullptr)
-      : rank_(pg.rank()), size_(pg.size()), timeout_(pg.timeout()), worker_(pg.rank(), "nccl_reducer") {
+  /// See nccl_reducer(process_group&, int, cudaStream_t).
+  nccl_engine(process_group& pg, int device, cudaStream_t stream)
+      : rank_(pg.rank()), size_(pg.size()), timeout_(pg.timeout()) {
     ncclUniqueId id{};
     std::exception_ptr local_failure;
     try {
@@ -158,71 +130,50 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
     settle_locked(until, "ncclCommInitRankConfig");
   }
 
-  nccl_reducer(const nccl_reducer&) = delete;
-  nccl_reducer& operator=(const nccl_reducer&) = delete;
+  nccl_engine(const nccl_engine&) = delete;
+  nccl_engine& operator=(const nccl_engine&) = delete;
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
-  /// The CUDA device the communicator runs on.
   int device() const noexcept { return res_.device; }
-  /// The stream collectives are enqueued on.
   cudaStream_t stream() const noexcept { return res_.stream; }
-  /// The communicator (nullptr once aborted); for NCCL calls of the program's own, which must
-  /// not overlap with this reducer's requests.
   ncclComm_t comm() const noexcept { return res_.comm; }
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
-  /// Every (dtype, op) pair of ddp is supported (false only for values outside the enums); kept
-  /// as a pre-check for generic code.
-  static constexpr bool supports(dtype t, op o) noexcept { return detail::valid_dtype(t) && detail::valid_op(o); }
+  /// What the progress thread runs to complete a launched collective: waits for its event.
+  struct completion {
+    nccl_engine* engine;
+    cudaEvent_t event;
+    const char* what;
+    void operator()() const { engine->await(event, what); }
+  };
 
-  // ---- untyped interface (what basic_data_parallel uses) ----------------------------------
-
-  /// Starts an in-place allreduce of `count` elements of `t` at device address `data`.
-  request allreduce_async(void* data, std::size_t count, dtype t, op o) {
-    check_types(t, o, "allreduce");
+  completion allreduce(void* data, std::size_t count, dtype t, op o) {
     const auto nt = nccl_type(t);
     const auto no = nccl_op(o);
     return launch("ncclAllReduce", [&] { return ncclAllReduce(data, data, count, nt, no, res_.comm, res_.stream); });
   }
-  /// Copies `root`'s `count` elements into every rank's `data`.
-  request broadcast_async(void* data, std::size_t count, dtype t, int root) {
-    check_root(root);
-    check_types(t, op::sum, "broadcast");
+  completion broadcast(void* data, std::size_t count, dtype t, int root) {
     const auto nt = nccl_type(t);
     return launch("ncclBroadcast", [&] { return ncclBroadcast(data, data, count, nt, root, res_.comm, res_.stream); });
   }
-  /// `in` holds size() * count_per_rank elements; rank r receives the reduction of slice r.
-  /// `out` must not overlap `in`, except as exactly this rank's slice of it (NCCL's in place).
-  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
-    check_types(t, o, "reduce_scatter");
-    const std::size_t slice = count_per_rank * dtype_size(t);
-    detail::check_overlap("reduce_scatter", rank_, in, slice * static_cast<std::size_t>(size_), out, slice);
+  completion reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
     const auto nt = nccl_type(t);
     const auto no = nccl_op(o);
     return launch("ncclReduceScatter",
                   [&] { return ncclReduceScatter(in, out, count_per_rank, nt, no, res_.comm, res_.stream); });
   }
-  /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`. `in` must
-  /// not overlap `out`, except as exactly this rank's slice of it (NCCL's in place).
-  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) {
-    check_types(t, op::sum, "allgather");
-    const std::size_t slice = count_per_rank * dtype_size(t);
-    detail::check_overlap("allgather", rank_, out, slice * static_cast<std::size_t>(size_), in, slice);
+  completion allgather(const void* in, void* out, std::size_t count_per_rank, dtype t) {
     const auto nt = nccl_type(t);
     return launch("ncclAllGather", [&] { return ncclAllGather(in, out, count_per_rank, nt, res_.comm, res_.stream); });
   }
   /// NCCL has no barrier: a one-element allreduce on the reducer's stream. It completes when
   /// every rank has reached it and every earlier collective of this reducer has finished.
-  request barrier_async() {
+  completion barrier() {
     return launch("ncclAllReduce (barrier)", [&] {
       return ncclAllReduce(res_.scratch, res_.scratch, 1, ncclInt32, ncclSum, res_.comm, res_.stream);
     });
   }
-
-  /// Blocking allreduce: returns when the result is in `data`.
-  void allreduce(void* data, std::size_t count, dtype t, op o) { wait(allreduce_async(data, count, t, o)); }
-  void barrier() { wait(barrier_async()); }
 
   /// Aborts the communicator (`ncclCommAbort`: running NCCL kernels stop); pending and later
   /// requests fail with `errc::aborted`. Peers notice through their own deadline.
@@ -233,8 +184,8 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
   }
 
  private:
-  // Owns the CUDA and NCCL handles; declared before worker_, so it is destroyed after the
-  // progress thread has finished every request.
+  // Owns the CUDA and NCCL handles; the engine outlives the front end's progress thread, so
+  // they are destroyed after it has finished every request.
   struct resources {
     int device = -1;
     ncclComm_t comm = nullptr;
@@ -322,19 +273,10 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
     }
     detail::raise(errc::invalid_argument, -1, "unknown reduction op " + std::to_string(static_cast<int>(o)));
   }
-  /// At the call: an unknown dtype or op never reaches NCCL or the queue.
-  void check_types(dtype t, op o, const char* what) const {
-    detail::check_dtype(t, rank_, what);
-    detail::check_op(o, rank_, what);
-  }
-  void check_root(int root) const {
-    if (root < 0 || root >= size_)
-      detail::raise(errc::invalid_argument, rank_, "root " + std::to_string(root) + " is not a rank");
-  }
-
-  // Enqueues one NCCL call and an event behind it; the request completes when the event has.
+  // Enqueues one NCCL call and an event behind it, on the caller's thread; returns the job the
+  // progress thread runs to complete the request when the event has.
   template <class Call>
-  request launch(const char* what, Call&& call) {
+  completion launch(const char* what, Call&& call) {
     res_.owner.check(rank_, "nccl_reducer");
     cudaEvent_t ev = nullptr;
     {
@@ -352,7 +294,7 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
         detail::raise_cuda(e, "cudaEventRecord", __FILE__, __LINE__);
       }
     }
-    return worker_.submit([this, ev, what] { await(ev, what); });
+    return {this, ev, what};
   }
 
   // On the progress thread: requests are awaited in issue order, and a request's deadline
@@ -435,19 +377,58 @@ class nccl_reducer : public detail::typed_collectives<nccl_reducer> {
     }
   }
 
-  void wait(const request& r) const {
-    // Each queued request ahead of this one is bounded by the timeout once it reaches the GPU;
-    // twice the timeout bounds the whole wait (as in basic_reducer).
-    r.wait(std::chrono::steady_clock::now() + 2 * timeout_ + std::chrono::seconds(2));
-  }
-
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
   std::mutex mu_;  // NCCL calls on one communicator must not overlap; guards comm and aborted_
   bool aborted_ = false;
   resources res_;
-  detail::worker worker_;  // last: joins before the communicator goes away
+};
+
+/// Reducer that enqueues each collective on one CUDA stream of one GPU, in issue order, and
+/// completes its request when the GPU has finished it (an event, polled by the reducer's
+/// progress thread with a growing sleep, so a waiting rank does not take a core).
+///
+/// Buffers are device memory of this reducer's device (`cuda_allocator{.device = device()}`),
+/// or managed memory. Work on the caller's stream is ordered before a collective when the
+/// reducer was given that stream; with no stream the reducer creates its own blocking stream,
+/// which orders it after work on the legacy default stream only.
+///
+/// One GPU per rank: NCCL refuses two ranks of one communicator on the same device.
+///
+/// Deadlines: every request must complete within the group's timeout of reaching the GPU;
+/// otherwise the reducer aborts the communicator (`ncclCommAbort`, which also stops the
+/// kernels) and the request fails with `errc::timeout`; later calls fail with `errc::aborted`.
+/// `ncclRemoteError` and other asynchronous NCCL errors end it the same way. Semantics are
+/// NCCL's: `avg` is `ncclAvg` (floats are scaled before summing, so the last bit can differ
+/// from the host reducers), integer sums wrap, and min/max follow CUDA's `fmin`/`fmax` (a NaN
+/// loses against a number).
+class nccl_reducer : public detail::reducer_front_end<nccl_engine> {
+ public:
+  /// NCCL moves the bytes itself: there is no ddp transport for an allocator to be built from.
+  struct engine_transport {};
+  using transport_type = engine_transport;
+
+  /// Creates the communicator of `pg` (a collective: every rank constructs its reducers in the
+  /// same order). `device` < 0 picks `local_rank % device count` (`pg.rank()` when the local
+  /// rank is unknown); `stream` nullptr makes the reducer create one. Rank 0 creates the NCCL
+  /// unique id and broadcasts it through the group. Throws `errc::unsupported` without a CUDA
+  /// device, `errc::invalid_argument` for a device that does not exist, `errc::timeout` when
+  /// the communicator is not ready within the group's timeout.
+  /// \code
+  /// ddp::nccl_reducer nccl{pg, /*device=*/-1, my_stream};
+  /// \endcode
+  explicit nccl_reducer(process_group& pg, int device = -1, cudaStream_t stream = nullptr)
+      : reducer_front_end(pg.rank(), pg, device, stream) {}
+
+  /// The CUDA device the communicator runs on.
+  int device() const noexcept { return engine().device(); }
+  /// The stream collectives are enqueued on.
+  cudaStream_t stream() const noexcept { return engine().stream(); }
+  /// The communicator (nullptr once aborted); for NCCL calls of the program's own, which must
+  /// not overlap with this reducer's requests.
+  ncclComm_t comm() const noexcept { return engine().comm(); }
+  std::chrono::milliseconds timeout() const noexcept { return engine().timeout(); }
 };
 
 }  // namespace v0

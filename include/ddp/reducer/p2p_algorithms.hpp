@@ -3,12 +3,17 @@
 /// Ring and tree (recursive doubling / halving-doubling) collectives over a point-to-point
 /// transport such as `ddp::tcp`. The step schedules are the pure functions of
 /// detail/schedule.hpp; this file only moves bytes and reduces them. Every message carries the
-/// collective's 32-byte descriptor, checked before its payload is used.
+/// collective's 32-byte descriptor, checked before its payload is used. What the algorithms
+/// call on the transport is exactly `ddp::transport` (transport/concept.hpp); `p2p_engine` at the
+/// end is the engine `ring<T>` and `tree<T>` run on.
 
 #include <sys/uio.h>
 
 #include <algorithm>
+#include <chrono>
+#include <concepts>
 #include <cstring>
+#include <span>
 #include <memory>
 #include <string>
 #include <utility>
@@ -20,7 +25,10 @@
 #include <ddp/detail/kernels.hpp>
 #include <ddp/detail/schedule.hpp>
 #include <ddp/error.hpp>
+#include <ddp/process_group.hpp>
 #include <ddp/reducer/basic_reducer.hpp>
+#include <ddp/reducer/detail/front_end.hpp>
+#include <ddp/transport/concept.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -43,22 +51,9 @@ inline char* scratch(std::size_t bytes) {
   return b.p.get();
 }
 
-/// Transports that move bytes between two ranks (tcp).
-template <class T>
-concept point_to_point_transport = T::is_point_to_point && requires(T& t, const void* c, void* p, std::size_t n,
-                                                                    deadline_t d) {
-  { t.rank() } -> std::convertible_to<int>;
-  { t.size() } -> std::convertible_to<int>;
-  t.send(0, c, n, d);
-  t.recv(0, p, n, d);
-  t.sendrecv(0, c, n, 0, p, n, d);
-};
-
 /// Exchange with descriptors: sends [desc | out] to `to`, receives [desc | in] from `from`,
 /// fails the transport with errc::mismatch as soon as the peer's descriptor differs.
 /// `on_payload(bytes)` sees how many payload bytes have arrived.
-// DDP_DETAIL_SKIP_MISMATCH_CHECKS exists only so that bench/mismatch_cost.sh can measure what
-// the checks cost: descriptors still travel, nobody compares them. Not a supported configuration.
 template <class T, class F>
 void exchange(T& t, const coll_desc& d, int to, const void* out, std::size_t out_n, int from, void* in,
               std::size_t in_n, deadline_t until, F&& on_payload) {
@@ -70,9 +65,7 @@ void exchange(T& t, const coll_desc& d, int to, const void* out, std::size_t out
     if (got < sizeof(coll_desc)) return;
     if (!checked) {
       checked = true;
-#ifndef DDP_DETAIL_SKIP_MISMATCH_CHECKS
       if (auto why = mismatch(d, t.rank(), theirs, from); !why.empty()) t.fail(errc::mismatch, why);
-#endif
     }
     on_payload(got - sizeof(coll_desc));
   });
@@ -94,11 +87,7 @@ template <class T>
 void recv_checked(T& t, const coll_desc& d, int from, void* data, std::size_t n, deadline_t until) {
   coll_desc theirs{};
   t.recv(from, &theirs, sizeof theirs, until);
-#ifndef DDP_DETAIL_SKIP_MISMATCH_CHECKS
   if (auto why = mismatch(d, t.rank(), theirs, from); !why.empty()) t.fail(errc::mismatch, why);
-#else
-  (void)d;
-#endif
   if (n) t.recv(from, data, n, until);
 }
 
@@ -166,7 +155,7 @@ void tree_broadcast(T& t, const coll_desc& d, void* data, std::size_t bytes, int
 
 /// Recursive doubling (small) or halving-doubling (large), with the fold for non-powers of two.
 /// Which one is the descriptor's variant (so the schedule is what every peer checked), chosen
-/// from reducer_options::small_bytes by algorithm_for<tree_algorithm, T>::variant.
+/// from reducer_options::small_bytes by p2p_engine<tree_algorithm, T>::variant.
 template <class T>
 void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dtype ty, op o,
                     const reducer_options& /*opts: decided in d.variant*/, deadline_t until) {
@@ -232,88 +221,113 @@ void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dty
   if (p.fold_partner >= 0) send_checked(t, d, p.fold_partner, data, bytes, until);
 }
 
-}  // namespace detail
+/// Allreduce of `count` elements at `data`, in place, by `Algorithm` (ring_algorithm or
+/// tree_algorithm) over any `ddp::transport`; `d` is the stamped descriptor every message carries.
+template <class Algorithm, class T>
+void p2p_allreduce(T& t, const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype ty, op o,
+                   const reducer_options& opts) {
+  const int n = t.size();
+  [[maybe_unused]] const std::size_t es = checked_size(ty);  // also where there is nothing to reduce
+  if (n == 1 || count == 0) {
+    if (n > 1) ring_barrier(t, d, until);  // still checks that everyone agrees
+    return;
+  }
+  auto* p = static_cast<char*>(data);
+  if constexpr (std::same_as<Algorithm, tree_algorithm>) {
+    tree_allreduce(t, d, p, count, ty, o, opts, until);
+  } else {
+    ring_reduce_scatter(t, d, p, count, ty, o, opts.segment_bytes, until);
+    ring_allgather(t, d, p, count, es, until);
+  }
+}
 
-/// Ring over a point-to-point transport.
-template <detail::point_to_point_transport Transport>
-struct algorithm_for<ring_algorithm, Transport> {
-  static constexpr detail::coll_algo id = detail::coll_algo::ring;
+/// The engine of `ring<T>` and `tree<T>` over a point-to-point transport: the reducer's group
+/// handle, the transport and the options, and the algorithms above. Tree's reduce_scatter,
+/// allgather, broadcast and barrier are the ring's. Runs on the front end's thread.
+template <class Algorithm, transport Transport>
+class p2p_engine {
+  static constexpr bool is_tree = std::same_as<Algorithm, tree_algorithm>;
+  static_assert(is_tree || std::same_as<Algorithm, ring_algorithm>, "ddp: Algorithm is ring_algorithm or tree_algorithm");
+
+ public:
+  static constexpr const char* name = "reducer";
+  static constexpr bool descriptors = true;  ///< every message carries the collective's descriptor
+  static constexpr bool deadlines = true;
+  static constexpr bool launches_at_call = false;
+  static constexpr coll_algo id = is_tree ? coll_algo::tree : coll_algo::ring;
+
   /// The ring's wire schedule depends on nothing but the world size (segment_bytes only sets
-  /// how soon received bytes are reduced), so it has no variant.
-  static detail::coll_variant variant(detail::coll_kind, std::size_t, const reducer_options&) noexcept {
-    return detail::coll_variant::none;
+  /// how soon received bytes are reduced), so it has no variant; the tree's allreduce is
+  /// recursive doubling up to small_bytes, halving-doubling above.
+  static coll_variant variant(coll_kind k, std::size_t bytes, const reducer_options& opts) noexcept {
+    if (!is_tree || k != coll_kind::allreduce) return coll_variant::none;
+    return bytes <= opts.small_bytes ? coll_variant::recursive_doubling : coll_variant::halving_doubling;
   }
-  /// What every rank must agree on (basic_reducer checks it at construction).
-  static std::string signature(const reducer_options&) { return "ring"; }
-  static void allreduce(Transport& t, const detail::coll_desc& d, void* data, std::size_t count, dtype ty, op o,
-                        const reducer_options& opts, deadline_t until) {
-    const int n = t.size();
-    const std::size_t es = detail::checked_size(ty);  // also where there is nothing to reduce
-    if (n == 1 || count == 0) {
-      if (n > 1) detail::ring_barrier(t, d, until);  // still checks that everyone agrees
-      return;
-    }
-    auto* p = static_cast<char*>(data);
-    detail::ring_reduce_scatter(t, d, p, count, ty, o, opts.segment_bytes, until);
-    detail::ring_allgather(t, d, p, count, es, until);
+  coll_variant variant(coll_kind k, std::size_t bytes) const noexcept { return variant(k, bytes, opts_); }
+  /// What every rank must agree on (checked at construction).
+  static std::string signature(const reducer_options& opts) {
+    if constexpr (is_tree)
+      return "tree with reducer_options::small_bytes " + std::to_string(opts.small_bytes);
+    else
+      return "ring";
   }
-  static void reduce_scatter(Transport& t, const detail::coll_desc& d, const void* in, void* out, std::size_t per_rank,
-                             dtype ty, op o, const reducer_options& opts, deadline_t until) {
+
+  p2p_engine(process_group& pg, reducer_options o)
+      : pg_(agree_on_reducer(pg, signature(o))), transport_(pg), opts_(o) {}
+  template <class TransportOptions>
+  p2p_engine(process_group& pg, TransportOptions t, reducer_options o)
+      : pg_(agree_on_reducer(pg, signature(o))), transport_(pg, std::move(t)), opts_(o) {}
+
+  int rank() const noexcept { return pg_.rank(); }
+  int size() const noexcept { return pg_.size(); }
+  std::chrono::milliseconds timeout() const noexcept { return pg_.timeout(); }
+  Transport& transport() noexcept { return transport_; }
+  process_group& group() noexcept { return pg_; }
+  const reducer_options& options() const noexcept { return opts_; }
+  void abort() noexcept { transport_.abort(); }
+
+  void allreduce(const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype ty, op o) {
+    p2p_allreduce<Algorithm>(transport_, d, until, data, count, ty, o, opts_);
+  }
+  void reduce_scatter(const coll_desc& d, deadline_t until, const void* in, void* out, std::size_t per_rank, dtype ty,
+                      op o) {
     // Ring reduce-scatter leaves chunk (r+1) mod n on rank r; rotate the input by one chunk so
     // that rank r ends with slice r, as the caller asked.
+    Transport& t = transport_;
     const int n = t.size(), r = t.rank();
-    const std::size_t es = detail::checked_size(ty), slice = per_rank * es;
+    const std::size_t es = checked_size(ty), slice = per_rank * es;
     std::vector<char> work(slice * static_cast<std::size_t>(n));
     for (int c = 0; c < n; ++c)
-      detail::copy_bytes(work.data() + static_cast<std::size_t>((c + 1) % n) * slice,
-                  static_cast<const char*>(in) + static_cast<std::size_t>(c) * slice, slice);
-    if (n > 1) detail::ring_reduce_scatter(t, d, work.data(), per_rank * static_cast<std::size_t>(n), ty, o,
-                                           opts.segment_bytes, until);
-    detail::copy_bytes(out, work.data() + static_cast<std::size_t>((r + 1) % n) * slice, slice);
+      copy_bytes(work.data() + static_cast<std::size_t>((c + 1) % n) * slice,
+                 static_cast<const char*>(in) + static_cast<std::size_t>(c) * slice, slice);
+    if (n > 1)
+      ring_reduce_scatter(t, d, work.data(), per_rank * static_cast<std::size_t>(n), ty, o, opts_.segment_bytes, until);
+    copy_bytes(out, work.data() + static_cast<std::size_t>((r + 1) % n) * slice, slice);
   }
-  static void allgather(Transport& t, const detail::coll_desc& d, const void* in, void* out, std::size_t per_rank,
-                        dtype ty, deadline_t until) {
+  void allgather(const coll_desc& d, deadline_t until, const void* in, void* out, std::size_t per_rank, dtype ty) {
+    Transport& t = transport_;
     const int n = t.size(), r = t.rank();
-    const std::size_t es = detail::checked_size(ty), slice = per_rank * es;
+    const std::size_t es = checked_size(ty), slice = per_rank * es;
     // Place our slice where the ring's allgather expects chunk (r+1) mod n, then rotate back.
     std::vector<char> work(slice * static_cast<std::size_t>(n));
-    detail::copy_bytes(work.data() + static_cast<std::size_t>((r + 1) % n) * slice, in, slice);
-    if (n > 1) detail::ring_allgather(t, d, work.data(), per_rank * static_cast<std::size_t>(n), es, until);
+    copy_bytes(work.data() + static_cast<std::size_t>((r + 1) % n) * slice, in, slice);
+    if (n > 1) ring_allgather(t, d, work.data(), per_rank * static_cast<std::size_t>(n), es, until);
     for (int c = 0; c < n; ++c)
-      detail::copy_bytes(static_cast<char*>(out) + static_cast<std::size_t>(c) * slice,
-                  work.data() + static_cast<std::size_t>((c + 1) % n) * slice, slice);
+      copy_bytes(static_cast<char*>(out) + static_cast<std::size_t>(c) * slice,
+                 work.data() + static_cast<std::size_t>((c + 1) % n) * slice, slice);
   }
-  static void broadcast(Transport& t, const detail::coll_desc& d, void* data, std::size_t bytes, int root,
-                        deadline_t until) {
-    detail::tree_broadcast(t, d, data, bytes, root, until);
+  void broadcast(const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype ty, int root) {
+    tree_broadcast(transport_, d, data, count * dtype_size(ty), root, until);
   }
-  static void barrier(Transport& t, const detail::coll_desc& d, deadline_t until) {
-    detail::ring_barrier(t, d, until);
-  }
+  void barrier(const coll_desc& d, deadline_t until) { ring_barrier(transport_, d, until); }
+
+ private:
+  process_group pg_;  // the reducer's own handle: the group stays open while this lives
+  Transport transport_;
+  reducer_options opts_;
 };
 
-/// Tree over a point-to-point transport; reduce_scatter, allgather and barrier as the ring's.
-template <detail::point_to_point_transport Transport>
-struct algorithm_for<tree_algorithm, Transport> : algorithm_for<ring_algorithm, Transport> {
-  static constexpr detail::coll_algo id = detail::coll_algo::tree;
-  /// Allreduce of up to small_bytes: recursive doubling; larger: halving-doubling.
-  static detail::coll_variant variant(detail::coll_kind k, std::size_t bytes, const reducer_options& opts) noexcept {
-    if (k != detail::coll_kind::allreduce) return detail::coll_variant::none;
-    return bytes <= opts.small_bytes ? detail::coll_variant::recursive_doubling : detail::coll_variant::halving_doubling;
-  }
-  static std::string signature(const reducer_options& opts) {
-    return "tree with reducer_options::small_bytes " + std::to_string(opts.small_bytes);
-  }
-  static void allreduce(Transport& t, const detail::coll_desc& d, void* data, std::size_t count, dtype ty, op o,
-                        const reducer_options& opts, deadline_t until) {
-    (void)detail::checked_size(ty);  // also where there is nothing to reduce
-    if (t.size() == 1 || count == 0) {
-      if (t.size() > 1) detail::ring_barrier(t, d, until);
-      return;
-    }
-    detail::tree_allreduce(t, d, static_cast<char*>(data), count, ty, o, opts, until);
-  }
-};
+}  // namespace detail
 
 }  // namespace v0
 }  // namespace ddp

@@ -24,6 +24,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -36,6 +37,7 @@
 #include <vector>
 
 #include <ddp/clock.hpp>
+#include <ddp/detail/collective.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/futex.hpp>
 #include <ddp/detail/kernels.hpp>
@@ -46,6 +48,7 @@
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/basic_reducer.hpp>
+#include <ddp/reducer/detail/front_end.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -82,7 +85,8 @@ struct shm_options {
   friend bool operator==(const shm_options&, const shm_options&) = default;
 };
 
-/// Shared-memory transport and collectives engine for ranks on one host.
+/// Shared-memory collectives engine for ranks on one host (the engine of `ring<shm>` and `tree<shm>`,
+/// and usable on its own).
 ///
 /// Construction is collective: every rank of `pg` constructs its `shm` objects in the same
 /// order. The segment's name is unlinked as soon as all ranks mapped it, so nothing is left in
@@ -227,7 +231,7 @@ class shm {
     // The tree path writes a rank's output while peers may still read its input, so arena
     // buffers are staged there like any other.
     const std::uint64_t off = a == shm_algo::ring ? arena_offset(data, count * es) : detail::shm_desc::no_offset;
-    auto& d = begin(kind_allreduce, count, t, o, -1, a, off);
+    auto& d = begin(detail::coll_kind::allreduce, count, t, o, 0, a, off);
     if (size_ == 1) return;  // a sum over one rank; avg divides by 1
     if (a == shm_algo::tree) return allreduce_tree(data, count, t, o, until, d);
     guarded([&] { allreduce_ring(static_cast<std::byte*>(data), count, t, o, until, d); });
@@ -247,7 +251,7 @@ class shm {
     const std::size_t slice_bytes = count_per_rank * dtype_size(t);
     detail::check_overlap("reduce_scatter", rank_, in, slice_bytes * static_cast<std::size_t>(size_), out_slice,
                           slice_bytes);
-    auto& d = begin(kind_reduce_scatter, count_per_rank, t, o, -1, a, detail::shm_desc::no_offset);
+    auto& d = begin(detail::coll_kind::reduce_scatter, count_per_rank, t, o, 0, a, detail::shm_desc::no_offset);
     guarded([&] {
       const std::size_t es = dtype_size(t);
       const std::size_t n = static_cast<std::size_t>(size_);
@@ -288,7 +292,7 @@ class shm {
     check_types(t, op::sum, "allgather");
     const std::size_t slice_bytes = count_per_rank * dtype_size(t);
     detail::check_overlap("allgather", rank_, out, slice_bytes * static_cast<std::size_t>(size_), in_slice, slice_bytes);
-    auto& d = begin(kind_allgather, count_per_rank, t, op::sum, -1, a, detail::shm_desc::no_offset);
+    auto& d = begin(detail::coll_kind::allgather, count_per_rank, t, op::sum, 0, a, detail::shm_desc::no_offset);
     guarded([&] {
       const std::size_t es = dtype_size(t);
       const std::size_t c = layout_.slot_bytes / es;
@@ -326,7 +330,7 @@ class shm {
     if (root < 0 || root >= size_)
       raise_here(errc::invalid_argument, "broadcast root " + std::to_string(root) + " is not a rank of " +
                                              std::to_string(size_));
-    auto& d = begin(kind_broadcast, bytes, dtype::f32, op::sum, root, a, detail::shm_desc::no_offset);
+    auto& d = begin(detail::coll_kind::broadcast, bytes, dtype::f32, op::sum, root, a, detail::shm_desc::no_offset);
     guarded([&] {
       const std::size_t c = layout_.slot_bytes;
       auto* p = static_cast<std::byte*>(data);
@@ -361,7 +365,7 @@ class shm {
   /// \endcode
   void barrier(deadline_t until, shm_algo a = shm_algo::ring) {
     enter();
-    auto& d = begin(kind_barrier, 0, dtype::f32, op::sum, -1, a, detail::shm_desc::no_offset);
+    auto& d = begin(detail::coll_kind::barrier, 0, dtype::f32, op::sum, 0, a, detail::shm_desc::no_offset);
     guarded([&] {
       signal();
       wait_all(count_, until, "barrier");
@@ -426,7 +430,6 @@ class shm {
 
  private:
   static constexpr std::size_t nslots = 2;
-  enum : std::uint8_t { kind_allreduce = 1, kind_reduce_scatter, kind_allgather, kind_broadcast, kind_barrier };
   static constexpr auto slice = std::chrono::milliseconds(50);
 
   detail::shm_header* header() const noexcept { return reinterpret_cast<detail::shm_header*>(map_.base()); }
@@ -464,17 +467,6 @@ class shm {
            " reserved so far): ";
   }
 
-  static const char* kind_name(std::uint8_t k) noexcept {
-    switch (k) {
-      case kind_allreduce: return "allreduce";
-      case kind_reduce_scatter: return "reduce_scatter";
-      case kind_allgather: return "allgather";
-      case kind_broadcast: return "broadcast";
-      case kind_barrier: return "barrier";
-    }
-    return "?";
-  }
-
   void check_types(dtype t, op o, const char* what) const {
     detail::check_dtype(t, rank_, what);
     detail::check_op(o, rank_, what);
@@ -510,71 +502,35 @@ class shm {
     }
   }
 
-  detail::shm_desc& begin(std::uint8_t kind, std::uint64_t count, dtype t, op o, int root, shm_algo a,
+  /// Publishes this rank's descriptor of the collective it starts (by parity of its number, so
+  /// writing the next one never races a slow reader of this one).
+  detail::shm_desc& begin(detail::coll_kind kind, std::uint64_t count, dtype t, op o, int root, shm_algo a,
                           std::uint64_t off) {
     ++seq_;
     auto& d = block(rank_).desc[seq_ & 1];
-    d.seq = seq_;
-    d.count = count;
+    d.coll = detail::coll_desc{};
+    d.coll.kind = kind;
+    d.coll.type = t;
+    d.coll.oper = o;
+    d.coll.algo = a == shm_algo::tree ? detail::coll_algo::tree : detail::coll_algo::ring;
+    d.coll.root = root;
+    d.coll.seq = seq_;
+    d.coll.count = count;
     d.arena_offset = off;
-    d.root = root;
-    d.kind = kind;
-    d.type = static_cast<std::uint8_t>(t);
-    d.oper = static_cast<std::uint8_t>(o);
-    d.algo = static_cast<std::uint8_t>(a);
     return d;
-  }
-
-  std::string describe(const detail::shm_desc& d, bool with_algo) const {
-    const auto t = static_cast<dtype>(d.type);
-    const auto o = static_cast<op>(d.oper);
-    std::string s;
-    switch (d.kind) {
-      case kind_allreduce:
-        s = std::to_string(d.count) + " x " + dtype_name(t) + " " + op_name(o);
-        break;
-      case kind_reduce_scatter:
-        s = std::to_string(d.count) + " x " + dtype_name(t) + " " + op_name(o) + " per rank";
-        break;
-      case kind_allgather: s = std::to_string(d.count) + " x " + dtype_name(t) + " per rank"; break;
-      case kind_broadcast: s = std::to_string(d.count) + " bytes from root " + std::to_string(d.root); break;
-      default: s = "no data"; break;
-    }
-    if (with_algo) s += std::string(" (") + shm_algo_name(static_cast<shm_algo>(d.algo)) + ")";
-    return s;
   }
 
   /// After the first signal of a collective every rank's descriptor is visible. All ranks
   /// compare rank 0's against each other rank's in the same order, so all raise the same
-  /// error, and before anyone touches a peer's data.
+  /// error, and before anyone touches a peer's data (the arena offsets may differ).
   void check_peers(const detail::shm_desc& mine) {
     const std::size_t par = seq_ & 1;
     for (int j = 0; j < size_; ++j) std::memcpy(&peers_[j], &block(j).desc[par], sizeof(detail::shm_desc));
     peers_[rank_] = mine;
-#ifdef DDP_DETAIL_SKIP_MISMATCH_CHECKS  // bench/mismatch_cost.sh only: what the checks cost
-    return;
-#endif
-    const auto& a = peers_[0];
-    for (int j = 1; j < size_; ++j) {
-      const auto& b = peers_[j];
-      if (a.seq == b.seq && a.kind == b.kind && a.count == b.count && a.type == b.type && a.oper == b.oper &&
-          a.root == b.root && a.algo == b.algo)
-        continue;  // the common case: nothing to say, nothing built
-      const std::string ranks = "rank 0 ";
-      const std::string other = ", rank " + std::to_string(j) + " ";
-      if (a.seq != b.seq)
-        raise_here(errc::mismatch, std::string("collective mismatch: rank 0 is at collective #") + std::to_string(a.seq) +
-                                       other + "at #" + std::to_string(b.seq));
-      if (a.kind != b.kind)
-        raise_here(errc::mismatch, "collective mismatch (#" + std::to_string(a.seq) + "): " + ranks + "is in " +
-                                       kind_name(a.kind) + other + "is in " + kind_name(b.kind));
-      if (a.count != b.count || a.type != b.type || a.oper != b.oper || a.root != b.root || a.algo != b.algo)
-        raise_here(errc::mismatch, std::string(kind_name(a.kind)) + " mismatch: " + ranks + "has " +
-                                       describe(a, a.algo != b.algo) + other + "has " + describe(b, a.algo != b.algo) +
-                                       (a.algo != b.algo ? " (every rank must use the same reducer: ring<shm> on all, or "
-                                                           "tree<shm> on all)"
-                                                         : ""));
-    }
+    // The one check of every engine (detail/collective.hpp), against rank 0's descriptor.
+    for (int j = 1; j < size_; ++j)
+      if (auto why = detail::mismatch(peers_[0].coll, 0, peers_[j].coll, j); !why.empty())
+        raise_here(errc::mismatch, why);
   }
 
   /// Offset of [p, p + bytes) in the segment when it lies wholly in the arena.
@@ -797,37 +753,62 @@ class shm {
   detail::owner_process owner_;  ///< a forked child's copy only unmaps
 };
 
-/// `ring<shm>` and `tree<shm>`: the shared-memory engine runs the whole collective itself (its
-/// own descriptors, mismatch checks and synchronization), so the reducer hands it over as is.
+/// The engine of `ring<shm>` and `tree<shm>`: the reducer's group handle and one `ddp::shm`,
+/// which runs each whole collective itself (its own descriptors in the segment, the common
+/// mismatch check, its own synchronization) in the mode of `Algorithm`. Not a transport: the
+/// reducer front end (reducer/detail/front_end.hpp) drives it like the MPI and NCCL engines.
 template <class Algorithm>
-  requires std::same_as<Algorithm, ring_algorithm> || std::same_as<Algorithm, tree_algorithm>
-struct algorithm_for<Algorithm, shm> {
+class shm_engine {
+  static_assert(std::same_as<Algorithm, ring_algorithm> || std::same_as<Algorithm, tree_algorithm>,
+                "ddp: Algorithm is ring_algorithm or tree_algorithm");
+
+ public:
+  static constexpr const char* name = "reducer";
+  static constexpr bool descriptors = false;  ///< shm publishes its own, in the segment
+  static constexpr bool deadlines = true;
+  static constexpr bool launches_at_call = false;
   static constexpr shm_algo mode = std::same_as<Algorithm, ring_algorithm> ? shm_algo::ring : shm_algo::tree;
-  static constexpr detail::coll_algo id =
-      std::same_as<Algorithm, ring_algorithm> ? detail::coll_algo::ring : detail::coll_algo::tree;
-  /// The engine's own descriptors carry `mode` in every collective; it has no other variant.
-  static detail::coll_variant variant(detail::coll_kind, std::size_t, const reducer_options&) noexcept {
-    return detail::coll_variant::none;
-  }
+
   /// The engine ignores reducer_options; only the algorithm must agree.
-  static std::string signature(const reducer_options&) { return std::string(shm_algo_name(mode)) + "<shm>"; }
-  static void allreduce(shm& t, const detail::coll_desc&, void* data, std::size_t count, dtype ty, op o,
-                        const reducer_options&, deadline_t until) {
-    t.allreduce(data, count, ty, o, until, mode);
+  static std::string signature() { return std::string(shm_algo_name(mode)) + "<shm>"; }
+
+  shm_engine(process_group& pg, const reducer_options& o) : pg_(detail::agree_on_reducer(pg, signature())), shm_(pg), opts_(o) {}
+  shm_engine(process_group& pg, shm_options t, const reducer_options& o)
+      : pg_(detail::agree_on_reducer(pg, signature())), shm_(pg, std::move(t)), opts_(o) {}
+
+  int rank() const noexcept { return pg_.rank(); }
+  int size() const noexcept { return pg_.size(); }
+  std::chrono::milliseconds timeout() const noexcept { return pg_.timeout(); }
+  /// The segment (what `shm_allocator` is built from).
+  shm& transport() noexcept { return shm_; }
+  process_group& group() noexcept { return pg_; }
+  const reducer_options& options() const noexcept { return opts_; }
+  void abort() noexcept { shm_.abort(); }
+
+  void allreduce(deadline_t until, void* data, std::size_t count, dtype t, op o) {
+    shm_.allreduce(data, count, t, o, until, mode);
   }
-  static void reduce_scatter(shm& t, const detail::coll_desc&, const void* in, void* out, std::size_t per_rank,
-                             dtype ty, op o, const reducer_options&, deadline_t until) {
-    t.reduce_scatter(in, out, per_rank, ty, o, until, mode);
+  void reduce_scatter(deadline_t until, const void* in, void* out, std::size_t per_rank, dtype t, op o) {
+    shm_.reduce_scatter(in, out, per_rank, t, o, until, mode);
   }
-  static void allgather(shm& t, const detail::coll_desc&, const void* in, void* out, std::size_t per_rank, dtype ty,
-                        deadline_t until) {
-    t.allgather(in, out, per_rank, ty, until, mode);
+  void allgather(deadline_t until, const void* in, void* out, std::size_t per_rank, dtype t) {
+    shm_.allgather(in, out, per_rank, t, until, mode);
   }
-  static void broadcast(shm& t, const detail::coll_desc&, void* data, std::size_t bytes, int root,
-                        deadline_t until) {
-    t.broadcast(data, bytes, root, until, mode);
+  void broadcast(deadline_t until, void* data, std::size_t count, dtype t, int root) {
+    shm_.broadcast(data, count * dtype_size(t), root, until, mode);
   }
-  static void barrier(shm& t, const detail::coll_desc&, deadline_t until) { t.barrier(until, mode); }
+  void barrier(deadline_t until) { shm_.barrier(until, mode); }
+
+ private:
+  process_group pg_;  // the reducer's own handle: the group stays open while this lives
+  shm shm_;
+  reducer_options opts_;
+};
+
+/// `ring<shm>` and `tree<shm>` run on the shared-memory engine.
+template <class Algorithm>
+struct engine_for<Algorithm, shm> {
+  using type = shm_engine<Algorithm>;
 };
 
 }  // namespace v0

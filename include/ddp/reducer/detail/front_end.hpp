@@ -1,0 +1,233 @@
+#pragma once
+// IWYU pragma: private
+// The one front end of every reducer (ring<T>, tree<T>, ring<shm>, tree<shm>, mpi_reducer,
+// nccl_reducer): the calls a user makes, their argument checks, the collective's descriptor
+// (with its sequence number, stamped as it starts), the progress thread, requests and the
+// bounded wait of the blocking calls. What moves the bytes is the Engine:
+//
+//   struct my_engine {
+//     static constexpr const char* name = "my_reducer";  // in errors (e.g. use in a forked child)
+//     static constexpr bool descriptors = false;  // true: collectives receive (const coll_desc&, deadline_t, ...)
+//     static constexpr bool deadlines = false;    // true (and no descriptors): (deadline_t, ...)
+//     static constexpr bool launches_at_call = false;  // true: a collective is started on the
+//                                                       // caller's thread and returns the job
+//                                                       // that completes it on the progress thread
+//     int rank() const noexcept;  int size() const noexcept;
+//     std::chrono::milliseconds timeout() const noexcept;   // bounds each collective
+//     void allreduce(ctx..., void* data, std::size_t count, dtype, op);
+//     void broadcast(ctx..., void* data, std::size_t count, dtype, int root);
+//     void reduce_scatter(ctx..., const void* in, void* out, std::size_t count_per_rank, dtype, op);
+//     void allgather(ctx..., const void* in, void* out, std::size_t count_per_rank, dtype);
+//     void barrier(ctx...);
+//     // optional: void abort() noexcept;  void check(coll_kind, std::size_t count) const;
+//     // with descriptors: static constexpr coll_algo id; coll_variant variant(coll_kind, std::size_t bytes) const;
+//   };
+//
+// The engine is a member of the front end, declared before the progress thread, so the thread
+// has joined before the engine goes away. Dispatch is static (a template): no virtual call, no
+// allocation beyond the request's own per collective.
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include <ddp/clock.hpp>
+#include <ddp/detail/collective.hpp>
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+#include <ddp/process_group.hpp>
+#include <ddp/reducer/detail/typed_collectives.hpp>
+#include <ddp/reducer/detail/worker.hpp>
+#include <ddp/request.hpp>
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+/// Every rank must run the same algorithm with the same schedule-changing options, or the
+/// ranks would pair messages of different schedules (a hang, or wrong data where the sizes
+/// happen to agree). Checked once, through the group, before the engine builds its transport
+/// (so all ranks are in the same phase), and every rank raises the same errc::mismatch naming
+/// both sides. `signature` names the algorithm and those options ("ring", "tree<shm>").
+inline process_group& agree_on_reducer(process_group& pg, const std::string& signature) {
+  const auto all = pg.all_gather(signature);
+  for (int r = 1; r < pg.size(); ++r)
+    if (all[static_cast<std::size_t>(r)] != all[0])
+      raise(errc::mismatch, pg.rank(),
+            "reducer mismatch: rank 0 constructed " + all[0] + ", rank " + std::to_string(r) + " constructed " +
+                all[static_cast<std::size_t>(r)] +
+                "; every rank must construct the same reducer with the same reducer_options (docs/reducers.md)");
+  return pg;
+}
+
+template <class Engine>
+concept engine_aborts = requires(Engine& e) {
+  { e.abort() } noexcept;
+};
+
+/// Threads. Any thread may issue collectives; they run one at a time, in the order their calls
+/// reached the reducer on this rank. Two threads that issue at the same time are ordered by
+/// whichever call gets there first, which may differ from rank to rank: then the collectives
+/// are paired wrongly across ranks, which is errc::mismatch when their descriptors differ and
+/// otherwise silently mixes the two calls' data. A program that issues from several threads
+/// must make the order the same on every rank (one issuing thread, or a lock plus an agreed
+/// order). See docs/reducers.md.
+template <class Engine>
+class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
+  friend class typed_collectives<reducer_front_end<Engine>>;
+
+ public:
+  // Typed overloads (spans of ddp's element types): reducer/detail/typed_collectives.hpp.
+  using typed_collectives<reducer_front_end<Engine>>::allreduce;
+  using typed_collectives<reducer_front_end<Engine>>::allreduce_async;
+
+  reducer_front_end(const reducer_front_end&) = delete;
+  reducer_front_end& operator=(const reducer_front_end&) = delete;
+
+  int rank() const noexcept { return engine_.rank(); }
+  int size() const noexcept { return engine_.size(); }
+
+  /// Every reducer does every (dtype, op) pair of ddp (false only for values outside the enums);
+  /// kept as a pre-check for generic code.
+  static constexpr bool supports(dtype t, op o) noexcept { return valid_dtype(t) && valid_op(o); }
+
+  // ---- untyped interface (what basic_data_parallel uses) ----------------------------------
+  // Arguments are checked here, on the calling thread, before anything is queued: an unknown
+  // dtype or op, a root that is not a rank, or overlapping buffers raise errc::invalid_argument
+  // at the call.
+
+  /// Starts an allreduce of `count` elements of `t` at `data`, in place.
+  request allreduce_async(void* data, std::size_t count, dtype t, op o) {
+    return submit(describe(coll_kind::allreduce, t, o, 0, count),
+                  [=, this](auto... ctx) { return engine_.allreduce(ctx..., data, count, t, o); });
+  }
+  /// Copies `root`'s `count` elements into every rank's `data`.
+  request broadcast_async(void* data, std::size_t count, dtype t, int root) {
+    check_root(root);
+    return submit(describe(coll_kind::broadcast, t, op::sum, root, count),
+                  [=, this](auto... ctx) { return engine_.broadcast(ctx..., data, count, t, root); });
+  }
+  /// `in` holds size() * count_per_rank elements; rank r receives the reduction of slice r.
+  /// `out` must not overlap `in`, except as exactly this rank's slice of it (in place).
+  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
+    const auto d = describe(coll_kind::reduce_scatter, t, o, 0, count_per_rank);
+    const std::size_t slice = count_per_rank * dtype_size(t);
+    check_overlap("reduce_scatter", rank(), in, slice * static_cast<std::size_t>(size()), out, slice);
+    return submit(d, [=, this](auto... ctx) { return engine_.reduce_scatter(ctx..., in, out, count_per_rank, t, o); });
+  }
+  /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`. `in` must
+  /// not overlap `out`, except as exactly this rank's slice of it (in place).
+  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) {
+    const auto d = describe(coll_kind::allgather, t, op::sum, 0, count_per_rank);
+    const std::size_t slice = count_per_rank * dtype_size(t);
+    check_overlap("allgather", rank(), out, slice * static_cast<std::size_t>(size()), in, slice);
+    return submit(d, [=, this](auto... ctx) { return engine_.allgather(ctx..., in, out, count_per_rank, t); });
+  }
+  request barrier_async() {
+    return submit(describe(coll_kind::barrier, dtype::i32, op::sum, 0, 0),
+                  [this](auto... ctx) { return engine_.barrier(ctx...); });
+  }
+
+  /// Blocking allreduce; runs on the calling thread when no async work is pending (host
+  /// engines), else waits for its request.
+  void allreduce(void* data, std::size_t count, dtype t, op o) {
+    run(describe(coll_kind::allreduce, t, o, 0, count),
+        [=, this](auto... ctx) { return engine_.allreduce(ctx..., data, count, t, o); });
+  }
+  void barrier() {
+    run(describe(coll_kind::barrier, dtype::i32, op::sum, 0, 0), [this](auto... ctx) { return engine_.barrier(ctx...); });
+  }
+
+  /// Wakes every waiter on this rank and tells the peers (errc::aborted); pending and later
+  /// collectives fail. Only where the engine can be interrupted (not MPI).
+  void abort() noexcept
+    requires engine_aborts<Engine>
+  {
+    engine_.abort();
+  }
+
+ protected:
+  /// `worker_rank` names this rank in the progress thread's errors; the rest builds the engine
+  /// (a collective for every engine: every rank constructs its reducers in the same order).
+  template <class... Args>
+  explicit reducer_front_end(int worker_rank, Args&&... args)
+      : engine_(std::forward<Args>(args)...), worker_(worker_rank, Engine::name) {}
+  ~reducer_front_end() = default;
+
+  Engine& engine() noexcept { return engine_; }
+  const Engine& engine() const noexcept { return engine_; }
+
+ private:
+  void check_root(int root) const {
+    if (root < 0 || root >= size()) raise(errc::invalid_argument, rank(), "root " + std::to_string(root) + " is not a rank");
+  }
+  void wait(const request& r) const {
+    // The collective itself is bounded by the timeout once it starts; queued work ahead of it
+    // is too, so twice the timeout bounds the whole wait.
+    r.wait(clock::now() + 2 * engine_.timeout() + std::chrono::seconds(2));
+  }
+  /// Checks the arguments and builds the descriptor, all but its sequence number: that is
+  /// taken when the collective starts (stamp), in the order collectives run. Broadcast counts
+  /// bytes: it copies them whatever their type.
+  coll_desc describe(coll_kind k, dtype t, op o, int root, std::size_t count) const {
+    check_dtype(t, rank(), coll_name(k));
+    check_op(o, rank(), coll_name(k));
+    if constexpr (requires { engine_.check(k, count); }) engine_.check(k, count);
+    coll_desc d;
+    if constexpr (Engine::descriptors) {
+      d.kind = k;
+      d.type = k == coll_kind::broadcast ? dtype::f32 : t;
+      d.oper = o;
+      d.root = root;
+      d.count = k == coll_kind::broadcast ? count * dtype_size(t) : count;
+      d.algo = Engine::id;
+      d.variant = engine_.variant(k, count * dtype_size(t));
+    }
+    return d;
+  }
+  /// The sequence number, taken by the collective as it starts. Collectives run one at a time
+  /// (on the progress thread, or inline on a caller while the progress thread is idle), so the
+  /// numbers follow the order in which they run, whichever threads issued them.
+  coll_desc stamp(coll_desc d) {
+    d.seq = seq_.fetch_add(1, std::memory_order_relaxed) + 1;
+    return d;
+  }
+  /// Starts the collective `job` now, on this thread, with what its engine takes.
+  template <class Job>
+  decltype(auto) start(const coll_desc& d, Job& job) {
+    if constexpr (Engine::descriptors)
+      return job(stamp(d), clock::now() + engine_.timeout());
+    else if constexpr (Engine::deadlines)
+      return job(clock::now() + engine_.timeout());
+    else
+      return job();
+  }
+  template <class Job>
+  request submit(const coll_desc& d, Job job) {
+    if constexpr (Engine::launches_at_call) {
+      (void)d;
+      return worker_.submit(job());
+    } else {
+      return worker_.submit([this, d, job]() mutable { start(d, job); });
+    }
+  }
+  template <class Job>
+  void run(const coll_desc& d, Job job) {
+    if constexpr (Engine::launches_at_call) {
+      wait(submit(d, std::move(job)));
+    } else {
+      if (!worker_.try_run_inline([&] { start(d, job); })) wait(submit(d, std::move(job)));
+    }
+  }
+
+  Engine engine_;
+  std::atomic<std::uint64_t> seq_{0};  ///< collectives started (see stamp); descriptor engines only
+  worker worker_;                      // last: joins before the engine goes away
+};
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp
