@@ -243,7 +243,7 @@ void* run_rank(void* arg) {
 [[noreturn]] void rank0_process(int world, const options& o, int in, int out) {
   raise_nofile();
   rank0_report rep;
-  ddp::store_server server{ddp::detail::resolve("127.0.0.1", 0, 0, true).front(), 0};
+  ddp::store_server server{ddp::endpoint{"127.0.0.1", 0}, 0};
   const int port = server.port();
   write_all(out, &port, sizeof port);
   const long rss0 = rss_kib();

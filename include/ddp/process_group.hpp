@@ -21,7 +21,6 @@
 #include <string>
 #include <string_view>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
 #include <ddp/clock.hpp>
@@ -30,7 +29,9 @@
 #include <ddp/detail/mesh.hpp>
 #include <ddp/detail/rendezvous.hpp>
 #include <ddp/detail/socket.hpp>
+#include <ddp/detail/timing.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/verdict.hpp>
 #include <ddp/store.hpp>
 
 namespace ddp {
@@ -165,9 +166,6 @@ class process_group {
   /// A group-unique id agreed at rendezvous (distinguishes this group's connections).
   std::uint64_t id() const noexcept;
 
-  /// Next id for a sub-mesh or shared segment; all ranks must create them in the same order.
-  int next_channel_id();
-
   /// Blocks until every rank has called barrier(), or throws (timeout, peer_lost).
   void barrier() { barrier(deadline()); }
   void barrier(deadline_t until);
@@ -188,11 +186,6 @@ class process_group {
   /// Every rank contributes a blob; every rank gets all of them, indexed by rank.
   std::vector<std::string> all_gather(const std::string& mine);
 
-  /// Socket connected to `peer`, connected now if this is the first exchange with it (both
-  /// ranks must then talk to each other before `until`). -1 on an empty handle or in a forked
-  /// child; throws errc::timeout / errc::peer_lost when the connection cannot be made.
-  int peer_socket(int peer, deadline_t until);
-
   /// Connections this rank holds to its peers now: they are made on first use, so a group of
   /// thousands of ranks holds a handful per rank. 0 on an empty handle.
   int connections() const noexcept;
@@ -203,21 +196,9 @@ class process_group {
   /// on an empty handle or in a forked child.
   void abort(const std::string& why = "abort() called") noexcept;
 
-  /// A failure as the group records it: its condition and a sentence that names the rank it
-  /// happened on ("rank 2 reports: lost connection to rank 3 (...)"), so that any rank can
-  /// raise it under its own prefix.
-  struct failure {
-    errc code{};
-    std::string text;
-    bool empty() const noexcept { return text.empty(); }
-    /// "<errc> <text>": how a failure travels between ranks (store record, all_gather).
-    std::string encode() const { return std::to_string(static_cast<int>(code)) + " " + text; }
-    static failure decode(const std::string& v) {
-      const auto sp = v.find(' ');
-      if (sp == std::string::npos) return {errc::protocol, v};
-      return {static_cast<errc>(std::atoi(v.substr(0, sp).c_str())), v.substr(sp + 1)};
-    }
-  };
+  /// A failure as the group records it (group/verdict.hpp): its condition and a sentence that
+  /// names the rank it happened on, so that any rank can raise it under its own prefix.
+  using failure = group_failure;
 
   /// The same as abort(why), for a rank that gives up because of an exception: the peers'
   /// errors quote it.
@@ -226,33 +207,6 @@ class process_group {
   /// try { train(dp); } catch (const std::exception& e) { pg.abort(e); throw; }
   /// \endcode
   void abort(const std::exception& e) noexcept;
-
-  /// "rank <this rank> reports: <msg>": the text of a failure this rank saw itself.
-  std::string reported(const std::string& msg) const;
-
-  /// Records `f` as the group's first failure unless one is recorded already, and returns the
-  /// one that holds (the first writer wins). Transports that share the group's store record
-  /// their failures here too.
-  failure record_failure(const failure& f) noexcept;
-
-  /// The group's first failure, or an empty one; sets *store_gone when the store does not
-  /// answer. With `linger`, waits up to min(200 ms, timeout / 8) for one to be recorded.
-  failure first_failure(bool* store_gone = nullptr, bool linger = false) noexcept;
-
-  /// True when a rank recorded a failure, or the store does not answer.
-  bool failure_recorded() noexcept;
-
-  /// What to report for an error met while connecting to peers: the group's first failure when
-  /// one is recorded, "rank 0 is lost" when its store does not answer either, else the error.
-  failure explain(const error& e) noexcept;
-
-  /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
-  /// may be the rank that is gone.
-  deadline_t store_budget() const;
-
-  /// After a timeout, finds who stopped; returns the sentence for the error. Transports that
-  /// share the group's store use it too.
-  std::string name_stopped(const std::string& prefix, int peer);
 
   /// True once abort() was called on this rank's group.
   bool aborted() const noexcept;
@@ -265,6 +219,7 @@ class process_group {
  private:
   class state;
   friend process_group init_process_group(const init_options&);
+  friend class transport_context;  // hands transports the group's channels, links and verdict
   explicit process_group(std::shared_ptr<state> s) noexcept : s_(std::move(s)) {}
   /// The group, for a call named `what`: errc::usage on an empty handle or in a forked child.
   state& live(const char* what) const;
@@ -407,9 +362,6 @@ class process_group::state {
     return all;
   }
 
-  /// Socket connected to `peer`, made now when this is the first exchange with it.
-  int peer_socket(int peer, deadline_t until) { return links_->get(peer, until); }
-
   /// Connections this rank holds to its peers now (made on first use).
   int connections() const noexcept { return links_ ? links_->connections() : 0; }
 
@@ -436,155 +388,8 @@ class process_group::state {
   }
 
 
-  /// "rank <this rank> reports: <msg>": the text of a failure this rank saw itself.
-  std::string reported(const std::string& msg) const { return "rank " + std::to_string(rank_) + " reports: " + msg; }
-
-  /// Records `f` as the group's first failure unless one is recorded already, and returns the
-  /// one that holds: the first writer wins, so every rank that reads it before composing its
-  /// own error reports the same cause. Returns `f` when the store does not answer. Transports
-  /// that share the group's store record their failures here too.
-  failure record_failure(const failure& f) noexcept {
-    try {
-      if (!store_) return f;
-      return failure::decode(
-          store_->compare_set(failure_key, "", f.encode(), store_budget()));
-    } catch (...) {
-      return f;
-    }
-  }
-
-  /// The group's first failure, or an empty one; sets *store_gone when the store does not answer.
-  /// With `linger`, waits up to min(200 ms, timeout / 8) for one to be recorded: a peer whose
-  /// connection just closed records its failure before it closes, but a peer that leaves by
-  /// an exception records it while it unwinds, which may come a moment later.
-  failure first_failure(bool* store_gone = nullptr, bool linger = false) noexcept {
-    const auto end = clock::now() +
-                     (linger ? std::min<std::chrono::milliseconds>(std::chrono::milliseconds(200), opts_.timeout / 8)
-                             : std::chrono::milliseconds(0));
-    try {
-      for (;;) {
-        const auto until = store_budget();
-        if (store_ && store_->check(failure_key, until)) return failure::decode(store_->get(failure_key, until));
-        if (!store_ || clock::now() >= end) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-    } catch (const error& e) {
-      // Gone when the connection broke; a request that only waited its turn behind another
-      // thread's long wait says nothing about rank 0.
-      if (store_gone != nullptr && (e.condition() != errc::timeout || store_->unusable())) *store_gone = true;
-    } catch (...) {
-      if (store_gone != nullptr) *store_gone = true;
-    }
-    return {};
-  }
-
-  /// True when a rank recorded a failure, or the store does not answer (a quick check, for
-  /// waits that cannot see the failure otherwise, such as waiting for a peer to connect).
-  bool failure_recorded() noexcept {
-    try {
-      return store_ && store_->check(failure_key, store_budget());
-    } catch (const error& e) {
-      // A request that timed out (the connection busy with another thread's long wait, or a
-      // slow rank 0) says nothing yet; a connection that is gone says the group is.
-      return e.condition() != errc::timeout || store_->unusable();
-    } catch (...) {
-      return true;
-    }
-  }
-
-  /// What to report for an error met while connecting to peers (a peer that never connected,
-  /// a connection refused or lost): the group's first failure when a rank recorded one; "rank 0
-  /// is lost" when its store does not answer either (the peer that never connected may have
-  /// failed on the store too: it is not the one to blame); else the error itself.
-  failure explain(const error& e) noexcept {
-    try {
-      const auto code = e.condition();
-      if (code != errc::timeout && code != errc::peer_lost) return {code, detail::message_of(e)};
-      bool store_gone = false;
-      if (auto f = first_failure(&store_gone); !f.empty()) return f;
-      if (store_gone)
-        return {errc::peer_lost, "rank 0 is lost (its store does not answer; " + detail::message_of(e) + ")"};
-      return {code, detail::message_of(e)};
-    } catch (...) {
-      return {e.condition(), {}};
-    }
-  }
-
-  /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
-  /// may be the rank that is gone.
-  deadline_t store_budget() const {
-    return clock::now() + std::min<std::chrono::milliseconds>(std::chrono::milliseconds(250), opts_.timeout / 8);
-  }
-
-  /// After a timeout, finds who stopped: the rank this one waits for (`peer`) may itself wait
-  /// for another. Every rank that times out records under `prefix` whom it waits for; the
-  /// chain of those records, from `peer` on, ends at the rank that stopped (frozen, swapping,
-  /// or stuck outside ddp): a rank that is itself only waiting is never blamed. A rank at the
-  /// end of the chain gets a grace of min(1 s, timeout / 4) to record that it waits too (its
-  /// own deadline may come a little later). When the store (rank 0) does not answer either,
-  /// rank 0 is the one. Returns the sentence for the error. Transports that share the group's
-  /// store use it too.
-  std::string name_stopped(const std::string& prefix, int peer) {
-    const std::string waited = "rank " + std::to_string(rank_) + " waited for rank " + std::to_string(peer);
-    const std::string store_silent = "rank 0 stopped answering (its store does not reply; " + waited + ")";
-    if (!store_) return "rank " + std::to_string(peer) + " did not answer within the deadline";
-    try {
-      store_->set(prefix + "/waiting/" + std::to_string(rank_), std::to_string(peer), store_budget());
-    } catch (const error&) {
-      return store_silent;
-    }
-    const auto grace = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(1000), opts_.timeout / 4);
-    const auto end = clock::now() + grace;
-    // Small groups read every rank's record, so the search can end as soon as the chain's end is
-    // the only rank left silent; large ones read only the records along the chain (a thousand
-    // ranks timing out together must not each read a thousand keys), and give its end the grace.
-    const bool scan_all = size_ <= 64;
-    std::unordered_map<int, int> waits_for{{rank_, peer}};
-    auto record_of = [&](int r) {
-      auto it = waits_for.find(r);
-      if (it != waits_for.end()) return it->second;
-      const std::string key = prefix + "/waiting/" + std::to_string(r);
-      if (!store_->check(key, store_budget())) return -1;
-      const int w = std::atoi(store_->get(key, store_budget()).c_str());
-      waits_for[r] = w;
-      return w;
-    };
-    std::vector<int> chain;
-    for (;;) {
-      int silent = 0;
-      try {
-        if (scan_all)
-          for (int r = 0; r < size_; ++r)
-            if (record_of(r) < 0) ++silent;
-        // Follow "waits for" from `peer` until a rank that records nothing, or a cycle.
-        chain.assign(1, peer);
-        for (int r = peer; r >= 0 && r < size_ && record_of(r) >= 0;) {
-          r = record_of(r);
-          if (std::find(chain.begin(), chain.end(), r) != chain.end() || r < 0 || r >= size_) {
-            chain.push_back(-1);  // a cycle: the ranks wait for each other
-            break;
-          }
-          chain.push_back(r);
-        }
-      } catch (const error&) {
-        return store_silent;
-      }
-      // Certain once the chain's end is the only rank left silent; else wait out the grace.
-      if (chain.back() < 0 || (scan_all && silent <= 1) || clock::now() >= end) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    // chain: peer, whom peer waits for, ... ending at a silent rank, or at -1 after a cycle.
-    std::string via = waited;
-    for (std::size_t i = 1; i < chain.size() && chain[i] >= 0; ++i)
-      via += ", which waited for rank " + std::to_string(chain[i]);
-    if (chain.back() < 0) {
-      std::string ring;
-      for (std::size_t i = 0; i + 1 < chain.size(); ++i) ring += (ring.empty() ? "" : ", ") + std::to_string(chain[i]);
-      return "ranks " + ring + " wait for each other and none of them stopped (" + via +
-             "): their calls do not match";
-    }
-    return "rank " + std::to_string(chain.back()) + " stopped answering within the deadline (" + via + ")";
-  }
+  /// The group's failure record and the judgement on failed links (group/verdict.hpp).
+  failure_verdict& verdict() noexcept { return verdict_; }
 
   /// True once abort() was called here.
   bool aborted() const noexcept { return aborted_.load(); }
@@ -613,13 +418,13 @@ class process_group::state {
     }
     const bool failing = failed_.load() || aborted_.load() || unwinding;
     links_.reset();
+    verdict_.detach();
     store_.reset();
     if (server_) {
-      const auto until = clock::now() + (failing ? std::min<std::chrono::milliseconds>(
-                                                               std::chrono::milliseconds(500), opts_.timeout / 4)
-                                                         : opts_.timeout);
-      while (server_->clients() > 0 && clock::now() < until)
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      const auto until =
+          clock::now() + (failing ? std::min<std::chrono::milliseconds>(detail::timing::close_failing_wait, opts_.timeout / 4)
+                                  : opts_.timeout);
+      while (server_->clients() > 0 && clock::now() < until) std::this_thread::sleep_for(detail::timing::close_poll);
       server_.reset();
     }
   }
@@ -651,44 +456,25 @@ class process_group::state {
       lost(peer, make_error_code(e.condition()), what, detail::message_of(e));
     }
   }
-  static constexpr const char* failure_key = "pg/failure";
-
   /// Records why this rank's group failed (the first failure recorded wins) and shuts the
   /// mesh, so that peers blocked on this rank wake at once and report the same failure
   /// instead of naming us. Returns the failure that holds.
   failure post_failure(const failure& f) noexcept {
     failed_.exchange(true);
-    auto held = record_failure(f);
+    auto held = verdict_.record(f);
     if (links_) links_->shutdown();
     return held;
   }
 
-  /// Raises `f` (recorded by some rank) as this rank's error: one verdict for everyone.
-  [[noreturn]] void raise_failure(const failure& f, const char* what) {
-    post_failure(f);
-    detail::raise(f.code, rank_, std::string(what) + ": " + f.text);
-  }
-
   /// A link failed (`ec`; `why`, when given, says how better than `ec`): report the group's
-  /// first failure, or the rank that stopped, or the lost peer.
+  /// first failure, or the rank that stopped, or the lost peer (the verdict, which records this
+  /// rank's own), and shut the mesh so that peers blocked on this rank wake and report it too.
   [[noreturn]] void lost(int peer, const std::error_code& ec, const char* what, const std::string& why = {}) {
     if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
-    bool store_gone = false;
-    const bool timed_out = detail::to_errc(ec) == errc::timeout;
-    if (auto f = first_failure(&store_gone, !timed_out); !f.empty()) raise_failure(f, what);
-    std::string msg;
-    if (store_gone) {
-      msg = "rank 0 is lost (its store does not answer; noticed waiting for rank " + std::to_string(peer) + ")";
-    } else if (timed_out) {
-      msg = name_stopped("pg", peer);
-    } else {
-      msg = !why.empty() ? why : "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
-    }
-    const errc code = timed_out && !store_gone ? errc::timeout : errc::peer_lost;
-    // Another rank may have recorded its verdict meanwhile: the first one is everyone's.
-    const auto held = post_failure({code, reported(msg)});
-    if (held.text != reported(msg)) raise_failure(held, what);
-    detail::raise(code, rank_, std::string(what) + ": " + msg);
+    const auto v = verdict_.judge(peer, ec, "pg", "waiting for rank " + std::to_string(peer), why);
+    failed_.exchange(true);
+    if (links_) links_->shutdown();
+    detail::raise(v.failure.code, rank_, std::string(what) + ": " + v.failure.text);
   }
 
   init_options opts_;
@@ -700,6 +486,7 @@ class process_group::state {
   std::atomic<bool> failed_{false};  // a failure was posted: close() does not wait for the others
   std::unique_ptr<store_server> server_;
   std::unique_ptr<store_client> store_;
+  failure_verdict verdict_;  // kept in store_; detached before it closes
   std::unique_ptr<detail::peer_links> links_;
   detail::owner_process owner_;  // the process that joined: a forked child's copy only closes
 };
@@ -722,7 +509,6 @@ inline const init_options& process_group::options() const noexcept {
 inline std::chrono::milliseconds process_group::timeout() const noexcept { return options().timeout; }
 inline store_client& process_group::store() { return live("store()").store(); }
 inline std::uint64_t process_group::id() const noexcept { return s_ ? s_->id() : 0; }
-inline int process_group::next_channel_id() { return live("next_channel_id()").next_channel_id(); }
 inline void process_group::barrier(deadline_t until) { live("barrier()").barrier(until); }
 inline void process_group::broadcast(std::span<std::byte> data, int root, deadline_t until) {
   live("broadcast()").broadcast(data, root, until);
@@ -731,47 +517,60 @@ inline std::vector<std::string> process_group::all_gather(const std::string& min
   return live("all_gather()").all_gather(mine);
 }
 inline int process_group::connections() const noexcept { return s_ ? s_->connections() : 0; }
-inline int process_group::peer_socket(int peer, deadline_t until) {
-  return s_ && !s_->owner_.forked() ? s_->peer_socket(peer, until) : -1;
-}
 inline void process_group::abort(const std::string& why) noexcept {
   if (s_ && !s_->owner_.forked()) s_->abort(why);
-}
-inline deadline_t process_group::store_budget() const { return live("store_budget()").store_budget(); }
-inline std::string process_group::name_stopped(const std::string& prefix, int peer) {
-  return live("name_stopped()").name_stopped(prefix, peer);
 }
 inline bool process_group::aborted() const noexcept { return s_ && s_->aborted(); }
 inline void process_group::abort(const std::exception& e) noexcept {
   if (s_ && !s_->owner_.forked()) s_->abort(e);
 }
-inline std::string process_group::reported(const std::string& msg) const { return live("reported()").reported(msg); }
-inline process_group::failure process_group::record_failure(const failure& f) noexcept {
-  return s_ && !s_->owner_.forked() ? s_->record_failure(f) : f;
-}
-inline process_group::failure process_group::first_failure(bool* store_gone, bool linger) noexcept {
-  return s_ && !s_->owner_.forked() ? s_->first_failure(store_gone, linger) : failure{};
-}
-inline bool process_group::failure_recorded() noexcept { return s_ && !s_->owner_.forked() && s_->failure_recorded(); }
-inline process_group::failure process_group::explain(const error& e) noexcept {
-  if (s_ && !s_->owner_.forked()) return s_->explain(e);
-  return {e.condition(), detail::message_of(e)};
-}
 
-namespace detail {
-/// Lazily made connections for a channel of the group (`prefix` names it in the store).
-template <class Group>
-std::unique_ptr<peer_links> open_links(Group& pg, const std::string& prefix, int bufsize) {
-  auto& st = pg.store();
-  // Each channel's hellos carry its own id (the group's, mixed with the channel's name): a late
-  // first contact meant for a closed channel is never admitted into a new one on the same port.
-  std::uint64_t channel = pg.id();
-  for (unsigned char c : prefix) channel = (channel ^ c) * 0x100000001b3ull;
-  return std::make_unique<peer_links>(store_directory(st, pg.timeout()), local_address(st.native_handle()), st.auth(),
-                                      pg.rank(), pg.size(), prefix, channel, bufsize,
-                                      [&pg] { return pg.failure_recorded(); });
-}
-}  // namespace detail
+/// What a transport gets from its group, instead of the group's plumbing: rank, size, timeout,
+/// the group's id, a channel of its own, the group's store and failure verdict, and a handle
+/// that keeps the group open for as long as the transport lives. Built from a `process_group`
+/// (implicitly, so `ddp::tcp t{pg}` and `ddp::shm s{pg}` read as they always did); a transport
+/// opens its connections with it (`detail::open_links(ctx, prefix, bufsize)`).
+///
+/// Building one takes the group's next channel: every rank must build its transports in the
+/// same order (as it must build them at all: their construction is collective).
+/// \code
+/// class my_transport {
+///  public:
+///   explicit my_transport(ddp::transport_context ctx) : ctx_(std::move(ctx)) {}
+///   ...
+/// };
+/// \endcode
+class transport_context {
+ public:
+  /// errc::usage on an empty handle or in a forked child.
+  transport_context(process_group& pg)  // NOLINT(google-explicit-constructor): a group is a context
+      : pg_(pg) {
+    auto& st = pg_.live("transport_context");
+    channel_ = st.next_channel_id();
+    verdict_ = &st.verdict();
+  }
+
+  int rank() const noexcept { return pg_.rank(); }
+  int size() const noexcept { return pg_.size(); }
+  std::chrono::milliseconds timeout() const noexcept { return pg_.timeout(); }
+  deadline_t deadline() const { return pg_.deadline(); }
+  /// The group's id, agreed at rendezvous (distinguishes this group's connections).
+  std::uint64_t group_id() const noexcept { return pg_.id(); }
+  /// This transport's channel: a number unique in the group, the same on every rank. It names
+  /// the transport's keys in the store and its shared segments.
+  int channel() const noexcept { return channel_; }
+  /// The transport's own handle on the group (collectives during setup: all_gather, barrier).
+  process_group& group() noexcept { return pg_; }
+  /// The group's store (hosted by rank 0): where a transport's ranks announce addresses.
+  store_client& store() { return pg_.store(); }
+  /// The group's failure verdict: record a failure, read the first one, judge a failed link.
+  failure_verdict& verdict() noexcept { return *verdict_; }
+
+ private:
+  process_group pg_;
+  int channel_ = 0;
+  failure_verdict* verdict_ = nullptr;  // the group's; lives as long as pg_ does
+};
 
 /// Joins the group described by `opts` and returns once every rank has joined.
 ///
@@ -814,8 +613,8 @@ inline process_group init_process_group(const init_options& opts) {
   // Only connections that claimed a rank (pg/rank/<r>) may write: a stranger can read, but can
   // neither plant a failure, an address or a record, nor hold rank 0's exit (docs/security.md).
   if (rank == 0)
-    pg.server_ = std::make_unique<store_server>(eps.front(), 0, auth, store_limits{}, "pg/rank/",
-                                                static_cast<std::uint32_t>(opts.world_size));
+    pg.server_ = std::make_unique<store_server>(endpoint{opts.master_addr, opts.master_port}, 0, auth, store_limits{},
+                                                "pg/rank/", static_cast<std::uint32_t>(opts.world_size));
   pg.store_ = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
   auto& st = *pg.store_;
 
@@ -823,7 +622,9 @@ inline process_group init_process_group(const init_options& opts) {
       st, {rank, opts.world_size, opts.job_id, opts.master_addr + ":" + std::to_string(opts.master_port),
            static_cast<long long>(opts.timeout.count())},
       until);
-  pg.links_ = detail::open_links(pg, "pg/mesh", 0);
+  pg.verdict_ = failure_verdict(pg.store_.get(), rank, opts.world_size, opts.timeout);
+  pg.links_ = detail::open_links(st, pg.group_id_, rank, opts.world_size, opts.timeout, "pg/mesh", 0,
+                                 [v = &pg.verdict_] { return v->recorded(); });
   // The first barrier makes each rank's first connections (log2(size) peers) and proves the
   // group can talk; a failure there is reported like any other.
   pg.barrier(until);

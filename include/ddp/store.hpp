@@ -6,7 +6,7 @@
 /// before its first request is read.
 ///
 /// \code
-/// ddp::store_server server{ddp::detail::resolve("127.0.0.1", 0, 0, true).front(), 0};
+/// ddp::store_server server{ddp::endpoint{"127.0.0.1", 0}, 0};
 /// ddp::store_client c{"127.0.0.1", server.port(), 0, deadline};
 /// c.set("k", "v");
 /// auto v = c.get("k", deadline);
@@ -40,6 +40,8 @@
 #include <ddp/detail/handshake.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/store_protocol.hpp>
+#include <ddp/detail/timing.hpp>
+#include <ddp/endpoint.hpp>
 #include <ddp/error.hpp>
 
 namespace ddp {
@@ -92,15 +94,17 @@ struct store_limits {
 /// members only, so a stranger can neither plant the group's failure nor delay its end.
 class store_server {
  public:
-  /// Binds `ep` (port 0 picks a free port). Throws errc::address_in_use when taken. With `auth`,
+  /// Binds `ep` (port 0 picks a free port; an empty host, every interface; a name is resolved and
+  /// its first address taken). Throws errc::unresolvable for a name that does not resolve,
+  /// errc::address_in_use when the port is taken. With `auth`,
   /// only clients that prove the same secret are served; without it, binding beyond loopback
   /// prints a one-line warning to stderr. Raises this process's RLIMIT_NOFILE soft limit to its
   /// hard limit (every connection holds a descriptor).
-  store_server(const detail::endpoint& ep, int rank, std::shared_ptr<const authenticator> auth = nullptr,
+  store_server(const endpoint& ep, int rank, std::shared_ptr<const authenticator> auth = nullptr,
                store_limits limits = {}, std::string member_prefix = {}, std::uint32_t members = 0)
       : rank_(rank), auth_(std::move(auth)), limits_(limits), member_prefix_(std::move(member_prefix)), members_(members) {
     raise_descriptor_limit();
-    listen_ = detail::listen_on(ep, rank, 4096);
+    listen_ = detail::listen_on(detail::resolve(ep.host, ep.port, rank, true).front(), rank, 4096);
     const auto bound = detail::local_address(listen_.get());
     port_ = detail::port_of(bound);
     if (!auth_ && !detail::is_loopback(bound))
@@ -273,7 +277,7 @@ class store_server {
   /// Milliseconds until the next thing that is due (a parked request's or a connection's
   /// deadline, the listener's pause, a handshake's end under pressure); at most a second.
   int next_timeout(deadline_t now) const {
-    auto next = now + std::chrono::seconds(1);
+    auto next = now + detail::timing::store_idle;
     if (!deadlines_.empty()) next = std::min(next, deadlines_.begin()->first);
     if (!timers_.empty()) next = std::min(next, timers_.begin()->first);
     if (now < accept_pause_) next = std::min(next, accept_pause_);
@@ -571,7 +575,7 @@ class store_server {
         }
         spare_ = detail::fd_handle(::open("/dev/null", O_RDONLY | O_CLOEXEC));
       }
-      if (!drained || !spare_) accept_pause_ = now + std::chrono::milliseconds(100);
+      if (!drained || !spare_) accept_pause_ = now + detail::timing::store_accept_rest;
       return -1;
     }
   }
@@ -655,7 +659,7 @@ class store_server {
     c.closing = true;
     c.in.clear();
     c.hs.reset();
-    c.limit = clock::now() + std::chrono::seconds(2);
+    c.limit = clock::now() + detail::timing::store_refused_linger;
   }
 
   /// Runs the handshake while one is due, then the requests; false drops the client.
@@ -928,17 +932,17 @@ class store_server {
     pending_wakes_.clear();
   }
 
-  static constexpr auto eof_linger = std::chrono::seconds(10);
+  static constexpr auto eof_linger = detail::timing::store_eof_linger;
   // Replies a client has not taken yet past which it is not read (a pipelining client slows
   // down instead of piling its answers up to store_limits::max_buffered).
   static constexpr std::size_t backpressure = std::size_t{1} << 20;
   /// Work a client gets per round of the loop, in keys looked up (a request costs 1 + its fields).
   static constexpr std::size_t work_per_round = 16384;
-  static constexpr auto pressure_handshake_limit = std::chrono::seconds(1);
-  static constexpr auto pressure_linger = std::chrono::seconds(10);
-  static constexpr auto fd_room_linger = std::chrono::seconds(1);
+  static constexpr auto pressure_handshake_limit = detail::timing::store_pressure_handshake_limit;
+  static constexpr auto pressure_linger = detail::timing::store_pressure_linger;
+  static constexpr auto fd_room_linger = detail::timing::store_fd_room_linger;
   static constexpr std::size_t descriptor_reserve = 16;  // left to the rest of the process
-  static constexpr std::int64_t max_wait_ms = std::int64_t{366} * 86'400'000;
+  static constexpr std::int64_t max_wait_ms = detail::timing::store_max_wait_ms;
   int rank_;
   std::shared_ptr<const authenticator> auth_;
   store_limits limits_;
@@ -1017,7 +1021,7 @@ class store_client {
       : rank_(rank), auth_(std::move(auth)) {
     const auto eps = detail::resolve(host, port, rank);
     const std::string where = host + ":" + std::to_string(port);
-    auto backoff = std::chrono::milliseconds(5);
+    auto backoff = detail::timing::connect_backoff;
     int closed = 0;  // connections the store closed before serving them
     auto no_room = [&] {
       return "the store of rank 0 at " + where + " closed this rank's connection " + std::to_string(closed) +
@@ -1059,7 +1063,7 @@ class store_client {
       broken_.clear();
       unusable_ = false;
       std::this_thread::sleep_for(backoff);
-      backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+      backoff = std::min(backoff * 2, detail::timing::connect_backoff_max);
     }
   }
 
@@ -1118,7 +1122,7 @@ class store_client {
   /// connections opened through this store use it too.
   const std::shared_ptr<const authenticator>& auth() const noexcept { return auth_; }
 
-  static deadline_t default_deadline() { return clock::now() + std::chrono::seconds(300); }
+  static deadline_t default_deadline() { return clock::now() + detail::timing::store_default_wait; }
 
  private:
   /// The answer's first field; an answer without it (or of the wrong size) is a protocol error.
@@ -1214,8 +1218,8 @@ class store_client {
     return f;
   }
 
-  static constexpr auto reply_slack = std::chrono::milliseconds(250);
-  static constexpr auto min_answer = std::chrono::milliseconds(100);
+  static constexpr auto reply_slack = detail::timing::store_reply_slack;
+  static constexpr auto min_answer = detail::timing::store_min_answer;
 
   /// How long the server waits for a get/wait: up to `until` (however far: days), less a
   /// margin for its answer.

@@ -25,7 +25,7 @@ using namespace ddp::detail;
 constexpr std::uint64_t group = 0x6a0b5e11f00dull;
 
 struct fixture {
-  ddp::store_server server{resolve("127.0.0.1", 0, 0, true).front(), 0};
+  ddp::store_server server{ddp::endpoint{"127.0.0.1", 0}, 0};
   ddp::store_client rank0{"127.0.0.1", server.port(), 0, ddp_fuzz::soon()};
   ddp::store_client rank1{"127.0.0.1", server.port(), 1, ddp_fuzz::soon()};
   std::uint64_t round = 0;

@@ -25,7 +25,7 @@ constexpr std::string_view member_prefix = "pg/rank/";
 
 struct fixture {
   explicit fixture(bool members)
-      : server{resolve("127.0.0.1", 0, 0, true).front(), 0, nullptr, {}, std::string(members ? member_prefix : "")} {
+      : server{ddp::endpoint{"127.0.0.1", 0}, 0, nullptr, {}, std::string(members ? member_prefix : "")} {
     if (members) client.compare_set("pg/rank/0", "", "fixture", ddp_fuzz::soon());
   }
   ddp::store_server server;

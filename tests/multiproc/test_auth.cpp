@@ -38,7 +38,7 @@ ddp::init_options opts(int rank, int n, int port, std::string token, std::chrono
 void require(bool cond, const std::string& what) {
   if (!cond) throw std::runtime_error(what);
 }
-detail::endpoint loopback_any_port() { return detail::resolve("127.0.0.1", 0, 0, true).front(); }
+ddp::endpoint loopback_any_port() { return {"127.0.0.1", 0}; }
 auto soon(std::chrono::milliseconds d = 5s) { return detail::clock::now() + d; }
 detail::fd_handle raw_connect(int port) {
   std::error_code ec;
@@ -384,8 +384,8 @@ TEST_CASE("a store without a secret warns once when it listens beyond loopback")
     ::dup2(fd, 2);
     {
       ddp::store_server loop{loopback_any_port(), 0};
-      ddp::store_server any{detail::resolve("0.0.0.0", 0, 0, true).front(), 0};
-      ddp::store_server any_auth{detail::resolve("0.0.0.0", 0, 0, true).front(), 0, ddp::make_authenticator(secret, 0)};
+      ddp::store_server any{ddp::endpoint{"0.0.0.0", 0}, 0};
+      ddp::store_server any_auth{ddp::endpoint{"0.0.0.0", 0}, 0, ddp::make_authenticator(secret, 0)};
       std::fflush(stderr);
       std::string text(4096, '\0');
       const auto n = ::pread(fd, text.data(), text.size(), 0);

@@ -2,18 +2,36 @@
 
 #include <doctest/doctest.h>
 #include <arpa/inet.h>
+#include <ddp/reducer/shm.hpp>
 #include <ddp/transport/tcp.hpp>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <sys/socket.h>
 
 #include <numeric>
+#include <type_traits>
 #include <stdexcept>
 #include <thread>
 
 #include "harness.hpp"
 
 using namespace std::chrono_literals;
+
+// Transports take a context, not the group's plumbing: the plumbing is gone from the group's
+// public API, and `Transport(pg)` / `Transport(pg, options)` still build one.
+template <class G>
+concept has_plumbing = requires(G& pg) { pg.peer_socket(0, ddp::deadline_t{}); } ||
+                       requires(G& pg) { pg.next_channel_id(); } || requires(G& pg) { pg.store_budget(); } ||
+                       requires(G& pg) { pg.name_stopped(std::string(), 0); } ||
+                       requires(G& pg) { pg.record_failure(ddp::group_failure{}); } ||
+                       requires(G& pg) { pg.failure_recorded(); };
+static_assert(!has_plumbing<ddp::process_group>);
+static_assert(std::is_convertible_v<ddp::process_group&, ddp::transport_context>);
+static_assert(std::is_constructible_v<ddp::tcp, ddp::process_group&>);
+static_assert(std::is_constructible_v<ddp::tcp, ddp::process_group&, ddp::tcp_options>);
+static_assert(std::is_constructible_v<ddp::shm, ddp::process_group&>);
+static_assert(std::is_constructible_v<ddp::shm, ddp::process_group&, ddp::shm_options>);
+static_assert(std::is_constructible_v<ddp::store_server, ddp::endpoint, int>);
 using ddp_test::free_port;
 using ddp_test::run_processes;
 using ddp_test::run_ranks;
@@ -506,13 +524,41 @@ TEST_CASE("a stranger without a token can neither plant the group's failure nor 
     }
     auto pg = ddp::init_process_group(opts(who, 2, port, 20s));
     std::this_thread::sleep_for(300ms);
-    require(!pg.failure_recorded(), "a failure was recorded");
+    require(!ddp::transport_context{pg}.verdict().recorded(), "a failure was recorded");
     pg.barrier();
     const auto t0 = std::chrono::steady_clock::now();
     pg.close();
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     require(secs < 2.0, "closing took " + std::to_string(secs) + " s");
   }, 60s);
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("a transport context: a channel of its own, the same on every rank, and the group's verdict") {
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 2, port));
+    ddp::transport_context a{pg};
+    ddp::transport_context b{pg};
+    require(a.rank() == r && a.size() == 2 && a.group_id() == pg.id() && a.timeout() == pg.timeout(), "context");
+    require(b.channel() == a.channel() + 1, "channels " + std::to_string(a.channel()) + ", " + std::to_string(b.channel()));
+    const auto all = pg.all_gather(std::to_string(a.channel()));
+    require(all[0] == all[1], "rank 0 got channel " + all[0] + ", rank 1 channel " + all[1]);
+    require(!a.verdict().recorded(), "a failure was recorded");
+    pg.barrier();
+    if (r == 1) {
+      const auto held = b.verdict().record({ddp::errc::aborted, b.verdict().reported("given up on purpose")});
+      require(held.code == ddp::errc::aborted && held.text == "rank 1 reports: given up on purpose", held.text);
+    }
+    pg.barrier();
+    // One record for the group, whichever context wrote it: the first writer wins.
+    const auto f = a.verdict().first();
+    require(f.code == ddp::errc::aborted && f.text == "rank 1 reports: given up on purpose", "read: " + f.text);
+    const auto later = a.verdict().record({ddp::errc::timeout, a.verdict().reported("too late")});
+    require(later.text == "rank 1 reports: given up on purpose", "a later record won: " + later.text);
+    pg.barrier();
+  });
   INFO(ddp_test::summary(outs));
   CHECK(ddp_test::all_ok(outs));
 }

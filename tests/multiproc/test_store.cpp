@@ -16,7 +16,9 @@
 using namespace std::chrono_literals;
 
 namespace {
-ddp::detail::endpoint loopback_any_port() { return ddp::detail::resolve("127.0.0.1", 0, 0, true).front(); }
+ddp::endpoint loopback_any_port() { return {"127.0.0.1", 0}; }
+// The same, resolved, for a fake store listening on its own socket.
+ddp::detail::endpoint loopback_socket() { return ddp::detail::resolve("127.0.0.1", 0, 0, true).front(); }
 auto soon(std::chrono::milliseconds d = 5s) { return ddp::detail::clock::now() + d; }
 int raw_connect(int port) {
   std::error_code ec;
@@ -351,7 +353,7 @@ TEST_CASE("a store client that saw a bad frame length or an unknown status is br
   for (const auto& bad : cases) {
     CAPTURE(bad.why);
     // A fake store: answers the first request with the bad reply, the next ones with ok.
-    auto listener = ddp::detail::listen_on(loopback_any_port(), 0);
+    auto listener = ddp::detail::listen_on(loopback_socket(), 0);
     const int port = ddp::detail::port_of(ddp::detail::local_address(listener.get()));
     std::atomic<int> served{0};
     std::thread fake([&] {
@@ -794,7 +796,7 @@ TEST_CASE("strangers holding the store's descriptors are evicted for real client
 TEST_CASE("a store client closed by the store before it was served connects again until its deadline") {
   // A fake store that closes its first three connections at once (as a store out of room
   // does), then answers everything with ok.
-  auto listener = ddp::detail::listen_on(loopback_any_port(), 0);
+  auto listener = ddp::detail::listen_on(loopback_socket(), 0);
   const int port = ddp::detail::port_of(ddp::detail::local_address(listener.get()));
   std::atomic<int> accepted{0};
   std::thread fake([&] {
@@ -824,7 +826,7 @@ TEST_CASE("a store client closed by the store before it was served connects agai
   }
   fake.join();
   // Closed every time: the deadline ends it, with the cause.
-  auto listener2 = ddp::detail::listen_on(loopback_any_port(), 0);
+  auto listener2 = ddp::detail::listen_on(loopback_socket(), 0);
   const int port2 = ddp::detail::port_of(ddp::detail::local_address(listener2.get()));
   std::atomic<bool> stop{false};
   std::thread closer([&] {
@@ -925,7 +927,7 @@ namespace {
 // A fake store that answers every request with ok and records the time limit (ms) of the
 // get and wait requests it saw.
 struct recording_store {
-  ddp::detail::fd_handle listener = ddp::detail::listen_on(loopback_any_port(), 0);
+  ddp::detail::fd_handle listener = ddp::detail::listen_on(loopback_socket(), 0);
   int port = ddp::detail::port_of(ddp::detail::local_address(listener.get()));
   std::vector<std::int64_t> ms;
   std::thread t{[this] {

@@ -151,7 +151,7 @@ void drive(int p, int port, const std::vector<int>& absent, std::chrono::millise
 
 TEST_CASE("5000 ranks join through one store: every rank gets the group id, no frame or limit in the way") {
   if (!enough_descriptors()) return;
-  ddp::store_server server{ddp::detail::resolve("127.0.0.1", 0, 0, true).front(), 0};
+  ddp::store_server server{ddp::endpoint{"127.0.0.1", 0}, 0};
   shared_results res;
   const int port = server.port();
   std::vector<int> procs_list;
@@ -181,7 +181,7 @@ TEST_CASE("5000 ranks join through one store: every rank gets the group id, no f
 
 TEST_CASE("3 of 5000 ranks never arrive: every rank fails within the timeout, rank 0 names the missing") {
   if (!enough_descriptors()) return;
-  ddp::store_server server{ddp::detail::resolve("127.0.0.1", 0, 0, true).front(), 0};
+  ddp::store_server server{ddp::endpoint{"127.0.0.1", 0}, 0};
   shared_results res;
   const int port = server.port();
   const std::vector<int> absent{17, 2500, 4999};

@@ -1,4 +1,5 @@
 #include <ddp/process_group.hpp>
+#include <ddp/endpoint.hpp>
 
 #include <doctest/doctest.h>
 
@@ -168,4 +169,28 @@ TEST_CASE("an impossible WORLD_SIZE is refused by validate(), not discovered by 
         std::string::npos);
   o.world_size = ddp::init_options::max_world_size;
   CHECK(o.validate().empty());
+}
+
+// ddp::endpoint: the public host + port a store_server binds (ground layer, no resolution).
+TEST_CASE("endpoint: parse and format host:port, IPv6 in brackets") {
+  const auto v6 = ddp::endpoint::parse("[::1]:29500");
+  CHECK(v6.host == "::1");
+  CHECK(v6.port == 29500);
+  CHECK(v6.to_string() == "[::1]:29500");
+  const auto named = ddp::endpoint::parse("node7:0");
+  CHECK(named == ddp::endpoint{"node7", 0});
+  CHECK(named.to_string() == "node7:0");
+  CHECK(ddp::endpoint{"10.0.0.1", 29500}.to_string() == "10.0.0.1:29500");
+  CHECK(ddp::endpoint{"", 80}.to_string() == ":80");
+  CHECK(ddp::endpoint::parse(":80") == ddp::endpoint{"", 80});
+  for (const char* bad : {"::1:80", "host", "host:", "host:70000", "host:-1", "host:8x", "[::1]80", "[::1"}) {
+    CAPTURE(bad);
+    try {
+      (void)ddp::endpoint::parse(bad);
+      FAIL("parsed");
+    } catch (const ddp::error& e) {
+      CHECK(e.condition() == ddp::errc::invalid_argument);
+      CHECK(std::string(e.what()).find(std::string("endpoint '") + bad + "'") != std::string::npos);
+    }
+  }
 }

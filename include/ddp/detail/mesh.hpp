@@ -42,6 +42,7 @@
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/handshake.hpp>
 #include <ddp/detail/socket.hpp>
+#include <ddp/detail/timing.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -120,7 +121,7 @@ class peer_links {
                                                std::to_string(size_));
     std::unique_lock lk(mu_);
     auto& s = slots_[peer];
-    auto backoff = std::chrono::milliseconds(5);
+    auto backoff = timing::connect_backoff;
     for (;;) {
       if (s.state == link::ready) return s.fd.get();
       if (shut_) raise(errc::peer_lost, rank_, "the group failed before a connection to rank " + std::to_string(peer) + " was made");
@@ -159,13 +160,13 @@ class peer_links {
           if (clock::now() >= until) raise(errc::timeout, rank_, "could not connect to rank " + std::to_string(peer) + " before the deadline (its listener dropped every attempt)");
           lk.unlock();
           std::this_thread::sleep_for(backoff);
-          backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+          backoff = std::min(backoff * 2, timing::connect_backoff_max);
           lk.lock();
         }
         continue;
       }
       // Another of our threads is connecting, or the peer's connection is on its way.
-      const auto step = std::min(until, clock::now() + std::chrono::milliseconds(100));
+      const auto step = std::min(until, clock::now() + timing::link_wait_slice);
       if (cv_.wait_until(lk, step) == std::cv_status::timeout) {
         if (s.state == link::ready) continue;
         if (clock::now() >= until)
@@ -173,7 +174,7 @@ class peer_links {
         if (s.state == link::awaiting && clock::now() >= s.next_probe) {
           // A peer that died after promising its connection never sends it; its listener,
           // closed with it, refuses. Ask now and then rather than wait for the deadline.
-          s.next_probe = clock::now() + std::chrono::milliseconds(250);
+          s.next_probe = clock::now() + timing::link_probe_every;
           const std::string addr = s.addr;
           lk.unlock();
           const bool gone = refuses(addr);
@@ -264,7 +265,7 @@ class peer_links {
       std::error_code ec;
       for (const auto& ep : eps) {
         // Closed at once: the peer's acceptor sees a connection that ends before its hello.
-        auto fd = try_connect(ep, clock::now() + std::chrono::milliseconds(100), ec);
+        auto fd = try_connect(ep, clock::now() + timing::link_probe_connect, ec);
         if (fd || ec != std::errc::connection_refused) return false;
       }
       return !eps.empty();
@@ -281,7 +282,7 @@ class peer_links {
       std::lock_guard lk(mu_);
       v = slots_[peer].addr;
     }
-    auto pause = std::chrono::milliseconds(2);
+    auto pause = timing::lookup_pause;
     for (int round = 0; v.empty(); ++round) {
       // The peer announces its address when it opens this channel; it may not have yet. Ask
       // with short requests (the directory may be shared with other threads), and between
@@ -301,7 +302,7 @@ class peer_links {
       if (group_failed_ && round % 8 == 7 && group_failed_())
         group_failed_while_waiting(peer);
       std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(pause, until - clock::now()));
-      pause = std::min(pause * 2, std::chrono::milliseconds(25));
+      pause = std::min(pause * 2, timing::lookup_pause_max);
     }
     const auto sp = v.rfind(' ');
     int port = 0;
@@ -393,14 +394,14 @@ class peer_links {
     // Past this many handshakes in progress, the oldest is dropped (its initiator, if a peer,
     // tries again) and the newcomers get a short limit.
     constexpr std::size_t max_pending = 256;
-    constexpr auto crowded_limit = std::chrono::seconds(1);
+    constexpr auto crowded_limit = timing::crowded_handshake_limit;
     std::vector<pending> pend;
     deadline_t accept_pause{};
     while (!stopping_) {
       std::vector<pollfd> pfds{{wake_.get(), POLLIN, 0}};
       const auto before = clock::now();
       pfds.push_back({listen_.get(), static_cast<short>(before >= accept_pause ? POLLIN : 0), 0});
-      int timeout = before >= accept_pause ? 1000 : ms_left(accept_pause) + 1;
+      int timeout = before >= accept_pause ? static_cast<int>(timing::acceptor_idle.count()) : ms_left(accept_pause) + 1;
       for (auto& p : pend) {
         pfds.push_back({p.fd.get(), POLLIN, 0});
         timeout = std::min(timeout, ms_left(p.limit) + 1);
@@ -457,7 +458,7 @@ class peer_links {
             if (errno == EMFILE || errno == ENFILE) {
               // Out of descriptors: the oldest handshake makes room, and the listener rests.
               if (!pend.empty()) pend.erase(pend.begin());
-              accept_pause = clock::now() + std::chrono::milliseconds(20);
+              accept_pause = clock::now() + timing::acceptor_fd_rest;
             }
             break;
           }

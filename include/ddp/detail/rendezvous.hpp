@@ -20,7 +20,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
@@ -30,6 +33,7 @@
 #include <ddp/detail/mesh.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/store_protocol.hpp>
+#include <ddp/detail/timing.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -42,7 +46,7 @@ link_directory store_directory(Store& st, std::chrono::milliseconds timeout) {
           [&st](const std::string& k) -> std::optional<std::string> {
             // Short, so that a thread holding the shared connection for a long wait of its own
             // delays a first contact by this much at most each time, and never fails it.
-            const auto until = clock::now() + std::chrono::milliseconds(100);
+            const auto until = clock::now() + timing::lookup_request;
             try {
               if (!st.check(k, until)) return std::nullopt;
               return st.get(k, until);
@@ -51,6 +55,28 @@ link_directory store_directory(Store& st, std::chrono::milliseconds timeout) {
               throw;
             }
           }};
+}
+
+/// Lazily made connections for a channel of the group, `prefix` naming it in the store (the
+/// directory); `group_failed` says whether a rank recorded a failure (peer_links).
+template <class Store>
+std::unique_ptr<peer_links> open_links(Store& st, std::uint64_t group_id, int rank, int size,
+                                       std::chrono::milliseconds timeout, const std::string& prefix, int bufsize,
+                                       std::function<bool()> group_failed) {
+  // Each channel's hellos carry its own id (the group's, mixed with the channel's name): a late
+  // first contact meant for a closed channel is never admitted into a new one on the same port.
+  std::uint64_t channel = group_id;
+  for (unsigned char c : prefix) channel = (channel ^ c) * 0x100000001b3ull;
+  return std::make_unique<peer_links>(store_directory(st, timeout), local_address(st.native_handle()), st.auth(), rank,
+                                      size, prefix, channel, bufsize, std::move(group_failed));
+}
+
+/// The same for a transport, from its `ddp::transport_context`: the group's store, id and
+/// verdict (a wait for a peer's connection stops once a rank recorded a failure).
+template <class Context>
+std::unique_ptr<peer_links> open_links(Context& ctx, const std::string& prefix, int bufsize) {
+  return open_links(ctx.store(), ctx.group_id(), ctx.rank(), ctx.size(), ctx.timeout(), prefix, bufsize,
+                    [v = &ctx.verdict()] { return v->recorded(); });
 }
 
 /// Who joins, for join_store(); `where` ("host:port") and `timeout_ms` are for messages.
@@ -81,7 +107,7 @@ std::vector<int> missing_ranks(Store& st, int world, deadline_t until) {
     for (int r = lo; r < std::min(world, lo + chunk); ++r) keys.push_back("pg/rank/" + std::to_string(r));
     // A wait of a millisecond: the store answers at once with the keys still missing.
     if (clock::now() >= until) raise(errc::timeout, -1, "no time left to list the missing ranks");
-    for (auto& k : st.wait(keys, clock::now() + std::chrono::milliseconds(1)))
+    for (auto& k : st.wait(keys, clock::now() + timing::missing_ranks_wait))
       missing.push_back(std::atoi(k.c_str() + k.rfind('/') + 1));
   }
   std::sort(missing.begin(), missing.end());
@@ -149,7 +175,7 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
   if (!st.wait({"pg/complete"}, until).empty()) {
     // Name the missing ranks: rank 0 scans the claims and posts what it found; the others
     // quote that, or say how many arrived.
-    const auto budget = clock::now() + std::chrono::seconds(2);
+    const auto budget = clock::now() + timing::missing_ranks_budget;
     std::string what;
     try {
       if (rank == 0 || req.world <= static_cast<int>(store_max_fields) - 2) {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include <ddp/clock.hpp>
+#include <ddp/detail/timing.hpp>
 #include <ddp/error.hpp>
 
 namespace ddp {
@@ -39,7 +40,7 @@ using ddp::deadline_t;
 inline int ms_left(deadline_t d) noexcept {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(d - clock::now()).count();
   if (left <= 0) return 0;
-  return left > 1'000'000 ? 1'000'000 : static_cast<int>(left);
+  return left > timing::poll_cap_ms ? static_cast<int>(timing::poll_cap_ms) : static_cast<int>(left);
 }
 
 /// Owns a file descriptor.
@@ -188,7 +189,7 @@ inline fd_handle try_connect(const endpoint& ep, deadline_t d, std::error_code& 
 
 /// Connects, retrying until `d` (the listener may start later than we do).
 inline fd_handle connect_retry(const std::vector<endpoint>& eps, deadline_t d, std::error_code& ec) {
-  auto backoff = std::chrono::milliseconds(5);
+  auto backoff = timing::connect_backoff;
   for (;;) {
     for (const auto& ep : eps) {
       auto fd = try_connect(ep, d, ec);
@@ -199,7 +200,7 @@ inline fd_handle connect_retry(const std::vector<endpoint>& eps, deadline_t d, s
       return {};
     }
     std::this_thread::sleep_for(backoff);
-    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+    backoff = std::min(backoff * 2, timing::connect_backoff_max);
   }
 }
 

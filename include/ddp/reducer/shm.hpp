@@ -44,6 +44,7 @@
 #include <ddp/detail/schedule.hpp>
 #include <ddp/detail/shm_segment.hpp>
 #include <ddp/detail/socket.hpp>
+#include <ddp/detail/timing.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>
@@ -99,9 +100,12 @@ struct shm_options {
 /// \endcode
 class shm {
  public:
-  explicit shm(process_group& pg, shm_options o = {}) : rank_(pg.rank()), size_(pg.size()), opts_(std::move(o)) {
-    const auto until = pg.deadline();
-    const int channel = pg.next_channel_id();
+  /// Built from the group (`ddp::shm s{pg}`), collectively.
+  explicit shm(transport_context ctx, shm_options o = {})
+      : rank_(ctx.rank()), size_(ctx.size()), opts_(std::move(o)) {
+    const auto until = ctx.deadline();
+    const int channel = ctx.channel();
+    auto& pg = ctx.group();
 
     // 1. Same host, sane options: agreed through the process group before touching /dev/shm,
     //    so every rank raises the same error.
@@ -126,7 +130,7 @@ class shm {
 
     // 2. Rank 0 creates the segment and publishes its geometry; the others map it.
     char idhex[17];
-    std::snprintf(idhex, sizeof idhex, "%016llx", static_cast<unsigned long long>(pg.id()));
+    std::snprintf(idhex, sizeof idhex, "%016llx", static_cast<unsigned long long>(ctx.group_id()));
     name_ = "/ddp-" + std::string(idhex) + "-" + std::to_string(channel);
     const std::string key = "ddp/shm" + name_;
     std::string why;
@@ -153,12 +157,12 @@ class shm {
         why = "header and staging slots (" + detail::shm_mib(layout_.arena) + "): " + why;
       arena_bound_ = arena.bound;
       if (why.empty()) init_segment();
-      pg.store().set(key, why.empty() ? "ok " + std::to_string(layout_.slot_bytes) + " " +
+      ctx.store().set(key, why.empty() ? "ok " + std::to_string(layout_.slot_bytes) + " " +
                                             std::to_string(layout_.arena_bytes)
                                       : "error " + why,
                      until);
     } else {
-      const std::string v = pg.store().get(key, until);
+      const std::string v = ctx.store().get(key, until);
       unsigned long long slot = 0, arena = 0;
       if (v.rfind("error ", 0) == 0) {
         why = "rank 0 could not create the segment: " + v.substr(6);
@@ -430,7 +434,7 @@ class shm {
 
  private:
   static constexpr std::size_t nslots = 2;
-  static constexpr auto slice = std::chrono::milliseconds(50);
+  static constexpr auto slice = detail::timing::shm_wait_slice;
 
   detail::shm_header* header() const noexcept { return reinterpret_cast<detail::shm_header*>(map_.base()); }
   detail::shm_rank_block& block(int r) const noexcept {
@@ -600,7 +604,7 @@ class shm {
     // yield hands it the core at once, where a futex sleep would cost a wake-up through the
     // scheduler (tens of microseconds). So keep yielding for a while before sleeping.
     if (oversubscribed_) {
-      const auto stop = clock::now() + std::chrono::microseconds(500);
+      const auto stop = clock::now() + detail::timing::shm_yield_window;
       do {
         ::sched_yield();
         if (reached(b.counter.load(std::memory_order_acquire), want)) return;

@@ -27,8 +27,10 @@
 #include <ddp/clock.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/mesh.hpp>
+#include <ddp/detail/rendezvous.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/verdict.hpp>
 #include <ddp/process_group.hpp>
 
 namespace ddp {
@@ -45,18 +47,19 @@ class tcp {
  public:
   static constexpr bool is_point_to_point = true;
 
-  /// Keeps a handle on `pg` of its own: the group (its store) stays open while the transport lives.
-  explicit tcp(process_group& pg, tcp_options o = {}) : pg_(pg), opts_(o) {
-    channel_ = "tcp/" + std::to_string(pg.next_channel_id());
+  /// Built from the group (`ddp::tcp t{pg}`): keeps a handle on it of its own, so the group
+  /// (its store) stays open while the transport lives.
+  explicit tcp(transport_context ctx, tcp_options o = {}) : ctx_(std::move(ctx)), opts_(o) {
+    channel_ = "tcp/" + std::to_string(ctx_.channel());
     // Connections are made on first use: a ring touches two peers, a tree three.
-    links_ = detail::open_links(pg_, channel_, o.socket_buffer);
+    links_ = detail::open_links(ctx_, channel_, o.socket_buffer);
   }
   tcp(const tcp&) = delete;
   tcp& operator=(const tcp&) = delete;
 
-  int rank() const noexcept { return pg_.rank(); }
-  int size() const noexcept { return pg_.size(); }
-  process_group& group() noexcept { return pg_; }
+  int rank() const noexcept { return ctx_.rank(); }
+  int size() const noexcept { return ctx_.size(); }
+  process_group& group() noexcept { return ctx_.group(); }
 
   /// Peers this transport is connected to now (connections are made on first exchange).
   int connections() const noexcept { return links_ ? links_->connections() : 0; }
@@ -186,7 +189,7 @@ class tcp {
       // Report the group's first failure when a rank recorded one (the peer that never
       // connected may have failed first), else what went wrong here.
       if (e.condition() == errc::timeout) lost(peer, make_error_code(errc::timeout));
-      const auto f = pg_.explain(e);
+      const auto f = ctx_.verdict().explain(e);
       if (!f.empty() && f.text != detail::message_of(e)) adopt(f);
       post_abort(e.condition(), detail::message_of(e));
       throw;
@@ -203,52 +206,43 @@ class tcp {
     detail::raise(errc::aborted, rank(), "tcp transport is unusable after an earlier failure: " + why);
   }
 
-  /// The first failure wins; abort() (any thread) and the progress thread may race here, so the
-  /// reason is written under a lock, before the flag that makes readers look at it.
+  /// Marks this transport unusable with `msg`; false when it was marked already (the first
+  /// reason wins). abort() (any thread) and the progress thread may race here, so the reason is
+  /// written under a lock, before the flag that makes readers look at it.
+  bool mark_broken(const std::string& msg) {
+    std::lock_guard lock(reason_mu_);
+    if (broken_.load(std::memory_order_relaxed)) return false;
+    broken_reason_ = msg;
+    broken_.store(true, std::memory_order_release);
+    return true;
+  }
+
+  /// Marks this transport unusable and shuts its connections, which wakes peers blocked on us.
+  void break_links(const std::string& msg) {
+    if (mark_broken(msg) && links_) links_->shutdown();
+  }
+
+  /// This rank's own failure: marked here, recorded as the group's (first writer wins; a store
+  /// that is gone too is ignored: shutting the sockets still tells the peers), connections shut.
   void post_abort(errc code, const std::string& msg) {
-    {
-      std::lock_guard lock(reason_mu_);
-      if (broken_.load(std::memory_order_relaxed)) return;
-      broken_reason_ = msg;
-      broken_.store(true, std::memory_order_release);
-    }
-    // The group's first-failure record (first writer wins; a store that is gone too is
-    // ignored: shutting the sockets still tells the peers).
-    pg_.record_failure({code, pg_.reported(msg)});
+    if (!mark_broken(msg)) return;
+    ctx_.verdict().record({code, ctx_.verdict().reported(msg)});
     if (links_) links_->shutdown();
   }
 
-  [[noreturn]] void adopt(const process_group::failure& f) {
-    post_abort(f.code, f.text);
+  /// Raises a failure another rank recorded (or that explains this one): one verdict for everyone.
+  [[noreturn]] void adopt(const group_failure& f) {
+    break_links(f.text);
     detail::raise(f.code, rank(), f.text);
   }
 
-  /// A connection failed: report the group's first failure, if a rank recorded one (the peer
-  /// that closed the connection may still be recording why: wait for it briefly), else name
-  /// the lost peer.
+  /// A connection failed: the group's verdict (group/verdict.hpp), which records this rank's own
+  /// failure when no rank recorded one first, then the connections go.
   [[noreturn]] void lost(int peer, const std::error_code& ec) {
-    bool store_gone = false;
-    const bool timed_out = detail::to_errc(ec) == errc::timeout;
-    if (auto f = pg_.first_failure(&store_gone, !timed_out); !f.empty()) adopt(f);
-    if (store_gone) {
-      // Rank 0 hosts the store: when it does not answer either, rank 0 is the one lost, whatever
-      // connection happened to notice first.
-      const std::string msg = "rank 0 is lost (its store does not answer; noticed on the link to rank " +
-                              std::to_string(peer) + ")";
-      post_abort(errc::peer_lost, msg);
-      detail::raise(errc::peer_lost, rank(), msg);
-    }
-    const errc code = timed_out ? errc::timeout : errc::peer_lost;
-    const std::string msg = timed_out ? pg_.name_stopped(channel_, peer)
-                                      : "lost connection to rank " + std::to_string(peer) + " (" +
-                                            detail::describe(ec) + ")";
-    // Another rank may have recorded its verdict meanwhile: the first one is everyone's.
-    if (auto held = pg_.record_failure({code, pg_.reported(msg)}); held.text != pg_.reported(msg)) adopt(held);
-    post_abort(code, msg);
-    detail::raise(code, rank(), msg);
+    adopt(ctx_.verdict().judge(peer, ec, channel_, "on the link to rank " + std::to_string(peer)).failure);
   }
 
-  process_group pg_;  // the transport's own handle: the group stays open while this lives
+  transport_context ctx_;  // the transport's own handle: the group stays open while this lives
   tcp_options opts_;
   std::string channel_;
   std::unique_ptr<detail::peer_links> links_;

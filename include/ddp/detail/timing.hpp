@@ -1,0 +1,138 @@
+#pragma once
+// IWYU pragma: private
+// Every fixed duration of the group, its store, its connections and the shared-memory engine,
+// in one place, each with the reason for its value. A wait that scales with the group's
+// timeout is written as min(constant, timeout / k) where it is used: the constant here is its
+// cap, so a short test timeout shrinks it and a long production timeout never stretches it.
+// User-facing bounds (init_options::timeout, a call's deadline) are not here: they are the
+// caller's.
+
+#include <chrono>
+#include <cstdint>
+
+namespace ddp {
+inline namespace v0 {
+namespace detail::timing {
+
+using namespace std::chrono_literals;
+
+// ---- The failure verdict (group/verdict.hpp) ---------------------------------------------
+
+/// Cap of a store round trip made while failing (min with timeout / 8): the store's host, rank 0,
+/// may be the rank that is gone, and a verdict must not wait for it a whole timeout.
+inline constexpr std::chrono::milliseconds failure_store_budget = 250ms;
+/// Cap of the wait for a peer's failure record after its connection closed (min with
+/// timeout / 8): a peer that leaves by an exception records why while it unwinds, a moment
+/// after its socket closed; long enough for that, short next to any real deadline.
+inline constexpr std::chrono::milliseconds failure_linger = 200ms;
+/// Between two looks for that record: a store round trip on loopback is tens of microseconds,
+/// so 10 ms costs the store nothing and finds the record within a few looks.
+inline constexpr std::chrono::milliseconds failure_poll = 10ms;
+/// Cap of the grace a rank at the end of a "waits for" chain gets to record that it waits too
+/// (min with timeout / 4): its own deadline may come a little later than ours.
+inline constexpr std::chrono::milliseconds stopped_grace = 1000ms;
+/// Between two reads of the "waits for" records while that grace runs.
+inline constexpr std::chrono::milliseconds stopped_poll = 20ms;
+
+// ---- Closing the group (process_group.hpp) -----------------------------------------------
+
+/// Cap of rank 0's wait for the others to leave its store when the group failed (min with
+/// timeout / 4): long enough for the peers to read the posted reason, short enough that a
+/// frozen peer, which never leaves, does not hold this rank's error up by a whole timeout.
+inline constexpr std::chrono::milliseconds close_failing_wait = 500ms;
+/// Between two looks at the store's client count while rank 0 waits for the others to leave.
+inline constexpr std::chrono::milliseconds close_poll = 2ms;
+
+// ---- Connections between ranks (detail/mesh.hpp, detail/socket.hpp) ---------------------
+
+/// First pause before connecting again (to the store, or to a peer whose listener dropped an
+/// attempt), doubled each time up to connect_backoff_max: a listener that is about to start is
+/// found within milliseconds, one that is overwhelmed is not hammered.
+inline constexpr std::chrono::milliseconds connect_backoff = 5ms;
+inline constexpr std::chrono::milliseconds connect_backoff_max = 200ms;
+/// First and largest pause between looks for a peer's announced address: it appears as soon as
+/// the peer opens the channel, usually within milliseconds; 25 ms keeps thousands of ranks
+/// looking at once from flooding the store.
+inline constexpr std::chrono::milliseconds lookup_pause = 2ms;
+inline constexpr std::chrono::milliseconds lookup_pause_max = 25ms;
+/// Bound of one address lookup in the store: short, so that a thread holding the shared store
+/// connection for a long wait of its own delays a first contact by this much at most each time.
+inline constexpr std::chrono::milliseconds lookup_request = 100ms;
+/// Slice of a wait for a connection another thread (or the peer) is making: between slices
+/// the waiter checks the deadline, probes a silent peer and asks whether the group failed.
+inline constexpr std::chrono::milliseconds link_wait_slice = 100ms;
+/// Between two probes of a peer that promised its connection: a peer that died after promising
+/// never sends it, and its closed listener refuses; asking four times a second finds that soon.
+inline constexpr std::chrono::milliseconds link_probe_every = 250ms;
+/// Bound of one such probe: on a live host a refused connection answers in microseconds.
+inline constexpr std::chrono::milliseconds link_probe_connect = 100ms;
+/// Handshake limit per connection once the acceptor holds many (a crowd of strangers): a peer
+/// finishes its hello in milliseconds, a stranger stalled mid-handshake must not hold a slot.
+inline constexpr std::chrono::milliseconds crowded_handshake_limit = 1000ms;
+/// Longest sleep of the acceptor's poll with nothing due: it wakes on its eventfd to stop, so
+/// this only bounds how stale its view of the clock can get.
+inline constexpr std::chrono::milliseconds acceptor_idle = 1000ms;
+/// Rest of a listener out of descriptors (EMFILE): room is made by dropping the oldest
+/// handshake, and the next accept should find it without spinning on the listener meanwhile.
+inline constexpr std::chrono::milliseconds acceptor_fd_rest = 20ms;
+/// Cap of one poll in ms_left(): poll() takes an int of milliseconds, and a deadline days away
+/// must not overflow it; a loop that polls checks the deadline again when poll returns 0.
+inline constexpr std::int64_t poll_cap_ms = 1'000'000;
+
+// ---- Joining (detail/rendezvous.hpp) -------------------------------------------------------
+
+/// A wait of a millisecond: the store answers at once with the keys still missing.
+inline constexpr std::chrono::milliseconds missing_ranks_wait = 1ms;
+/// Bound of the requests that name the missing ranks after rendezvous timed out: the error
+/// must come soon after the timeout, even when rank 0's store is slow to answer.
+inline constexpr std::chrono::milliseconds missing_ranks_budget = 2000ms;
+
+// ---- The store (store.hpp) -----------------------------------------------------------------
+
+/// Longest sleep of the store's loop with nothing due (its eventfd wakes it for everything
+/// else): bounds how late a timer can fire if the set of due times is ever out of date.
+inline constexpr std::chrono::milliseconds store_idle = 1000ms;
+/// Rest of the store's listener when it is out of descriptors and no stranger could make room:
+/// the loop must not spin on a listener it cannot serve; clients retry their connection.
+inline constexpr std::chrono::milliseconds store_accept_rest = 100ms;
+/// Time a refused connection (a failed handshake or claim) is kept half-closed to read its
+/// refusal before it is closed.
+inline constexpr std::chrono::milliseconds store_refused_linger = 2000ms;
+/// Time a client that shut its side keeps its parked requests: a closed socket looks like a
+/// half-closed one, and requests of a client that is gone must not hold a descriptor for as
+/// long as they asked to wait.
+inline constexpr std::chrono::milliseconds store_eof_linger = 10000ms;
+/// Under descriptor pressure, a handshake gets this long instead of the usual limit: strangers
+/// stalled mid-handshake must not hold the descriptors real ranks need.
+inline constexpr std::chrono::milliseconds store_pressure_handshake_limit = 1000ms;
+/// How long the store stays "under pressure" after it ran out of descriptors.
+inline constexpr std::chrono::milliseconds store_pressure_linger = 10000ms;
+/// How long the store keeps to the room it had when it ran out of descriptors.
+inline constexpr std::chrono::milliseconds store_fd_room_linger = 1000ms;
+/// Longest wait the store parks for a client (a year): the wait comes from the client and is
+/// clamped before it meets the clock's range.
+inline constexpr std::int64_t store_max_wait_ms = std::int64_t{366} * 86'400'000;
+/// Margin the server keeps before a get/wait's deadline to answer it (min with an eighth of
+/// the wait), and how long past the deadline the client reads that answer: a store that does
+/// not answer (rank 0 frozen) is still noticed soon after the deadline.
+inline constexpr std::chrono::milliseconds store_reply_slack = 250ms;
+/// Once sent, a request's answer is read for this long at least, whatever is left of its
+/// deadline: an answer abandoned half-way would make the connection unusable for every later call.
+inline constexpr std::chrono::milliseconds store_min_answer = 100ms;
+/// Deadline of a store request made without one: long enough for any rendezvous, finite so
+/// that nothing waits forever.
+inline constexpr std::chrono::seconds store_default_wait = std::chrono::seconds(300);
+
+// ---- The shared-memory engine (reducer/shm.hpp) -------------------------------------------
+
+/// Slice of a futex sleep on a peer's counter: between slices the waiter checks its deadline,
+/// abort and whether the peer's process is still alive.
+inline constexpr std::chrono::milliseconds shm_wait_slice = 50ms;
+/// With more ranks than cores, how long a waiter keeps yielding before it sleeps on the futex:
+/// the peer it waits for is most likely queued on its own core and runs at once on a yield,
+/// where a futex sleep costs a wake-up through the scheduler (tens of microseconds) each step.
+inline constexpr std::chrono::microseconds shm_yield_window = 500us;
+
+}  // namespace detail::timing
+}  // namespace v0
+}  // namespace ddp

@@ -1,0 +1,262 @@
+#pragma once
+/// \file group/verdict.hpp
+/// The failure verdict of a group, written once for the group and every transport on it: the
+/// first failure any rank records in the group's store is everyone's error, so all ranks of a
+/// failed step report the same cause; after a timeout the ranks find together which rank
+/// stopped, so that a rank that was only waiting is never blamed. See docs/process-group.md.
+///
+/// A transport gets the group's verdict from its `ddp::transport_context`:
+/// \code
+/// auto& v = ctx.verdict();
+/// if (auto f = v.first(); !f.empty()) throw ddp::error(f.code, ctx.rank(), f.text);
+/// \endcode
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <ddp/clock.hpp>
+#include <ddp/detail/fork.hpp>
+#include <ddp/detail/socket.hpp>
+#include <ddp/detail/timing.hpp>
+#include <ddp/error.hpp>
+#include <ddp/store.hpp>
+
+namespace ddp {
+inline namespace v0 {
+
+/// A failure as the group records it: its condition and a sentence that names the rank it
+/// happened on ("rank 2 reports: lost connection to rank 3 (...)"), so that any rank can
+/// raise it under its own prefix.
+struct group_failure {
+  errc code{};
+  std::string text;
+  bool empty() const noexcept { return text.empty(); }
+  /// "<errc> <text>": how a failure travels between ranks (store record, all_gather).
+  std::string encode() const { return std::to_string(static_cast<int>(code)) + " " + text; }
+  static group_failure decode(const std::string& v) {
+    const auto sp = v.find(' ');
+    if (sp == std::string::npos) return {errc::protocol, v};
+    return {static_cast<errc>(std::atoi(v.substr(0, sp).c_str())), v.substr(sp + 1)};
+  }
+};
+
+/// The group's failure record and the judgement on a failed link, for one rank. One per group,
+/// shared by the group and every transport on it (through `transport_context::verdict()`).
+/// Thread-safe as the store client is. In a child made by fork() it touches nothing: records
+/// are not written, and nothing is found recorded.
+class failure_verdict {
+ public:
+  /// A verdict without a store: records nothing, finds nothing.
+  failure_verdict() = default;
+  /// The verdict of rank `rank` of a group of `size`, kept in `store` (the group's store, which
+  /// must outlive it or be detached first); `timeout` is the group's.
+  failure_verdict(store_client* store, int rank, int size, std::chrono::milliseconds timeout) noexcept
+      : store_(store), rank_(rank), size_(size), timeout_(timeout) {}
+
+  /// Forgets the store (it is closing): later calls record and find nothing.
+  void detach() noexcept { store_ = nullptr; }
+
+  /// "rank <this rank> reports: <msg>": the text of a failure this rank saw itself.
+  std::string reported(const std::string& msg) const { return "rank " + std::to_string(rank_) + " reports: " + msg; }
+
+  /// Records `f` as the group's first failure unless one is recorded already, and returns the
+  /// one that holds: the first writer wins, so every rank that reads it before composing its
+  /// own error reports the same cause. Returns `f` when the store does not answer.
+  group_failure record(const group_failure& f) noexcept {
+    if (owner_.forked()) return f;
+    try {
+      if (!store_) return f;
+      return group_failure::decode(store_->compare_set(failure_key, "", f.encode(), store_budget()));
+    } catch (...) {
+      return f;
+    }
+  }
+
+  /// The group's first failure, or an empty one; sets *store_gone when the store does not answer.
+  /// With `linger`, waits up to min(200 ms, timeout / 8) for one to be recorded: a peer whose
+  /// connection just closed records its failure before it closes, but a peer that leaves by
+  /// an exception records it while it unwinds, which may come a moment later.
+  group_failure first(bool* store_gone = nullptr, bool linger = false) noexcept {
+    if (owner_.forked()) return {};
+    const auto end = clock::now() + (linger ? std::min<std::chrono::milliseconds>(detail::timing::failure_linger, timeout_ / 8)
+                                            : std::chrono::milliseconds(0));
+    try {
+      for (;;) {
+        const auto until = store_budget();
+        if (store_ && store_->check(failure_key, until)) return group_failure::decode(store_->get(failure_key, until));
+        if (!store_ || clock::now() >= end) break;
+        std::this_thread::sleep_for(detail::timing::failure_poll);
+      }
+    } catch (const error& e) {
+      // Gone when the connection broke; a request that only waited its turn behind another
+      // thread's long wait says nothing about rank 0.
+      if (store_gone != nullptr && (e.condition() != errc::timeout || store_->unusable())) *store_gone = true;
+    } catch (...) {
+      if (store_gone != nullptr) *store_gone = true;
+    }
+    return {};
+  }
+
+  /// True when a rank recorded a failure, or the store does not answer (a quick check, for
+  /// waits that cannot see the failure otherwise, such as waiting for a peer to connect).
+  bool recorded() noexcept {
+    if (owner_.forked()) return false;
+    try {
+      return store_ && store_->check(failure_key, store_budget());
+    } catch (const error& e) {
+      // A request that timed out (the connection busy with another thread's long wait, or a
+      // slow rank 0) says nothing yet; a connection that is gone says the group is.
+      return e.condition() != errc::timeout || store_->unusable();
+    } catch (...) {
+      return true;
+    }
+  }
+
+  /// What to report for an error met while connecting to peers (a peer that never connected,
+  /// a connection refused or lost): the group's first failure when a rank recorded one; "rank 0
+  /// is lost" when its store does not answer either (the peer that never connected may have
+  /// failed on the store too: it is not the one to blame); else the error itself.
+  group_failure explain(const error& e) noexcept {
+    if (owner_.forked()) return {e.condition(), detail::message_of(e)};
+    try {
+      const auto code = e.condition();
+      if (code != errc::timeout && code != errc::peer_lost) return {code, detail::message_of(e)};
+      bool store_gone = false;
+      if (auto f = first(&store_gone); !f.empty()) return f;
+      if (store_gone)
+        return {errc::peer_lost, "rank 0 is lost (its store does not answer; " + detail::message_of(e) + ")"};
+      return {code, detail::message_of(e)};
+    } catch (...) {
+      return {e.condition(), {}};
+    }
+  }
+
+  /// The verdict on a failed link to `peer` (`ec` says how it failed; `why`, when given, says it
+  /// better than `ec`): the failure this rank must raise, and whether it is another rank's.
+  struct link_verdict {
+    group_failure failure;  ///< adopted: the recorded text; else this rank's own sentence
+    bool adopted = false;   ///< true: a rank recorded it first (raise its text as it is)
+  };
+
+  /// Judges a failed link: the group's first failure when a rank recorded one (the peer that
+  /// closed the connection may still be recording why: for a closed link it is waited for
+  /// briefly); else "rank 0 is lost" when its store does not answer either (`noticed` says
+  /// where this rank noticed: "waiting for rank 3"); else, after a timeout, the rank that
+  /// stopped (name_stopped, under `prefix`); else the lost peer. This rank's own verdict is
+  /// recorded, and when another rank's was recorded meanwhile, that one is returned instead:
+  /// the first one is everyone's.
+  link_verdict judge(int peer, const std::error_code& ec, const std::string& prefix, const std::string& noticed,
+                     const std::string& why = {}) {
+    bool store_gone = false;
+    const bool timed_out = detail::to_errc(ec) == errc::timeout;
+    if (auto f = first(&store_gone, !timed_out); !f.empty()) return {f, true};
+    std::string msg;
+    if (store_gone) {
+      // Rank 0 hosts the store: when it does not answer either, rank 0 is the one lost,
+      // whatever connection happened to notice first.
+      msg = "rank 0 is lost (its store does not answer; noticed " + noticed + ")";
+    } else if (timed_out) {
+      msg = name_stopped(prefix, peer);
+    } else {
+      msg = !why.empty() ? why : "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
+    }
+    const errc code = timed_out && !store_gone ? errc::timeout : errc::peer_lost;
+    // Another rank may have recorded its verdict meanwhile: the first one is everyone's.
+    if (const auto held = record({code, reported(msg)}); held.text != reported(msg)) return {held, true};
+    return {{code, msg}, false};
+  }
+
+  /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
+  /// may be the rank that is gone.
+  deadline_t store_budget() const {
+    return clock::now() + std::min<std::chrono::milliseconds>(detail::timing::failure_store_budget, timeout_ / 8);
+  }
+
+  /// After a timeout, finds who stopped: the rank this one waits for (`peer`) may itself wait
+  /// for another. Every rank that times out records under `prefix` whom it waits for; the
+  /// chain of those records, from `peer` on, ends at the rank that stopped (frozen, swapping,
+  /// or stuck outside ddp): a rank that is itself only waiting is never blamed. A rank at the
+  /// end of the chain gets a grace of min(1 s, timeout / 4) to record that it waits too (its
+  /// own deadline may come a little later). When the store (rank 0) does not answer either,
+  /// rank 0 is the one. Returns the sentence for the error.
+  std::string name_stopped(const std::string& prefix, int peer) {
+    owner_.check(rank_, "process_group (name_stopped())");
+    const std::string waited = "rank " + std::to_string(rank_) + " waited for rank " + std::to_string(peer);
+    const std::string store_silent = "rank 0 stopped answering (its store does not reply; " + waited + ")";
+    if (!store_) return "rank " + std::to_string(peer) + " did not answer within the deadline";
+    try {
+      store_->set(prefix + "/waiting/" + std::to_string(rank_), std::to_string(peer), store_budget());
+    } catch (const error&) {
+      return store_silent;
+    }
+    const auto grace = std::min<std::chrono::milliseconds>(detail::timing::stopped_grace, timeout_ / 4);
+    const auto end = clock::now() + grace;
+    // Small groups read every rank's record, so the search can end as soon as the chain's end is
+    // the only rank left silent; large ones read only the records along the chain (a thousand
+    // ranks timing out together must not each read a thousand keys), and give its end the grace.
+    const bool scan_all = size_ <= 64;
+    std::unordered_map<int, int> waits_for{{rank_, peer}};
+    auto record_of = [&](int r) {
+      auto it = waits_for.find(r);
+      if (it != waits_for.end()) return it->second;
+      const std::string key = prefix + "/waiting/" + std::to_string(r);
+      if (!store_->check(key, store_budget())) return -1;
+      const int w = std::atoi(store_->get(key, store_budget()).c_str());
+      waits_for[r] = w;
+      return w;
+    };
+    std::vector<int> chain;
+    for (;;) {
+      int silent = 0;
+      try {
+        if (scan_all)
+          for (int r = 0; r < size_; ++r)
+            if (record_of(r) < 0) ++silent;
+        // Follow "waits for" from `peer` until a rank that records nothing, or a cycle.
+        chain.assign(1, peer);
+        for (int r = peer; r >= 0 && r < size_ && record_of(r) >= 0;) {
+          r = record_of(r);
+          if (std::find(chain.begin(), chain.end(), r) != chain.end() || r < 0 || r >= size_) {
+            chain.push_back(-1);  // a cycle: the ranks wait for each other
+            break;
+          }
+          chain.push_back(r);
+        }
+      } catch (const error&) {
+        return store_silent;
+      }
+      // Certain once the chain's end is the only rank left silent; else wait out the grace.
+      if (chain.back() < 0 || (scan_all && silent <= 1) || clock::now() >= end) break;
+      std::this_thread::sleep_for(detail::timing::stopped_poll);
+    }
+    // chain: peer, whom peer waits for, ... ending at a silent rank, or at -1 after a cycle.
+    std::string via = waited;
+    for (std::size_t i = 1; i < chain.size() && chain[i] >= 0; ++i)
+      via += ", which waited for rank " + std::to_string(chain[i]);
+    if (chain.back() < 0) {
+      std::string ring;
+      for (std::size_t i = 0; i + 1 < chain.size(); ++i) ring += (ring.empty() ? "" : ", ") + std::to_string(chain[i]);
+      return "ranks " + ring + " wait for each other and none of them stopped (" + via +
+             "): their calls do not match";
+    }
+    return "rank " + std::to_string(chain.back()) + " stopped answering within the deadline (" + via + ")";
+  }
+
+ private:
+  static constexpr const char* failure_key = "pg/failure";
+
+  store_client* store_ = nullptr;
+  int rank_ = 0;
+  int size_ = 1;
+  std::chrono::milliseconds timeout_{0};
+  detail::owner_process owner_;  // the process that joined: a forked child's copy records nothing
+};
+
+}  // namespace v0
+}  // namespace ddp
