@@ -6,7 +6,7 @@
 
 struct anywhere_allocator {
   void* allocate(std::size_t n) { return std::malloc(n); }
-  void deallocate(void* p, std::size_t) { std::free(p); }
+  void deallocate(void* p, std::size_t) noexcept { std::free(p); }
 };
 
 template <ddp::device_allocator A>

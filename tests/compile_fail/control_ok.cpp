@@ -34,7 +34,7 @@ struct one_planner {
 
 struct malloc_allocator {
   void* allocate(std::size_t n) { return std::malloc(n); }
-  void deallocate(void* p, std::size_t) { std::free(p); }
+  void deallocate(void* p, std::size_t) noexcept { std::free(p); }
   ddp::memory_kind location() const { return ddp::memory_kind::host; }
 };
 

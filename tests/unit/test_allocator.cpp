@@ -15,8 +15,24 @@ namespace {
 // The smallest type that models the concept.
 struct minimal_allocator {
   void* allocate(std::size_t) { return nullptr; }
-  void deallocate(void*, std::size_t) {}
+  void deallocate(void*, std::size_t) noexcept {}
   ddp::memory_kind location() const { return ddp::memory_kind::shared; }
+};
+struct throwing_deallocate {  // a release that may throw: the wrapper frees on paths that must not
+  void* allocate(std::size_t) { return nullptr; }
+  void deallocate(void*, std::size_t) {}
+  ddp::memory_kind location() const { return ddp::memory_kind::host; }
+};
+struct copy_only : minimal_allocator {  // copy without zero: the hooks come in pairs
+  void copy(void*, const void*, std::size_t) {}
+};
+struct copying : copy_only {
+  void zero(void*, std::size_t) {}
+};
+struct device_memory {  // memory kind known at compile time
+  void* allocate(std::size_t) { return nullptr; }
+  void deallocate(void*, std::size_t) noexcept {}
+  constexpr ddp::memory_kind location() const noexcept { return ddp::memory_kind::cuda; }
 };
 struct no_deallocate {
   void* allocate(std::size_t) { return nullptr; }
@@ -35,6 +51,14 @@ struct typed_allocate {  // std::allocator-like: returns T*, not void*
 static_assert(ddp::device_allocator<ddp::host_allocator>);
 static_assert(ddp::device_allocator<minimal_allocator>);
 static_assert(!ddp::has_deallocate<no_deallocate> && !ddp::device_allocator<no_deallocate>);
+static_assert(ddp::has_deallocate<throwing_deallocate> && !ddp::has_nothrow_deallocate<throwing_deallocate> &&
+              !ddp::device_allocator<throwing_deallocate>);
+static_assert(!ddp::allocator_with_copy<minimal_allocator> && !ddp::copying_allocator<minimal_allocator>);
+static_assert(ddp::allocator_with_copy<copy_only> && !ddp::allocator_with_zero<copy_only> &&
+              !ddp::copying_allocator<copy_only>);
+static_assert(ddp::copying_allocator<copying>);
+static_assert(ddp::allocates_device_memory<device_memory>() && !ddp::allocates_device_memory<ddp::host_allocator>());
+static_assert(!ddp::allocates_device_memory<minimal_allocator>());  // location() not constexpr: unknown
 static_assert(!ddp::has_memory_location<no_location> && !ddp::device_allocator<no_location>);
 static_assert(!ddp::has_allocate<typed_allocate> && !ddp::device_allocator<typed_allocate>);
 static_assert(ddp::host_accessible(ddp::memory_kind::pinned) && !ddp::host_accessible(ddp::memory_kind::cuda));

@@ -5,10 +5,12 @@
 
 #include <cuda_runtime.h>
 
+#include <concepts>
 #include <cstddef>
 
 #include <ddp/detail/cuda_check.hpp>
 #include <ddp/memory/allocator_concept.hpp>
+#include <ddp/memory/detail/cuda_release.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -19,6 +21,10 @@ inline namespace v0 {
 /// a free never synchronizes the device. Devices without memory-pool support fall back to
 /// `cudaMalloc`/`cudaFree`. The device is switched for the call only; the caller's current
 /// device is left as it was. Results are aligned to at least 256 bytes.
+///
+/// It has the hooks of `ddp::copying_allocator` (`copy`, `zero`), so `basic_data_parallel`
+/// can fill and read its buckets, and the wrapper builds it from an `nccl_reducer` with the
+/// reducer's device and stream (`for_reducer`).
 /// \code
 /// ddp::cuda_allocator a{.device = 1, .stream = my_stream};
 /// void* p = a.allocate(bytes);   // ready for use on my_stream
@@ -42,14 +48,56 @@ struct cuda_allocator {
     return p;
   }
 
-  void deallocate(void* p, std::size_t /*bytes*/) const {
+  /// Frees `p` in the order of `stream`. Never throws: a CUDA error (a context already torn
+  /// down at exit, a poisoned context) is recorded, not raised, and `release_error()` returns
+  /// it; the runtime's last-error slot is cleared so that it does not resurface elsewhere.
+  void deallocate(void* p, std::size_t /*bytes*/) const noexcept {
     if (p == nullptr) return;
-    detail::cuda_device_guard on(device);
-    if (pools_supported()) {
-      DDP_CUDA_CHECK(cudaFreeAsync(p, stream));
-    } else {
-      DDP_CUDA_CHECK(cudaFree(p));
+    int previous = 0;
+    cudaError_t e = cudaGetDevice(&previous);
+    if (e == cudaSuccess && previous != device) e = cudaSetDevice(device);
+    if (e == cudaSuccess) {
+      int pools = 0;
+      e = cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device);
+      if (e == cudaSuccess) e = pools != 0 ? cudaFreeAsync(p, stream) : cudaFree(p);
+      if (previous != device) (void)cudaSetDevice(previous);
     }
+    detail::record_cuda_release_error(e);
+  }
+
+  /// The first CUDA error a `deallocate` (of any CUDA allocator of ddp) recorded since the last
+  /// call, or cudaSuccess; taking it clears it.
+  static cudaError_t release_error() noexcept { return detail::take_cuda_release_error(); }
+
+  /// Copies `bytes` from `src` to `dst`, each in device or host memory (`cudaMemcpyDefault`:
+  /// the direction follows the pointers, so a parameter on the host or on a device both work),
+  /// in the order of `stream`, and returns when the copy is done (the caller may then reuse
+  /// `src` or read `dst`). Throws `ddp::error` (`errc::system`) when CUDA refuses.
+  void copy(void* dst, const void* src, std::size_t bytes) const {
+    if (bytes == 0) return;
+    detail::cuda_device_guard on(device);
+    DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream));
+    DDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  /// Sets `bytes` of device memory at `dst` to zero in the order of `stream` and returns when
+  /// done. Throws `ddp::error` (`errc::system`) when CUDA refuses.
+  void zero(void* dst, std::size_t bytes) const {
+    if (bytes == 0) return;
+    detail::cuda_device_guard on(device);
+    DDP_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream));
+    DDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  /// The allocator for a reducer's buckets: its device and stream (`nccl_reducer`). The
+  /// wrapper builds its allocator this way (`ddp::allocator_bound_to`).
+  template <class Reducer>
+    requires requires(const Reducer& r) {
+      { r.device() } -> std::convertible_to<int>;
+      { r.stream() } -> std::convertible_to<cudaStream_t>;
+    }
+  static cuda_allocator for_reducer(const Reducer& r) noexcept {
+    return cuda_allocator{.device = r.device(), .stream = r.stream()};
   }
 
   constexpr memory_kind location() const noexcept { return memory_kind::cuda; }
@@ -66,7 +114,7 @@ struct cuda_allocator {
   }
 };
 
-static_assert(device_allocator<cuda_allocator>);
+static_assert(copying_allocator<cuda_allocator>);
 
 }  // namespace v0
 }  // namespace ddp

@@ -9,6 +9,7 @@
 
 #include <ddp/detail/cuda_check.hpp>
 #include <ddp/memory/allocator_concept.hpp>
+#include <ddp/memory/detail/cuda_release.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -33,9 +34,14 @@ struct pinned_allocator {
     return p;
   }
 
-  void deallocate(void* p, std::size_t /*bytes*/) const {
-    if (p != nullptr) DDP_CUDA_CHECK(cudaFreeHost(p));
+  /// Frees `p`. Never throws: a CUDA error is recorded (`release_error()` returns it) and the runtime's last-error slot cleared.
+  void deallocate(void* p, std::size_t /*bytes*/) const noexcept {
+    if (p != nullptr) detail::record_cuda_release_error(cudaFreeHost(p));
   }
+
+  /// The first CUDA error a `deallocate` recorded since the last call, or cudaSuccess; taking
+  /// it clears it (one record for every CUDA allocator of ddp).
+  static cudaError_t release_error() noexcept { return detail::take_cuda_release_error(); }
 
   constexpr memory_kind location() const noexcept { return memory_kind::pinned; }
 

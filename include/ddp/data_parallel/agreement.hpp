@@ -1,0 +1,234 @@
+#pragma once
+/// \file data_parallel/agreement.hpp
+/// `ddp::agreement`: what the ranks of a `basic_data_parallel` must agree on (the parameters'
+/// signatures, the bucket plan's fingerprint, each rank's bucket setup, the order the plan is
+/// rebuilt from), over a small channel (`agreement_channel`) instead of a `process_group`, so
+/// that it can be tested in one process with a fake. Every encoding the wrapper sends to its
+/// peers lives here. See docs/data-parallel.md.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <functional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ddp/concepts.hpp>
+#include <ddp/data_parallel/detail/label.hpp>
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+#include <ddp/parameter.hpp>
+#include <ddp/planner/bucket_plan.hpp>
+
+namespace ddp {
+inline namespace v0 {
+
+/// What the agreement needs from a group: this rank, the world size, an all-gather of byte
+/// strings and a broadcast of 64-bit words. `basic_data_parallel` fills it from its
+/// `process_group`; a test passes functions that play the other ranks.
+struct agreement_channel {
+  int rank = 0;
+  int size = 1;
+  /// Every rank's string, indexed by rank (a collective: every rank calls it).
+  std::function<std::vector<std::string>(const std::string&)> all_gather;
+  /// Copies `root`'s words into every rank's span (a collective).
+  std::function<void(std::span<std::uint64_t>, int root)> broadcast;
+};
+
+/// One parameter as ranks compare it: dtype, host or device, shape (not the device index, which
+/// may differ per rank).
+struct parameter_signature {
+  std::uint8_t type = 0;
+  std::uint8_t on_device = 0;
+  std::vector<std::int64_t> shape;
+  friend bool operator==(const parameter_signature&, const parameter_signature&) = default;
+};
+
+/// The checks that every rank makes alike; each raises the same error on every rank.
+/// \code
+/// ddp::agreement agree{{.rank = pg.rank(), .size = pg.size(),
+///                       .all_gather = [&](const std::string& s) { return pg.all_gather(s); }}};
+/// agree.check_signatures(views);  // errc::mismatch naming the first differing parameter
+/// \endcode
+class agreement {
+ public:
+  explicit agreement(agreement_channel channel) : ch_(std::move(channel)) {}
+
+  int rank() const noexcept { return ch_.rank; }
+  int size() const noexcept { return ch_.size; }
+
+  // ---- the wire encodings (little-endian 64-bit words) ------------------------------------
+
+  /// Parameter count, then per parameter: dtype | on-device << 8, rank of the shape, the shape.
+  static std::string encode_signatures(std::span<const tensor_view> views) {
+    std::string s;
+    put_u64(s, views.size());
+    for (const auto& v : views) {
+      put_u64(s, static_cast<std::uint64_t>(v.type) | (v.device >= 0 ? 0x100u : 0u));
+      put_u64(s, v.shape.size());
+      for (auto d : v.shape) put_u64(s, static_cast<std::uint64_t>(d));
+    }
+    return s;
+  }
+
+  /// The inverse of `encode_signatures`; errc::protocol for a truncated or malformed record.
+  static std::vector<parameter_signature> decode_signatures(const std::string& s) {
+    std::size_t pos = 0;
+    const std::uint64_t n = get_u64(s, pos);
+    if (n > s.size()) detail::raise(errc::protocol, -1, "malformed parameter signature");
+    std::vector<parameter_signature> out(n);
+    for (auto& sig : out) {
+      const std::uint64_t td = get_u64(s, pos);
+      sig.type = static_cast<std::uint8_t>(td & 0xff);
+      sig.on_device = static_cast<std::uint8_t>(td >> 8);
+      const std::uint64_t nd = get_u64(s, pos);
+      if (nd > s.size()) detail::raise(errc::protocol, -1, "malformed parameter signature");
+      for (std::uint64_t k = 0; k < nd; ++k) sig.shape.push_back(static_cast<std::int64_t>(get_u64(s, pos)));
+    }
+    return out;
+  }
+
+  /// "f32[4, 6]", "f16@device[8]".
+  static std::string describe(const parameter_signature& s) {
+    std::string d = dtype_name(static_cast<dtype>(s.type));
+    d += s.on_device ? "@device[" : "[";
+    for (std::size_t k = 0; k < s.shape.size(); ++k) d += (k ? ", " : "") + std::to_string(s.shape[k]);
+    return d + "]";
+  }
+
+  /// The plan's fingerprint, then whether the layout is settled (1) or will be rebuilt (0).
+  static std::string encode_plan(const bucket_plan& plan, bool settled) {
+    std::string s;
+    put_u64(s, plan.fingerprint());
+    put_u64(s, settled ? 1 : 0);
+    return s;
+  }
+
+  /// A rank's bucket setup: empty when it went well, else "<errc> <text>".
+  static std::string encode_outcome(errc code, const std::string& text) {
+    return std::to_string(static_cast<int>(code)) + " " + text;
+  }
+  static std::pair<errc, std::string> decode_outcome(const std::string& v) {
+    const auto sp = v.find(' ');
+    if (sp == std::string::npos) return {errc::protocol, v};
+    return {static_cast<errc>(std::atoi(v.substr(0, sp).c_str())), v.substr(sp + 1)};
+  }
+
+  // ---- the checks ---------------------------------------------------------------------------
+
+  /// Every rank has the same parameters (count, dtypes, shapes, host or device). Otherwise
+  /// errc::mismatch on every rank, naming the first differing parameter and the ranks that
+  /// differ (or the counts).
+  void check_signatures(std::span<const tensor_view> views) const {
+    const auto all = ch_.all_gather(encode_signatures(views));
+    if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) return;
+    std::vector<std::vector<parameter_signature>> sigs;
+    for (const auto& s : all) sigs.push_back(decode_signatures(s));
+    std::size_t common = sigs[0].size();
+    for (const auto& s : sigs) common = std::min(common, s.size());
+    const auto label = [&](std::size_t i) {
+      return detail::parameter_label(i, i < views.size() ? views[i].name : std::string_view{});
+    };
+    for (std::size_t i = 0; i < common; ++i) {
+      std::string differing;
+      for (std::size_t r = 1; r < sigs.size(); ++r)
+        if (!(sigs[r][i] == sigs[0][i]))
+          differing += (differing.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + describe(sigs[r][i]));
+      if (!differing.empty())
+        detail::raise(errc::mismatch, ch_.rank,
+                      "ranks disagree on " + label(i) + ": rank 0 has " + describe(sigs[0][i]) + ", " + differing, -1,
+                      static_cast<int>(i));
+    }
+    std::string counts;
+    for (std::size_t r = 0; r < sigs.size(); ++r)
+      if (sigs[r].size() != sigs[0].size() || r == 0)
+        counts += (counts.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + std::to_string(sigs[r].size()));
+    detail::raise(errc::mismatch, ch_.rank,
+                  "ranks disagree on the number of parameters: " + counts + "; the first differing is " + label(common),
+                  -1, static_cast<int>(common));
+  }
+
+  /// Ranks agree on the plan and on whether it will be rebuilt (a collective of the group that
+  /// a rank skipping it would leave its peers waiting on); `when` says at which point.
+  void check_plan(const bucket_plan& plan, bool settled, const char* when) const {
+    const auto all = ch_.all_gather(encode_plan(plan, settled));
+    std::string plans, rebuilds;
+    for (std::size_t r = 1; r < all.size(); ++r) {
+      if (all[r].compare(0, 8, all[0], 0, 8) != 0) plans += (plans.empty() ? "rank " : ", rank ") + std::to_string(r);
+      else if (all[r] != all[0]) rebuilds += (rebuilds.empty() ? "rank " : ", rank ") + std::to_string(r);
+    }
+    if (!plans.empty())
+      detail::raise(errc::mismatch, ch_.rank,
+                    std::string("bucket plans differ ") + when + " between rank 0 and " + plans +
+                        " (different bucket_policy or planner on those ranks?)");
+    if (!rebuilds.empty()) {
+      const bool rank0_rebuilds = all[0][8] == 0;
+      detail::raise(errc::mismatch, ch_.rank,
+                    std::string("ranks disagree ") + when + " on rebuilding the bucket plan after the first step: rank 0 " +
+                        (rank0_rebuilds ? "does, " : "does not, ") + rebuilds + (rank0_rebuilds ? " do not" : " do") +
+                        " (bucket_policy::rebuild_from_ready_order or dp_options::gradient_as_bucket_view differ)");
+    }
+  }
+
+  /// Tells every rank whether every other rank set up its buckets. `mine` is this rank's own
+  /// failure (rethrown as it was raised); otherwise a failed peer is raised with its errc,
+  /// naming it, so that nobody learns of it only at the first step.
+  void share_setup(const std::exception_ptr& mine) const {
+    std::string status;  // empty when fine
+    if (mine) {
+      try {
+        std::rethrow_exception(mine);
+      } catch (const error& e) {
+        status = encode_outcome(e.condition(), detail::message_of(e));
+      } catch (const std::exception& e) {
+        status = encode_outcome(errc::system, e.what());
+      } catch (...) {
+        status = encode_outcome(errc::system, "an exception of unknown type");
+      }
+    }
+    if (ch_.size == 1) {
+      if (mine) std::rethrow_exception(mine);
+      return;
+    }
+    const auto all = ch_.all_gather(status);
+    if (mine) std::rethrow_exception(mine);  // this rank's own cause, as it was raised
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      if (all[r].empty()) continue;
+      const auto [code, text] = decode_outcome(all[r]);
+      detail::raise(code, ch_.rank, "rank " + std::to_string(r) + " could not set up its gradient buckets: " + text);
+    }
+  }
+
+  /// The rebuild from the observed ready order: rank 0's `order` (every parameter once) is
+  /// broadcast and every rank re-plans with it. The caller checks the new plan with
+  /// `check_plan(..., "after the rebuild")` once its buckets are in place.
+  template <bucket_planner Planner>
+  bucket_plan rebuilt_plan(const Planner& planner, std::span<const param_info> infos, const bucket_policy& policy,
+                           std::span<const std::size_t> order) const {
+    std::vector<std::uint64_t> words(order.begin(), order.end());
+    ch_.broadcast(std::span<std::uint64_t>(words), 0);
+    std::vector<std::size_t> walk(words.begin(), words.end());
+    return planner.plan(infos, policy, walk);
+  }
+
+ private:
+  static void put_u64(std::string& s, std::uint64_t v) {
+    for (int k = 0; k < 8; ++k) s.push_back(static_cast<char>((v >> (8 * k)) & 0xff));
+  }
+  static std::uint64_t get_u64(const std::string& s, std::size_t& pos) {
+    if (pos + 8 > s.size()) detail::raise(errc::protocol, -1, "truncated parameter signature");
+    std::uint64_t v = 0;
+    for (int k = 0; k < 8; ++k) v |= static_cast<std::uint64_t>(static_cast<unsigned char>(s[pos + k])) << (8 * k);
+    pos += 8;
+    return v;
+  }
+
+  agreement_channel ch_;
+};
+
+}  // namespace v0
+}  // namespace ddp

@@ -1,0 +1,79 @@
+#pragma once
+/// \file data_parallel/detail/failure_latch.hpp
+/// The wrapper's first failure: kept once, raised by every later call.
+// IWYU pragma: private
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include <ddp/data_parallel/detail/label.hpp>
+#include <ddp/error.hpp>
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+class failure_latch {
+ public:
+  bool failed() const noexcept { return failed_.load(std::memory_order_acquire); }
+
+  /// Raises the first failure's errc on `rank`, quoting its cause, once there is one.
+  void check(int rank) const {
+    if (!failed()) return;
+    std::lock_guard lock(mu_);
+    raise(code_, rank, "this data_parallel wrapper failed earlier and cannot be used again; the first cause: " + what_);
+  }
+
+  /// Called inside a catch block: keeps the current exception as the first failure of `what`
+  /// for parameter `param` named `name` (`param` < 0: none) at `step`. Returns the message the
+  /// peers must be told, or an empty string: when a failure was kept already, or when the cause
+  /// is a verdict about the group (peer_lost, timeout, aborted) that its failure machinery has
+  /// posted already (blaming this rank would hide the true cause), or when `tell` is false.
+  std::string record(const char* what, std::ptrdiff_t param, std::string_view name, std::uint64_t step,
+                     bool tell) noexcept {
+    try {
+      errc code = errc::aborted;
+      std::string cause;
+      try {
+        throw;
+      } catch (const error& e) {
+        code = e.condition();
+        cause = message_of(e);  // without its "[ddp.x] rank N:" prefix: ours comes later
+        if (code == errc::peer_lost || code == errc::timeout || code == errc::aborted) tell = false;
+      } catch (const std::exception& e) {
+        cause = e.what();
+      } catch (...) {
+        cause = "an exception of unknown type";
+      }
+      std::string where = what;
+      if (param >= 0) where += " for " + parameter_label(static_cast<std::size_t>(param), name);
+      std::string msg = "data_parallel failed in " + where + " at step " + std::to_string(step) + ": " + cause;
+      {
+        std::lock_guard lock(mu_);
+        if (failed_.load(std::memory_order_relaxed)) return {};  // keep the first cause
+        code_ = code;
+        what_ = msg;
+        failed_.store(true, std::memory_order_release);
+      }
+      return tell ? msg : std::string();
+    } catch (...) {
+      failed_.store(true, std::memory_order_release);  // out of memory for the message: still failed
+      return {};
+    }
+  }
+
+ private:
+  std::atomic<bool> failed_{false};
+  mutable std::mutex mu_;
+  errc code_ = errc::aborted;
+  std::string what_;
+};
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp

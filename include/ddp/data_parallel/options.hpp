@@ -1,0 +1,64 @@
+#pragma once
+/// \file data_parallel/options.hpp
+/// The values of `ddp::basic_data_parallel`: its run-time options (`dp_options`) and what a
+/// step cost (`step_stats`, `bucket_timing`). See docs/data-parallel.md.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace ddp {
+inline namespace v0 {
+
+/// Run-time options of the data-parallel wrapper. See docs/data-parallel.md.
+/// \code
+/// ddp::data_parallel dp{pg, params, {}, ddp::dp_options{.gradient_as_bucket_view = true}};
+/// \endcode
+struct dp_options {
+  /// The engine writes gradient i straight into bucket memory (`bucket_grad(i)`), so nothing is
+  /// copied in or out. The bucket layout is then fixed at construction (no rebuild from the
+  /// ready order), so a pointer from `bucket_grad(i)` stays valid for the wrapper's lifetime.
+  bool gradient_as_bucket_view = false;
+  /// Parameters that never became ready by `finish()` count as a zero gradient instead of being
+  /// an error (models whose forward skips parts of the network).
+  bool find_unused_parameters = false;
+  /// Copy rank 0's parameter values to every rank at construction.
+  bool broadcast_parameters = true;
+  /// Reduce with `op::avg` (true) or `op::sum` (false: the engine scales gradients itself).
+  bool average = true;
+  /// Bound on `finish()`'s wait for the reductions; zero means the process group's timeout.
+  std::chrono::milliseconds timeout{0};
+
+  friend bool operator==(const dp_options&, const dp_options&) = default;
+};
+
+/// Timing of one bucket in one step, in milliseconds from the step's first `grad_ready`.
+struct bucket_timing {
+  std::size_t bytes = 0;       ///< bytes reduced by this bucket's collective
+  std::size_t parameters = 0;  ///< parameters in the bucket
+  double ready_ms = 0;         ///< its last gradient arrived (the bucket became complete)
+  double launch_ms = 0;        ///< handed to the reducer (later than ready when an earlier bucket lagged)
+  double reduced_ms = 0;       ///< the reducer finished it
+
+  /// Time from the bucket becoming complete to its reduction ending.
+  double ready_to_reduced_ms() const noexcept { return reduced_ms - ready_ms; }
+  /// Time the collective spent queued and running.
+  double launch_to_reduced_ms() const noexcept { return reduced_ms - launch_ms; }
+};
+
+/// What one step cost; `last_step_stats()` after `finish()`.
+struct step_stats {
+  std::uint64_t step = 0;        ///< 0 for the first `finish()`
+  bool synchronized = false;     ///< false for a step under `no_sync()`
+  std::size_t bytes_reduced = 0; ///< sum of the bucket sizes reduced this step
+  std::size_t unused = 0;        ///< parameters not ready in this step (mark_unused or the option)
+  std::size_t launched_before_finish = 0;  ///< buckets launched while backward was still running
+  double backward_ms = 0;  ///< first to last `grad_ready` (the backward window seen by ddp)
+  double exposed_ms = 0;   ///< last `grad_ready` to `finish()` return: communication not hidden
+  double finish_ms = 0;    ///< time spent inside `finish()`
+  std::vector<bucket_timing> buckets;  ///< in plan (launch) order; empty for unsynchronized steps
+};
+
+}  // namespace v0
+}  // namespace ddp

@@ -1,0 +1,183 @@
+#include "ddp/data_parallel/agreement.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "ddp/planner/size_planner.hpp"
+#include "dp_plan.hpp"
+
+namespace {
+
+// A fake group of two: this process is rank 0; rank 1's contributions are set by the test.
+struct fake_pair {
+  std::string theirs;                      // what rank 1 contributes to the next all_gather
+  std::vector<std::uint64_t> root_words;   // rank 0's words in a broadcast (this rank's own)
+  int gathers = 0, broadcasts = 0;
+  std::vector<std::string> sent;
+
+  ddp::agreement_channel channel(int rank = 0) {
+    return {rank, 2,
+            [this](const std::string& mine) {
+              ++gathers;
+              sent.push_back(mine);
+              return std::vector<std::string>{mine, theirs};
+            },
+            [this](std::span<std::uint64_t> words, int root) {
+              ++broadcasts;
+              CHECK(root == 0);
+              if (!root_words.empty()) std::copy(root_words.begin(), root_words.end(), words.begin());
+            }};
+  }
+};
+
+ddp::tensor_view view(std::vector<std::int64_t> shape, std::string_view name = {}, int device = -1) {
+  ddp::tensor_view v;
+  v.numel = 1;
+  for (auto d : shape) v.numel *= static_cast<std::size_t>(d);
+  v.shape = std::move(shape);
+  v.name = name;
+  v.device = device;
+  return v;
+}
+
+template <class F>
+ddp::error error_of(F&& f) {
+  try {
+    f();
+  } catch (const ddp::error& e) {
+    return e;
+  }
+  FAIL("expected ddp::error");
+  return ddp::error(ddp::errc::aborted, -1, "");
+}
+
+std::string words(std::initializer_list<std::uint64_t> ws) {
+  std::string s;
+  for (auto w : ws)
+    for (int k = 0; k < 8; ++k) s.push_back(static_cast<char>((w >> (8 * k)) & 0xff));
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("agreement: the signature record on the wire is unchanged (64-bit little-endian words)") {
+  const std::vector<ddp::tensor_view> vs{view({2, 3}), view({5}, "b", 1)};
+  CHECK(ddp::agreement::encode_signatures(vs) == words({2, 0, 2, 2, 3, 0x100, 1, 5}));
+  const auto back = ddp::agreement::decode_signatures(ddp::agreement::encode_signatures(vs));
+  REQUIRE(back.size() == 2);
+  CHECK(back[0].shape == std::vector<std::int64_t>{2, 3});
+  CHECK(back[1].on_device == 1);
+  CHECK(ddp::agreement::describe(back[0]) == "f32[2, 3]");
+  CHECK(ddp::agreement::describe(back[1]) == "f32@device[5]");
+  const auto e = error_of([&] { ddp::agreement::decode_signatures(words({2, 0}).substr(0, 12)); });
+  CHECK(e.condition() == ddp::errc::protocol);
+  CHECK(ddp::agreement::encode_plan(dp_test::three_buckets(), true) ==
+        words({dp_test::three_buckets().fingerprint(), 1}));
+}
+
+TEST_CASE("agreement: the same parameters on every rank pass; a differing one is named on every rank") {
+  fake_pair fake;
+  ddp::agreement agree{fake.channel()};
+  const std::vector<ddp::tensor_view> mine{view({8}), view({4, 6}, "fc.weight"), view({6})};
+  fake.theirs = ddp::agreement::encode_signatures(mine);
+  agree.check_signatures(mine);
+  CHECK(fake.gathers == 1);
+
+  const std::vector<ddp::tensor_view> other{view({8}), view({6, 4}, "fc.weight"), view({6})};
+  fake.theirs = ddp::agreement::encode_signatures(other);
+  const auto e = error_of([&] { agree.check_signatures(mine); });
+  CHECK(e.condition() == ddp::errc::mismatch);
+  CHECK(e.parameter() == 1);
+  CHECK(e.rank() == 0);
+  CHECK(std::string(e.what()).find(
+            "ranks disagree on parameter 1 ('fc.weight'): rank 0 has f32[4, 6], rank 1 has f32[6, 4]") !=
+        std::string::npos);
+
+  // Host on one rank, a device on the other.
+  const std::vector<ddp::tensor_view> on_device{view({8}, "emb", 0), view({4, 6}), view({6})};
+  fake.theirs = ddp::agreement::encode_signatures(on_device);
+  const auto d = error_of([&] { agree.check_signatures(mine); });
+  CHECK(std::string(d.what()).find("rank 1 has f32@device[8]") != std::string::npos);
+}
+
+TEST_CASE("agreement: a different number of parameters names the counts and the first extra one") {
+  fake_pair fake;
+  ddp::agreement agree{fake.channel(1)};
+  const std::vector<ddp::tensor_view> mine{view({8}), view({4}), view({2}, "head")};
+  fake.theirs = ddp::agreement::encode_signatures(std::vector<ddp::tensor_view>{view({8}), view({4})});
+  const auto e = error_of([&] { agree.check_signatures(mine); });
+  CHECK(e.condition() == ddp::errc::mismatch);
+  CHECK(e.rank() == 1);
+  CHECK(e.parameter() == 2);
+  CHECK(std::string(e.what()).find("ranks disagree on the number of parameters: rank 0 has 3, rank 1 has 2; "
+                                   "the first differing is parameter 2 ('head')") != std::string::npos);
+}
+
+TEST_CASE("agreement: plans and the rebuild decision must match") {
+  fake_pair fake;
+  ddp::agreement agree{fake.channel()};
+  const auto plan = dp_test::three_buckets();
+  fake.theirs = ddp::agreement::encode_plan(plan, false);
+  agree.check_plan(plan, false, "at construction");
+
+  auto other = plan;
+  std::swap(other.buckets[1], other.buckets[2]);
+  fake.theirs = ddp::agreement::encode_plan(other, false);
+  const auto e = error_of([&] { agree.check_plan(plan, false, "at construction"); });
+  CHECK(e.condition() == ddp::errc::mismatch);
+  CHECK(std::string(e.what()).find("bucket plans differ at construction between rank 0 and rank 1") !=
+        std::string::npos);
+
+  fake.theirs = ddp::agreement::encode_plan(plan, true);
+  const auto r = error_of([&] { agree.check_plan(plan, false, "at construction"); });
+  CHECK(std::string(r.what()).find("ranks disagree at construction on rebuilding the bucket plan after the first "
+                                   "step: rank 0 does, rank 1 do not") != std::string::npos);
+}
+
+TEST_CASE("agreement: a rank that could not set up its buckets fails every rank, naming it") {
+  fake_pair fake;
+  ddp::agreement agree{fake.channel()};
+  fake.theirs = "";
+  agree.share_setup(nullptr);
+  CHECK(fake.sent.back().empty());
+
+  fake.theirs = ddp::agreement::encode_outcome(ddp::errc::system, "shm arena full");
+  const auto e = error_of([&] { agree.share_setup(nullptr); });
+  CHECK(e.condition() == ddp::errc::system);
+  CHECK(std::string(e.what()).find("rank 1 could not set up its gradient buckets: shm arena full") !=
+        std::string::npos);
+
+  // This rank's own failure is sent to the peers and rethrown as it was raised.
+  fake.theirs = "";
+  const auto own = std::make_exception_ptr(ddp::error(ddp::errc::unsupported, 0, "no room on device 0"));
+  const auto o = error_of([&] { agree.share_setup(own); });
+  CHECK(o.condition() == ddp::errc::unsupported);
+  CHECK(std::string(o.what()).find("no room on device 0") != std::string::npos);
+  const auto sent = ddp::agreement::decode_outcome(fake.sent.back());
+  CHECK(sent.first == ddp::errc::unsupported);
+  CHECK(sent.second == "no room on device 0");
+
+  // Alone, nothing is gathered.
+  ddp::agreement alone{{0, 1, nullptr, nullptr}};
+  alone.share_setup(nullptr);
+  CHECK_THROWS_AS(alone.share_setup(own), ddp::error);
+}
+
+TEST_CASE("agreement: the rebuild plans from rank 0's observed order on every rank") {
+  std::vector<ddp::param_info> infos(4, ddp::param_info{1000, ddp::dtype::f32, -1});
+  const ddp::bucket_policy policy{.cap_bytes = 0, .first_cap_bytes = 0};  // one bucket per parameter
+  fake_pair fake;
+  fake.root_words = {1, 3, 0, 2};  // rank 0 saw this order
+  ddp::agreement agree{fake.channel(1)};
+  const std::vector<std::size_t> mine{3, 2, 1, 0};  // this rank saw another
+  const auto plan = agree.rebuilt_plan(ddp::size_planner{}, infos, policy, mine);
+  CHECK(fake.broadcasts == 1);
+  REQUIRE(plan.buckets.size() == 4);
+  std::vector<std::size_t> first;
+  for (const auto& b : plan.buckets) first.push_back(b.entries.front().param);
+  CHECK(first == std::vector<std::size_t>{1, 3, 0, 2});
+}
