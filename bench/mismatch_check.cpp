@@ -1,6 +1,7 @@
 // The CPU cost of one collective-descriptor check (detail::mismatch on two equal descriptors,
 // the path every message of a tcp ring or tree takes), in nanoseconds; bench/mismatch_cost.sh
 // turns it into a bound on the share of a 1 MiB allreduce.
+#define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/detail/collective.hpp>
 
 #include <algorithm>

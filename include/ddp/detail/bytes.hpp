@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // The one byte encoder of ddp's wire formats (store frames, the authentication handshake, the
 // wrapper's parameter signatures): little-endian integers, raw bytes and u32-length-prefixed

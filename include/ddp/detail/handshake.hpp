@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // The mutual challenge-response that opens every authenticated connection (store and mesh).
 // All four messages have fixed sizes, so a reader knows how much to expect before it reads and

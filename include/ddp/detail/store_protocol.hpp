@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // Wire format of the key-value store. A frame is
 //   u32 length (of everything after it, little endian) | u8 code | fields...

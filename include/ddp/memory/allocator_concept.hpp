@@ -5,6 +5,8 @@
 #include <concepts>
 #include <cstddef>
 
+#include <ddp/version.hpp>
+
 namespace ddp {
 inline namespace v0 {
 
