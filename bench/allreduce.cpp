@@ -7,6 +7,7 @@
 // Each algorithm gets a fresh set of processes (forked here) and its own process group. Time
 // per iteration is the slowest rank's, each iteration starts after a barrier, and inputs are
 // checked after the timed loop (rank+1 everywhere: the sum is n(n+1)/2).
+#define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/detail/kernels.hpp>
 #include <ddp/memory/shm_allocator.hpp>
 #include <ddp/reducer/ring.hpp>

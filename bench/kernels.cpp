@@ -8,6 +8,7 @@
 // `a += b`, (inputs + outputs) x the size for combine. The kernels must stay close to the plain
 // loop: the gap is the price of their NaN handling and tails.
 
+#define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/detail/kernels.hpp>
 
 #include <algorithm>

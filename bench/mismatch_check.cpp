@@ -2,6 +2,7 @@
 // the path every message of a tcp ring or tree and every shm collective takes when nothing is
 // wrong), in nanoseconds; bench/mismatch_cost.sh turns it into a bound on the share of a 1 MiB
 // allreduce.
+#define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/detail/collective.hpp>
 
 #include <algorithm>

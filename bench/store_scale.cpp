@@ -19,6 +19,7 @@
 //   system,ranks,procs,reps,join_median_ms,join_min_ms,join_max_ms,rank0_rss_mib,rank0_fds,requests_per_rank,failed
 // Every process raises RLIMIT_NOFILE's soft limit to its hard limit; rank 0 needs N + slack
 // descriptors, so an N the hard limit cannot hold is skipped with a line on stderr.
+#define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/detail/rendezvous.hpp>
 #include <ddp/store.hpp>
 

@@ -8,6 +8,7 @@
 // rank that failed first (by exit time; ranks that fail after it, often because of it, and
 // ranks that ddprun ended itself are not blamed).
 
+#define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>

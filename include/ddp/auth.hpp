@@ -2,12 +2,13 @@
 /// \file auth.hpp
 /// Shared-secret authentication, the part with no dependency: the `ddp::authenticator`
 /// interface that computes and checks message authentication codes under one secret, and the
-/// process-wide hook through which an implementation makes itself available. The core never
-/// implements cryptography; an implementation comes from its own header, which installs itself
-/// when included:
+/// process-wide slot through which the program chooses an implementation. The core never
+/// implements cryptography; an implementation comes from its own header, and the program
+/// installs it explicitly (including a header installs nothing):
 ///
 /// \code
-/// #include <ddp/auth/sodium.hpp>   // link -lsodium; installs the libsodium authenticator
+/// #include <ddp/auth/sodium.hpp>   // link -lsodium
+/// ddp::install_authenticator(&ddp::sodium_authenticator::make);
 /// auto pg = ddp::init_process_group({.rank = r, .world_size = n, .auth_token = secret});
 /// \endcode
 ///
@@ -52,18 +53,18 @@ class authenticator {
 /// Makes an authenticator for a secret; may throw `ddp::error`.
 using authenticator_factory = std::shared_ptr<const authenticator> (*)(std::string_view secret);
 
-/// The process-wide factory slot; null until an implementation header installs one.
+/// The process-wide factory slot; null until the program installs one.
 inline std::atomic<authenticator_factory>& authenticator_slot() noexcept {
   static std::atomic<authenticator_factory> slot{nullptr};
   return slot;
 }
 
-/// Installs `f` as the process-wide authenticator factory and returns the previous one.
-/// Implementation headers call this from an inline variable's initializer, so including them
-/// is enough; call it yourself to plug in another implementation.
+/// Installs `f` as the process-wide authenticator factory and returns the previous one. Call
+/// it before the first group or store that uses a token, with libsodium's factory or your own.
 ///
 /// \code
-/// ddp::install_authenticator(&my_hsm_authenticator::make);
+/// ddp::install_authenticator(&ddp::sodium_authenticator::make);  // <ddp/auth/sodium.hpp>
+/// ddp::install_authenticator(&my_hsm_authenticator::make);        // or another implementation
 /// \endcode
 inline authenticator_factory install_authenticator(authenticator_factory f) noexcept {
   return authenticator_slot().exchange(f);
@@ -84,9 +85,10 @@ inline std::shared_ptr<const authenticator> make_authenticator(std::string_view 
   const auto f = authenticator_slot().load();
   if (f == nullptr)
     detail::raise(errc::unsupported, rank,
-                  "an auth token was given but this program has no authenticator: include "
-                  "<ddp/auth/sodium.hpp> and link libsodium (-lsodium), or unset DDP_AUTH_TOKEN; "
-                  "refusing to run without authentication");
+                  "an auth token was given but this program has no authenticator: call "
+                  "ddp::install_authenticator(&ddp::sodium_authenticator::make) (from "
+                  "<ddp/auth/sodium.hpp>, link libsodium: -lsodium) before creating the group or "
+                  "store, or unset DDP_AUTH_TOKEN; refusing to run without authentication");
   auto a = f(secret);
   if (!a) detail::raise(errc::unsupported, rank, "the installed authenticator factory returned nothing");
   return a;

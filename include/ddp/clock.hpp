@@ -11,6 +11,8 @@
 
 #include <chrono>
 
+#include <ddp/version.hpp>
+
 namespace ddp {
 inline namespace v0 {
 

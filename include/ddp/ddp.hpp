@@ -1,8 +1,10 @@
 #pragma once
 /// \file ddp.hpp
-/// The umbrella header: the core of ddp (process group, ring and tree reducers over tcp and shm,
-/// the data-parallel wrapper) with no optional dependency. CUDA, NCCL, MPI and oneTBB
-/// features enter through their own headers (ddp/reducer/nccl.hpp, ddp/reducer/mpi.hpp, ...).
+/// The umbrella header: all of ddp's core (process group and store, ring and tree reducers over
+/// tcp and shm, planners, the host and shared-memory allocators, the data-parallel wrapper, the
+/// authenticator interface) with no optional dependency. CUDA, NCCL, MPI, oneTBB and libsodium
+/// enter through their own headers (ddp/memory/cuda_allocator.hpp, ddp/memory/pinned_allocator.hpp,
+/// ddp/reducer/nccl.hpp, ddp/reducer/mpi.hpp, ddp/parallel/tbb.hpp, ddp/auth/sodium.hpp).
 ///
 /// \code
 /// #include <ddp/ddp.hpp>
@@ -10,13 +12,24 @@
 /// pg.barrier();
 /// \endcode
 
+#include <ddp/version.hpp>        // IWYU pragma: export
+#include <ddp/auth.hpp>           // IWYU pragma: export
+#include <ddp/clock.hpp>          // IWYU pragma: export
 #include <ddp/concepts.hpp>       // IWYU pragma: export
 #include <ddp/data_parallel.hpp>  // IWYU pragma: export
 #include <ddp/dtype.hpp>          // IWYU pragma: export
 #include <ddp/error.hpp>          // IWYU pragma: export
+#include <ddp/memory/allocator_concept.hpp>  // IWYU pragma: export
+#include <ddp/memory/host_allocator.hpp>     // IWYU pragma: export
+#include <ddp/memory/shm_allocator.hpp>      // IWYU pragma: export
+#include <ddp/parameter.hpp>                 // IWYU pragma: export
+#include <ddp/planner/bucket_plan.hpp>       // IWYU pragma: export
+#include <ddp/planner/planner_concept.hpp>   // IWYU pragma: export
+#include <ddp/planner/size_planner.hpp>      // IWYU pragma: export
 #include <ddp/process_group.hpp>  // IWYU pragma: export
 #include <ddp/reducer/ring.hpp>   // IWYU pragma: export
+#include <ddp/reducer/shm.hpp>    // IWYU pragma: export
 #include <ddp/reducer/tree.hpp>   // IWYU pragma: export
+#include <ddp/request.hpp>        // IWYU pragma: export
 #include <ddp/store.hpp>          // IWYU pragma: export
-#include <ddp/reducer/shm.hpp>  // IWYU pragma: export
 #include <ddp/transport/tcp.hpp>  // IWYU pragma: export

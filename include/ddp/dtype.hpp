@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <ddp/version.hpp>
+
 namespace ddp {
 inline namespace v0 {
 

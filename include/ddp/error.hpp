@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/version.hpp>
+
 namespace ddp {
 inline namespace v0 {
 

@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 
+#include <ddp/version.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/error.hpp>
 

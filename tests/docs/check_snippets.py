@@ -1,10 +1,18 @@
 #!/usr/bin/env python3
 """Compiles every ```cpp block of README.md and docs/*.md against the real headers.
 
-A block with its own main() is compiled as it is; any other block goes inside a function that
-first declares what the docs take as given (tests/docs/doc_context.hpp: pg, dp, engine, ...),
-with its #include lines moved to the top. Blocks that include an optional SDK's header (MPI,
-NCCL/CUDA, libsodium) are compiled when that SDK's headers are found, else reported as skipped.
+A block with its own main() is compiled exactly as it is. Any other block goes inside a
+function that first declares what the docs take as given (tests/docs/doc_context.hpp: pg, dp,
+engine, ...), with its #include lines moved to the top. Nothing hides a missing include: a block
+with #include lines compiles with those alone (the context declares ddp's classes without
+defining them, and `dp` only when the block includes the wrapper); a block without any is a
+fragment of a program that includes <ddp/ddp.hpp>, and gets just that. Blocks that include an
+optional SDK's header (MPI, NCCL/CUDA, libsodium) are compiled when that SDK's headers are found,
+else reported as skipped.
+
+Then every name `ddp::NAME` that README.md mentions, in blocks or in running text, must be
+offered by <ddp/ddp.hpp> alone (optional-SDK names excepted), and every type README.md writes
+in running text (`ddp::basic_data_parallel<...>`) must be a complete type with it.
 
   check_snippets.py SOURCE_ROOT COMPILER [ARGS...]
 """
@@ -52,10 +60,15 @@ def blocks(path):
 
 def unit(block):
     if re.search(r"^\s*int\s+main\s*\(", block, re.M):
-        return '#include "doc_context.hpp"\n' + block
+        return block
     includes = [l for l in block.splitlines() if l.startswith("#include")]
     body = [l for l in block.splitlines() if not l.startswith("#include")]
-    return ("\n".join(includes) + '\n#include "doc_context.hpp"\n'
+    context = []
+    if not includes:
+        context += ["#define DDP_DOC_UMBRELLA", "#define DDP_DOC_WRAPPER"]
+    elif any(re.search(r"<ddp/(ddp|data_parallel)\.hpp>", l) for l in includes):
+        context += ["#define DDP_DOC_WRAPPER"]
+    return ("\n".join(includes + context) + '\n#include "doc_context.hpp"\n'
             "int doc_snippet([[maybe_unused]] int argc, [[maybe_unused]] char** argv) {\n"
             "  DDP_DOC_CONTEXT\n  {\n" + "\n".join(body) + "\n  }\n  return 0;\n}\n")
 
@@ -87,4 +100,26 @@ with tempfile.TemporaryDirectory() as tmp:
                 failed += 1
                 print(f"FAIL {where}: this code block does not compile:\n{block}\n{res.stderr}")
 print(f"doc snippets: {passed} compile, {failed} fail, {skipped} skipped")
+
+# What README.md names must come with <ddp/ddp.hpp> alone. The optional parts have their own
+# headers (README says which), so they are not expected from the umbrella.
+OPTIONAL = {"nccl_reducer", "mpi_reducer", "cuda_allocator", "pinned_allocator", "sodium_authenticator",
+            "use_tbb", "set_kernel_threads", "detail",
+            "ddp"}  # the CMake target ddp::ddp
+readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+names = sorted(set(re.findall(r"\bddp::(\w+)", readme)) - OPTIONAL)
+types = sorted({t for t in re.findall(r"`(ddp::[\w:<>, ]+)`", readme) if "<" in t})
+probe = ["#include <ddp/ddp.hpp>", "namespace readme_names {"] + [f"using ddp::{n};" for n in names] + ["}"]
+probe += [f"static_assert(sizeof({t}) > 0);" for t in types]
+src = os.path.join(tempfile.gettempdir(), f"readme_names_{os.getpid()}.cpp")
+open(src, "w").write("\n".join(probe) + "\n")
+res = subprocess.run(compiler + ["-std=c++20", "-fsyntax-only", "-I" + os.path.join(root, "include"), src],
+                     capture_output=True, text=True)
+os.unlink(src)
+if res.returncode == 0:
+    print(f"README names: <ddp/ddp.hpp> offers all {len(names)} (ddp::{', ddp::'.join(names)}) "
+          f"and {len(types)} written types")
+else:
+    failed += 1
+    print("FAIL README.md names what <ddp/ddp.hpp> alone does not offer:\n" + res.stderr)
 sys.exit(1 if failed else 0)

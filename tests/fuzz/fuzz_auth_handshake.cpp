@@ -12,6 +12,7 @@
 // The authenticator here is a deterministic stand-in so that inputs replay exactly: it tells
 // right tags from wrong ones, which is all the state machine needs; it is no cryptography.
 
+#define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/detail/handshake.hpp>
 
 #include <algorithm>

@@ -5,6 +5,7 @@
 //
 // Input: our descriptor (32 bytes), then the peer's (32 bytes); missing bytes are zero.
 
+#define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/detail/collective.hpp>
 
 #include <cstring>

@@ -6,6 +6,7 @@
 // Input: one byte that chooses the call, then the fake store's answer. The fake store sends
 // the answer and hangs up, so a short answer ends the call at once with peer_lost.
 
+#define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/store.hpp>
 
 #include <optional>

@@ -11,6 +11,7 @@
 // the store has members (bit 4), then the stream. Between reads the harness waits until the
 // server has handled what it sent, so partial frames really arrive in separate reads.
 
+#define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/store.hpp>
 
 #include <memory>

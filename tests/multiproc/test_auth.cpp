@@ -24,6 +24,8 @@ namespace detail = ddp::detail;
 
 namespace {
 const std::string secret = "0123456789abcdef-group-secret";
+// This program chooses libsodium's authenticator (including its header installs nothing).
+const bool sodium_chosen = (ddp::install_authenticator(&ddp::sodium_authenticator::make), true);
 
 ddp::init_options opts(int rank, int n, int port, std::string token, std::chrono::milliseconds timeout = 20s) {
   ddp::init_options o;
@@ -369,7 +371,9 @@ TEST_CASE("a token without an installed authenticator is errc::unsupported") {
   } catch (const ddp::error& e) {
     CHECK(e.condition() == ddp::errc::unsupported);
     CHECK(std::string(e.what()).find("ddp/auth/sodium.hpp") != std::string::npos);
+    CHECK(std::string(e.what()).find("ddp::install_authenticator") != std::string::npos);
   }
+  CHECK(sodium_chosen);
   ddp::install_authenticator(saved);
   CHECK(ddp::authentication_available());
   auto pg = ddp::init_process_group(opts(0, 1, free_port(), secret));

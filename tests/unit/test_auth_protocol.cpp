@@ -10,8 +10,8 @@
 using namespace ddp::detail;
 
 namespace {
-const auto key = ddp::make_authenticator("unit-test-secret", 0);
-const auto other_key = ddp::make_authenticator("another-secret", 0);
+const auto key = ddp::sodium_authenticator::make("unit-test-secret");
+const auto other_key = ddp::sodium_authenticator::make("another-secret");
 auto admit_all = [](const auth_hello&) { return true; };
 
 auth_hello mesh_hello_from(std::uint32_t from) {
@@ -37,8 +37,25 @@ std::string proof_for(const ddp::authenticator& a, const std::string& hello, con
 }
 }  // namespace
 
-TEST_CASE("sodium authenticator: MACs depend on the secret and the message, verify is exact") {
+// Including <ddp/auth/sodium.hpp> installs nothing: libsodium is the program's explicit choice.
+TEST_CASE("the libsodium authenticator is used only once the program installs it") {
+  REQUIRE_FALSE(ddp::authentication_available());
+  try {
+    (void)ddp::make_authenticator("unit-test-secret", 3);
+    FAIL("a secret was accepted with no authenticator installed");
+  } catch (const ddp::error& e) {
+    CHECK(e.condition() == ddp::errc::unsupported);
+    CHECK(e.rank() == 3);
+    CHECK(std::string(e.what()).find("ddp::install_authenticator(&ddp::sodium_authenticator::make)") !=
+          std::string::npos);
+  }
+  CHECK((ddp::install_authenticator(&ddp::sodium_authenticator::make) == nullptr));
   CHECK(ddp::authentication_available());
+  CHECK(ddp::make_authenticator("unit-test-secret", 0)->algorithm() == "HMAC-SHA-512-256 (libsodium)");
+  CHECK((ddp::install_authenticator(nullptr) == &ddp::sodium_authenticator::make));
+}
+
+TEST_CASE("sodium authenticator: MACs depend on the secret and the message, verify is exact") {
   CHECK(key->algorithm().find("libsodium") != std::string_view::npos);
   const std::string msg = "message";
   std::array<std::byte, 32> a, b, c;

@@ -7,6 +7,16 @@
 #include <cstring>
 #include <vector>
 
+// oneTBB is the program's explicit choice: including the header installs no hook.
+TEST_CASE("including <ddp/parallel/tbb.hpp> installs nothing; use_tbb() does") {
+  CHECK((ddp::detail::parallel_hook().load() == nullptr));
+  ddp::use_tbb();
+  CHECK((ddp::detail::parallel_hook().load() == &ddp::detail::tbb_parallel_for));
+  ddp::detail::parallel_hook().store(nullptr);
+  ddp::set_kernel_threads(1);  // choosing a share chooses oneTBB too
+  CHECK((ddp::detail::parallel_hook().load() == &ddp::detail::tbb_parallel_for));
+}
+
 // The oneTBB split must give the bits the serial kernel gives: each piece keeps the order of
 // the inputs, so only the work distribution changes.
 TEST_CASE("tbb-parallel combine is bitwise equal to the serial kernel") {

@@ -1,3 +1,4 @@
+#define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/detail/schedule.hpp>
 
 #include <ddp/detail/kernels.hpp>

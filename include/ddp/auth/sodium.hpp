@@ -2,13 +2,15 @@
 /// \file sodium.hpp
 /// The libsodium authenticator: HMAC-SHA-512-256 (`crypto_auth_hmacsha512256`) under a key
 /// derived from the token with BLAKE2b, nonces from `randombytes_buf`, constant-time checks
-/// from `crypto_auth_hmacsha512256_verify`. Including this header installs it for the whole
-/// process, so a token in `init_options::auth_token` or `DDP_AUTH_TOKEN` turns authentication
-/// on. Link with `-lsodium` (Meson: `dependency('libsodium')`). See docs/security.md.
+/// from `crypto_auth_hmacsha512256_verify`. Including this header installs nothing: the program
+/// chooses it with `ddp::install_authenticator(&ddp::sodium_authenticator::make)`, after which
+/// a token in `init_options::auth_token` or `DDP_AUTH_TOKEN` turns authentication on. Link with
+/// `-lsodium` (Meson: `dependency('libsodium')`). See docs/security.md.
 ///
 /// \code
 /// #include <ddp/auth/sodium.hpp>
 /// #include <ddp/ddp.hpp>
+/// ddp::install_authenticator(&ddp::sodium_authenticator::make);
 /// auto pg = ddp::init_process_group(ddp::init_options::from_env());  // DDP_AUTH_TOKEN=...
 /// \endcode
 
@@ -53,7 +55,8 @@ class sodium_authenticator final : public authenticator {
   sodium_authenticator& operator=(const sodium_authenticator&) = delete;
   ~sodium_authenticator() override { ::sodium_memzero(key_, sizeof key_); }
 
-  /// The factory that `install_authenticator` takes.
+  /// The factory that `install_authenticator` takes:
+  /// `ddp::install_authenticator(&ddp::sodium_authenticator::make)`.
   static std::shared_ptr<const authenticator> make(std::string_view secret) {
     return std::make_shared<const sodium_authenticator>(secret);
   }
@@ -76,10 +79,6 @@ class sodium_authenticator final : public authenticator {
  private:
   unsigned char key_[crypto_auth_hmacsha512256_KEYBYTES];
 };
-
-/// True once this header's authenticator is installed (at static initialization of any
-/// program that includes it).
-inline const bool sodium_authenticator_installed = (install_authenticator(&sodium_authenticator::make), true);
 
 }  // namespace v0
 }  // namespace ddp

@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // The descriptor every collective carries on the wire (kind, sequence number, count, dtype,
 // op, root, algorithm and its variant). Peers compare descriptors before they touch each

@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // Bulk byte copies for the data paths (staging, bucket copy-in and copy-out).
 

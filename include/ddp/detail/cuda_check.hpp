@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 /// \file cuda_check.hpp
 /// Conversion of CUDA runtime errors into `ddp::error`, and a scoped current-device switch.

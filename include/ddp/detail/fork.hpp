@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // Objects that own threads, sockets or shared memory remember the process that made them.
 // After fork() the child holds copies of them: their threads do not exist in the child, and

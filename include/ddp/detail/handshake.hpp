@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // The mutual challenge-response that opens every authenticated connection (store and mesh).
 // All four messages have fixed sizes, so a reader knows how much to expect before it reads and
@@ -26,6 +27,7 @@
 
 #include <ddp/auth.hpp>
 #include <ddp/error.hpp>
+#include <ddp/detail/bytes.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/store_protocol.hpp>
 
@@ -59,48 +61,42 @@ struct auth_hello {
   std::array<std::byte, authenticator::nonce_size> nonce{};
 };
 
-inline void put_u64(std::string& out, std::uint64_t v) {
-  put_u32(out, static_cast<std::uint32_t>(v));
-  put_u32(out, static_cast<std::uint32_t>(v >> 32));
-}
-inline std::uint64_t get_u64(const char* p) {
-  return static_cast<std::uint64_t>(get_u32(p)) | static_cast<std::uint64_t>(get_u32(p + 4)) << 32;
-}
-inline void put_bytes(std::string& out, std::span<const std::byte> b) {
-  out.append(reinterpret_cast<const char*>(b.data()), b.size());
-}
-inline std::span<const std::byte> bytes_of(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
-
 inline std::string encode_hello(const auth_hello& h) {
   std::string out;
   out.reserve(auth_hello_size);
-  put_u32(out, auth_magic);
-  out.push_back(static_cast<char>(auth_version));
-  out.push_back(static_cast<char>(h.kind));
-  out.append(2, '\0');
-  put_u32(out, h.from);
-  put_u32(out, h.to);
-  put_u32(out, h.size);
-  put_u32(out, 0);
-  put_u64(out, h.group);
-  put_bytes(out, h.nonce);
+  byte_writer(out)
+      .u32(auth_magic)
+      .u8(auth_version)
+      .u8(static_cast<std::uint8_t>(h.kind))
+      .zeros(2)
+      .u32(h.from)
+      .u32(h.to)
+      .u32(h.size)
+      .zeros(4)
+      .u64(h.group)
+      .raw(h.nonce);
   return out;
 }
 
 /// Parses a hello; false unless magic, version, kind and the zero fields are right.
 inline bool decode_hello(std::string_view s, auth_hello& h) {
-  if (s.size() != auth_hello_size || get_u32(s.data()) != auth_magic) return false;
-  if (static_cast<std::uint8_t>(s[4]) != auth_version || s[6] != 0 || s[7] != 0 || get_u32(s.data() + 20) != 0)
-    return false;
-  const auto kind = static_cast<std::uint8_t>(s[5]);
+  if (s.size() != auth_hello_size) return false;
+  byte_reader r(s);
+  auth_hello got;
+  const bool head = r.u32() == auth_magic && r.u8() == auth_version;
+  const auto kind = r.u8();
+  r.zeros(2);
+  got.from = r.u32();
+  got.to = r.u32();
+  got.size = r.u32();
+  r.zeros(4);
+  got.group = r.u64();
+  r.raw(got.nonce);
+  if (!head || !r.done()) return false;
   if (kind != static_cast<std::uint8_t>(auth_kind::store) && kind != static_cast<std::uint8_t>(auth_kind::mesh))
     return false;
-  h.kind = static_cast<auth_kind>(kind);
-  h.from = get_u32(s.data() + 8);
-  h.to = get_u32(s.data() + 12);
-  h.size = get_u32(s.data() + 16);
-  h.group = get_u64(s.data() + 24);
-  std::memcpy(h.nonce.data(), s.data() + 32, h.nonce.size());
+  got.kind = static_cast<auth_kind>(kind);
+  h = got;
   return true;
 }
 
@@ -117,9 +113,7 @@ inline std::string auth_transcript(char role, std::string_view hello, std::span<
 inline std::string encode_status(auth_status st, std::size_t total) {
   std::string out;
   out.reserve(total);
-  put_u32(out, auth_magic);
-  out.push_back(static_cast<char>(st));
-  out.append(total - out.size(), '\0');
+  byte_writer(out).u32(auth_magic).u8(static_cast<std::uint8_t>(st)).zeros(total - 5);
   return out;
 }
 
@@ -159,23 +153,18 @@ class auth_responder {
       auth_->random(nonce_);
       std::array<std::byte, authenticator::mac_size> tag;
       auth_->mac(bytes_of(auth_transcript('R', hello_bytes_, nonce_)), tag);
-      std::string c;
-      put_u32(c, auth_magic);
-      c.push_back(static_cast<char>(auth_status::challenge));
-      c.append(3, '\0');
-      put_bytes(c, nonce_);
-      put_bytes(c, tag);
-      out += c;
+      byte_writer(out).u32(auth_magic).u8(static_cast<std::uint8_t>(auth_status::challenge)).zeros(3).raw(nonce_).raw(tag);
       state_ = state::proof;
     }
     if (state_ == state::proof) {
       if (in.size() < auth_proof_size) return state_;
       const std::string p = in.substr(0, auth_proof_size);
       in.erase(0, auth_proof_size);
+      byte_reader r(p);
+      const bool head = r.u32() == auth_magic && r.u32() == 0;
       std::array<std::byte, authenticator::mac_size> tag;
-      std::memcpy(tag.data(), p.data() + 8, tag.size());
-      if (get_u32(p.data()) != auth_magic || get_u32(p.data() + 4) != 0 ||
-          !auth_->verify(bytes_of(auth_transcript('I', hello_bytes_, nonce_)), tag)) {
+      r.raw(tag);
+      if (!head || !r.done() || !auth_->verify(bytes_of(auth_transcript('I', hello_bytes_, nonce_)), tag)) {
         out += encode_status(auth_status::refused, auth_verdict_size);
         return fail(in, state::failed, "wrong proof (no or another secret, or a replayed handshake)");
       }
@@ -229,8 +218,9 @@ inline void auth_initiate(int fd, const authenticator& auth, auth_hello h, deadl
   char c[auth_challenge_size];
   recv_all(fd, c, sizeof c, until, ec);
   if (ec) io_fail("waiting for the challenge");
-  if (get_u32(c) != auth_magic) raise(errc::auth_failed, rank, peer + " did not answer with a handshake");
-  const auto st = static_cast<auth_status>(c[4]);
+  byte_reader cr(std::string_view(c, sizeof c));
+  if (cr.u32() != auth_magic) raise(errc::auth_failed, rank, peer + " did not answer with a handshake");
+  const auto st = static_cast<auth_status>(cr.u8());
   if (st == auth_status::no_auth)
     raise(errc::auth_failed, rank,
           peer +
@@ -239,25 +229,25 @@ inline void auth_initiate(int fd, const authenticator& auth, auth_hello h, deadl
   if (st != auth_status::challenge) raise(errc::auth_failed, rank, peer + " refused the connection");
   std::array<std::byte, authenticator::nonce_size> nonce;
   std::array<std::byte, authenticator::mac_size> tag;
-  std::memcpy(nonce.data(), c + 8, nonce.size());
-  std::memcpy(tag.data(), c + 8 + nonce.size(), tag.size());
+  cr.raw(3);  // reserved
+  cr.raw(nonce);
+  cr.raw(tag);
   if (!auth.verify(bytes_of(auth_transcript('R', hello, nonce)), tag))
     raise(errc::auth_failed, rank,
           peer +
               " could not prove it knows the group's secret (a different DDP_AUTH_TOKEN, or "
               "not a ddp peer); connection refused");
-  std::string proof;
-  put_u32(proof, auth_magic);
-  put_u32(proof, 0);
   std::array<std::byte, authenticator::mac_size> mine;
   auth.mac(bytes_of(auth_transcript('I', hello, nonce)), mine);
-  put_bytes(proof, mine);
+  std::string proof;
+  byte_writer(proof).u32(auth_magic).u32(0).raw(mine);
   send_all(fd, proof.data(), proof.size(), until, ec);
   if (ec) io_fail("sending the proof");
   char v[auth_verdict_size];
   recv_all(fd, v, sizeof v, until, ec);
   if (ec) io_fail("waiting for the verdict");
-  if (get_u32(v) != auth_magic || static_cast<auth_status>(v[4]) != auth_status::accepted)
+  byte_reader vr(std::string_view(v, sizeof v));
+  if (vr.u32() != auth_magic || static_cast<auth_status>(vr.u8()) != auth_status::accepted)
     raise(errc::auth_failed, rank, peer + " refused our proof of the secret");
 }
 

@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 /// \file detail/kernels.hpp
 /// Host reduction kernels: elementwise `dst op= src`, the n-input `combine` at the heart of every

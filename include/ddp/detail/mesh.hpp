@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // Connections between the ranks of a group, made lazily: a rank connects to a peer the first
 // time it talks to it, so a ring or a tree over thousands of ranks holds a handful of sockets

@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 /// \file detail/mpi_check.hpp
 /// Conversion of MPI error codes into `ddp::error`. Only meaningful on communicators whose error

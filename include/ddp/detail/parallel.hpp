@@ -1,8 +1,9 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // The hook through which an optional thread pool (ddp/parallel/tbb.hpp) splits large
-// reductions across the cores a rank has to itself. The core installs nothing: without the
-// hook, every kernel runs on the calling thread.
+// reductions across the cores a rank has to itself. Nothing installs it but the program
+// (ddp::use_tbb()): without the hook, every kernel runs on the calling thread.
 
 #include <atomic>
 #include <cstddef>

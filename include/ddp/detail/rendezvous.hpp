@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // The store half of joining a group: every rank's requests are O(1) in the world size, so the
 // same protocol joins 2 ranks or a million.

@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 /// \file detail/schedule.hpp
 /// Pure collective schedules: who sends which piece to whom, at which step. No sockets here;

@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 /// \file detail/shm_segment.hpp
 /// The pieces under `ddp::shm`: a POSIX shared-memory mapping, the layout of the segment

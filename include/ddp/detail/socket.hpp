@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // TCP sockets with deadlines: every blocking call polls with the time left, so a silent peer
 // turns into errc::timeout and a closed one into errc::peer_lost instead of a hang.

@@ -1,8 +1,9 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // Wire format of the key-value store. A frame is
 //   u32 length (of everything after it, little endian) | u8 code | fields...
-// and a field is u32 length | bytes. Lengths are checked against fixed limits before anything
+// and a field is u32 length | bytes (detail/bytes.hpp writes and reads them). Lengths are checked against fixed limits before anything
 // is allocated, so a peer that claims a huge frame is dropped instead of growing our memory.
 
 #include <cstddef>
@@ -12,6 +13,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <ddp/detail/bytes.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -32,29 +35,15 @@ inline constexpr std::uint32_t store_max_key = 4096;         ///< one key
 inline constexpr std::uint32_t store_max_fields = 4096;      ///< keys in one wait
 inline constexpr std::size_t store_max_waiting = 64;         ///< parked get/wait requests per client
 
-inline void put_u32(std::string& out, std::uint32_t v) {
-  char b[4] = {static_cast<char>(v), static_cast<char>(v >> 8), static_cast<char>(v >> 16),
-               static_cast<char>(v >> 24)};
-  out.append(b, 4);
-}
-inline std::uint32_t get_u32(const char* p) {
-  const auto* u = reinterpret_cast<const unsigned char*>(p);
-  return static_cast<std::uint32_t>(u[0]) | static_cast<std::uint32_t>(u[1]) << 8 |
-         static_cast<std::uint32_t>(u[2]) << 16 | static_cast<std::uint32_t>(u[3]) << 24;
-}
-
 /// Builds one frame from a code and fields.
 inline std::string encode_frame(std::uint8_t code, const std::vector<std::string_view>& fields) {
   std::string out;
   std::size_t len = 1;
   for (auto f : fields) len += 4 + f.size();
   out.reserve(4 + len);
-  put_u32(out, static_cast<std::uint32_t>(len));
-  out.push_back(static_cast<char>(code));
-  for (auto f : fields) {
-    put_u32(out, static_cast<std::uint32_t>(f.size()));
-    out.append(f.data(), f.size());
-  }
+  byte_writer w(out);
+  w.u32(static_cast<std::uint32_t>(len)).u8(code);
+  for (auto f : fields) w.str(f);
   return out;
 }
 
@@ -77,16 +66,14 @@ inline parse_result check_header(std::string_view buf, std::uint32_t& len, std::
 /// Parses a complete frame body (after the length); `invalid` on truncated or oversized fields.
 inline parse_result parse_body(std::string_view body, frame& out) {
   if (body.empty()) return parse_result::invalid;
-  out.code = static_cast<std::uint8_t>(body[0]);
+  byte_reader r(body);
+  out.code = r.u8();
   out.fields.clear();
-  std::size_t pos = 1;
-  while (pos < body.size()) {
-    if (body.size() - pos < 4 || out.fields.size() >= store_max_fields) return parse_result::invalid;
-    const std::uint32_t n = get_u32(body.data() + pos);
-    pos += 4;
-    if (n > body.size() - pos) return parse_result::invalid;
-    out.fields.emplace_back(body.substr(pos, n));
-    pos += n;
+  while (r.remaining() > 0) {
+    if (out.fields.size() >= store_max_fields) return parse_result::invalid;
+    const std::string_view f = r.str();
+    if (!r.ok()) return parse_result::invalid;
+    out.fields.emplace_back(f);
   }
   return parse_result::ok;
 }
@@ -112,18 +99,6 @@ inline bool valid_request(const frame& f) {
   return false;
 }
 
-inline std::string encode_i64(std::int64_t v) {
-  std::string s(8, '\0');
-  const auto u = static_cast<std::uint64_t>(v);
-  for (int i = 0; i < 8; ++i) s[static_cast<std::size_t>(i)] = static_cast<char>(u >> (8 * i));
-  return s;
-}
-inline std::int64_t decode_i64(std::string_view s) {
-  std::uint64_t u = 0;
-  for (std::size_t i = 0; i < 8 && i < s.size(); ++i)
-    u |= static_cast<std::uint64_t>(static_cast<unsigned char>(s[i])) << (8 * i);
-  return static_cast<std::int64_t>(u);
-}
 inline std::string encode_ms(std::int64_t ms) { return encode_i64(ms); }
 
 /// True for the requests that change the store (refused to non-members of a store with members).

@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <type_traits>
 
+#include <ddp/version.hpp>
+
 namespace ddp {
 inline namespace v0 {
 

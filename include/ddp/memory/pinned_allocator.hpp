@@ -7,6 +7,7 @@
 
 #include <cstddef>
 
+#include <ddp/version.hpp>
 #include <ddp/detail/cuda_check.hpp>
 #include <ddp/memory/allocator_concept.hpp>
 #include <ddp/memory/detail/cuda_release.hpp>

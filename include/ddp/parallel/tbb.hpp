@@ -1,12 +1,14 @@
 #pragma once
 /// \file tbb.hpp
-/// oneTBB-parallel host reductions. Including this header (and linking oneTBB) makes large
-/// reductions (4 MiB and up) run on the cores this rank has to itself: the hardware threads
-/// divided by the local ranks (`LOCAL_WORLD_SIZE`, set by ddprun and torchrun), at least one.
-/// With one core per rank, as with 2 ranks on 2 cores, it stays out of the way.
+/// oneTBB-parallel host reductions, an explicit choice of the program: after `ddp::use_tbb()`
+/// (and linking oneTBB), large reductions (4 MiB and up) run on the cores this rank has to
+/// itself: the hardware threads divided by the local ranks (`LOCAL_WORLD_SIZE`, set by ddprun
+/// and torchrun), at least one. With one core per rank, as with 2 ranks on 2 cores, it stays out
+/// of the way. Including this header changes nothing by itself.
 ///
 /// \code
-/// #include <ddp/parallel/tbb.hpp>   // nothing else to call
+/// #include <ddp/parallel/tbb.hpp>   // link oneTBB (Meson: dependency('tbb'))
+/// ddp::use_tbb();                   // large reductions split across this rank's cores
 /// ddp::set_kernel_threads(4);       // optional: override the share
 /// \endcode
 
@@ -20,6 +22,7 @@
 #include <mutex>
 #include <thread>
 
+#include <ddp/version.hpp>
 #include <ddp/detail/parallel.hpp>
 
 namespace ddp {
@@ -63,19 +66,32 @@ inline void tbb_parallel_for(std::size_t n, std::size_t grain, void (*body)(std:
   });
 }
 
-inline const bool tbb_hook_installed = [] {
-  parallel_hook().store(&tbb_parallel_for);
-  return true;
-}();
-
 }  // namespace detail
 
-/// Sets how many threads a large reduction may use on this rank (1 turns splitting off).
+/// Makes large host reductions of this process split across oneTBB threads (the share of
+/// cores described above). Call it once, before the first collective; it is the only way the
+/// pool gets used: including this header installs nothing.
+///
+/// \code
+/// ddp::use_tbb();
+/// auto pg = ddp::init_process_group(ddp::init_options::from_env());
+/// \endcode
+inline void use_tbb() noexcept { detail::parallel_hook().store(&detail::tbb_parallel_for); }
+
+/// Sets how many threads a large reduction may use on this rank (1 turns splitting off), and
+/// turns the oneTBB split on as `use_tbb()` does.
+///
+/// \code
+/// ddp::set_kernel_threads(4);
+/// \endcode
 inline void set_kernel_threads(int threads) {
   auto& st = detail::tbb_state();
-  std::lock_guard lock(st.mu);
-  st.threads = std::max(1, threads);
-  st.arena = std::make_unique<oneapi::tbb::task_arena>(st.threads);
+  {
+    std::lock_guard lock(st.mu);
+    st.threads = std::max(1, threads);
+    st.arena = std::make_unique<oneapi::tbb::task_arena>(st.threads);
+  }
+  use_tbb();
 }
 
 }  // namespace v0

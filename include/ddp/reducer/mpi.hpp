@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/kernels.hpp>

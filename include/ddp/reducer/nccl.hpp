@@ -25,6 +25,7 @@
 #include <string>
 #include <thread>
 
+#include <ddp/version.hpp>
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/cuda_check.hpp>
 #include <ddp/detail/fork.hpp>

@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // The typed collectives (spans of ddp's element types) that every reducer offers on top of its
 // untyped ones. A reducer derives from typed_collectives<itself> (CRTP), brings these overloads

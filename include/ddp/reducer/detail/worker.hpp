@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // One progress thread per reducer: collectives run in the order they were issued, which is
 // what keeps every rank's sequence of collectives identical. Waiting for work blocks on a

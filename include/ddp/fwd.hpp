@@ -1,0 +1,77 @@
+#pragma once
+/// \file fwd.hpp
+/// Forward declarations of ddp's public classes, and the one place that names the wrapper's
+/// default policies (nlohmann's `json_fwd.hpp` idea). A header that only passes a
+/// `ddp::process_group&` or holds a `ddp::data_parallel*` includes this instead of the whole
+/// library; the definitions come from the headers named beside each declaration.
+///
+/// \code
+/// #include <ddp/fwd.hpp>
+/// void train_epoch(ddp::process_group& pg, ddp::data_parallel& dp);  // defined elsewhere
+/// \endcode
+///
+/// `basic_data_parallel`'s defaults are given here and only here: `ddp::data_parallel` is
+/// `basic_data_parallel<size_planner, ring<tcp>, host_allocator>`.
+
+#include <cstdint>
+
+#include <ddp/version.hpp>
+
+namespace ddp {
+inline namespace v0 {
+
+// ground: error.hpp, dtype.hpp, auth.hpp
+class error;
+enum class errc;
+enum class dtype : std::uint8_t;
+enum class op : std::uint8_t;
+struct half;
+struct bfloat16;
+class authenticator;
+
+// group: process_group.hpp, store.hpp
+struct init_options;
+class process_group;
+struct store_limits;
+class store_server;
+class store_client;
+
+// transport: transport/tcp.hpp
+struct tcp_options;
+class tcp;
+
+// reducers: reducer/basic_reducer.hpp (ring<T>, tree<T>), reducer/shm.hpp, request.hpp,
+// reducer/mpi.hpp and reducer/nccl.hpp (optional SDKs)
+struct reducer_options;
+struct ring_algorithm;
+struct tree_algorithm;
+template <class Algorithm, class Transport>
+class basic_reducer;
+struct shm_options;
+class shm;
+class request;
+class mpi_reducer;
+class nccl_reducer;
+
+// policies: planner/, memory/, parameter.hpp
+struct bucket_policy;
+struct bucket_plan;
+struct size_planner;
+struct host_allocator;
+struct pinned_allocator;
+struct cuda_allocator;
+class shm_allocator;
+struct tensor_view;
+
+// wrapper: data_parallel.hpp. The defaults live here; the definition repeats none of them
+// and checks its arguments against the policy concepts in its body.
+struct dp_options;
+struct step_stats;
+template <class Planner = size_planner, class Reducer = basic_reducer<ring_algorithm, tcp>,
+          class Allocator = host_allocator>
+class basic_data_parallel;
+/// The wrapper with the default policies: size-bucketed, ring all-reduce over TCP, host memory.
+using data_parallel = basic_data_parallel<>;
+
+}  // namespace v0
+}  // namespace ddp
