@@ -28,6 +28,8 @@
 #include "../multiproc/reducer_checks.hpp"
 
 static_assert(ddp::reducer<ddp::nccl_reducer>);
+// The one reducer front end offers abort() where the engine can stop a running collective.
+static_assert(requires(ddp::nccl_reducer& r) { r.abort(); });
 
 namespace {
 

@@ -28,6 +28,12 @@
 #include <string>
 #include <vector>
 
+// The one reducer front end offers abort() only where the engine can stop a running collective:
+// an MPI call cannot be interrupted.
+template <class R>
+concept has_abort_call = requires(R& r) { r.abort(); };
+static_assert(!has_abort_call<ddp::mpi_reducer>);
+
 #include "../multiproc/reducer_checks.hpp"
 
 static_assert(ddp::reducer<ddp::mpi_reducer>);
