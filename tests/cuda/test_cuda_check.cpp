@@ -1,4 +1,5 @@
 // Runs with or without a GPU: only the CUDA runtime library is needed.
+#define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include "ddp/detail/cuda_check.hpp"
 
 #include <doctest/doctest.h>

@@ -7,7 +7,7 @@ engine, ...), with its #include lines moved to the top. Nothing hides a missing 
 with #include lines compiles with those alone (the context declares ddp's classes without
 defining them, and `dp` only when the block includes the wrapper); a block without any is a
 fragment of a program that includes <ddp/ddp.hpp>, and gets just that. Blocks that include an
-optional SDK's header (MPI, NCCL/CUDA, libsodium) are compiled when that SDK's headers are found,
+optional SDK's header (MPI, NCCL/CUDA, libsodium, oneTBB) are compiled when that SDK's headers are found,
 else reported as skipped.
 
 Then every name `ddp::NAME` that README.md mentions, in blocks or in running text, must be
@@ -38,6 +38,8 @@ def sdk_flags():
         flags["cuda"] = ["-I" + os.path.join(cuda, "include")]
     if os.path.exists("/usr/include/sodium.h"):
         flags["sodium"] = []
+    if os.path.exists("/usr/include/oneapi/tbb/parallel_for.h"):
+        flags["tbb"] = []
     return flags
 
 
@@ -49,6 +51,8 @@ def needs(block):
         out.add("cuda")
     if "ddp/auth/sodium.hpp" in block:
         out.add("sodium")
+    if "ddp/parallel/tbb.hpp" in block:
+        out.add("tbb")
     return out
 
 
