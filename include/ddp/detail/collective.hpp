@@ -67,7 +67,6 @@ inline const char* variant_name(coll_variant v) noexcept {
 inline constexpr std::uint32_t coll_magic = 0x43504444u;  // "DDPC"
 
 struct coll_desc {
-  /// A broadcast's count is bytes and its type is f32 (unused).
   std::uint32_t magic = coll_magic;
   coll_kind kind = coll_kind::allreduce;
   dtype type = dtype::f32;
@@ -75,7 +74,11 @@ struct coll_desc {
   coll_algo algo = coll_algo::none;
   std::int32_t root = 0;
   coll_variant variant = coll_variant::none;
-  std::uint8_t pad[3] = {};
+  /// 1 for a broadcast of raw bytes (`ddp::shm::broadcast(data, bytes, ...)`): `count` is bytes
+  /// and `type` unused. Typed collectives (every reducer's) carry count and dtype, so ranks that
+  /// broadcast the same bytes as different types (f32 on one, i32 on another) are a mismatch.
+  std::uint8_t bytes = 0;
+  std::uint8_t pad[2] = {};
   std::uint64_t seq = 0;
   std::uint64_t count = 0;
 
@@ -83,12 +86,12 @@ struct coll_desc {
 };
 static_assert(sizeof(coll_desc) == 32);
 
-/// "allreduce #12 of 1024 x f32 sum by tree (recursive doubling)", "broadcast #3 of 4096 bytes
-/// from root 0" (a broadcast copies bytes, whatever their type: its count is bytes).
+/// "allreduce #12 of 1024 x f32 sum by tree (recursive doubling)", "broadcast #3 of 1024 x f32
+/// from root 0", "broadcast #4 of 4096 bytes from root 1" (raw bytes).
 inline std::string describe(const coll_desc& d) {
   if (d.magic != coll_magic) return "a corrupt collective header";
   std::string s = std::string(coll_name(d.kind)) + " #" + std::to_string(d.seq) + " of " + std::to_string(d.count) +
-                  (d.kind == coll_kind::broadcast ? std::string(" bytes") : std::string(" x ") + dtype_name(d.type));
+                  (d.bytes != 0 ? std::string(" bytes") : std::string(" x ") + dtype_name(d.type));
   if (d.kind == coll_kind::allreduce || d.kind == coll_kind::reduce_scatter) s += std::string(" ") + op_name(d.oper);
   if (d.kind == coll_kind::broadcast) s += " from root " + std::to_string(d.root);
   if (d.algo != coll_algo::none) s += std::string(" by ") + algo_name(d.algo);
@@ -102,7 +105,7 @@ inline std::string mismatch(const coll_desc& mine, int my_rank, const coll_desc&
   std::string s = "collective mismatch: rank " + std::to_string(my_rank) + " called " + describe(mine) + ", rank " +
                   std::to_string(their_rank) + " called " + describe(theirs);
   if (mine.magic == coll_magic && theirs.magic == coll_magic && mine.kind == theirs.kind && mine.count == theirs.count &&
-      mine.type == theirs.type) {
+      mine.type == theirs.type && mine.bytes == theirs.bytes) {
     if (mine.algo != theirs.algo)
       s += " (every rank must use the same reducer: ring on all, or tree on all)";
     else if (mine.variant != theirs.variant)

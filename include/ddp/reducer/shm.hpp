@@ -330,11 +330,23 @@ class shm {
   /// link.broadcast(weights.data(), weights.size() * sizeof(float), 0, pg.deadline());
   /// \endcode
   void broadcast(void* data, std::size_t bytes, int root, deadline_t until, shm_algo a = shm_algo::ring) {
+    broadcast_as(data, bytes, bytes, dtype::f32, true, root, until, a);
+  }
+  /// Broadcast of `count` elements of `t` (what `ring<shm>::broadcast_async` runs): the bytes
+  /// move as above, and every rank must name the same count and type.
+  void broadcast(void* data, std::size_t count, dtype t, int root, deadline_t until, shm_algo a = shm_algo::ring) {
+    broadcast_as(data, count * dtype_size(t), count, t, false, root, until, a);
+  }
+
+ private:
+  void broadcast_as(void* data, std::size_t bytes, std::uint64_t count, dtype t, bool raw, int root,
+                    deadline_t until, shm_algo a) {
     enter();
     if (root < 0 || root >= size_)
       raise_here(errc::invalid_argument, "broadcast root " + std::to_string(root) + " is not a rank of " +
                                              std::to_string(size_));
-    auto& d = begin(detail::coll_kind::broadcast, bytes, dtype::f32, op::sum, root, a, detail::shm_desc::no_offset);
+    auto& d = begin(detail::coll_kind::broadcast, count, t, op::sum, root, a, detail::shm_desc::no_offset);
+    d.coll.bytes = raw ? 1 : 0;
     guarded([&] {
       const std::size_t c = layout_.slot_bytes;
       auto* p = static_cast<std::byte*>(data);
@@ -363,6 +375,8 @@ class shm {
     });
   }
 
+
+ public:
   /// Returns once every rank has entered barrier().
   /// \code
   /// link.barrier(pg.deadline());
@@ -799,7 +813,7 @@ class shm_engine {
     shm_.allgather(in, out, per_rank, t, until, mode);
   }
   void broadcast(deadline_t until, void* data, std::size_t count, dtype t, int root) {
-    shm_.broadcast(data, count * dtype_size(t), root, until, mode);
+    shm_.broadcast(data, count, t, root, until, mode);
   }
   void barrier(deadline_t until) { shm_.barrier(until, mode); }
 

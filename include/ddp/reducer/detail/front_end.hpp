@@ -170,8 +170,9 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
     r.wait(clock::now() + 2 * engine_.timeout() + std::chrono::seconds(2));
   }
   /// Checks the arguments and builds the descriptor, all but its sequence number: that is
-  /// taken when the collective starts (stamp), in the order collectives run. Broadcast counts
-  /// bytes: it copies them whatever their type.
+  /// taken when the collective starts (stamp), in the order collectives run. A broadcast carries
+  /// its count and dtype like the others: ranks broadcasting the same bytes as different types
+  /// are a mismatch, not a silent reinterpretation.
   coll_desc describe(coll_kind k, dtype t, op o, int root, std::size_t count) const {
     check_dtype(t, rank(), coll_name(k));
     check_op(o, rank(), coll_name(k));
@@ -179,10 +180,10 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
     coll_desc d;
     if constexpr (Engine::descriptors) {
       d.kind = k;
-      d.type = k == coll_kind::broadcast ? dtype::f32 : t;
+      d.type = t;
       d.oper = o;
       d.root = root;
-      d.count = k == coll_kind::broadcast ? count * dtype_size(t) : count;
+      d.count = count;
       d.algo = Engine::id;
       d.variant = engine_.variant(k, count * dtype_size(t));
     }
