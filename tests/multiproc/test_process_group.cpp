@@ -562,3 +562,47 @@ TEST_CASE("a transport context: a channel of its own, the same on every rank, an
   INFO(ddp_test::summary(outs));
   CHECK(ddp_test::all_ok(outs));
 }
+
+// The verdict the group and every transport share (group/verdict.hpp), in one process over a real
+// store: whom a timeout blames, what a closed link reports, who wins, and a store that is gone.
+TEST_CASE("failure_verdict: the chain of waiting ranks, the first record, a store that is gone") {
+  auto server = std::make_unique<ddp::store_server>(ddp::endpoint{"127.0.0.1", 0}, 0);
+  const auto until = ddp::clock::now() + 5s;
+  ddp::store_client c0{"127.0.0.1", server->port(), 0, until}, c1{"127.0.0.1", server->port(), 1, until};
+  ddp::failure_verdict v0{&c0, 0, 3, 800ms}, v1{&c1, 1, 3, 800ms};
+  CHECK_FALSE(v0.recorded());
+  CHECK(v0.first().empty());
+
+  // Rank 1 waits for rank 2, which records nothing: rank 2 stopped, rank 1 is not blamed.
+  c1.set("x/waiting/1", "2");
+  CHECK(v0.name_stopped("x", 1) ==
+        "rank 2 stopped answering within the deadline (rank 0 waited for rank 1, which waited for rank 2)");
+  // Ranks that wait for each other are calls that do not match.
+  c1.set("y/waiting/1", "2");
+  c1.set("y/waiting/2", "1");
+  CHECK(v0.name_stopped("y", 1) ==
+        "ranks 1, 2 wait for each other and none of them stopped (rank 0 waited for rank 1, which waited for "
+        "rank 2): their calls do not match");
+
+  // A closed link: this rank's own verdict, recorded; the next rank to judge adopts it.
+  const auto own = v0.judge(1, make_error_code(ddp::errc::peer_lost), "x", "waiting for rank 1");
+  CHECK_FALSE(own.adopted);
+  CHECK(own.failure.code == ddp::errc::peer_lost);
+  CHECK(own.failure.text == "lost connection to rank 1 (peer_lost)");
+  CHECK(v1.recorded());
+  const auto theirs = v1.judge(2, make_error_code(ddp::errc::timeout), "x", "waiting for rank 2");
+  CHECK(theirs.adopted);
+  CHECK(theirs.failure.code == ddp::errc::peer_lost);
+  CHECK(theirs.failure.text == "rank 0 reports: lost connection to rank 1 (peer_lost)");
+  CHECK(v1.record({ddp::errc::aborted, v1.reported("later")}).text == theirs.failure.text);
+
+  // Rank 0 (the store) gone: rank 0 is the one lost, whatever link noticed.
+  server.reset();
+  bool gone = false;
+  CHECK(v1.first(&gone).empty());
+  CHECK(gone);
+  const auto lost = v1.judge(2, make_error_code(ddp::errc::timeout), "x", "on the link to rank 2");
+  CHECK_FALSE(lost.adopted);
+  CHECK(lost.failure.code == ddp::errc::peer_lost);
+  CHECK(lost.failure.text == "rank 0 is lost (its store does not answer; noticed on the link to rank 2)");
+}

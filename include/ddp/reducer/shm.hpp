@@ -158,9 +158,9 @@ class shm {
       arena_bound_ = arena.bound;
       if (why.empty()) init_segment();
       ctx.store().set(key, why.empty() ? "ok " + std::to_string(layout_.slot_bytes) + " " +
-                                            std::to_string(layout_.arena_bytes)
-                                      : "error " + why,
-                     until);
+                                             std::to_string(layout_.arena_bytes)
+                                       : "error " + why,
+                      until);
     } else {
       const std::string v = ctx.store().get(key, until);
       unsigned long long slot = 0, arena = 0;
