@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // Every fixed duration of the group, its store, its connections and the shared-memory engine,
 // in one place, each with the reason for its value. A wait that scales with the group's

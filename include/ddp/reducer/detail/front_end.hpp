@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
 // The one front end of every reducer (ring<T>, tree<T>, ring<shm>, tree<shm>, mpi_reducer,
 // nccl_reducer): the calls a user makes, their argument checks, the collective's descriptor
