@@ -7,6 +7,7 @@
 /// peers lives here. See docs/data-parallel.md.
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -18,11 +19,12 @@
 #include <vector>
 
 #include <ddp/concepts.hpp>
-#include <ddp/data_parallel/detail/label.hpp>
+#include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/parameter.hpp>
 #include <ddp/planner/bucket_plan.hpp>
+#include <ddp/request.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -213,6 +215,18 @@ class agreement {
     ch_.broadcast(std::span<std::uint64_t>(words), 0);
     std::vector<std::size_t> walk(words.begin(), words.end());
     return planner.plan(infos, policy, walk);
+  }
+
+  /// Copies rank 0's parameter values to every rank through `red` (a collective), so that
+  /// training starts from one model even when ranks initialized differently.
+  template <reducer Reducer>
+  static void broadcast_values(Reducer& red, std::span<const tensor_view> views, std::chrono::milliseconds timeout) {
+    std::vector<request> reqs;
+    reqs.reserve(views.size());
+    for (const auto& v : views)
+      if (v.numel > 0) reqs.push_back(red.broadcast_async(v.data, v.numel, v.type, 0));
+    const auto until = std::chrono::steady_clock::now() + 2 * timeout + std::chrono::seconds(2);
+    for (auto& r : reqs) r.wait(until);
   }
 
  private:
