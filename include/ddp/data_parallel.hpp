@@ -82,8 +82,7 @@ class basic_data_parallel {
         agree_(agreement_channel{pg_.rank(), pg_.size(), [this](const std::string& s) { return pg_.all_gather(s); },
                                  [this](std::span<std::uint64_t> w, int root) { pg_.broadcast(w, root); }}),
         memory_(allocator_for<Allocator>(red_)),
-        state_(views_.size(), [this](std::size_t b) { launch(b); }),
-        accumulated_(views_.size(), 0) {
+        state_(views_.size(), [this](std::size_t b) { launch(b); }) {
     memory_.check_reachable(views_, pg_.rank());
     agree_.check_signatures(views_);
     if (opts_.broadcast_parameters && pg.size() > 1) agreement::broadcast_values(red_, views_, pg_.timeout());
@@ -124,7 +123,7 @@ class basic_data_parallel {
     claim(i, "grad_ready");
     guarded("grad_ready", i, [&] {
       const bool sync = state_.open(no_sync_depth_ == 0);
-      if (!sync) accumulated_[i] = 1;
+      if (!sync) state_.set_accumulated(i);
       if (sync && !opts_.gradient_as_bucket_view) memory_.copy_in(i, views_[i].grad, views_[i].bytes());
       state_.complete(i, sync);
     });
@@ -179,10 +178,11 @@ class basic_data_parallel {
           guarded("finish (copying the average back)", e.param,
                   [&] { memory_.copy_out(e.param, views_[e.param].grad, views_[e.param].bytes()); });
       }
-      std::fill(accumulated_.begin(), accumulated_.end(), 0);  // they are in this step's average now
+      state_.clear_accumulated();  // they are in this step's average now
     }
     last_stats_ = state_.stats(step_, t_call, clock::now());
-    if (!settled_ && last_stats_.synchronized) guarded("the bucket rebuild in finish", -1, [&] { rebuild_from_order(); });
+    if (!settled_ && last_stats_.synchronized)
+      guarded("the bucket rebuild in finish", -1, [&] { rebuild_from_order(); });
     reset_step();
     ++step_;
   }
@@ -258,8 +258,9 @@ class basic_data_parallel {
     failure_.check(pg_.rank());
     if (!state_.claim(i))
       detail::raise(errc::usage, pg_.rank(),
-                    std::string(what) + ": " + detail::parameter_label(i, names_[i]) + " was already " + (state_.unused(i) ? "marked unused" : "ready") +
-                        " in this step (step " + std::to_string(step_) + "); call finish() between steps",
+                    std::string(what) + ": " + detail::parameter_label(i, names_[i]) + " was already " +
+                        (state_.unused(i) ? "marked unused" : "ready") + " in this step (step " +
+                        std::to_string(step_) + "); call finish() between steps",
                     static_cast<int>(plan().where[i].first), static_cast<int>(i));
   }
 
@@ -295,7 +296,8 @@ class basic_data_parallel {
   // the reducer already posted to every rank: it is recorded without blaming this rank.
   void wait_bucket(std::size_t b) {
     const auto wait_for = opts_.timeout.count() > 0 ? opts_.timeout : pg_.timeout();
-    guarded("finish", -1, [&] { memory_.wait(b, wait_for, pg_.rank()); }, false);
+    guarded(
+        "finish", -1, [&] { memory_.wait(b, wait_for, pg_.rank()); }, false);
     const auto& req = memory_.in_flight(b);
     state_.set_reduced(b, req.valid() ? req.finished_at() : state_.launched_at(b));
   }
@@ -315,18 +317,16 @@ class basic_data_parallel {
   // The bucket slot of a parameter that is not ready in a synchronized step: zero, or what
   // no_sync() steps accumulated (PyTorch DDP keeps an accumulated gradient the same way).
   void fill_unused(std::size_t i) {
-    if (!accumulated_[i])
+    if (!state_.accumulated(i))
       memory_.zero(i, views_[i].bytes());
     else if (!opts_.gradient_as_bucket_view)
       memory_.copy_in(i, views_[i].grad, views_[i].bytes());
     // View mode: the slot already holds the accumulated gradient.
   }
 
-  // Allocates the buckets (and in view mode fills them with the engine's gradients), then tells
-  // every rank whether every other rank managed: a rank whose buckets do not fit (a full
-  // /dev/shm, device memory) fails here, and so do its peers, naming it.
-  // In view mode the engine's current gradients become the bucket contents, so an engine that
-  // switches to bucket_grad(i) keeps what it had accumulated.
+  // Allocates the buckets (in view mode holding the engine's current gradients, so nothing
+  // accumulated is lost), then tells every rank whether every other rank managed: a rank whose
+  // buckets do not fit (a full /dev/shm, device memory) fails here, and so do its peers.
   void set_up_buffers(bucket_plan plan) {
     agree_.share_setup(detail::exception_of([&] {
       memory_.allocate(std::move(plan));
@@ -335,11 +335,9 @@ class basic_data_parallel {
     }));  // a failed rank's buckets are freed with memory_ as construction unwinds
   }
 
-  // Re-plan once from rank 0's observed ready order so that buckets fill in the order backward
-  // really produces gradients. Runs inside finish(), when no collective is in flight, and only
-  // in copy mode: bucket slots then hold nothing between steps, and no pointer into them was
-  // handed out to keep. The old buckets are freed first: an arena sized for one plan (shm)
-  // still fits the other.
+  // Re-plan once from rank 0's observed ready order. Runs inside finish(), with no collective in
+  // flight, only in copy mode (slots hold nothing between steps and no pointer into them was
+  // handed out); the old buckets are freed first, so an arena sized for one plan fits the other.
   void rebuild_from_order() {
     settled_ = true;
     if (state_.order().size() != views_.size()) return;  // cannot happen: every parameter was ready or unused
@@ -368,9 +366,6 @@ class basic_data_parallel {
   std::uint64_t step_ = 0;
   std::uint64_t generation_ = 0;
   step_stats last_stats_;
-  // Parameters made ready in no_sync() steps since the last synchronized step: their
-  // accumulated gradient counts even when they are not ready in the synchronized step.
-  std::vector<std::uint8_t> accumulated_;
   detail::failure_latch failure_;  // the first failure: every later call raises it
 };
 

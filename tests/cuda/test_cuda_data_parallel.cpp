@@ -74,11 +74,14 @@ void one_step(Dp& dp) {
 TEST_CASE("nccl_reducer + cuda_allocator without a device: 'no CUDA device' on every rank, not a missing hook") {
   if (device_count() > 0) return;  // the device case below covers it
   const int port = ddp_test::free_port();
-  auto out = ddp_test::run_processes({0, 1}, [&](int r) {
-    auto pg = ddp::init_process_group(world(r, 2, port));
-    host_model m(r);
-    gpu_nccl dp{pg, m.views};
-  }, std::chrono::seconds(60));
+  auto out = ddp_test::run_processes(
+      {0, 1},
+      [&](int r) {
+        auto pg = ddp::init_process_group(world(r, 2, port));
+        host_model m(r);
+        gpu_nccl dp{pg, m.views};
+      },
+      std::chrono::seconds(60));
   for (auto& o : out) {
     CHECK(o.exit_code == 1);
     CHECK(o.errc == static_cast<int>(ddp::errc::unsupported));
@@ -90,11 +93,14 @@ TEST_CASE("nccl_reducer + cuda_allocator without a device: 'no CUDA device' on e
 TEST_CASE("ring<tcp> + pinned_allocator without a device: construction fails in cudaHostAlloc, on every rank") {
   if (device_count() > 0) return;
   const int port = ddp_test::free_port();
-  auto out = ddp_test::run_processes({0, 1}, [&](int r) {
-    auto pg = ddp::init_process_group(world(r, 2, port));
-    host_model m(r);
-    pinned_tcp dp{pg, m.views};
-  }, std::chrono::seconds(60));
+  auto out = ddp_test::run_processes(
+      {0, 1},
+      [&](int r) {
+        auto pg = ddp::init_process_group(world(r, 2, port));
+        host_model m(r);
+        pinned_tcp dp{pg, m.views};
+      },
+      std::chrono::seconds(60));
   for (auto& o : out) {
     CHECK(o.exit_code == 1);
     CHECK(o.errc == static_cast<int>(ddp::errc::system));
@@ -113,7 +119,7 @@ TEST_SUITE("cuda_gpu") {
     CHECK(dp.get_allocator().device == dp.get_reducer().device());
     CHECK(dp.get_allocator().stream == dp.get_reducer().stream());
     for (int step = 0; step < 3; ++step) one_step(dp);  // the third after the rebuild
-    CHECK(m.grad == want);  // the average over one rank
+    CHECK(m.grad == want);                              // the average over one rank
     CHECK(dp.last_step_stats().bytes_reduced == 8 * sizeof(float));
     // find_unused_parameters: the unused slot is zeroed on the device (the zero hook).
     gpu_nccl unused{pg, m.views, {}, ddp::dp_options{.find_unused_parameters = true}};

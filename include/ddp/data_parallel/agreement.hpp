@@ -148,7 +148,8 @@ class agreement {
     std::string counts;
     for (std::size_t r = 0; r < sigs.size(); ++r)
       if (sigs[r].size() != sigs[0].size() || r == 0)
-        counts += (counts.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + std::to_string(sigs[r].size()));
+        counts +=
+            (counts.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + std::to_string(sigs[r].size()));
     detail::raise(errc::mismatch, ch_.rank,
                   "ranks disagree on the number of parameters: " + counts + "; the first differing is " + label(common),
                   -1, static_cast<int>(common));
@@ -160,8 +161,10 @@ class agreement {
     const auto all = ch_.all_gather(encode_plan(plan, settled));
     std::string plans, rebuilds;
     for (std::size_t r = 1; r < all.size(); ++r) {
-      if (all[r].compare(0, 8, all[0], 0, 8) != 0) plans += (plans.empty() ? "rank " : ", rank ") + std::to_string(r);
-      else if (all[r] != all[0]) rebuilds += (rebuilds.empty() ? "rank " : ", rank ") + std::to_string(r);
+      if (all[r].compare(0, 8, all[0], 0, 8) != 0)
+        plans += (plans.empty() ? "rank " : ", rank ") + std::to_string(r);
+      else if (all[r] != all[0])
+        rebuilds += (rebuilds.empty() ? "rank " : ", rank ") + std::to_string(r);
     }
     if (!plans.empty())
       detail::raise(errc::mismatch, ch_.rank,
@@ -170,7 +173,8 @@ class agreement {
     if (!rebuilds.empty()) {
       const bool rank0_rebuilds = all[0][8] == 0;
       detail::raise(errc::mismatch, ch_.rank,
-                    std::string("ranks disagree ") + when + " on rebuilding the bucket plan after the first step: rank 0 " +
+                    std::string("ranks disagree ") + when +
+                        " on rebuilding the bucket plan after the first step: rank 0 " +
                         (rank0_rebuilds ? "does, " : "does not, ") + rebuilds + (rank0_rebuilds ? " do not" : " do") +
                         " (bucket_policy::rebuild_from_ready_order or dp_options::gradient_as_bucket_view differ)");
     }
