@@ -23,6 +23,7 @@
 #include <string>
 #include <string_view>
 
+#include <ddp/version.hpp>
 #include <ddp/error.hpp>
 
 namespace ddp {

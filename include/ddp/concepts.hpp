@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <string>
 
+#include <ddp/version.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/memory/allocator_concept.hpp>  // IWYU pragma: export

@@ -1,22 +1,10 @@
 #pragma once
 /// \file data_parallel.hpp
-/// `ddp::basic_data_parallel<Planner, Reducer, Allocator>` and `ddp::data_parallel`: hook any
-/// engine's parameters into synchronized data-parallel training. The engine calls
-/// `grad_ready(i)` as each gradient is produced during backward, then `finish()`; when it
-/// returns every gradient holds the average over all ranks, and the reduction of early buckets
-/// ran while backward was still computing the later ones. See docs/data-parallel.md.
-///
-/// \code
-/// using namespace ddp::literals;
-/// auto pg = ddp::init_process_group(ddp::init_options::from_env());
-/// ddp::data_parallel dp{pg, params, ddp::bucket_policy{.cap_bytes = 25_MiB, .first_cap_bytes = 1_MiB}};
-/// for (auto& batch : shard) {
-///   engine.forward(batch);
-///   engine.backward([&](std::size_t i) { dp.grad_ready(i); });
-///   dp.finish();  // gradients are now averaged on every rank
-///   engine.step();
-/// }
-/// \endcode
+/// `ddp::basic_data_parallel<Planner, Reducer, Allocator>` and `ddp::data_parallel`: the engine
+/// calls `grad_ready(i)` as each gradient is produced during backward, then `finish()`; then
+/// every gradient holds the average over all ranks, and early buckets were reduced while
+/// backward was still running. The parts it is built from live in `ddp/data_parallel/`.
+/// See docs/data-parallel.md.
 
 #include <chrono>
 #include <cstddef>
@@ -26,50 +14,44 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/version.hpp>
+#include <ddp/fwd.hpp>
 #include <ddp/concepts.hpp>
 #include <ddp/data_parallel/agreement.hpp>
 #include <ddp/data_parallel/bucket_memory.hpp>
 #include <ddp/data_parallel/bucket_state.hpp>
 #include <ddp/data_parallel/detail/failure_latch.hpp>
-#include <ddp/data_parallel/detail/label.hpp>
+#include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/detail/fork.hpp>
-#include <ddp/error.hpp>
 #include <ddp/memory/host_allocator.hpp>
-#include <ddp/parameter.hpp>
-#include <ddp/planner/bucket_plan.hpp>
 #include <ddp/planner/size_planner.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/ring.hpp>
-#include <ddp/request.hpp>
 #include <ddp/transport/tcp.hpp>
 
 namespace ddp {
 inline namespace v0 {
 
 /// The data-parallel wrapper: one flat buffer per bucket from `Allocator`, one collective per
-/// bucket through `Reducer`, buckets chosen by `Planner`. It is built from three parts, each
-/// tested on its own: `agreement` (what ranks must agree on), `bucket_memory` (the buffers)
-/// and `bucket_state` (pending counts and in-order launch); see docs/data-parallel.md.
-///
-/// Construction is collective (every rank constructs its wrappers in the same order): it
-/// checks that every rank has the same parameter count, shapes and dtypes (else `errc::mismatch`
-/// on every rank, naming the first differing parameter and the ranks that differ), copies rank
-/// 0's parameter values everywhere, plans the buckets and allocates them.
-///
-/// A step is the `grad_ready`/`mark_unused` calls of one backward followed by `finish()`.
-/// Buckets launch in plan order on every rank: a complete bucket waits for every earlier one to
-/// launch, so ranks that see gradients in different orders still issue identical collectives.
-/// `grad_ready` and `mark_unused` may be called from several threads at once (for different
-/// parameters); `finish()`, `no_sync()` and the accessors must not overlap with them.
+/// bucket through `Reducer`, buckets chosen by `Planner`. It joins three parts, each tested on
+/// its own: `agreement` (what ranks must agree on), `bucket_memory` (the buffers) and
+/// `bucket_state` (pending counts, in-order launch). Construction is collective (every rank
+/// constructs its wrappers in the same order). A step is the `grad_ready`/`mark_unused` calls
+/// of one backward followed by `finish()`; buckets launch in plan order on every rank, whatever
+/// order gradients arrive in. `grad_ready` and `mark_unused` may run on several threads at once
+/// (for different parameters); `finish()`, `no_sync()` and the accessors must not overlap them.
 /// \code
 /// ddp::basic_data_parallel<ddp::size_planner, ddp::tree<ddp::tcp>> dp{pg, params};
 /// for (std::size_t i = params.size(); i-- > 0;) dp.grad_ready(i);
 /// dp.finish();
 /// \endcode
-template <bucket_planner Planner = size_planner, reducer Reducer = ring<tcp>,
-          device_allocator Allocator = host_allocator>
+/// The defaults (`size_planner`, `ring<tcp>`, `host_allocator`) are given once, in fwd.hpp.
+template <class Planner, class Reducer, class Allocator>
 class basic_data_parallel {
+  static_assert(bucket_planner<Planner>, "ddp: Planner must satisfy ddp::bucket_planner (concepts.hpp)");
+  static_assert(reducer<Reducer>, "ddp: Reducer must satisfy ddp::reducer (concepts.hpp)");
+  static_assert(device_allocator<Allocator>, "ddp: Allocator must satisfy ddp::device_allocator (concepts.hpp)");
   static_assert(!has_abort<Reducer> || reducer_with_abort<Reducer>,
                 "ddp: Reducer::abort() must be noexcept (ddp::reducer_with_abort): the wrapper calls it on "
                 "paths that must not throw");
@@ -82,27 +64,13 @@ class basic_data_parallel {
   /// RAII scope of gradient accumulation: steps that *start* while a guard lives do no
   /// communication; the engine keeps accumulating into its gradients as it would alone, and the
   /// next synchronized step averages the accumulated sums.
-  class [[nodiscard]] no_sync_guard {
-   public:
-    no_sync_guard(no_sync_guard&& o) noexcept : dp_(std::exchange(o.dp_, nullptr)) {}
-    no_sync_guard(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(no_sync_guard&&) = delete;
-    ~no_sync_guard() {
-      if (dp_ != nullptr) --dp_->no_sync_depth_;
-    }
+  using no_sync_guard = detail::depth_guard;
 
-   private:
-    friend class basic_data_parallel;
-    explicit no_sync_guard(basic_data_parallel& dp) noexcept : dp_(&dp) { ++dp.no_sync_depth_; }
-    basic_data_parallel* dp_;
-  };
-
-  /// Wraps `params` (any `ddp::parameter_set`). `reducer_args` go to `Reducer{pg, reducer_args...}`
-  /// (e.g. transport and reducer options). Throws `ddp::error`: mismatch (ranks disagree on the
-  /// parameters or the plan), invalid_argument (a parameter with null pointers), unsupported
-  /// (device parameters with an allocator that cannot copy them), and whatever the reducer or
-  /// the group throw (timeout, peer_lost).
+  /// Wraps `params` (any `ddp::parameter_set`): checks that ranks agree on the parameters
+  /// (count, shapes, dtypes), copies rank 0's values everywhere, plans and allocates the buckets.
+  /// `reducer_args` go to `Reducer{pg, reducer_args...}`. Throws `ddp::error`: mismatch (naming
+  /// the first differing parameter and the ranks), unsupported (memory the allocator cannot
+  /// copy), and whatever the reducer or the group throw (timeout, peer_lost).
   /// \code
   /// ddp::data_parallel dp{pg, views, ddp::bucket_policy{.cap_bytes = 4_MiB}, {.find_unused_parameters = true}};
   /// \endcode
@@ -113,20 +81,16 @@ class basic_data_parallel {
         policy_(std::move(policy)),
         opts_(opts),
         views_(to_views(params)),
+        names_(detail::own_names(views_)),
+        infos_(detail::infos_of(views_)),
         red_(pg, std::forward<ReducerArgs>(reducer_args)...),
         agree_(agreement_channel{pg_.rank(), pg_.size(), [this](const std::string& s) { return pg_.all_gather(s); },
                                  [this](std::span<std::uint64_t> w, int root) { pg_.broadcast(w, root); }}),
         memory_(allocator_for<Allocator>(red_)),
-        state_(views_.size(), [this](std::size_t b) { launch(b); }),
-        accumulated_(views_.size(), 0) {
-    names_.reserve(views_.size());
-    for (auto& v : views_) names_.emplace_back(v.name);
-    for (std::size_t i = 0; i < views_.size(); ++i) views_[i].name = names_[i];
+        state_(views_.size(), [this](std::size_t b) { launch(b); }) {
     memory_.check_reachable(views_, pg_.rank());
     agree_.check_signatures(views_);
-    if (opts_.broadcast_parameters && pg.size() > 1) broadcast_parameters();
-    infos_.reserve(views_.size());
-    for (auto& v : views_) infos_.push_back(param_info{v.numel, v.type, v.device});
+    if (opts_.broadcast_parameters && pg.size() > 1) agreement::broadcast_values(red_, views_, pg_.timeout());
     // View mode hands bucket memory to the engine, which keeps the pointers: that layout must
     // never move, so it is final from the start (docs/data-parallel.md, "View mode").
     settled_ = opts_.gradient_as_bucket_view || !policy_.rebuild_from_ready_order;
@@ -152,16 +116,11 @@ class basic_data_parallel {
     if (!memory_.drain(pg_.timeout(), [this] { abort_reducer(); })) memory_.leak();
   }
 
-  // ---- the engine's hooks -------------------------------------------------------------------
-
-  /// Gradient `i` is complete for this step. In copy mode it is copied into its bucket now (so
-  /// the engine may reuse its gradient buffer until `finish()` writes the average back); in view
-  /// mode the engine has written it at `bucket_grad(i)`. A bucket whose gradients are all ready
-  /// is launched at once, after every earlier bucket. Throws `errc::invalid_argument` for an
-  /// index out of range, `errc::usage` when `i` was already ready (or marked unused) this step.
-  /// Any other exception (the allocator's copy, the reducer's launch) leaves the step half done:
-  /// the wrapper is failed from then on (every later call raises, naming this first cause) and
-  /// the peers are told, so that their `finish()` fails promptly naming this rank.
+  /// Gradient `i` is complete for this step: copied into its bucket now (copy mode) or already
+  /// at `bucket_grad(i)` (view mode); a complete bucket launches after every earlier one.
+  /// Throws `errc::invalid_argument` (index out of range), `errc::usage` (already ready or
+  /// unused this step). Any other exception fails the wrapper for good (every later call raises
+  /// naming this first cause) and tells the peers, whose `finish()` then fails naming this rank.
   /// \code
   /// engine.backward([&](std::size_t i) { dp.grad_ready(i); });
   /// \endcode
@@ -169,16 +128,14 @@ class basic_data_parallel {
     claim(i, "grad_ready");
     guarded("grad_ready", i, [&] {
       const bool sync = state_.open(no_sync_depth_ == 0);
-      if (!sync) accumulated_[i] = 1;
+      if (!sync) state_.set_accumulated(i);
       if (sync && !opts_.gradient_as_bucket_view) memory_.copy_in(i, views_[i].grad, views_[i].bytes());
       state_.complete(i, sync);
     });
   }
 
-  /// Parameter `i` produced no gradient in this step. It counts as a zero gradient, unless
-  /// `no_sync()` steps since the last synchronized step made it ready: then its accumulated
-  /// gradient (the engine's gradient in copy mode, the bucket slot in view mode) takes part in
-  /// the average, as in PyTorch DDP. Same errors as `grad_ready`.
+  /// Parameter `i` produced no gradient in this step: a zero gradient, or what `no_sync()` steps
+  /// accumulated for it since the last synchronized step (as in PyTorch DDP). Errors as `grad_ready`.
   /// \code
   /// if (!used_expert[e]) dp.mark_unused(expert_param[e]);
   /// \endcode
@@ -192,14 +149,11 @@ class basic_data_parallel {
     });
   }
 
-  /// Ends the step: launches the remaining buckets in plan order, waits for every reduction
-  /// (bounded by the timeout), copies the averages into the engine's gradients (copy mode) and
-  /// resets for the next step. Under `no_sync()` it only resets. Parameters that never became
-  /// ready are an `errc::usage` error naming them, raised before anything is launched (so the
-  /// caller may `mark_unused` them and call `finish()` again), unless `find_unused_parameters`
-  /// is set. A failed reduction (timeout, peer_lost) leaves the wrapper unusable, and so does
-  /// any other exception from inside (the allocator's copy, the rebuild): every later call
-  /// raises naming the first cause, and for a cause on this rank the peers are told.
+  /// Ends the step: launches the remaining buckets in order, waits for every reduction (bounded
+  /// by the timeout), copies the averages back (copy mode) and resets; under `no_sync()` it only
+  /// resets. Parameters never ready are an `errc::usage` error naming them, raised before any
+  /// launch (unless `find_unused_parameters`). Any failure inside (timeout, peer_lost, a copy,
+  /// the rebuild) fails the wrapper for good, as in `grad_ready`.
   /// \code
   /// dp.finish();
   /// optimizer.step();
@@ -229,17 +183,16 @@ class basic_data_parallel {
           guarded("finish (copying the average back)", e.param,
                   [&] { memory_.copy_out(e.param, views_[e.param].grad, views_[e.param].bytes()); });
       }
-      std::fill(accumulated_.begin(), accumulated_.end(), 0);  // they are in this step's average now
+      state_.clear_accumulated();  // they are in this step's average now
     }
     last_stats_ = state_.stats(step_, t_call, clock::now());
-    if (!settled_ && last_stats_.synchronized) guarded("the bucket rebuild in finish", -1, [&] { rebuild_from_order(); });
+    if (!settled_ && last_stats_.synchronized)
+      guarded("the bucket rebuild in finish", -1, [&] { rebuild_from_order(); });
     reset_step();
     ++step_;
   }
 
-  /// Starts a gradient-accumulation scope: steps that begin while the guard lives do no
-  /// communication (call `grad_ready`/`finish` as usual; they are cheap). Throws `errc::usage`
-  /// in the middle of a step.
+  /// Starts a gradient-accumulation scope (`no_sync_guard`); `errc::usage` in the middle of a step.
   /// \code
   /// { auto guard = dp.no_sync(); micro_step(0); dp.finish(); }  // accumulates locally
   /// micro_step(1); dp.finish();                                // averages both micro-steps
@@ -248,16 +201,12 @@ class basic_data_parallel {
     check_healthy();
     if (state_.is_open())
       detail::raise(errc::usage, pg_.rank(), "no_sync() in the middle of a step; call it before the first grad_ready");
-    return no_sync_guard(*this);
+    return no_sync_guard(no_sync_depth_);
   }
 
-  // ---- accessors ----------------------------------------------------------------------------
-
   /// Where the engine must write gradient `i` in view mode (in copy mode: where ddp stages it).
-  /// In view mode the address never changes: the layout is fixed at construction, so an engine
-  /// may take the pointer once and keep it. In copy mode the staging slot moves once, when the
-  /// plan is rebuilt from the observed ready order after the first synchronized step
-  /// (`generation()` changes then); a copy-mode engine has no reason to keep it.
+  /// In view mode the address never changes; in copy mode it moves once, at the rebuild after
+  /// the first synchronized step (`generation()` changes then).
   /// \code
   /// float* g = static_cast<float*>(dp.bucket_grad(i));  // view mode: backward writes here, every step
   /// \endcode
@@ -267,8 +216,7 @@ class basic_data_parallel {
     return memory_.slot(i);
   }
 
-  /// The parameters as ddp sees them; in view mode each `grad` points into bucket memory (as
-  /// stable as `bucket_grad(i)`).
+  /// The parameters as ddp sees them; in view mode each `grad` is `bucket_grad(i)`.
   std::vector<tensor_view> views() const {
     check_healthy();
     std::vector<tensor_view> out = views_;
@@ -277,9 +225,7 @@ class basic_data_parallel {
     return out;
   }
 
-  /// Bumped when the bucket layout changes: once in copy mode, when the plan is rebuilt from the
-  /// observed ready order; never in view mode, whose layout is fixed at construction (so that
-  /// the bucket memory handed to the engine never moves).
+  /// Bumped when the bucket layout changes: once in copy mode (the rebuild), never in view mode.
   std::uint64_t generation() const noexcept { return generation_; }
   /// Statistics of the step the last `finish()` ended.
   const step_stats& last_step_stats() const noexcept { return last_stats_; }
@@ -298,8 +244,6 @@ class basic_data_parallel {
  private:
   using clock = std::chrono::steady_clock;
 
-  std::string label(std::size_t i) const { return detail::parameter_label(i, i < names_.size() ? names_[i] : ""); }
-
   void check_healthy() const {
     owner_.check(pg_.rank(), "data_parallel wrapper");
     failure_.check(pg_.rank());
@@ -316,88 +260,50 @@ class basic_data_parallel {
 
   void claim(std::size_t i, const char* what) {
     check_index(i, what);
-    check_healthy();
+    failure_.check(pg_.rank());
     if (!state_.claim(i))
       detail::raise(errc::usage, pg_.rank(),
-                    std::string(what) + ": " + label(i) + " was already " + (state_.unused(i) ? "marked unused" : "ready") +
-                        " in this step (step " + std::to_string(step_) + "); call finish() between steps",
+                    std::string(what) + ": " + detail::parameter_label(i, names_[i]) + " was already " +
+                        (state_.unused(i) ? "marked unused" : "ready") + " in this step (step " +
+                        std::to_string(step_) + "); call finish() between steps",
                     static_cast<int>(plan().where[i].first), static_cast<int>(i));
   }
 
   [[noreturn]] void raise_missing(const std::vector<std::size_t>& missing) const {
-    std::string list;
-    const std::size_t shown = std::min<std::size_t>(missing.size(), 8);
-    for (std::size_t k = 0; k < shown; ++k) list += (k ? ", " : "") + label(missing[k]);
-    if (shown < missing.size()) list += " and " + std::to_string(missing.size() - shown) + " more";
     detail::raise(errc::usage, pg_.rank(),
                   "finish() while " + std::to_string(missing.size()) + " parameter" + (missing.size() > 1 ? "s" : "") +
-                      " never became ready this step: " + list +
+                      " never became ready this step: " + detail::parameter_list(missing, names_) +
                       "; call grad_ready(i) or mark_unused(i) for each, or set dp_options::find_unused_parameters",
                   -1, static_cast<int>(missing.front()));
   }
 
   // Runs the part of a call that changes step state. An exception from it leaves the step half
-  // done (a parameter claimed whose bucket can then never launch, a bucket counted but not
-  // launched, a gradient not copied back), which no later call could repair: the wrapper fails
-  // for good, and the peers are told (tell_peers) so that they do not wait for this rank.
+  // done, which no later call could repair: the wrapper fails for good, and for a cause on this
+  // rank (tell_peers) the reducer's transport and the group fail with it, so that peers blocked
+  // on this rank fail now, naming it, not at a deadline.
   template <class F>
   void guarded(const char* what, std::ptrdiff_t param, F&& body, bool tell_peers = true) {
-    try {
-      body();
-    } catch (...) {
-      record_failure(what, param, tell_peers);
-      throw;
-    }
-  }
-
-  // Inside a catch block: keeps the first failure's cause (later calls name it) and, for a
-  // cause on this rank, fails the reducer's transport and the group with it, so that peers
-  // blocked on this rank fail now (errc::aborted naming this rank), not at their deadline.
-  void record_failure(const char* what, std::ptrdiff_t param, bool tell_peers) noexcept {
-    const std::string_view name = param >= 0 && static_cast<std::size_t>(param) < names_.size()
-                                      ? std::string_view(names_[static_cast<std::size_t>(param)])
-                                      : std::string_view();
-    const std::string msg = failure_.record(what, param, name, step_, tell_peers);
-    if (msg.empty()) return;
-    if constexpr (reducer_with_failable_transport<Reducer>) {
-      try {
-        red_.transport().fail(errc::aborted, msg);  // tcp carries the cause itself to the peers
-      } catch (...) {
-      }
-    }
-    abort_reducer();
-    pg_.abort(msg);
+    const auto i = static_cast<std::size_t>(param);
+    failure_.guard(what, param, param >= 0 && i < names_.size() ? std::string_view(names_[i]) : "", step_, tell_peers,
+                   body, [this](const std::string& msg) noexcept {
+                     if constexpr (reducer_with_failable_transport<Reducer>)
+                       detail::exception_of([&] { red_.transport().fail(errc::aborted, msg); });  // tcp: to the peers
+                     abort_reducer();
+                     pg_.abort(msg);
+                   });
   }
 
   void abort_reducer() noexcept {
     if constexpr (reducer_with_abort<Reducer>) red_.abort();
   }
 
-  // Waits (bounded by the timeout) for bucket b's reduction.
+  // Waits (bounded by the timeout) for bucket b's reduction. A failed collective is a verdict
+  // the reducer already posted to every rank: it is recorded without blaming this rank.
   void wait_bucket(std::size_t b) {
     const auto wait_for = opts_.timeout.count() > 0 ? opts_.timeout : pg_.timeout();
+    guarded(
+        "finish", -1, [&] { memory_.wait(b, wait_for, pg_.rank()); }, false);
     const auto& req = memory_.in_flight(b);
-    try {
-      req.wait(clock::now() + wait_for + std::chrono::seconds(2));
-    } catch (const error& e) {
-      // The reducer already told the peers (its transport failed on every rank): record the
-      // failure here without blaming this rank.
-      if (e.rank() >= 0) {
-        record_failure("finish", -1, false);
-        throw;
-      }
-      // A request that timed out knows no rank; say which rank and bucket waited.
-      guarded("finish", -1, [&] {
-        detail::raise(e.condition(), pg_.rank(),
-                      "bucket " + std::to_string(b) + " was not reduced within " +
-                          std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(wait_for).count()) +
-                          " ms (a peer stopped answering?)",
-                      static_cast<int>(b));
-      }, false);
-    } catch (...) {
-      record_failure("finish", -1, false);
-      throw;
-    }
     state_.set_reduced(b, req.valid() ? req.finished_at() : state_.launched_at(b));
   }
 
@@ -416,45 +322,27 @@ class basic_data_parallel {
   // The bucket slot of a parameter that is not ready in a synchronized step: zero, or what
   // no_sync() steps accumulated (PyTorch DDP keeps an accumulated gradient the same way).
   void fill_unused(std::size_t i) {
-    if (!accumulated_[i])
+    if (!state_.accumulated(i))
       memory_.zero(i, views_[i].bytes());
     else if (!opts_.gradient_as_bucket_view)
       memory_.copy_in(i, views_[i].grad, views_[i].bytes());
     // View mode: the slot already holds the accumulated gradient.
   }
 
-  // Allocates the buckets (and in view mode fills them with the engine's gradients), then tells
-  // every rank whether every other rank managed: a rank whose buckets do not fit (a full
-  // /dev/shm, device memory) fails here, and so do its peers, naming it.
+  // Allocates the buckets (in view mode holding the engine's current gradients, so nothing
+  // accumulated is lost), then tells every rank whether every other rank managed: a rank whose
+  // buckets do not fit (a full /dev/shm, device memory) fails here, and so do its peers.
   void set_up_buffers(bucket_plan plan) {
-    std::exception_ptr mine;
-    try {
+    agree_.share_setup(detail::exception_of([&] {
       memory_.allocate(std::move(plan));
-      // The engine's current gradients become the bucket contents, so an engine that switches
-      // to bucket_grad(i) keeps what it had accumulated.
       if (opts_.gradient_as_bucket_view)
         for (std::size_t i = 0; i < views_.size(); ++i) memory_.copy_in(i, views_[i].grad, views_[i].bytes());
-    } catch (...) {
-      mine = std::current_exception();
-      memory_.release();
-    }
-    agree_.share_setup(mine);
+    }));  // a failed rank's buckets are freed with memory_ as construction unwinds
   }
 
-  void broadcast_parameters() {
-    std::vector<request> reqs;
-    reqs.reserve(views_.size());
-    for (auto& v : views_)
-      if (v.numel > 0) reqs.push_back(red_.broadcast_async(v.data, v.numel, v.type, 0));
-    const auto until = clock::now() + 2 * pg_.timeout() + std::chrono::seconds(2);
-    for (auto& r : reqs) r.wait(until);
-  }
-
-  // Re-plan once from rank 0's observed ready order so that buckets fill in the order backward
-  // really produces gradients. Runs inside finish(), when no collective is in flight, and only
-  // in copy mode: bucket slots then hold nothing between steps, and no pointer into them was
-  // handed out to keep. The old buckets are freed first: an arena sized for one plan (shm)
-  // still fits the other.
+  // Re-plan once from rank 0's observed ready order. Runs inside finish(), with no collective in
+  // flight, only in copy mode (slots hold nothing between steps and no pointer into them was
+  // handed out); the old buckets are freed first, so an arena sized for one plan fits the other.
   void rebuild_from_order() {
     settled_ = true;
     if (state_.order().size() != views_.size()) return;  // cannot happen: every parameter was ready or unused
@@ -483,17 +371,9 @@ class basic_data_parallel {
   std::uint64_t step_ = 0;
   std::uint64_t generation_ = 0;
   step_stats last_stats_;
-  // Parameters made ready in no_sync() steps since the last synchronized step: their
-  // accumulated gradient counts even when they are not ready in the synchronized step.
-  std::vector<std::uint8_t> accumulated_;
   detail::failure_latch failure_;  // the first failure: every later call raises it
 };
 
-/// The default wrapper: greedy size planner, ring allreduce over TCP, aligned host buckets.
-/// \code
-/// ddp::data_parallel dp{pg, params};
-/// \endcode
-using data_parallel = basic_data_parallel<>;
 
 }  // namespace v0
 }  // namespace ddp

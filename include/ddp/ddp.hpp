@@ -18,7 +18,9 @@
 #include <ddp/concepts.hpp>       // IWYU pragma: export
 #include <ddp/data_parallel.hpp>  // IWYU pragma: export
 #include <ddp/dtype.hpp>          // IWYU pragma: export
+#include <ddp/endpoint.hpp>       // IWYU pragma: export
 #include <ddp/error.hpp>          // IWYU pragma: export
+#include <ddp/fwd.hpp>            // IWYU pragma: export
 #include <ddp/memory/allocator_concept.hpp>  // IWYU pragma: export
 #include <ddp/memory/host_allocator.hpp>     // IWYU pragma: export
 #include <ddp/memory/shm_allocator.hpp>      // IWYU pragma: export
@@ -32,4 +34,5 @@
 #include <ddp/reducer/tree.hpp>   // IWYU pragma: export
 #include <ddp/request.hpp>        // IWYU pragma: export
 #include <ddp/store.hpp>          // IWYU pragma: export
-#include <ddp/transport/tcp.hpp>  // IWYU pragma: export
+#include <ddp/transport/concept.hpp>  // IWYU pragma: export
+#include <ddp/transport/tcp.hpp>      // IWYU pragma: export

@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 
+#include <ddp/version.hpp>
 #include <ddp/error.hpp>
 
 namespace ddp {

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/auth.hpp>
 #include <ddp/detail/fork.hpp>

@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/auth.hpp>
 #include <ddp/detail/fork.hpp>

@@ -10,9 +10,19 @@
 #include <string>
 #include <vector>
 
+#include "ddp/concepts.hpp"
 #include "ddp/memory/pinned_allocator.hpp"
 
+static_assert(ddp::copying_allocator<ddp::cuda_allocator>);
+static_assert(ddp::has_nothrow_deallocate<ddp::cuda_allocator> && ddp::has_nothrow_deallocate<ddp::pinned_allocator>);
+
 namespace {
+struct device_and_stream {  // what cuda_allocator::for_reducer reads from a reducer
+  int device() const { return 0; }
+  cudaStream_t stream() const { return nullptr; }
+};
+static_assert(ddp::allocator_bound_to<ddp::cuda_allocator, device_and_stream>);
+
 bool aligned(const void* p, std::size_t a) { return reinterpret_cast<std::uintptr_t>(p) % a == 0; }
 int device_count() {
   int n = 0;
@@ -101,6 +111,33 @@ TEST_CASE("cuda_allocator: an absurd request throws ddp::error and leaves CUDA u
 TEST_CASE("cuda_allocator: a device that does not exist is reported") {
   ddp::cuda_allocator a{.device = device_count() + 3};
   CHECK_THROWS_AS((void)a.allocate(64), ddp::error);
+}
+
+TEST_CASE("cuda_allocator: copy and zero move bytes between host and device and return when done") {
+  ddp::cuda_allocator a = ddp::cuda_allocator::for_reducer(device_and_stream{});
+  const std::size_t n = 1000;
+  std::vector<float> in(n), out(n, -1.0f);
+  for (std::size_t i = 0; i < n; ++i) in[i] = static_cast<float>(i);
+  void* d = a.allocate(n * sizeof(float));
+  void* d2 = a.allocate(n * sizeof(float));
+  a.copy(d, in.data(), n * sizeof(float));    // host to device
+  a.copy(d2, d, n * sizeof(float));           // device to device
+  a.zero(d2, 10 * sizeof(float));
+  a.copy(out.data(), d2, n * sizeof(float));  // device to host, complete on return
+  for (std::size_t i = 0; i < n; ++i) CHECK(out[i] == (i < 10 ? 0.0f : in[i]));
+  a.deallocate(d, n * sizeof(float));
+  a.deallocate(d2, n * sizeof(float));
+  DDP_CUDA_CHECK(cudaDeviceSynchronize());
+  CHECK(ddp::cuda_allocator::release_error() == cudaSuccess);
+}
+
+TEST_CASE("cuda_allocator: a failed release is recorded, not thrown") {
+  ddp::cuda_allocator a{.device = device_count() + 3};  // a device that does not exist
+  int never_freed = 0;
+  a.deallocate(&never_freed, sizeof never_freed);  // noexcept: cudaSetDevice refuses first
+  CHECK(ddp::cuda_allocator::release_error() == cudaErrorInvalidDevice);
+  CHECK(ddp::cuda_allocator::release_error() == cudaSuccess);  // taking it cleared it
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
 }
 
 int main(int argc, char** argv) {

@@ -851,3 +851,53 @@ TEST_CASE("one device per rank (device = rank): plans agree, averages exact, cop
     CHECK(all_ok(outs));
   }
 }
+
+// ---- every combination the docs list, constructed for real --------------------------------
+
+namespace {
+
+// One step of the documented type `Dp` on rank r of 2: gradients r + 1 + j become 1.5 + j.
+template <class Dp>
+void documented_step(int r, int port, const char* what) {
+  auto pg = ddp::init_process_group(opts(r, 2, port));
+  std::vector<float> w(6, 1.0f), b(3, 2.0f), gw(6), gb(3);
+  for (std::size_t j = 0; j < gw.size(); ++j) gw[j] = static_cast<float>(r + 1 + j);
+  for (std::size_t j = 0; j < gb.size(); ++j) gb[j] = static_cast<float>(r + 1 + j);
+  std::vector<ddp::tensor_view> params{ddp::make_tensor_view(w, gw, "w", {2, 3}), ddp::make_tensor_view(b, gb, "b")};
+  Dp dp{pg, params};
+  if constexpr (std::is_same_v<typename Dp::allocator_type, ddp::shm_allocator>)
+    require(&dp.get_allocator().transport() == &dp.get_reducer().transport(),
+            std::string(what) + ": the allocator is bound to the reducer's transport");
+  dp.grad_ready(1);
+  dp.grad_ready(0);
+  dp.finish();
+  for (std::size_t j = 0; j < gw.size(); ++j)
+    require(gw[j] == 1.5f + static_cast<float>(j), std::string(what) + ": w's average");
+  for (std::size_t j = 0; j < gb.size(); ++j)
+    require(gb[j] == 1.5f + static_cast<float>(j), std::string(what) + ": b's average");
+}
+
+template <class Dp>
+void documented(const char* what) {
+  const int port = free_port();
+  auto outs = run_processes({0, 1}, [&](int r) { documented_step<Dp>(r, port, what); }, 60s);
+  INFO(what << ": " << summary(outs));
+  CHECK(all_ok(outs));
+}
+
+}  // namespace
+
+TEST_CASE("every combination the docs list constructs on 2 processes and averages a step") {
+  static_assert(std::is_same_v<ddp::data_parallel,
+                               ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, ddp::host_allocator>>);
+  documented<ddp::data_parallel>("data_parallel (ring<tcp>, host_allocator)");
+  documented<ddp::basic_data_parallel<ddp::size_planner, ddp::tree<ddp::tcp>>>("tree<tcp>");
+#ifdef DDP_TEST_HAS_SHM
+  static_assert(ddp::allocator_bound_to<ddp::shm_allocator, ddp::ring<ddp::shm>>);
+  static_assert(!ddp::allocator_bound_to<ddp::shm_allocator, ddp::ring<ddp::tcp>>);
+  documented<ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::shm>, ddp::shm_allocator>>(
+      "ring<shm> + shm_allocator");
+  documented<ddp::basic_data_parallel<ddp::size_planner, ddp::tree<ddp::shm>, ddp::shm_allocator>>(
+      "tree<shm> + shm_allocator");
+#endif
+}

@@ -14,8 +14,8 @@ namespace {
 
 // A fake group of two: this process is rank 0; rank 1's contributions are set by the test.
 struct fake_pair {
-  std::string theirs;                      // what rank 1 contributes to the next all_gather
-  std::vector<std::uint64_t> root_words;   // rank 0's words in a broadcast (this rank's own)
+  std::string theirs;                     // what rank 1 contributes to the next all_gather
+  std::vector<std::uint64_t> root_words;  // rank 0's words in a broadcast (this rank's own)
   int gathers = 0, broadcasts = 0;
   std::vector<std::string> sent;
 

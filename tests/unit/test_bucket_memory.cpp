@@ -101,8 +101,8 @@ TEST_CASE("bucket_memory: an allocator's copy and zero hooks do every copy; rele
     mem.copy_in(1, g, sizeof g);
     mem.copy_out(1, out, sizeof out);
     mem.zero(0, sizeof g);
-    mem.zero(0, 0);           // nothing to do
-    mem.copy_in(0, g, 0);     // nothing to do
+    mem.zero(0, 0);        // nothing to do
+    mem.copy_in(0, g, 0);  // nothing to do
     CHECK(c->copies == 2);
     CHECK(c->zeroes == 1);
     CHECK(out[3] == 4);

@@ -98,6 +98,7 @@ TEST_CASE("bucket_state: an unsynchronized step launches nothing and keeps its m
   CHECK(rec.launched.empty());
   CHECK(st.pending(0) == 2);
   CHECK(st.order() == std::vector<std::size_t>{2, 3, 1, 0});  // recorded for the rebuild
+  st.set_accumulated(2);
   const auto stats = st.stats(5, std::chrono::steady_clock::now(), std::chrono::steady_clock::now());
   CHECK(stats.step == 5);
   CHECK_FALSE(stats.synchronized);
@@ -105,6 +106,10 @@ TEST_CASE("bucket_state: an unsynchronized step launches nothing and keeps its m
   st.reset(plan, false);
   CHECK_FALSE(st.is_open());
   CHECK(st.open(true));
+  CHECK(st.accumulated(2));  // kept until the synchronized step has averaged it
+  CHECK_FALSE(st.accumulated(1));
+  st.clear_accumulated();
+  CHECK_FALSE(st.accumulated(2));
 }
 
 TEST_CASE("bucket_state: statistics count bytes, unused parameters and launches before finish") {

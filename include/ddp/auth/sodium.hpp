@@ -21,6 +21,7 @@
 #include <span>
 #include <string_view>
 
+#include <ddp/version.hpp>
 #include <ddp/auth.hpp>
 #include <ddp/error.hpp>
 

@@ -7,6 +7,7 @@
 /// peers lives here. See docs/data-parallel.md.
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -17,12 +18,15 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/concepts.hpp>
-#include <ddp/data_parallel/detail/label.hpp>
+#include <ddp/detail/bytes.hpp>
+#include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/parameter.hpp>
 #include <ddp/planner/bucket_plan.hpp>
+#include <ddp/request.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -66,29 +70,32 @@ class agreement {
   /// Parameter count, then per parameter: dtype | on-device << 8, rank of the shape, the shape.
   static std::string encode_signatures(std::span<const tensor_view> views) {
     std::string s;
-    put_u64(s, views.size());
+    detail::byte_writer w(s);
+    w.u64(views.size());
     for (const auto& v : views) {
-      put_u64(s, static_cast<std::uint64_t>(v.type) | (v.device >= 0 ? 0x100u : 0u));
-      put_u64(s, v.shape.size());
-      for (auto d : v.shape) put_u64(s, static_cast<std::uint64_t>(d));
+      w.u64(static_cast<std::uint64_t>(v.type) | (v.device >= 0 ? 0x100u : 0u)).u64(v.shape.size());
+      for (auto d : v.shape) w.i64(d);
     }
     return s;
   }
 
-  /// The inverse of `encode_signatures`; errc::protocol for a truncated or malformed record.
+  /// The inverse of `encode_signatures`; errc::protocol for a truncated or malformed record
+  /// (counts are bounded by the bytes left, so a lying count allocates nothing).
   static std::vector<parameter_signature> decode_signatures(const std::string& s) {
-    std::size_t pos = 0;
-    const std::uint64_t n = get_u64(s, pos);
-    if (n > s.size()) detail::raise(errc::protocol, -1, "malformed parameter signature");
-    std::vector<parameter_signature> out(n);
+    detail::byte_reader r(s);
+    const std::uint64_t n = r.u64();
+    if (n > r.remaining() / 16) r.fail();
+    std::vector<parameter_signature> out(r.ok() ? n : 0);
     for (auto& sig : out) {
-      const std::uint64_t td = get_u64(s, pos);
+      const std::uint64_t td = r.u64();
       sig.type = static_cast<std::uint8_t>(td & 0xff);
       sig.on_device = static_cast<std::uint8_t>(td >> 8);
-      const std::uint64_t nd = get_u64(s, pos);
-      if (nd > s.size()) detail::raise(errc::protocol, -1, "malformed parameter signature");
-      for (std::uint64_t k = 0; k < nd; ++k) sig.shape.push_back(static_cast<std::int64_t>(get_u64(s, pos)));
+      const std::uint64_t nd = r.u64();
+      if (nd > r.remaining() / 8) r.fail();
+      if (!r.ok()) break;
+      for (std::uint64_t k = 0; k < nd; ++k) sig.shape.push_back(r.i64());
     }
+    if (!r.done()) detail::raise(errc::protocol, -1, "malformed parameter signature");
     return out;
   }
 
@@ -103,8 +110,7 @@ class agreement {
   /// The plan's fingerprint, then whether the layout is settled (1) or will be rebuilt (0).
   static std::string encode_plan(const bucket_plan& plan, bool settled) {
     std::string s;
-    put_u64(s, plan.fingerprint());
-    put_u64(s, settled ? 1 : 0);
+    detail::byte_writer(s).u64(plan.fingerprint()).u64(settled ? 1 : 0);
     return s;
   }
 
@@ -146,7 +152,8 @@ class agreement {
     std::string counts;
     for (std::size_t r = 0; r < sigs.size(); ++r)
       if (sigs[r].size() != sigs[0].size() || r == 0)
-        counts += (counts.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + std::to_string(sigs[r].size()));
+        counts +=
+            (counts.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + std::to_string(sigs[r].size()));
     detail::raise(errc::mismatch, ch_.rank,
                   "ranks disagree on the number of parameters: " + counts + "; the first differing is " + label(common),
                   -1, static_cast<int>(common));
@@ -158,8 +165,10 @@ class agreement {
     const auto all = ch_.all_gather(encode_plan(plan, settled));
     std::string plans, rebuilds;
     for (std::size_t r = 1; r < all.size(); ++r) {
-      if (all[r].compare(0, 8, all[0], 0, 8) != 0) plans += (plans.empty() ? "rank " : ", rank ") + std::to_string(r);
-      else if (all[r] != all[0]) rebuilds += (rebuilds.empty() ? "rank " : ", rank ") + std::to_string(r);
+      if (all[r].compare(0, 8, all[0], 0, 8) != 0)
+        plans += (plans.empty() ? "rank " : ", rank ") + std::to_string(r);
+      else if (all[r] != all[0])
+        rebuilds += (rebuilds.empty() ? "rank " : ", rank ") + std::to_string(r);
     }
     if (!plans.empty())
       detail::raise(errc::mismatch, ch_.rank,
@@ -168,7 +177,8 @@ class agreement {
     if (!rebuilds.empty()) {
       const bool rank0_rebuilds = all[0][8] == 0;
       detail::raise(errc::mismatch, ch_.rank,
-                    std::string("ranks disagree ") + when + " on rebuilding the bucket plan after the first step: rank 0 " +
+                    std::string("ranks disagree ") + when +
+                        " on rebuilding the bucket plan after the first step: rank 0 " +
                         (rank0_rebuilds ? "does, " : "does not, ") + rebuilds + (rank0_rebuilds ? " do not" : " do") +
                         " (bucket_policy::rebuild_from_ready_order or dp_options::gradient_as_bucket_view differ)");
     }
@@ -215,18 +225,19 @@ class agreement {
     return planner.plan(infos, policy, walk);
   }
 
- private:
-  static void put_u64(std::string& s, std::uint64_t v) {
-    for (int k = 0; k < 8; ++k) s.push_back(static_cast<char>((v >> (8 * k)) & 0xff));
-  }
-  static std::uint64_t get_u64(const std::string& s, std::size_t& pos) {
-    if (pos + 8 > s.size()) detail::raise(errc::protocol, -1, "truncated parameter signature");
-    std::uint64_t v = 0;
-    for (int k = 0; k < 8; ++k) v |= static_cast<std::uint64_t>(static_cast<unsigned char>(s[pos + k])) << (8 * k);
-    pos += 8;
-    return v;
+  /// Copies rank 0's parameter values to every rank through `red` (a collective), so that
+  /// training starts from one model even when ranks initialized differently.
+  template <reducer Reducer>
+  static void broadcast_values(Reducer& red, std::span<const tensor_view> views, std::chrono::milliseconds timeout) {
+    std::vector<request> reqs;
+    reqs.reserve(views.size());
+    for (const auto& v : views)
+      if (v.numel > 0) reqs.push_back(red.broadcast_async(v.data, v.numel, v.type, 0));
+    const auto until = std::chrono::steady_clock::now() + 2 * timeout + std::chrono::seconds(2);
+    for (auto& r : reqs) r.wait(until);
   }
 
+ private:
   agreement_channel ch_;
 };
 

@@ -12,8 +12,9 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/concepts.hpp>
-#include <ddp/data_parallel/detail/label.hpp>
+#include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/detail/copy.hpp>
 #include <ddp/error.hpp>
 #include <ddp/parameter.hpp>
@@ -124,6 +125,20 @@ class bucket_memory {
   /// Keeps the request of bucket `b`'s collective, which uses its buffer until it ends.
   void track(std::size_t b, request r) { requests_[b] = std::move(r); }
   const request& in_flight(std::size_t b) const noexcept { return requests_[b]; }
+  /// Waits up to `patience` (and 2 s of grace) for bucket `b`'s collective. Its own error (one
+  /// naming a rank) is rethrown as it is; a deadline that passes is raised on `rank`, naming
+  /// the bucket and the wait.
+  void wait(std::size_t b, std::chrono::milliseconds patience, int rank) const {
+    try {
+      requests_[b].wait(clock::now() + patience + std::chrono::seconds(2));
+    } catch (const error& e) {
+      if (e.rank() >= 0) throw;
+      detail::raise(e.condition(), rank,
+                    "bucket " + std::to_string(b) + " was not reduced within " + std::to_string(patience.count()) +
+                        " ms (a peer stopped answering?)",
+                    static_cast<int>(b));
+    }
+  }
   /// A new step: the previous step's requests have all ended.
   void clear_requests() { requests_.assign(buffers_.size(), request{}); }
 

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/planner/bucket_plan.hpp>
 
@@ -46,6 +47,7 @@ class bucket_state {
       : n_(parameters),
         ready_(std::make_unique<std::atomic<bool>[]>(parameters)),
         unused_(parameters, 0),
+        accumulated_(parameters, 0),
         launch_(std::move(launch)) {
     order_.reserve(parameters);
   }
@@ -90,6 +92,12 @@ class bucket_state {
   bool ready(std::size_t i) const noexcept { return ready_[i].load(std::memory_order_acquire); }
   void set_unused(std::size_t i) noexcept { unused_[i] = 1; }
   bool unused(std::size_t i) const noexcept { return unused_[i] != 0; }
+  /// Parameter `i` was made ready in an unsynchronized (`no_sync()`) step since the last
+  /// synchronized one: its accumulated gradient counts even if it is unused when synchronizing.
+  /// Kept across `reset`, until `clear_accumulated()`.
+  void set_accumulated(std::size_t i) noexcept { accumulated_[i] = 1; }
+  bool accumulated(std::size_t i) const noexcept { return accumulated_[i] != 0; }
+  void clear_accumulated() noexcept { std::fill(accumulated_.begin(), accumulated_.end(), 0); }
   /// Parameters not ready yet, in index order.
   std::vector<std::size_t> missing() const {
     std::vector<std::size_t> out;
@@ -183,7 +191,7 @@ class bucket_state {
   const bucket_plan* plan_ = nullptr;
   // Per parameter; atomic so that concurrent hooks detect a duplicate without the lock.
   std::unique_ptr<std::atomic<bool>[]> ready_;
-  std::vector<std::uint8_t> unused_;
+  std::vector<std::uint8_t> unused_, accumulated_;
   launch_fn launch_;
   mutable std::mutex mu_;  // guards what follows
   std::vector<std::size_t> pending_;

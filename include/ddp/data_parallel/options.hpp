@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include <ddp/version.hpp>
+
 namespace ddp {
 inline namespace v0 {
 
@@ -49,15 +51,15 @@ struct bucket_timing {
 
 /// What one step cost; `last_step_stats()` after `finish()`.
 struct step_stats {
-  std::uint64_t step = 0;        ///< 0 for the first `finish()`
-  bool synchronized = false;     ///< false for a step under `no_sync()`
-  std::size_t bytes_reduced = 0; ///< sum of the bucket sizes reduced this step
-  std::size_t unused = 0;        ///< parameters not ready in this step (mark_unused or the option)
+  std::uint64_t step = 0;                  ///< 0 for the first `finish()`
+  bool synchronized = false;               ///< false for a step under `no_sync()`
+  std::size_t bytes_reduced = 0;           ///< sum of the bucket sizes reduced this step
+  std::size_t unused = 0;                  ///< parameters not ready in this step (mark_unused or the option)
   std::size_t launched_before_finish = 0;  ///< buckets launched while backward was still running
-  double backward_ms = 0;  ///< first to last `grad_ready` (the backward window seen by ddp)
-  double exposed_ms = 0;   ///< last `grad_ready` to `finish()` return: communication not hidden
-  double finish_ms = 0;    ///< time spent inside `finish()`
-  std::vector<bucket_timing> buckets;  ///< in plan (launch) order; empty for unsynchronized steps
+  double backward_ms = 0;                  ///< first to last `grad_ready` (the backward window seen by ddp)
+  double exposed_ms = 0;                   ///< last `grad_ready` to `finish()` return: communication not hidden
+  double finish_ms = 0;                    ///< time spent inside `finish()`
+  std::vector<bucket_timing> buckets;      ///< in plan (launch) order; empty for unsynchronized steps
 };
 
 }  // namespace v0

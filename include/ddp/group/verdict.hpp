@@ -20,6 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/socket.hpp>

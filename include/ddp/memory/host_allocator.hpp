@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <string>
 
+#include <ddp/version.hpp>
 #include <ddp/error.hpp>
 #include <ddp/memory/allocator_concept.hpp>
 

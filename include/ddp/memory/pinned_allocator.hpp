@@ -35,7 +35,8 @@ struct pinned_allocator {
     return p;
   }
 
-  /// Frees `p`. Never throws: a CUDA error is recorded (`release_error()` returns it) and the runtime's last-error slot cleared.
+  /// Frees `p`. Never throws: a CUDA error is recorded (`release_error()` returns it) and the
+  /// runtime's last-error slot cleared.
   void deallocate(void* p, std::size_t /*bytes*/) const noexcept {
     if (p != nullptr) detail::record_cuda_release_error(cudaFreeHost(p));
   }

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 
+#include <ddp/version.hpp>
 #include <ddp/reducer/shm.hpp>
 #include <ddp/memory/allocator_concept.hpp>
 

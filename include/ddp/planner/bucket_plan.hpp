@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/dtype.hpp>
 
 namespace ddp {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <span>
 
+#include <ddp/version.hpp>
 #include <ddp/planner/bucket_plan.hpp>
 
 namespace ddp {

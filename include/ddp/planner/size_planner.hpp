@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/planner/bucket_plan.hpp>

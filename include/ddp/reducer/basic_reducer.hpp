@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <utility>
 
+#include <ddp/version.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/detail/front_end.hpp>
 #include <ddp/transport/concept.hpp>

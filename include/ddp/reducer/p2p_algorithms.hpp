@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/copy.hpp>

@@ -6,4 +6,5 @@
 /// ddp::ring<ddp::tcp> ring{pg};
 /// ring.allreduce(std::span<float>{v}, ddp::op::sum);
 /// \endcode
+#include <ddp/version.hpp>
 #include <ddp/reducer/p2p_algorithms.hpp>  // IWYU pragma: export

@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/fork.hpp>

@@ -6,4 +6,5 @@
 /// ddp::tree<ddp::tcp> tree{pg};
 /// tree.allreduce(std::span<float>{v}, ddp::op::max);
 /// \endcode
+#include <ddp/version.hpp>
 #include <ddp/reducer/p2p_algorithms.hpp>  // IWYU pragma: export

@@ -19,6 +19,7 @@
 #include <span>
 #include <string>
 
+#include <ddp/version.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>

@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include <ddp/version.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/mesh.hpp>

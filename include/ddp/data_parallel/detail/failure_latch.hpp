@@ -1,6 +1,8 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 /// \file data_parallel/detail/failure_latch.hpp
-/// The wrapper's first failure: kept once, raised by every later call.
+/// The wrapper's first failure (kept once, raised by every later call), and two small helpers
+/// of its steps: `exception_of` and the `no_sync()` scope.
 // IWYU pragma: private
 
 #include <atomic>
@@ -11,7 +13,7 @@
 #include <string>
 #include <string_view>
 
-#include <ddp/data_parallel/detail/label.hpp>
+#include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/error.hpp>
 
 namespace ddp {
@@ -67,11 +69,52 @@ class failure_latch {
     }
   }
 
+  /// Runs `body`. An exception from it is recorded (as `record` does) and rethrown; when the
+  /// peers must be told, `tell(message)` (noexcept) runs first.
+  template <class Body, class Tell>
+  void guard(const char* what, std::ptrdiff_t param, std::string_view name, std::uint64_t step, bool tell_peers,
+             Body&& body, Tell&& tell) {
+    try {
+      body();
+    } catch (...) {
+      const std::string msg = record(what, param, name, step, tell_peers);
+      if (!msg.empty()) tell(msg);
+      throw;
+    }
+  }
+
  private:
   std::atomic<bool> failed_{false};
   mutable std::mutex mu_;
   errc code_ = errc::aborted;
   std::string what_;
+};
+
+/// The exception `f()` throws, or null.
+template <class F>
+std::exception_ptr exception_of(F&& f) noexcept {
+  try {
+    f();
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+/// The RAII scope of `no_sync()`: counts the scopes open on a wrapper.
+class [[nodiscard]] depth_guard {
+ public:
+  explicit depth_guard(int& depth) noexcept : depth_(&depth) { ++depth; }
+  depth_guard(depth_guard&& o) noexcept : depth_(o.depth_) { o.depth_ = nullptr; }
+  depth_guard(const depth_guard&) = delete;
+  depth_guard& operator=(const depth_guard&) = delete;
+  depth_guard& operator=(depth_guard&&) = delete;
+  ~depth_guard() {
+    if (depth_ != nullptr) --*depth_;
+  }
+
+ private:
+  int* depth_;
 };
 
 }  // namespace detail

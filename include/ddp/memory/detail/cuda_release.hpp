@@ -1,4 +1,5 @@
 #pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 /// \file memory/detail/cuda_release.hpp
 /// Where the CUDA allocators keep a failed release: `deallocate` is noexcept (the wrapper frees
 /// buckets in destructors and on error paths), so a cudaFree that fails is recorded, not thrown.

@@ -1,0 +1,56 @@
+#pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
+/// \file data_parallel/detail/parameters.hpp
+/// How the wrapper's errors name a parameter: "parameter 3 ('fc.weight')".
+// IWYU pragma: private
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ddp/parameter.hpp>
+#include <ddp/planner/bucket_plan.hpp>
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+inline std::string parameter_label(std::size_t i, std::string_view name) {
+  std::string s = "parameter " + std::to_string(i);
+  if (!name.empty()) s.append(" ('").append(name).append("')");
+  return s;
+}
+
+/// "parameter 0 ('a'), parameter 2 and 5 more": the first `shown` of `which`, then a count.
+inline std::string parameter_list(const std::vector<std::size_t>& which, const std::vector<std::string>& names,
+                                  std::size_t shown = 8) {
+  std::string list;
+  if (shown > which.size()) shown = which.size();
+  for (std::size_t k = 0; k < shown; ++k)
+    list += (k ? ", " : "") + parameter_label(which[k], which[k] < names.size() ? names[which[k]] : "");
+  if (shown < which.size()) list += " and " + std::to_string(which.size() - shown) + " more";
+  return list;
+}
+
+/// Copies of the parameters' names, owned by the wrapper, with `views` repointed at them (a
+/// name may be a view into storage the engine frees).
+inline std::vector<std::string> own_names(std::vector<tensor_view>& views) {
+  std::vector<std::string> names;  // moved out whole: the strings, and so the views, stay put
+  names.reserve(views.size());
+  for (const auto& v : views) names.emplace_back(v.name);
+  for (std::size_t i = 0; i < views.size(); ++i) views[i].name = names[i];
+  return names;
+}
+
+/// What a planner reads about each parameter.
+inline std::vector<param_info> infos_of(const std::vector<tensor_view>& views) {
+  std::vector<param_info> out;
+  out.reserve(views.size());
+  for (const auto& v : views) out.push_back(param_info{v.numel, v.type, v.device});
+  return out;
+}
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp
