@@ -6,7 +6,7 @@
 ///
 /// \code
 /// #include <ddp/clock.hpp>
-/// ddp::deadline_t until = ddp::clock::now() + std::chrono::seconds(30);
+/// ddp::deadline_t until = ddp::steady_clock::now() + std::chrono::seconds(30);
 /// \endcode
 
 #include <chrono>
@@ -16,10 +16,11 @@
 namespace ddp {
 inline namespace v0 {
 
-/// The steady clock all of ddp's deadlines are read on.
-using clock = std::chrono::steady_clock;
-/// A deadline: the point on `ddp::clock` past which a blocking call gives up.
-using deadline_t = clock::time_point;
+/// The steady clock all of ddp's deadlines are read on (named `steady_clock`, not `clock`, so that
+/// `using namespace ddp;` never hides `clock()` from <ctime>).
+using steady_clock = std::chrono::steady_clock;
+/// A deadline: the point on `ddp::steady_clock` past which a blocking call gives up.
+using deadline_t = steady_clock::time_point;
 
 }  // namespace v0
 }  // namespace ddp

@@ -160,10 +160,10 @@ class basic_data_parallel {
   /// \endcode
   void finish() {
     check_healthy();
-    const auto t_call = clock::now();
+    const auto t_call = steady_clock::now();
     if (state_.open(no_sync_depth_ == 0, t_call)) {
       const auto missing = state_.missing();
-      if (!missing.empty() && !opts_.find_unused_parameters) raise_missing(missing);
+      if (!missing.empty() && !opts_.find_unused_parameters) detail::raise_missing(pg_.rank(), missing, names_);
       guarded("finish", -1, [&] {
         state_.begin_finish();
         for (std::size_t i : missing) {
@@ -185,7 +185,7 @@ class basic_data_parallel {
       }
       state_.clear_accumulated();  // they are in this step's average now
     }
-    last_stats_ = state_.stats(step_, t_call, clock::now());
+    last_stats_ = state_.stats(step_, t_call, steady_clock::now());
     if (!settled_ && last_stats_.synchronized)
       guarded("the bucket rebuild in finish", -1, [&] { rebuild_from_order(); });
     reset_step();
@@ -242,8 +242,6 @@ class basic_data_parallel {
   process_group& group() noexcept { return pg_; }
 
  private:
-  using clock = std::chrono::steady_clock;
-
   void check_healthy() const {
     owner_.check(pg_.rank(), "data_parallel wrapper");
     failure_.check(pg_.rank());
@@ -251,30 +249,14 @@ class basic_data_parallel {
 
   void check_index(std::size_t i, const char* what) const {
     owner_.check(pg_.rank(), "data_parallel wrapper");
-    if (i >= views_.size())
-      detail::raise(errc::invalid_argument, pg_.rank(),
-                    std::string(what) + "(" + std::to_string(i) + "): there are only " + std::to_string(views_.size()) +
-                        " parameters",
-                    -1, static_cast<int>(i));
+    if (i >= views_.size()) detail::raise_bad_index(pg_.rank(), what, i, views_.size());
   }
 
   void claim(std::size_t i, const char* what) {
     check_index(i, what);
     failure_.check(pg_.rank());
     if (!state_.claim(i))
-      detail::raise(errc::usage, pg_.rank(),
-                    std::string(what) + ": " + detail::parameter_label(i, names_[i]) + " was already " +
-                        (state_.unused(i) ? "marked unused" : "ready") + " in this step (step " +
-                        std::to_string(step_) + "); call finish() between steps",
-                    static_cast<int>(plan().where[i].first), static_cast<int>(i));
-  }
-
-  [[noreturn]] void raise_missing(const std::vector<std::size_t>& missing) const {
-    detail::raise(errc::usage, pg_.rank(),
-                  "finish() while " + std::to_string(missing.size()) + " parameter" + (missing.size() > 1 ? "s" : "") +
-                      " never became ready this step: " + detail::parameter_list(missing, names_) +
-                      "; call grad_ready(i) or mark_unused(i) for each, or set dp_options::find_unused_parameters",
-                  -1, static_cast<int>(missing.front()));
+      detail::raise_already(pg_.rank(), what, i, names_[i], state_.unused(i), step_, plan().where[i].first);
   }
 
   // Runs the part of a call that changes step state. An exception from it leaves the step half
@@ -373,7 +355,6 @@ class basic_data_parallel {
   step_stats last_stats_;
   detail::failure_latch failure_;  // the first failure: every later call raises it
 };
-
 
 }  // namespace v0
 }  // namespace ddp

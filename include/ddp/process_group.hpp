@@ -159,7 +159,7 @@ class process_group {
   int size() const noexcept;
   const init_options& options() const noexcept;
   std::chrono::milliseconds timeout() const noexcept;
-  deadline_t deadline() const { return clock::now() + timeout(); }
+  deadline_t deadline() const { return steady_clock::now() + timeout(); }
 
   /// The group's key-value store (hosted by rank 0).
   store_client& store();
@@ -245,7 +245,7 @@ class process_group::state {
   int size() const noexcept { return size_; }
   const init_options& options() const noexcept { return opts_; }
   std::chrono::milliseconds timeout() const noexcept { return opts_.timeout; }
-  deadline_t deadline() const { return clock::now() + opts_.timeout; }
+  deadline_t deadline() const { return steady_clock::now() + opts_.timeout; }
 
   /// The group's key-value store (hosted by rank 0).
   store_client& store() { return *store_; }
@@ -423,9 +423,9 @@ class process_group::state {
     store_.reset();
     if (server_) {
       const auto until =
-          clock::now() + (failing ? std::min<std::chrono::milliseconds>(detail::timing::close_failing_wait, opts_.timeout / 4)
+          steady_clock::now() + (failing ? std::min<std::chrono::milliseconds>(detail::timing::close_failing_wait, opts_.timeout / 4)
                                   : opts_.timeout);
-      while (server_->clients() > 0 && clock::now() < until) std::this_thread::sleep_for(detail::timing::close_poll);
+      while (server_->clients() > 0 && steady_clock::now() < until) std::this_thread::sleep_for(detail::timing::close_poll);
       server_.reset();
     }
   }
@@ -594,7 +594,7 @@ inline process_group init_process_group(const init_options& opts) {
   pg.opts_ = opts;
   pg.rank_ = opts.rank;
   pg.size_ = opts.world_size;
-  const auto until = clock::now() + opts.timeout;
+  const auto until = steady_clock::now() + opts.timeout;
   const int rank = opts.rank;
 
   // Resolve first, so an unresolvable master fails at once on every rank.

@@ -242,7 +242,7 @@ class store_server {
   void loop() {
     std::vector<epoll_event> events(1024);
     while (!stopping_) {
-      const auto before = clock::now();
+      const auto before = steady_clock::now();
       // Out of descriptors for longer than shedding helps: leave the listener alone a while
       // rather than spin on it.
       const bool listen_now = before >= accept_pause_;
@@ -253,7 +253,7 @@ class store_server {
       const int n = ::epoll_wait(epoll_.get(), events.data(), static_cast<int>(events.size()),
                                  backlog_.empty() ? next_timeout(before) : 0);
       if (stopping_) break;
-      const auto now = clock::now();
+      const auto now = steady_clock::now();
       for (int i = 0; i < n; ++i) {
         const std::uint64_t id = events[static_cast<std::size_t>(i)].data.u64;
         const auto ev = events[static_cast<std::size_t>(i)].events;
@@ -619,7 +619,7 @@ class store_server {
       if (k == 0) {
         // Half-closed: requests already read are still answered (parked ones included).
         c.eof = true;
-        c.eof_limit = clock::now() + eof_linger;
+        c.eof_limit = steady_clock::now() + eof_linger;
         return read_result::ok;
       }
       return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? read_result::ok : read_result::closed;
@@ -660,7 +660,7 @@ class store_server {
     c.closing = true;
     c.in.clear();
     c.hs.reset();
-    c.limit = clock::now() + detail::timing::store_refused_linger;
+    c.limit = steady_clock::now() + detail::timing::store_refused_linger;
   }
 
   /// Runs the handshake while one is due, then the requests; false drops the client.
@@ -874,7 +874,7 @@ class store_server {
     for (const auto& field : f.fields) bytes += field.size() + 64;
     auto& w = waiters_.emplace(id, waiter{c.seq, std::move(f), 0, 0, {}, {}}).first->second;
     w.bytes = bytes;
-    w.timer = deadlines_.emplace(clock::now() + std::chrono::milliseconds(bounded), id);
+    w.timer = deadlines_.emplace(steady_clock::now() + std::chrono::milliseconds(bounded), id);
     w.cursor = first_missing(w.req, 0);
     w.watch = watch_.emplace(w.req.fields[w.cursor], id);
     c.parked.push_back(id);
@@ -1057,7 +1057,7 @@ class store_client {
         // refusal, a protocol error, the deadline) is the answer.
         if (e.code() != errc::peer_lost) throw;
         ++closed;
-        if (clock::now() + backoff >= until) detail::raise(errc::timeout, rank, no_room());
+        if (steady_clock::now() + backoff >= until) detail::raise(errc::timeout, rank, no_room());
       }
       // A fresh connection: nothing of the closed one's failure carries over.
       fd_.reset();
@@ -1123,7 +1123,7 @@ class store_client {
   /// connections opened through this store use it too.
   const std::shared_ptr<const authenticator>& auth() const noexcept { return auth_; }
 
-  static deadline_t default_deadline() { return clock::now() + detail::timing::store_default_wait; }
+  static deadline_t default_deadline() { return steady_clock::now() + detail::timing::store_default_wait; }
 
  private:
   /// The answer's first field; an answer without it (or of the wrong size) is a protocol error.
@@ -1171,7 +1171,7 @@ class store_client {
                     "request held it)");
     if (!broken_.empty())
       detail::raise(broken_code_, rank_, "store connection to rank 0 is unusable after an earlier failure: " + broken_);
-    const auto start = clock::now();
+    const auto start = steady_clock::now();
     if (start >= until)
       detail::raise(errc::timeout, rank_,
                     "store request timed out waiting for its turn on the connection to rank 0 (another thread's "
@@ -1226,7 +1226,7 @@ class store_client {
   /// margin for its answer.
   static std::int64_t server_wait_ms(deadline_t until) {
     const std::int64_t left = std::max<std::int64_t>(
-        0, std::chrono::duration_cast<std::chrono::milliseconds>(until - clock::now()).count());
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(until - steady_clock::now()).count());
     return left - std::min<std::int64_t>(left / 8, reply_slack.count());
   }
 

@@ -567,7 +567,7 @@ TEST_CASE("a transport context: a channel of its own, the same on every rank, an
 // store: whom a timeout blames, what a closed link reports, who wins, and a store that is gone.
 TEST_CASE("failure_verdict: the chain of waiting ranks, the first record, a store that is gone") {
   auto server = std::make_unique<ddp::store_server>(ddp::endpoint{"127.0.0.1", 0}, 0);
-  const auto until = ddp::clock::now() + 5s;
+  const auto until = ddp::steady_clock::now() + 5s;
   ddp::store_client c0{"127.0.0.1", server->port(), 0, until}, c1{"127.0.0.1", server->port(), 1, until};
   ddp::failure_verdict v0{&c0, 0, 3, 800ms}, v1{&c1, 1, 3, 800ms};
   CHECK_FALSE(v0.recorded());

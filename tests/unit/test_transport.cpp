@@ -193,7 +193,7 @@ std::vector<outcome> allreduce_on_threads(int n, std::size_t count, ddp::reducer
       d.algo = std::same_as<Algorithm, ddp::tree_algorithm> ? ddp::detail::coll_algo::tree : ddp::detail::coll_algo::ring;
       d.variant = ddp::detail::p2p_engine<Algorithm, mailbox>::variant(d.kind, mine * 4, opts);
       try {
-        ddp::detail::p2p_allreduce<Algorithm>(t, d, ddp::clock::now() + std::chrono::seconds(10), o.data.data(), mine,
+        ddp::detail::p2p_allreduce<Algorithm>(t, d, ddp::steady_clock::now() + std::chrono::seconds(10), o.data.data(), mine,
                                               ddp::dtype::f32, ddp::op::sum, opts);
       } catch (const ddp::error& e) {
         o.code = e.condition();

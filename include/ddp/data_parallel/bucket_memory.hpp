@@ -45,7 +45,6 @@ class bucket_memory {
                 "it must model ddp::allocator_with_copy and ddp::allocator_with_zero (ddp::copying_allocator)");
 
  public:
-  using clock = std::chrono::steady_clock;
   /// True when copies and zeroing go through the allocator's hooks.
   static constexpr bool hooks = allocator_with_copy<Allocator>;
 
@@ -130,7 +129,7 @@ class bucket_memory {
   /// the bucket and the wait.
   void wait(std::size_t b, std::chrono::milliseconds patience, int rank) const {
     try {
-      requests_[b].wait(clock::now() + patience + std::chrono::seconds(2));
+      requests_[b].wait(steady_clock::now() + patience + std::chrono::seconds(2));
     } catch (const error& e) {
       if (e.rank() >= 0) throw;
       detail::raise(e.condition(), rank,
@@ -145,8 +144,8 @@ class bucket_memory {
   /// True when no collective can still touch the buffers: waits up to `patience` for the
   /// tracked requests, then calls `abort()` and waits up to 2 s more.
   template <class Abort>
-  bool drain(clock::duration patience, Abort&& abort) noexcept {
-    const auto wait_all = [this](clock::time_point until) {
+  bool drain(steady_clock::duration patience, Abort&& abort) noexcept {
+    const auto wait_all = [this](steady_clock::time_point until) {
       bool all = true;
       for (auto& r : requests_) {
         if (!r.valid()) continue;
@@ -162,9 +161,9 @@ class bucket_memory {
     for (auto& r : requests_) pending = pending || (r.valid() && !r.test());
     if (!pending) return true;
     try {
-      if (wait_all(clock::now() + patience)) return true;
+      if (wait_all(steady_clock::now() + patience)) return true;
       abort();
-      return wait_all(clock::now() + std::chrono::seconds(2));
+      return wait_all(steady_clock::now() + std::chrono::seconds(2));
     } catch (...) {
       return false;
     }

@@ -39,7 +39,6 @@ inline namespace v0 {
 /// \endcode
 class bucket_state {
  public:
-  using clock = std::chrono::steady_clock;
   /// Starts bucket b's collective (called once per bucket and step, in plan order).
   using launch_fn = std::function<void(std::size_t bucket)>;
 
@@ -62,9 +61,9 @@ class bucket_state {
     const std::size_t nb = plan.buckets.size();
     pending_.resize(nb);
     for (std::size_t b = 0; b < nb; ++b) pending_[b] = plan.buckets[b].entries.size();
-    ready_at_.assign(nb, clock::time_point{});
-    launched_at_.assign(nb, clock::time_point{});
-    reduced_at_.assign(nb, clock::time_point{});
+    ready_at_.assign(nb, steady_clock::time_point{});
+    launched_at_.assign(nb, steady_clock::time_point{});
+    reduced_at_.assign(nb, steady_clock::time_point{});
     next_launch_ = bytes_launched_ = launched_before_finish_ = 0;
     finishing_ = open_ = false;
     record_order_ = record_order;
@@ -73,7 +72,7 @@ class bucket_state {
 
   /// Opens the step at its first hook (or at `finish()`); the step keeps the mode it opened
   /// with, `sync_if_new`. Returns the step's mode (true: synchronized).
-  bool open(bool sync_if_new, clock::time_point now = clock::now()) {
+  bool open(bool sync_if_new, steady_clock::time_point now = steady_clock::now()) {
     std::lock_guard lock(mu_);
     if (!open_) {
       open_ = true;
@@ -110,7 +109,7 @@ class bucket_state {
   /// and every bucket whose turn has come launches. `hook`: false for parameters `finish()`
   /// fills in, which do not move the end of backward in the statistics.
   void complete(std::size_t i, bool sync, bool hook = true) {
-    const auto t = clock::now();
+    const auto t = steady_clock::now();
     std::lock_guard lock(mu_);
     if (hook) last_ready_ = t;
     if (record_order_) order_.push_back(i);
@@ -133,7 +132,7 @@ class bucket_state {
     launch_locked();
   }
   /// Bucket b's reduction ended at `t` (for the statistics).
-  void set_reduced(std::size_t b, clock::time_point t) { reduced_at_[b] = t; }
+  void set_reduced(std::size_t b, steady_clock::time_point t) { reduced_at_[b] = t; }
 
   std::size_t pending(std::size_t b) const {
     std::lock_guard lock(mu_);
@@ -144,13 +143,13 @@ class bucket_state {
     std::lock_guard lock(mu_);
     return next_launch_;
   }
-  clock::time_point launched_at(std::size_t b) const { return launched_at_[b]; }
+  steady_clock::time_point launched_at(std::size_t b) const { return launched_at_[b]; }
   /// The order parameters completed in, when the step records it.
   const std::vector<std::size_t>& order() const noexcept { return order_; }
 
   /// What the step cost, as `last_step_stats()` reports it; `t_call` is when `finish()` was
   /// called, `t_end` when it returns.
-  step_stats stats(std::uint64_t step, clock::time_point t_call, clock::time_point t_end) const {
+  step_stats stats(std::uint64_t step, steady_clock::time_point t_call, steady_clock::time_point t_end) const {
     step_stats st;
     st.step = step;
     st.synchronized = sync_;
@@ -174,12 +173,12 @@ class bucket_state {
   }
 
  private:
-  static double ms(clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+  static double ms(steady_clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
   void launch_locked() {
     while (next_launch_ < plan_->buckets.size() && pending_[next_launch_] == 0) {
       const std::size_t b = next_launch_;
-      launched_at_[b] = clock::now();  // before the call: the collective may end before it returns
+      launched_at_[b] = steady_clock::now();  // before the call: the collective may end before it returns
       launch_(b);
       bytes_launched_ += plan_->buckets[b].bytes;
       if (!finishing_) ++launched_before_finish_;
@@ -195,10 +194,10 @@ class bucket_state {
   launch_fn launch_;
   mutable std::mutex mu_;  // guards what follows
   std::vector<std::size_t> pending_;
-  std::vector<clock::time_point> ready_at_, launched_at_, reduced_at_;
+  std::vector<steady_clock::time_point> ready_at_, launched_at_, reduced_at_;
   std::vector<std::size_t> order_;
   std::size_t next_launch_ = 0, bytes_launched_ = 0, launched_before_finish_ = 0;
-  clock::time_point step_start_{}, last_ready_{};
+  steady_clock::time_point step_start_{}, last_ready_{};
   bool open_ = false, sync_ = true, finishing_ = false, record_order_ = false;
 };
 

@@ -90,8 +90,10 @@ static_assert(sizeof(coll_desc) == 32);
 /// from root 0", "broadcast #4 of 4096 bytes from root 1" (raw bytes).
 inline std::string describe(const coll_desc& d) {
   if (d.magic != coll_magic) return "a corrupt collective header";
-  std::string s = std::string(coll_name(d.kind)) + " #" + std::to_string(d.seq) + " of " + std::to_string(d.count) +
-                  (d.bytes != 0 ? std::string(" bytes") : std::string(" x ") + dtype_name(d.type));
+  std::string s = std::string(coll_name(d.kind)) + " #" + std::to_string(d.seq);
+  if (d.kind != coll_kind::barrier)  // a barrier has no data: its count and type say nothing
+    s += " of " + std::to_string(d.count) +
+         (d.bytes != 0 ? std::string(" bytes") : std::string(" x ") + dtype_name(d.type));
   if (d.kind == coll_kind::allreduce || d.kind == coll_kind::reduce_scatter) s += std::string(" ") + op_name(d.oper);
   if (d.kind == coll_kind::broadcast) s += " from root " + std::to_string(d.root);
   if (d.algo != coll_algo::none) s += std::string(" by ") + algo_name(d.algo);

@@ -33,7 +33,7 @@ namespace ddp {
 inline namespace v0 {
 namespace detail {
 
-using ddp::clock;
+using clock = ddp::steady_clock;
 using ddp::deadline_t;
 
 /// Milliseconds until `d`, for one poll: capped at 1,000,000, so a loop that polls must check

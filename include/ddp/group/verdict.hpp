@@ -85,13 +85,13 @@ class failure_verdict {
   /// an exception records it while it unwinds, which may come a moment later.
   group_failure first(bool* store_gone = nullptr, bool linger = false) noexcept {
     if (owner_.forked()) return {};
-    const auto end = clock::now() + (linger ? std::min<std::chrono::milliseconds>(detail::timing::failure_linger, timeout_ / 8)
+    const auto end = steady_clock::now() + (linger ? std::min<std::chrono::milliseconds>(detail::timing::failure_linger, timeout_ / 8)
                                             : std::chrono::milliseconds(0));
     try {
       for (;;) {
         const auto until = store_budget();
         if (store_ && store_->check(failure_key, until)) return group_failure::decode(store_->get(failure_key, until));
-        if (!store_ || clock::now() >= end) break;
+        if (!store_ || steady_clock::now() >= end) break;
         std::this_thread::sleep_for(detail::timing::failure_poll);
       }
     } catch (const error& e) {
@@ -176,7 +176,7 @@ class failure_verdict {
   /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
   /// may be the rank that is gone.
   deadline_t store_budget() const {
-    return clock::now() + std::min<std::chrono::milliseconds>(detail::timing::failure_store_budget, timeout_ / 8);
+    return steady_clock::now() + std::min<std::chrono::milliseconds>(detail::timing::failure_store_budget, timeout_ / 8);
   }
 
   /// After a timeout, finds who stopped: the rank this one waits for (`peer`) may itself wait
@@ -197,7 +197,7 @@ class failure_verdict {
       return store_silent;
     }
     const auto grace = std::min<std::chrono::milliseconds>(detail::timing::stopped_grace, timeout_ / 4);
-    const auto end = clock::now() + grace;
+    const auto end = steady_clock::now() + grace;
     // Small groups read every rank's record, so the search can end as soon as the chain's end is
     // the only rank left silent; large ones read only the records along the chain (a thousand
     // ranks timing out together must not each read a thousand keys), and give its end the grace.
@@ -233,7 +233,7 @@ class failure_verdict {
         return store_silent;
       }
       // Certain once the chain's end is the only rank left silent; else wait out the grace.
-      if (chain.back() < 0 || (scan_all && silent <= 1) || clock::now() >= end) break;
+      if (chain.back() < 0 || (scan_all && silent <= 1) || steady_clock::now() >= end) break;
       std::this_thread::sleep_for(detail::timing::stopped_poll);
     }
     // chain: peer, whom peer waits for, ... ending at a silent rank, or at -1 after a cycle.

@@ -582,7 +582,7 @@ class shm {
     auto& b = block(j);
     const auto closed = b.closed.load(std::memory_order_seq_cst);
     const bool dead = closed == 0 && !detail::process_alive(b.pid.load(std::memory_order_acquire));
-    const bool late = clock::now() >= until;
+    const bool late = steady_clock::now() >= until;
     if (!closed && !dead && !late) return;
     if (reached(b.counter.load(std::memory_order_seq_cst), want)) return;
     if (closed != 0)
@@ -619,18 +619,18 @@ class shm {
     // yield hands it the core at once, where a futex sleep would cost a wake-up through the
     // scheduler (tens of microseconds). So keep yielding for a while before sleeping.
     if (oversubscribed_) {
-      const auto stop = clock::now() + detail::timing::shm_yield_window;
+      const auto stop = steady_clock::now() + detail::timing::shm_yield_window;
       do {
         ::sched_yield();
         if (reached(b.counter.load(std::memory_order_acquire), want)) return;
-      } while (clock::now() < stop);
+      } while (steady_clock::now() < stop);
     }
     for (;;) {
       check_peer(j, want, until, what);
       b.waiters.fetch_add(1, std::memory_order_seq_cst);
       const std::uint32_t v = b.counter.load(std::memory_order_seq_cst);
       if (!reached(v, want)) {
-        const auto left = until - clock::now();
+        const auto left = until - steady_clock::now();
         detail::futex_wait(&b.counter, v, std::min<std::chrono::nanoseconds>(slice, left));
       }
       b.waiters.fetch_sub(1, std::memory_order_seq_cst);

@@ -70,8 +70,9 @@ concept transport_has_recv = requires(T& t, int peer, void* data, std::size_t by
 /// (through `fail`); the transport lets the exception pass.
 template <class T>
 concept transport_has_sendrecv = requires(T& t, int to, std::span<const iovec> out, int from,
-                                          std::span<const iovec> in, deadline_t until, sendrecv_progress on_recv) {
-  t.sendrecv(to, out, from, in, until, on_recv);
+                                          std::span<const iovec> in, deadline_t until) {
+  // A temporary, as the algorithms pass it: a sendrecv taking `F&` would not bind it.
+  t.sendrecv(to, out, from, in, until, sendrecv_progress{});
 };
 
 /// `t.fail(code, message)`: marks the transport failed on every rank (peers blocked on this

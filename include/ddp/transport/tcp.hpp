@@ -147,7 +147,7 @@ class tcp {
       // ms_left() is capped (about 16.7 minutes): a poll that ends with nothing ready is a
       // timeout only once the deadline itself has passed.
       const int left = detail::ms_left(until);
-      if (left == 0 || (::poll(p, np, left) == 0 && clock::now() >= until))
+      if (left == 0 || (::poll(p, np, left) == 0 && steady_clock::now() >= until))
         lost(rleft ? from : to, make_error_code(errc::timeout));
     }
   }

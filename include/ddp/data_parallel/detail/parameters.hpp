@@ -5,10 +5,12 @@
 // IWYU pragma: private
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include <ddp/error.hpp>
 #include <ddp/parameter.hpp>
 #include <ddp/planner/bucket_plan.hpp>
 
@@ -49,6 +51,28 @@ inline std::vector<param_info> infos_of(const std::vector<tensor_view>& views) {
   out.reserve(views.size());
   for (const auto& v : views) out.push_back(param_info{v.numel, v.type, v.device});
   return out;
+}
+
+// The wrapper's usage errors about parameters, each naming the parameter (and its bucket).
+[[noreturn]] inline void raise_bad_index(int rank, const char* what, std::size_t i, std::size_t n) {
+  raise(errc::invalid_argument, rank,
+        std::string(what) + "(" + std::to_string(i) + "): there are only " + std::to_string(n) + " parameters", -1,
+        static_cast<int>(i));
+}
+[[noreturn]] inline void raise_already(int rank, const char* what, std::size_t i, std::string_view name, bool unused,
+                                       std::uint64_t step, std::size_t bucket) {
+  raise(errc::usage, rank,
+        std::string(what) + ": " + parameter_label(i, name) + " was already " + (unused ? "marked unused" : "ready") +
+            " in this step (step " + std::to_string(step) + "); call finish() between steps",
+        static_cast<int>(bucket), static_cast<int>(i));
+}
+[[noreturn]] inline void raise_missing(int rank, const std::vector<std::size_t>& missing,
+                                       const std::vector<std::string>& names) {
+  raise(errc::usage, rank,
+        "finish() while " + std::to_string(missing.size()) + " parameter" + (missing.size() > 1 ? "s" : "") +
+            " never became ready this step: " + parameter_list(missing, names) +
+            "; call grad_ready(i) or mark_unused(i) for each, or set dp_options::find_unused_parameters",
+        -1, static_cast<int>(missing.front()));
 }
 
 }  // namespace detail

@@ -168,7 +168,7 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
   void wait(const request& r) const {
     // The collective itself is bounded by the timeout once it starts; queued work ahead of it
     // is too, so twice the timeout bounds the whole wait.
-    r.wait(clock::now() + 2 * engine_.timeout() + std::chrono::seconds(2));
+    r.wait(steady_clock::now() + 2 * engine_.timeout() + std::chrono::seconds(2));
   }
   /// Checks the arguments and builds the descriptor, all but its sequence number: that is
   /// taken when the collective starts (stamp), in the order collectives run. A broadcast carries
@@ -201,9 +201,9 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
   template <class Job>
   decltype(auto) start(const coll_desc& d, Job& job) {
     if constexpr (Engine::descriptors)
-      return job(stamp(d), clock::now() + engine_.timeout());
+      return job(stamp(d), steady_clock::now() + engine_.timeout());
     else if constexpr (Engine::deadlines)
-      return job(clock::now() + engine_.timeout());
+      return job(steady_clock::now() + engine_.timeout());
     else
       return job();
   }
