@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <ddp/version.hpp>
+#include <ddp/clock.hpp>
 #include <ddp/fwd.hpp>
 #include <ddp/concepts.hpp>
 #include <ddp/data_parallel/agreement.hpp>

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <ddp/version.hpp>
+#include <ddp/clock.hpp>
 #include <ddp/concepts.hpp>
 #include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/detail/copy.hpp>

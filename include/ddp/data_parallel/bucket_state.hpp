@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <ddp/version.hpp>
+#include <ddp/clock.hpp>
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/planner/bucket_plan.hpp>
 
