@@ -691,8 +691,8 @@ TEST_CASE("no client grows the store's process past its limits: parked requests 
   // The bound, plus slack for the allocator's own bookkeeping and fragmentation; and what is
   // counted covers what the entries really cost. (AddressSanitizer's allocator costs far more
   // than the real one: only the counts are checked under it.)
-  const long slack = 64l << 20;
 #ifndef __SANITIZE_ADDRESS__
+  const long slack = 64l << 20;
   CHECK(grown < static_cast<long>(defaults.max_bytes + defaults.max_buffered) + slack);
   CHECK(static_cast<long>(after.stored + after.buffered) + slack > grown);
 #endif
