@@ -7,4 +7,4 @@
 /// ring.allreduce(std::span<float>{v}, ddp::op::sum);
 /// \endcode
 #include <ddp/version.hpp>
-#include <ddp/reducer/p2p_algorithms.hpp>  // IWYU pragma: export
+#include <ddp/reducer/detail/p2p_algorithms.hpp>  // IWYU pragma: export

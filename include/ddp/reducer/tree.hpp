@@ -7,4 +7,4 @@
 /// tree.allreduce(std::span<float>{v}, ddp::op::max);
 /// \endcode
 #include <ddp/version.hpp>
-#include <ddp/reducer/p2p_algorithms.hpp>  // IWYU pragma: export
+#include <ddp/reducer/detail/p2p_algorithms.hpp>  // IWYU pragma: export

@@ -1,5 +1,7 @@
 #pragma once
-/// \file p2p_algorithms.hpp
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
+// IWYU pragma: private
+/// \file reducer/detail/p2p_algorithms.hpp
 /// Ring and tree (recursive doubling / halving-doubling) collectives over a point-to-point
 /// transport such as `ddp::tcp`. The step schedules are the pure functions of
 /// detail/schedule.hpp; this file only moves bytes and reduces them. Every message carries the
@@ -19,7 +21,6 @@
 #include <utility>
 #include <vector>
 
-#include <ddp/version.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/copy.hpp>
