@@ -25,11 +25,10 @@
 #include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/detail/fork.hpp>
-#include <ddp/memory/host_allocator.hpp>
+#include <ddp/memory/auto_allocator.hpp>
 #include <ddp/planner/size_planner.hpp>
 #include <ddp/process_group.hpp>
-#include <ddp/reducer/ring.hpp>
-#include <ddp/transport/tcp.hpp>
+#include <ddp/reducer/auto.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -47,7 +46,7 @@ inline namespace v0 {
 /// for (std::size_t i = params.size(); i-- > 0;) dp.grad_ready(i);
 /// dp.finish();
 /// \endcode
-/// The defaults (`size_planner`, `ring<tcp>`, `host_allocator`) are given once, in fwd.hpp.
+/// The defaults (`size_planner`, `auto_reducer`, `auto_allocator`) are given once, in fwd.hpp.
 template <class Planner, class Reducer, class Allocator>
 class basic_data_parallel {
   static_assert(bucket_planner<Planner>, "ddp: Planner must satisfy ddp::bucket_planner (concepts.hpp)");

@@ -21,7 +21,9 @@
 #include <ddp/endpoint.hpp>       // IWYU pragma: export
 #include <ddp/error.hpp>          // IWYU pragma: export
 #include <ddp/fwd.hpp>            // IWYU pragma: export
+#include <ddp/group/topology.hpp>            // IWYU pragma: export
 #include <ddp/memory/allocator_concept.hpp>  // IWYU pragma: export
+#include <ddp/memory/auto_allocator.hpp>     // IWYU pragma: export
 #include <ddp/memory/host_allocator.hpp>     // IWYU pragma: export
 #include <ddp/memory/shm_allocator.hpp>      // IWYU pragma: export
 #include <ddp/parameter.hpp>                 // IWYU pragma: export
@@ -29,6 +31,8 @@
 #include <ddp/planner/planner_concept.hpp>   // IWYU pragma: export
 #include <ddp/planner/size_planner.hpp>      // IWYU pragma: export
 #include <ddp/process_group.hpp>  // IWYU pragma: export
+#include <ddp/reducer/auto.hpp>   // IWYU pragma: export
+#include <ddp/reducer/hierarchical.hpp>  // IWYU pragma: export
 #include <ddp/reducer/ring.hpp>   // IWYU pragma: export
 #include <ddp/reducer/shm.hpp>    // IWYU pragma: export
 #include <ddp/reducer/tree.hpp>   // IWYU pragma: export

@@ -11,7 +11,9 @@
 /// \endcode
 ///
 /// `basic_data_parallel`'s defaults are given here and only here: `ddp::data_parallel` is
-/// `basic_data_parallel<size_planner, ring<tcp>, host_allocator>`.
+/// `basic_data_parallel<size_planner, auto_reducer, auto_allocator>`: the engine is chosen at run
+/// time from the group's topology and `DDP_BACKEND` (reducer/auto.hpp), and buckets live where
+/// that engine reads them fastest (memory/auto_allocator.hpp).
 
 #include <cstdint>
 
@@ -52,6 +54,8 @@ class shm;
 class request;
 class mpi_reducer;
 class nccl_reducer;
+class hierarchical;
+class auto_reducer;
 
 // policies: planner/, memory/, parameter.hpp
 struct bucket_policy;
@@ -61,16 +65,18 @@ struct host_allocator;
 struct pinned_allocator;
 struct cuda_allocator;
 class shm_allocator;
+class auto_allocator;
 struct tensor_view;
 
 // wrapper: data_parallel.hpp. The defaults live here; the definition repeats none of them
 // and checks its arguments against the policy concepts in its body.
 struct dp_options;
 struct step_stats;
-template <class Planner = size_planner, class Reducer = basic_reducer<ring_algorithm, tcp>,
-          class Allocator = host_allocator>
+template <class Planner = size_planner, class Reducer = auto_reducer, class Allocator = auto_allocator>
 class basic_data_parallel;
-/// The wrapper with the default policies: size-bucketed, ring all-reduce over TCP, host memory.
+/// The wrapper with the default policies: size-bucketed buckets, the engine the group's topology
+/// calls for (shared memory on one host, hierarchical across hosts, none for one rank), buckets
+/// where that engine reads them fastest.
 using data_parallel = basic_data_parallel<>;
 
 }  // namespace v0

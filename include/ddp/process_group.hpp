@@ -38,6 +38,37 @@
 namespace ddp {
 inline namespace v0 {
 
+/// Which collectives engine the default reducer (`ddp::auto_reducer`, reducer/auto.hpp) uses;
+/// by name in `DDP_BACKEND`, as PyTorch's `init_process_group("gloo")`. See docs/cluster.md.
+enum class backend : std::uint8_t {
+  automatic,  ///< "auto": one rank -> none; one host -> shm; several hosts -> hierarchical
+  shm,        ///< "shm": shared memory; every rank on one host
+  tcp,        ///< "tcp": a ring over TCP between all ranks
+  mpi,        ///< "mpi": MPI_Allreduce (needs DDP_WITH_MPI: <ddp/reducer/mpi.hpp>)
+  nccl,       ///< "nccl": NCCL on CUDA devices (needs DDP_WITH_NCCL: <ddp/reducer/nccl.hpp>)
+  hierarchical,  ///< "hierarchical": shm within each host, tcp between one leader per host
+};
+
+/// The name of `b` as `DDP_BACKEND` spells it ("auto", "shm", ...).
+constexpr const char* backend_name(backend b) noexcept {
+  switch (b) {
+    case backend::automatic: return "auto";
+    case backend::shm: return "shm";
+    case backend::tcp: return "tcp";
+    case backend::mpi: return "mpi";
+    case backend::nccl: return "nccl";
+    case backend::hierarchical: return "hierarchical";
+  }
+  return "?";
+}
+
+/// The backend named `name`; std::nullopt for a name that is none of them.
+inline std::optional<backend> parse_backend(std::string_view name) noexcept {
+  for (auto b : {backend::automatic, backend::shm, backend::tcp, backend::mpi, backend::nccl, backend::hierarchical})
+    if (name == backend_name(b)) return b;
+  return std::nullopt;
+}
+
 /// How a process joins its group. See docs/process-group.md.
 ///
 /// \code
@@ -56,6 +87,10 @@ struct init_options {
   /// Lets a group without a secret serve its store beyond loopback (any host that reaches the
   /// port could then join or disturb the group). Off by default; DDP_INSECURE=1 sets it.
   bool insecure = false;
+  /// The default reducer's engine (`DDP_BACKEND`); `automatic` picks by topology.
+  ddp::backend backend = ddp::backend::automatic;
+  /// Says on stderr (rank 0) what the default reducer chose and why (`DDP_DEBUG=info`).
+  bool debug_info = false;
 
   /// Largest group: 2^20 ranks. Larger sizes are refused at once (errc::invalid_argument).
   static constexpr int max_world_size = 1 << 20;
@@ -63,8 +98,9 @@ struct init_options {
   /// Reads the environment: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`;
   /// when those are absent Open MPI's `OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`, MPICH/PMI's
   /// `PMI_RANK/PMI_SIZE` (`MPI_LOCALRANKID`) and Slurm's `SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID`;
-  /// `DDP_TIMEOUT` (seconds), `DDP_AUTH_TOKEN` and `DDP_JOB_ID` (set by `ddprun`). Throws
-  /// errc::invalid_argument for a variable that is not a number.
+  /// `DDP_TIMEOUT` (seconds), `DDP_AUTH_TOKEN` and `DDP_JOB_ID` (set by `ddprun`), `DDP_BACKEND`
+  /// (auto, shm, tcp, hierarchical, mpi, nccl) and `DDP_DEBUG` (`info`). Throws
+  /// errc::invalid_argument for a variable that is not a number or not a backend's name.
   static init_options from_env() { return from_env([](const char* n) { return std::getenv(n); }); }
 
   /// The same, with a custom lookup (used by tests and by embedders with their own config).
@@ -102,6 +138,18 @@ struct init_options {
     if (auto v = first({"DDP_AUTH_TOKEN"}); v.first) o.auth_token = v.second;
     if (auto v = first({"DDP_JOB_ID"}); v.first) o.job_id = v.second;
     if (auto v = first({"DDP_INSECURE"}); v.first) o.insecure = as_int(v, 0, 1) == 1;
+    if (auto v = first({"DDP_BACKEND"}); v.first) {
+      const auto b = parse_backend(v.second);
+      if (!b)
+        detail::raise(errc::invalid_argument, -1,
+                      std::string("environment variable DDP_BACKEND='") + v.second +
+                          "' names no backend: use auto, shm, tcp, hierarchical, mpi or nccl");
+      o.backend = *b;
+    }
+    if (auto v = first({"DDP_DEBUG"}); v.first) {
+      const std::string_view d(v.second);
+      o.debug_info = d == "info" || d == "INFO" || d == "1" || d == "detail" || d == "DETAIL";
+    }
     return o;
   }
 

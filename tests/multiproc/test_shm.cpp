@@ -515,7 +515,7 @@ TEST_CASE("shm across hosts is an unsupported error on every rank") {
   INFO(ddp_test::summary(outs));
   for (auto& o : outs) {
     CHECK(o.errc == static_cast<int>(ddp::errc::unsupported));
-    CHECK(o.message.find("shm needs all ranks on one host; ranks 0 and 2 are on different hosts") != std::string::npos);
+    CHECK(o.message.find("shm needs all its ranks on one host; ranks 0 and 2 are on different hosts") != std::string::npos);
   }
 }
 

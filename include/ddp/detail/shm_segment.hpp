@@ -387,16 +387,22 @@ inline std::string read_first_line(const char* path) {
   return s;
 }
 
-/// Identity of "the same shared memory": host name, boot id (a rebooted or different machine
-/// with the same name differs) and mount namespace (containers on one host see different
-/// /dev/shm).
+/// Identity of "the same host": host name, boot id (a rebooted or different machine with the
+/// same name differs), network namespace, and the device of /dev/shm (containers on one machine
+/// see different /dev/shm). Ranks with the same identity can share a segment; ranks in
+/// different network namespaces count as different hosts even where they could share memory
+/// (`ip netns exec` gives each process a mount namespace of its own but the same /dev/shm, and
+/// what a group on one host expects is one network).
 inline std::string shm_host_identity() {
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   char ns[128] = {};
-  const ssize_t n = ::readlink("/proc/self/ns/mnt", ns, sizeof ns - 1);
+  const ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof ns - 1);
+  struct stat st{};
+  const bool shm_dev = ::stat("/dev/shm", &st) == 0;
   return std::string(host) + " boot " + read_first_line("/proc/sys/kernel/random/boot_id") + " " +
-         (n > 0 ? std::string(ns, static_cast<std::size_t>(n)) : std::string("mnt:?"));
+         (n > 0 ? std::string(ns, static_cast<std::size_t>(n)) : std::string("net:?")) + " shm " +
+         (shm_dev ? std::to_string(static_cast<unsigned long long>(st.st_dev)) : std::string("?"));
 }
 
 /// False once `pid` has exited. A zombie (exited, not yet reaped by its parent) counts as gone:

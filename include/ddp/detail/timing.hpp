@@ -134,6 +134,13 @@ inline constexpr std::chrono::milliseconds shm_wait_slice = 50ms;
 /// where a futex sleep costs a wake-up through the scheduler (tens of microseconds) each step.
 inline constexpr std::chrono::microseconds shm_yield_window = 500us;
 
+// ---- The hierarchical reducer (reducer/hierarchical.hpp) ----------------------------------
+
+/// How much longer than its leader a rank waits for the leader's result: when the network
+/// between hosts fails, the leader's error (which names the ranks lost) is recorded and wakes
+/// its host's ranks before their own deadline would make them blame the leader.
+inline constexpr std::chrono::milliseconds hier_follow_grace = 1500ms;
+
 }  // namespace detail::timing
 }  // namespace v0
 }  // namespace ddp

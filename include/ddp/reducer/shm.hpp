@@ -84,6 +84,11 @@ struct shm_options {
   /// Overrides the host identity compared across ranks (empty: hostname, boot id and mount
   /// namespace). Lets tests pretend ranks live on different hosts.
   std::string host_id{};
+  /// The group's ranks that share this segment, ascending (empty: every rank of the group).
+  /// Every rank of the group constructs its `shm` at the same time, each naming its own host's
+  /// ranks (`ddp::topology`): one segment per host, as `ddp::hierarchical` builds them.
+  /// `rank()` and `size()` are then this host's; errors name the group's ranks.
+  std::vector<int> members{};
   friend bool operator==(const shm_options&, const shm_options&) = default;
 };
 
@@ -103,10 +108,24 @@ class shm {
  public:
   /// Built from the group (`ddp::shm s{pg}`), collectively.
   explicit shm(transport_context ctx, shm_options o = {})
-      : rank_(ctx.rank()), size_(ctx.size()), opts_(std::move(o)) {
+      : rank_(ctx.rank()), size_(ctx.size()), grank_(ctx.rank()), opts_(std::move(o)) {
     const auto until = ctx.deadline();
     const int channel = ctx.channel();
     auto& pg = ctx.group();
+    if (opts_.members.empty()) {
+      for (int r = 0; r < ctx.size(); ++r) members_.push_back(r);
+    } else {
+      members_ = opts_.members;
+      const auto me = std::find(members_.begin(), members_.end(), grank_);
+      if (!std::is_sorted(members_.begin(), members_.end()) ||
+          std::adjacent_find(members_.begin(), members_.end()) != members_.end() || me == members_.end() ||
+          members_.front() < 0 || members_.back() >= ctx.size())
+        raise_here(errc::invalid_argument,
+                   "shm_options::members must list distinct ranks of the group in ascending order, this rank among "
+                   "them");
+      rank_ = static_cast<int>(me - members_.begin());
+      size_ = static_cast<int>(members_.size());
+    }
 
     // 1. Same host, sane options: agreed through the process group before touching /dev/shm,
     //    so every rank raises the same error.
@@ -115,24 +134,27 @@ class shm {
     if (opts_.spin < 0) bad = "shm_options::spin must not be negative";
     const std::string host = opts_.host_id.empty() ? detail::shm_host_identity() : opts_.host_id;
     const auto hosts = pg.all_gather(host + '\n' + bad);
-    for (int r = 0; r < size_; ++r) {
+    for (int r = 0; r < ctx.size(); ++r) {
       const auto& h = hosts[static_cast<std::size_t>(r)];
       const auto nl = h.find('\n');
       if (nl + 1 < h.size()) raise_here(errc::invalid_argument, "rank " + std::to_string(r) + ": " + h.substr(nl + 1));
     }
     for (int r = 1; r < size_; ++r) {
-      const auto& a = hosts[0];
-      const auto& b = hosts[static_cast<std::size_t>(r)];
+      const auto& a = hosts[static_cast<std::size_t>(members_[0])];
+      const auto& b = hosts[static_cast<std::size_t>(members_[static_cast<std::size_t>(r)])];
       if (a.substr(0, a.find('\n')) != b.substr(0, b.find('\n')))
-        raise_here(errc::unsupported, "shm needs all ranks on one host; ranks 0 and " + std::to_string(r) +
+        raise_here(errc::unsupported, "shm needs all its ranks on one host; ranks " + std::to_string(members_[0]) +
+                                          " and " + std::to_string(members_[static_cast<std::size_t>(r)]) +
                                           " are on different hosts (" + a.substr(0, a.find('\n')) + " vs " +
-                                          b.substr(0, b.find('\n')) + "); use ddp::tcp across hosts");
+                                          b.substr(0, b.find('\n')) +
+                                          "); use ddp::tcp or ddp::hierarchical across hosts");
     }
 
     // 2. Rank 0 creates the segment and publishes its geometry; the others map it.
     char idhex[17];
     std::snprintf(idhex, sizeof idhex, "%016llx", static_cast<unsigned long long>(ctx.group_id()));
     name_ = "/ddp-" + std::string(idhex) + "-" + std::to_string(channel);
+    if (!opts_.members.empty()) name_ += "-" + std::to_string(members_[0]);  // one segment per host
     const std::string key = "ddp/shm" + name_;
     std::string why;
     // The name must go even when this constructor throws (a peer lost during setup), or it
@@ -187,7 +209,7 @@ class shm {
     const auto status = pg.all_gather(why);
     ::shm_unlink(name_.c_str());
     guard.name = nullptr;
-    for (int r = 0; r < size_; ++r)
+    for (int r = 0; r < ctx.size(); ++r)
       if (!status[static_cast<std::size_t>(r)].empty())
         raise_here(errc::system, "shared-memory segment " + name_ + " could not be set up on rank " +
                                      std::to_string(r) + ": " + status[static_cast<std::size_t>(r)]);
@@ -217,8 +239,13 @@ class shm {
     detail::futex_wake_all(&me.counter);
   }
 
+  /// This rank's index among the segment's ranks (its rank in the group unless
+  /// shm_options::members was given).
   int rank() const noexcept { return rank_; }
+  /// How many ranks share the segment.
   int size() const noexcept { return size_; }
+  /// The group's ranks that share the segment, ascending.
+  const std::vector<int>& members() const noexcept { return members_; }
   const shm_options& options() const noexcept { return opts_; }
   /// Name the segment had in /dev/shm; already unlinked once the constructor returned.
   const std::string& name() const noexcept { return name_; }
@@ -478,7 +505,11 @@ class shm {
     std::atomic_thread_fence(std::memory_order_seq_cst);
   }
 
-  [[noreturn]] void raise_here(errc e, const std::string& msg) const { detail::raise(e, rank_, msg); }
+  [[noreturn]] void raise_here(errc e, const std::string& msg) const { detail::raise(e, grank_, msg); }
+  /// "rank R": the group's rank of the segment's rank `j`, for messages.
+  std::string who(int j) const {
+    return "rank " + std::to_string(j >= 0 && j < static_cast<int>(members_.size()) ? members_[static_cast<std::size_t>(j)] : j);
+  }
 
   std::string no_room(std::size_t bytes) const {
     return "shared-memory segment " + name_ + ": no room for a block of " + detail::shm_mib(bytes) +
@@ -502,7 +533,7 @@ class shm {
     const int by = header()->aborted_by.load(std::memory_order_acquire);
     if (by >= 0)
       raise_here(errc::aborted, by == rank_ ? "shm transport aborted by this rank"
-                                            : "shm transport aborted by rank " + std::to_string(by));
+                                            : "shm transport aborted by " + who(by));
   }
 
   /// Runs a collective's body; on any error marks this transport failed and tells peers
@@ -548,7 +579,8 @@ class shm {
     peers_[rank_] = mine;
     // The one check of every engine (detail/collective.hpp), against rank 0's descriptor.
     for (int j = 1; j < size_; ++j)
-      if (auto why = detail::mismatch(peers_[0].coll, 0, peers_[j].coll, j); !why.empty())
+      if (auto why = detail::mismatch(peers_[0].coll, members_[0], peers_[j].coll, members_[static_cast<std::size_t>(j)]);
+          !why.empty())
         raise_here(errc::mismatch, why);
   }
 
@@ -586,13 +618,13 @@ class shm {
     if (!closed && !dead && !late) return;
     if (reached(b.counter.load(std::memory_order_seq_cst), want)) return;
     if (closed != 0)
-      raise_here(errc::peer_lost, std::string(what) + ": rank " + std::to_string(j) +
+      raise_here(errc::peer_lost, std::string(what) + ": " + who(j) +
                                       (closed == 1 ? " closed its shm transport" : " failed with an error") +
                                       " while this rank waited for it");
     if (dead)
-      raise_here(errc::peer_lost, std::string(what) + ": rank " + std::to_string(j) + " (pid " +
+      raise_here(errc::peer_lost, std::string(what) + ": " + who(j) + " (pid " +
                                       std::to_string(b.pid.load()) + ") died while this rank waited for it");
-    raise_here(errc::timeout, std::string(what) + ": rank " + std::to_string(j) +
+    raise_here(errc::timeout, std::string(what) + ": " + who(j) +
                                   " did not arrive before the deadline (waited for its step " + std::to_string(want) +
                                   ", it is at " + std::to_string(b.counter.load()) + ")");
   }
@@ -685,7 +717,7 @@ class shm {
         const auto a = peers_[i].arena_offset, b = peers_[j].arena_offset;
         if (a != detail::shm_desc::no_offset && b != detail::shm_desc::no_offset && a < b + count * es &&
             b < a + count * es)
-          raise_here(errc::invalid_argument, "allreduce: ranks " + std::to_string(i) + " and " + std::to_string(j) +
+          raise_here(errc::invalid_argument, "allreduce: " + who(i) + " and " + who(j) +
                                                  " passed overlapping buffers in the shared arena");
       }
     if (all_arena) chunk = count;
@@ -747,9 +779,11 @@ class shm {
     });
   }
 
-  int rank_ = 0;
-  int size_ = 1;
+  int rank_ = 0;   // among the segment's ranks
+  int size_ = 1;   // ranks sharing the segment
+  int grank_ = 0;  // in the group (errors name it)
   shm_options opts_;
+  std::vector<int> members_;  // the group's ranks of the segment's ranks
   bool oversubscribed_ = false;  ///< more ranks than cores on this host
   int spin_ = 0;    ///< most polls per wait
   int budget_ = 0;  ///< polls of the next wait, adapted between 32 and spin_

@@ -1,0 +1,83 @@
+#pragma once
+/// \file group/topology.hpp
+/// `ddp::topology`: which ranks of a group share a host. The default reducer
+/// (`ddp::auto_reducer`) picks its engine from it; engines that split work between hosts
+/// (`ddp::hierarchical`) build on it. See docs/cluster.md.
+///
+/// \code
+/// auto pg = ddp::init_process_group(ddp::init_options::from_env());
+/// const auto topo = ddp::topology::of(pg);   // collective
+/// std::printf("%s; my host's ranks: %zu\n", topo.describe().c_str(), topo.ranks_on(topo.host_of(pg.rank())).size());
+/// \endcode
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ddp/version.hpp>
+#include <ddp/detail/shm_segment.hpp>
+#include <ddp/process_group.hpp>
+
+namespace ddp {
+inline namespace v0 {
+
+/// This process's host identity: `DDP_HOST_ID` when set (containers or tests that want to say
+/// which ranks form a host), else the host name, boot id, network namespace and /dev/shm's
+/// device. Ranks with equal identities are on one host.
+inline std::string host_identity() {
+  if (const char* v = std::getenv("DDP_HOST_ID"); v != nullptr && *v != '\0') return std::string("id ") + v;
+  return detail::shm_host_identity();
+}
+
+/// Ranks grouped by host. Hosts are numbered by their lowest rank (host 0 holds rank 0), and
+/// each host's ranks are listed in ascending order; a host's *leader* is its lowest rank.
+struct topology {
+  std::vector<int> host_index;            ///< per rank: its host
+  std::vector<std::vector<int>> members;  ///< per host: its ranks, ascending
+
+  /// Built from each rank's identity (what `of` gathers); `ids[r]` is rank r's.
+  static topology from_identities(const std::vector<std::string>& ids) {
+    topology t;
+    std::map<std::string, int> seen;
+    t.host_index.resize(ids.size());
+    for (std::size_t r = 0; r < ids.size(); ++r) {
+      auto [it, fresh] = seen.emplace(ids[r], static_cast<int>(t.members.size()));
+      if (fresh) t.members.emplace_back();
+      t.host_index[r] = it->second;
+      t.members[static_cast<std::size_t>(it->second)].push_back(static_cast<int>(r));
+    }
+    return t;
+  }
+  /// The group's topology, gathered from every rank (a collective: every rank calls it).
+  static topology of(process_group& pg) { return from_identities(pg.all_gather(host_identity())); }
+
+  int world() const noexcept { return static_cast<int>(host_index.size()); }
+  int hosts() const noexcept { return static_cast<int>(members.size()); }
+  int host_of(int rank) const { return host_index.at(static_cast<std::size_t>(rank)); }
+  const std::vector<int>& ranks_on(int host) const { return members.at(static_cast<std::size_t>(host)); }
+  /// The lowest rank of each host, in host order.
+  std::vector<int> leaders() const {
+    std::vector<int> l;
+    for (const auto& m : members) l.push_back(m.front());
+    return l;
+  }
+  /// True when every host holds as many ranks as every other.
+  bool uniform() const noexcept {
+    return std::all_of(members.begin(), members.end(), [&](const auto& m) { return m.size() == members[0].size(); });
+  }
+  /// "1 host, 4 ranks", "3 hosts x 2 ranks", "2 hosts (3 + 1 ranks)".
+  std::string describe() const {
+    if (members.empty()) return "no ranks";
+    auto ranks = [](std::size_t n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); };
+    if (members.size() == 1) return "1 host, " + ranks(members[0].size());
+    if (uniform()) return std::to_string(members.size()) + " hosts x " + ranks(members[0].size());
+    std::string s = std::to_string(members.size()) + " hosts (";
+    for (std::size_t h = 0; h < members.size(); ++h) s += (h ? " + " : "") + std::to_string(members[h].size());
+    return s + " ranks)";
+  }
+};
+
+}  // namespace v0
+}  // namespace ddp

@@ -1,0 +1,103 @@
+#pragma once
+/// \file memory/auto_allocator.hpp
+/// `ddp::auto_allocator`: the default allocator of `ddp::data_parallel`, the partner of
+/// `ddp::auto_reducer`. Buckets go where the chosen engine reads them fastest: into the host's
+/// shared-memory segment (shm, hierarchical: the allreduce reads each rank's bucket in place),
+/// onto the CUDA device (nccl), else into aligned host memory (tcp, mpi, one rank).
+
+#include <cstddef>
+#include <cstring>
+
+#include <ddp/version.hpp>
+#include <ddp/detail/copy.hpp>
+#include <ddp/error.hpp>
+#include <ddp/memory/allocator_concept.hpp>
+#include <ddp/memory/host_allocator.hpp>
+#include <ddp/reducer/auto.hpp>
+#include <ddp/reducer/shm.hpp>
+#if defined(DDP_WITH_NCCL)
+#include <ddp/memory/cuda_allocator.hpp>
+#endif
+
+namespace ddp {
+inline namespace v0 {
+
+/// Segment memory when the reducer has a segment, device memory for NCCL, host memory
+/// otherwise. A block the segment cannot hold (a small /dev/shm, as containers have by
+/// default) comes from host memory instead: the allreduce then stages it, and stays correct.
+/// \code
+/// ddp::auto_reducer red{pg};
+/// auto alloc = ddp::auto_allocator::for_reducer(red);
+/// void* p = alloc.allocate(1 << 20);   // in the segment when red runs on shared memory
+/// alloc.deallocate(p, 1 << 20);
+/// \endcode
+class auto_allocator {
+ public:
+  /// Host memory (what a default-constructed one hands out).
+  auto_allocator() = default;
+  /// The allocator for `r`'s buckets (the wrapper builds it so: `ddp::allocator_bound_to`).
+  static auto_allocator for_reducer(auto_reducer& r) noexcept {
+    auto_allocator a;
+    a.link_ = r.segment();
+#if defined(DDP_WITH_NCCL)
+    if (auto* n = r.nccl()) a.cuda_ = cuda_allocator::for_reducer(*n), a.on_device_ = true;
+#endif
+    return a;
+  }
+
+  void* allocate(std::size_t bytes) const {
+#if defined(DDP_WITH_NCCL)
+    if (on_device_) return cuda_.allocate(bytes);
+#endif
+    if (link_ != nullptr && bytes > 0) {
+      try {
+        return link_->allocate(bytes);
+      } catch (const error& e) {
+        if (e.condition() != errc::system) throw;  // the segment is full: host memory instead
+      }
+    }
+    return host_allocator{}.allocate(bytes);
+  }
+  void deallocate(void* p, std::size_t bytes) const noexcept {
+#if defined(DDP_WITH_NCCL)
+    if (on_device_) return cuda_.deallocate(p, bytes);
+#endif
+    if (link_ != nullptr && link_->contains(p))
+      link_->deallocate(p, bytes);
+    else
+      host_allocator{}.deallocate(p, bytes);
+  }
+  memory_kind location() const noexcept {
+#if defined(DDP_WITH_NCCL)
+    if (on_device_) return memory_kind::cuda;
+#endif
+    return link_ != nullptr ? memory_kind::shared : memory_kind::host;
+  }
+#if defined(DDP_WITH_NCCL)
+  // Hooks (ddp::copying_allocator): device memory needs CUDA's copies.
+  void copy(void* dst, const void* src, std::size_t bytes) const {
+    if (on_device_) return cuda_.copy(dst, src, bytes);
+    detail::copy_bytes(dst, src, bytes);
+  }
+  void zero(void* dst, std::size_t bytes) const {
+    if (on_device_) return cuda_.zero(dst, bytes);
+    if (bytes > 0) std::memset(dst, 0, bytes);
+  }
+#endif
+  /// The segment blocks come from, or nullptr.
+  shm* segment() const noexcept { return link_; }
+
+  friend bool operator==(const auto_allocator&, const auto_allocator&) = default;
+
+ private:
+  shm* link_ = nullptr;
+#if defined(DDP_WITH_NCCL)
+  cuda_allocator cuda_{};
+  bool on_device_ = false;
+#endif
+};
+
+static_assert(device_allocator<auto_allocator>);
+
+}  // namespace v0
+}  // namespace ddp
