@@ -1,7 +1,7 @@
 // Gradient synchronization per data-parallel step, in the CSV of bench/peers/torch_ddp.py so
 // that ddp and PyTorch DDP plot together (bench/plot.py --kind step).
 //
-//   ddp_step [--ranks 2,4] [--caps 1,25,100] [--reducers ring_tcp,tree_tcp,ring_shm,tree_shm]
+//   ddp_step [--ranks 2,4] [--caps 1,25,100] [--reducers default,ring_tcp,tree_tcp,ring_shm,tree_shm]
 //            [--modes copy,view] [--steps 10] [--warmup 3] [--compute-ms auto|MS]
 //            [--compute-kind sleep|spin] [--no-flat] [--no-compute] FILE.params|DIR ...
 //
@@ -64,7 +64,7 @@ struct model_spec {
 struct options {
   std::vector<int> ranks{2, 4};
   std::vector<double> caps_mb{1, 25, 100};
-  std::vector<std::string> reducers{"ring_tcp", "tree_tcp", "ring_shm", "tree_shm"};
+  std::vector<std::string> reducers{"default", "ring_tcp", "tree_tcp", "ring_shm", "tree_shm"};
   std::vector<std::string> modes{"copy", "view"};
   int steps = 10, warmup = 3;
   double compute_ms = -1;  // -1: auto
@@ -74,7 +74,7 @@ struct options {
 
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
-               "ddp_step: %s\nusage: ddp_step [--ranks 2,4] [--caps 1,25,100] [--reducers ring_tcp,tree_tcp,ring_shm,tree_shm]\n"
+               "ddp_step: %s\nusage: ddp_step [--ranks 2,4] [--caps 1,25,100] [--reducers default,ring_tcp,tree_tcp,ring_shm,tree_shm]\n"
                "                [--modes copy,view] [--steps N] [--warmup N] [--compute-ms auto|MS]\n"
                "                [--compute-kind sleep|spin] [--no-flat] [--no-compute] FILE.params|DIR ...\n",
                why);
@@ -346,11 +346,21 @@ void rank_main(int rank, int world, int port, const options& o) {
   io.world_size = world;
   io.master_port = port;
   io.timeout = std::chrono::seconds(120);
+  // DDP_BACKEND and DDP_DEBUG as a launched program reads them.
+  const auto env = ddp::init_options::from_env([](const char* n) -> const char* {
+    return std::string_view(n) == "DDP_BACKEND" || std::string_view(n) == "DDP_DEBUG" ? std::getenv(n) : nullptr;
+  });
+  io.backend = env.backend;
+  io.debug_info = env.debug_info;
   auto pg = ddp::init_process_group(io);
   for (const auto& m : o.models) {
     engine e(m);
     for (const auto& red : o.reducers) {
-      if (red == "ring_tcp") {
+      if (red == "default") {
+        // What ddp::data_parallel does with no options: the engine the topology calls for
+        // (DDP_BACKEND names another), buckets where it reads them fastest.
+        run_reducer<ddp::auto_reducer, ddp::auto_allocator>(pg, m, e, o, red);
+      } else if (red == "ring_tcp") {
         run_reducer<ddp::ring<ddp::tcp>, ddp::host_allocator>(pg, m, e, o, red);
       } else if (red == "tree_tcp") {
         run_reducer<ddp::tree<ddp::tcp>, ddp::host_allocator>(pg, m, e, o, red);

@@ -889,8 +889,12 @@ void documented(const char* what) {
 
 TEST_CASE("every combination the docs list constructs on 2 processes and averages a step") {
   static_assert(std::is_same_v<ddp::data_parallel,
-                               ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, ddp::host_allocator>>);
-  documented<ddp::data_parallel>("data_parallel (ring<tcp>, host_allocator)");
+                               ddp::basic_data_parallel<ddp::size_planner, ddp::auto_reducer, ddp::auto_allocator>>);
+  documented<ddp::data_parallel>("data_parallel (auto_reducer, auto_allocator)");
+  documented<ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>>>("ring<tcp>, auto_allocator on host");
+  documented<ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, ddp::host_allocator>>("ring<tcp>");
+  documented<ddp::basic_data_parallel<ddp::size_planner, ddp::hierarchical, ddp::shm_allocator>>(
+      "hierarchical + shm_allocator");
   documented<ddp::basic_data_parallel<ddp::size_planner, ddp::tree<ddp::tcp>>>("tree<tcp>");
 #ifdef DDP_TEST_HAS_SHM
   static_assert(ddp::allocator_bound_to<ddp::shm_allocator, ddp::ring<ddp::shm>>);

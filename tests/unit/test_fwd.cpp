@@ -18,8 +18,7 @@ struct trainer {
 }  // namespace
 
 static_assert(std::is_same_v<ddp::data_parallel,
-                             ddp::basic_data_parallel<ddp::size_planner, ddp::basic_reducer<ddp::ring_algorithm, ddp::tcp>,
-                                                      ddp::host_allocator>>);
+                             ddp::basic_data_parallel<ddp::size_planner, ddp::auto_reducer, ddp::auto_allocator>>);
 static_assert(std::is_same_v<ddp::basic_data_parallel<ddp::size_planner>, ddp::data_parallel>);
 
 // The declarations agree with the definitions: these headers redeclare every class above (a
@@ -27,11 +26,14 @@ static_assert(std::is_same_v<ddp::basic_data_parallel<ddp::size_planner>, ddp::d
 #include <ddp/auth.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
+#include <ddp/memory/auto_allocator.hpp>
 #include <ddp/memory/host_allocator.hpp>
 #include <ddp/memory/shm_allocator.hpp>
 #include <ddp/parameter.hpp>
 #include <ddp/planner/size_planner.hpp>
 #include <ddp/process_group.hpp>
+#include <ddp/reducer/auto.hpp>
+#include <ddp/reducer/hierarchical.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/shm.hpp>
 #include <ddp/reducer/tree.hpp>

@@ -120,7 +120,7 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
 
   /// Picks and builds the engine for `pg` (`pg.options().backend`, else `backend` when given).
   explicit auto_reducer(process_group& pg) : auto_reducer(pg, pg.options().backend) {}
-  auto_reducer(process_group& pg, ddp::backend wanted) : asked_(wanted), timeout_(pg.timeout()) {
+  auto_reducer(process_group& pg, ddp::backend wanted) : pg_(pg), asked_(wanted), timeout_(pg.timeout()) {
     const int n = pg.size();
     if (n == 1 && (wanted == backend::automatic || wanted == backend::shm || wanted == backend::hierarchical)) {
       chosen_ = backend::automatic;
@@ -179,6 +179,9 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
     return p ? p->get() : nullptr;
   }
 #endif
+
+  /// The reducer's own handle on its group.
+  process_group& group() noexcept { return pg_; }
 
   int rank() const noexcept { return visit([](auto& r) { return r.rank(); }); }
   int size() const noexcept { return visit([](auto& r) { return r.size(); }); }
@@ -276,6 +279,7 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
     }
   }
 
+  process_group pg_;
   ddp::backend asked_;
   ddp::backend chosen_ = backend::automatic;
   std::string what_;
