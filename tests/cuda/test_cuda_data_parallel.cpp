@@ -90,6 +90,26 @@ TEST_CASE("nccl_reducer + cuda_allocator without a device: 'no CUDA device' on e
   }
 }
 
+TEST_CASE("the default wrapper with DDP_BACKEND=nccl and no device: 'no CUDA device' on every rank") {
+  if (device_count() > 0) return;  // the device case below covers it
+  const int port = ddp_test::free_port();
+  auto out = ddp_test::run_processes(
+      {0, 1},
+      [&](int r) {
+        auto o = world(r, 2, port);
+        o.backend = ddp::backend::nccl;  // compiled in: Meson's ddp_nccl_dep defines DDP_WITH_NCCL
+        auto pg = ddp::init_process_group(o);
+        host_model m(r);
+        ddp::data_parallel dp{pg, m.views};
+      },
+      std::chrono::seconds(60));
+  for (auto& o : out) {
+    CHECK(o.exit_code == 1);
+    CHECK(o.errc == static_cast<int>(ddp::errc::unsupported));
+    CHECK(o.message.find("no CUDA device") != std::string::npos);
+  }
+}
+
 TEST_CASE("ring<tcp> + pinned_allocator without a device: construction fails in cudaHostAlloc, on every rank") {
   if (device_count() > 0) return;
   const int port = ddp_test::free_port();
@@ -128,6 +148,19 @@ TEST_SUITE("cuda_gpu") {
     CHECK(m.grad[0] == std::vector<float>(3, 0.0f));
     CHECK(m.grad[1] == want[1]);
     CHECK(ddp::cuda_allocator::release_error() == cudaSuccess);
+  }
+
+  TEST_CASE("the default wrapper with DDP_BACKEND=nccl: buckets on the device, a step through the copy hooks") {
+    auto o = world(0, 1, ddp_test::free_port());
+    o.backend = ddp::backend::nccl;
+    auto pg = ddp::init_process_group(o);
+    host_model m(0);
+    const auto want = m.grad;
+    ddp::data_parallel dp{pg, m.views};
+    CHECK(dp.get_reducer().chosen() == ddp::backend::nccl);
+    CHECK(dp.get_allocator().location() == ddp::memory_kind::cuda);
+    for (int step = 0; step < 3; ++step) one_step(dp);
+    CHECK(m.grad == want);  // the average over one rank
   }
 
   TEST_CASE("ring<tcp> + pinned_allocator: a step over page-locked buckets") {

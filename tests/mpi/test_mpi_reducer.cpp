@@ -258,6 +258,26 @@ TEST_CASE("mpi_reducer: broadcast, reduce_scatter, allgather, barrier") {
   CHECK(b.test());
 }
 
+TEST_CASE("auto_reducer: the mpi backend by name, when built with DDP_WITH_MPI") {
+  // Meson's ddp_mpi_dep defines DDP_WITH_MPI: ddp::auto_reducer then offers "mpi".
+  ddp::auto_reducer red{pg(), ddp::backend::mpi};
+  CHECK(red.chosen() == ddp::backend::mpi);
+  CHECK(red.describe().rfind("mpi: ", 0) == 0);
+  std::vector<double> v(1000, static_cast<double>(pg().rank() + 1));
+  red.allreduce(std::span<double>(v), ddp::op::sum);
+  const double n = pg().size();
+  for (double x : v) CHECK(x == n * (n + 1) / 2);
+  // The default wrapper on it: a step averages.
+  std::vector<float> w(10, 0.0f), g(10, static_cast<float>(pg().rank()));
+  ddp::basic_data_parallel<ddp::size_planner, ddp::auto_reducer> dp{
+      pg(), std::vector<ddp::tensor_view>{ddp::make_tensor_view(std::span{w}, std::span{g}, "w")}, {}, {},
+      ddp::backend::mpi};
+  CHECK(dp.get_allocator().location() == ddp::memory_kind::host);
+  dp.grad_ready(0);
+  dp.finish();
+  for (float x : g) CHECK(x == static_cast<float>(n - 1) / 2.0f);
+}
+
 TEST_CASE("mpi_reducer: built from a sub-communicator") {
   // Even and odd ranks form two groups; each reduces over its own members only.
   MPI_Comm sub = MPI_COMM_NULL;
