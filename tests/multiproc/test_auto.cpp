@@ -161,6 +161,23 @@ TEST_CASE("hierarchical: hosts of different sizes still average over every rank"
   CHECK(ddp_test::all_ok(outs));
 }
 
+TEST_CASE("hierarchical on one host is the shared-memory reducer, integer averages included") {
+  const int port = free_port();
+  auto outs = run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 3, port, 20s, ddp::backend::hierarchical));
+    ddp::auto_reducer red{pg};
+    require(red.chosen() == ddp::backend::hierarchical, red.describe());
+    std::vector<std::int32_t> iv(7, 3 * r);  // 0, 3, 6: the mean is 3
+    red.allreduce(std::span<std::int32_t>{iv}, op::avg);
+    require(iv[6] == 3, "integer mean on one host " + std::to_string(iv[6]));
+    std::vector<float> v(9, static_cast<float>(r));
+    red.allreduce(std::span<float>{v}, op::prod);
+    require(v[0] == 0.0f, "product");
+  });
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
 TEST_CASE("auto: one rank per host is a ring over tcp") {
   const int port = free_port();
   auto outs = run_ranks(3, [&](int r) {

@@ -141,6 +141,7 @@ class hier_engine {
   }
 
   void allreduce(const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype t, op o) {
+    if (topo_.hosts() == 1) return run_local([&] { shm_.allreduce(data, count, t, o, until); });
     const bool integral = t == dtype::i32 || t == dtype::i64;
     const bool uniform = topo_.uniform();
     // avg: the mean within the host (safe from overflow in f16), then the mean of the hosts'
@@ -149,7 +150,6 @@ class hier_engine {
     const op local = o == op::avg && integral ? op::sum : o;
     const op inter = o == op::avg && (integral || !uniform) ? op::sum : o;
     run_local([&] { shm_.allreduce(data, count, t, local, until); });
-    if (topo_.hosts() == 1) return;
     if (leader())
       run_leader([&] {
         if (o == op::avg && !integral && !uniform)
