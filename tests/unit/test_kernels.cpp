@@ -1,8 +1,10 @@
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
+#include <ddp/detail/copy.hpp>
 #include <ddp/detail/kernels.hpp>
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -655,4 +657,25 @@ TEST_CASE("every kernel entry rejects an unknown dtype, op or avg step with inva
     CHECK(code_of([&] { det::combine(touts, 1, tins, 2, 4096, op::avg, s); }) == bad);
   }
   CHECK(a == std::vector<double>(4096, 1.0));  // rejected calls touched nothing
+}
+
+TEST_CASE("copy_bytes_streaming copies every byte, whatever the alignment and length") {
+  const std::size_t big = ddp::detail::stream_min_bytes * 2 + 77;
+  std::vector<unsigned char> src(big + 64), dst(big + 64);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{100}, ddp::detail::stream_min_bytes - 1,
+                        ddp::detail::stream_min_bytes, ddp::detail::stream_min_bytes + 63, big}) {
+    for (std::size_t so : {0, 1, 5, 16}) {
+      for (std::size_t doff : {0, 3, 8, 15, 16}) {
+        std::fill(dst.begin(), dst.end(), 0xee);
+        ddp::detail::copy_bytes_streaming(dst.data() + doff, src.data() + so, n);
+        CAPTURE(n);
+        CAPTURE(so);
+        CAPTURE(doff);
+        CHECK(std::memcmp(dst.data() + doff, src.data() + so, n) == 0);
+        if (doff > 0) CHECK(dst[doff - 1] == 0xee);  // nothing before
+        CHECK(dst[doff + n] == 0xee);                // nothing after
+      }
+    }
+  }
 }

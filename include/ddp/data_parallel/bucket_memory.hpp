@@ -179,7 +179,7 @@ class bucket_memory {
     if constexpr (hooks)
       alloc_.copy(dst, src, bytes);
     else
-      detail::copy_bytes(dst, src, bytes);
+      detail::copy_bytes_streaming(dst, src, bytes);  // a gradient or a result, not read again soon
   }
 
   Allocator alloc_;

@@ -77,7 +77,7 @@ class auto_allocator {
   // Hooks (ddp::copying_allocator): device memory needs CUDA's copies.
   void copy(void* dst, const void* src, std::size_t bytes) const {
     if (on_device_) return cuda_.copy(dst, src, bytes);
-    detail::copy_bytes(dst, src, bytes);
+    detail::copy_bytes_streaming(dst, src, bytes);
   }
   void zero(void* dst, std::size_t bytes) const {
     if (on_device_) return cuda_.zero(dst, bytes);
