@@ -278,6 +278,37 @@ TEST_CASE("auto_reducer: the mpi backend by name, when built with DDP_WITH_MPI")
   for (float x : g) CHECK(x == static_cast<float>(n - 1) / 2.0f);
 }
 
+TEST_CASE("hierarchical: MPI between the hosts' leaders, when built with DDP_WITH_MPI") {
+  // Hosts by rank parity (DDP_HOST_ID): {0, 2} and {1, 3} on 4 ranks, leaders 0 and 1.
+  ::setenv("DDP_HOST_ID", (pg().rank() % 2) == 0 ? "even" : "odd", 1);
+  {
+    ddp::auto_reducer red{pg()};
+    const int n = pg().size();
+    if (n > 1) {
+      CHECK(red.chosen() == (n == 2 ? ddp::backend::tcp : ddp::backend::hierarchical));
+      if (n > 2) CHECK(red.describe().find("MPI between the leaders, ranks 0, 1") != std::string::npos);
+    }
+    std::vector<float> v(100000, static_cast<float>(pg().rank() + 1));
+    red.allreduce(std::span<float>(v), ddp::op::avg);
+    const float want = static_cast<float>(n + 1) / 2.0f;
+    CHECK(std::all_of(v.begin(), v.end(), [&](float x) { return x == want; }));
+    std::vector<std::int64_t> b(33, pg().rank() == n - 1 ? 77 : -1);
+    red.broadcast(std::span<std::int64_t>(b), n - 1);
+    CHECK(std::all_of(b.begin(), b.end(), [](std::int64_t x) { return x == 77; }));
+    red.barrier();
+    CHECK(same_bits_everywhere(v.data(), v.size() * sizeof(float)));
+  }
+  {
+    // Asked for by name on the hierarchical reducer itself.
+    ddp::hierarchical h{pg(), ddp::hierarchical_options{.between = ddp::backend::mpi}};
+    CHECK((pg().size() < 3 || h.between() == ddp::backend::mpi));
+    std::vector<std::int32_t> iv(5, pg().rank());
+    h.allreduce(std::span<std::int32_t>(iv), ddp::op::sum);
+    CHECK(iv[0] == pg().size() * (pg().size() - 1) / 2);
+  }
+  ::unsetenv("DDP_HOST_ID");
+}
+
 TEST_CASE("mpi_reducer: built from a sub-communicator") {
   // Even and odd ranks form two groups; each reduces over its own members only.
   MPI_Comm sub = MPI_COMM_NULL;

@@ -258,6 +258,17 @@ TEST_CASE("backend by name: a backend not compiled in is an error naming what it
     CHECK(o.message.find("DDP_WITH_MPI") != std::string::npos);
     CHECK(o.message.find("<ddp/reducer/mpi.hpp>") != std::string::npos);
   }
+  const int port3 = free_port();
+  outs = run_ranks(2, [&](int r) {
+    on_host("ab", r);
+    auto pg = ddp::init_process_group(opts(r, 2, port3));
+    ddp::hierarchical h{pg, ddp::hierarchical_options{.between = ddp::backend::mpi}};
+  });
+  INFO(ddp_test::summary(outs));
+  for (const auto& o : outs) {
+    CHECK(o.errc == static_cast<int>(ddp::errc::unsupported));
+    CHECK(o.message.find("MPI between the leaders is not compiled in") != std::string::npos);
+  }
   const int port2 = free_port();
   outs = run_ranks(2, [&](int r) {
     auto pg = ddp::init_process_group(opts(r, 2, port2, 20s, ddp::backend::nccl));

@@ -243,8 +243,9 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
         auto h = std::make_unique<hierarchical>(pg);
         std::string leaders;
         for (int l : topo_.leaders()) leaders += (leaders.empty() ? "" : ", ") + std::to_string(l);
-        what_ = "hierarchical: " + where + " (shm within each host, tcp ring between the leaders, ranks " + leaders +
-                ")" + why;
+        what_ = "hierarchical: " + where + " (shm within each host, " +
+                (h->between() == backend::mpi ? "MPI" : "tcp ring") + " between the leaders, ranks " + leaders + ")" +
+                why;
         r_ = std::move(h);
         break;
       }

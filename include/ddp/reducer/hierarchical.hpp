@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <memory>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -44,6 +45,9 @@
 #include <ddp/reducer/detail/p2p_algorithms.hpp>
 #include <ddp/reducer/shm.hpp>
 #include <ddp/transport/tcp.hpp>
+#if defined(DDP_WITH_MPI)
+#include <ddp/reducer/mpi.hpp>
+#endif
 
 namespace ddp {
 inline namespace v0 {
@@ -56,6 +60,10 @@ struct hierarchical_options {
   shm_options intra{};
   /// Of the leaders' TCP connections.
   tcp_options tcp{};
+  /// What carries the leaders' traffic: `tcp`; `mpi` (built with DDP_WITH_MPI, MPI initialized
+  /// at MPI_THREAD_SERIALIZED or above with the group's processes as its world); `automatic`:
+  /// MPI where that holds, else tcp.
+  ddp::backend between = ddp::backend::automatic;
 };
 
 namespace detail {
@@ -126,7 +134,44 @@ class hier_engine {
         shm_(pg_, with_members(o.intra, topo_.ranks_on(topo_.host_of(pg_.rank())))),
         tcp_(pg_, o.tcp),
         leaders_(tcp_, topo_.leaders()),
-        opts_(std::move(o)) {}
+        opts_(std::move(o)) {
+    if (opts_.between != backend::automatic && opts_.between != backend::tcp && opts_.between != backend::mpi)
+      raise(errc::invalid_argument, pg_.rank(),
+            std::string("hierarchical_options::between is tcp, mpi or auto, not ") + backend_name(opts_.between));
+#if defined(DDP_WITH_MPI)
+    if (opts_.between != backend::tcp && topo_.hosts() > 1) {
+      // Every rank reaches the same verdict: whether MPI is initialized, at which level, and
+      // its world's size are the same everywhere under one mpirun.
+      bool usable = true;
+      try {
+        mpi_engine::check_ready(pg_.rank());
+        int world = 0;
+        DDP_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
+        if (world != pg_.size())
+          raise(errc::invalid_argument, pg_.rank(),
+                "hierarchical: MPI_COMM_WORLD has " + std::to_string(world) + " processes, the group " +
+                    std::to_string(pg_.size()));
+      } catch (const error&) {
+        if (opts_.between == backend::mpi) throw;
+        usable = false;
+      }
+      if (usable) {
+        MPI_Comm c = MPI_COMM_NULL;
+        DDP_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, leader() ? 0 : MPI_UNDEFINED, pg_.rank(), &c));
+        if (c != MPI_COMM_NULL) {
+          mpi_ = std::make_unique<mpi_engine>(c, pg_.timeout());  // its own duplicate
+          MPI_Comm_free(&c);
+        }
+        between_ = backend::mpi;
+      }
+    }
+#else
+    if (opts_.between == backend::mpi)
+      raise(errc::unsupported, pg_.rank(),
+            "hierarchical: MPI between the leaders is not compiled in: build with Open MPI and define DDP_WITH_MPI "
+            "(Meson's ddp_mpi_dep does), which makes <ddp/reducer/hierarchical.hpp> include <ddp/reducer/mpi.hpp>");
+#endif
+  }
 
   int rank() const noexcept { return pg_.rank(); }
   int size() const noexcept { return pg_.size(); }
@@ -135,6 +180,8 @@ class hier_engine {
   const ddp::topology& topology() const noexcept { return topo_; }
   shm& transport() noexcept { return shm_; }
   bool leader() const noexcept { return shm_.rank() == 0; }
+  /// What carries the leaders' traffic: tcp or mpi.
+  ddp::backend between() const noexcept { return between_; }
   void abort() noexcept {
     shm_.abort();
     tcp_.abort();
@@ -155,7 +202,8 @@ class hier_engine {
         if (o == op::avg && !integral && !uniform)
           scale_in_place(data, count, t,
                          static_cast<double>(shm_.size()) / static_cast<double>(pg_.size()));
-        p2p_allreduce<ring_algorithm>(leaders_, d, until, data, count, t, inter, opts_.inter);
+        if (!inter_mpi([&](auto& m) { m.allreduce(data, count, t, inter); }))
+          p2p_allreduce<ring_algorithm>(leaders_, d, until, data, count, t, inter, opts_.inter);
         if (o == op::avg && integral) divide_integers(data, count, t, pg_.size());
       });
     run_local([&] { shm_.broadcast(data, count, t, 0, follow(until)); });
@@ -168,7 +216,10 @@ class hier_engine {
     if (mine == rh) run_local([&] { shm_.broadcast(data, count, t, local_root, until); });
     if (topo_.hosts() == 1) return;
     if (leader())
-      run_leader([&] { tree_broadcast(leaders_, d, data, count * checked_size(t), rh, until); });
+      run_leader([&] {
+        if (!inter_mpi([&](auto& m) { m.broadcast(data, count, t, rh); }))
+          tree_broadcast(leaders_, d, data, count * checked_size(t), rh, until);
+      });
     if (mine != rh) run_local([&] { shm_.broadcast(data, count, t, 0, follow(until)); });
   }
 
@@ -192,11 +243,25 @@ class hier_engine {
   void barrier(const coll_desc& d, deadline_t until) {
     run_local([&] { shm_.barrier(until); });
     if (topo_.hosts() == 1) return;
-    if (leader()) run_leader([&] { ring_barrier(leaders_, d, until); });
+    if (leader())
+      run_leader([&] {
+        if (!inter_mpi([&](auto& m) { m.barrier(); })) ring_barrier(leaders_, d, until);
+      });
     run_local([&] { shm_.barrier(follow(until)); });
   }
 
  private:
+  /// Runs `f` on the leaders' MPI engine when they talk over MPI; false when they use tcp.
+  template <class F>
+  bool inter_mpi([[maybe_unused]] F&& f) {
+#if defined(DDP_WITH_MPI)
+    if (mpi_) {
+      f(*mpi_);
+      return true;
+    }
+#endif
+    return false;
+  }
   static shm_options with_members(shm_options o, std::vector<int> members) {
     o.members = std::move(members);
     return o;
@@ -258,6 +323,10 @@ class hier_engine {
   tcp tcp_;
   member_view<tcp> leaders_;
   hierarchical_options opts_;
+  ddp::backend between_ = backend::tcp;
+#if defined(DDP_WITH_MPI)
+  std::unique_ptr<mpi_engine> mpi_;  // the leaders' communicator (leaders only)
+#endif
 };
 
 }  // namespace detail
@@ -281,6 +350,8 @@ class hierarchical : public detail::reducer_front_end<detail::hier_engine> {
   process_group& group() noexcept { return this->engine().group(); }
   /// True on the rank that carries its host's traffic to the other hosts.
   bool leader() const noexcept { return this->engine().leader(); }
+  /// What carries the leaders' traffic: `backend::tcp` or `backend::mpi`.
+  ddp::backend between() const noexcept { return this->engine().between(); }
 };
 
 }  // namespace v0

@@ -88,6 +88,8 @@ class mpi_engine {
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
   MPI_Comm comm() const noexcept { return res_.comm; }
+  /// Raises unless MPI is initialized at MPI_THREAD_SERIALIZED or above and not finalized.
+  static void check_ready(int rank) { check_mpi_ready(rank); }
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
   /// At the call, after the dtype and op: MPI counts are int, and reduce_scatter and allgather
