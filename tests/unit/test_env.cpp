@@ -201,8 +201,8 @@ TEST_CASE("endpoint: parse and format host:port, IPv6 in brackets") {
 namespace {
 // What srun sets for task `rank` of a step, with `nodes` as every node list variable.
 std::map<std::string, std::string> srun_env(const std::string& nodes, const std::string& rank = "1") {
-  return {{"SLURM_PROCID", rank},        {"SLURM_NTASKS", "8"},        {"SLURM_LOCALID", "1"},
-          {"SLURM_JOB_ID", "4242"},      {"SLURM_STEP_ID", "3"},       {"SLURM_STEP_NODELIST", nodes},
+  return {{"SLURM_PROCID", rank},        {"SLURM_NTASKS", "8"},    {"SLURM_LOCALID", "1"},
+          {"SLURM_JOB_ID", "4242"},      {"SLURM_STEP_ID", "3"},   {"SLURM_STEP_NODELIST", nodes},
           {"SLURM_JOB_NODELIST", nodes}, {"SLURM_NODELIST", nodes}};
 }
 std::string master_of(const std::string& nodes) { return parse(srun_env(nodes)).master_addr; }
@@ -312,13 +312,21 @@ TEST_CASE("slurm: nothing is derived for ranks that Slurm did not start") {
   // rank alike (rank 0's PMI_RANK equals it, and still nothing is derived).
   for (const char* r : {"0", "1"}) {
     CAPTURE(r);
-    env = {{"PMI_RANK", r},          {"PMI_SIZE", "8"},
-           {"SLURM_PROCID", "0"},    {"SLURM_NTASKS", "8"},
-           {"SLURM_JOB_ID", "4242"}, {"SLURM_JOB_NODELIST", "node[01-04]"}};
+    env = {{"PMI_RANK", r},       {"PMI_SIZE", "8"},        {"SLURM_PROCID", "0"},
+           {"SLURM_NTASKS", "8"}, {"SLURM_JOB_ID", "4242"}, {"SLURM_JOB_NODELIST", "node[01-04]"}};
     o = parse(env);
     CHECK(o.master_addr == "127.0.0.1");
     CHECK(o.master_port == 29500);
   }
+  // mpiexec's proxies started by srun, one per node: the ranks inherit a proxy's step.
+  env = srun_env("node[01-04]", "1");
+  env["SLURM_NTASKS"] = "4";
+  env["PMI_RANK"] = "5";
+  env["PMI_SIZE"] = "8";
+  o = parse(env);
+  CHECK(o.rank == 5);
+  CHECK(o.master_addr == "127.0.0.1");
+  CHECK(o.master_port == 29500);
   // srun --mpi=pmi2 / --mpi=pmix: the PMI rank is Slurm's own.
   env = srun_env("node[01-04]");
   env["PMI_RANK"] = "1";

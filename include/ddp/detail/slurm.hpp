@@ -52,9 +52,9 @@ inline slurm_hosts parse_slurm_hostlist(const char* var, std::string_view list) 
   std::size_t i = 0;
   const std::size_t n = list.size();
   if (n == 0) fail("it is empty");
-  for (;;) {  // one entry per round
-    std::string name;           // this entry's first host
-    std::uint64_t names = 1;    // hosts this entry stands for, saturating at 2
+  for (;;) {                  // one entry per round
+    std::string name;         // this entry's first host
+    std::uint64_t names = 1;  // hosts this entry stands for, saturating at 2
     const std::size_t start = i;
     while (i < n && list[i] != ',') {
       const char c = list[i];
@@ -89,8 +89,7 @@ inline slurm_hosts parse_slurm_hostlist(const char* var, std::string_view list) 
         first_range = false;
         values = values + count >= 2 ? 2 : values + count;  // saturates, as `names` does
         if (k == group.size()) break;
-        if (group[k] != ',')
-          fail(std::string("unexpected '") + group[k] + "' in '[" + std::string(group) + "]'");
+        if (group[k] != ',') fail(std::string("unexpected '") + group[k] + "' in '[" + std::string(group) + "]'");
         j = k + 1;
       }
       names = names * values >= 2 ? 2 : names * values;
