@@ -22,7 +22,7 @@ skip() { echo "SKIP: $*"; exit 77; }
 fail() { echo "FAIL: $*"; exit 1; }
 
 [[ $(id -u) -eq 0 ]] || skip "needs root to start munged, slurmctld and slurmd"
-for p in munged slurmctld slurmd srun salloc sinfo scontrol python3; do
+for p in munged slurmctld slurmd srun salloc sinfo squeue scancel python3; do
   command -v "$p" >/dev/null || skip "$p is not installed (scripts/deps.sh installs munge and slurm-wlm)"
 done
 [[ -x $example ]] || fail "$example is not an executable"
@@ -65,8 +65,8 @@ port_free() { python3 -c 'import socket, sys; socket.socket().bind(("", int(sys.
 mapfile -t ports < <(free_ports 2)
 host=$(hostname -s)
 cpus=$(nproc)
-# The first job's id: its first steps derive ports 12000 + (16 * id + step) % 20000
-# (from_env); choose an id whose ports 0-1 are free here.
+# The first job's id. Job `id`, step `s` derives the store port 12000 + (16 * id + s) % 20000
+# (from_env): choose an id for which steps 0 and 1 of the two jobs below find their ports free.
 first_job=
 for _ in $(seq 50); do
   id=$((1000 + RANDOM * 8 + RANDOM % 8))
