@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs, with apt, whatever of ddp's build and test dependencies is missing.
 #   scripts/deps.sh            core + tests (compiler, Meson, doctest, oneTBB, Open MPI, Gloo, libsodium,
-#                              clang with libFuzzer for the fuzz targets)
+#                              clang with libFuzzer for the fuzz targets, Slurm and MUNGE for the
+#                              `slurm` suite's one-node cluster)
 #   scripts/deps.sh bench      also the benchmark peers' Python side (PyTorch, matplotlib)
 set -euo pipefail
 pkgs=(g++ meson ninja-build pkg-config cmake doctest-dev libtbb-dev libopenmpi-dev openmpi-bin
-      libgloo-dev libsodium-dev python3 iproute2 clang libclang-rt-14-dev)
+      libgloo-dev libsodium-dev python3 iproute2 clang libclang-rt-14-dev slurm-wlm munge)
 if [[ "${1:-}" == bench ]]; then pkgs+=(python3-torch python3-matplotlib python3-numpy); fi
 missing=()
 for p in "${pkgs[@]}"; do

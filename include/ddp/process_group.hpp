@@ -28,6 +28,7 @@
 #include <ddp/auth.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/mesh.hpp>
+#include <ddp/detail/slurm.hpp>
 #include <ddp/detail/rendezvous.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/timing.hpp>
@@ -101,6 +102,13 @@ struct init_options {
   /// `DDP_TIMEOUT` (seconds), `DDP_AUTH_TOKEN` and `DDP_JOB_ID` (set by `ddprun`), `DDP_BACKEND`
   /// (auto, shm, tcp, hierarchical, mpi, nccl) and `DDP_DEBUG` (`info`). Throws
   /// errc::invalid_argument for a variable that is not a number or not a backend's name.
+  ///
+  /// In a rank that `srun` started (its rank is `SLURM_PROCID`), an absent `MASTER_ADDR` is
+  /// the first host of `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`, `SLURM_NODELIST`;
+  /// 127.0.0.1 when it names one host), and an absent `MASTER_PORT` is
+  /// `12000 + (16 * SLURM_JOB_ID + SLURM_STEP_ID % 16) % 20000` (in [12000, 31999], below
+  /// Linux's ephemeral ports), with `job_id` "slurm-<job>.<step>". A malformed node list is
+  /// errc::invalid_argument too.
   static init_options from_env() { return from_env([](const char* n) { return std::getenv(n); }); }
 
   /// The same, with a custom lookup (used by tests and by embedders with their own config).
@@ -133,6 +141,37 @@ struct init_options {
       o.local_rank = static_cast<int>(as_int(v, 0, (1LL << 31) - 1));
     if (auto v = first({"MASTER_ADDR"}); v.first) o.master_addr = v.second;
     if (auto v = first({"MASTER_PORT"}); v.first) o.master_port = static_cast<int>(as_int(v, 0, 1LL << 31));
+    // A rank that Slurm started: what MASTER_ADDR and MASTER_PORT do not say comes from Slurm's
+    // own variables, so that `srun -n 4 ./prog` needs nothing set by hand (docs/process-group.md).
+    // The rank is Slurm's when it is SLURM_PROCID, or the PMI rank `srun --mpi=pmi2/pmix` sets
+    // beside it in a step (same rank, same size). Ranks that mpirun or mpiexec started inside an
+    // allocation inherit a SLURM_PROCID that is not theirs (the batch script's, a daemon's), so
+    // nothing is derived for them.
+    const auto procid = first({"SLURM_PROCID"});
+    const auto ntasks = first({"SLURM_NTASKS"});
+    auto same = [](std::pair<const char*, const char*> a, std::pair<const char*, const char*> b) {
+      return a.second != nullptr && b.second != nullptr && std::string_view(a.second) == b.second;
+    };
+    const std::string_view rank_name = rank_var.first ? rank_var.first : "";
+    if (procid.first && (rank_name == "SLURM_PROCID" ||
+                         ((rank_name == "PMI_RANK" || rank_name == "PMIX_RANK") && first({"SLURM_STEP_ID"}).first &&
+                          same(rank_var, procid) && same(size_var, ntasks)))) {
+      if (!first({"MASTER_ADDR"}).first)
+        if (auto v = first({"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}); v.first) {
+          // Slurm starts task 0 on the list's first host; when that is the only host, every
+          // rank is on it and the store stays on loopback.
+          auto hosts = detail::parse_slurm_hostlist(v.first, v.second);
+          o.master_addr = hosts.several ? std::move(hosts.first) : "127.0.0.1";
+        }
+      if (auto job = first({"SLURM_JOB_ID"}); job.first && !first({"MASTER_PORT"}).first) {
+        const auto step = first({"SLURM_STEP_ID"});
+        const long long j = as_int(job, 0, 0xffffffffLL), s = step.first ? as_int(step, 0, 0xffffffffLL) : 0;
+        o.master_port = detail::slurm_port(static_cast<std::uint64_t>(j), static_cast<std::uint64_t>(s));
+        // Names the step, so a stale store of another step on the same port is told apart
+        // (DDP_JOB_ID, read below, wins).
+        o.job_id = "slurm-" + std::to_string(j) + "." + std::to_string(s);
+      }
+    }
     if (auto v = first({"DDP_TIMEOUT"}); v.first)
       o.timeout = std::chrono::seconds(as_int(v, 1, 1LL << 31));
     if (auto v = first({"DDP_AUTH_TOKEN"}); v.first) o.auth_token = v.second;

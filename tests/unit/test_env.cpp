@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <map>
+#include <set>
 #include <string>
 
 namespace {
@@ -193,4 +194,173 @@ TEST_CASE("endpoint: parse and format host:port, IPv6 in brackets") {
       CHECK(std::string(e.what()).find(std::string("endpoint '") + bad + "'") != std::string::npos);
     }
   }
+}
+
+// Under srun: the master and its port come from Slurm's variables when MASTER_ADDR/MASTER_PORT
+// are absent (docs/process-group.md, "Running under Slurm").
+namespace {
+// What srun sets for task `rank` of a step, with `nodes` as every node list variable.
+std::map<std::string, std::string> srun_env(const std::string& nodes, const std::string& rank = "1") {
+  return {{"SLURM_PROCID", rank},        {"SLURM_NTASKS", "8"},    {"SLURM_LOCALID", "1"},
+          {"SLURM_JOB_ID", "4242"},      {"SLURM_STEP_ID", "3"},   {"SLURM_STEP_NODELIST", nodes},
+          {"SLURM_JOB_NODELIST", nodes}, {"SLURM_NODELIST", nodes}};
+}
+std::string master_of(const std::string& nodes) { return parse(srun_env(nodes)).master_addr; }
+}  // namespace
+
+TEST_CASE("slurm: the master is the first host of the step's node list, in Slurm's compressed syntax") {
+  CHECK(master_of("node[01-04,07],gpu3") == "node01");
+  CHECK(master_of("host-[1-3]") == "host-1");
+  CHECK(master_of("node[009-011]") == "node009");            // the lower bound's zero padding
+  CHECK(master_of("node[04,01-03]") == "node04");            // the order as written
+  CHECK(master_of("rack[1-2]-n[001-008]") == "rack1-n001");  // several bracketed groups
+  CHECK(master_of("gpu3,node[01-04]") == "gpu3");
+  CHECK(master_of("a.example.org,b.example.org") == "a.example.org");
+  CHECK(master_of("n[1-2]x") == "n1x");
+  CHECK(master_of("c1,c2") == "c1");
+  // One host: every rank is on it, and the store stays on loopback.
+  for (const char* one : {"gpu3", "node[07]", "node[5-5]", "node-17.cluster"}) {
+    CAPTURE(one);
+    CHECK(master_of(one) == "127.0.0.1");
+  }
+  // The step's list first (a step may use part of the job's nodes), then the job's.
+  auto env = srun_env("step[1-2]");
+  env["SLURM_JOB_NODELIST"] = "job[1-4]";
+  env["SLURM_NODELIST"] = "old[1-4]";
+  CHECK(parse(env).master_addr == "step1");
+  env.erase("SLURM_STEP_NODELIST");
+  CHECK(parse(env).master_addr == "job1");
+  env.erase("SLURM_JOB_NODELIST");
+  CHECK(parse(env).master_addr == "old1");
+  env.erase("SLURM_NODELIST");
+  CHECK(parse(env).master_addr == "127.0.0.1");
+  // The rank, size and local rank are Slurm's, as before.
+  const auto o = parse(srun_env("node[01-04]", "5"));
+  CHECK(o.rank == 5);
+  CHECK(o.world_size == 8);
+  CHECK(o.local_rank == 1);
+  CHECK(o.validate().empty());
+}
+
+TEST_CASE("slurm: the port is derived from the job and step ids, the same on every rank") {
+  const auto a = parse(srun_env("node[01-04]", "0"));
+  const auto b = parse(srun_env("node[01-04]", "7"));
+  CHECK(a.master_port == 12000 + (16 * 4242 + 3) % 20000);
+  CHECK(a.master_port == b.master_port);  // every rank of the step agrees
+  CHECK(a.job_id == "slurm-4242.3");      // and names the step
+  CHECK(b.job_id == a.job_id);
+  CHECK(a.validate().empty());
+  // Another step of the same job, another job: another port.
+  auto step = srun_env("node[01-04]");
+  step["SLURM_STEP_ID"] = "4";
+  CHECK(parse(step).master_port == a.master_port + 1);
+  CHECK(parse(step).job_id == "slurm-4242.4");
+  auto job = srun_env("node[01-04]");
+  job["SLURM_JOB_ID"] = "4243";
+  CHECK(parse(job).master_port != a.master_port);
+  // No step id (a batch script's own environment): step 0.
+  auto batch = srun_env("node[01-04]", "0");
+  batch.erase("SLURM_STEP_ID");
+  CHECK(parse(batch).master_port == 12000 + (16 * 4242) % 20000);
+  // In [12000, 31999] for any ids Slurm hands out (32-bit; the batch step is 4294967294),
+  // distinct for steps 0-15 of a job and for jobs less than 1250 apart.
+  std::set<int> seen;
+  for (std::uint64_t j : {0ull, 1ull, 1249ull, 4242ull, 4294967295ull})
+    for (std::uint64_t s : {0ull, 1ull, 15ull, 16ull, 4294967294ull}) {
+      const int p = ddp::detail::slurm_port(j, s);
+      CHECK(p >= 12000);
+      CHECK(p <= 31999);
+    }
+  for (std::uint64_t j = 100000; j < 101250; ++j)
+    for (std::uint64_t s = 0; s < 16; ++s) seen.insert(ddp::detail::slurm_port(j, s));
+  CHECK(seen.size() == 1250 * 16);
+}
+
+TEST_CASE("slurm: explicit MASTER_ADDR, MASTER_PORT and DDP_JOB_ID win") {
+  auto env = srun_env("node[01-04]");
+  env["MASTER_ADDR"] = "10.0.0.9";
+  env["SLURM_STEP_NODELIST"] = "node[01-";  // not even read
+  auto o = parse(env);
+  CHECK(o.master_addr == "10.0.0.9");
+  CHECK(o.master_port == 12000 + (16 * 4242 + 3) % 20000);
+  env.erase("MASTER_ADDR");
+  env["SLURM_STEP_NODELIST"] = "node[01-04]";
+  env["MASTER_PORT"] = "23456";
+  o = parse(env);
+  CHECK(o.master_addr == "node01");
+  CHECK(o.master_port == 23456);
+  CHECK(o.job_id.empty());  // the port is the user's: so is the job
+  env.erase("MASTER_PORT");
+  env["DDP_JOB_ID"] = "mine";
+  CHECK(parse(env).job_id == "mine");
+}
+
+TEST_CASE("slurm: nothing is derived for ranks that Slurm did not start") {
+  // An salloc shell: a job, but no task.
+  auto o = parse({{"SLURM_JOB_ID", "4242"}, {"SLURM_JOB_NODELIST", "node[01-04]"}, {"SLURM_NTASKS", "2"}});
+  CHECK(o.master_addr == "127.0.0.1");
+  CHECK(o.master_port == 29500);
+  CHECK(o.job_id.empty());
+  // mpirun inside an allocation: the ranks inherit a daemon's SLURM_PROCID.
+  auto env = srun_env("node[01-04]", "0");
+  env["OMPI_COMM_WORLD_RANK"] = "0";
+  env["OMPI_COMM_WORLD_SIZE"] = "8";
+  o = parse(env);
+  CHECK(o.master_addr == "127.0.0.1");
+  CHECK(o.master_port == 29500);
+  // mpiexec (PMI) inside a batch script: the script's SLURM_PROCID=0 and no step, on every
+  // rank alike (rank 0's PMI_RANK equals it, and still nothing is derived).
+  for (const char* r : {"0", "1"}) {
+    CAPTURE(r);
+    env = {{"PMI_RANK", r},       {"PMI_SIZE", "8"},        {"SLURM_PROCID", "0"},
+           {"SLURM_NTASKS", "8"}, {"SLURM_JOB_ID", "4242"}, {"SLURM_JOB_NODELIST", "node[01-04]"}};
+    o = parse(env);
+    CHECK(o.master_addr == "127.0.0.1");
+    CHECK(o.master_port == 29500);
+  }
+  // mpiexec's proxies started by srun, one per node: the ranks inherit a proxy's step.
+  env = srun_env("node[01-04]", "1");
+  env["SLURM_NTASKS"] = "4";
+  env["PMI_RANK"] = "5";
+  env["PMI_SIZE"] = "8";
+  o = parse(env);
+  CHECK(o.rank == 5);
+  CHECK(o.master_addr == "127.0.0.1");
+  CHECK(o.master_port == 29500);
+  // srun --mpi=pmi2 / --mpi=pmix: the PMI rank is Slurm's own.
+  env = srun_env("node[01-04]");
+  env["PMI_RANK"] = "1";
+  env["PMI_SIZE"] = "8";
+  CHECK(parse(env).master_addr == "node01");
+  env.erase("PMI_RANK");
+  env.erase("PMI_SIZE");
+  env["PMIX_RANK"] = "1";
+  CHECK(parse(env).master_addr == "node01");
+}
+
+TEST_CASE("slurm: a malformed node list or job id names the variable and its value") {
+  for (const char* bad : {"node[01-", "node[]", "node[3-1]", "a,,b", "a,", ",a", "no de", "node[a-b]",
+                          "node[1-2]]", "node[[1]]", "node[1:2]", "node[-2]", "node[1-]", "", "node[01-04"}) {
+    CAPTURE(bad);
+    auto env = srun_env("ok[1-2]");
+    env["SLURM_STEP_NODELIST"] = bad;
+    if (*bad == '\0') {  // an empty variable counts as absent: the job's list is used
+      CHECK(parse(env).master_addr == "ok1");
+      continue;
+    }
+    try {
+      (void)parse(env);
+      FAIL("parsed");
+    } catch (const ddp::error& e) {
+      CHECK(e.condition() == ddp::errc::invalid_argument);
+      CHECK(std::string(e.what()).find(std::string("SLURM_STEP_NODELIST='") + bad + "' is not a Slurm host list") !=
+            std::string::npos);
+    }
+  }
+  auto env = srun_env("node[01-04]");
+  env["SLURM_JOB_ID"] = "12x";
+  CHECK_THROWS_WITH_AS(parse(env), doctest::Contains("SLURM_JOB_ID='12x'"), ddp::error);
+  env["SLURM_JOB_ID"] = "4242";
+  env["SLURM_STEP_ID"] = "batch";
+  CHECK_THROWS_WITH_AS(parse(env), doctest::Contains("SLURM_STEP_ID='batch'"), ddp::error);
 }
