@@ -10,8 +10,9 @@
 ///
 /// How it synchronizes. Each rank owns one 32-bit counter in the segment and bumps it at every
 /// step ("signal"); all ranks send the same signals in the same order, so "rank j finished step
-/// k" is simply "counter j >= k". A waiter spins briefly, then sleeps on the counter with a
-/// futex in slices, checking the deadline, abort and the peer's pid between slices.
+/// k" is simply "counter j >= k". A waiter spins briefly (or, when the peer last signalled from
+/// the waiter's own core, yields to it at once), then sleeps on the counter with a futex in
+/// slices, checking the deadline, abort and the peer's pid between slices.
 ///
 /// Determinism. Every element of a result is computed once, by one rank, as
 /// `in_0 op in_1 op ... op in_{n-1}` in rank order (the `combine` kernel), and then only copied,
