@@ -7,6 +7,11 @@
 // Each algorithm gets a fresh set of processes (forked here) and its own process group. Time
 // per iteration is the slowest rank's, each iteration starts after a barrier, and inputs are
 // checked after the timed loop (rank+1 everywhere: the sum is n(n+1)/2).
+//
+// DDP_BENCH_BIND=1 binds rank r to the r-th core this process may use, when there are no more
+// ranks than cores (what mpirun does by default, --bind-to core), and names the rows
+// `<algo>_bound`. Unbound, the scheduler may keep two ranks on one core while another is idle
+// (they hand the core back and forth and never sleep), and each step then costs a yield.
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/detail/kernels.hpp>
 #include <ddp/memory/shm_allocator.hpp>
@@ -15,11 +20,13 @@
 #include <ddp/reducer/shm.hpp>
 #include <ddp/transport/tcp.hpp>
 
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -74,7 +81,26 @@ int sweep_one(ddp::process_group& pg, Reducer& red, Alloc alloc, const sweep::op
   return bad;
 }
 
-int run_rank(int rank, int port, const sweep::options& o, const std::string& algo) {
+// Binds the calling process to the rank-th core of its affinity mask (see DDP_BENCH_BIND above).
+bool bind_to_core(int rank, int ranks) {
+  const char* e = std::getenv("DDP_BENCH_BIND");
+  if (e == nullptr || std::string(e) != "1") return false;
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (::sched_getaffinity(0, sizeof mask, &mask) != 0 || CPU_COUNT(&mask) < ranks) return false;
+  for (int cpu = 0, seen = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &mask) || seen++ != rank) continue;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    return ::sched_setaffinity(0, sizeof one, &one) == 0;
+  }
+  return false;
+}
+
+int run_rank(int rank, int port, const sweep::options& o, const std::string& algo_name) {
+  const std::string algo = algo_name;
+  const std::string name = bind_to_core(rank, o.ranks) ? algo + "_bound" : algo;
   ddp::init_options io;
   io.rank = rank;
   io.world_size = o.ranks;
@@ -87,11 +113,11 @@ int run_rank(int rank, int port, const sweep::options& o, const std::string& alg
                       [](float* p) { std::free(p); });
     return keep.back().get();
   };
-  if (algo == "ring_tcp") { ddp::ring<ddp::tcp> r{pg}; return sweep_one(pg, r, heap, o, algo); }
-  if (algo == "tree_tcp") { ddp::tree<ddp::tcp> r{pg}; return sweep_one(pg, r, heap, o, algo); }
+  if (algo == "ring_tcp") { ddp::ring<ddp::tcp> r{pg}; return sweep_one(pg, r, heap, o, name); }
+  if (algo == "tree_tcp") { ddp::tree<ddp::tcp> r{pg}; return sweep_one(pg, r, heap, o, name); }
   const ddp::shm_options so{.segment_bytes = std::max<std::size_t>(o.max_bytes * 2, 64 << 20) * static_cast<std::size_t>(o.ranks)};
-  if (algo == "ring_shm") { ddp::ring<ddp::shm> r{pg, so, {}}; return sweep_one(pg, r, heap, o, algo); }
-  if (algo == "tree_shm") { ddp::tree<ddp::shm> r{pg, so, {}}; return sweep_one(pg, r, heap, o, algo); }
+  if (algo == "ring_shm") { ddp::ring<ddp::shm> r{pg, so, {}}; return sweep_one(pg, r, heap, o, name); }
+  if (algo == "tree_shm") { ddp::tree<ddp::shm> r{pg, so, {}}; return sweep_one(pg, r, heap, o, name); }
   if (algo == "ring_shm_zerocopy") {
     ddp::ring<ddp::shm> r{pg, so, {}};
     ddp::shm_allocator a{r.transport()};
@@ -105,7 +131,7 @@ int run_rank(int rank, int port, const sweep::options& o, const std::string& alg
     for (std::size_t bytes : sweep::sizes(o)) {
       sweep::options one = o;
       one.min_bytes = one.max_bytes = bytes;
-      bad += sweep_one(pg, r, in_segment, one, algo);
+      bad += sweep_one(pg, r, in_segment, one, name);
       for (auto& [p, n] : blocks) a.deallocate(p, n);
       blocks.clear();
     }

@@ -19,6 +19,10 @@ csv=$out/allreduce.csv
 for n in $ranks; do
   echo "== $n ranks" >&2
   "$build/bench/allreduce" --ranks "$n" --max-bytes "$max" --algo ring_tcp,tree_tcp,ring_shm,tree_shm,ring_shm_zerocopy | tail -n +2 >> "$csv"
+  # Bound a core per rank, as mpirun binds Open MPI's ranks (rows <algo>_bound), where they fit.
+  if (( n <= $(nproc) )); then
+    DDP_BENCH_BIND=1 "$build/bench/allreduce" --ranks "$n" --max-bytes "$max" --algo ring_shm,tree_shm | tail -n +2 >> "$csv"
+  fi
   mpirun --oversubscribe -np "$n" "$build/bench/mpi_allreduce" --max-bytes "$max" | tail -n +2 >> "$csv"
   "$build/bench/gloo_allreduce" --ranks "$n" --max-bytes "$max" --algo ring_chunked,halving_doubling,allreduce_bcube | tail -n +2 >> "$csv"
 done

@@ -84,6 +84,7 @@ struct alignas(shm_line) shm_rank_block {
   std::atomic<std::uint32_t> waiters;  ///< peers asleep (or about to be) on `counter`
   std::atomic<std::uint32_t> closed;   ///< 1 once the owner destroyed its transport
   std::atomic<std::int32_t> pid;
+  std::atomic<std::int32_t> cpu;       ///< the core the owner last signalled from (a hint)
   alignas(shm_line) shm_desc desc[2];  ///< by collective parity, so writing seq q+1 never
                                        ///< races a slow reader of seq q
 };

@@ -129,8 +129,9 @@ inline constexpr std::chrono::seconds store_default_wait = std::chrono::seconds(
 /// Slice of a futex sleep on a peer's counter: between slices the waiter checks its deadline,
 /// abort and whether the peer's process is still alive.
 inline constexpr std::chrono::milliseconds shm_wait_slice = 50ms;
-/// With more ranks than cores, how long a waiter keeps yielding before it sleeps on the futex:
-/// the peer it waits for is most likely queued on its own core and runs at once on a yield,
+/// With more ranks than cores, or with the peer last seen on the waiter's own core, how long a
+/// waiter keeps yielding before it sleeps on the futex: the peer it waits for is most likely
+/// queued on its own core and runs at once on a yield,
 /// where a futex sleep costs a wake-up through the scheduler (tens of microseconds) each step.
 inline constexpr std::chrono::microseconds shm_yield_window = 500us;
 

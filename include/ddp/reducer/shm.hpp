@@ -10,8 +10,9 @@
 ///
 /// How it synchronizes. Each rank owns one 32-bit counter in the segment and bumps it at every
 /// step ("signal"); all ranks send the same signals in the same order, so "rank j finished step
-/// k" is simply "counter j >= k". A waiter spins briefly, then sleeps on the counter with a
-/// futex in slices, checking the deadline, abort and the peer's pid between slices.
+/// k" is simply "counter j >= k". A waiter spins briefly (or, when the peer last signalled from
+/// the waiter's own core, yields to it at once), then sleeps on the counter with a futex in
+/// slices, checking the deadline, abort and the peer's pid between slices.
 ///
 /// Determinism. Every element of a result is computed once, by one rank, as
 /// `in_0 op in_1 op ... op in_{n-1}` in rank order (the `combine` kernel), and then only copied,
@@ -260,12 +261,16 @@ class shm {
     enter();
     check_types(t, o, "allreduce");
     const std::size_t es = dtype_size(t);
+    // Up to tree_bytes the ring runs as the tree: one synchronization fewer, which costs more
+    // than reading every rank's few lines. Every rank decides alike (ranks whose counts differ
+    // fail the descriptor check of the first step, which both paths share).
+    const bool as_tree = a == shm_algo::tree || count * es <= tree_bytes;
     // The tree path writes a rank's output while peers may still read its input, so arena
     // buffers are staged there like any other.
-    const std::uint64_t off = a == shm_algo::ring ? arena_offset(data, count * es) : detail::shm_desc::no_offset;
+    const std::uint64_t off = as_tree ? detail::shm_desc::no_offset : arena_offset(data, count * es);
     auto& d = begin(detail::coll_kind::allreduce, count, t, o, 0, a, off);
     if (size_ == 1) return;  // a sum over one rank; avg divides by 1
-    if (a == shm_algo::tree) return allreduce_tree(data, count, t, o, until, d);
+    if (as_tree) return allreduce_tree(data, count, t, o, until, d);
     guarded([&] { allreduce_ring(static_cast<std::byte*>(data), count, t, o, until, d); });
   }
 
@@ -476,6 +481,9 @@ class shm {
 
  private:
   static constexpr std::size_t nslots = 2;
+  /// Allreduces of at most this many bytes take the tree path whatever the caller's algorithm
+  /// (measured: 4 ranks on 2 cores, 4-16 KiB: the tree in 55-65 % of the ring's time).
+  static constexpr std::size_t tree_bytes = 16 << 10;
   static constexpr auto slice = detail::timing::shm_wait_slice;
 
   detail::shm_header* header() const noexcept { return reinterpret_cast<detail::shm_header*>(map_.base()); }
@@ -598,6 +606,7 @@ class shm {
   void signal() noexcept {
     ++count_;
     auto& me = block(rank_);
+    me.cpu.store(::sched_getcpu(), std::memory_order_relaxed);
     me.counter.store(static_cast<std::uint32_t>(count_), std::memory_order_seq_cst);
     if (me.waiters.load(std::memory_order_seq_cst) != 0) detail::futex_wake_all(&me.counter);
   }
@@ -635,22 +644,22 @@ class shm {
   /// than cores, or cores taken by other processes) every poll delays the peer, so the budget
   /// adapts like an adaptive mutex: it grows while polls succeed and halves whenever the wait
   /// ended in a sleep. A yield every few polls hands the core to a peer queued behind us.
+  ///
+  /// A peer that last signalled from this rank's own core cannot move while we poll: polling
+  /// only delays it, and yielding to it keeps both ranks on one core even when another core is
+  /// idle (the scheduler does not move a task that never sleeps). So then this rank does not
+  /// poll: with a core per rank it sleeps at once, and the peer's wake-up places it on an idle
+  /// core; with more ranks than cores it yields at once.
   void wait_rank(int j, std::uint64_t want, deadline_t until, const char* what) {
     auto& b = block(j);
     if (reached(b.counter.load(std::memory_order_acquire), want)) return;
-    for (int i = 0; i < budget_; ++i) {
-      detail::cpu_relax();
-      if (reached(b.counter.load(std::memory_order_acquire), want)) {
-        budget_ = std::min(spin_, budget_ + budget_ / 4 + 8);
-        return;
-      }
-      if ((i & 31) == 31) ::sched_yield();
-    }
-    budget_ = std::max(std::min(spin_, 32), budget_ / 2);
+    const bool beside = b.cpu.load(std::memory_order_relaxed) == ::sched_getcpu();
+    if (!beside) spin_on(b, want);
+    if (reached(b.counter.load(std::memory_order_acquire), want)) return;
     // More ranks than cores: the peer we wait for is most likely queued on our own core, and a
     // yield hands it the core at once, where a futex sleep would cost a wake-up through the
     // scheduler (tens of microseconds). So keep yielding for a while before sleeping.
-    if (oversubscribed_) {
+    if (oversubscribed_ || beside) {
       const auto stop = steady_clock::now() + detail::timing::shm_yield_window;
       do {
         ::sched_yield();
@@ -668,6 +677,19 @@ class shm {
       b.waiters.fetch_sub(1, std::memory_order_seq_cst);
       if (reached(b.counter.load(std::memory_order_acquire), want)) return;
     }
+  }
+
+  /// The polling part of wait_rank: up to budget_ polls, adapting the budget.
+  void spin_on(detail::shm_rank_block& b, std::uint64_t want) {
+    for (int i = 0; i < budget_; ++i) {
+      detail::cpu_relax();
+      if (reached(b.counter.load(std::memory_order_acquire), want)) {
+        budget_ = std::min(spin_, budget_ + budget_ / 4 + 8);
+        return;
+      }
+      if ((i & 31) == 31) ::sched_yield();
+    }
+    budget_ = std::max(std::min(spin_, 32), budget_ / 2);
   }
 
   void wait_all(std::uint64_t want, deadline_t until, const char* what) {

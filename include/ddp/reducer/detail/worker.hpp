@@ -55,14 +55,19 @@ class worker {
       if (s_->busy || !s_->jobs.empty()) return false;
       s_->busy = true;
     }
+    // Only the progress thread waits on the condition variable, and only for queued work or
+    // the stop: waking it for nothing would cost a futex wake-up and a context switch, on a
+    // core the caller's peers may need, after every inline collective.
     struct release {
       state* s;
       ~release() {
+        bool wake = false;
         {
           std::lock_guard lock(s->mu);
           s->busy = false;
+          wake = s->stop || !s->jobs.empty();
         }
-        s->cv.notify_all();
+        if (wake) s->cv.notify_all();
       }
     } r{s_.get()};
     job();

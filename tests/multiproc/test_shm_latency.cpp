@@ -1,0 +1,244 @@
+#include <ddp/reducer/shm.hpp>
+
+#include <ddp/reducer/ring.hpp>
+#include <ddp/reducer/tree.hpp>
+
+#include <dirent.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "harness.hpp"
+#include "reducer_checks.hpp"
+
+using namespace std::chrono_literals;
+using namespace ddp_test;
+
+// The small-message path of ring<shm> and tree<shm>: blocking calls run inline on the caller's
+// thread while the progress thread sleeps, allreduces up to shm's tree_bytes take the tree path,
+// and a waiter never polls a peer that runs on its own core.
+
+namespace {
+ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 30s) {
+  return ddp_test::group_options(rank, n, port, timeout);
+}
+
+/// Context switches of every thread of this process but the calling one.
+long other_threads_switches() {
+  const long self = ::syscall(SYS_gettid);
+  long total = 0;
+  DIR* d = ::opendir("/proc/self/task");
+  require(d != nullptr, "cannot list /proc/self/task");
+  while (auto* e = ::readdir(d)) {
+    if (e->d_name[0] == '.' || std::atol(e->d_name) == self) continue;
+    std::ifstream f(std::string("/proc/self/task/") + e->d_name + "/status");
+    std::string key;
+    long v = 0;
+    while (f >> key)
+      if (key == "voluntary_ctxt_switches:" || key == "nonvoluntary_ctxt_switches:") {
+        f >> v;
+        total += v;
+      }
+  }
+  ::closedir(d);
+  return total;
+}
+
+void fill(std::vector<float>& v, float x) { std::fill(v.begin(), v.end(), x); }
+void require_all(const std::vector<float>& v, float x, const std::string& what) {
+  for (float e : v) require(e == x, what + ": got " + std::to_string(e) + ", want " + std::to_string(x));
+}
+}  // namespace
+
+TEST_CASE("ring<shm>: blocking collectives run inline leave the idle progress thread asleep") {
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 2, port));
+    ddp::ring<ddp::shm> red{pg, ddp::shm_options{.segment_bytes = 8 << 20}, {}};
+    std::vector<float> v(1024);
+    red.barrier();
+    const long before = other_threads_switches();
+    constexpr int iters = 2000;
+    for (int i = 0; i < iters; ++i) {
+      fill(v, static_cast<float>(r + 1));
+      red.barrier();
+      red.allreduce(std::span<float>(v), ddp::op::sum);
+      require_all(v, 3.0f, "allreduce " + std::to_string(i));
+    }
+    const long woken = other_threads_switches() - before;
+    // Each wake-up of the progress thread is a context switch of it; the old release woke it
+    // after every inline collective (2 * iters here).
+    require(woken < iters / 10, "the other threads switched " + std::to_string(woken) + " times in " +
+                                    std::to_string(2 * iters) + " inline collectives");
+  });
+  INFO(summary(outs));
+  CHECK(all_ok(outs));
+}
+
+TEST_CASE("ring<shm>: an async request issued while a blocking call runs inline runs after it, in issue order") {
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 2, port));
+    ddp::ring<ddp::shm> red{pg, ddp::shm_options{.segment_bytes = 8 << 20}, {}};
+    // Different counts: collectives paired out of order would be a mismatch, not a silent mix.
+    std::vector<float> a(1000, static_cast<float>(r + 1)), b(3000, static_cast<float>(10 * (r + 1)));
+    std::vector<float> c(500, static_cast<float>(100 * (r + 1)));
+    red.barrier();
+    if (r == 0) {
+      // A runs inline here, waiting for rank 1 (asleep); B is issued from another thread while
+      // A runs, so it is queued, and only A's end can start the progress thread on it.
+      ddp::request rb;
+      std::atomic<bool> issued{false};
+      std::thread t([&] {
+        std::this_thread::sleep_for(50ms);
+        rb = red.allreduce_async(std::span<float>(b), ddp::op::sum);
+        issued = true;
+      });
+      red.allreduce(std::span<float>(a), ddp::op::sum);
+      t.join();
+      require(issued, "B was not issued");
+      rb.wait(std::chrono::steady_clock::now() + 10s);
+      // A blocking call while async work is pending runs after it.
+      auto rc = red.allreduce_async(std::span<float>(c), ddp::op::sum);
+      red.barrier();
+      require(rc.test(), "the async allreduce issued before the barrier had not completed after it");
+      rc.wait(std::chrono::steady_clock::now() + 10s);
+    } else {
+      std::this_thread::sleep_for(300ms);
+      red.allreduce(std::span<float>(a), ddp::op::sum);
+      red.allreduce(std::span<float>(b), ddp::op::sum);
+      red.allreduce(std::span<float>(c), ddp::op::sum);
+      red.barrier();
+    }
+    require_all(a, 3.0f, "A");
+    require_all(b, 30.0f, "B");
+    require_all(c, 300.0f, "C");
+  });
+  INFO(summary(outs));
+  CHECK(all_ok(outs));
+}
+
+TEST_CASE("ring<shm> and tree<shm>: small and large allreduces with every rank on one core") {
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  REQUIRE(::sched_getaffinity(0, sizeof mask, &mask) == 0);
+  int cpu = 0;
+  while (!CPU_ISSET(cpu, &mask)) ++cpu;
+  for (int n : {2, 3}) {
+    CAPTURE(n);
+    const int port = free_port();
+    auto outs = run_ranks(n, [&](int r) {
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      CPU_SET(cpu, &one);
+      require(::sched_setaffinity(0, sizeof one, &one) == 0, "sched_setaffinity");
+      auto pg = ddp::init_process_group(opts(r, n, port));
+      ddp::ring<ddp::shm> ring{pg, ddp::shm_options{.segment_bytes = 16 << 20}, {}};
+      ddp::tree<ddp::shm> tree{pg, ddp::shm_options{.segment_bytes = 16 << 20}, {}};
+      const float want = static_cast<float>(n * (n + 1) / 2);
+      std::vector<float> small(1024), large(std::size_t{1} << 18);
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 2000; ++i) {
+        fill(small, static_cast<float>(r + 1));
+        (i % 2 ? ring.allreduce(std::span<float>(small), ddp::op::sum) : tree.allreduce(std::span<float>(small), ddp::op::sum));
+        require_all(small, want, "small allreduce " + std::to_string(i));
+      }
+      for (int i = 0; i < 20; ++i) {
+        fill(large, static_cast<float>(r + 1));
+        ring.allreduce(std::span<float>(large), ddp::op::sum);
+        require_all(large, want, "large allreduce " + std::to_string(i));
+      }
+      const auto took = std::chrono::steady_clock::now() - t0;
+      require(took < 10s, "2020 allreduces on one core took " +
+                              std::to_string(std::chrono::duration<double>(took).count()) + " s");
+    }, 120s);
+    INFO(summary(outs));
+    CHECK(all_ok(outs));
+  }
+}
+
+TEST_CASE("ring<shm>: a small allreduce (tree path) against a large one (ring path) is a mismatch on every rank") {
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 2, port, 5s));
+    ddp::ring<ddp::shm> red{pg, ddp::shm_options{.segment_bytes = 8 << 20}, {}};
+    std::vector<float> v(r == 0 ? 1000 : 100000, 1.0f);
+    red.allreduce(std::span<float>(v), ddp::op::sum);
+  });
+  INFO(summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.errc == static_cast<int>(ddp::errc::mismatch));
+    CHECK(o.message.find("1000") != std::string::npos);
+    CHECK(o.message.find("100000") != std::string::npos);
+  }
+}
+
+TEST_CASE("ring<shm>: a peer killed during inline small allreduces is peer_lost naming it, within the timeout") {
+  const int port = free_port();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto outs = run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 3, port, 5s));
+    ddp::ring<ddp::shm> red{pg, ddp::shm_options{.segment_bytes = 8 << 20}, {}};
+    std::vector<float> v(1024, 1.0f);
+    red.barrier();
+    if (r == 1) {
+      std::thread([] {
+        std::this_thread::sleep_for(30ms);
+        ::raise(SIGKILL);
+      }).detach();
+    }
+    for (int it = 0; it < 100000000; ++it) red.allreduce(std::span<float>(v), ddp::op::sum);
+    require(false, "the collectives went on without rank 1");
+  });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(summary(outs));
+  CHECK(secs < 5.0 + 2.0);
+  CHECK(outs[1].exit_code == 128 + SIGKILL);
+  for (int r : {0, 2}) {
+    CHECK(outs[r].errc == static_cast<int>(ddp::errc::peer_lost));
+    CHECK(outs[r].message.find("rank 1") != std::string::npos);
+  }
+}
+
+TEST_CASE("ring<shm>: abort() from another thread while a caller runs a collective inline") {
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 2, port, 10s));
+    ddp::ring<ddp::shm> red{pg, ddp::shm_options{.segment_bytes = 8 << 20}, {}};
+    std::vector<float> v(1024, 1.0f);
+    red.barrier();
+    if (r == 0) {
+      std::thread t([&] {
+        std::this_thread::sleep_for(200ms);  // the main thread waits inline for rank 1 by now
+        red.abort();
+      });
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        red.allreduce(std::span<float>(v), ddp::op::sum);
+      } catch (...) {
+        t.join();
+        require(std::chrono::steady_clock::now() - start < 2s, "the abort took too long to reach the caller");
+        throw;
+      }
+      t.join();
+    } else {
+      std::this_thread::sleep_for(1s);  // enters after the abort
+      red.allreduce(std::span<float>(v), ddp::op::sum);
+    }
+  });
+  INFO(summary(outs));
+  for (auto& o : outs) {
+    CHECK(o.errc == static_cast<int>(ddp::errc::aborted));
+    CHECK(o.seconds < 5.0);
+  }
+  CHECK(outs[0].message.find("aborted by this rank") != std::string::npos);
+  CHECK(outs[1].message.find("aborted by rank 0") != std::string::npos);
+}
