@@ -1,5 +1,5 @@
 # Several "hosts" on one machine, as network namespaces: sourced by tests/netns/test_netns.sh and
-# bench/netns_hier.sh (bash; needs root and iproute2's ip and tc).
+# bench/netns_hier.sh (bash, with or without set -euo pipefail; needs root and iproute2's ip and tc).
 #
 #   source scripts/netns.sh
 #   netns_check || exit 77          # says why on stderr when namespaces cannot be made here
@@ -123,9 +123,9 @@ netns_wait_link() {
   for ((k = 1; k < netns_hosts; ++k)); do
     for ((i = 0; i < 50; ++i)); do
       # A refused connection proves the path (an RST came back); silence or no route does not.
-      if netns_exec "$k" timeout 1 bash -c "exec 3<>/dev/tcp/$(netns_addr 0)/9" 2>&1 | grep -q "refused"; then
-        break
-      fi
+      local said
+      said=$(netns_exec "$k" timeout 1 bash -c "exec 3<>/dev/tcp/$(netns_addr 0)/9" 2>&1 || true)
+      [[ "$said" == *refused* ]] && break
       sleep 0.1
     done
     ((i < 50)) || return 1
