@@ -49,7 +49,7 @@ echo "# $hosts hosts x $per_host ranks, links $rate (tbf, both ways), $(basename
 for ((round = 1; round <= rounds; ++round)); do
   port=$((29400 + round))
   for ((k = hosts - 1; k >= 0; --k)); do
-    (netns_exec $k env DDP_DEBUG=info DDP_INSECURE=1 timeout 900 \
+    (netns_exec $k env -u DDP_BACKEND DDP_DEBUG=info DDP_INSECURE=1 timeout 900 \
        "$ddprun" -n "$per_host" --nnodes "$hosts" --node-rank $k --master-addr "$master" --port $port --timeout 120 -- \
        "$step" --env --reducers default,ring_tcp --caps "$caps" --modes "$modes" --no-compute \
        --steps "$steps" --warmup "$warmup" "$model" >"$tmp/out.$k" 2>&1
@@ -63,7 +63,7 @@ for ((round = 1; round <= rounds; ++round)); do
       exit 1
     fi
   done
-  ((round > 1)) || grep -h "ddp: backend auto -> " "$tmp"/out.* | sed 's/^/# default chose: /' || 
+  ((round > 1)) || grep -h "ddp: backend auto -> " "$tmp"/out.* | sort -u | sed 's/^/# default chose: /' ||
     echo "# default chose: (no 'ddp: backend auto' line: this library's default is a fixed ring<tcp>)"
   sed -n 's/^\[0\] \(ddp_.*\)/\1/p' "$tmp/out.0" >>"$tmp/rows"
 done

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Several "hosts" on one machine, as network namespaces: sourced by tests/netns/test_netns.sh and
 # bench/netns_hier.sh (bash, with or without set -euo pipefail; needs root and iproute2's ip and tc).
 #
@@ -76,6 +77,7 @@ netns_reap() {
 netns_kill_in() {
   local pids
   pids=$(ip netns pids "$1" 2>/dev/null)
+  # shellcheck disable=SC2086 # one pid per word
   [[ -n "$pids" ]] && kill -9 $pids 2>/dev/null
   return 0
 }

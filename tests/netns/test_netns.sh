@@ -56,7 +56,7 @@ rm -f "/dev/shm/ddpn-probe-$$"
 # would be refused, docs/security.md), so its group opts in with DDP_INSECURE=1: the subnet
 # exists only inside this test's namespaces.
 for ((k = hosts - 1; k >= 0; --k)); do
-  (netns_exec $k env DDP_DEBUG=info DDP_INSECURE=1 timeout 90 \
+  (netns_exec $k env -u DDP_BACKEND DDP_DEBUG=info DDP_INSECURE=1 timeout 90 \
      "$ddprun" -n 2 --nnodes $hosts --node-rank $k --master-addr "$master" --port $port --timeout 30 -- "$mlp" \
      >"$tmp/mlp.$k" 2>&1
    echo $? >"$tmp/mlp.$k.rc") &
@@ -97,7 +97,7 @@ else
 fi
 world=$((2 * hosts))
 for ((r = 0; r < world; ++r)); do
-  (netns_exec $((r / 2)) env RANK=$r WORLD_SIZE=$world LOCAL_RANK=$((r % 2)) LOCAL_WORLD_SIZE=2 \
+  (netns_exec $((r / 2)) env -u DDP_BACKEND RANK=$r WORLD_SIZE=$world LOCAL_RANK=$((r % 2)) LOCAL_WORLD_SIZE=2 \
      MASTER_ADDR="$master" MASTER_PORT=$((port + 1)) DDP_JOB_ID="netns-$$" DDP_TIMEOUT=$timeout_s "$secret" \
      timeout 40 "$train" >"$tmp/train.$r" 2>"$tmp/train.$r.err"
    echo "$? $(date +%s.%N)" >"$tmp/train.$r.end") &
