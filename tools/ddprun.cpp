@@ -125,11 +125,14 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) usage((std::string(name) + " needs a value").c_str());
       return argv[++i];
     };
-    if (a == "-n" || a == "--nproc" || a == "-np") n = std::atoi(value("-n").c_str());
+    if (a == "-n" || a == "--nproc" || a == "-np") n = number("-n", value("-n"), 1, 1 << 20);
     else if (a == "--master-addr") { addr = value("--master-addr"); addr_given = true; }
     else if (a == "--port") { port = number("--port", value("--port"), 0, 65535); port_given = port != 0; }
     else if (a == "--nnodes") nnodes = number("--nnodes", value("--nnodes"), 1, 1 << 20);
-    else if (a == "--node-rank") { node_rank = number("--node-rank", value("--node-rank"), 0, 1 << 20); node_rank_given = true; }
+    else if (a == "--node-rank") {
+      node_rank = number("--node-rank", value("--node-rank"), 0, 1 << 20);
+      node_rank_given = true;
+    }
     else if (a == "--job-id") job_id_opt = value("--job-id");
     else if (a == "--timeout") timeout = value("--timeout");
     else if (a == "-h" || a == "--help") usage("help");
@@ -146,7 +149,8 @@ int main(int argc, char** argv) {
       if (!given) missing += (missing.empty() ? " " : "; ") + std::string(what);
     };
     need(addr_given, "--master-addr (the host of rank 0, as the other hosts reach it)");
-    need(port_given, "--port (one fixed port, the same on every host: a port picked here would be unknown to the others)");
+    need(port_given,
+         "--port (one fixed port, the same on every host: a port picked here would be unknown to the others)");
     need(node_rank_given, "--node-rank (this host's number in [0, nnodes), 0 on the master's host)");
     usage(("--nnodes " + std::to_string(nnodes) + " needs" + missing).c_str());
   }
@@ -170,12 +174,11 @@ int main(int argc, char** argv) {
   // One job id for all ranks, so that a second job started on the same port is told apart.
   // Several hosts need the same id on all of them: given, or derived from what they share.
   std::string job_id = job_id_opt;
-  if (!job_id.empty()) {
-  } else if (const char* j = std::getenv("DDP_JOB_ID"); j != nullptr && *j != '\0') {
-    job_id = j;
-  } else if (nnodes > 1) {
+  const char* env_job_id = std::getenv("DDP_JOB_ID");
+  if (job_id.empty() && env_job_id != nullptr) job_id = env_job_id;
+  if (job_id.empty() && nnodes > 1)
     job_id = "ddprun-" + addr + ":" + std::to_string(port) + "-" + std::to_string(nnodes) + "x" + std::to_string(n);
-  } else {
+  if (job_id.empty()) {
     std::random_device rd;
     char buf[32];
     std::snprintf(buf, sizeof buf, "ddprun-%08x%08x", rd(), rd());

@@ -52,7 +52,8 @@ int main(int argc, char** argv) {
       names.push_back("p" + std::to_string(i));
     }
     std::vector<ddp::tensor_view> params;
-    for (std::size_t i = 0; i < values.size(); ++i) params.push_back(ddp::make_tensor_view(values[i], grads[i], names[i]));
+    for (std::size_t i = 0; i < values.size(); ++i)
+      params.push_back(ddp::make_tensor_view(values[i], grads[i], names[i]));
     ddp::data_parallel dp{pg, params, ddp::bucket_policy{.cap_bytes = 256_KiB, .first_cap_bytes = 64_KiB}};
     try {
       for (step = 0; step < steps; ++step) {
