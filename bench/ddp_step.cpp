@@ -3,7 +3,13 @@
 //
 //   ddp_step [--ranks 2,4] [--caps 1,25,100] [--reducers default,ring_tcp,tree_tcp,ring_shm,tree_shm]
 //            [--modes copy,view] [--steps 10] [--warmup 3] [--compute-ms auto|MS]
-//            [--compute-kind sleep|spin] [--no-flat] [--no-compute] FILE.params|DIR ...
+//            [--compute-kind sleep|spin] [--no-flat] [--no-compute] [--env] FILE.params|DIR ...
+//
+// Reducers: ring_tcp, tree_tcp, ring_shm, tree_shm, and `default`: ddp::data_parallel's own
+// (whatever the library defaults to; chosen at run time where the default does that).
+// --env: this process is one rank, started by a launcher (ddprun, mpirun, srun; several hosts
+// allowed): the group comes from the environment (ddp::init_options::from_env()) and --ranks is
+// ignored; only rank 0 prints rows. bench/netns_hier.sh runs it so across network namespaces.
 //
 // For each params file (`name dim dim ...` per line, as in ../shared/data) the model is a set of
 // float32 parameters of exactly those shapes. A step is what an engine with a near-free forward
@@ -69,6 +75,7 @@ struct options {
   int steps = 10, warmup = 3;
   double compute_ms = -1;  // -1: auto
   bool spin = false, flat = true, compute = true;
+  bool from_env = false;  // --env: one rank of a launched group
   std::vector<model_spec> models;
 };
 
@@ -76,7 +83,7 @@ struct options {
   std::fprintf(stderr,
                "ddp_step: %s\nusage: ddp_step [--ranks 2,4] [--caps 1,25,100] [--reducers default,ring_tcp,tree_tcp,ring_shm,tree_shm]\n"
                "                [--modes copy,view] [--steps N] [--warmup N] [--compute-ms auto|MS]\n"
-               "                [--compute-kind sleep|spin] [--no-flat] [--no-compute] FILE.params|DIR ...\n",
+               "                [--compute-kind sleep|spin] [--no-flat] [--no-compute] [--env] FILE.params|DIR ...\n",
                why);
   std::exit(2);
 }
@@ -148,6 +155,8 @@ options parse(int argc, char** argv) {
       o.flat = false;
     } else if (a == "--no-compute") {
       o.compute = false;
+    } else if (a == "--env") {
+      o.from_env = true;
     } else if (a == "-h" || a == "--help") {
       usage("help");
     } else if (!a.empty() && a[0] == '-') {
@@ -340,26 +349,14 @@ void run_reducer(ddp::process_group& pg, const model_spec& m, engine& e, const o
   }
 }
 
-void rank_main(int rank, int world, int port, const options& o) {
-  ddp::init_options io;
-  io.rank = rank;
-  io.world_size = world;
-  io.master_port = port;
-  io.timeout = std::chrono::seconds(120);
-  // DDP_BACKEND and DDP_DEBUG as a launched program reads them.
-  const auto env = ddp::init_options::from_env([](const char* n) -> const char* {
-    return std::string_view(n) == "DDP_BACKEND" || std::string_view(n) == "DDP_DEBUG" ? std::getenv(n) : nullptr;
-  });
-  io.backend = env.backend;
-  io.debug_info = env.debug_info;
+void rank_main(const ddp::init_options& io, const options& o) {
   auto pg = ddp::init_process_group(io);
+  const int rank = pg.rank(), world = pg.size();
   for (const auto& m : o.models) {
     engine e(m);
     for (const auto& red : o.reducers) {
       if (red == "default") {
-        // What ddp::data_parallel does with no options: the engine the topology calls for
-        // (DDP_BACKEND names another), buckets where it reads them fastest.
-        run_reducer<ddp::auto_reducer, ddp::auto_allocator>(pg, m, e, o, red);
+        run_reducer<ddp::data_parallel::reducer_type, ddp::data_parallel::allocator_type>(pg, m, e, o, red);
       } else if (red == "ring_tcp") {
         run_reducer<ddp::ring<ddp::tcp>, ddp::host_allocator>(pg, m, e, o, red);
       } else if (red == "tree_tcp") {
@@ -385,10 +382,31 @@ void rank_main(int rank, int world, int port, const options& o) {
 
 int main(int argc, char** argv) {
   const options o = parse(argc, argv);
-  for (auto& m : o.models)
-    std::fprintf(stderr, "# %s: %zu parameters, %zu float32 elements, %zu bytes\n", m.name.c_str(), m.shapes.size(),
-                 m.elems, m.elems * 4);
-  std::printf("system,model,ranks,bucket_cap_mb,steps,step_median_ms,nosync_median_ms,sync_ms,exposed_median_ms,compute_ms\n");
+  const auto describe_models = [&] {
+    for (auto& m : o.models)
+      std::fprintf(stderr, "# %s: %zu parameters, %zu float32 elements, %zu bytes\n", m.name.c_str(), m.shapes.size(),
+                   m.elems, m.elems * 4);
+  };
+  const char* header =
+      "system,model,ranks,bucket_cap_mb,steps,step_median_ms,nosync_median_ms,sync_ms,exposed_median_ms,compute_ms\n";
+  if (o.from_env) {
+    // One rank of a launched group; rows come from rank 0.
+    try {
+      const auto io = ddp::init_options::from_env();
+      if (io.rank == 0) {
+        describe_models();
+        std::fputs(header, stdout);
+      }
+      std::fflush(nullptr);
+      rank_main(io, o);
+      return 0;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ddp_step: %s\n", e.what());
+      return 1;
+    }
+  }
+  describe_models();
+  std::fputs(header, stdout);
   std::fflush(nullptr);
   int failed = 0;
   for (int n : o.ranks) {
@@ -399,7 +417,18 @@ int main(int argc, char** argv) {
       if (pid == 0) {
         int code = 0;
         try {
-          rank_main(r, n, port, o);
+          ddp::init_options io;
+          io.rank = r;
+          io.world_size = n;
+          io.master_port = port;
+          io.timeout = std::chrono::seconds(120);
+          // DDP_BACKEND and DDP_DEBUG as a launched program reads them.
+          const auto env = ddp::init_options::from_env([](const char* v) -> const char* {
+            return std::string_view(v) == "DDP_BACKEND" || std::string_view(v) == "DDP_DEBUG" ? std::getenv(v) : nullptr;
+          });
+          io.backend = env.backend;
+          io.debug_info = env.debug_info;
+          rank_main(io, o);
         } catch (const std::exception& e) {
           std::fprintf(stderr, "rank %d: %s\n", r, e.what());
           code = 1;

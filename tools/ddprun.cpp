@@ -1,13 +1,21 @@
 // ddprun: starts N local ranks of a program, torchrun/mpirun style.
 //
 //   ddprun -n 4 [--master-addr 127.0.0.1] [--port P] [--timeout S] [--] prog args...
+//   ddprun -n 4 --nnodes 3 --node-rank K --master-addr HOST --port P [--job-id ID] [--] prog args...
 //
 // Picks a free port unless --port is given, sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
 // LOCAL_RANK, LOCAL_WORLD_SIZE and DDP_JOB_ID (unless set) for each rank, prefixes every output
 // line with "[rank] ", and when one rank fails, ends the others and exits with the status of the
 // rank that failed first (by exit time; ranks that fail after it, often because of it, and
 // ranks that ddprun ended itself are not blamed).
-
+//
+// Several hosts: one ddprun per host, each with the same -n, --nnodes, --master-addr (the host
+// of global rank 0, reachable from every host) and --port, and its own --node-rank K in
+// [0, nnodes). Host K's local rank l is global rank K*n + l of a world of nnodes*n (torchrun's
+// static rendezvous). The ranks of all hosts must share one job id: --job-id, else DDP_JOB_ID,
+// else one derived from the master's address and port (the same on every host). Each ddprun
+// ends only its own host's ranks; the others learn of a failure through ddp's group (their
+// collectives fail naming the rank that was lost).
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -19,6 +27,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -38,7 +47,9 @@ void on_signal(int s) { g_signal = s; }
 [[noreturn]] void usage(const char* msg) {
   std::fprintf(stderr,
                "ddprun: %s\nusage: ddprun -n N [--master-addr ADDR] [--port PORT] [--timeout SECONDS] [--] "
-               "program [args...]\n",
+               "program [args...]\n"
+               "       ddprun -n N --nnodes NODES --node-rank K --master-addr ADDR --port PORT [--job-id ID] "
+               "[--timeout SECONDS] [--] program [args...]\n",
                msg);
   std::exit(2);
 }
@@ -93,8 +104,20 @@ void emit(int rank, std::string& pending, bool flush_all) {
 int main(int argc, char** argv) {
   int n = -1;
   int port = 0;
+  int nnodes = 1, node_rank = 0;
+  bool addr_given = false, port_given = false, node_rank_given = false;
   std::string addr = "127.0.0.1";
-  std::string timeout;
+  std::string timeout, job_id_opt;
+  // A whole decimal number in [lo, hi], or a usage error naming the option.
+  auto number = [](const std::string& name, const std::string& v, long lo, long hi) {
+    char* end = nullptr;
+    errno = 0;
+    const long x = std::strtol(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || errno != 0 || x < lo || x > hi)
+      usage((name + " takes a number in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], not '" + v + "'")
+                .c_str());
+    return static_cast<int>(x);
+  };
   int i = 1;
   for (; i < argc; ++i) {
     const std::string a = argv[i];
@@ -102,9 +125,15 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) usage((std::string(name) + " needs a value").c_str());
       return argv[++i];
     };
-    if (a == "-n" || a == "--nproc" || a == "-np") n = std::atoi(value("-n").c_str());
-    else if (a == "--master-addr") addr = value("--master-addr");
-    else if (a == "--port") port = std::atoi(value("--port").c_str());
+    if (a == "-n" || a == "--nproc" || a == "-np") n = number("-n", value("-n"), 1, 1 << 20);
+    else if (a == "--master-addr") { addr = value("--master-addr"); addr_given = true; }
+    else if (a == "--port") { port = number("--port", value("--port"), 0, 65535); port_given = port != 0; }
+    else if (a == "--nnodes") nnodes = number("--nnodes", value("--nnodes"), 1, 1 << 20);
+    else if (a == "--node-rank") {
+      node_rank = number("--node-rank", value("--node-rank"), 0, 1 << 20);
+      node_rank_given = true;
+    }
+    else if (a == "--job-id") job_id_opt = value("--job-id");
     else if (a == "--timeout") timeout = value("--timeout");
     else if (a == "-h" || a == "--help") usage("help");
     else if (a == "--") { ++i; break; }
@@ -112,7 +141,23 @@ int main(int argc, char** argv) {
     else break;
   }
   if (n < 1) usage("-n must be a positive number of ranks");
+  if (node_rank >= nnodes)
+    usage(("--node-rank " + std::to_string(node_rank) + " is not below --nnodes " + std::to_string(nnodes)).c_str());
+  if (nnodes > 1 && (!addr_given || !port_given || !node_rank_given)) {
+    std::string missing;
+    auto need = [&](bool given, const char* what) {
+      if (!given) missing += (missing.empty() ? " " : "; ") + std::string(what);
+    };
+    need(addr_given, "--master-addr (the host of rank 0, as the other hosts reach it)");
+    need(port_given,
+         "--port (one fixed port, the same on every host: a port picked here would be unknown to the others)");
+    need(node_rank_given, "--node-rank (this host's number in [0, nnodes), 0 on the master's host)");
+    usage(("--nnodes " + std::to_string(nnodes) + " needs" + missing).c_str());
+  }
+  if (static_cast<long long>(n) * nnodes > (1 << 20)) usage("-n times --nnodes is larger than 1048576 ranks");
   if (i >= argc) usage("no program given");
+  const int world = n * nnodes;
+  const int base = node_rank * n;  // global rank of this host's local rank 0
   try {
     if (port == 0) port = pick_port(addr);
   } catch (const std::exception& e) {
@@ -127,10 +172,13 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   // One job id for all ranks, so that a second job started on the same port is told apart.
-  std::string job_id;
-  if (const char* j = std::getenv("DDP_JOB_ID"); j != nullptr && *j != '\0') {
-    job_id = j;
-  } else {
+  // Several hosts need the same id on all of them: given, or derived from what they share.
+  std::string job_id = job_id_opt;
+  const char* env_job_id = std::getenv("DDP_JOB_ID");
+  if (job_id.empty() && env_job_id != nullptr) job_id = env_job_id;
+  if (job_id.empty() && nnodes > 1)
+    job_id = "ddprun-" + addr + ":" + std::to_string(port) + "-" + std::to_string(nnodes) + "x" + std::to_string(n);
+  if (job_id.empty()) {
     std::random_device rd;
     char buf[32];
     std::snprintf(buf, sizeof buf, "ddprun-%08x%08x", rd(), rd());
@@ -157,8 +205,8 @@ int main(int argc, char** argv) {
       ::dup2(p[1], 2);
       ::setenv("MASTER_ADDR", addr.c_str(), 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
+      ::setenv("RANK", std::to_string(base + r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
       ::setenv("DDP_JOB_ID", job_id.c_str(), 1);
@@ -235,9 +283,9 @@ int main(int argc, char** argv) {
         pollfd one{p.out, POLLIN, 0};
         if (::poll(&one, 1, 0) <= 0) break;
         const ssize_t k = ::read(p.out, buf, sizeof buf);
-        if (k <= 0) { ::close(p.out); p.out = -1; emit(static_cast<int>(r), p.pending, true); break; }
+        if (k <= 0) { ::close(p.out); p.out = -1; emit(base + static_cast<int>(r), p.pending, true); break; }
         p.pending.append(buf, static_cast<std::size_t>(k));
-        emit(static_cast<int>(r), p.pending, false);
+        emit(base + static_cast<int>(r), p.pending, false);
       }
     }
     for (std::size_t r = 0; r < procs.size(); ++r) {
@@ -266,7 +314,8 @@ int main(int argc, char** argv) {
       failed_rank = first_failure();
       if (failed_rank >= 0) {
         exit_code = code_of(procs[static_cast<std::size_t>(failed_rank)].status);
-        std::fprintf(stderr, "ddprun: rank %d %s; ending the other ranks\n", failed_rank, describe(failed_rank).c_str());
+        std::fprintf(stderr, "ddprun: rank %d %s; ending the other ranks%s\n", base + failed_rank,
+                     describe(failed_rank).c_str(), nnodes > 1 ? " of this host" : "");
         terminating = true;
         ended_at = now_ns();
         end_all(SIGTERM);
@@ -290,7 +339,7 @@ int main(int argc, char** argv) {
       char buf[65536];
       ssize_t k;
       while ((k = ::read(procs[r].out, buf, sizeof buf)) > 0) procs[r].pending.append(buf, static_cast<std::size_t>(k));
-      emit(static_cast<int>(r), procs[r].pending, true);
+      emit(base + static_cast<int>(r), procs[r].pending, true);
       ::close(procs[r].out);
     }
   }

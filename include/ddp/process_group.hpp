@@ -483,10 +483,11 @@ class process_group::state {
   bool aborted() const noexcept { return aborted_.load(); }
 
   /// Closes connections; rank 0 waits (bounded by the timeout) for the others to leave its
-  /// store first. When the group failed (an error posted or raised here, abort(), or an
-  /// exception on its way out) it waits at most min(500 ms, timeout / 4): long enough for the
-  /// peers to read the posted reason, short enough that a frozen peer, which never leaves,
-  /// does not hold this rank's error up by a whole timeout.
+  /// store first. When the group failed (an error posted or raised here, abort(), an
+  /// exception on its way out, or a failure any rank recorded) it waits at most
+  /// min(500 ms, timeout / 4): long enough for the peers to read the posted reason, short
+  /// enough that a frozen peer, which never leaves, does not hold this rank's error up by a
+  /// whole timeout.
   void close() noexcept {
     const bool unwinding = std::uncaught_exceptions() > 0;
     // Leaving because of an exception: tell the peers why (the latest ddp::error alive here,
@@ -504,7 +505,9 @@ class process_group::state {
       } catch (...) {
       }
     }
-    const bool failing = failed_.load() || aborted_.load() || unwinding;
+    // A failure a transport on the group recorded counts too: a program that caught it and
+    // leaves normally must not keep rank 0 waiting a whole timeout for a peer that is gone.
+    const bool failing = failed_.load() || aborted_.load() || unwinding || (server_ && !verdict_.first().empty());
     links_.reset();
     verdict_.detach();
     store_.reset();

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # ddprun's contract: environment per rank, "[rank] " prefixes, a failing rank ends the others
 # and ddprun exits with its status. Prints "N passed, N failed".
-#   test_ddprun.sh DDPRUN
+#   test_ddprun.sh DDPRUN [PROCESS_GROUP_EXAMPLE]
 set -u
 ddprun=$1
+example=${2:-}
 pass=0; fail=0
 check() { if eval "$2"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $1"; fi; }
 
@@ -48,6 +49,48 @@ check "a DDP_JOB_ID that is set is kept" '[[ "$out" == *"job=mine"* ]]'
 
 out=$("$ddprun" -n 2 --port 45678 --timeout 9 sh -c 'echo "p=$MASTER_PORT t=$DDP_TIMEOUT"')
 check "--port and --timeout are passed on" '[[ "$out" == *"p=45678 t=9"* ]]'
+
+# Several hosts: two ddprun, one per "node", form one world. Global ranks K*n + local,
+# WORLD_SIZE nodes*n, LOCAL_RANK the local one, one job id on both nodes without any given.
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+port=$(free_port)
+out=$({ "$ddprun" -n 2 --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --port $port sh -c \
+          'echo "r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK lw=$LOCAL_WORLD_SIZE a=$MASTER_ADDR p=$MASTER_PORT j=$DDP_JOB_ID"' &
+        "$ddprun" -n 2 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --port $port sh -c \
+          'echo "r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK lw=$LOCAL_WORLD_SIZE a=$MASTER_ADDR p=$MASTER_PORT j=$DDP_JOB_ID"'
+        wait; } 2>&1)
+for r in 0 1 2 3; do
+  check "two nodes: global rank $r, prefixed with it" \
+    '[[ "$out" == *"[$r] r=$r w=4 l=$((r % 2)) lw=2 a=127.0.0.1 p=$port j="* ]]'
+done
+jobs_seen=$(sed -n 's/.* j=\(.*\)/\1/p' <<<"$out" | sort -u)
+check "two nodes: one job id on both" '[[ $(wc -l <<<"$jobs_seen") -eq 1 && -n "$jobs_seen" ]]'
+out=$(DDP_JOB_ID=env "$ddprun" -n 1 --nnodes 2 --node-rank 1 --master-addr h --port 1 --job-id given sh -c 'echo "j=$DDP_JOB_ID"')
+check "--job-id wins over DDP_JOB_ID" '[[ "$out" == *"[1] j=given"* ]]'
+
+if [[ -n "$example" ]]; then
+  # The process-group example across the two "nodes": one world of 4 that greets and broadcasts.
+  port=$(free_port)
+  out=$({ timeout 60 "$ddprun" -n 2 --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --port $port --timeout 20 "$example" &
+          timeout 60 "$ddprun" -n 2 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --port $port --timeout 20 "$example"
+          rc0=$?; wait $!; rc1=$?; echo "rcs=$rc0,$rc1"; } 2>&1)
+  check "two nodes run the process-group example as one world of 4" '[[ "$out" == *"rcs=0,0"* ]]'
+  for r in 0 1 2 3; do
+    check "two nodes: rank $r of 4 greeted everyone" '[[ "$out" == *"[$r] rank $r of 4: 4 greetings, broadcast check OK"* ]]'
+  done
+  [[ $fail -eq 0 ]] || echo "$out"
+fi
+
+out=$("$ddprun" -n 2 --nnodes 2 --node-rank 0 true 2>&1)
+rc=$?
+check "--nnodes 2 without --master-addr and --port is refused, naming them" \
+  '[[ $rc -eq 2 && "$out" == *"--nnodes 2 needs --master-addr"*"--port"* ]]'
+out=$("$ddprun" -n 2 --nnodes 2 --master-addr h --port 5 true 2>&1)
+check "--nnodes 2 without --node-rank is refused" '[[ $? -eq 2 && "$out" == *"needs --node-rank"* ]]'
+out=$("$ddprun" -n 2 --nnodes 2 --node-rank 2 --master-addr h --port 5 true 2>&1)
+check "--node-rank outside [0, nnodes) is refused" '[[ $? -eq 2 && "$out" == *"--node-rank 2 is not below --nnodes 2"* ]]'
+out=$("$ddprun" -n 2 --nnodes x true 2>&1)
+check "a --nnodes that is not a number is refused" '[[ $? -eq 2 && "$out" == *"--nnodes takes a number"* ]]'
 
 "$ddprun" -n 0 true 2>/dev/null
 check "-n 0 is refused" '[[ $? -eq 2 ]]'
