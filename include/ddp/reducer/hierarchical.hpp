@@ -72,6 +72,8 @@ class member_view {
   }
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return static_cast<int>(members_.size()); }
+  /// The group's rank of member `i` (what errors name: detail::group_rank_of).
+  int group_rank(int i) const { return at(i); }
   void send(int peer, const void* data, std::size_t n, deadline_t until) { t_->send(at(peer), data, n, until); }
   void recv(int peer, void* data, std::size_t n, deadline_t until) { t_->recv(at(peer), data, n, until); }
   template <class OnRecv>
