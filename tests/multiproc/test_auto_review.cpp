@@ -1,0 +1,424 @@
+// Review of the topology-aware default (ddp::auto_reducer, ddp::hierarchical,
+// ddp::auto_allocator): the inputs, timings and call orders that its promises must survive.
+// Hosts are faked with DDP_HOST_ID (set in each forked rank), as in test_auto.cpp.
+#include <ddp/ddp.hpp>
+
+#include <sched.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <dirent.h>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "harness.hpp"
+
+using namespace std::chrono_literals;
+using ddp_test::free_port;
+using ddp_test::run_ranks;
+using ddp::dtype;
+using ddp::op;
+
+namespace {
+
+void require(bool cond, const std::string& what) {
+  if (!cond) throw std::runtime_error(what);
+}
+
+ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 20s,
+                       ddp::backend b = ddp::backend::automatic) {
+  auto o = ddp_test::group_options(rank, n, port, timeout);
+  o.backend = b;
+  return o;
+}
+
+/// Puts rank r on host hosts[r]; a space leaves DDP_HOST_ID unset (the machine's own identity).
+void on_host(const std::string& hosts, int r) {
+  const char c = hosts[static_cast<std::size_t>(r)];
+  if (c == ' ')
+    ::unsetenv("DDP_HOST_ID");
+  else
+    ::setenv("DDP_HOST_ID", std::string(1, c).c_str(), 1);
+}
+
+/// Segments of the group in /dev/shm (their names start with /ddp-).
+int shm_segments() {
+  int n = 0;
+  if (DIR* d = ::opendir("/dev/shm")) {
+    while (auto* e = ::readdir(d)) n += std::strncmp(e->d_name, "ddp-", 4) == 0;
+    ::closedir(d);
+  }
+  return n;
+}
+
+std::string bits(const void* p, std::size_t n) { return std::string(static_cast<const char*>(p), n); }
+
+/// Every collective of `red` from every root, with values that tell ranks apart; every rank
+/// must end with the same bits.
+template <class R>
+void every_collective(R& red, ddp::process_group& pg) {
+  const int r = pg.rank(), n = pg.size();
+  // sum and avg over f32
+  std::vector<float> v(30011);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>((i % 5) + 1) * static_cast<float>(r + 1);
+  auto s = v;
+  red.allreduce(std::span<float>{s}, op::sum);
+  const float tri = static_cast<float>(n * (n + 1) / 2);
+  for (std::size_t i = 0; i < s.size(); i += 101)
+    require(s[i] == static_cast<float>((i % 5) + 1) * tri, "sum at " + std::to_string(i) + ": " + std::to_string(s[i]));
+  auto a = v;
+  red.allreduce(std::span<float>{a}, op::avg);
+  for (std::size_t i = 0; i < a.size(); i += 101) {
+    const float want = static_cast<float>((i % 5) + 1) * tri / static_cast<float>(n);
+    require(std::fabs(a[i] - want) <= 1e-5f * want, "avg at " + std::to_string(i) + ": " + std::to_string(a[i]) +
+                                                       " want " + std::to_string(want));
+  }
+  for (const auto& x : pg.all_gather(bits(a.data(), a.size() * 4))) require(x == bits(a.data(), a.size() * 4), "avg bits differ");
+  // f16 avg whose sum would overflow
+  std::vector<ddp::half> h(100, ddp::half(60000.0f));
+  red.allreduce(std::span<ddp::half>{h}, op::avg);
+  require(static_cast<float>(h[0]) == 60000.0f, "f16 avg of 60000 is " + std::to_string(static_cast<float>(h[0])));
+  // integer avg: (0 + 10 + ... ) / n, truncated once
+  std::vector<std::int64_t> iv(7, 10 * r + 1);
+  red.allreduce(std::span<std::int64_t>{iv}, op::avg);
+  std::int64_t isum = 0;
+  for (int q = 0; q < n; ++q) isum += 10 * q + 1;
+  require(iv[6] == isum / n, "integer avg " + std::to_string(iv[6]) + " want " + std::to_string(isum / n));
+  // min / max
+  std::vector<std::int32_t> mx(3, r == n - 1 ? 1000 : r);
+  red.allreduce(std::span<std::int32_t>{mx}, op::max);
+  require(mx[0] == 1000, "max");
+  // broadcast from every root
+  for (int root = 0; root < n; ++root) {
+    std::vector<double> b(20011, r == root ? 7.0 + root : -1.0);
+    red.broadcast(std::span<double>{b}, root);
+    require(b[0] == 7.0 + root && b[20010] == 7.0 + root, "broadcast from rank " + std::to_string(root));
+  }
+  // allgather and reduce_scatter
+  const std::size_t per = 1001;
+  std::vector<float> mine(per, static_cast<float>(r + 1)), all(per * static_cast<std::size_t>(n), -1.0f);
+  red.allgather(std::span<const float>{mine}, std::span<float>{all});
+  for (int q = 0; q < n; ++q)
+    require(all[static_cast<std::size_t>(q) * per + per - 1] == static_cast<float>(q + 1), "allgather slot " + std::to_string(q));
+  std::vector<float> in(per * static_cast<std::size_t>(n)), out(per, -1.0f);
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>(i / per + 1);  // slice q holds q + 1
+  red.reduce_scatter(std::span<const float>{in}, std::span<float>{out}, op::sum);
+  require(out[0] == static_cast<float>((r + 1) * n), "reduce_scatter " + std::to_string(out[0]));
+  // zero-length collectives
+  red.allreduce(std::span<float>{}, op::sum);
+  red.broadcast(std::span<float>{}, n - 1);
+  red.allgather(std::span<const float>{}, std::span<float>{});
+  red.reduce_scatter(std::span<const float>{}, std::span<float>{}, op::sum);
+  red.barrier();
+  // a root that is no rank
+  try {
+    std::vector<float> b(4);
+    red.broadcast(std::span<float>{b}, n);
+    require(false, "broadcast from rank n was accepted");
+  } catch (const ddp::error& e) {
+    require(e.condition() == ddp::errc::invalid_argument, std::string("root n: ") + e.what());
+  }
+  red.barrier();
+}
+
+}  // namespace
+
+TEST_CASE("review: hosts of 2, 1, 1 ranks and interleaved hosts: every collective from every root") {
+  for (const std::string hosts : {"aabc", "aba", "abab", "abca"}) {
+    CAPTURE(hosts);
+    const int n = static_cast<int>(hosts.size());
+    const int port = free_port();
+    auto outs = run_ranks(n, [&](int r) {
+      on_host(hosts, r);
+      auto pg = ddp::init_process_group(opts(r, n, port));
+      ddp::auto_reducer red{pg};
+      require(red.chosen() == ddp::backend::hierarchical, red.describe());
+      every_collective(red, pg);
+    }, 60s);
+    INFO(ddp_test::summary(outs));
+    CHECK(ddp_test::all_ok(outs));
+  }
+}
+
+TEST_CASE("review: hierarchical by name with one rank per host, and on one host") {
+  for (const std::string hosts : {"abc", "aaa"}) {
+    CAPTURE(hosts);
+    const int n = static_cast<int>(hosts.size());
+    const int port = free_port();
+    auto outs = run_ranks(n, [&](int r) {
+      on_host(hosts, r);
+      auto pg = ddp::init_process_group(opts(r, n, port, 20s, ddp::backend::hierarchical));
+      ddp::auto_reducer red{pg};
+      every_collective(red, pg);
+    }, 60s);
+    INFO(ddp_test::summary(outs));
+    CHECK(ddp_test::all_ok(outs));
+  }
+}
+
+TEST_CASE("review: two auto_reducers in a row, then a ring over tcp, on the same group") {
+  const int port = free_port();
+  auto outs = run_ranks(4, [&](int r) {
+    on_host("aabb", r);
+    auto pg = ddp::init_process_group(opts(r, 4, port));
+    ddp::auto_reducer a{pg};
+    ddp::auto_reducer b{pg};
+    ddp::ring<ddp::tcp> c{pg};
+    ddp::shm s{pg, ddp::shm_options{.members = r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3}}};
+    for (int i = 0; i < 2; ++i) {
+      std::vector<float> v(5000, 1.0f);
+      a.allreduce(std::span<float>{v}, op::sum);
+      b.allreduce(std::span<float>{v}, op::sum);
+      c.allreduce(std::span<float>{v}, op::sum);
+      require(v[4999] == 64.0f, "4 * 4 * 4 = " + std::to_string(v[4999]));
+      s.allreduce(v.data(), v.size(), dtype::f32, op::sum, pg.deadline());
+      require(v[0] == 128.0f, "then 2 per host");
+    }
+  }, 60s);
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("review: DDP_HOST_ID set on only some ranks") {
+  const int port = free_port();
+  auto outs = run_ranks(4, [&](int r) {
+    on_host("a a ", r);  // ranks 0, 2 say "a"; ranks 1, 3 keep the machine's identity
+    auto pg = ddp::init_process_group(opts(r, 4, port));
+    ddp::auto_reducer red{pg};
+    require(red.topology().hosts() == 2 && red.topology().ranks_on(1) == std::vector<int>{1, 3}, red.describe());
+    every_collective(red, pg);
+  }, 60s);
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("review: DDP_HOST_ID joins ranks whose own identities differ (containers that share memory)") {
+  // Rank 1 gets a host name of its own (a UTS namespace: what a container has), with the same
+  // /dev/shm and network. DDP_HOST_ID says both are one host: the documented override.
+  for (auto b : {ddp::backend::automatic, ddp::backend::hierarchical}) {
+    CAPTURE(static_cast<int>(b));
+    const int port = free_port();
+    auto outs = run_ranks(3, [&](int r) {
+      if (r == 1) {
+        require(::unshare(CLONE_NEWUTS) == 0 && ::sethostname("other-host", 10) == 0, "cannot unshare UTS (needs root)");
+      }
+      on_host("aab", r);
+      auto pg = ddp::init_process_group(opts(r, 3, port, 20s, b));
+      ddp::auto_reducer red{pg};
+      require(red.topology().hosts() == 2, red.describe());
+      std::vector<float> v(100, static_cast<float>(r));
+      red.allreduce(std::span<float>{v}, op::sum);
+      require(v[99] == 3.0f, "sum");
+    }, 30s);
+    INFO(ddp_test::summary(outs));
+    CHECK(ddp_test::all_ok(outs));
+  }
+}
+
+TEST_CASE("review: the default wrapper over hosts of different sizes, view and copy mode, rebuild in the segment") {
+  for (bool view : {false, true}) {
+    CAPTURE(view);
+    const int port = free_port();
+    auto outs = run_ranks(3, [&](int r) {
+      on_host("aba", r);
+      auto pg = ddp::init_process_group(opts(r, 3, port));
+      const std::size_t sizes[] = {3000, 17, 40000, 5};
+      std::vector<std::vector<float>> w, g;
+      std::vector<ddp::tensor_view> views;
+      for (std::size_t i = 0; i < 4; ++i) {
+        w.emplace_back(sizes[i], 0.0f);
+        g.emplace_back(sizes[i], 0.0f);
+        views.push_back(ddp::make_tensor_view(std::span{w[i]}, std::span{g[i]}, "p"));
+      }
+      ddp::data_parallel dp{pg, views, {.cap_bytes = 16 * 1024, .first_cap_bytes = 4096},
+                            {.gradient_as_bucket_view = view}};
+      require(dp.get_reducer().chosen() == ddp::backend::hierarchical, dp.get_reducer().describe());
+      require(dp.get_allocator().location() == ddp::memory_kind::shared, "buckets in the segment");
+      for (int step = 0; step < 4; ++step) {
+        auto vs = dp.views();
+        // ranks finish their parameters in different orders: the rebuild follows rank 0's
+        for (std::size_t k = 0; k < 4; ++k) {
+          const std::size_t i = r == 0 ? 3 - k : (k + static_cast<std::size_t>(r)) % 4;
+          auto* gp = static_cast<float*>(vs[i].grad);
+          for (std::size_t j = 0; j < sizes[i]; ++j) gp[j] = static_cast<float>(3 * r + step + static_cast<int>(i));
+          dp.grad_ready(i);
+        }
+        dp.finish();
+        vs = dp.views();
+        for (std::size_t i = 0; i < 4; ++i) {
+          const auto* gp = static_cast<const float*>(vs[i].grad);
+          const float want = static_cast<float>(3 + step + static_cast<int>(i));  // mean of 0, 3, 6 is 3
+          for (std::size_t j = 0; j < sizes[i]; j += 7)
+            require(gp[j] == want, "step " + std::to_string(step) + " param " + std::to_string(i) + " got " +
+                                       std::to_string(gp[j]) + " want " + std::to_string(want));
+        }
+      }
+    }, 60s);
+    INFO(ddp_test::summary(outs));
+    CHECK(ddp_test::all_ok(outs));
+  }
+}
+
+TEST_CASE("review: buffers in the segment on some ranks and in host memory on others") {
+  const int port = free_port();
+  auto outs = run_ranks(4, [&](int r) {
+    on_host("aabb", r);
+    auto pg = ddp::init_process_group(opts(r, 4, port));
+    ddp::hierarchical red{pg};
+    const std::size_t n = 300007;
+    std::vector<float> host(n);
+    float* p = host.data();
+    void* blk = nullptr;
+    if (r == 0 || r == 3) p = static_cast<float*>(blk = red.transport().allocate(n * sizeof(float)));
+    for (int step = 0; step < 3; ++step) {
+      for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<float>(r + 1 + step) + static_cast<float>(i % 3);
+      red.allreduce(std::span<float>{p, n}, op::sum);
+      for (std::size_t i = 0; i < n; i += 89)
+        require(p[i] == static_cast<float>(10 + 4 * step + 4 * static_cast<int>(i % 3)), "sum at " + std::to_string(i) +
+                                                                                         ": " + std::to_string(p[i]));
+    }
+    if (blk) red.transport().deallocate(blk, n * sizeof(float));
+  }, 60s);
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("review: abort() from another thread on a non-leader ends every rank, bounded") {
+  const auto timeout = 4s;
+  for (int who : {3, 2}) {
+    CAPTURE(who);
+    const int port = free_port();
+    auto outs = run_ranks(4, [&](int r) {
+      on_host("aabb", r);
+      auto pg = ddp::init_process_group(opts(r, 4, port, timeout));
+      ddp::auto_reducer red{pg};
+      std::thread t;
+      if (r == who) t = std::thread([&] { std::this_thread::sleep_for(300ms); red.abort(); });
+      struct joiner { std::thread& t; ~joiner() { if (t.joinable()) t.join(); } } j{t};
+      std::vector<float> v(1 << 18, 1.0f);
+      for (;;) red.allreduce(std::span<float>{v}, op::avg);
+    }, 30s);
+    MESSAGE(ddp_test::summary(outs));
+    for (const auto& o : outs) {
+      CAPTURE(o.rank);
+      CHECK(o.exit_code == 1);
+      CHECK(o.seconds < std::chrono::duration<double>(timeout).count() + 2.0 + 1.5);
+      CHECK((o.errc == static_cast<int>(ddp::errc::aborted) || o.errc == static_cast<int>(ddp::errc::peer_lost)));
+    }
+  }
+}
+
+TEST_CASE("review: a late non-leader is named by every rank within timeout + 2 s") {
+  const auto timeout = 3s;
+  for (const std::string hosts : {"aabb", "aabc"}) {
+    CAPTURE(hosts);
+    const int port = free_port();
+    auto outs = run_ranks(4, [&](int r) {
+      on_host(hosts, r);
+      auto pg = ddp::init_process_group(opts(r, 4, port, timeout));
+      ddp::auto_reducer red{pg};
+      std::vector<float> v(1 << 14, 1.0f);
+      red.allreduce(std::span<float>{v}, op::sum);
+      if (r == 1) std::this_thread::sleep_for(timeout + 4s);
+      red.allreduce(std::span<float>{v}, op::sum);
+      red.allreduce(std::span<float>{v}, op::sum);
+    }, 30s);
+    MESSAGE(ddp_test::summary(outs));
+    for (const auto& o : outs) {
+      if (o.rank == 1) continue;
+      CAPTURE(o.rank);
+      CHECK(o.exit_code == 1);
+      CHECK(o.seconds < std::chrono::duration<double>(timeout).count() + 2.0 + 1.5);
+      CHECK(o.message.find("rank 1") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("review: a killed rank on hosts of 2, 1, 1 is named by every survivor; no segment stays in /dev/shm") {
+  for (int victim : {1, 2, 0}) {
+    CAPTURE(victim);
+    const int before = shm_segments();
+    const int port = free_port();
+    const auto timeout = 4s;
+    auto outs = run_ranks(4, [&](int r) {
+      on_host("aabc", r);
+      auto pg = ddp::init_process_group(opts(r, 4, port, timeout));
+      ddp::auto_reducer red{pg};
+      std::vector<float> v(1 << 16, 1.0f);
+      for (int step = 0;; ++step) {
+        if (step == 10 && r == victim) ::raise(SIGKILL);
+        red.allreduce(std::span<float>{v}, op::avg);
+      }
+    }, 30s);
+    MESSAGE(ddp_test::summary(outs));
+    for (const auto& o : outs) {
+      if (o.rank == victim) continue;
+      CAPTURE(o.rank);
+      CHECK(o.exit_code == 1);
+      CHECK(o.seconds < std::chrono::duration<double>(timeout).count() + 2.0 + 1.5);
+      if (victim != 0) CHECK(o.message.find("rank " + std::to_string(victim)) != std::string::npos);
+    }
+    CHECK(shm_segments() <= before);
+  }
+}
+
+TEST_CASE("review: a rank killed while the reducer is being built leaves no segment in /dev/shm") {
+  for (int victim : {1, 3}) {
+    CAPTURE(victim);
+    const int before = shm_segments();
+    const int port = free_port();
+    auto outs = run_ranks(4, [&](int r) {
+      on_host("aabb", r);
+      auto pg = ddp::init_process_group(opts(r, 4, port, 3s));
+      ddp::auto_reducer first{pg};  // so that the next one's segments are not the first
+      if (r == victim) { std::this_thread::sleep_for(200ms); ::raise(SIGKILL); }
+      ddp::auto_reducer red{pg};
+    }, 30s);
+    MESSAGE(ddp_test::summary(outs));
+    for (const auto& o : outs) {
+      if (o.rank == victim) continue;
+      CAPTURE(o.rank);
+      CHECK(o.exit_code == 1);
+    }
+    CHECK(shm_segments() <= before);
+  }
+}
+
+TEST_CASE("review: a count that differs between hosts, or within one, is errc::mismatch on every rank") {
+  // Host a's ranks agree with each other, host b's with each other, the hosts disagree; then
+  // the ranks of host b disagree among themselves.
+  for (const std::string which : {"between hosts", "within host b"}) {
+    CAPTURE(which);
+    const int port = free_port();
+    auto outs = run_ranks(4, [&](int r) {
+      on_host("aabb", r);
+      auto pg = ddp::init_process_group(opts(r, 4, port, 5s));
+      ddp::auto_reducer red{pg};
+      std::size_t n = 1000;
+      if (which == "between hosts" && r >= 2) n = 2000;
+      if (which == "within host b" && r == 3) n = 2000;
+      std::vector<float> v(n, 1.0f);
+      red.allreduce(std::span<float>{v}, op::sum);
+    }, 30s);
+    MESSAGE(ddp_test::summary(outs));
+    for (const auto& o : outs) {
+      CAPTURE(o.rank);
+      CHECK(o.exit_code == 1);
+      CHECK(o.errc == static_cast<int>(ddp::errc::mismatch));
+      // The rank that called 2000 elements, by its rank in the group (not its place among the
+      // hosts' leaders): rank 2, host b's leader, between hosts; rank 3 within host b.
+      const std::string culprit = which == "between hosts" ? "rank 2 called allreduce #1 of 2000"
+                                                           : "rank 3 called allreduce #1 of 2000";
+      CHECK(o.message.find(culprit) != std::string::npos);
+      CHECK(o.message.find("rank 1 called") == std::string::npos);
+    }
+  }
+}
