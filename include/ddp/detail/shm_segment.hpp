@@ -398,7 +398,11 @@ inline std::string read_first_line(const char* path) {
 /// host): the hosts `ddp::topology` finds and the segments `ddp::shm` agrees to share are then
 /// the same ones.
 inline std::string shm_host_identity() {
-  if (const char* v = std::getenv("DDP_HOST_ID"); v != nullptr && *v != '\0') return std::string("id ") + v;
+  if (const char* v = std::getenv("DDP_HOST_ID"); v != nullptr && *v != '\0') {
+    std::string id = std::string("id ") + v;
+    std::replace(id.begin(), id.end(), '\n', ' ');  // identities travel one per line
+    return id;
+  }
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   char ns[128] = {};
