@@ -224,9 +224,13 @@ class hier_engine {
     } catch (const error& e) {
       if (!leader() && (e.condition() == errc::aborted || e.condition() == errc::peer_lost ||
                         e.condition() == errc::timeout)) {
+        // This rank's own verdict (it called abort()) came from no leader.
         if (const auto g = ctx_.verdict().first(nullptr, true); !g.empty())
-          raise(g.code, pg_.rank(), g.text + " (reported to this rank by its host's leader, rank " +
-                                        std::to_string(shm_.members().front()) + ")");
+          raise(g.code, pg_.rank(),
+                g.text.rfind(ctx_.verdict().reported(""), 0) == 0
+                    ? g.text
+                    : g.text + " (reported to this rank by its host's leader, rank " +
+                          std::to_string(shm_.members().front()) + ")");
       }
       // A leader whose host failed tells the other hosts at once, rather than letting them
       // run into their deadline.
