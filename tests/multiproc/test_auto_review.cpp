@@ -3,7 +3,10 @@
 // Hosts are faked with DDP_HOST_ID (set in each forked rank), as in test_auto.cpp.
 #include <ddp/ddp.hpp>
 
+#include <fcntl.h>
 #include <sched.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -12,7 +15,10 @@
 
 #include <chrono>
 #include <cmath>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <dirent.h>
 #include <stdexcept>
 #include <string>
@@ -57,6 +63,99 @@ int shm_segments() {
     ::closedir(d);
   }
   return n;
+}
+
+// A private /dev/shm of a given size for the ranks (as test_shm_full.cpp makes it).
+bool write_file(const char* path, const std::string& text) {
+  const int fd = ::open(path, O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  return ok;
+}
+
+// Gives this process a mount namespace of its own with a tmpfs of `bytes` on /dev/shm. Root
+// needs only that; anyone else first needs a user namespace in which it is root. Returns why
+// it could not, or an empty string.
+std::string make_private_dev_shm(std::size_t bytes) {
+  const bool user_ns = ::geteuid() != 0;
+  const std::string uid = std::to_string(::getuid()), gid = std::to_string(::getgid());
+  const std::string size = "size=" + std::to_string(bytes);
+  if (::unshare(CLONE_NEWNS | (user_ns ? CLONE_NEWUSER : 0)) != 0)
+    return std::string(user_ns ? "unshare(CLONE_NEWUSER|CLONE_NEWNS)" : "unshare(CLONE_NEWNS)") + ": " +
+           std::strerror(errno);
+  if (user_ns && !(write_file("/proc/self/setgroups", "deny") && write_file("/proc/self/uid_map", "0 " + uid + " 1") &&
+                   write_file("/proc/self/gid_map", "0 " + gid + " 1")))
+    return std::string("writing the user namespace's id maps: ") + std::strerror(errno);
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0)
+    return std::string("mount(/, MS_REC|MS_PRIVATE): ") + std::strerror(errno);
+  if (::mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, size.c_str()) != 0)
+    return "mount(tmpfs, /dev/shm, " + size + "): " + std::strerror(errno);
+  return {};
+}
+
+// run_ranks(n, fn) with a /dev/shm of `bytes` that only these ranks see: a driver process makes
+// the namespace and forks the ranks inside it, then sends their outcomes back. Ends the suite as
+// SKIP (exit 77), saying why, where the environment cannot make the namespace.
+std::vector<ddp_test::outcome> run_ranks_with_dev_shm(std::size_t bytes, int n, const std::function<void(int)>& fn) {
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC) != 0) std::abort();
+  std::fflush(nullptr);
+  const pid_t driver = ::fork();
+  if (driver == 0) {
+    ::close(p[0]);
+    std::string report;
+    if (const std::string why = make_private_dev_shm(bytes); !why.empty()) {
+      report = "skip " + why;
+    } else {
+      for (const auto& o : run_ranks(n, fn, 120s)) {
+        char head[160];
+        std::snprintf(head, sizeof head, "%d %d %d %d %.3f %zu\n", o.rank, o.exit_code, o.timed_out ? 1 : 0, o.errc,
+                      o.seconds, o.message.size());
+        report += head + o.message;
+      }
+    }
+    for (std::size_t off = 0; off < report.size();) {
+      const ssize_t w = ::write(p[1], report.data() + off, report.size() - off);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) break;
+      off += static_cast<std::size_t>(w);
+    }
+    ::_exit(0);
+  }
+  ::close(p[1]);
+  std::string report;
+  char buf[4096];
+  for (ssize_t r; (r = ::read(p[0], buf, sizeof buf)) != 0;)
+    if (r > 0) report.append(buf, static_cast<std::size_t>(r));
+    else if (errno != EINTR) break;
+  ::close(p[0]);
+  int st = 0;
+  ::waitpid(driver, &st, 0);
+  if (report.rfind("skip ", 0) == 0) {
+    std::fprintf(stderr, "SKIP: this environment cannot give a test its own /dev/shm (%s)\n", report.c_str() + 5);
+    std::fflush(nullptr);
+    std::_Exit(77);
+  }
+  std::vector<ddp_test::outcome> outs;
+  std::size_t at = 0;
+  while (at < report.size()) {
+    const std::size_t nl = report.find('\n', at);
+    if (nl == std::string::npos) break;
+    ddp_test::outcome o;
+    int timed_out = 0;
+    std::size_t len = 0;
+    if (std::sscanf(report.c_str() + at, "%d %d %d %d %lf %zu", &o.rank, &o.exit_code, &timed_out, &o.errc, &o.seconds,
+                    &len) != 6)
+      break;
+    o.timed_out = timed_out != 0;
+    o.message = report.substr(nl + 1, len);
+    at = nl + 1 + len;
+    outs.push_back(std::move(o));
+  }
+  REQUIRE_MESSAGE(static_cast<int>(outs.size()) == n, "the driver process reported " << outs.size() << " of " << n
+                                                                                       << " ranks (status " << st << ")");
+  return outs;
 }
 
 std::string bits(const void* p, std::size_t n) { return std::string(static_cast<const char*>(p), n); }
@@ -312,6 +411,9 @@ TEST_CASE("review: abort() from another thread on a non-leader ends every rank, 
       CHECK(o.exit_code == 1);
       CHECK(o.seconds < std::chrono::duration<double>(timeout).count() + 2.0 + 1.5);
       CHECK((o.errc == static_cast<int>(ddp::errc::aborted) || o.errc == static_cast<int>(ddp::errc::peer_lost)));
+      CHECK(o.message.find("rank " + std::to_string(who)) != std::string::npos);
+      // The rank that called abort() learned it from no one.
+      if (o.rank == who) CHECK(o.message.find("reported to this rank by its host's leader") == std::string::npos);
     }
   }
 }
@@ -421,4 +523,97 @@ TEST_CASE("review: a count that differs between hosts, or within one, is errc::m
       CHECK(o.message.find("rank 1 called") == std::string::npos);
     }
   }
+}
+
+TEST_CASE("review: the default wrapper on a /dev/shm that holds some buckets: host memory for the rest, exact averages") {
+  // 48 MiB of /dev/shm; 30 MiB of gradients per rank: either rank's buckets alone would fit,
+  // not every rank's. The default allocator puts what does not fit in host memory, and the
+  // allreduce stages those buckets (docs/cluster.md).
+  const std::size_t dev_shm = std::size_t{48} << 20;
+  for (const std::string hosts : {"aa", "aabb"}) {
+    for (bool view : {false, true}) {
+      CAPTURE(hosts);
+      CAPTURE(view);
+      const int n = static_cast<int>(hosts.size());
+      const int port = free_port();
+      auto outs = run_ranks_with_dev_shm(dev_shm, n, [&](int r) {
+        on_host(hosts, r);
+        auto pg = ddp::init_process_group(opts(r, n, port));
+        const std::size_t count = std::size_t{30} << 18;
+        std::vector<float> data(count, 1.0f), grad(count, 0.0f);
+        std::vector<ddp::tensor_view> views;
+        for (std::size_t k = 0; k < 3; ++k)
+          views.push_back(ddp::tensor_view{data.data() + k * count / 3, grad.data() + k * count / 3, count / 3, dtype::f32});
+        ddp::data_parallel dp{pg, views, {}, {.gradient_as_bucket_view = view}};
+        for (int step = 0; step < 3; ++step) {
+          auto vs = dp.views();
+          for (std::size_t i = vs.size(); i-- > 0;) {
+            auto* g = static_cast<float*>(vs[i].grad);
+            for (std::size_t j = 0; j < vs[i].numel; ++j) g[j] = static_cast<float>(2 * r + step) + static_cast<float>(j % 4);
+            dp.grad_ready(i);
+          }
+          dp.finish();
+          vs = dp.views();
+          for (std::size_t i = 0; i < vs.size(); ++i) {
+            const auto* g = static_cast<const float*>(vs[i].grad);
+            for (std::size_t j = 0; j < vs[i].numel; j += 613) {
+              const float want = static_cast<float>(n - 1 + step) + static_cast<float>(j % 4);
+              require(g[j] == want, "step " + std::to_string(step) + " param " + std::to_string(i) + " element " +
+                                        std::to_string(j) + ": " + std::to_string(g[j]) + " want " + std::to_string(want));
+            }
+          }
+        }
+      });
+      INFO(ddp_test::summary(outs));
+      CHECK(ddp_test::all_ok(outs));
+    }
+  }
+}
+
+// Not fixed (may_fail): a leader that times out waiting for another host's leader follows the
+// group's "waits for" chain (group/verdict.hpp name_stopped), but a wait within a host (shm)
+// records nothing in it, so when the other leader's own deadline, at which it names the late
+// rank of its host, comes later than this rank's grace (min(1 s, timeout / 4)), this rank
+// blames that leader, and its host's ranks repeat it. The flat ring names the late rank.
+TEST_CASE("review: a late rank is named even by a rank whose own deadline ends first" * doctest::may_fail()) {
+  // Rank 2 (host b's leader) enters the collective 1.5 s before ranks 0 and 3; rank 1 never
+  // comes in time. Rank 2's deadline ends first, while rank 0 still waits for rank 1.
+  const auto timeout = 3s;
+  for (const std::string hosts : {"aabb", "abcd"}) {
+    CAPTURE(hosts);
+    const int port = free_port();
+    auto outs = run_ranks(4, [&](int r) {
+      on_host(hosts, r);
+      auto pg = ddp::init_process_group(opts(r, 4, port, timeout));
+      ddp::auto_reducer red{pg};
+      std::vector<float> v(1 << 14, 1.0f);
+      red.allreduce(std::span<float>{v}, op::sum);
+      if (r == 0 || r == 3) std::this_thread::sleep_for(1500ms);
+      if (r == 1) std::this_thread::sleep_for(timeout + 5s);
+      red.allreduce(std::span<float>{v}, op::sum);
+    }, 30s);
+    MESSAGE(ddp_test::summary(outs));
+    for (const auto& o : outs) {
+      if (o.rank == 1) continue;
+      CAPTURE(o.rank);
+      CHECK(o.exit_code == 1);
+      CHECK(o.seconds < std::chrono::duration<double>(timeout).count() + 1.5 + 2.0 + 1.5);  // + setup
+      CHECK(o.message.find("rank 1") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("review: a DDP_HOST_ID with a line break in it") {
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    ::setenv("DDP_HOST_ID", "rack 1\nnode 7", 1);
+    auto pg = ddp::init_process_group(opts(r, 2, port));
+    ddp::auto_reducer red{pg};
+    require(red.chosen() == ddp::backend::shm, red.describe());
+    std::vector<float> v(10, 1.0f);
+    red.allreduce(std::span<float>{v}, op::sum);
+    require(v[9] == 2.0f, "sum");
+  }, 30s);
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
 }
