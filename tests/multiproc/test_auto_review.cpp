@@ -617,3 +617,39 @@ TEST_CASE("review: a DDP_HOST_ID with a line break in it") {
   INFO(ddp_test::summary(outs));
   CHECK(ddp_test::all_ok(outs));
 }
+
+TEST_CASE("review: averages on hosts of different sizes stay within docs/reducers.md's bound") {
+  // Hosts of different sizes add roundings (the host's mean, its weight, the leaders' sum): the
+  // result may differ from a flat reducer's, but stays within (n + 1) u S of the exact mean.
+  for (const std::string hosts : {"aab", "aaaab", "abbbb", "aaa"}) {
+    CAPTURE(hosts);
+    const int n = static_cast<int>(hosts.size());
+    const int port = free_port();
+    auto outs = run_ranks(n, [&](int r) {
+      on_host(hosts, r);
+      auto pg = ddp::init_process_group(opts(r, n, port, 20s, ddp::backend::hierarchical));
+      ddp::auto_reducer red{pg};
+      std::vector<float> v(4096);
+      std::vector<ddp::half> h(4096);
+      auto x32 = [&](std::size_t i, int q) { return 0.1f + static_cast<float>(i) * 0.37f + static_cast<float>(q) * 0.01f; };
+      auto x16 = [&](std::size_t i, int q) { return static_cast<float>(ddp::half(static_cast<float>(i % 300) * 0.013f + 0.1f * static_cast<float>(q + 1))); };
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        v[i] = x32(i, r);
+        h[i] = ddp::half(x16(i, r));
+      }
+      red.allreduce(std::span<float>{v}, op::avg);
+      red.allreduce(std::span<ddp::half>{h}, op::avg);
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        double m32 = 0, m16 = 0;
+        for (int q = 0; q < n; ++q) m32 += x32(i, q), m16 += x16(i, q);
+        m32 /= n, m16 /= n;
+        require(std::fabs(v[i] - m32) <= (n + 1) * std::ldexp(1.0, -24) * std::fabs(m32),
+                "f32 mean at " + std::to_string(i) + ": " + std::to_string(v[i]) + " vs " + std::to_string(m32));
+        require(std::fabs(static_cast<float>(h[i]) - m16) <= (n + 1) * std::ldexp(1.0, -11) * std::fabs(m16) + 4 * n * std::ldexp(1.0, -24),
+                "f16 mean at " + std::to_string(i) + ": " + std::to_string(static_cast<float>(h[i])) + " vs " + std::to_string(m16));
+      }
+    }, 30s);
+    INFO(ddp_test::summary(outs));
+    CHECK(ddp_test::all_ok(outs));
+  }
+}
