@@ -30,6 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -393,8 +394,16 @@ inline std::string read_first_line(const char* path) {
 /// see different /dev/shm). Ranks with the same identity can share a segment; ranks in
 /// different network namespaces count as different hosts even where they could share memory
 /// (`ip netns exec` gives each process a mount namespace of its own but the same /dev/shm, and
-/// what a group on one host expects is one network).
+/// what a group on one host expects is one network). `DDP_HOST_ID`, when set, replaces all of
+/// it (containers that share memory but not a host name, or tests that say which ranks form a
+/// host): the hosts `ddp::topology` finds and the segments `ddp::shm` agrees to share are then
+/// the same ones.
 inline std::string shm_host_identity() {
+  if (const char* v = std::getenv("DDP_HOST_ID"); v != nullptr && *v != '\0') {
+    std::string id = std::string("id ") + v;
+    std::replace(id.begin(), id.end(), '\n', ' ');  // identities travel one per line
+    return id;
+  }
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   char ns[128] = {};

@@ -11,7 +11,6 @@
 /// \endcode
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <string>
 #include <vector>
@@ -25,11 +24,8 @@ inline namespace v0 {
 
 /// This process's host identity: `DDP_HOST_ID` when set (containers or tests that want to say
 /// which ranks form a host), else the host name, boot id, network namespace and /dev/shm's
-/// device. Ranks with equal identities are on one host.
-inline std::string host_identity() {
-  if (const char* v = std::getenv("DDP_HOST_ID"); v != nullptr && *v != '\0') return std::string("id ") + v;
-  return detail::shm_host_identity();
-}
+/// device. Ranks with equal identities are on one host; `ddp::shm` compares the same identity.
+inline std::string host_identity() { return detail::shm_host_identity(); }
 
 /// Ranks grouped by host. Hosts are numbered by their lowest rank (host 0 holds rank 0), and
 /// each host's ranks are listed in ascending order; a host's *leader* is its lowest rank.

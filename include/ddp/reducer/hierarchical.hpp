@@ -80,6 +80,8 @@ class member_view {
   }
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return static_cast<int>(members_.size()); }
+  /// The group's rank of member `i` (what errors name: detail::group_rank_of).
+  int group_rank(int i) const { return at(i); }
   void send(int peer, const void* data, std::size_t n, deadline_t until) { t_->send(at(peer), data, n, until); }
   void recv(int peer, void* data, std::size_t n, deadline_t until) { t_->recv(at(peer), data, n, until); }
   template <class OnRecv>
@@ -287,9 +289,13 @@ class hier_engine {
     } catch (const error& e) {
       if (!leader() && (e.condition() == errc::aborted || e.condition() == errc::peer_lost ||
                         e.condition() == errc::timeout)) {
+        // This rank's own verdict (it called abort()) came from no leader.
         if (const auto g = ctx_.verdict().first(nullptr, true); !g.empty())
-          raise(g.code, pg_.rank(), g.text + " (reported to this rank by its host's leader, rank " +
-                                        std::to_string(shm_.members().front()) + ")");
+          raise(g.code, pg_.rank(),
+                g.text.rfind(ctx_.verdict().reported(""), 0) == 0
+                    ? g.text
+                    : g.text + " (reported to this rank by its host's leader, rank " +
+                          std::to_string(shm_.members().front()) + ")");
       }
       // A leader whose host failed tells the other hosts at once, rather than letting them
       // run into their deadline.

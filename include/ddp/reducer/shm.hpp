@@ -82,8 +82,9 @@ struct shm_options {
   /// Polls of a peer's counter before sleeping on it. When there are more ranks than cores a
   /// spinning waiter steals the core its peer needs, so the engine spins less then.
   int spin = 2000;
-  /// Overrides the host identity compared across ranks (empty: hostname, boot id and mount
-  /// namespace). Lets tests pretend ranks live on different hosts.
+  /// Overrides the host identity compared across ranks (empty: `DDP_HOST_ID` when set, else the
+  /// host name, boot id, network namespace and /dev/shm's device). Lets tests pretend ranks
+  /// live on different hosts.
   std::string host_id{};
   /// The group's ranks that share this segment, ascending (empty: every rank of the group).
   /// Every rank of the group constructs its `shm` at the same time, each naming its own host's

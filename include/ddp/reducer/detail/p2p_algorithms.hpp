@@ -53,6 +53,16 @@ inline char* scratch(std::size_t bytes) {
   return b.p.get();
 }
 
+/// The group's rank of transport `t`'s rank `i`: a transport seen through some of its ranks
+/// (detail::member_view) renumbers them, and errors must name the group's.
+template <class T>
+int group_rank_of(const T& t, int i) {
+  if constexpr (requires { t.group_rank(i); })
+    return t.group_rank(i);
+  else
+    return i;
+}
+
 /// Exchange with descriptors: sends [desc | out] to `to`, receives [desc | in] from `from`,
 /// fails the transport with errc::mismatch as soon as the peer's descriptor differs.
 /// `on_payload(bytes)` sees how many payload bytes have arrived.
@@ -67,7 +77,7 @@ void exchange(T& t, const coll_desc& d, int to, const void* out, std::size_t out
     if (got < sizeof(coll_desc)) return;
     if (!checked) {
       checked = true;
-      if (auto why = mismatch(d, t.rank(), theirs, from); !why.empty()) t.fail(errc::mismatch, why);
+      if (auto why = mismatch(d, group_rank_of(t, t.rank()), theirs, group_rank_of(t, from)); !why.empty()) t.fail(errc::mismatch, why);
     }
     on_payload(got - sizeof(coll_desc));
   });
@@ -89,7 +99,7 @@ template <class T>
 void recv_checked(T& t, const coll_desc& d, int from, void* data, std::size_t n, deadline_t until) {
   coll_desc theirs{};
   t.recv(from, &theirs, sizeof theirs, until);
-  if (auto why = mismatch(d, t.rank(), theirs, from); !why.empty()) t.fail(errc::mismatch, why);
+  if (auto why = mismatch(d, group_rank_of(t, t.rank()), theirs, group_rank_of(t, from)); !why.empty()) t.fail(errc::mismatch, why);
   if (n) t.recv(from, data, n, until);
 }
 
