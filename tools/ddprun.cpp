@@ -2,6 +2,7 @@
 //
 //   ddprun -n 4 [--master-addr 127.0.0.1] [--port P] [--timeout S] [--] prog args...
 //   ddprun -n 4 --nnodes 3 --node-rank K --master-addr HOST --port P [--job-id ID] [--] prog args...
+//   ddprun -n 2 --bind-cores [--] prog args...
 //
 // Picks a free port unless --port is given, sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
 // LOCAL_RANK, LOCAL_WORLD_SIZE and DDP_JOB_ID (unless set) for each rank, prefixes every output
@@ -16,8 +17,14 @@
 // else one derived from the master's address and port (the same on every host). Each ddprun
 // ends only its own host's ranks; the others learn of a failure through ddp's group (their
 // collectives fail naming the rank that was lost).
+//
+// --bind-cores pins local rank l to the l-th core ddprun may run on (modulo their number), as
+// mpirun binds its ranks to cores: two ranks that hand a shared-memory step back and forth are
+// then never left queued on one core by the scheduler. Leave it off for programs that run
+// threads of their own in each rank.
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <fcntl.h>
+#include <sched.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -49,7 +56,8 @@ void on_signal(int s) { g_signal = s; }
                "ddprun: %s\nusage: ddprun -n N [--master-addr ADDR] [--port PORT] [--timeout SECONDS] [--] "
                "program [args...]\n"
                "       ddprun -n N --nnodes NODES --node-rank K --master-addr ADDR --port PORT [--job-id ID] "
-               "[--timeout SECONDS] [--] program [args...]\n",
+               "[--timeout SECONDS] [--] program [args...]\n"
+               "       options: --bind-cores (pin local rank l to the l-th usable core)\n",
                msg);
   std::exit(2);
 }
@@ -108,6 +116,7 @@ int main(int argc, char** argv) {
   bool addr_given = false, port_given = false, node_rank_given = false;
   std::string addr = "127.0.0.1";
   std::string timeout, job_id_opt;
+  bool bind_cores = false;
   // A whole decimal number in [lo, hi], or a usage error naming the option.
   auto number = [](const std::string& name, const std::string& v, long lo, long hi) {
     char* end = nullptr;
@@ -135,6 +144,7 @@ int main(int argc, char** argv) {
     }
     else if (a == "--job-id") job_id_opt = value("--job-id");
     else if (a == "--timeout") timeout = value("--timeout");
+    else if (a == "--bind-cores") bind_cores = true;
     else if (a == "-h" || a == "--help") usage("help");
     else if (a == "--") { ++i; break; }
     else if (!a.empty() && a[0] == '-') usage(("unknown option " + a).c_str());
@@ -219,6 +229,21 @@ int main(int argc, char** argv) {
         struct sigaction dfl{};
         dfl.sa_handler = SIG_DFL;
         for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaction(sig, &dfl, nullptr);
+        if (bind_cores) {
+          cpu_set_t allowed, one;
+          CPU_ZERO(&allowed);
+          CPU_ZERO(&one);
+          if (::sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) > 0) {
+            const int k = r % CPU_COUNT(&allowed);
+            for (int c = 0, seen = 0; c < CPU_SETSIZE; ++c)
+              if (CPU_ISSET(c, &allowed) && seen++ == k) {
+                CPU_SET(c, &one);
+                break;
+              }
+            if (::sched_setaffinity(0, sizeof one, &one) != 0)
+              std::fprintf(stderr, "ddprun: cannot bind rank %d to a core: %s\n", base + r, std::strerror(errno));
+          }
+        }
         ::execvp(argv[i], argv + i);
         std::fprintf(stderr, "ddprun: cannot run %s: %s\n", argv[i], std::strerror(errno));
         ::_exit(127);

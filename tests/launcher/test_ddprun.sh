@@ -97,5 +97,16 @@ check "-n 0 is refused" '[[ $? -eq 2 ]]'
 "$ddprun" -n 2 /nonexistent/program 2>/dev/null >/dev/null
 check "a program that cannot start fails the run" '[[ $? -ne 0 ]]'
 
+# --bind-cores: each rank on one core, local rank l on the l-th usable core (modulo their count).
+ncpu=$(nproc)
+out=$("$ddprun" -n 2 --bind-cores sh -c 'grep Cpus_allowed_list /proc/self/status; nproc')
+check "--bind-cores leaves each rank one core" '[[ $(grep -c "^\[[01]\] 1$" <<<"$out") -eq 2 ]]'
+if (( ncpu >= 2 )); then
+  check "--bind-cores puts two ranks on different cores" \
+    '[[ $(sed -n "s/.*Cpus_allowed_list:\t*//p" <<<"$out" | sort -u | wc -l) -eq 2 ]]'
+fi
+out=$("$ddprun" -n 1 sh -c 'nproc')
+check "without --bind-cores a rank keeps every core" '[[ "$out" == "[0] $ncpu" ]]'
+
 echo "$pass passed, $fail failed"
 [[ $fail -eq 0 ]]

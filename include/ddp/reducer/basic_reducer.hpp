@@ -5,8 +5,8 @@
 /// calls, argument checks, descriptors, progress thread, requests and bounded waits) over an
 /// engine that moves the bytes; `engine_for<Algorithm, Transport>` picks the engine here.
 /// Collectives run on one progress thread per reducer, in issue order, so several async
-/// requests can be in flight and every rank issues the same sequence. Blocking calls are
-/// async + wait.
+/// requests can be in flight and every rank issues the same sequence. A blocking call runs on
+/// the calling thread when nothing is queued, else it is queued and waited for.
 ///
 /// \code
 /// ddp::ring<ddp::tcp> ring{pg};
