@@ -17,28 +17,22 @@
 #include <vector>
 
 #include "harness.hpp"
+#include "hosts.hpp"
 
 using namespace std::chrono_literals;
 using ddp_test::free_port;
+using ddp_test::on_host;
+using ddp_test::require;
 using ddp_test::run_ranks;
 using ddp::dtype;
 using ddp::op;
 
 namespace {
 
-void require(bool cond, const std::string& what) {
-  if (!cond) throw std::runtime_error(what);
-}
-
 ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 20s,
                        ddp::backend b = ddp::backend::automatic) {
-  auto o = ddp_test::group_options(rank, n, port, timeout);
-  o.backend = b;
-  return o;
+  return ddp_test::backend_options(rank, n, port, timeout, b);
 }
-
-/// Puts rank r on host hosts[r] ("a", "b", ...).
-void on_host(const std::string& hosts, int r) { ::setenv("DDP_HOST_ID", std::string(1, hosts[static_cast<std::size_t>(r)]).c_str(), 1); }
 
 bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
 
