@@ -206,7 +206,7 @@ class hier_engine {
                          static_cast<double>(shm_.size()) / static_cast<double>(pg_.size()));
         if (!inter_mpi([&](auto& m) { m.allreduce(data, count, t, inter); }))
           p2p_allreduce<ring_algorithm>(leaders_, d, until, data, count, t, inter, opts_.inter);
-        if (o == op::avg && integral) divide_integers(data, count, t, pg_.size());
+        if (o == op::avg && integral) avg_finish(data, count, t, pg_.size());  // the sum / world, truncated
       });
     run_local([&] { shm_.broadcast(data, count, t, 0, follow(until)); });
   }
@@ -272,12 +272,6 @@ class hier_engine {
   /// when the network fails, the leader's error (naming the ranks lost) reaches it first.
   deadline_t follow(deadline_t until) const {
     return leader() ? until : until + detail::timing::hier_follow_grace;
-  }
-  static void divide_integers(void* p, std::size_t count, dtype t, int n) {
-    if (t == dtype::i32)
-      for (auto* v = static_cast<std::int32_t*>(p); count-- > 0; ++v) *v /= n;
-    else
-      for (auto* v = static_cast<std::int64_t*>(p); count-- > 0; ++v) *v /= n;
   }
   /// A step within the host. When it fails because this host's leader gave up (its network
   /// failed), the group's recorded failure says why better than "aborted by rank L": that is
