@@ -2,12 +2,14 @@
 # Installs, with apt, whatever of ddp's build and test dependencies is missing.
 #   scripts/deps.sh            core + tests (compiler, Meson, doctest, oneTBB, Open MPI, Gloo, libsodium,
 #                              clang with libFuzzer for the fuzz targets, Slurm and MUNGE for the
-#                              `slurm` suite's one-node cluster)
+#                              `slurm` suite's one-node cluster, LibTorch and PyTorch for the `torch`
+#                              suite's side-by-side run, Eigen for the `eigen` suite)
 #   scripts/deps.sh bench      also the benchmark peers' Python side (PyTorch, matplotlib)
 set -euo pipefail
 pkgs=(g++ meson ninja-build pkg-config cmake doctest-dev libtbb-dev libopenmpi-dev openmpi-bin
-      libgloo-dev libsodium-dev python3 iproute2 clang libclang-rt-14-dev slurm-wlm munge)
-if [[ "${1:-}" == bench ]]; then pkgs+=(python3-torch python3-matplotlib python3-numpy); fi
+      libgloo-dev libsodium-dev python3 iproute2 clang libclang-rt-14-dev slurm-wlm munge
+      libtorch-dev python3-torch libeigen3-dev)
+if [[ "${1:-}" == bench ]]; then pkgs+=(python3-matplotlib python3-numpy); fi
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -7,7 +7,7 @@ engine, ...), with its #include lines moved to the top. Nothing hides a missing 
 with #include lines compiles with those alone (the context declares ddp's classes without
 defining them, and `dp` only when the block includes the wrapper); a block without any is a
 fragment of a program that includes <ddp/ddp.hpp>, and gets just that. Blocks that include an
-optional SDK's header (MPI, NCCL/CUDA, libsodium, oneTBB) are compiled when that SDK's headers are found,
+optional SDK's header (MPI, NCCL/CUDA, libsodium, oneTBB, LibTorch, Eigen) are compiled when that SDK's headers are found,
 else reported as skipped.
 
 Then every name `ddp::NAME` that README.md mentions, in blocks or in running text, must be
@@ -40,6 +40,11 @@ def sdk_flags():
         flags["sodium"] = []
     if os.path.exists("/usr/include/oneapi/tbb/parallel_for.h"):
         flags["tbb"] = []
+    torch_api = "/usr/include/torch/csrc/api/include"
+    if os.path.exists(os.path.join(torch_api, "torch", "torch.h")):
+        flags["torch"] = ["-isystem", torch_api]
+    if os.path.exists("/usr/include/eigen3/Eigen/Core"):
+        flags["eigen"] = ["-isystem", "/usr/include/eigen3"]
     return flags
 
 
@@ -53,6 +58,10 @@ def needs(block):
         out.add("sodium")
     if "ddp/parallel/tbb.hpp" in block:
         out.add("tbb")
+    if re.search(r"ddp/adapters/libtorch\.hpp|<torch/", block):
+        out.add("torch")
+    if re.search(r"ddp/adapters/eigen\.hpp|<Eigen/", block):
+        out.add("eigen")
     return out
 
 
@@ -108,7 +117,8 @@ print(f"doc snippets: {passed} compile, {failed} fail, {skipped} skipped")
 # What README.md names must come with <ddp/ddp.hpp> alone. The optional parts have their own
 # headers (README says which), so they are not expected from the umbrella.
 OPTIONAL = {"nccl_reducer", "mpi_reducer", "cuda_allocator", "pinned_allocator", "sodium_authenticator",
-            "use_tbb", "set_kernel_threads", "detail",
+            "use_tbb", "set_kernel_threads", "detail", "torch_parameters", "torch_data_parallel",
+            "eigen_parameters",
             "ddp"}  # the CMake target ddp::ddp
 readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
 names = sorted(set(re.findall(r"\bddp::(\w+)", readme)) - OPTIONAL)

@@ -6,9 +6,9 @@
 # opts in (DDP_ALLOW_DETAIL_HEADERS), and without it each stops with the one line that says to
 # include a public header. Each public header compiled below C++20 stops with one error line
 # that says ddp needs C++20.
-#   check_headers.sh INCLUDE_DIR CXX [cuda-flags] [mpi-flags] [tbb-flags] [sodium-flags]
+#   check_headers.sh INCLUDE_DIR CXX [cuda-flags] [mpi-flags] [tbb-flags] [sodium-flags] [torch-flags] [eigen-flags]
 set -u
-inc=$1; cxx=$2; cuda=${3:-none}; mpi=${4:-none}; tbb=${5:-none}; sodium=${6:-none}
+inc=$1; cxx=$2; cuda=${3:-none}; mpi=${4:-none}; tbb=${5:-none}; sodium=${6:-none}; torch=${7:-none}; eigen=${8:-none}
 pass=0; fail=0; skip=0
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 cd "$inc"
@@ -18,6 +18,8 @@ for h in $(find ddp -name '*.hpp' | sort); do
   elif grep -Eq '#include <mpi\.h>' "$h"; then extra=$mpi
   elif grep -Eq '#include <(oneapi/)?tbb/' "$h"; then extra=$tbb
   elif grep -Eq '#include <sodium' "$h"; then extra=$sodium
+  elif grep -Eq '#include <torch/' "$h"; then extra=$torch
+  elif grep -Eq '#include <Eigen/' "$h"; then extra=$eigen
   fi
   if [[ "$extra" == none ]]; then skip=$((skip + 1)); echo "SKIP $h (SDK not found)"; continue; fi
   optin=""
@@ -51,7 +53,7 @@ for h in $(find ddp -name '*.hpp' | sort); do
   fi
 done
 # The umbrella must not pull in optional SDKs.
-if grep -Eq '#\s*include\s*<(nccl|cuda_runtime|mpi)\.h>|#\s*include\s*<(oneapi/)?tbb' ddp/ddp.hpp; then
+if grep -Eq '#\s*include\s*<(nccl|cuda_runtime|mpi)\.h>|#\s*include\s*<((oneapi/)?tbb|torch|Eigen)/' ddp/ddp.hpp; then
   fail=$((fail + 1)); echo "FAIL ddp/ddp.hpp includes an optional SDK header"
 else
   pass=$((pass + 1))

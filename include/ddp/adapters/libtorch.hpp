@@ -1,0 +1,347 @@
+#pragma once
+/// \file adapters/libtorch.hpp
+/// LibTorch as a ddp engine: a `torch::nn::Module`'s parameters as a `ddp::parameter_set`
+/// (`ddp::torch_parameters`) and a wrapper (`ddp::torch_data_parallel`) that hooks autograd the
+/// way PyTorch's own DistributedDataParallel does: a post hook on each parameter's gradient
+/// accumulator calls `grad_ready` when that gradient is final, and a callback queued on the
+/// autograd engine calls `finish()` when backward ends. So `loss.backward()` returns with every
+/// gradient averaged over the ranks, and early buckets were reduced while backward still ran.
+/// The only header of ddp that includes LibTorch's (Meson: the `torch` feature; Debian:
+/// `libtorch-dev`, headers under /usr/include/torch/csrc/api/include). See docs/engines.md.
+/// \code
+/// #include <ddp/adapters/libtorch.hpp>
+/// auto pg = ddp::init_process_group(ddp::init_options::from_env());
+/// auto net = std::make_shared<Net>();
+/// ddp::torch_data_parallel dp{pg, *net};        // broadcasts rank 0's weights
+/// torch::optim::SGD opt(net->parameters(), 0.1);
+/// opt.zero_grad();
+/// torch::mse_loss(net->forward(x), y).backward();  // gradients averaged when this returns
+/// opt.step();
+/// \endcode
+
+#include <ddp/version.hpp>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include <ddp/data_parallel.hpp>
+#include <ddp/error.hpp>
+#include <ddp/parameter.hpp>
+
+namespace ddp {
+inline namespace v0 {
+
+/// The `ddp::dtype` of a LibTorch scalar type; `errc::unsupported` naming the type otherwise.
+inline dtype torch_dtype(c10::ScalarType t, std::string_view what = "a tensor") {
+  switch (t) {
+    case c10::ScalarType::Float: return dtype::f32;
+    case c10::ScalarType::Double: return dtype::f64;
+    case c10::ScalarType::Half: return dtype::f16;
+    case c10::ScalarType::BFloat16: return dtype::bf16;
+    case c10::ScalarType::Int: return dtype::i32;
+    case c10::ScalarType::Long: return dtype::i64;
+    default:
+      detail::raise(errc::unsupported, -1,
+                    std::string(what) + " has scalar type " + c10::toString(t) +
+                        "; ddp reduces float, double, half, bfloat16, int and long");
+  }
+}
+
+/// The trainable parameters of a module (or a list of named tensors) as a `ddp::parameter_set`:
+/// the parameters that require a gradient, in `named_parameters()` order (the order of
+/// `module.parameters()`, which an optimizer sees too). Every gradient is made defined (zeros
+/// where autograd has not made one yet), because ddp reads and writes gradients in place.
+/// Throws `ddp::error`: `errc::invalid_argument` for a tensor that is not contiguous or not a
+/// leaf, `errc::unsupported` for a scalar type ddp does not reduce; the message names it.
+/// A tensor on a CUDA device is a device parameter (`tensor_view::device` is its index).
+/// \code
+/// ddp::torch_parameters params{*net};
+/// static_assert(ddp::parameter_set<ddp::torch_parameters>);
+/// \endcode
+class torch_parameters {
+ public:
+  explicit torch_parameters(const torch::nn::Module& module) {
+    for (const auto& item : module.named_parameters(/*recurse=*/true))
+      if (item.value().requires_grad()) add(item.key(), item.value());
+  }
+
+  explicit torch_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& named) {
+    for (const auto& [name, t] : named)
+      if (t.requires_grad()) add(name, t);
+  }
+
+  std::size_t size() const noexcept { return tensors_.size(); }
+  const torch::Tensor& tensor(std::size_t i) const { return tensors_.at(i); }
+  const std::string& name(std::size_t i) const { return names_.at(i); }
+  dtype type(std::size_t i) const { return types_.at(i); }
+  const std::vector<std::int64_t>& shape(std::size_t i) const { return shapes_.at(i); }
+
+ private:
+  void add(const std::string& name, const torch::Tensor& t) {
+    const std::string label = "parameter '" + name + "'";
+    if (!t.is_leaf())
+      detail::raise(errc::invalid_argument, -1, label + " is not a leaf tensor (autograd never accumulates its gradient)");
+    if (!t.is_contiguous())
+      detail::raise(errc::invalid_argument, -1, label + " is not contiguous; call .contiguous() before wrapping");
+    const dtype type = torch_dtype(t.scalar_type(), label);
+    if (!t.grad().defined()) {
+      torch::NoGradGuard no_grad;
+      t.mutable_grad() = torch::zeros_like(t, torch::MemoryFormat::Contiguous);
+    } else if (!t.grad().is_contiguous() || t.grad().sizes() != t.sizes() || t.grad().scalar_type() != t.scalar_type()) {
+      detail::raise(errc::invalid_argument, -1,
+                    label + ": its gradient is not a contiguous tensor of the parameter's shape and type");
+    }
+    tensors_.push_back(t);
+    names_.push_back(name);
+    types_.push_back(type);
+    shapes_.emplace_back(t.sizes().begin(), t.sizes().end());
+  }
+
+  std::vector<torch::Tensor> tensors_;
+  std::vector<std::string> names_;
+  std::vector<dtype> types_;
+  std::vector<std::vector<std::int64_t>> shapes_;
+};
+
+template <>
+struct parameter_traits<torch_parameters> {
+  static std::size_t size(const torch_parameters& p) { return p.size(); }
+  static void* data(const torch_parameters& p, std::size_t i) { return p.tensor(i).data_ptr(); }
+  static void* grad(const torch_parameters& p, std::size_t i) { return p.tensor(i).grad().data_ptr(); }
+  static std::size_t numel(const torch_parameters& p, std::size_t i) {
+    return static_cast<std::size_t>(p.tensor(i).numel());
+  }
+  static dtype type(const torch_parameters& p, std::size_t i) { return p.type(i); }
+  static int device(const torch_parameters& p, std::size_t i) {
+    const auto& t = p.tensor(i);
+    return t.is_cuda() ? static_cast<int>(t.device().index()) : -1;
+  }
+  static std::string_view name(const torch_parameters& p, std::size_t i) { return p.name(i); }
+  static const std::vector<std::int64_t>& shape(const torch_parameters& p, std::size_t i) { return p.shape(i); }
+};
+
+/// DistributedDataParallel for LibTorch: `basic_data_parallel<Planner, Reducer, Allocator>`
+/// over a module's parameters, driven by autograd. At construction (collective) it checks that
+/// the ranks' parameters agree, copies rank 0's values everywhere and registers one post hook
+/// per parameter on its gradient accumulator (kept alive here, as PyTorch's reducer keeps
+/// them). During `backward()` each hook calls `grad_ready(i)` once that gradient is final, and
+/// the first one queues a callback that calls `finish()` when the autograd engine is done: when
+/// `backward()` returns, the gradients hold the average. With `gradient_as_bucket_view` each
+/// parameter's `.grad()` is a tensor over bucket memory, so nothing is copied.
+///
+/// The module must be where it will train (device, dtype) before wrapping. Gradients set to
+/// None (`zero_grad(true)`) are fine: the hook puts the fresh gradient back into the tensor
+/// ddp reduces. A parameter moved after wrapping (`module->to(...)`, `set_data()`) makes the
+/// next `backward()` throw `errc::usage` naming it, before anything is reduced. An error inside
+/// a hook or the final callback leaves `backward()` as that exception (a `ddp::error` when ddp
+/// raised it) and fails the wrapper for good: autograd runs no end-of-backward callback after
+/// an error, so every later `backward()` raises the first cause.
+/// \code
+/// ddp::torch_data_parallel dp{pg, *net, ddp::bucket_policy{}, {.gradient_as_bucket_view = true}};
+/// { auto acc = dp.no_sync(); loss1.backward(); }  // accumulates locally
+/// loss2.backward();                                // averages both
+/// \endcode
+template <class Planner = size_planner, class Reducer = auto_reducer, class Allocator = auto_allocator>
+class basic_torch_data_parallel {
+ public:
+  using wrapper_type = basic_data_parallel<Planner, Reducer, Allocator>;
+
+  template <class... ReducerArgs>
+  basic_torch_data_parallel(process_group& pg, const torch::nn::Module& module, bucket_policy policy = {},
+                            dp_options opts = {}, ReducerArgs&&... reducer_args)
+      : basic_torch_data_parallel(pg, torch_parameters{module}, std::move(policy), opts,
+                                  std::forward<ReducerArgs>(reducer_args)...) {}
+
+  template <class... ReducerArgs>
+  basic_torch_data_parallel(process_group& pg, torch_parameters params, bucket_policy policy = {},
+                            dp_options opts = {}, ReducerArgs&&... reducer_args)
+      : params_(std::move(params)),
+        dp_(pg, params_, std::move(policy), opts, std::forward<ReducerArgs>(reducer_args)...),
+        grads_(params_.size()),
+        data_(params_.size()) {
+    torch::NoGradGuard no_grad;
+    const auto views = dp_.views();  // in view mode each grad is the bucket slot
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const auto& t = params_.tensor(i);
+      data_[i] = views[i].data;
+      if (opts.gradient_as_bucket_view)
+        grads_[i] = torch::from_blob(views[i].grad, t.sizes(), t.options().requires_grad(false));
+      else
+        grads_[i] = t.grad();
+      t.mutable_grad() = grads_[i];
+    }
+    try {
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        const auto& t = params_.tensor(i);
+        auto acc = torch::autograd::impl::grad_accumulator(t);
+        const auto key = acc->add_post_hook(std::make_unique<hook>(this, i));
+        hooks_.push_back({std::move(acc), key, 0});
+        // Runs before accumulation even where the accumulator above was replaced (a change of
+        // dtype or device), so that such a step is refused instead of silently not reduced.
+        hooks_.back().tensor_hook = t.register_hook([this](const torch::Tensor&) { begin_step(); });
+      }
+    } catch (...) {
+      remove_hooks();
+      throw;
+    }
+  }
+
+  basic_torch_data_parallel(const basic_torch_data_parallel&) = delete;
+  basic_torch_data_parallel& operator=(const basic_torch_data_parallel&) = delete;
+
+  /// Removes the hooks; in view mode each `.grad()` becomes a copy of its bucket slot, so the
+  /// module outlives the wrapper with gradients it owns.
+  ~basic_torch_data_parallel() {
+    remove_hooks();
+    if (dp_.options().gradient_as_bucket_view) {
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        const auto& t = params_.tensor(i);
+        if (t.grad().defined() && t.grad().data_ptr() == grads_[i].data_ptr()) t.mutable_grad() = grads_[i].clone();
+      }
+    }
+  }
+
+  /// Gradient accumulation: backward passes that start while the guard lives do no communication.
+  typename wrapper_type::no_sync_guard no_sync() { return dp_.no_sync(); }
+
+  /// The `basic_data_parallel` underneath (statistics, plan, reducer).
+  wrapper_type& wrapper() noexcept { return dp_; }
+  const torch_parameters& parameters() const noexcept { return params_; }
+  const step_stats& last_step_stats() const noexcept { return dp_.last_step_stats(); }
+  int rank() const noexcept { return dp_.rank(); }
+  int world_size() const noexcept { return dp_.world_size(); }
+
+ private:
+  struct hook final : torch::autograd::FunctionPostHook {
+    hook(basic_torch_data_parallel* owner, std::size_t index) : owner_(owner), index_(index) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list& /*inputs*/) override {
+      owner_->ready(index_);
+      return outputs;
+    }
+    basic_torch_data_parallel* owner_;
+    std::size_t index_;
+  };
+
+  struct registration {
+    std::shared_ptr<torch::autograd::Node> accumulator;  // the parameter holds it only weakly
+    std::uintptr_t key;       // the post hook on the accumulator
+    unsigned tensor_hook;     // the parameter's own hook, which survives module->to()
+  };
+
+  // The first hook of a backward (a parameter's tensor hook or its accumulator's post hook)
+  // opens the step: it checks that no parameter moved since wrapping, before any gradient is
+  // handed over, so a refusal leaves nothing half done, and queues the end-of-backward callback.
+  void begin_step() {
+    if (step_open_.exchange(true)) return;
+    check_not_failed();
+    try {
+      check_parameters();
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { end_step(); });
+    } catch (...) {
+      step_open_.store(false);
+      throw;
+    }
+  }
+
+  // Gradient i is final for this backward: make sure it sits in the tensor ddp reduces, then
+  // hand it over.
+  void ready(std::size_t i) {
+    begin_step();
+    failing([&] {
+      torch::NoGradGuard no_grad;
+      const auto& t = params_.tensor(i);
+      const auto& g = t.grad();
+      if (!g.is_same(grads_[i])) {  // set to None, then made afresh by autograd
+        if (g.defined() && g.data_ptr() != grads_[i].data_ptr()) grads_[i].copy_(g);
+        t.mutable_grad() = grads_[i];
+      }
+      dp_.grad_ready(i);
+    });
+  }
+
+  void end_step() {
+    step_open_.store(false);
+    failing([&] { dp_.finish(); });
+  }
+
+  // Runs part of a step. An exception leaves the step half done (autograd runs no queued
+  // callback after an error, so finish() never comes): every later backward raises it.
+  template <class F>
+  void failing(F&& body) {
+    try {
+      body();
+    } catch (const std::exception& e) {
+      std::lock_guard lock(failure_mutex_);
+      if (failure_.empty()) {
+        const auto* d = dynamic_cast<const error*>(&e);
+        failure_code_ = d != nullptr ? d->condition() : errc::aborted;
+        failure_ = d != nullptr ? std::string(d->message()) : std::string(e.what());
+      }
+      throw;
+    }
+  }
+
+  void check_not_failed() {
+    std::lock_guard lock(failure_mutex_);
+    if (!failure_.empty()) {
+      step_open_.store(false);
+      detail::raise(failure_code_, dp_.rank(),
+                    "torch_data_parallel: an earlier backward() failed and left its step unfinished, so this "
+                    "wrapper cannot be used again (build a new one); the first failure: " + failure_);
+    }
+  }
+
+  // Every parameter still has the storage and the gradient accumulator it had at wrapping
+  // (module->to(...) or set_data() would leave ddp reducing memory the module no longer uses).
+  void check_parameters() const {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const auto& t = params_.tensor(i);
+      if (t.data_ptr() != data_[i] || torch::autograd::impl::try_get_grad_accumulator(t) != hooks_[i].accumulator)
+        detail::raise(errc::usage, dp_.rank(),
+                      "parameter '" + params_.name(i) +
+                          "' was moved or reallocated after wrapping (module->to(), set_data()); move the module "
+                          "first, then wrap it",
+                      -1, static_cast<int>(i));
+    }
+  }
+
+  void remove_hooks() noexcept {
+    for (std::size_t i = 0; i < hooks_.size(); ++i) {
+      hooks_[i].accumulator->del_post_hook(hooks_[i].key);
+      try {
+        params_.tensor(i).remove_hook(hooks_[i].tensor_hook);
+      } catch (...) {  // the tensor lost its autograd state: nothing left to remove
+      }
+    }
+    hooks_.clear();
+  }
+
+  torch_parameters params_;
+  wrapper_type dp_;
+  std::vector<torch::Tensor> grads_;  // the gradient tensor ddp reduces, per parameter
+  std::vector<void*> data_;           // each parameter's storage at wrapping
+  std::vector<registration> hooks_;
+  std::atomic<bool> step_open_{false};
+  std::mutex failure_mutex_;
+  std::string failure_;  // the first exception that left a step half done
+  errc failure_code_ = errc::aborted;
+};
+
+/// The LibTorch wrapper with ddp's defaults (`size_planner`, `auto_reducer`, `auto_allocator`).
+using torch_data_parallel = basic_torch_data_parallel<>;
+
+}  // namespace v0
+}  // namespace ddp
