@@ -37,6 +37,7 @@
 #include <ddp/reducer/shm.hpp>    // IWYU pragma: export
 #include <ddp/reducer/tree.hpp>   // IWYU pragma: export
 #include <ddp/request.hpp>        // IWYU pragma: export
+#include <ddp/sampler.hpp>        // IWYU pragma: export
 #include <ddp/store.hpp>          // IWYU pragma: export
 #include <ddp/transport/concept.hpp>  // IWYU pragma: export
 #include <ddp/transport/tcp.hpp>      // IWYU pragma: export

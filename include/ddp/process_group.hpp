@@ -21,17 +21,21 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <ddp/version.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/auth.hpp>
+#include <ddp/detail/bytes.hpp>
 #include <ddp/detail/fork.hpp>
+#include <ddp/detail/kernels.hpp>
 #include <ddp/detail/mesh.hpp>
 #include <ddp/detail/slurm.hpp>
 #include <ddp/detail/rendezvous.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/timing.hpp>
+#include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/verdict.hpp>
 #include <ddp/store.hpp>
@@ -274,6 +278,42 @@ class process_group {
   /// Every rank contributes a blob; every rank gets all of them, indexed by rank.
   std::vector<std::string> all_gather(const std::string& mine);
 
+  /// Largest contribution of one rank to all_reduce(), in bytes (8192 doubles): every rank
+  /// receives every rank's values, so this is for a few scalars. Gradients and other large
+  /// buffers go through a reducer (`ddp::ring`, `ddp::data_parallel`).
+  static constexpr std::size_t max_all_reduce_bytes = std::size_t{64} << 10;
+
+  /// Reduces a few values over every rank without building a reducer: a loss, an accuracy, a
+  /// sample count. Every rank gets the same bits: each rank receives every rank's values and
+  /// combines them in rank order with the reducers' kernels (`op::avg` divides by the group
+  /// size; integer averages truncate). Collective; bounded by `until` (the group's timeout by
+  /// default). Throws `errc::mismatch` on every rank when ranks disagree on the count, the
+  /// element type or the op (the message names the ranks), `errc::invalid_argument` above
+  /// `max_all_reduce_bytes` or for an unknown op, and timeout / peer_lost / aborted when a
+  /// peer is gone. See docs/training-loop.md.
+  ///
+  /// \code
+  /// double stats[2] = {loss_sum, correct};
+  /// pg.all_reduce(std::span{stats}, ddp::op::sum);
+  /// \endcode
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void all_reduce(std::span<T> values, op o) { all_reduce(values, o, deadline()); }
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void all_reduce(std::span<T> values, op o, deadline_t until);
+
+  /// One value: returns the reduction of every rank's `value`.
+  ///
+  /// \code
+  /// const double mean_loss = pg.all_reduce(loss, ddp::op::avg);
+  /// \endcode
+  template <element T>
+  T all_reduce(T value, op o) {
+    all_reduce(std::span<T>(&value, 1), o, deadline());
+    return value;
+  }
+
   /// Connections this rank holds to its peers now: they are made on first use, so a group of
   /// thousands of ranks holds a handful per rank. 0 on an empty handle.
   int connections() const noexcept;
@@ -403,8 +443,8 @@ class process_group::state {
   /// Every rank contributes a blob; every rank gets all of them, indexed by rank. A binomial
   /// tree gathers the blobs to rank 0 (each rank talks to log2(size) peers, never rank 0 to
   /// all), then a broadcast hands the result out.
-  std::vector<std::string> all_gather(const std::string& mine) {
-    const auto until = deadline();
+  std::vector<std::string> all_gather(const std::string& mine) { return all_gather(mine, deadline()); }
+  std::vector<std::string> all_gather(const std::string& mine, deadline_t until) {
     if (mine.size() > max_gather_blob)
       detail::raise(errc::invalid_argument, rank_,
                     "all_gather blob of " + std::to_string(mine.size()) + " bytes; at most " +
@@ -448,6 +488,76 @@ class process_group::state {
     }
     if (pos != packed.size()) detail::raise(errc::protocol, rank_, "all_gather: malformed result from rank 0");
     return all;
+  }
+
+  /// `n` values of type `t` at `values`, reduced with `o` over every rank (process_group::all_reduce).
+  /// Each rank contributes a tagged record (tag, dtype, op, count, values) through all_gather;
+  /// every rank checks all records, then combines them in rank order: the same inputs in the
+  /// same order through the same kernel give the same bits on every rank.
+  void all_reduce(void* values, std::size_t n, dtype t, op o, deadline_t until) {
+    constexpr std::uint32_t tag = 0x64415231;  // "1RAd": a record of all_reduce()
+    if (static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
+      detail::raise(errc::invalid_argument, rank_, "all_reduce: unknown op " + std::to_string(static_cast<int>(o)));
+    const std::size_t es = detail::checked_size(t);
+    if (n > process_group::max_all_reduce_bytes / es)
+      detail::raise(errc::invalid_argument, rank_,
+                    "all_reduce of " + std::to_string(n) + " " + dtype_name(t) + " values (" +
+                        std::to_string(n) + " x " + std::to_string(es) + " bytes); at most " +
+                        std::to_string(process_group::max_all_reduce_bytes) +
+                        " bytes: use a reducer (ddp::ring) for larger buffers");
+    std::string mine;
+    detail::byte_writer(mine).u32(tag).u8(static_cast<std::uint8_t>(t)).u8(static_cast<std::uint8_t>(o)).u64(n).raw(
+        std::span(static_cast<const std::byte*>(values), n * es));
+    std::vector<std::string> all;
+    try {
+      all = all_gather(mine, until);
+    } catch (const error& e) {
+      // A lost or frozen peer: said as the failure of this call, with the cause.
+      detail::raise(e.condition(), rank_, "all_reduce: " + std::string(e.message()), e.bucket(), e.parameter());
+    }
+    // Every rank reads every record the same way, so every rank raises the same error.
+    struct record {
+      bool ok = false;
+      dtype t{};
+      op o{};
+      std::uint64_t n = 0;
+    };
+    const auto read = [&](const std::string& blob) {
+      detail::byte_reader r(blob);
+      record rec;
+      const auto tg = r.u32();
+      const auto ty = r.u8();
+      const auto op_ = r.u8();
+      rec.n = r.u64();
+      rec.ok = r.ok() && tg == tag && ty <= static_cast<std::uint8_t>(dtype::i64) &&
+               op_ <= static_cast<std::uint8_t>(op::prod);
+      rec.t = static_cast<dtype>(ty);
+      rec.o = static_cast<op>(op_);
+      rec.ok = rec.ok && r.remaining() / dtype_size(rec.t) == rec.n && r.remaining() % dtype_size(rec.t) == 0;
+      return rec;
+    };
+    const auto says = [](int q, const record& rec) {
+      if (!rec.ok) return "rank " + std::to_string(q) + " is not in all_reduce() (another collective?)";
+      return "rank " + std::to_string(q) + " reduces " + std::to_string(rec.n) + " " + dtype_name(rec.t) +
+             (rec.n == 1 ? " value" : " values") + " with " + op_name(rec.o);
+    };
+    const record first = read(all[0]);
+    std::string differ;
+    int differing = 0;
+    for (int q = 0; q < size_; ++q) {
+      const record rec = q == 0 ? first : read(all[static_cast<std::size_t>(q)]);
+      if (rec.ok && first.ok && rec.t == first.t && rec.o == first.o && rec.n == first.n) continue;
+      if (++differing <= 4) differ += (differ.empty() ? "" : ", ") + says(q, rec);
+    }
+    if (differing > 0) {
+      if (differing > 4) differ += " and " + std::to_string(differing - 4) + " more";
+      detail::raise(errc::mismatch, rank_,
+                    "all_reduce: ranks disagree: " + (first.ok ? says(0, first) + "; " : std::string()) + differ);
+    }
+    std::vector<const void*> ins(static_cast<std::size_t>(size_));
+    for (std::size_t q = 0; q < ins.size(); ++q) ins[q] = all[q].data() + 14;  // after tag, dtype, op, count
+    void* outs[1] = {values};
+    detail::combine(outs, 1, ins.data(), size_, n, t, o, detail::avg_step{size_, 0, true});
   }
 
   /// Connections this rank holds to its peers now (made on first use).
@@ -606,6 +716,11 @@ inline void process_group::broadcast(std::span<std::byte> data, int root, deadli
 }
 inline std::vector<std::string> process_group::all_gather(const std::string& mine) {
   return live("all_gather()").all_gather(mine);
+}
+template <element T>
+  requires(!std::is_const_v<T>)
+void process_group::all_reduce(std::span<T> values, op o, deadline_t until) {
+  live("all_reduce()").all_reduce(static_cast<void*>(values.data()), values.size(), dtype_of_v<T>, o, until);
 }
 inline int process_group::connections() const noexcept { return s_ ? s_->connections() : 0; }
 inline void process_group::abort(const std::string& why) noexcept {
