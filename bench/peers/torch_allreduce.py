@@ -82,9 +82,13 @@ def worker(rank, args, port):
             busbw = algbw * 2 * (n - 1) / n if n > 1 else algbw
             print(f"pytorch_gloo,all_reduce,{n},{nbytes},{iters},{median:.2f},{p10:.2f},"
                   f"{algbw:.4f},{busbw:.4f}", flush=True)
+    # Every rank is done with gloo before any tears it down; then leave without the interpreter's
+    # finalization, in which a gloo process group's destructor now and then never returns.
+    dist.barrier()
     dist.destroy_process_group()
-    if not ok:
-        sys.exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)
 
 
 def main():

@@ -121,9 +121,13 @@ def worker(rank, args, port, models):
                 print(f"{SYSTEM},{model_name},{args.ranks},{cap:g},{args.steps},"
                       f"{step_ms:.3f},{nosync_ms:.3f},{step_ms - nosync_ms:.3f}", flush=True)
             del ddp, module
+    # Every rank is done with gloo before any tears it down; then leave without the interpreter's
+    # finalization, in which a gloo process group's destructor now and then never returns.
+    dist.barrier()
     dist.destroy_process_group()
-    if not ok:
-        sys.exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)
 
 
 def main():
