@@ -194,6 +194,7 @@ TEST_CASE("uneven shards (0, 1, N batches): every step averages over its contrib
 }
 
 TEST_CASE("uneven shards: ring<tcp>, copy and view mode") {
+  uneven_run<ring_tcp>(1, {{3}, {0}}, false, "ring<tcp>, 1 rank");  // join() alone returns at once
   uneven_run<ring_tcp>(4, four_ranks, false, "ring<tcp>, 4 ranks");
   uneven_run<ring_tcp>(3, three_ranks, true, "ring<tcp>, 3 ranks");
 }
