@@ -182,6 +182,19 @@ void uneven_run(int n, const std::vector<std::vector<int>>& batches, bool view, 
 
 using ring_tcp = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, ddp::host_allocator>;
 
+// Host memory that reports a device's location, with copy and zero hooks (as cuda_allocator):
+// the wrapper never touches bucket memory itself, so the average over the contributors goes
+// through a host copy of each bucket.
+struct far_allocator {
+  void* allocate(std::size_t bytes) { return ddp::host_allocator{}.allocate(bytes); }
+  void deallocate(void* p, std::size_t bytes) noexcept { ddp::host_allocator{}.deallocate(p, bytes); }
+  ddp::memory_kind location() const noexcept { return ddp::memory_kind::cuda; }
+  void copy(void* dst, const void* src, std::size_t n) { std::memcpy(dst, src, n); }
+  void zero(void* dst, std::size_t n) { std::memset(dst, 0, n); }
+};
+static_assert(ddp::copying_allocator<far_allocator>);
+using ring_far = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, far_allocator>;
+
 // Shards of 0, 1 and N batches; rank 0 with none; all alike; all empty; then a second epoch.
 const std::vector<std::vector<int>> three_ranks{{0, 1, 5}, {2, 2, 2}, {0, 0, 0}, {3, 0, 1}};
 const std::vector<std::vector<int>> four_ranks{{5, 0, 1, 3}, {0, 4, 4, 1}};
@@ -197,6 +210,7 @@ TEST_CASE("uneven shards: ring<tcp>, copy and view mode") {
   uneven_run<ring_tcp>(1, {{3}, {0}}, false, "ring<tcp>, 1 rank");  // join() alone returns at once
   uneven_run<ring_tcp>(4, four_ranks, false, "ring<tcp>, 4 ranks");
   uneven_run<ring_tcp>(3, three_ranks, true, "ring<tcp>, 3 ranks");
+  uneven_run<ring_far>(3, three_ranks, false, "ring<tcp>, memory the CPU may not touch, 3 ranks");
 }
 
 #ifdef DDP_TEST_HAS_SHM
