@@ -6,6 +6,7 @@
 /// backward was still running. The parts it is built from live in `ddp/data_parallel/`.
 /// See docs/data-parallel.md.
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -23,6 +24,7 @@
 #include <ddp/data_parallel/bucket_state.hpp>
 #include <ddp/data_parallel/detail/failure_latch.hpp>
 #include <ddp/data_parallel/detail/parameters.hpp>
+#include <ddp/data_parallel/detail/uneven.hpp>
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/memory/auto_allocator.hpp>
@@ -87,13 +89,17 @@ class basic_data_parallel {
         agree_(agreement_channel{pg_.rank(), pg_.size(), [this](const std::string& s) { return pg_.all_gather(s); },
                                  [this](std::span<std::uint64_t> w, int root) { pg_.broadcast(w, root); }}),
         memory_(allocator_for<Allocator>(red_)),
-        state_(views_.size(), [this](std::size_t b) { launch(b); }) {
+        state_(views_.size(), [this](std::size_t b) { launch(b); },
+               opts.uneven_inputs ? bucket_state::open_fn([this] { issue_count(1); }) : bucket_state::open_fn{}) {
     memory_.check_reachable(views_, pg_.rank());
     agree_.check_signatures(views_);
+    agree_.check_same("dp_options::uneven_inputs", opts_.uneven_inputs ? 1 : 0);
     if (opts_.broadcast_parameters && pg.size() > 1) agreement::broadcast_values(red_, views_, pg_.timeout());
     // View mode hands bucket memory to the engine, which keeps the pointers: that layout must
-    // never move, so it is final from the start (docs/data-parallel.md, "View mode").
-    settled_ = opts_.gradient_as_bucket_view || !policy_.rebuild_from_ready_order;
+    // never move, so it is final from the start (docs/data-parallel.md, "View mode"). With
+    // uneven inputs a rank may join before it ever ran a step, and rank 0 may be that rank:
+    // there is no step every rank has seen to rebuild from ("Uneven inputs").
+    settled_ = opts_.gradient_as_bucket_view || !policy_.rebuild_from_ready_order || opts_.uneven_inputs;
     bucket_plan plan = planner_.plan(infos_, policy_, {});
     agree_.check_plan(plan, settled_, "at construction");
     set_up_buffers(std::move(plan));
@@ -160,8 +166,14 @@ class basic_data_parallel {
   /// \endcode
   void finish() {
     check_healthy();
+    check_not_joining("finish()");
     const auto t_call = steady_clock::now();
-    if (state_.open(no_sync_depth_ == 0, t_call)) {
+    bool sync = false;
+    guarded("finish", -1, [&] { sync = state_.open(no_sync_depth_ == 0, t_call); });
+    int contributors = 0;
+    if (sync) {
+      contributors = pg_.size();
+      if (opts_.uneven_inputs) contributors = static_cast<int>(wait_count("finish"));
       const auto missing = state_.missing();
       if (!missing.empty() && !opts_.find_unused_parameters) detail::raise_missing(pg_.rank(), missing, names_);
       guarded("finish", -1, [&] {
@@ -177,6 +189,7 @@ class basic_data_parallel {
       const auto& plan = memory_.plan();
       for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
         wait_bucket(b);
+        if (opts_.uneven_inputs) finish_uneven(b, contributors);
         if (opts_.gradient_as_bucket_view) continue;
         // Copy back bucket by bucket: later buckets keep reducing meanwhile.
         for (const auto& e : plan.buckets[b].entries)
@@ -186,6 +199,7 @@ class basic_data_parallel {
       state_.clear_accumulated();  // they are in this step's average now
     }
     last_stats_ = state_.stats(step_, t_call, steady_clock::now());
+    last_stats_.contributors = contributors;
     if (!settled_ && last_stats_.synchronized)
       guarded("the bucket rebuild in finish", -1, [&] { rebuild_from_order(); });
     reset_step();
@@ -199,10 +213,70 @@ class basic_data_parallel {
   /// \endcode
   no_sync_guard no_sync() {
     check_healthy();
+    check_not_joining("no_sync()");
     if (state_.is_open())
       detail::raise(errc::usage, pg_.rank(), "no_sync() in the middle of a step; call it before the first grad_ready");
     return no_sync_guard(no_sync_depth_);
   }
+
+  /// This rank has no batch left in the epoch (`dp_options::uneven_inputs`): until every rank has
+  /// joined, answers each synchronized step of the others with zero gradients, so that their
+  /// collectives complete and their averages count only the ranks that contributed; returns
+  /// when every rank has joined (all ranks leave together). The wrapper can then start the next
+  /// epoch. Every wait is bounded by the timeout, including the one for the next step of the
+  /// ranks still training (a `no_sync()` window longer than the timeout fails the joined ranks).
+  /// In copy mode this rank's gradients are left as they were; in view mode they are bucket
+  /// memory, which the answers are made in: they are zero when `join()` returns. Gradients that
+  /// `no_sync()` steps accumulated and no synchronized step averaged are dropped.
+  /// Throws `errc::usage` without the option, in the middle of a step, or while this rank's
+  /// `join()` already runs; a failure inside (timeout, peer_lost) fails the wrapper for good.
+  /// \code
+  /// for (const auto& batch : my_shard) { train_step(batch); dp.finish(); }
+  /// dp.join();  // the other ranks may still have batches
+  /// \endcode
+  void join() {
+    check_healthy();
+    if (!opts_.uneven_inputs)
+      detail::raise(errc::usage, pg_.rank(),
+                    "join() needs dp_options::uneven_inputs = true (on every rank) when the wrapper is built");
+    if (state_.is_open())
+      detail::raise(errc::usage, pg_.rank(),
+                    "join() in the middle of a step (after grad_ready or mark_unused, before finish()); finish the "
+                    "step first");
+    if (joining_.exchange(true, std::memory_order_acq_rel))
+      detail::raise(errc::usage, pg_.rank(), "join() while this rank's join() is already running");
+    struct clear_on_exit {
+      std::atomic<bool>& flag;
+      ~clear_on_exit() { flag.store(false, std::memory_order_release); }
+    } clear{joining_};
+    state_.clear_accumulated();  // never averaged: dropped (documented)
+    const auto& plan = memory_.plan();
+    for (;;) {
+      guarded("join", -1, [&] { issue_count(0); });
+      const std::int64_t count = wait_count("join");
+      if (count > 0) {
+        // One step of the ranks still training: every bucket, in plan order, zeros in.
+        guarded("join", -1, [&] {
+          for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+            memory_.zero_bucket(b);
+            launch(b);
+          }
+        });
+        for (std::size_t b = 0; b < plan.buckets.size(); ++b) wait_bucket(b, "join");
+        ++joined_steps_;
+      }
+      memory_.clear_requests();
+      if (count == 0) break;  // every rank has joined, and all of them saw it in this round
+    }
+    if (opts_.gradient_as_bucket_view)
+      guarded("join", -1, [&] {
+        for (std::size_t b = 0; b < plan.buckets.size(); ++b) memory_.zero_bucket(b);
+      });
+  }
+
+  /// Steps of other ranks that this rank answered with zero gradients inside `join()`, summed
+  /// over every `join()` so far.
+  std::uint64_t joined_steps() const noexcept { return joined_steps_; }
 
   /// Where the engine must write gradient `i` in view mode (in copy mode: where ddp stages it).
   /// In view mode the address never changes; in copy mode it moves once, at the rebuild after
@@ -247,6 +321,15 @@ class basic_data_parallel {
     failure_.check(pg_.rank());
   }
 
+  // join() blocks its caller until every rank has joined: another thread's step meanwhile
+  // would be collectives the peers never match.
+  void check_not_joining(const char* what) const {
+    if (joining_.load(std::memory_order_acquire))
+      detail::raise(errc::usage, pg_.rank(),
+                    std::string(what) + " while this rank's join() is running (join() returns once every rank "
+                                        "has joined; the next epoch's steps may start then)");
+  }
+
   void check_index(std::size_t i, const char* what) const {
     owner_.check(pg_.rank(), "data_parallel wrapper");
     if (i >= views_.size()) detail::raise_bad_index(pg_.rank(), what, i, views_.size());
@@ -255,6 +338,7 @@ class basic_data_parallel {
   void claim(std::size_t i, const char* what) {
     check_index(i, what);
     failure_.check(pg_.rank());
+    check_not_joining(what);
     if (!state_.claim(i))
       detail::raise_already(pg_.rank(), what, i, names_[i], state_.unused(i), step_, plan().where[i].first);
   }
@@ -281,19 +365,67 @@ class basic_data_parallel {
 
   // Waits (bounded by the timeout) for bucket b's reduction. A failed collective is a verdict
   // the reducer already posted to every rank: it is recorded without blaming this rank.
-  void wait_bucket(std::size_t b) {
-    const auto wait_for = opts_.timeout.count() > 0 ? opts_.timeout : pg_.timeout();
+  void wait_bucket(std::size_t b, const char* what = "finish") {
     guarded(
-        "finish", -1, [&] { memory_.wait(b, wait_for, pg_.rank()); }, false);
+        what, -1, [&] { memory_.wait(b, wait_patience(), pg_.rank()); }, false);
     const auto& req = memory_.in_flight(b);
     state_.set_reduced(b, req.valid() ? req.finished_at() : state_.launched_at(b));
+  }
+
+  std::chrono::milliseconds wait_patience() const {
+    return opts_.timeout.count() > 0 ? opts_.timeout : pg_.timeout();
+  }
+
+  // ---- uneven inputs (docs/data-parallel.md, "Uneven inputs") -------------------------------
+  // Every synchronized step of an active rank, and every round of a joined rank's join(),
+  // starts with an allreduce (op::sum) of one i64 through the reducer, issued before any
+  // bucket: 1 from a rank that contributes gradients, 0 from a joined one. The count tells a
+  // step's ranks how many contributed, and joined ranks whether to answer one more step.
+
+  // Starts the count's allreduce with this rank's `contribution` (under bucket_state's lock
+  // when a step opens, so before any of its buckets).
+  void issue_count(std::int64_t contribution) {
+    memory_.put_side(&contribution, sizeof contribution);
+    memory_.track_side(red_.allreduce_async(memory_.side(), 1, dtype::i64, op::sum));
+  }
+
+  // Waits (bounded) for the count and returns it.
+  std::int64_t wait_count(const char* what) {
+    std::int64_t count = 0;
+    guarded(
+        what, -1,
+        [&] {
+          memory_.wait_side(wait_patience(), pg_.rank(), "the count of ranks contributing to the step was not reduced");
+          memory_.get_side(&count, sizeof count);
+        },
+        false);
+    if (count < 0 || count > pg_.size())
+      guarded(what, -1, [&] {
+        detail::raise(errc::protocol, pg_.rank(),
+                      "the count of ranks contributing to the step is " + std::to_string(count) + " of " +
+                          std::to_string(pg_.size()) + " (a rank without dp_options::uneven_inputs?)");
+      });
+    return count;
+  }
+
+  // Bucket b holds the reducer's result over every rank, joined ones contributing zeros: make
+  // it the average over the `count` contributors (floats: scaled by world / count unless they
+  // are all; integers: their sum divided by count).
+  void finish_uneven(std::size_t b, int count) {
+    const auto& bk = memory_.plan().buckets[b];
+    if (!opts_.average || bk.numel == 0) return;
+    if (count == pg_.size() && detail::avg_scales(bk.type)) return;
+    guarded("finish (averaging over the contributing ranks)", -1, [&] {
+      memory_.on_host(b, [&](void* p) { detail::uneven_finish(p, bk.numel, bk.type, pg_.size(), count); });
+    });
   }
 
   // bucket_state's launch: bucket b's collective, in plan order, under bucket_state's lock.
   void launch(std::size_t b) {
     const auto& bk = memory_.plan().buckets[b];
     if (bk.numel > 0)
-      memory_.track(b, red_.allreduce_async(memory_.buffer(b), bk.numel, bk.type, opts_.average ? op::avg : op::sum));
+      memory_.track(b, red_.allreduce_async(memory_.buffer(b), bk.numel, bk.type,
+                                            detail::bucket_op(opts_.average, opts_.uneven_inputs, bk.type)));
   }
 
   void reset_step() {
@@ -317,6 +449,7 @@ class basic_data_parallel {
   void set_up_buffers(bucket_plan plan) {
     agree_.share_setup(detail::exception_of([&] {
       memory_.allocate(std::move(plan));
+      if (opts_.uneven_inputs) memory_.allocate_side(sizeof(std::int64_t));  // the count
       if (opts_.gradient_as_bucket_view)
         for (std::size_t i = 0; i < views_.size(); ++i) memory_.copy_in(i, views_[i].grad, views_[i].bytes());
     }));  // a failed rank's buckets are freed with memory_ as construction unwinds
@@ -350,6 +483,8 @@ class basic_data_parallel {
   bucket_state state_;
   bool settled_ = true;  // the bucket layout can no longer change (view mode, or after the rebuild)
   int no_sync_depth_ = 0;
+  std::atomic<bool> joining_{false};  // join() runs (on some thread)
+  std::uint64_t joined_steps_ = 0;
   std::uint64_t step_ = 0;
   std::uint64_t generation_ = 0;
   step_stats last_stats_;

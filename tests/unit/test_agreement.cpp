@@ -181,3 +181,15 @@ TEST_CASE("agreement: the rebuild plans from rank 0's observed order on every ra
   for (const auto& b : plan.buckets) first.push_back(b.entries.front().param);
   CHECK(first == std::vector<std::size_t>{1, 3, 0, 2});
 }
+
+TEST_CASE("agreement: an option every rank must share (check_same) names the differing rank and values") {
+  fake_pair fake;
+  ddp::agreement agree{fake.channel()};
+  fake.theirs = words({1});
+  agree.check_same("dp_options::uneven_inputs", 1);
+  fake.theirs = words({0});
+  const auto e = error_of([&] { agree.check_same("dp_options::uneven_inputs", 1); });
+  CHECK(e.condition() == ddp::errc::mismatch);
+  CHECK(std::string(e.what()).find("ranks disagree on dp_options::uneven_inputs: rank 0 has 1, rank 1 has 0") !=
+        std::string::npos);
+}

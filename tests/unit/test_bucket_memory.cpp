@@ -3,12 +3,15 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "ddp/data_parallel/detail/uneven.hpp"
 #include "ddp/memory/host_allocator.hpp"
 #include "dp_plan.hpp"
 
@@ -185,4 +188,101 @@ TEST_CASE("bucket_memory: drain waits for the collectives, aborts those that do 
   CHECK(mem.size() == 0);
   CHECK(a.c->freed == 0);
   for (void* p : kept) ddp::host_allocator{}.deallocate(p, 0);  // the test's own cleanup
+}
+
+// ---- uneven inputs: the side buffer of the contribution count, and the average over contributors
+
+namespace {
+
+// Host memory that reports a device location: every access must go through the hooks.
+struct far_allocator : counting_allocator {
+  ddp::memory_kind location() const noexcept { return ddp::memory_kind::cuda; }
+};
+
+}  // namespace
+
+TEST_CASE("bucket_memory: the side buffer goes through the hooks, outlives a re-plan, and is drained") {
+  using namespace std::chrono_literals;
+  far_allocator a;
+  ddp::bucket_memory<far_allocator> mem{a};
+  mem.allocate(dp_test::three_buckets());
+  mem.allocate_side(8);
+  mem.allocate_side(8);  // once only
+  CHECK(a.c->allocated == 4);
+  const std::int64_t one = 1;
+  mem.put_side(&one, 8);
+  void* side = mem.side();
+  mem.allocate(dp_test::three_buckets());  // a re-plan keeps it, and its value
+  CHECK(mem.side() == side);
+  std::int64_t back = 0;
+  mem.get_side(&back, 8);
+  CHECK(back == 1);
+  CHECK(a.c->copies == 2);
+
+  // A whole bucket zeroed through the hook; edited on a host copy, written back.
+  const float twos[8] = {2, 2, 2, 2, 2, 2, 2, 2};
+  mem.copy_in(3, twos, 16);
+  mem.copy_in(2, twos, 16);
+  mem.zero_bucket(0);
+  CHECK(a.c->zeroes == 1);
+  mem.copy_in(3, twos, 16);
+  mem.on_host(0, [&](void* p) {
+    CHECK(p != mem.buffer(0));  // the CPU may not touch "device" memory
+    static_cast<float*>(p)[0] *= 3;
+  });
+  float out[4] = {};
+  mem.copy_out(3, out, 16);
+  CHECK(out[0] == 6.0f);
+  CHECK(out[1] == 2.0f);
+  mem.copy_out(2, out, 16);
+  CHECK(out[0] == 0.0f);  // zeroed with the bucket
+
+  // The count's collective is drained with the buckets'.
+  int aborts = 0;
+  mem.track_side(pending_request());
+  CHECK_FALSE(mem.drain(10ms, [&] { ++aborts; }));
+  CHECK(aborts == 1);
+  const auto e = error_of([&] { mem.wait_side(1ms, 2, "the count was not reduced"); });
+  CHECK(e.condition() == ddp::errc::timeout);
+  CHECK(std::string(e.what()).find("rank 2: the count was not reduced within 1 ms") != std::string::npos);
+  mem.clear_requests();
+  CHECK(mem.drain(10ms, [&] { ++aborts; }));
+}
+
+TEST_CASE("uneven_finish: floats scaled by world / count, integers divided by count, count == world untouched") {
+  using ddp::detail::uneven_finish;
+  // op::avg over 4 ranks of whom 3 contributed 1, 2 and 4 (one contributed 0): 7 / 4.
+  float f[2] = {7.0f / 4, -7.0f / 4};
+  uneven_finish(f, 2, ddp::dtype::f32, 4, 3);
+  CHECK(f[0] == 7.0f / 3);  // 1.75 * 4 / 3, one rounding (in double) short of float
+  CHECK(f[1] == -7.0f / 3);
+  double d[1] = {7.0 / 4};
+  uneven_finish(d, 1, ddp::dtype::f64, 4, 3);
+  CHECK(std::abs(d[0] - 7.0 / 3) <= std::nextafter(7.0 / 3, 10.0) - 7.0 / 3);
+  float same[1] = {0.1f};
+  uneven_finish(same, 1, ddp::dtype::f32, 3, 3);
+  CHECK(same[0] == 0.1f);
+
+  // f16: the average over 2 of 3 ranks of 60000 is finite even though the sum is not.
+  ddp::half h[1] = {ddp::half(40000.0f)};  // 2 * 60000 / 3
+  uneven_finish(h, 1, ddp::dtype::f16, 3, 2);
+  CHECK(static_cast<float>(h[0]) == 60000.0f);
+  ddp::half top[1] = {ddp::half(65504.0f)};  // rounding past the largest value: clamped, not inf
+  uneven_finish(top, 1, ddp::dtype::f16, 65, 64);
+  CHECK(static_cast<float>(top[0]) == 65504.0f);
+
+  // Integers hold the plain sum (bucket_op): divided by the contributors, truncating.
+  std::int32_t n[3] = {7, -7, 9};
+  uneven_finish(n, 3, ddp::dtype::i32, 4, 3);
+  CHECK(n[0] == 2);
+  CHECK(n[1] == -2);
+  CHECK(n[2] == 3);
+  std::int64_t w[1] = {10};
+  uneven_finish(w, 1, ddp::dtype::i64, 4, 4);  // everyone: what op::avg gives, 10 / 4
+  CHECK(w[0] == 2);
+
+  CHECK(ddp::detail::bucket_op(true, true, ddp::dtype::i32) == ddp::op::sum);
+  CHECK(ddp::detail::bucket_op(true, true, ddp::dtype::f16) == ddp::op::avg);
+  CHECK(ddp::detail::bucket_op(true, false, ddp::dtype::i32) == ddp::op::avg);
+  CHECK(ddp::detail::bucket_op(false, true, ddp::dtype::f32) == ddp::op::sum);
 }

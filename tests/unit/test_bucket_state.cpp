@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <mutex>
 #include <numeric>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -174,4 +175,23 @@ TEST_CASE("bucket_state: hooks on many threads launch every bucket once, in plan
     std::iota(want.begin(), want.end(), 0);
     REQUIRE(launched == want);
   }
+}
+
+TEST_CASE("bucket_state: a synchronized step calls on_sync_open once, before its first launch") {
+  const auto plan = dp_test::three_buckets();
+  std::vector<std::string> events;
+  ddp::bucket_state st{4, [&](std::size_t b) { events.push_back("launch " + std::to_string(b)); },
+                       [&] { events.push_back("open"); }};
+  st.reset(plan, false);
+  REQUIRE(st.open(true));
+  REQUIRE(st.open(true));  // already open: not again
+  for (std::size_t i = 4; i-- > 0;) {
+    REQUIRE(st.claim(i));
+    st.complete(i, true);
+  }
+  CHECK(events == std::vector<std::string>{"open", "launch 0", "launch 1", "launch 2"});
+  events.clear();
+  st.reset(plan, false);
+  REQUIRE_FALSE(st.open(false));  // an unsynchronized step: nothing to precede
+  CHECK(events.empty());
 }

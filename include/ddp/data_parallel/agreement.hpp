@@ -159,6 +159,24 @@ class agreement {
                   -1, static_cast<int>(common));
   }
 
+  /// Every rank passes the same `value` for the option `what` (a collective); otherwise
+  /// errc::mismatch on every rank, naming the option, rank 0's value and the ranks that differ.
+  void check_same(const char* what, std::uint64_t value) const {
+    if (ch_.size == 1) return;
+    std::string mine;
+    detail::byte_writer(mine).u64(value);
+    const auto all = ch_.all_gather(mine);
+    std::string differing;
+    for (std::size_t r = 1; r < all.size(); ++r)
+      if (all[r] != all[0])
+        differing += (differing.empty() ? "" : ", ") +
+                     ("rank " + std::to_string(r) + " has " + std::to_string(detail::byte_reader(all[r]).u64()));
+    if (!differing.empty())
+      detail::raise(errc::mismatch, ch_.rank,
+                    std::string("ranks disagree on ") + what + ": rank 0 has " +
+                        std::to_string(detail::byte_reader(all[0]).u64()) + ", " + differing);
+  }
+
   /// Ranks agree on the plan and on whether it will be rebuilt (a collective of the group that
   /// a rank skipping it would leave its peers waiting on); `when` says at which point.
   void check_plan(const bucket_plan& plan, bool settled, const char* when) const {

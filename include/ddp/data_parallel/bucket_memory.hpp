@@ -52,7 +52,10 @@ class bucket_memory {
   explicit bucket_memory(Allocator alloc) : alloc_(std::move(alloc)) {}
   bucket_memory(const bucket_memory&) = delete;
   bucket_memory& operator=(const bucket_memory&) = delete;
-  ~bucket_memory() { release(); }
+  ~bucket_memory() {
+    release();
+    if (side_ != nullptr) alloc_.deallocate(side_, side_bytes_);
+  }
 
   /// Raises `errc::unsupported` on `rank` when the buckets or a parameter (`views`) are memory
   /// the CPU cannot touch and the allocator cannot copy it (no `copy` hook).
@@ -95,8 +98,12 @@ class bucket_memory {
     for (std::size_t b = 0; b < buffers_.size(); ++b) alloc_.deallocate(buffers_[b], plan_.buckets[b].bytes);
     buffers_.clear();
   }
-  /// Forgets the buffers without freeing them: a collective may still write into them.
-  void leak() noexcept { buffers_.clear(); }
+  /// Forgets the buffers (and the side buffer) without freeing them: a collective may still
+  /// write into them.
+  void leak() noexcept {
+    buffers_.clear();
+    side_ = nullptr;
+  }
 
   const bucket_plan& plan() const noexcept { return plan_; }
   /// Number of buffers held (0 before `allocate` and after `release`).
@@ -122,44 +129,87 @@ class bucket_memory {
       std::memset(slot(i), 0, bytes);
   }
 
+  /// Clears all of bucket `b`'s buffer.
+  void zero_bucket(std::size_t b) {
+    const std::size_t bytes = plan_.buckets[b].bytes;
+    if (bytes == 0) return;
+    if constexpr (allocator_with_zero<Allocator>)
+      alloc_.zero(buffers_[b], bytes);
+    else
+      std::memset(buffers_[b], 0, bytes);
+  }
+  /// Runs `f(p)` on bucket `b`'s elements where the CPU can reach them: in place for memory the
+  /// CPU touches, else on a host copy brought in and written back through the allocator's hooks.
+  template <class F>
+  void on_host(std::size_t b, F&& f) {
+    const std::size_t bytes = plan_.buckets[b].bytes;
+    if (host_accessible(alloc_.location())) {
+      f(buffers_[b]);
+      return;
+    }
+    std::vector<std::byte> host(bytes);
+    copy(host.data(), buffers_[b], bytes);
+    f(static_cast<void*>(host.data()));
+    copy(buffers_[b], host.data(), bytes);
+  }
+
+  /// A small buffer beside the buckets, from the same allocator, so that the reducer can use it
+  /// as it uses a bucket (the uneven-inputs count of contributing ranks). Allocated once, kept
+  /// when `allocate` changes the plan, freed when this object is.
+  void allocate_side(std::size_t bytes) {
+    if (side_ != nullptr) return;
+    side_ = alloc_.allocate(bytes);
+    side_bytes_ = bytes;
+  }
+  void* side() const noexcept { return side_; }
+  /// Copies `bytes` from host memory `src` into the side buffer, or out of it into `dst`.
+  void put_side(const void* src, std::size_t bytes) { copy(side_, src, bytes); }
+  void get_side(void* dst, std::size_t bytes) { copy(dst, side_, bytes); }
+
   /// Keeps the request of bucket `b`'s collective, which uses its buffer until it ends.
   void track(std::size_t b, request r) { requests_[b] = std::move(r); }
   const request& in_flight(std::size_t b) const noexcept { return requests_[b]; }
+  /// The same for the side buffer's collective.
+  void track_side(request r) { side_request_ = std::move(r); }
   /// Waits up to `patience` (and 2 s of grace) for bucket `b`'s collective. Its own error (one
   /// naming a rank) is rethrown as it is; a deadline that passes is raised on `rank`, naming
   /// the bucket and the wait.
   void wait(std::size_t b, std::chrono::milliseconds patience, int rank) const {
-    try {
-      requests_[b].wait(steady_clock::now() + patience + std::chrono::seconds(2));
-    } catch (const error& e) {
-      if (e.rank() >= 0) throw;
-      detail::raise(e.condition(), rank,
-                    "bucket " + std::to_string(b) + " was not reduced within " + std::to_string(patience.count()) +
-                        " ms (a peer stopped answering?)",
-                    static_cast<int>(b));
-    }
+    wait_one(requests_[b], patience, rank, "bucket " + std::to_string(b) + " was not reduced", static_cast<int>(b));
+  }
+  /// The same for the side buffer's collective; `what` names it in a timeout's message.
+  void wait_side(std::chrono::milliseconds patience, int rank, const std::string& what) const {
+    wait_one(side_request_, patience, rank, what, -1);
   }
   /// A new step: the previous step's requests have all ended.
-  void clear_requests() { requests_.assign(buffers_.size(), request{}); }
+  void clear_requests() {
+    requests_.assign(buffers_.size(), request{});
+    side_request_ = request{};
+  }
 
   /// True when no collective can still touch the buffers: waits up to `patience` for the
   /// tracked requests, then calls `abort()` and waits up to 2 s more.
   template <class Abort>
   bool drain(steady_clock::duration patience, Abort&& abort) noexcept {
-    const auto wait_all = [this](steady_clock::time_point until) {
+    // The buckets' requests and the side buffer's, which the same collectives' order binds.
+    const auto each = [this](auto&& f) {
+      for (auto& r : requests_) f(r);
+      f(side_request_);
+    };
+    const auto wait_all = [&](steady_clock::time_point until) {
       bool all = true;
-      for (auto& r : requests_) {
-        if (!r.valid()) continue;
+      each([&](request& r) {
+        if (!r.valid()) return;
         try {
           r.wait(until);
         } catch (...) {
         }
         all = all && r.test();
-      }
+      });
       return all;
     };
     bool pending = false;
-    for (auto& r : requests_) pending = pending || (r.valid() && !r.test());
+    each([&](request& r) { pending = pending || (r.valid() && !r.test()); });
     if (!pending) return true;
     try {
       if (wait_all(steady_clock::now() + patience)) return true;
@@ -174,6 +224,17 @@ class bucket_memory {
   const Allocator& allocator() const noexcept { return alloc_; }
 
  private:
+  static void wait_one(const request& req, std::chrono::milliseconds patience, int rank, const std::string& what,
+                       int bucket) {
+    try {
+      req.wait(steady_clock::now() + patience + std::chrono::seconds(2));
+    } catch (const error& e) {
+      if (e.rank() >= 0) throw;
+      detail::raise(e.condition(), rank,
+                    what + " within " + std::to_string(patience.count()) + " ms (a peer stopped answering?)", bucket);
+    }
+  }
+
   void copy(void* dst, const void* src, std::size_t bytes) {
     if (bytes == 0 || dst == src) return;
     if constexpr (hooks)
@@ -186,6 +247,9 @@ class bucket_memory {
   bucket_plan plan_;
   std::vector<void*> buffers_;
   std::vector<request> requests_;
+  void* side_ = nullptr;
+  std::size_t side_bytes_ = 0;
+  request side_request_;
 };
 
 }  // namespace v0

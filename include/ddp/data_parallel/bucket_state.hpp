@@ -42,13 +42,17 @@ class bucket_state {
  public:
   /// Starts bucket b's collective (called once per bucket and step, in plan order).
   using launch_fn = std::function<void(std::size_t bucket)>;
+  /// Called once when a synchronized step opens, before any of its buckets can launch (under
+  /// the same lock): what must precede every bucket of the step (the uneven-inputs count).
+  using open_fn = std::function<void()>;
 
-  bucket_state(std::size_t parameters, launch_fn launch)
+  bucket_state(std::size_t parameters, launch_fn launch, open_fn on_sync_open = {})
       : n_(parameters),
         ready_(std::make_unique<std::atomic<bool>[]>(parameters)),
         unused_(parameters, 0),
         accumulated_(parameters, 0),
-        launch_(std::move(launch)) {
+        launch_(std::move(launch)),
+        on_sync_open_(std::move(on_sync_open)) {
     order_.reserve(parameters);
   }
 
@@ -72,13 +76,15 @@ class bucket_state {
   }
 
   /// Opens the step at its first hook (or at `finish()`); the step keeps the mode it opened
-  /// with, `sync_if_new`. Returns the step's mode (true: synchronized).
+  /// with, `sync_if_new`. Returns the step's mode (true: synchronized). A synchronized step
+  /// that opens here calls `on_sync_open` first; if that throws, the step stays open.
   bool open(bool sync_if_new, steady_clock::time_point now = steady_clock::now()) {
     std::lock_guard lock(mu_);
     if (!open_) {
       open_ = true;
       sync_ = sync_if_new;
       step_start_ = last_ready_ = now;
+      if (sync_ && on_sync_open_) on_sync_open_();
     }
     return sync_;
   }
@@ -193,6 +199,7 @@ class bucket_state {
   std::unique_ptr<std::atomic<bool>[]> ready_;
   std::vector<std::uint8_t> unused_, accumulated_;
   launch_fn launch_;
+  open_fn on_sync_open_;
   mutable std::mutex mu_;  // guards what follows
   std::vector<std::size_t> pending_;
   std::vector<steady_clock::time_point> ready_at_, launched_at_, reduced_at_;

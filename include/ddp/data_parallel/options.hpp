@@ -31,6 +31,12 @@ struct dp_options {
   bool average = true;
   /// Bound on `finish()`'s wait for the reductions; zero means the process group's timeout.
   std::chrono::milliseconds timeout{0};
+  /// Ranks may run out of batches at different steps (PyTorch's `Join`): a rank with no batch
+  /// left calls `join()`, which answers the other ranks' synchronized steps with zero gradients
+  /// until every rank has joined, and each step averages over the ranks that contributed to it.
+  /// Every rank must pass the same value; the bucket layout is then fixed at construction (no
+  /// rebuild from the ready order). See docs/data-parallel.md, "Uneven inputs".
+  bool uneven_inputs = false;
 
   friend bool operator==(const dp_options&, const dp_options&) = default;
 };
@@ -55,6 +61,8 @@ struct step_stats {
   bool synchronized = false;               ///< false for a step under `no_sync()`
   std::size_t bytes_reduced = 0;           ///< sum of the bucket sizes reduced this step
   std::size_t unused = 0;                  ///< parameters not ready in this step (mark_unused or the option)
+  int contributors = 0;                    ///< ranks whose gradients this step averaged (the world size, or fewer
+                                           ///< when ranks had joined: `dp_options::uneven_inputs`); 0 unsynchronized
   std::size_t launched_before_finish = 0;  ///< buckets launched while backward was still running
   double backward_ms = 0;                  ///< first to last `grad_ready` (the backward window seen by ddp)
   double exposed_ms = 0;                   ///< last `grad_ready` to `finish()` return: communication not hidden
