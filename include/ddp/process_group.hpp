@@ -296,12 +296,12 @@ class process_group {
   /// double stats[2] = {loss_sum, correct};
   /// pg.all_reduce(std::span{stats}, ddp::op::sum);
   /// \endcode
-  template <element T>
+  template <element T, std::size_t Extent>
     requires(!std::is_const_v<T>)
-  void all_reduce(std::span<T> values, op o) { all_reduce(values, o, deadline()); }
-  template <element T>
+  void all_reduce(std::span<T, Extent> values, op o) { all_reduce(values, o, deadline()); }
+  template <element T, std::size_t Extent>
     requires(!std::is_const_v<T>)
-  void all_reduce(std::span<T> values, op o, deadline_t until);
+  void all_reduce(std::span<T, Extent> values, op o, deadline_t until);
 
   /// One value: returns the reduction of every rank's `value`.
   ///
@@ -717,9 +717,9 @@ inline void process_group::broadcast(std::span<std::byte> data, int root, deadli
 inline std::vector<std::string> process_group::all_gather(const std::string& mine) {
   return live("all_gather()").all_gather(mine);
 }
-template <element T>
+template <element T, std::size_t Extent>
   requires(!std::is_const_v<T>)
-void process_group::all_reduce(std::span<T> values, op o, deadline_t until) {
+void process_group::all_reduce(std::span<T, Extent> values, op o, deadline_t until) {
   live("all_reduce()").all_reduce(static_cast<void*>(values.data()), values.size(), dtype_of_v<T>, o, until);
 }
 inline int process_group::connections() const noexcept { return s_ ? s_->connections() : 0; }
