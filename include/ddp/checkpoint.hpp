@@ -246,12 +246,13 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
   std::string why = ck::decode_header(std::string_view(meta).substr(8, ck::header_bytes),
                                       detail::get_u64(meta.data()), h);
   if (why.empty()) why = ck::decode_table(std::string_view(meta).substr(8 + ck::header_bytes), h, in_file);
-  if (!why.empty()) detail::raise(errc::protocol, rank, "load_checkpoint: rank 0 sent a malformed table: " + why);
   std::string data;
   std::vector<std::byte> extra;
   try {
     int index = -1;
-    if (auto diff = ck::first_difference(in_file, mine, rank, index); !diff.empty()) {
+    if (!why.empty()) {
+      fail(errc::protocol, "got a malformed table from rank 0: " + why);  // rank 0 checked it
+    } else if (auto diff = ck::first_difference(in_file, mine, rank, index); !diff.empty()) {
       fail(errc::mismatch, "finds another model in the file: " + diff, index);
     } else if (rank == 0) {
       data.resize(static_cast<std::size_t>(h.data));  // the size of rank 0's parameters
