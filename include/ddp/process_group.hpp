@@ -296,12 +296,12 @@ class process_group {
   /// double stats[2] = {loss_sum, correct};
   /// pg.all_reduce(std::span{stats}, ddp::op::sum);
   /// \endcode
-  template <element T>
+  template <element T, std::size_t Extent>
     requires(!std::is_const_v<T>)
-  void all_reduce(std::span<T> values, op o) { all_reduce(values, o, deadline()); }
-  template <element T>
+  void all_reduce(std::span<T, Extent> values, op o) { all_reduce(values, o, deadline()); }
+  template <element T, std::size_t Extent>
     requires(!std::is_const_v<T>)
-  void all_reduce(std::span<T> values, op o, deadline_t until);
+  void all_reduce(std::span<T, Extent> values, op o, deadline_t until);
 
   /// One value: returns the reduction of every rank's `value`.
   ///
@@ -495,7 +495,10 @@ class process_group::state {
   /// every rank checks all records, then combines them in rank order: the same inputs in the
   /// same order through the same kernel give the same bits on every rank.
   void all_reduce(void* values, std::size_t n, dtype t, op o, deadline_t until) {
-    constexpr std::uint32_t tag = 0x64415231;  // "1RAd": a record of all_reduce()
+    constexpr std::uint32_t tag = 0x64415231;  // "1RAd" on the wire: a record of all_reduce()
+    // tag, dtype, op, 2 zero bytes, count: 16 bytes, so that the values that follow lie as
+    // aligned as the string's heap buffer (16 bytes) and the kernels read them as T.
+    constexpr std::size_t head = 16;
     if (static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
       detail::raise(errc::invalid_argument, rank_, "all_reduce: unknown op " + std::to_string(static_cast<int>(o)));
     const std::size_t es = detail::checked_size(t);
@@ -506,7 +509,7 @@ class process_group::state {
                         std::to_string(process_group::max_all_reduce_bytes) +
                         " bytes: use a reducer (ddp::ring) for larger buffers");
     std::string mine;
-    detail::byte_writer(mine).u32(tag).u8(static_cast<std::uint8_t>(t)).u8(static_cast<std::uint8_t>(o)).u64(n).raw(
+    detail::byte_writer(mine).u32(tag).u8(static_cast<std::uint8_t>(t)).u8(static_cast<std::uint8_t>(o)).zeros(2).u64(n).raw(
         std::span(static_cast<const std::byte*>(values), n * es));
     std::vector<std::string> all;
     try {
@@ -528,6 +531,7 @@ class process_group::state {
       const auto tg = r.u32();
       const auto ty = r.u8();
       const auto op_ = r.u8();
+      r.zeros(2);
       rec.n = r.u64();
       rec.ok = r.ok() && tg == tag && ty <= static_cast<std::uint8_t>(dtype::i64) &&
                op_ <= static_cast<std::uint8_t>(op::prod);
@@ -555,7 +559,7 @@ class process_group::state {
                     "all_reduce: ranks disagree: " + (first.ok ? says(0, first) + "; " : std::string()) + differ);
     }
     std::vector<const void*> ins(static_cast<std::size_t>(size_));
-    for (std::size_t q = 0; q < ins.size(); ++q) ins[q] = all[q].data() + 14;  // after tag, dtype, op, count
+    for (std::size_t q = 0; q < ins.size(); ++q) ins[q] = all[q].data() + head;
     void* outs[1] = {values};
     detail::combine(outs, 1, ins.data(), size_, n, t, o, detail::avg_step{size_, 0, true});
   }
@@ -717,9 +721,9 @@ inline void process_group::broadcast(std::span<std::byte> data, int root, deadli
 inline std::vector<std::string> process_group::all_gather(const std::string& mine) {
   return live("all_gather()").all_gather(mine);
 }
-template <element T>
+template <element T, std::size_t Extent>
   requires(!std::is_const_v<T>)
-void process_group::all_reduce(std::span<T> values, op o, deadline_t until) {
+void process_group::all_reduce(std::span<T, Extent> values, op o, deadline_t until) {
   live("all_reduce()").all_reduce(static_cast<void*>(values.data()), values.size(), dtype_of_v<T>, o, until);
 }
 inline int process_group::connections() const noexcept { return s_ ? s_->connections() : 0; }

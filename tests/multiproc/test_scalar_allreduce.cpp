@@ -78,7 +78,7 @@ TEST_CASE("all_reduce of a few scalars: every op and type, rank-order results, t
       require(c[0] == (n + 1) / 2 && c[1] == -((n + 1) / 2), "i64 avg truncates: " + std::to_string(c[0]));
       require(c[2] == ((std::int64_t{1} << 40) * (n * (n - 1) / 2)) / n, "i64 avg of large values");
       std::int32_t count[2] = {r == 0 ? 7 : 1, r};
-      pg.all_reduce(std::span<std::int32_t>(count), ddp::op::max);
+      pg.all_reduce(std::span{count}, ddp::op::max);  // a static extent
       require(count[0] == 7 && count[1] == n - 1, "i32 max");
       // The one-value forms.
       const double loss = pg.all_reduce(1.5 * (r + 1), ddp::op::avg);

@@ -1,0 +1,414 @@
+#pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
+// IWYU pragma: private
+// The checkpoint file of ddp/checkpoint.hpp: its format (header, table, checksum), a decoder
+// that trusts nothing it reads, the POSIX file calls that save it atomically, and the step
+// that turns one rank's failure into the same error on every rank.
+//
+// Format, version 1; every integer little-endian:
+//
+//   offset 0   magic     8 bytes "DDPCKPT\0"
+//          8   version   u32 = 1
+//         12   flags     u32 = 0 (reserved: a reader refuses anything else)
+//         16   count     u64  parameters in the table
+//         24   table     u64  bytes of the table
+//         32   data      u64  bytes of the data section
+//         40   extra     u64  bytes of the user's blob
+//         48   the table: per parameter, in order,
+//                u32 name length (at most max_name_bytes), the name's bytes,
+//                u8 dtype (ddp::dtype's value), 3 zero bytes,
+//                u32 ndim (at most max_ndim), ndim i64 extents (each >= 0),
+//                u64 numel (the product of the extents)
+//              the data: each parameter's numel * dtype_size bytes, in table order, no padding,
+//                values as they lie in memory on a little-endian host
+//              the user's blob
+//   end - 8    u64 checksum: XXH64 (seed 0) of every byte before it
+//
+// The file's size must be exactly 48 + table + data + extra + 8, and the data section exactly
+// the sum of the parameters' bytes: a truncated or padded file is refused before any of it is
+// used. A decoder reads every field through byte_reader (bounds-checked) and allocates nothing
+// from a length it read before that length was checked against the file's real size.
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include <ddp/clock.hpp>
+#include <ddp/detail/bytes.hpp>
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+namespace ckpt {
+
+inline constexpr char magic[8] = {'D', 'D', 'P', 'C', 'K', 'P', 'T', '\0'};
+inline constexpr std::uint32_t version = 1;
+inline constexpr std::size_t header_bytes = 48;
+inline constexpr std::size_t trailer_bytes = 8;
+inline constexpr std::uint32_t max_name_bytes = 1u << 16;
+inline constexpr std::uint32_t max_ndim = 64;
+/// A table larger than this is refused before it is read (a million parameters with long
+/// names fit).
+inline constexpr std::uint64_t max_table_bytes = std::uint64_t{1} << 30;
+/// The smallest table record: empty name, no extents.
+inline constexpr std::uint64_t min_record_bytes = 4 + 4 + 4 + 8;
+
+// ---- XXH64 (Yann Collet's xxHash, 64-bit, seed 0), streaming -------------------------------
+
+class xxh64 {
+ public:
+  xxh64() noexcept { reset(); }
+  void reset() noexcept {
+    v_[0] = p1 + p2;
+    v_[1] = p2;
+    v_[2] = 0;
+    v_[3] = 0 - p1;
+    total_ = 0;
+    held_ = 0;
+  }
+  void update(const void* data, std::size_t n) noexcept {
+    const auto* p = static_cast<const unsigned char*>(data);
+    total_ += n;
+    if (held_ + n < 32) {
+      if (n > 0) std::memcpy(buf_ + held_, p, n);
+      held_ += n;
+      return;
+    }
+    if (held_ > 0) {
+      const std::size_t take = 32 - held_;
+      std::memcpy(buf_ + held_, p, take);
+      stripe(buf_);
+      p += take;
+      n -= take;
+      held_ = 0;
+    }
+    for (; n >= 32; p += 32, n -= 32) stripe(p);
+    if (n > 0) std::memcpy(buf_, p, n);
+    held_ = n;
+  }
+  void update(std::string_view s) noexcept { update(s.data(), s.size()); }
+  std::uint64_t digest() const noexcept {
+    std::uint64_t h;
+    if (total_ >= 32) {
+      h = rotl(v_[0], 1) + rotl(v_[1], 7) + rotl(v_[2], 12) + rotl(v_[3], 18);
+      for (auto v : v_) {
+        h ^= round(0, v);
+        h = h * p1 + p4;
+      }
+    } else {
+      h = p5;
+    }
+    h += total_;
+    const unsigned char* p = buf_;
+    std::size_t n = held_;
+    for (; n >= 8; p += 8, n -= 8) {
+      h ^= round(0, load64(p));
+      h = rotl(h, 27) * p1 + p4;
+    }
+    if (n >= 4) {
+      h ^= static_cast<std::uint64_t>(load32(p)) * p1;
+      h = rotl(h, 23) * p2 + p3;
+      p += 4;
+      n -= 4;
+    }
+    for (; n > 0; ++p, --n) {
+      h ^= *p * p5;
+      h = rotl(h, 11) * p1;
+    }
+    h ^= h >> 33;
+    h *= p2;
+    h ^= h >> 29;
+    h *= p3;
+    h ^= h >> 32;
+    return h;
+  }
+  static std::uint64_t of(const void* data, std::size_t n) noexcept {
+    xxh64 h;
+    h.update(data, n);
+    return h.digest();
+  }
+
+ private:
+  static constexpr std::uint64_t p1 = 11400714785074694791ull, p2 = 14029467366897019727ull,
+                                 p3 = 1609587929392839161ull, p4 = 9650029242287828579ull,
+                                 p5 = 2870177450012600261ull;
+  static constexpr std::uint64_t rotl(std::uint64_t x, int r) noexcept { return (x << r) | (x >> (64 - r)); }
+  static constexpr std::uint64_t round(std::uint64_t acc, std::uint64_t in) noexcept {
+    return rotl(acc + in * p2, 31) * p1;
+  }
+  static std::uint64_t load64(const unsigned char* p) noexcept {
+    return get_u64(reinterpret_cast<const char*>(p));
+  }
+  static std::uint32_t load32(const unsigned char* p) noexcept {
+    return get_u32(reinterpret_cast<const char*>(p));
+  }
+  void stripe(const unsigned char* p) noexcept {
+    for (int i = 0; i < 4; ++i) v_[i] = round(v_[i], load64(p + 8 * i));
+  }
+
+  std::uint64_t v_[4];
+  std::uint64_t total_ = 0;
+  unsigned char buf_[32] = {};
+  std::size_t held_ = 0;
+};
+
+// ---- header and table ---------------------------------------------------------------------
+
+/// What the file says about one parameter (and what a rank's model says, to compare).
+struct entry {
+  std::string name;
+  dtype type = dtype::f32;
+  std::vector<std::int64_t> shape;
+  std::uint64_t numel = 0;
+  friend bool operator==(const entry&, const entry&) = default;
+};
+
+struct header {
+  std::uint64_t count = 0;
+  std::uint64_t table = 0;
+  std::uint64_t data = 0;
+  std::uint64_t extra = 0;
+};
+
+inline std::string encode_header(const header& h) {
+  std::string s;
+  byte_writer(s).raw(std::string_view(magic, 8)).u32(version).u32(0).u64(h.count).u64(h.table).u64(h.data).u64(h.extra);
+  return s;
+}
+
+inline std::string encode_table(const std::vector<entry>& es) {
+  std::string s;
+  byte_writer w(s);
+  for (const auto& e : es) {
+    w.str(e.name).u8(static_cast<std::uint8_t>(e.type)).zeros(3).u32(static_cast<std::uint32_t>(e.shape.size()));
+    for (auto d : e.shape) w.i64(d);
+    w.u64(e.numel);
+  }
+  return s;
+}
+
+/// `a + b`, false when it does not fit in 64 bits.
+inline bool add_to(std::uint64_t& a, std::uint64_t b) noexcept {
+  if (b > std::numeric_limits<std::uint64_t>::max() - a) return false;
+  a += b;
+  return true;
+}
+
+/// Decodes the 48 header bytes of a file of `file_size` bytes; the empty string when they
+/// describe a file of exactly that size, else what is wrong.
+inline std::string decode_header(std::string_view bytes, std::uint64_t file_size, header& h) {
+  if (file_size < header_bytes + trailer_bytes || bytes.size() < header_bytes)
+    return "not a ddp checkpoint: " + std::to_string(file_size) + " bytes, shorter than the " +
+           std::to_string(header_bytes + trailer_bytes) + " of an empty one (truncated?)";
+  byte_reader r(bytes.substr(0, header_bytes));
+  if (r.raw(8) != std::string_view(magic, 8)) return "not a ddp checkpoint (wrong magic bytes)";
+  const auto v = r.u32();
+  if (v != version)
+    return "checkpoint format version " + std::to_string(v) + "; this ddp reads version " + std::to_string(version);
+  if (r.u32() != 0) return "checkpoint header has unknown flags set (a newer format?)";
+  h.count = r.u64();
+  h.table = r.u64();
+  h.data = r.u64();
+  h.extra = r.u64();
+  std::uint64_t want = header_bytes + trailer_bytes;
+  if (!add_to(want, h.table) || !add_to(want, h.data) || !add_to(want, h.extra) || want != file_size)
+    return "checkpoint sizes do not add up: the header announces a " + std::to_string(h.table) + "-byte table, " +
+           std::to_string(h.data) + " bytes of data and a " + std::to_string(h.extra) + "-byte blob, the file has " +
+           std::to_string(file_size) + " bytes (truncated or corrupt)";
+  if (h.table > max_table_bytes)
+    return "checkpoint table of " + std::to_string(h.table) + " bytes; at most " + std::to_string(max_table_bytes);
+  if (h.count > h.table / min_record_bytes)
+    return "checkpoint header announces " + std::to_string(h.count) + " parameters in a " + std::to_string(h.table) +
+           "-byte table (corrupt)";
+  return {};
+}
+
+/// Decodes the table of a header already decoded; the empty string when it holds exactly
+/// `h.count` well-formed records whose bytes add up to `h.data`, else what is wrong.
+inline std::string decode_table(std::string_view table, const header& h, std::vector<entry>& out) {
+  out.clear();
+  if (table.size() != h.table) return "checkpoint table truncated";
+  byte_reader r(table);
+  out.reserve(static_cast<std::size_t>(h.count));  // bounded: count <= table / min_record_bytes
+  std::uint64_t bytes = 0;
+  for (std::uint64_t i = 0; i < h.count; ++i) {
+    const auto bad = [&](const std::string& why) { return "checkpoint table, parameter " + std::to_string(i) + ": " + why; };
+    entry e;
+    e.name = std::string(r.str(max_name_bytes));
+    const auto t = r.u8();
+    r.zeros(3);
+    const auto ndim = r.u32();
+    if (!r.ok()) return bad("truncated or malformed record");
+    if (t > static_cast<std::uint8_t>(dtype::i64)) return bad("unknown dtype " + std::to_string(t));
+    e.type = static_cast<dtype>(t);
+    if (ndim > max_ndim) return bad(std::to_string(ndim) + " dimensions; at most " + std::to_string(max_ndim));
+    std::uint64_t product = 1;
+    bool fits = true;
+    for (std::uint32_t k = 0; k < ndim; ++k) {
+      const auto d = r.i64();
+      if (d < 0) return bad("negative extent " + std::to_string(d));
+      const auto ud = static_cast<std::uint64_t>(d);
+      if (ud != 0 && product > std::numeric_limits<std::uint64_t>::max() / ud) fits = false;
+      product = fits ? product * ud : 0;
+      e.shape.push_back(d);
+    }
+    e.numel = r.u64();
+    if (!r.ok()) return bad("truncated record");
+    if (!fits || product != e.numel) return bad("numel " + std::to_string(e.numel) + " is not the product of its shape");
+    if (e.numel > std::numeric_limits<std::uint64_t>::max() / dtype_size(e.type) ||
+        !add_to(bytes, e.numel * dtype_size(e.type)))
+      return bad("too large");
+    out.push_back(std::move(e));
+  }
+  if (!r.done()) return "checkpoint table has " + std::to_string(r.remaining()) + " bytes after its last record";
+  if (bytes != h.data)
+    return "checkpoint data section of " + std::to_string(h.data) + " bytes, but its parameters hold " +
+           std::to_string(bytes) + " (corrupt)";
+  return {};
+}
+
+/// `f32[4, 6]`.
+inline std::string describe(const entry& e) {
+  std::string s = std::string(dtype_name(e.type)) + "[";
+  for (std::size_t k = 0; k < e.shape.size(); ++k) s += (k ? ", " : "") + std::to_string(e.shape[k]);
+  return s + "]";
+}
+inline std::string label(std::size_t i, std::string_view name) {
+  return "parameter " + std::to_string(i) + (name.empty() ? std::string() : " ('" + std::string(name) + "')");
+}
+
+/// The first difference between the file's parameters and a rank's, as a sentence; empty when
+/// they agree. `index` receives the differing parameter's index.
+inline std::string first_difference(const std::vector<entry>& file, const std::vector<entry>& mine, int rank,
+                                    int& index) {
+  const std::string here = "rank " + std::to_string(rank);
+  const std::size_t n = std::min(file.size(), mine.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto& f = file[i];
+    const auto& m = mine[i];
+    if (f.name == m.name && f.type == m.type && f.shape == m.shape) continue;
+    index = static_cast<int>(i);
+    return label(i, m.name) + " differs: the file has '" + f.name + "' " + describe(f) + ", " + here + " has '" +
+           m.name + "' " + describe(m);
+  }
+  if (file.size() == mine.size()) return {};
+  index = static_cast<int>(n);
+  if (file.size() > mine.size())
+    return "the file has " + std::to_string(file.size()) + " parameters, " + here + " has " +
+           std::to_string(mine.size()) + ": " + label(n, file[n].name) + " " + describe(file[n]) +
+           " is in the file only";
+  return "the file has " + std::to_string(file.size()) + " parameters, " + here + " has " +
+         std::to_string(mine.size()) + ": " + label(n, mine[n].name) + " " + describe(mine[n]) + " is not in the file";
+}
+
+// ---- files ----------------------------------------------------------------------------------
+
+inline std::string errno_text(int e) {
+  return std::generic_category().message(e) + " (errno " + std::to_string(e) + ")";
+}
+
+/// A file descriptor closed on scope exit.
+class fd_guard {
+ public:
+  explicit fd_guard(int fd = -1) noexcept : fd_(fd) {}
+  fd_guard(const fd_guard&) = delete;
+  fd_guard& operator=(const fd_guard&) = delete;
+  ~fd_guard() { reset(); }
+  int get() const noexcept { return fd_; }
+  /// Holds `fd` from now on (closing what it held).
+  void reset(int fd) noexcept {
+    reset();
+    fd_ = fd;
+  }
+  /// Closes now; returns close()'s errno, 0 when it succeeded.
+  int reset() noexcept {
+    if (fd_ < 0) return 0;
+    const int rc = ::close(fd_);
+    fd_ = -1;
+    return rc == 0 ? 0 : errno;
+  }
+
+ private:
+  int fd_;
+};
+
+/// Reads exactly `n` bytes; 0, ENODATA when the file ends first, or the errno.
+inline int read_exact(int fd, void* p, std::size_t n) noexcept {
+  auto* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t k = ::read(fd, c, n);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0) return errno;
+    if (k == 0) return ENODATA;
+    c += k;
+    n -= static_cast<std::size_t>(k);
+  }
+  return 0;
+}
+
+/// Writes all `n` bytes; 0 or the errno.
+inline int write_all(int fd, const void* p, std::size_t n) noexcept {
+  const auto* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t k = ::write(fd, c, n);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0) return errno;
+    c += k;
+    n -= static_cast<std::size_t>(k);
+  }
+  return 0;
+}
+
+// ---- one rank's failure, every rank's error ------------------------------------------------
+
+/// What a rank's part of a collective step came to: empty `message` when it succeeded.
+struct verdict {
+  errc code = errc::system;
+  int parameter = -1;
+  std::string message;
+  bool ok() const noexcept { return message.empty(); }
+};
+
+/// Every rank learns whether every rank's part succeeded; when one did not, every rank raises
+/// the error of the lowest failing rank (its condition, parameter and message, under each
+/// rank's own prefix). Collective over `pg` (a process_group): a scalar all_reduce, then one
+/// broadcast from the failing rank.
+template <class Group>
+void settle(Group& pg, const verdict& mine, deadline_t until) {
+  constexpr std::int32_t none = std::numeric_limits<std::int32_t>::max();
+  std::int32_t first = mine.ok() ? none : pg.rank();
+  pg.all_reduce(std::span<std::int32_t>(&first, 1), op::min, until);
+  if (first == none) return;
+  std::string frame;
+  if (pg.rank() == first)
+    byte_writer(frame).u32(static_cast<std::uint32_t>(mine.code)).u32(static_cast<std::uint32_t>(mine.parameter)).raw(
+        mine.message);
+  std::uint64_t len = frame.size();
+  pg.broadcast(std::as_writable_bytes(std::span(&len, 1)), first, until);
+  if (len > (std::uint64_t{1} << 20)) raise(errc::protocol, pg.rank(), "rank " + std::to_string(first) + " announced a " + std::to_string(len) + "-byte error");
+  frame.resize(static_cast<std::size_t>(len));
+  pg.broadcast(std::as_writable_bytes(std::span(frame.data(), frame.size())), first, until);
+  byte_reader r(frame);
+  const auto code = static_cast<errc>(r.u32());
+  const auto parameter = static_cast<int>(r.u32());
+  const auto text = r.raw(r.remaining());
+  raise(r.ok() ? code : errc::protocol, pg.rank(), std::string(text), -1, parameter);
+}
+
+}  // namespace ckpt
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp

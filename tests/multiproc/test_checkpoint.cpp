@@ -1,0 +1,303 @@
+// save_checkpoint / load_checkpoint over real processes: rank 0 writes and reads, every rank
+// gets the values, and every failure is the same error on every rank.
+#include <ddp/checkpoint.hpp>
+
+#include <doctest/doctest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "harness.hpp"
+
+using namespace std::chrono_literals;
+using ddp_test::free_port;
+using ddp_test::group_options;
+using ddp_test::run_ranks;
+namespace fs = std::filesystem;
+
+namespace {
+void require(bool cond, const std::string& what) {
+  if (!cond) throw std::runtime_error(what);
+}
+
+/// A small model of mixed dtypes, one empty parameter among them; `variant` changes its layout.
+struct model {
+  std::vector<float> w, gw;
+  std::vector<double> b, gb;
+  std::vector<std::int64_t> k, gk;
+  std::vector<ddp::bfloat16> e, ge;
+  std::vector<float> z, gz;  // no elements
+  std::vector<float> x, gx;  // only in variant "extra"
+  std::vector<ddp::tensor_view> views;
+
+  explicit model(const std::string& variant = "") {
+    w.resize(24), gw.resize(24), b.resize(6), gb.resize(6), k.resize(3), gk.resize(3), e.resize(10), ge.resize(10);
+    views.push_back(ddp::make_tensor_view(w, gw, variant == "name" ? "fc1.W" : "fc1.weight", {4, 6}));
+    views.push_back(ddp::make_tensor_view(b, gb, "fc1.bias", variant == "shape" ? std::vector<std::int64_t>{3, 2}
+                                                                                   : std::vector<std::int64_t>{6}));
+    views.push_back(ddp::make_tensor_view(k, gk, "counts", {3}));
+    views.push_back(ddp::make_tensor_view(e, ge, "emb", {2, 5}));
+    views.push_back(ddp::make_tensor_view(z, gz, "empty", {0}));
+    if (variant == "extra") {
+      x.resize(2), gx.resize(2);
+      views.push_back(ddp::make_tensor_view(x, gx, "head", {2}));
+    }
+  }
+  model(const model&) = delete;
+
+  void fill(double seed) {
+    for (std::size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(seed + 0.1 * static_cast<double>(i));
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = seed / 3.0 + static_cast<double>(i);
+    for (std::size_t i = 0; i < k.size(); ++i) k[i] = static_cast<std::int64_t>(seed * 1000) + static_cast<std::int64_t>(i);
+    for (std::size_t i = 0; i < e.size(); ++i) e[i] = ddp::bfloat16(static_cast<float>(seed) - static_cast<float>(i));
+  }
+  std::string bytes() const {
+    std::string s;
+    for (const auto& v : views) s.append(static_cast<const char*>(v.data), v.bytes());
+    return s;
+  }
+};
+
+std::string blob_string(const std::vector<std::byte>& b) {
+  return std::string(reinterpret_cast<const char*>(b.data()), b.size());
+}
+std::span<const std::byte> bytes_of(const std::string& s) { return std::as_bytes(std::span(s.data(), s.size())); }
+
+/// A fresh directory for one test case, removed with it.
+struct temp_dir {
+  fs::path path;
+  temp_dir() {
+    char tmpl[] = "/tmp/ddp_ckpt_XXXXXX";
+    path = ::mkdtemp(tmpl);
+  }
+  ~temp_dir() { fs::remove_all(path); }
+};
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+void write_file(const fs::path& p, const std::string& s) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc).write(s.data(), static_cast<std::streamsize>(s.size()));
+}
+
+/// Saves a model filled with seed 1.0 (rank 0's values; the others' differ) from a group of 1.
+std::string valid_file(const fs::path& p, const std::string& extra) {
+  const int port = free_port();
+  auto outs = run_ranks(1, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, 1, port, 20s));
+    model m;
+    m.fill(1.0);
+    ddp::save_checkpoint(pg, p, m.views, bytes_of(extra));
+  });
+  REQUIRE(ddp_test::all_ok(outs));
+  return read_file(p);
+}
+
+/// Runs load_checkpoint on `n` ranks, expecting every rank to fail with `code` and a message
+/// holding `text`, its parameters untouched; `setup` chooses each rank's model and path.
+void expect_load_failure(int n, const fs::path& path, ddp::errc code, const std::string& text,
+                         const std::function<std::string(int)>& variant = {}, int parameter = -1) {
+  const int port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+    model m(variant ? variant(r) : "");
+    m.fill(7.0 + r);
+    const auto before = m.bytes();
+    try {
+      (void)ddp::load_checkpoint(pg, path, m.views);
+    } catch (const ddp::error& e) {
+      require(m.bytes() == before, "a failed load changed rank " + std::to_string(r) + "'s parameters");
+      require(e.parameter() == parameter, "error::parameter() is " + std::to_string(e.parameter()));
+      throw;
+    }
+  });
+  INFO(ddp_test::summary(outs));
+  for (const auto& o : outs) {
+    CAPTURE(o.rank);
+    CHECK(o.exit_code == 1);
+    CHECK(o.errc == static_cast<int>(code));
+    CHECK(o.message.find(text) != std::string::npos);
+  }
+}
+}  // namespace
+
+TEST_CASE("save on rank 0, load on every rank: values, shapes and the caller's blob come back, on 2 and 3 processes") {
+  for (int n : {2, 3}) {
+    CAPTURE(n);
+    temp_dir dir;
+    const auto path = dir.path / "ckpt.ddp";
+    const int port = free_port();
+    auto outs = run_ranks(n, [&](int r) {
+      auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+      model m;
+      m.fill(1.0 + r);  // every rank differs; rank 0's values are saved
+      const std::int64_t step = 4200 + r;
+      ddp::save_checkpoint(pg, path, m.views, std::as_bytes(std::span{&step, 1}));
+      // The file is there, whole, when save returns on any rank; no temporary is left.
+      require(fs::is_regular_file(path), "no checkpoint after save returned");
+      for (const auto& f : fs::directory_iterator(dir.path))
+        require(f.path() == path, "left behind: " + f.path().string());
+      model zero;
+      zero.fill(1.0);
+      const auto saved = zero.bytes();  // what rank 0 saved
+      m.fill(-5.0 - r);
+      pg.barrier();  // nobody saves again before everybody has looked
+      // Hosts need not share a file system: only rank 0 opens the path.
+      const fs::path where = r == 0 ? path : fs::path("/nonexistent/ckpt.ddp");
+      const auto blob = ddp::load_checkpoint(pg, where, m.views);
+      require(m.bytes() == saved, "rank " + std::to_string(r) + " did not get rank 0's values");
+      std::int64_t got = 0;
+      require(blob.size() == sizeof got, "blob size " + std::to_string(blob.size()));
+      std::memcpy(&got, blob.data(), sizeof got);
+      require(got == 4200, "blob holds " + std::to_string(got));
+      // Saving over an existing checkpoint replaces it; an empty blob comes back empty.
+      m.fill(3.0 + r);
+      ddp::save_checkpoint(pg, path, m.views);
+      m.fill(0.0);
+      require(ddp::load_checkpoint(pg, path, m.views).empty(), "empty blob");
+      model three;
+      three.fill(3.0);
+      require(m.bytes() == three.bytes(), "second checkpoint's values");
+    });
+    INFO(ddp_test::summary(outs));
+    CHECK(ddp_test::all_ok(outs));
+  }
+}
+
+TEST_CASE("a model that differs from the file's is errc::mismatch on every rank, naming the parameter and the rank") {
+  temp_dir dir;
+  const auto path = dir.path / "ckpt.ddp";
+  valid_file(path, "");
+  expect_load_failure(
+      3, path, ddp::errc::mismatch,
+      "load_checkpoint('" + path.string() +
+          "'): rank 1 finds another model in the file: parameter 1 ('fc1.bias') differs: the file has 'fc1.bias' "
+          "f64[6], rank 1 has 'fc1.bias' f64[3, 2]",
+      [](int r) { return r == 1 ? "shape" : ""; }, 1);
+  expect_load_failure(
+      3, path, ddp::errc::mismatch,
+      "rank 0 finds another model in the file: parameter 0 ('fc1.W') differs: the file has 'fc1.weight' f32[4, 6], "
+      "rank 0 has 'fc1.W' f32[4, 6]",
+      [](int r) { return r == 0 ? "name" : ""; }, 0);
+  expect_load_failure(
+      3, path, ddp::errc::mismatch,
+      "rank 2 finds another model in the file: the file has 5 parameters, rank 2 has 6: parameter 5 ('head') f32[2] "
+      "is not in the file",
+      [](int r) { return r == 2 ? "extra" : ""; }, 5);
+}
+
+TEST_CASE("a missing, foreign, truncated or corrupt file is the same clear error on every rank") {
+  temp_dir dir;
+  const auto good = dir.path / "good.ddp";
+  const std::string file = valid_file(good, "optimizer state");
+  const auto p = dir.path / "bad.ddp";
+  expect_load_failure(3, dir.path / "missing.ddp", ddp::errc::system,
+                      "load_checkpoint('" + (dir.path / "missing.ddp").string() + "'): rank 0 could not open '" +
+                          (dir.path / "missing.ddp").string() + "': No such file or directory (errno 2)");
+  write_file(p, "PK\3\4 this is a zip file, not a checkpoint, and it is long enough to have a header");
+  expect_load_failure(2, p, ddp::errc::invalid_argument, "rank 0 read '" + p.string() + "': not a ddp checkpoint (wrong magic bytes)");
+  write_file(p, file.substr(0, file.size() - 1));
+  expect_load_failure(2, p, ddp::errc::invalid_argument, "sizes do not add up");
+  std::string v2 = file;
+  v2[8] = 2;
+  write_file(p, v2);
+  expect_load_failure(2, p, ddp::errc::invalid_argument, "checkpoint format version 2; this ddp reads version 1");
+  std::string flipped = file;
+  flipped[file.size() - 20] = static_cast<char>(flipped[file.size() - 20] ^ 0x10);  // in the blob
+  write_file(p, flipped);
+  expect_load_failure(2, p, ddp::errc::invalid_argument, "checksum mismatch, the file is corrupt (stored ");
+  expect_load_failure(2, dir.path, ddp::errc::invalid_argument, "is not a regular file");
+}
+
+TEST_CASE("every truncation and every corrupted byte of a valid file is refused, the parameters untouched") {
+  temp_dir dir;
+  const auto good = dir.path / "good.ddp";
+  const std::string file = valid_file(good, "blob");
+  const auto p = dir.path / "bad.ddp";
+  const int port = free_port();
+  auto outs = run_ranks(1, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, 1, port, 20s));
+    model m;
+    m.fill(9.0);
+    const auto before = m.bytes();
+    const auto refused = [&](const std::string& content, const std::string& what) {
+      write_file(p, content);
+      try {
+        (void)ddp::load_checkpoint(pg, p, m.views);
+      } catch (const ddp::error& e) {
+        require(e.condition() == ddp::errc::invalid_argument || e.condition() == ddp::errc::mismatch,
+                what + ": " + e.what());
+        require(m.bytes() == before, what + ": parameters changed");
+        return;
+      }
+      throw std::runtime_error(what + ": accepted");
+    };
+    for (std::size_t len = 0; len < file.size(); ++len) refused(file.substr(0, len), "truncated to " + std::to_string(len));
+    for (std::size_t at = 0; at < file.size(); ++at)
+      for (unsigned char x : {0x01, 0xff}) {
+        std::string bad = file;
+        bad[at] = static_cast<char>(bad[at] ^ static_cast<char>(x));
+        refused(bad, "byte " + std::to_string(at) + " ^ " + std::to_string(x));
+      }
+    std::string longer = file + "x";
+    refused(longer, "one byte appended");
+    // The valid file still loads.
+    require(blob_string(ddp::load_checkpoint(pg, good, m.views)) == "blob", "valid file");
+  }, 120s);
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("a save that fails on rank 0 is an error on every rank, naming rank 0, the file and the errno") {
+  temp_dir dir;
+  const auto path = dir.path / "no" / "such" / "dir" / "ckpt.ddp";
+  const int port = free_port();
+  auto outs = run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, 3, port, 20s));
+    model m;
+    ddp::save_checkpoint(pg, path, m.views);
+  });
+  INFO(ddp_test::summary(outs));
+  for (const auto& o : outs) {
+    CAPTURE(o.rank);
+    CHECK(o.exit_code == 1);
+    CHECK(o.errc == static_cast<int>(ddp::errc::system));
+    CHECK(o.message.find("[ddp.system] rank " + std::to_string(o.rank) + ": save_checkpoint('" + path.string() +
+                         "'): rank 0 could not create '" + path.string() + ".tmp.") != std::string::npos);
+    CHECK(o.message.find("': No such file or directory (errno 2)") != std::string::npos);
+  }
+  CHECK_FALSE(fs::exists(dir.path / "no"));
+}
+
+TEST_CASE("parameters in device memory are errc::unsupported on every rank, for save and load") {
+  temp_dir dir;
+  const auto path = dir.path / "ckpt.ddp";
+  valid_file(path, "");
+  for (bool save : {true, false}) {
+    CAPTURE(save);
+    const int port = free_port();
+    auto outs = run_ranks(2, [&](int r) {
+      auto pg = ddp::init_process_group(group_options(r, 2, port, 20s));
+      model m;
+      m.views[3].device = 0;  // never touched: refused before any copy
+      if (save) ddp::save_checkpoint(pg, dir.path / "gpu.ddp", m.views);
+      else (void)ddp::load_checkpoint(pg, path, m.views);
+    });
+    INFO(ddp_test::summary(outs));
+    for (const auto& o : outs) {
+      CHECK(o.errc == static_cast<int>(ddp::errc::unsupported));
+      CHECK(o.message.find("rank 0 cannot " + std::string(save ? "save" : "load") +
+                           " parameter 3 ('emb'): it is in CUDA device 0's memory") != std::string::npos);
+    }
+    CHECK_FALSE(fs::exists(dir.path / "gpu.ddp"));
+  }
+}
