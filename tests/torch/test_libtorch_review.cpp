@@ -272,3 +272,77 @@ TEST_CASE("torch review: f64 modules average; a module with no trainable paramet
   });
   check_all_ok(outs);
 }
+
+// Gradients set to None (zero_grad(true)) and a layer that only rank 0 uses this step
+// (find_unused_parameters): rank 1 contributes zeros, and the average is that layer's gradient
+// on rank 0 over 2. PyTorch's reducer writes the average into .grad on every rank where the
+// parameter was used anywhere (creating it where it was None), so that every rank's optimizer
+// takes the same step. The adapter left rank 1's .grad None (copy and view mode): rank 1's
+// optimizer skipped the layer that rank 0's updated, and the replicas diverged.
+TEST_CASE("torch review: gradients set to None and a layer used on one rank only: every rank gets the average") {
+  for (const bool view : {false, true}) {
+    CAPTURE(view);
+    const int world = 2, port = ddp_test::free_port();
+    auto outs = run_processes({0, 1}, [&](int rank) {
+      torch::set_num_threads(1);
+      Small net, copy;
+      auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+      ddp::torch_data_parallel dp{pg, *net, {}, {.gradient_as_bucket_view = view, .find_unused_parameters = true}};
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      // Rank 0 runs both layers; rank 1 only l1 (its loss does not depend on l2).
+      auto loss = [&](Small& m, int r) {
+        auto x = input_of(r, 4, 3);
+        return r == 0 ? m->forward(x).square().sum() : torch::tanh(m->l1(x)).square().sum();
+      };
+      for (int s = 0; s < 2; ++s) {
+        auto want = average_grads(net, copy, world, loss);
+        for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();  // zero_grad(set_to_none)
+        loss(net, rank).backward();
+        for (auto& p : net->parameters())
+          if (!p.grad().defined()) throw std::runtime_error("a gradient is None after a synchronized step");
+        require_grads(net, want, rank, "locally unused");
+        opt.step();
+      }
+      // The replicas agree.
+      auto sum = torch::zeros({1}, torch::kDouble);
+      for (auto& p : net->parameters()) sum += p.to(torch::kDouble).sum();
+      const double mine = sum.item<double>();
+      auto all = pg.all_gather(std::string(reinterpret_cast<const char*>(&mine), sizeof mine));
+      if (all[0] != all[1]) throw std::runtime_error("the replicas' weights diverged");
+    });
+    check_all_ok(outs);
+  }
+}
+
+// join() through wrapper() with the LibTorch adapter in view mode: rank 1 has one batch, rank 0
+// three; rank 1's .grad() tensors (bucket memory) are zero after join(), rank 0's last two
+// steps average over rank 0 alone; then both train the next epoch together.
+TEST_CASE("torch review: uneven inputs through wrapper().join(), view mode") {
+  const int world = 2, port = ddp_test::free_port();
+  auto outs = run_processes({0, 1}, [&](int rank) {
+    torch::set_num_threads(1);
+    Small net, copy;
+    auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+    ddp::torch_data_parallel dp{pg, *net, {}, {.gradient_as_bucket_view = true, .uneven_inputs = true}};
+    auto loss_at = [&](int s) { return [s](Small& m, int r) { return m->forward(input_of(r, 10 + s, 3)).square().sum(); }; };
+    const int mine = rank == 0 ? 3 : 1;
+    for (int s = 0; s < mine; ++s) {
+      auto want = average_grads(net, copy, s == 0 ? world : 1, loss_at(s));
+      net->zero_grad();
+      loss_at(s)(net, rank).backward();
+      require_grads(net, want, rank, "uneven");
+      if (dp.last_step_stats().contributors != (s == 0 ? 2 : 1)) throw std::runtime_error("contributors");
+    }
+    dp.wrapper().join();
+    if (rank == 1) {
+      if (dp.wrapper().joined_steps() != 2) throw std::runtime_error("rank 1 answered " + std::to_string(dp.wrapper().joined_steps()));
+      for (auto& p : net->parameters())
+        if (p.grad().abs().max().item<float>() != 0.0f) throw std::runtime_error("a joined rank's gradient is not zero");
+    }
+    auto want = average_grads(net, copy, world, loss_at(5));
+    net->zero_grad();
+    loss_at(5)(net, rank).backward();
+    require_grads(net, want, rank, "next epoch");
+  });
+  check_all_ok(outs);
+}

@@ -147,7 +147,9 @@ struct parameter_traits<torch_parameters> {
 ///
 /// The module must be where it will train (device, dtype) before wrapping. Gradients set to
 /// None (`zero_grad(true)`) are fine: the hook puts the fresh gradient back into the tensor
-/// ddp reduces. A parameter moved after wrapping (`module->to(...)`, `set_data()`) makes the
+/// ddp reduces, and after a synchronized step every parameter's `.grad()` holds the average,
+/// also one this rank did not use (`find_unused_parameters`; zeros where no rank used it, which
+/// PyTorch's DDP leaves None). A parameter moved after wrapping (`module->to(...)`, `set_data()`) makes the
 /// next `backward()` throw `errc::usage` naming it, before anything is reduced. An error inside
 /// a hook or the final callback leaves `backward()` as that exception (a `ddp::error` when ddp
 /// raised it) and fails the wrapper for good: autograd runs no end-of-backward callback after
@@ -319,7 +321,18 @@ class basic_torch_data_parallel {
 
   void end_step() {
     step_open_.store(false);
-    failing([&] { dp_.finish(); });
+    failing([&] {
+      dp_.finish();
+      if (!dp_.last_step_stats().synchronized) return;
+      // A parameter this rank did not use (find_unused_parameters) may have no gradient, or one
+      // the engine never handed over: it takes the average too, so that every rank's optimizer
+      // takes the same step (PyTorch's reducer creates the gradient from the bucket likewise).
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        const auto& t = params_.tensor(i);
+        if (!t.grad().is_same(grads_[i])) t.mutable_grad() = grads_[i];
+      }
+    });
   }
 
   // Runs part of a step. An exception leaves the step half done (autograd runs no queued
