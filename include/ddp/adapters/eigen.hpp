@@ -140,7 +140,13 @@ class eigen_parameters {
     e.param = storage_of<P>(param, label, "the parameter");
     e.grad = storage_of<G>(grad, label, "its gradient");
     e.shape = e.param.shape();
-    if (e.param.numel() != e.grad.numel() || squeezed(e.param.shape()) != squeezed(e.grad.shape()))
+    // One row or one column is the same memory in either order; a matrix must match the
+    // parameter's rows, columns and order, even where the memory-order shapes agree (a square
+    // matrix, a transposed one in the other order).
+    const bool line = e.param.rows == 1 || e.param.cols == 1;
+    const bool same_matrix = line || (e.grad.rows == e.param.rows && e.grad.cols == e.param.cols &&
+                                      e.grad.row_major == e.param.row_major);
+    if (e.param.numel() != e.grad.numel() || squeezed(e.param.shape()) != squeezed(e.grad.shape()) || !same_matrix)
       detail::raise(errc::invalid_argument, -1,
                     label + ": the gradient is " + e.grad.describe() + " but the parameter is " + e.param.describe() +
                         "; give the gradient the parameter's shape" +

@@ -28,6 +28,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -60,7 +61,9 @@ inline dtype torch_dtype(c10::ScalarType t, std::string_view what = "a tensor") 
 
 /// The trainable parameters of a module (or a list of named tensors) as a `ddp::parameter_set`:
 /// the parameters that require a gradient, in `named_parameters()` order (the order of
-/// `module.parameters()`, which an optimizer sees too). Every gradient is made defined (zeros
+/// `module.parameters()`, which an optimizer sees too). A tensor registered under several names
+/// (tied weights) is one parameter, under its first name, as PyTorch's DDP sees it (Python's
+/// `named_parameters()` drops duplicates; LibTorch's lists them). Every gradient is made defined (zeros
 /// where autograd has not made one yet), because ddp reads and writes gradients in place.
 /// Throws `ddp::error`: `errc::invalid_argument` for a tensor that is not contiguous or not a
 /// leaf, `errc::unsupported` for a scalar type ddp does not reduce; the message names it.
@@ -89,6 +92,7 @@ class torch_parameters {
 
  private:
   void add(const std::string& name, const torch::Tensor& t) {
+    if (!seen_.insert(t.unsafeGetTensorImpl()).second) return;  // tied: already wrapped under its first name
     const std::string label = "parameter '" + name + "'";
     if (!t.is_leaf())
       detail::raise(errc::invalid_argument, -1, label + " is not a leaf tensor (autograd never accumulates its gradient)");
@@ -112,6 +116,7 @@ class torch_parameters {
   std::vector<std::string> names_;
   std::vector<dtype> types_;
   std::vector<std::vector<std::int64_t>> shapes_;
+  std::unordered_set<const c10::TensorImpl*> seen_;
 };
 
 template <>
@@ -142,7 +147,9 @@ struct parameter_traits<torch_parameters> {
 ///
 /// The module must be where it will train (device, dtype) before wrapping. Gradients set to
 /// None (`zero_grad(true)`) are fine: the hook puts the fresh gradient back into the tensor
-/// ddp reduces. A parameter moved after wrapping (`module->to(...)`, `set_data()`) makes the
+/// ddp reduces, and after a synchronized step every parameter's `.grad()` holds the average,
+/// also one this rank did not use (`find_unused_parameters`; zeros where no rank used it, which
+/// PyTorch's DDP leaves None). A parameter moved after wrapping (`module->to(...)`, `set_data()`) makes the
 /// next `backward()` throw `errc::usage` naming it, before anything is reduced. An error inside
 /// a hook or the final callback leaves `backward()` as that exception (a `ddp::error` when ddp
 /// raised it) and fails the wrapper for good: autograd runs no end-of-backward callback after
@@ -249,7 +256,12 @@ class basic_torch_data_parallel {
     check_not_failed();
     try {
       check_parameters();
-      torch::autograd::Engine::get_default_engine().queue_callback([this] { end_step(); });
+      handed_.store(0);
+      auto watch = std::make_shared<step_watch>(this);
+      torch::autograd::Engine::get_default_engine().queue_callback([this, watch] {
+        watch->ran = true;
+        end_step();
+      });
     } catch (...) {
       step_open_.store(false);
       throw;
@@ -264,6 +276,7 @@ class basic_torch_data_parallel {
       torch::NoGradGuard no_grad;
       const auto& t = params_.tensor(i);
       const auto& g = t.grad();
+      handed_.fetch_add(1);
       if (!g.is_same(grads_[i])) {  // set to None, then made afresh by autograd
         if (g.defined() && g.data_ptr() != grads_[i].data_ptr()) grads_[i].copy_(g);
         t.mutable_grad() = grads_[i];
@@ -272,9 +285,54 @@ class basic_torch_data_parallel {
     });
   }
 
+  // Autograd keeps the callback queued above until its backward ends, and runs it only if that
+  // backward succeeded: the callback's copy of this watch dies unrun when an exception from
+  // outside ddp (a user's hook, an operator) ended it. Without it the step would stay open for
+  // good: no later backward would queue a callback again, so none would be averaged.
+  struct step_watch {
+    explicit step_watch(basic_torch_data_parallel* owner) : owner_(owner) {}
+    step_watch(const step_watch&) = delete;
+    step_watch& operator=(const step_watch&) = delete;
+    ~step_watch() {
+      if (!ran) owner_->abandon_step();
+    }
+    basic_torch_data_parallel* owner_;
+    bool ran = false;
+  };
+
+  // A backward ended by an exception before its end-of-backward callback. When no gradient of it
+  // reached ddp, nothing happened: the next backward is a fresh step. Otherwise ddp holds a
+  // half-done step that no later call can complete: the wrapper fails for good, saying so.
+  void abandon_step() noexcept {
+    step_open_.store(false);
+    const std::size_t handed = handed_.load();
+    if (handed == 0) return;
+    try {
+      std::lock_guard lock(failure_mutex_);
+      if (failure_.empty()) {
+        failure_code_ = errc::usage;
+        failure_ = "a backward() ended by an exception from outside ddp (a hook, an operator) after " +
+                   std::to_string(handed) + " of " + std::to_string(params_.size()) +
+                   " gradients had been handed to ddp; that step can never finish";
+      }
+    } catch (...) {  // no memory for the message: the step stays open and the next backward says so
+    }
+  }
+
   void end_step() {
     step_open_.store(false);
-    failing([&] { dp_.finish(); });
+    failing([&] {
+      dp_.finish();
+      if (!dp_.last_step_stats().synchronized) return;
+      // A parameter this rank did not use (find_unused_parameters) may have no gradient, or one
+      // the engine never handed over: it takes the average too, so that every rank's optimizer
+      // takes the same step (PyTorch's reducer creates the gradient from the bucket likewise).
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        const auto& t = params_.tensor(i);
+        if (!t.grad().is_same(grads_[i])) t.mutable_grad() = grads_[i];
+      }
+    });
   }
 
   // Runs part of a step. An exception leaves the step half done (autograd runs no queued
@@ -335,6 +393,7 @@ class basic_torch_data_parallel {
   std::vector<void*> data_;           // each parameter's storage at wrapping
   std::vector<registration> hooks_;
   std::atomic<bool> step_open_{false};
+  std::atomic<std::size_t> handed_{0};  // gradients of the open step given to ddp
   std::mutex failure_mutex_;
   std::string failure_;  // the first exception that left a step half done
   errc failure_code_ = errc::aborted;

@@ -1,0 +1,348 @@
+// Adversarial cases for the LibTorch adapter: backward passes that fail outside ddp, tied
+// weights, several backward passes over one graph, a wrapper that goes away while its module
+// keeps training, modules with nothing to train, f64 parameters. Each case checks values or
+// the error's code and text on real processes.
+
+#include <ddp/adapters/libtorch.hpp>
+// LibTorch's logging defines glog-style CHECK macros; doctest's are the ones meant here.
+#undef CHECK
+#undef CHECK_EQ
+#undef CHECK_NE
+#undef CHECK_LT
+#undef CHECK_LE
+#undef CHECK_GT
+#undef CHECK_GE
+#include <doctest/doctest.h>
+
+#include "multiproc/harness.hpp"
+
+using namespace std::chrono_literals;
+using ddp_test::group_options;
+using ddp_test::run_processes;
+
+namespace {
+
+// Two layers and a head whose weight is the first layer's (tied: one tensor, registered twice).
+struct TiedImpl : torch::nn::Module {
+  TiedImpl() {
+    a = register_module("a", torch::nn::Linear(torch::nn::LinearOptions(4, 4).bias(false)));
+    b = register_module("b", torch::nn::Linear(4, 4));
+    head = register_parameter("head", a->weight);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::matmul(b(a(x)), head.t()); }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  torch::Tensor head;
+};
+TORCH_MODULE(Tied);
+
+struct SmallImpl : torch::nn::Module {
+  SmallImpl() {
+    l1 = register_module("l1", torch::nn::Linear(3, 5));
+    l2 = register_module("l2", torch::nn::Linear(5, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return l2(torch::tanh(l1(x))); }
+  torch::nn::Linear l1{nullptr}, l2{nullptr};
+};
+TORCH_MODULE(Small);
+
+torch::Tensor input_of(int r, int s, int cols, torch::Dtype t = torch::kFloat) {
+  torch::manual_seed(100 * s + r + 1);
+  return torch::randn({6, cols}).to(t);
+}
+
+// The gradients of `loss(module, r)` for each rank r, averaged, from a copy of `module`'s weights.
+template <class M, class Loss>
+std::vector<torch::Tensor> average_grads(M& module, M& copy, int world, Loss&& loss) {
+  {
+    torch::NoGradGuard g;
+    auto src = module->parameters(), dst = copy->parameters();
+    for (std::size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+  }
+  std::vector<torch::Tensor> sum;
+  for (int r = 0; r < world; ++r) {
+    for (auto& p : copy->parameters()) p.mutable_grad() = torch::Tensor();
+    loss(copy, r).backward();
+    auto ps = copy->parameters();
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      auto g = ps[i].grad().defined() ? ps[i].grad().clone() : torch::zeros_like(ps[i]);
+      if (sum.size() <= i) sum.push_back(g); else sum[i] += g;
+    }
+  }
+  for (auto& g : sum) g /= world;
+  return sum;
+}
+
+template <class M>
+void require_grads(M& module, const std::vector<torch::Tensor>& want, int rank, const char* what) {
+  auto ps = module->parameters();
+  if (ps.size() != want.size()) throw std::runtime_error("parameter count differs");
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    const double err = (ps[i].grad() - want[i]).abs().max().template item<double>();
+    const double scale = want[i].abs().max().template item<double>() + 1e-12;
+    if (!(err <= 1e-5 * scale))
+      throw std::runtime_error(std::string(what) + ": rank " + std::to_string(rank) + ": gradient " +
+                               std::to_string(i) + " off by " + std::to_string(err));
+  }
+}
+
+void check_all_ok(const std::vector<ddp_test::outcome>& outs) {
+  for (const auto& o : outs) CHECK_MESSAGE(o.ok(), ("rank " + std::to_string(o.rank) + ": " + o.message));
+}
+
+}  // namespace
+
+// A backward() that throws from a hook of the user's own (a NaN check, say) ends before autograd
+// runs the end-of-backward callback ddp queued. The wrapper must notice: either nothing of the
+// step reached ddp and the next backward() is an ordinary synchronized step, or the step was
+// half done and every later backward() raises errc::usage saying an earlier backward() failed.
+// It must never run a later backward() without averaging (the adapter used to keep its step
+// flag set forever: no callback was queued again, finish() never ran, gradients stayed local).
+TEST_CASE("torch review: a backward() that a user's hook aborts never leaves a later step unsynchronized") {
+  for (const bool view : {false, true}) {
+    for (const bool before_any_gradient : {true, false}) {
+      CAPTURE(view);
+      CAPTURE(before_any_gradient);
+      const int world = 2, port = ddp_test::free_port();
+      auto outs = run_processes({0, 1}, [&](int rank) {
+        torch::set_num_threads(1);
+        torch::manual_seed(3);
+        Small net, copy;
+        auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+        ddp::torch_data_parallel dp{pg, *net, {}, {.gradient_as_bucket_view = view}};
+        // l2.bias's accumulator runs first in backward (nearest the loss); l1.weight's last.
+        auto& victim = before_any_gradient ? net->l2->bias : net->l1->weight;
+        bool armed = true;
+        victim.register_hook([&](const torch::Tensor& g) {
+          if (armed) throw std::runtime_error("user hook: a NaN in the gradient");
+          return g;
+        });
+        auto loss = [&](Small& m, int r) { return m->forward(input_of(r, 0, 3)).square().sum(); };
+        try {
+          loss(net, rank).backward();
+          throw std::logic_error("the user's hook did not throw");
+        } catch (const std::logic_error&) {
+          throw;
+        } catch (const std::exception& e) {
+          if (std::string(e.what()).find("user hook") == std::string::npos) throw;
+        }
+        armed = false;
+        for (int s = 0; s < 2; ++s) {
+          auto want = average_grads(net, copy, world, loss);
+          net->zero_grad();
+          try {
+            loss(net, rank).backward();
+          } catch (const ddp::error& e) {
+            if (before_any_gradient) throw;  // nothing of the failed step reached ddp: no reason to refuse
+            if (e.code() != ddp::errc::usage || std::string(e.what()).find("an earlier backward() failed") == std::string::npos)
+              throw;
+            continue;  // refused, saying why: the promise holds
+          }
+          if (!before_any_gradient) throw std::runtime_error("a backward() after a half-done step was accepted");
+          require_grads(net, want, rank, "after the aborted backward");
+          if (dp.last_step_stats().step != static_cast<std::uint64_t>(s) || !dp.last_step_stats().synchronized)
+            throw std::runtime_error("finish() did not run for backward " + std::to_string(s));
+        }
+      });
+      check_all_ok(outs);
+    }
+  }
+}
+
+// Tied weights: `head` is `a.weight`. LibTorch's named_parameters() lists the tensor twice;
+// PyTorch's DDP sees it once (Python's named_parameters() drops duplicates). ddp must too: one
+// parameter, one gradient slot, reduced once; otherwise in view mode one gradient has two
+// bucket slots and the second hook copies from the first slot while its bucket is reduced.
+TEST_CASE("torch review: a tensor registered twice (tied weights) is one parameter, averaged right") {
+  {
+    torch::set_num_threads(1);
+    Tied net;
+    REQUIRE(net->named_parameters().size() == 4);  // LibTorch lists the tied tensor twice
+    ddp::torch_parameters params{*net};
+    CHECK(params.size() == 3);
+    // Under its first name in named_parameters() order (the module's own parameters first, as
+    // Python lists them too): "head", and never again as "a.weight".
+    REQUIRE(params.size() == 3);
+    CHECK(params.name(0) == "head");
+    CHECK(params.name(1) == "b.weight");
+    CHECK(params.name(2) == "b.bias");
+  }
+  for (const bool view : {false, true}) {
+    CAPTURE(view);
+    const int world = 2, port = ddp_test::free_port();
+    auto outs = run_processes({0, 1}, [&](int rank) {
+      torch::set_num_threads(1);
+      torch::manual_seed(rank + 11);
+      Tied net, copy;
+      auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+      // One parameter per bucket, so that a bucket is in flight while later hooks run.
+      ddp::torch_data_parallel dp{pg, *net, ddp::bucket_policy{.cap_bytes = 1, .first_cap_bytes = 1},
+                                  {.gradient_as_bucket_view = view}};
+      torch::optim::SGD opt(net->parameters(), 0.05);
+      auto loss = [&](Tied& m, int r) { return m->forward(input_of(r, 0, 4)).square().mean(); };
+      for (int s = 0; s < 3; ++s) {
+        auto want = average_grads(net, copy, world, loss);
+        opt.zero_grad();
+        loss(net, rank).backward();
+        require_grads(net, want, rank, "tied");
+        if (!net->head.grad().is_same(net->a->weight.grad())) throw std::runtime_error("tied gradients differ");
+        opt.step();
+      }
+    });
+    check_all_ok(outs);
+  }
+}
+
+// retain_graph: two backward() calls over one graph are two synchronized steps, the second
+// averaging (first average + local gradient), as PyTorch DDP's reducer averages whatever .grad holds.
+TEST_CASE("torch review: two backward() calls over one graph (retain_graph) are two averaged steps") {
+  const int world = 2, port = ddp_test::free_port();
+  auto outs = run_processes({0, 1}, [&](int rank) {
+    torch::set_num_threads(1);
+    Small net, copy;
+    auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+    ddp::torch_data_parallel dp{pg, *net, {}, {.gradient_as_bucket_view = true}};
+    auto loss = [&](Small& m, int r) { return m->forward(input_of(r, 1, 3)).square().sum(); };
+    auto avg = average_grads(net, copy, world, loss);
+    net->zero_grad();
+    auto l = loss(net, rank);
+    l.backward({}, /*retain_graph=*/true);
+    require_grads(net, avg, rank, "first backward");
+    l.backward();
+    std::vector<torch::Tensor> twice;
+    for (auto& g : avg) twice.push_back(2 * g);
+    require_grads(net, twice, rank, "second backward");
+    if (dp.wrapper().steps() != 2) throw std::runtime_error("expected two steps");
+  });
+  check_all_ok(outs);
+}
+
+// View mode, then the wrapper goes away: the module keeps gradients it owns and trains alone
+// (no hook of the dead wrapper fires, no gradient points into freed bucket memory).
+TEST_CASE("torch review: the module trains alone after its view-mode wrapper is destroyed") {
+  const int world = 2, port = ddp_test::free_port();
+  auto outs = run_processes({0, 1}, [&](int rank) {
+    torch::set_num_threads(1);
+    torch::manual_seed(rank + 5);
+    Small net;
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    auto loss = [&](Small& m, int r) { return m->forward(input_of(r, 2, 3)).square().sum(); };
+    {
+      auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+      ddp::torch_data_parallel dp{pg, *net, {}, {.gradient_as_bucket_view = true}};
+      opt.zero_grad();
+      loss(net, rank).backward();
+      opt.step();
+    }
+    for (int s = 0; s < 2; ++s) {
+      opt.zero_grad();
+      loss(net, rank).backward();
+      Small copy;
+      auto want = average_grads(net, copy, 1, [&](Small& m, int) { return loss(m, rank); });
+      require_grads(net, want, rank, "alone");
+      opt.step();
+    }
+  });
+  check_all_ok(outs);
+}
+
+// f64 parameters, and a module with nothing to train (every parameter frozen): no crash, the
+// wrapper is inert and backward() of an unrelated graph is untouched.
+TEST_CASE("torch review: f64 modules average; a module with no trainable parameter is inert") {
+  const int world = 2, port = ddp_test::free_port();
+  auto outs = run_processes({0, 1}, [&](int rank) {
+    torch::set_num_threads(1);
+    Small net, copy;
+    net->to(torch::kDouble);
+    copy->to(torch::kDouble);
+    auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+    ddp::torch_data_parallel dp{pg, *net};
+    auto loss = [&](Small& m, int r) { return m->forward(input_of(r, 3, 3, torch::kDouble)).square().sum(); };
+    auto want = average_grads(net, copy, world, loss);
+    net->zero_grad();
+    loss(net, rank).backward();
+    require_grads(net, want, rank, "f64");
+
+    Small frozen;
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+    ddp::torch_data_parallel none{pg, *frozen};
+    if (none.parameters().size() != 0) throw std::runtime_error("frozen parameters were wrapped");
+    auto x = torch::ones({2}, torch::requires_grad());
+    (x * 3).sum().backward();
+    if (x.grad().sum().item<float>() != 6.0f) throw std::runtime_error("unrelated backward changed");
+  });
+  check_all_ok(outs);
+}
+
+// Gradients set to None (zero_grad(true)) and a layer that only rank 0 uses this step
+// (find_unused_parameters): rank 1 contributes zeros, and the average is that layer's gradient
+// on rank 0 over 2. PyTorch's reducer writes the average into .grad on every rank where the
+// parameter was used anywhere (creating it where it was None), so that every rank's optimizer
+// takes the same step. The adapter left rank 1's .grad None (copy and view mode): rank 1's
+// optimizer skipped the layer that rank 0's updated, and the replicas diverged.
+TEST_CASE("torch review: gradients set to None and a layer used on one rank only: every rank gets the average") {
+  for (const bool view : {false, true}) {
+    CAPTURE(view);
+    const int world = 2, port = ddp_test::free_port();
+    auto outs = run_processes({0, 1}, [&](int rank) {
+      torch::set_num_threads(1);
+      Small net, copy;
+      auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+      ddp::torch_data_parallel dp{pg, *net, {}, {.gradient_as_bucket_view = view, .find_unused_parameters = true}};
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      // Rank 0 runs both layers; rank 1 only l1 (its loss does not depend on l2).
+      auto loss = [&](Small& m, int r) {
+        auto x = input_of(r, 4, 3);
+        return r == 0 ? m->forward(x).square().sum() : torch::tanh(m->l1(x)).square().sum();
+      };
+      for (int s = 0; s < 2; ++s) {
+        auto want = average_grads(net, copy, world, loss);
+        for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();  // zero_grad(set_to_none)
+        loss(net, rank).backward();
+        for (auto& p : net->parameters())
+          if (!p.grad().defined()) throw std::runtime_error("a gradient is None after a synchronized step");
+        require_grads(net, want, rank, "locally unused");
+        opt.step();
+      }
+      // The replicas agree.
+      auto sum = torch::zeros({1}, torch::kDouble);
+      for (auto& p : net->parameters()) sum += p.to(torch::kDouble).sum();
+      const double mine = sum.item<double>();
+      auto all = pg.all_gather(std::string(reinterpret_cast<const char*>(&mine), sizeof mine));
+      if (all[0] != all[1]) throw std::runtime_error("the replicas' weights diverged");
+    });
+    check_all_ok(outs);
+  }
+}
+
+// join() through wrapper() with the LibTorch adapter in view mode: rank 1 has one batch, rank 0
+// three; rank 1's .grad() tensors (bucket memory) are zero after join(), rank 0's last two
+// steps average over rank 0 alone; then both train the next epoch together.
+TEST_CASE("torch review: uneven inputs through wrapper().join(), view mode") {
+  const int world = 2, port = ddp_test::free_port();
+  auto outs = run_processes({0, 1}, [&](int rank) {
+    torch::set_num_threads(1);
+    Small net, copy;
+    auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+    ddp::torch_data_parallel dp{pg, *net, {}, {.gradient_as_bucket_view = true, .uneven_inputs = true}};
+    auto loss_at = [&](int s) { return [s](Small& m, int r) { return m->forward(input_of(r, 10 + s, 3)).square().sum(); }; };
+    const int mine = rank == 0 ? 3 : 1;
+    for (int s = 0; s < mine; ++s) {
+      auto want = average_grads(net, copy, s == 0 ? world : 1, loss_at(s));
+      net->zero_grad();
+      loss_at(s)(net, rank).backward();
+      require_grads(net, want, rank, "uneven");
+      if (dp.last_step_stats().contributors != (s == 0 ? 2 : 1)) throw std::runtime_error("contributors");
+    }
+    dp.wrapper().join();
+    if (rank == 1) {
+      if (dp.wrapper().joined_steps() != 2) throw std::runtime_error("rank 1 answered " + std::to_string(dp.wrapper().joined_steps()));
+      for (auto& p : net->parameters())
+        if (p.grad().abs().max().item<float>() != 0.0f) throw std::runtime_error("a joined rank's gradient is not zero");
+    }
+    auto want = average_grads(net, copy, world, loss_at(5));
+    net->zero_grad();
+    loss_at(5)(net, rank).backward();
+    require_grads(net, want, rank, "next epoch");
+  });
+  check_all_ok(outs);
+}
