@@ -9,11 +9,14 @@ interleaved, under no_sync() (backward alone) and synchronized, on every rank; p
 slowest rank counts; the difference of the medians is what synchronizing the gradients costs.
 The two systems alternate, round after round, so that both see the same machine. Prints one
 row per (ranks, width) with the medians over the rounds and the ratio of PyTorch DDP's sync
-time to ddp's (target: 3 or more). Raw rows go to --csv.
+time to ddp's (target: 3 or more). Raw rows go to --csv. With --bind-cores both pin rank r to
+core r (unbound, two ranks on 2 cores are now and then stacked on one core, which makes the
+2-rank figures bimodal).
 """
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -23,7 +26,16 @@ ROOT = os.path.dirname(HERE)
 
 
 def run(cmd):
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # In a session of its own: a run that overstays is killed with all its ranks, so no orphaned
+    # rank keeps a core busy under the runs that follow.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        sys.exit(f"timed out after 300 s: {' '.join(cmd)}")
+    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if out.returncode != 0:
         sys.exit(f"failed ({out.returncode}): {' '.join(cmd)}\n{out.stdout}\n{out.stderr}")
     lines = [l.split("] ", 1)[1] if l.startswith("[") else l for l in out.stdout.splitlines()]  # ddprun's "[rank] "
@@ -43,6 +55,8 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--csv", help="write every round's rows here")
+    ap.add_argument("--bind-cores", action="store_true",
+                    help="both systems pin rank r to the r-th usable core (ddprun --bind-cores)")
     args = ap.parse_args()
 
     ddprun = os.path.join(args.build, "tools", "ddprun")
@@ -53,8 +67,9 @@ def main():
         for width in args.widths:
             for r in range(args.rounds):
                 common = ["--bench", str(args.steps), "--width", str(width)]
-                rows.append(run([ddprun, "-n", str(ranks), example] + common) | {"round": r})
-                rows.append(run(["/usr/bin/python3", peer, "--ranks", str(ranks)] + common) | {"round": r})
+                bind = ["--bind-cores"] if args.bind_cores else []
+                rows.append(run([ddprun, "-n", str(ranks)] + bind + [example] + common) | {"round": r})
+                rows.append(run(["/usr/bin/python3", peer, "--ranks", str(ranks)] + bind + common) | {"round": r})
                 print(f"# ranks {ranks} width {width} round {r}: ddp sync {rows[-2]['sync']:.3f} ms, "
                       f"PyTorch DDP sync {rows[-1]['sync']:.3f} ms", file=sys.stderr, flush=True)
     if args.csv:

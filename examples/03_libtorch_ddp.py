@@ -97,6 +97,9 @@ def make_dataset(n):
 
 
 def worker(rank, args, port):
+    if args.bind_cores:  # as ddprun --bind-cores: rank r on the r-th usable core
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = dist.TCPStore("127.0.0.1", port, args.ranks, False)
@@ -198,6 +201,7 @@ def main():
     ap.add_argument("--tol", type=float, default=1e-5)
     ap.add_argument("--bench", type=int, default=0, help="timed steps (0: train)")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--bind-cores", action="store_true", help="rank r on the r-th usable core")
     args = ap.parse_args()
     if not args.bench and not args.init:
         ap.error("--init is required to train (or --bench K to time)")
