@@ -4,16 +4,7 @@
 // Each case checks the values against a reference computed in the same process: every rank can
 // rebuild every other rank's batch (seeded), so the average of the local gradients is known.
 
-#include <ddp/adapters/libtorch.hpp>
-// LibTorch's logging defines glog-style CHECK macros; doctest's are the ones meant here.
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
-#include <doctest/doctest.h>
+#include "torch_doctest.hpp"
 
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/shm.hpp>

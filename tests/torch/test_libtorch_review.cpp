@@ -3,16 +3,7 @@
 // keeps training, modules with nothing to train, f64 parameters. Each case checks values or
 // the error's code and text on real processes.
 
-#include <ddp/adapters/libtorch.hpp>
-// LibTorch's logging defines glog-style CHECK macros; doctest's are the ones meant here.
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
-#include <doctest/doctest.h>
+#include "torch_doctest.hpp"
 
 #include "multiproc/harness.hpp"
 
