@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +27,7 @@
 #include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/data_parallel/detail/uneven.hpp>
 #include <ddp/data_parallel/options.hpp>
+#include <ddp/data_parallel/timeline.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/memory/auto_allocator.hpp>
 #include <ddp/planner/size_planner.hpp>
@@ -198,6 +200,7 @@ class basic_data_parallel {
       }
       state_.clear_accumulated();  // they are in this step's average now
     }
+    if (timeline_) record_timeline(t_call);
     last_stats_ = state_.stats(step_, t_call, steady_clock::now());
     last_stats_.contributors = contributors;
     if (!settled_ && last_stats_.synchronized)
@@ -313,6 +316,8 @@ class basic_data_parallel {
   int world_size() const noexcept { return pg_.size(); }
   Reducer& get_reducer() noexcept { return red_; }
   Allocator& get_allocator() noexcept { return memory_.allocator(); }
+  /// The timeline this wrapper records into (`DDP_TIMELINE`, `dp_options::timeline`), or nullptr.
+  const timeline* get_timeline() const noexcept { return timeline_.get(); }
   process_group& group() noexcept { return pg_; }
 
  private:
@@ -366,10 +371,12 @@ class basic_data_parallel {
   // Waits (bounded by the timeout) for bucket b's reduction. A failed collective is a verdict
   // the reducer already posted to every rank: it is recorded without blaming this rank.
   void wait_bucket(std::size_t b, const char* what = "finish") {
+    const auto t_wait = timeline_ ? steady_clock::now() : steady_clock::time_point{};
     guarded(
         what, -1, [&] { memory_.wait(b, wait_patience(), pg_.rank()); }, false);
     const auto& req = memory_.in_flight(b);
     state_.set_reduced(b, req.valid() ? req.finished_at() : state_.launched_at(b));
+    if (timeline_) timeline_->bucket_waited(b, t_wait, steady_clock::now());
   }
 
   std::chrono::milliseconds wait_patience() const {
@@ -426,6 +433,19 @@ class basic_data_parallel {
     if (bk.numel > 0)
       memory_.track(b, red_.allreduce_async(memory_.buffer(b), bk.numel, bk.type,
                                             detail::bucket_op(opts_.average, opts_.uneven_inputs, bk.type)));
+    if (timeline_) timeline_->bucket_launched(b, steady_clock::now());
+  }
+
+  // ---- the timeline (docs/tuning.md, "See a step: the timeline") ---------------------------
+  // Opened with the buckets: a rank that cannot open its file fails construction on every rank.
+  void open_timeline() {
+    timeline_ = timeline::open(opts_, pg_.rank(), pg_.size());
+    if (timeline_) state_.on_ready([t = timeline_.get()](std::size_t b) { t->bucket_ready(b); });
+  }
+  // The step finish() ends, before the plan can change (the rebuild).
+  void record_timeline(steady_clock::time_point t_call) noexcept {
+    timeline_->end_step(step_, state_, memory_.plan(), names_, generation_, t_call, !opts_.gradient_as_bucket_view,
+                        [this](std::size_t b) -> const request& { return memory_.in_flight(b); });
   }
 
   void reset_step() {
@@ -448,6 +468,7 @@ class basic_data_parallel {
   // buckets do not fit (a full /dev/shm, device memory) fails here, and so do its peers.
   void set_up_buffers(bucket_plan plan) {
     agree_.share_setup(detail::exception_of([&] {
+      open_timeline();
       memory_.allocate(std::move(plan));
       if (opts_.uneven_inputs) memory_.allocate_side(sizeof(std::int64_t));  // the count
       if (opts_.gradient_as_bucket_view)
@@ -471,6 +492,7 @@ class basic_data_parallel {
 
   process_group pg_;  // the wrapper's own handle: the group stays open while this lives
   detail::owner_process owner_;
+  std::unique_ptr<timeline> timeline_;  // null unless DDP_TIMELINE or dp_options::timeline
   bucket_policy policy_;
   dp_options opts_;
   std::vector<tensor_view> views_;

@@ -17,6 +17,7 @@
 
 #include <ddp/version.hpp>
 #include <ddp/detail/fork.hpp>
+#include <ddp/detail/thread_id.hpp>
 #include <ddp/error.hpp>
 
 namespace ddp {
@@ -30,9 +31,21 @@ struct request_state {
   bool done = false;
   std::exception_ptr error;
   std::chrono::steady_clock::time_point finished_at{};
+  // Set by the thread that runs the collective as it starts (start()).
+  std::chrono::steady_clock::time_point started_at{};
+  long thread = 0;  // OS id of that thread
   // After fork() a parent's thread may have been waiting on `cv`: destroying it in the child
   // would wait for that waiter forever (see ~request).
   unsigned fork_generation = detail::fork_generation();
+
+  /// The collective starts now, on the calling thread (for timelines: one clock read per collective).
+  void start() noexcept {
+    const auto now = std::chrono::steady_clock::now();
+    const long id = os_thread_id();
+    std::lock_guard lock(mu);
+    started_at = now;
+    thread = id;
+  }
 
   void complete(std::exception_ptr e = nullptr) {
     {
@@ -90,6 +103,21 @@ class request {
     if (!state_) return {};
     std::lock_guard lock(state_->mu);
     return state_->finished_at;
+  }
+
+  /// When the collective started running (valid once test() is true; the epoch if it never ran).
+  std::chrono::steady_clock::time_point started_at() const {
+    if (!state_) return {};
+    std::lock_guard lock(state_->mu);
+    return state_->started_at;
+  }
+
+  /// The OS id (Linux gettid) of the thread that ran the collective: the reducer's progress
+  /// thread. Valid once test() is true; 0 if it never ran.
+  long thread_id() const {
+    if (!state_) return 0;
+    std::lock_guard lock(state_->mu);
+    return state_->thread;
   }
 
   bool valid() const noexcept { return state_ != nullptr; }

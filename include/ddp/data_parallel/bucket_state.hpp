@@ -45,6 +45,9 @@ class bucket_state {
   /// Called once when a synchronized step opens, before any of its buckets can launch (under
   /// the same lock): what must precede every bucket of the step (the uneven-inputs count).
   using open_fn = std::function<void()>;
+  /// Called when bucket b becomes complete, on the thread whose `complete` did it, under the lock
+  /// (the wrapper's timeline notes which thread that was).
+  using ready_fn = std::function<void(std::size_t bucket)>;
 
   bucket_state(std::size_t parameters, launch_fn launch, open_fn on_sync_open = {})
       : n_(parameters),
@@ -88,6 +91,11 @@ class bucket_state {
     }
     return sync_;
   }
+  /// Sets the observer of buckets becoming complete (empty: none; one test of it per bucket).
+  void on_ready(ready_fn f) {
+    std::lock_guard lock(mu_);
+    on_ready_ = std::move(f);
+  }
   bool is_open() const {
     std::lock_guard lock(mu_);
     return open_;
@@ -124,6 +132,7 @@ class bucket_state {
     const std::size_t b = plan_->where[i].first;
     if (--pending_[b] == 0) {
       ready_at_[b] = t;
+      if (on_ready_) on_ready_(b);
       launch_locked();
     }
   }
@@ -151,6 +160,13 @@ class bucket_state {
     return next_launch_;
   }
   steady_clock::time_point launched_at(std::size_t b) const { return launched_at_[b]; }
+  /// When bucket b became complete (the epoch while it is not; always for a bucket with no entries).
+  steady_clock::time_point ready_at(std::size_t b) const { return ready_at_[b]; }
+  /// When the step opened (its first hook, or `finish()`), and when its last hook ran.
+  steady_clock::time_point step_start() const { return step_start_; }
+  steady_clock::time_point last_ready() const { return last_ready_; }
+  /// The mode the step opened with (true: synchronized).
+  bool synchronized() const { return sync_; }
   /// The order parameters completed in, when the step records it.
   const std::vector<std::size_t>& order() const noexcept { return order_; }
 
@@ -200,6 +216,7 @@ class bucket_state {
   std::vector<std::uint8_t> unused_, accumulated_;
   launch_fn launch_;
   open_fn on_sync_open_;
+  ready_fn on_ready_;
   mutable std::mutex mu_;  // guards what follows
   std::vector<std::size_t> pending_;
   std::vector<steady_clock::time_point> ready_at_, launched_at_, reduced_at_;

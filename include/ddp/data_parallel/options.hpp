@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <ddp/version.hpp>
@@ -37,6 +38,13 @@ struct dp_options {
   /// Every rank must pass the same value; the bucket layout is then fixed at construction (no
   /// rebuild from the ready order). See docs/data-parallel.md, "Uneven inputs".
   bool uneven_inputs = false;
+  /// Record every step into a Chrome trace file (Perfetto, chrome://tracing): rank r writes
+  /// `<timeline>.rank<r>.json` (or the name with `{rank}` replaced by r). Empty: the environment
+  /// variable `DDP_TIMELINE`, and no timeline when that is unset too. See docs/tuning.md,
+  /// "See a step: the timeline".
+  std::string timeline = {};
+  /// Steps the timeline records before it stops; 0: `DDP_TIMELINE_STEPS`, else 1000.
+  std::uint64_t timeline_steps = 0;
 
   friend bool operator==(const dp_options&, const dp_options&) = default;
 };

@@ -113,6 +113,7 @@ class worker {
           busy = true;
         }
         std::exception_ptr err;
+        it.state->start();
         try {
           it.job();
         } catch (...) {
