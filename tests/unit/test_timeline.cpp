@@ -12,6 +12,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dp_plan.hpp"
@@ -249,4 +250,36 @@ TEST_CASE("timeline: a forked child never writes into the parent's file") {
   CHECK(count(text, "\"name\":\"step 1\"") == 1);
   CHECK(count(text, "\"otherData\"") == 1);
   CHECK(python_parses(path));
+}
+
+TEST_CASE("timeline: reducers note when collectives start only while a timeline lives") {
+  temp_dir d;
+  const int before = ddp::detail::timed_collectives().load();
+  {
+    ddp::timeline a{d.path + "/a.json", 0, 1};
+    CHECK(ddp::detail::timed_collectives().load() == before + 1);
+    {
+      ddp::timeline b{d.path + "/b.json", 0, 1};
+      CHECK(ddp::detail::timed_collectives().load() == before + 2);
+    }
+    CHECK(ddp::detail::timed_collectives().load() == before + 1);
+  }
+  CHECK(ddp::detail::timed_collectives().load() == before);
+  CHECK_THROWS_AS(ddp::timeline(d.path + "/no-such-dir/c.json", 0, 1), ddp::error);
+  CHECK(ddp::detail::timed_collectives().load() == before);  // a failed open counts nothing
+  // What a worker records for a timeline: the start, and the thread it ran on.
+  ddp::request r{std::make_shared<ddp::detail::request_state>()};
+  CHECK(r.started_at() == ddp::steady_clock::time_point{});
+  CHECK(r.thread_id() == 0);
+  auto s = std::make_shared<ddp::detail::request_state>();
+  std::thread([&] {
+    s->start();
+    s->complete();
+  }).join();
+  ddp::request done{s};
+  CHECK(done.test());
+  CHECK(done.started_at() <= done.finished_at());
+  CHECK(done.started_at() != ddp::steady_clock::time_point{});
+  CHECK(done.thread_id() > 0);
+  CHECK(done.thread_id() != ddp::detail::os_thread_id());
 }

@@ -133,6 +133,7 @@ class timeline {
       fd_ = -1;
       fail_to_open("cannot write to it", e);
     }
+    detail::timed_collectives().fetch_add(1, std::memory_order_relaxed);  // workers time collectives now
   }
 
   timeline(const timeline&) = delete;
@@ -142,6 +143,7 @@ class timeline {
   /// (the file is the parent's) and only closes the child's descriptor.
   ~timeline() {
     if (fd_ < 0) return;
+    detail::timed_collectives().fetch_sub(1, std::memory_order_relaxed);
     if (!owner_.forked() && !failed_) {
       buf_ += "\n],\"displayTimeUnit\":\"ms\",\"otherData\":{\"library\":\"ddp " + std::to_string(DDP_VERSION_MAJOR) +
               "." + std::to_string(DDP_VERSION_MINOR) + "." + std::to_string(DDP_VERSION_PATCH) +
