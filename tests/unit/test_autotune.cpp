@@ -137,6 +137,12 @@ TEST_CASE("autotune: decide adopts the cap it is given (rank 0's) and ends the t
   CHECK(log.find("ddp: autotune: cap 1 MiB") != std::string::npos);
   CHECK(log.find("ddp: autotune: chose cap 2 MiB at step 17") != std::string::npos);
   CHECK(log.find("3.000") != std::string::npos);
+  ddp::autotune_report small;
+  small.candidates.push_back({8_KiB, 5, {1.0}, 1.0});
+  small.chosen_cap_bytes = 512;
+  const std::string log2 = ddp::bucket_autotuner::describe(small);
+  CHECK(log2.find("cap 8 KiB") != std::string::npos);
+  CHECK(log2.find("chose cap 512 B") != std::string::npos);
 }
 
 TEST_CASE("autotune: an empty candidate list after pruning still tries the first cap; zero steps is rejected") {

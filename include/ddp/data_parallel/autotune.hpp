@@ -175,7 +175,12 @@ class bucket_autotuner {
   static std::string describe(const autotune_report& r) {
     const auto mib = [](std::size_t b) {
       char buf[32];
-      std::snprintf(buf, sizeof buf, "%g MiB", static_cast<double>(b) / (1 << 20));
+      if (b >= (std::size_t{1} << 20))
+        std::snprintf(buf, sizeof buf, "%g MiB", static_cast<double>(b) / (1 << 20));
+      else if (b >= 1024)
+        std::snprintf(buf, sizeof buf, "%g KiB", static_cast<double>(b) / 1024);
+      else
+        std::snprintf(buf, sizeof buf, "%zu B", b);
       return std::string(buf);
     };
     std::string out;
