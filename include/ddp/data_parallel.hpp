@@ -487,8 +487,8 @@ class basic_data_parallel {
 
   // ---- the bucket-cap autotune (docs/tuning.md, "Autotune") -------------------------------
   // Every rank runs the same schedule: the first synchronized step with the smallest candidate
-  // (unmeasured), then per candidate one unmeasured step on fresh buckets and autotune_steps
-  // measured ones. Each tuning step ends with an all_reduce (max) of this rank's figure, so all
+  // (unmeasured), then autotune_rounds passes over the candidates, each visit one unmeasured
+  // step on fresh buckets and autotune_steps measured ones. Each tuning step ends with an all_reduce (max) of this rank's figure, so all
   // ranks record the same numbers; rank 0's pick is broadcast all the same, and check_plan
   // confirms one plan after every re-plan.
 
@@ -500,8 +500,9 @@ class basic_data_parallel {
     std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a of the settings
     const auto mix = [&h](std::uint64_t w) { h = (h ^ w) * 0x100000001b3ull; };
     mix(policy_.autotune_steps);
+    mix(policy_.autotune_rounds);
     for (auto c : policy_.autotune_caps) mix(c);
-    agree_.check_same("bucket_policy::autotune_caps and autotune_steps (a hash of them)", h);
+    agree_.check_same("bucket_policy::autotune_caps, autotune_steps and autotune_rounds (a hash of them)", h);
     agree_.check_same("dp_options::gradient_as_bucket_view", opts_.gradient_as_bucket_view ? 1 : 0);
     if (opts_.gradient_as_bucket_view)
       detail::raise(errc::usage, pg_.rank(),
@@ -516,7 +517,7 @@ class basic_data_parallel {
       detail::raise(errc::invalid_argument, pg_.rank(),
                     "bucket_policy::autotune with a non-empty bucket_policy::caps: the autotune tries values of "
                     "cap_bytes, which caps replaces; list the candidates in autotune_caps instead");
-    tuner_.emplace(policy_.autotune_caps, policy_.autotune_steps);
+    tuner_.emplace(policy_.autotune_caps, policy_.autotune_steps, policy_.autotune_rounds);
     tune_base_ = policy_;
     policy_ = with_cap(tune_base_, tuner_->first_cap());
   }

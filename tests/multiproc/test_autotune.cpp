@@ -107,7 +107,8 @@ const std::vector<std::size_t> kCaps = {8_KiB, 16_KiB, 32_KiB, 1_MiB, 2_MiB};  /
 constexpr std::size_t kDistinct = 4;
 
 ddp::bucket_policy tuned(std::size_t steps = 2) {
-  return ddp::bucket_policy{.first_cap_bytes = 4_KiB, .autotune = true, .autotune_caps = kCaps, .autotune_steps = steps};
+  return ddp::bucket_policy{
+      .first_cap_bytes = 4_KiB, .autotune = true, .autotune_caps = kCaps, .autotune_steps = steps, .autotune_rounds = 1};
 }
 
 // Tunes on n ranks and checks every step's averages, the schedule, and that every rank ends on
@@ -215,7 +216,7 @@ TEST_CASE("autotune: ranks that disagree on it, or on its candidates, fail at co
       3, ddp::errc::mismatch, "bucket_policy::autotune: rank 0 has 1, rank 2 has 0",
       [](int r) { return r == 2 ? ddp::bucket_policy{} : tuned(); }, [](int) { return ddp::dp_options{}; });
   expect_construction_error(
-      2, ddp::errc::mismatch, "autotune_caps and autotune_steps", [](int r) { return tuned(r == 0 ? 2 : 3); },
+      2, ddp::errc::mismatch, "autotune_caps, autotune_steps and autotune_rounds", [](int r) { return tuned(r == 0 ? 2 : 3); },
       [](int) { return ddp::dp_options{}; });
 }
 

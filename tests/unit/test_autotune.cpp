@@ -103,6 +103,35 @@ TEST_CASE("autotune: each candidate runs one unmeasured step then `steps` measur
   CHECK(r.candidates[2].samples_ms.size() == 2);
 }
 
+TEST_CASE("autotune: with several rounds the passes interleave and each candidate's median spans them") {
+  ddp::bucket_autotuner t({1_MiB, 2_MiB}, 1, 3);
+  t.start({1_MiB, 2_MiB}, {});
+  CHECK(t.tuning_steps(2) == 1 + 3 * 2 * 2);
+  int step = 0;
+  std::vector<std::size_t> ran;
+  while (!t.measuring_done()) {
+    ran.push_back(t.cap());
+    // A burst of load during the whole first visit of 2 MiB: one sample of three, outvoted.
+    const double ms = t.cap() == 1_MiB ? 20.0 : (step < 4 ? 90.0 : 10.0);
+    t.record(ms + step++ * 0.01);
+  }
+  CHECK(ran == std::vector<std::size_t>{1_MiB, 1_MiB, 2_MiB, 2_MiB, 1_MiB, 1_MiB, 2_MiB, 2_MiB, 1_MiB, 1_MiB, 2_MiB,
+                                        2_MiB});
+  REQUIRE(t.report().candidates.size() == 2);
+  CHECK(t.report().candidates[0].samples_ms.size() == 3);
+  CHECK(t.report().candidates[1].samples_ms.size() == 3);
+  CHECK(t.report().candidates[1].samples_ms[0] == doctest::Approx(90.03));
+  CHECK(t.report().candidates[1].median_ms == doctest::Approx(10.11));
+  CHECK(t.pick() == 2_MiB);
+  try {
+    ddp::bucket_autotuner bad({}, 1, 0);
+    FAIL("no error");
+  } catch (const ddp::error& e) {
+    CHECK(e.condition() == ddp::errc::invalid_argument);
+    CHECK(std::string(e.what()).find("autotune_rounds") != std::string::npos);
+  }
+}
+
 TEST_CASE("autotune: the pick is the lowest median, robust to one slow outlier; ties go to the smaller cap") {
   ddp::bucket_autotuner t({}, 3);
   t.start({1_MiB, 2_MiB, 4_MiB, 8_MiB}, {});
@@ -164,7 +193,8 @@ TEST_CASE("autotune: bucket_policy keeps its defaults and equality with the new 
   ddp::bucket_policy a{}, b{};
   CHECK_FALSE(a.autotune);
   CHECK(a.autotune_caps.empty());
-  CHECK(a.autotune_steps == 3);
+  CHECK(a.autotune_steps == 2);
+  CHECK(a.autotune_rounds == 2);
   CHECK(a == b);
   b.autotune = true;
   CHECK_FALSE(a == b);

@@ -74,27 +74,32 @@ inline double median_of(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/// The autotune's state machine. Candidates are tried in ascending order, each for
-/// `skip + steps` synchronized steps: the first `skip` steps after a re-plan are not measured
-/// (fresh buffers fault their pages in, caches are cold), the next `steps` are. After the last
-/// candidate, `pick()` names the cap with the lowest median; ties go to the smaller cap.
+/// The autotune's state machine. Candidates are tried in ascending order, `rounds` passes over
+/// all of them, each visit `skip + steps` synchronized steps: the first `skip` steps after a
+/// re-plan are not measured (fresh buffers fault their pages in, caches are cold), the next
+/// `steps` are. Spreading a candidate's samples over passes keeps a burst of load on a shared
+/// machine from deciding alone. After the last visit, `pick()` names the cap with the lowest
+/// median over all its samples; ties go to the smaller cap.
 /// The tuning starts at the wrapper's first synchronized step, which runs with the smallest
 /// candidate and is not measured either (its end is where the ready order becomes known).
 /// \code
-/// ddp::bucket_autotuner t({1 << 20, 4 << 20}, 3);
+/// ddp::bucket_autotuner t({1 << 20, 4 << 20}, 3, 2);
 /// t.start({1 << 20, 4 << 20}, {1, 1});          // after the first step: the distinct caps
 /// while (!t.measuring_done()) t.record(step_ms());  // re-plan with t.cap() when it returns true
 /// t.decide(t.pick());                            // rank 0's pick, broadcast
 /// \endcode
 class bucket_autotuner {
  public:
-  /// `caps`: the candidates (empty: `default_autotune_caps()`); `steps` measured per candidate.
-  /// Throws errc::invalid_argument for `steps == 0`.
-  explicit bucket_autotuner(std::vector<std::size_t> caps, std::size_t steps, std::size_t skip = 1)
-      : steps_(steps), skip_(skip) {
+  /// `caps`: the candidates (empty: `default_autotune_caps()`); `steps` measured per candidate
+  /// and pass, `rounds` passes. Throws errc::invalid_argument when `steps` or `rounds` is 0.
+  bucket_autotuner(std::vector<std::size_t> caps, std::size_t steps, std::size_t rounds = 1, std::size_t skip = 1)
+      : steps_(steps), rounds_(rounds), skip_(skip) {
     if (steps == 0)
       detail::raise(errc::invalid_argument, -1,
                     "bucket_policy::autotune_steps is 0; the autotune needs at least one measured step per candidate");
+    if (rounds == 0)
+      detail::raise(errc::invalid_argument, -1,
+                    "bucket_policy::autotune_rounds is 0; the autotune needs at least one pass over the candidates");
     if (caps.empty()) caps = default_autotune_caps();
     std::sort(caps.begin(), caps.end());
     caps.erase(std::unique(caps.begin(), caps.end()), caps.end());
@@ -122,7 +127,8 @@ class bucket_autotuner {
   /// The cap the coming step runs with (after `start`, before `decide`).
   std::size_t cap() const noexcept {
     if (report_.done) return report_.chosen_cap_bytes;
-    return started_ && current_ < report_.candidates.size() ? report_.candidates[current_].cap_bytes : first_cap();
+    return started_ && !measuring_done() ? report_.candidates[current_ % report_.candidates.size()].cap_bytes
+                                         : first_cap();
   }
 
   /// One synchronized step of the current candidate ended; `slowest_ms` is its figure (the
@@ -130,7 +136,7 @@ class bucket_autotuner {
   /// with `cap()`), or when measuring is over (`measuring_done()`, then `decide`).
   bool record(double slowest_ms) {
     if (!started_ || measuring_done()) return false;
-    auto& c = report_.candidates[current_];
+    auto& c = report_.candidates[current_ % report_.candidates.size()];
     if (in_candidate_ >= skip_) c.samples_ms.push_back(slowest_ms);
     if (++in_candidate_ < skip_ + steps_) return false;
     c.median_ms = median_of(c.samples_ms);
@@ -139,8 +145,8 @@ class bucket_autotuner {
     return true;
   }
 
-  /// Every candidate has its `steps` measurements.
-  bool measuring_done() const noexcept { return started_ && current_ >= report_.candidates.size(); }
+  /// Every candidate has its `rounds * steps` measurements.
+  bool measuring_done() const noexcept { return started_ && current_ >= rounds_ * report_.candidates.size(); }
 
   /// The candidate with the lowest median (the smaller cap on a tie); `first_cap()` before any.
   std::size_t pick() const noexcept {
@@ -166,8 +172,10 @@ class bucket_autotuner {
   }
   bool done() const noexcept { return report_.done; }
 
-  /// Synchronized steps from the first one to the decision: 1 + candidates * (skip + steps).
-  std::size_t tuning_steps(std::size_t candidates) const noexcept { return 1 + candidates * (skip_ + steps_); }
+  /// Synchronized steps from the first one to the decision: 1 + rounds * candidates * (skip + steps).
+  std::size_t tuning_steps(std::size_t candidates) const noexcept {
+    return 1 + rounds_ * candidates * (skip_ + steps_);
+  }
 
   const autotune_report& report() const noexcept { return report_; }
 
@@ -202,7 +210,7 @@ class bucket_autotuner {
 
  private:
   std::vector<std::size_t> caps_;
-  std::size_t steps_ = 3, skip_ = 1;
+  std::size_t steps_ = 2, rounds_ = 1, skip_ = 1;
   std::size_t current_ = 0, in_candidate_ = 0;
   bool started_ = false;
   autotune_report report_;
