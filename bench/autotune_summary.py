@@ -22,7 +22,9 @@ for path in sys.argv[1:]:
         reducer = sysname[len("ddp_"):sysname.index("_copy")]
         key = (r["model"], int(r["ranks"]), reducer)
         g = groups.setdefault(key, {"fixed": {}, "auto": None})
-        if sysname.endswith("_copy_auto"):
+        if sysname.endswith("_copy_autofixed"):
+            g["autofixed"] = float(r["sync_ms"])
+        elif sysname.endswith("_copy_auto"):
             g["auto"] = (float(r["bucket_cap_mb"]), float(r["sync_ms"]))
         elif sysname.endswith("_copy"):
             g["fixed"][float(r["bucket_cap_mb"])] = float(r["sync_ms"])
@@ -39,10 +41,13 @@ for path in sys.argv[1:]:
             "fixed_sync_ms_at_auto_cap": g["fixed"].get(auto_cap, float("nan")),
             "ratio": auto_ms / g["fixed"][best_cap],
             "ratio_chosen_fixed": g["fixed"].get(auto_cap, float("nan")) / g["fixed"][best_cap],
+            "autofixed_sync_ms": g.get("autofixed", float("nan")),
+            "auto_over_autofixed": auto_ms / g.get("autofixed", float("nan")),
         })
 
 fields = ["run", "model", "ranks", "reducer", "best_fixed_cap_mb", "best_fixed_sync_ms", "auto_cap_mb",
-          "auto_sync_ms", "fixed_sync_ms_at_auto_cap", "ratio", "ratio_chosen_fixed"]
+          "auto_sync_ms", "fixed_sync_ms_at_auto_cap", "ratio", "ratio_chosen_fixed", "autofixed_sync_ms",
+          "auto_over_autofixed"]
 w = csv.DictWriter(sys.stdout, fieldnames=fields, lineterminator="\n")
 w.writeheader()
 for r in rows:

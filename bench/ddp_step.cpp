@@ -23,7 +23,9 @@
 //                                 view: gradient_as_bucket_view, nothing copied)
 //   ddp_<reducer>_copy_auto       `auto` in --caps: bucket_policy::autotune picks the cap (copy mode only);
 //                                 the steps until its choice are extra warm-up, bucket_cap_mb is
-//                                 the chosen cap
+//                                 the chosen cap (mean of two rounds, alternating with:)
+//   ddp_<reducer>_copy_autofixed  the chosen cap as a fixed bucket_policy, measured alternately
+//                                 with the tuned wrapper (the same plan: any gap is overhead or noise)
 //   ddp_<reducer>_flat            one allreduce of all gradient bytes in one buffer (the floor
 //                                 bucketing is compared with); bucket_cap_mb is the model size
 //   ddp_<reducer>_<mode>_compute  25 MiB cap with simulated backward compute: each parameter
@@ -361,9 +363,21 @@ void run_reducer(ddp::process_group& pg, const model_spec& m, engine& e, const o
         backward(dp, e, false, 1.0f / static_cast<float>(s + 1), none);
         dp.finish();
       }
-      const row r = time_steps(pg, dp, e, false, o, compute_model{});
-      print_row(pg, "ddp_" + name + "_copy_auto", m, static_cast<double>(dp.autotune_report().chosen_cap_bytes) / (1 << 20),
-                o.steps, r, 0);
+      // Then the chosen cap as a fixed policy, measured alternately with the tuned wrapper (two
+      // rounds each), so that load drifting during the run falls on both alike.
+      const std::size_t chosen = dp.autotune_report().chosen_cap_bytes;
+      dp_type fixed{pg, e.views, ddp::bucket_policy{.cap_bytes = chosen, .first_cap_bytes = std::min(chosen, 1_MiB)},
+                    ddp::dp_options{.broadcast_parameters = false}, rargs...};
+      row ra{}, rf{};
+      for (int k = 0; k < 2; ++k) {
+        const row a = time_steps(pg, dp, e, false, o, compute_model{});
+        const row f = time_steps(pg, fixed, e, false, o, compute_model{});
+        ra = {ra.step_ms + a.step_ms / 2, ra.nosync_ms + a.nosync_ms / 2, ra.exposed_ms + a.exposed_ms / 2};
+        rf = {rf.step_ms + f.step_ms / 2, rf.nosync_ms + f.nosync_ms / 2, rf.exposed_ms + f.exposed_ms / 2};
+      }
+      const double chosen_mb = static_cast<double>(chosen) / (1 << 20);
+      print_row(pg, "ddp_" + name + "_copy_auto", m, chosen_mb, o.steps, ra, 0);
+      print_row(pg, "ddp_" + name + "_copy_autofixed", m, chosen_mb, o.steps, rf, 0);
     }
     if (o.compute) {
       const double compute_ms = o.compute_ms >= 0 ? o.compute_ms : flat_ms;
