@@ -195,7 +195,8 @@ void expect_construction_error(int n, ddp::errc code, const std::string& what,
 
 }  // namespace
 
-TEST_CASE("autotune over ring<tcp>: exact averages every step, one plan and rank 0's choice on 2 and 3 ranks") {
+TEST_CASE("autotune over ring<tcp>: exact averages every step, one plan and rank 0's choice on 1 to 3 ranks") {
+  tune_run<ddp::ring<ddp::tcp>, ddp::host_allocator>(1, -1);
   tune_run<ddp::ring<ddp::tcp>, ddp::host_allocator>(2, -1);
   tune_run<ddp::ring<ddp::tcp>, ddp::host_allocator>(3, -1);
 }
