@@ -21,6 +21,11 @@
 // Rows, per ranks x model x reducer:
 //   ddp_<reducer>_<mode>          one row per bucket cap (copy: gradients copied into buckets;
 //                                 view: gradient_as_bucket_view, nothing copied)
+//   ddp_<reducer>_copy_auto       `auto` in --caps: bucket_policy::autotune picks the cap (copy mode only);
+//                                 the steps until its choice are extra warm-up, bucket_cap_mb is
+//                                 the chosen cap (mean of two rounds, alternating with:)
+//   ddp_<reducer>_copy_autofixed  the chosen cap as a fixed bucket_policy, measured alternately
+//                                 with the tuned wrapper (the same plan: any gap is overhead or noise)
 //   ddp_<reducer>_flat            one allreduce of all gradient bytes in one buffer (the floor
 //                                 bucketing is compared with); bucket_cap_mb is the model size
 //   ddp_<reducer>_<mode>_compute  25 MiB cap with simulated backward compute: each parameter
@@ -70,6 +75,7 @@ struct model_spec {
 struct options {
   std::vector<int> ranks{2, 4};
   std::vector<double> caps_mb{1, 25, 100};
+  bool auto_cap = false;  // `auto` among --caps: a row tuned by bucket_policy::autotune
   std::vector<std::string> reducers{"default", "ring_tcp", "tree_tcp", "ring_shm", "tree_shm"};
   std::vector<std::string> modes{"copy", "view"};
   int steps = 10, warmup = 3;
@@ -135,7 +141,10 @@ options parse(int argc, char** argv) {
       for (auto& s : split(value())) o.ranks.push_back(std::atoi(s.c_str()));
     } else if (a == "--caps") {
       o.caps_mb.clear();
-      for (auto& s : split(value())) o.caps_mb.push_back(std::atof(s.c_str()));
+      for (auto& s : split(value())) {
+        if (s == "auto") o.auto_cap = true;
+        else o.caps_mb.push_back(std::atof(s.c_str()));
+      }
     } else if (a == "--reducers") {
       o.reducers = split(value());
     } else if (a == "--modes") {
@@ -337,6 +346,38 @@ void run_reducer(ddp::process_group& pg, const model_spec& m, engine& e, const o
                  ddp::dp_options{.gradient_as_bucket_view = view, .broadcast_parameters = false}, rargs...};
       const row r = time_steps(pg, dp, e, view, o, compute_model{});
       print_row(pg, "ddp_" + name + "_" + mode, m, cap, o.steps, r, 0);
+    }
+    if (o.auto_cap && !view) {
+      // The wrapper tunes during its first synchronized steps, run exactly as time_steps runs
+      // them (no_sync step, barrier, synchronized step); then the usual warm-up and measurement.
+      dp_type dp{pg, e.views, ddp::bucket_policy{.autotune = true},
+                 ddp::dp_options{.broadcast_parameters = false}, rargs...};
+      compute_model none{};
+      for (int s = 0; !dp.autotune_report().done; ++s) {
+        {
+          auto guard = dp.no_sync();
+          backward(dp, e, false, 1.0f, none);
+          dp.finish();
+        }
+        dp.get_reducer().barrier();
+        backward(dp, e, false, 1.0f / static_cast<float>(s + 1), none);
+        dp.finish();
+      }
+      // Then the chosen cap as a fixed policy, measured alternately with the tuned wrapper (two
+      // rounds each), so that load drifting during the run falls on both alike.
+      const std::size_t chosen = dp.autotune_report().chosen_cap_bytes;
+      dp_type fixed{pg, e.views, ddp::bucket_policy{.cap_bytes = chosen, .first_cap_bytes = std::min(chosen, 1_MiB)},
+                    ddp::dp_options{.broadcast_parameters = false}, rargs...};
+      row ra{}, rf{};
+      for (int k = 0; k < 2; ++k) {
+        const row a = time_steps(pg, dp, e, false, o, compute_model{});
+        const row f = time_steps(pg, fixed, e, false, o, compute_model{});
+        ra = {ra.step_ms + a.step_ms / 2, ra.nosync_ms + a.nosync_ms / 2, ra.exposed_ms + a.exposed_ms / 2};
+        rf = {rf.step_ms + f.step_ms / 2, rf.nosync_ms + f.nosync_ms / 2, rf.exposed_ms + f.exposed_ms / 2};
+      }
+      const double chosen_mb = static_cast<double>(chosen) / (1 << 20);
+      print_row(pg, "ddp_" + name + "_copy_auto", m, chosen_mb, o.steps, ra, 0);
+      print_row(pg, "ddp_" + name + "_copy_autofixed", m, chosen_mb, o.steps, rf, 0);
     }
     if (o.compute) {
       const double compute_ms = o.compute_ms >= 0 ? o.compute_ms : flat_ms;

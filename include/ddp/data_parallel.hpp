@@ -10,8 +10,10 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +23,7 @@
 #include <ddp/fwd.hpp>
 #include <ddp/concepts.hpp>
 #include <ddp/data_parallel/agreement.hpp>
+#include <ddp/data_parallel/autotune.hpp>
 #include <ddp/data_parallel/bucket_memory.hpp>
 #include <ddp/data_parallel/bucket_state.hpp>
 #include <ddp/data_parallel/detail/failure_latch.hpp>
@@ -96,6 +99,7 @@ class basic_data_parallel {
     memory_.check_reachable(views_, pg_.rank());
     agree_.check_signatures(views_);
     agree_.check_same("dp_options::uneven_inputs", opts_.uneven_inputs ? 1 : 0);
+    set_up_autotune();
     if (opts_.broadcast_parameters && pg.size() > 1) agreement::broadcast_values(red_, views_, pg_.timeout());
     // View mode hands bucket memory to the engine, which keeps the pointers: that layout must
     // never move, so it is final from the start (docs/data-parallel.md, "View mode"). With
@@ -205,6 +209,7 @@ class basic_data_parallel {
     last_stats_.contributors = contributors;
     if (!settled_ && last_stats_.synchronized)
       guarded("the bucket rebuild in finish", -1, [&] { rebuild_from_order(); });
+    autotune_after_step();
     reset_step();
     ++step_;
   }
@@ -282,8 +287,9 @@ class basic_data_parallel {
   std::uint64_t joined_steps() const noexcept { return joined_steps_; }
 
   /// Where the engine must write gradient `i` in view mode (in copy mode: where ddp stages it).
-  /// In view mode the address never changes; in copy mode it moves once, at the rebuild after
-  /// the first synchronized step (`generation()` changes then).
+  /// In view mode the address never changes; in copy mode it moves at the rebuild after the
+  /// first synchronized step, and with `bucket_policy::autotune` at each cap the tuning tries
+  /// and at its choice (`generation()` changes then).
   /// \code
   /// float* g = static_cast<float*>(dp.bucket_grad(i));  // view mode: backward writes here, every step
   /// \endcode
@@ -302,8 +308,18 @@ class basic_data_parallel {
     return out;
   }
 
-  /// Bumped when the bucket layout changes: once in copy mode (the rebuild), never in view mode.
+  /// Bumped when the bucket layout changes: once in copy mode (the rebuild), plus once per
+  /// layout the bucket-cap autotune moves to; never in view mode.
   std::uint64_t generation() const noexcept { return generation_; }
+  /// What the bucket-cap autotune (`bucket_policy::autotune`) measured and chose; the same on
+  /// every rank. `enabled` is false without the option, `done` false while it still tunes.
+  /// \code
+  /// if (dp.autotune_report().done) std::printf("cap %zu\n", dp.autotune_report().chosen_cap_bytes);
+  /// \endcode
+  const ddp::autotune_report& autotune_report() const noexcept {
+    static const ddp::autotune_report off{};
+    return tuner_ ? tuner_->report() : off;
+  }
   /// Statistics of the step the last `finish()` ended.
   const step_stats& last_step_stats() const noexcept { return last_stats_; }
   /// Number of `finish()` calls so far.
@@ -482,12 +498,95 @@ class basic_data_parallel {
   void rebuild_from_order() {
     settled_ = true;
     if (state_.order().size() != views_.size()) return;  // cannot happen: every parameter was ready or unused
-    bucket_plan fresh = agree_.rebuilt_plan(planner_, infos_, policy_, state_.order());
+    bucket_plan fresh = agree_.rebuilt_plan(planner_, infos_, policy_, state_.order(), &tune_order_);
     if (!(fresh == memory_.plan())) {
       memory_.allocate(std::move(fresh));
       ++generation_;
     }
     agree_.check_plan(memory_.plan(), settled_, "after the rebuild");
+  }
+
+  // ---- the bucket-cap autotune (docs/tuning.md, "Autotune") -------------------------------
+  // Every rank runs the same schedule: the first synchronized step with the smallest candidate
+  // (unmeasured), then autotune_rounds passes over the candidates, each visit one unmeasured
+  // step on fresh buckets and autotune_steps measured ones. Each tuning step ends with an all_reduce (max) of this rank's figure, so all
+  // ranks record the same numbers; rank 0's pick is broadcast all the same, and check_plan
+  // confirms one plan after every re-plan.
+
+  // At construction, on every rank: ranks agree on the option and its settings, then reject the
+  // modes whose bucket layout cannot move (the same error on every rank).
+  void set_up_autotune() {
+    agree_.check_same("bucket_policy::autotune", policy_.autotune ? 1 : 0);
+    if (!policy_.autotune) return;
+    std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a of the settings
+    const auto mix = [&h](std::uint64_t w) { h = (h ^ w) * 0x100000001b3ull; };
+    mix(policy_.autotune_steps);
+    mix(policy_.autotune_rounds);
+    for (auto c : policy_.autotune_caps) mix(c);
+    agree_.check_same("bucket_policy::autotune_caps, autotune_steps and autotune_rounds (a hash of them)", h);
+    agree_.check_same("dp_options::gradient_as_bucket_view", opts_.gradient_as_bucket_view ? 1 : 0);
+    if (opts_.gradient_as_bucket_view)
+      detail::raise(errc::usage, pg_.rank(),
+                    "bucket_policy::autotune with dp_options::gradient_as_bucket_view: view mode hands bucket memory "
+                    "to the engine, so the layout cannot move while caps are tried; tune in copy mode and set the "
+                    "chosen cap_bytes for view mode, or turn one of them off");
+    if (opts_.uneven_inputs)
+      detail::raise(errc::usage, pg_.rank(),
+                    "bucket_policy::autotune with dp_options::uneven_inputs: the layout is fixed at construction with "
+                    "uneven inputs; set cap_bytes instead, or turn one of them off");
+    if (!policy_.caps.empty())
+      detail::raise(errc::invalid_argument, pg_.rank(),
+                    "bucket_policy::autotune with a non-empty bucket_policy::caps: the autotune tries values of "
+                    "cap_bytes, which caps replaces; list the candidates in autotune_caps instead");
+    tuner_.emplace(policy_.autotune_caps, policy_.autotune_steps, policy_.autotune_rounds);
+    tune_base_ = policy_;
+    policy_ = with_cap(tune_base_, tuner_->first_cap());
+  }
+
+  // After the stats of every step: one step of the tuning schedule (a no-op once it is done).
+  void autotune_after_step() {
+    if (!tuner_ || tuner_->done() || !last_stats_.synchronized) return;
+    guarded("the bucket-cap autotune in finish", -1, [&] {
+      auto& t = *tuner_;
+      if (!t.started()) {
+        // The first synchronized step: rank 0's ready order is known (tune_order_, or empty
+        // without the rebuild), and the plan in place is the smallest candidate's.
+        auto caps = distinct_caps(planner_, infos_, tune_base_, tune_order_, policy_.autotune_caps.empty()
+                                                                                 ? default_autotune_caps()
+                                                                                 : policy_.autotune_caps);
+        std::vector<std::size_t> buckets;
+        for (auto c : caps) buckets.push_back(planner_.plan(infos_, with_cap(tune_base_, c), tune_order_).buckets.size());
+        t.start(std::move(caps), buckets);
+        return;
+      }
+      // This rank's first grad_ready to finish() return; a step is as slow as its slowest rank.
+      const double mine = last_stats_.backward_ms + last_stats_.exposed_ms;
+      const double slowest = pg_.all_reduce(mine, op::max);
+      if (!t.record(slowest)) return;
+      if (!t.measuring_done()) {
+        replan(t.cap(), "during the bucket-cap autotune");
+        return;
+      }
+      const auto pick = static_cast<std::size_t>(agree_.rank0_value(t.pick()));
+      t.decide(pick, step_);
+      replan(pick, "after the bucket-cap autotune");
+      if (pg_.rank() == 0) {
+        std::fputs(bucket_autotuner::describe(t.report()).c_str(), stderr);
+        std::fflush(stderr);
+      }
+    });
+  }
+
+  // Plans with `cap` from the agreed order; new buckets only when the layout differs (copy
+  // mode: nothing lives in them between steps). Every rank confirms the same plan.
+  void replan(std::size_t cap, const char* when) {
+    policy_ = with_cap(tune_base_, cap);
+    bucket_plan fresh = planner_.plan(infos_, policy_, tune_order_);
+    if (!(fresh == memory_.plan())) {
+      memory_.allocate(std::move(fresh));
+      ++generation_;
+    }
+    agree_.check_plan(memory_.plan(), settled_, when);
   }
 
   process_group pg_;  // the wrapper's own handle: the group stays open while this lives
@@ -511,6 +610,9 @@ class basic_data_parallel {
   std::uint64_t generation_ = 0;
   step_stats last_stats_;
   detail::failure_latch failure_;  // the first failure: every later call raises it
+  std::optional<bucket_autotuner> tuner_;  // with bucket_policy::autotune
+  bucket_policy tune_base_;                // the policy as given; candidates replace its cap
+  std::vector<std::size_t> tune_order_;    // rank 0's ready order from the rebuild (empty: none)
 };
 
 }  // namespace v0

@@ -234,13 +234,23 @@ class agreement {
   /// The rebuild from the observed ready order: rank 0's `order` (every parameter once) is
   /// broadcast and every rank re-plans with it. The caller checks the new plan with
   /// `check_plan(..., "after the rebuild")` once its buckets are in place.
+  /// `agreed`, when given, receives rank 0's order (the bucket-cap autotune re-plans with it).
   template <bucket_planner Planner>
   bucket_plan rebuilt_plan(const Planner& planner, std::span<const param_info> infos, const bucket_policy& policy,
-                           std::span<const std::size_t> order) const {
+                           std::span<const std::size_t> order, std::vector<std::size_t>* agreed = nullptr) const {
     std::vector<std::uint64_t> words(order.begin(), order.end());
     ch_.broadcast(std::span<std::uint64_t>(words), 0);
     std::vector<std::size_t> walk(words.begin(), words.end());
+    if (agreed) *agreed = walk;
     return planner.plan(infos, policy, walk);
+  }
+
+  /// Rank 0's `value` on every rank (a collective): a choice rank 0 makes for all, such as the
+  /// bucket cap the autotune picks.
+  std::uint64_t rank0_value(std::uint64_t value) const {
+    if (ch_.size == 1) return value;
+    ch_.broadcast(std::span<std::uint64_t>(&value, 1), 0);
+    return value;
   }
 
   /// Copies rank 0's parameter values to every rank through `red` (a collective), so that

@@ -32,6 +32,20 @@ struct bucket_policy {
   std::size_t first_cap_bytes = std::size_t{1} << 20;
   std::vector<std::size_t> caps = {};
   bool rebuild_from_ready_order = true;
+  /// Let the wrapper pick `cap_bytes` by measuring: during the first synchronized steps it
+  /// re-plans with each candidate cap in turn, times every step on every rank, and adopts the
+  /// cap whose median slowest-rank step time is lowest, as rank 0 decides (every rank the same).
+  /// Copy mode only; `caps` must be empty. Bucket memory moves during tuning (`generation()`).
+  /// See docs/tuning.md, "Autotune".
+  bool autotune = false;
+  /// Candidate caps for `autotune`, in bytes; empty: 1, 2, 4, 8, 16, 25, 50 and 100 MiB. A
+  /// candidate whose plan equals a smaller candidate's (caps above the model size) is skipped.
+  std::vector<std::size_t> autotune_caps = {};
+  /// Steps measured per candidate in each pass (after one unmeasured step on fresh buckets).
+  std::size_t autotune_steps = 2;
+  /// Passes over the candidates; a candidate's figure is the median of its steps over all
+  /// passes, so that a burst of load on the machine does not land on one candidate only.
+  std::size_t autotune_rounds = 2;
 
   /// Cap of the k-th bucket (counted within one dtype/device kind).
   std::size_t cap_for(std::size_t k) const noexcept {
