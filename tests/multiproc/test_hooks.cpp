@@ -298,7 +298,7 @@ TEST_CASE("through the data_parallel wrapper: compressed averages within the bou
         val[i].assign(sizes[i], 0.0f);
         grad[i].assign(sizes[i], 0.0f);
         views.push_back(ddp::tensor_view{val[i].data(), grad[i].data(), sizes[i], ddp::dtype::f32, -1,
-                                         "p" + std::to_string(i), {static_cast<std::int64_t>(sizes[i])}});
+                                         std::string("p").append(std::to_string(i)), {static_cast<std::int64_t>(sizes[i])}});
       }
       auto step = [&](auto& dp, bool fp16) {
         for (int s = 0; s < 3; ++s) {
@@ -359,7 +359,7 @@ TEST_CASE("a hook that throws on one rank: ddp::error on every rank, promptly, n
         std::vector<ddp::tensor_view> views;
         for (int i = 0; i < 3; ++i)
           views.push_back(ddp::tensor_view{val.data() + 200 * i, grad.data() + 200 * i, 200, ddp::dtype::f32, -1,
-                                           "w" + std::to_string(i), {200}});
+                                           std::string(1, static_cast<char>('a' + i)), {200}});
         auto run = [&](auto& dp) {
           for (int s = 0; s < 3; ++s) {
             for (std::size_t i = 3; i-- > 0;) dp.grad_ready(i);
@@ -388,6 +388,10 @@ TEST_CASE("a hook that throws on one rank: ddp::error on every rank, promptly, n
         if (o.rank == thrower) {
           CHECK(o.message.find("communication hook threw on allreduce 1 (200 f32, avg): hook refuses this bucket") !=
                 std::string::npos);
+        } else if (thrower >= 0) {
+          // tcp carries the cause to the peers; shared memory says who aborted.
+          CHECK(o.message.find(std::string(kind) == "ring_tcp" ? "rank 1 reports: the communication hook threw"
+                                                               : "aborted by rank 1") != std::string::npos);
         }
       }
     }

@@ -290,7 +290,7 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
     failed_.store(true, std::memory_order_release);
     if constexpr (requires { inner_.transport().fail(errc::aborted, why); }) {
       try {
-        inner_.transport().fail(errc::aborted, "rank " + std::to_string(rank()) + ": " + why);
+        inner_.transport().fail(errc::aborted, why);  // peers quote it: "rank r reports: ..."
       } catch (...) {
       }
     }
