@@ -260,7 +260,10 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
     try {
       hook_(static_cast<const comm_bucket&>(b), inner_);
     } catch (const error& e) {
-      fail(detail::message_of(e));
+      // A lost peer, a timeout or an abort is a verdict the inner reducer has posted to the
+      // peers already: passing it on again would only blur who failed first.
+      const errc c = e.condition();
+      fail(detail::message_of(e), c != errc::peer_lost && c != errc::timeout && c != errc::aborted);
       throw;
     } catch (const std::exception& e) {
       const std::string msg = hook_failure(b, e.what());
@@ -281,7 +284,7 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   // After a failed hook the ranks may have run different collectives: fail the inner reducer
   // here, so that peers blocked on this rank fail now (quoting `why` where the transport can
   // carry it), and refuse every later collective.
-  void fail(const std::string& why) noexcept {
+  void fail(const std::string& why, bool tell_peers = true) noexcept {
     try {
       std::lock_guard lock(mu_);
       if (!failed_.load(std::memory_order_relaxed)) first_ = why;
@@ -289,9 +292,11 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
     }
     failed_.store(true, std::memory_order_release);
     if constexpr (requires { inner_.transport().fail(errc::aborted, why); }) {
-      try {
-        inner_.transport().fail(errc::aborted, why);  // peers quote it: "rank r reports: ..."
-      } catch (...) {
+      if (tell_peers) {
+        try {
+          inner_.transport().fail(errc::aborted, why);  // peers quote it: "rank r reports: ..."
+        } catch (...) {
+        }
       }
     }
     if constexpr (requires {
