@@ -156,11 +156,19 @@ TEST_CASE("a custom hook sees every allreduce once, in issue order, and its resu
           auto qb = red.broadcast_async(root.data(), root.size(), ddp::dtype::i64, 0);
           auto q2 = red.allreduce_async(d.data(), d.size(), ddp::dtype::f64, ddp::op::avg);
           auto q3 = red.allreduce_async(k.data(), k.size(), ddp::dtype::i32, ddp::op::max);
-          const auto until = std::chrono::steady_clock::now() + 20s;
-          q1.wait(until), qb.wait(until), q2.wait(until), q3.wait(until);
+          // Blocking calls while the async ones may still be queued: they wait their turn.
           red.barrier();
           float one = static_cast<float>(r);
           red.allreduce(std::span<float>(&one, 1), ddp::op::min);  // blocking, typed
+          const auto until = std::chrono::steady_clock::now() + 20s;
+          q1.wait(until), qb.wait(until), q2.wait(until), q3.wait(until);
+          bool refused = false;
+          try {
+            red.allreduce_async(a.data(), 1, static_cast<ddp::dtype>(99), ddp::op::sum);
+          } catch (const ddp::error& e) {
+            refused = e.condition() == ddp::errc::invalid_argument;
+          }
+          require(refused, "an unknown dtype is errc::invalid_argument at the call");
           const int tri = n * (n + 1) / 2;
           for (std::size_t j = 0; j < a.size(); ++j)
             require(a[j] == static_cast<float>(tri * static_cast<int>(j % 50)), "f32 sum at " + std::to_string(j));
@@ -396,6 +404,35 @@ TEST_CASE("a hook that throws on one rank: ddp::error on every rank, promptly, n
       }
     }
   }
+}
+
+TEST_CASE("after a hook failed, every later collective of the decorator raises errc::aborted quoting it") {
+  const int n = 2;
+  const int port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    ddp::hooked<ring_tcp, throwing_hook> red{pg, throwing_hook{-1, 0}};
+    std::vector<float> v(10, 1.0f);
+    std::string first, later;
+    try {
+      red.allreduce(v.data(), v.size(), ddp::dtype::f32, ddp::op::sum);
+    } catch (const ddp::error& e) {
+      require(e.condition() == ddp::errc::aborted, "the hook's failure is errc::aborted");
+      first = e.what();
+    }
+    require(first.find("the communication hook threw on allreduce 0 (10 f32, sum): hook refuses this bucket") !=
+                std::string::npos, "first: " + first);
+    require(red.failed(), "failed()");
+    try {
+      red.barrier();
+    } catch (const ddp::error& e) {
+      require(e.condition() == ddp::errc::aborted, "later: errc::aborted");
+      later = e.what();
+    }
+    require(later.find("failed earlier; the first cause: the communication hook threw on allreduce 0") != std::string::npos,
+            "later: " + later);
+  });
+  CHECK_MESSAGE(all_ok(outs), summary(outs));
 }
 
 TEST_CASE("a killed peer during compressed steps: ddp::error on every surviving rank, no hang") {
