@@ -7,6 +7,8 @@
 //
 // Reducers: ring_tcp, tree_tcp, ring_shm, tree_shm, and `default`: ddp::data_parallel's own
 // (whatever the library defaults to; chosen at run time where the default does that).
+// Compressed (ddp::hooked with ddp::fp16_compress / ddp::bf16_compress, docs/tuning.md):
+// ring_tcp_fp16, ring_tcp_bf16, tree_tcp_fp16, ring_shm_fp16, default_fp16.
 // --env: this process is one rank, started by a launcher (ddprun, mpirun, srun; several hosts
 // allowed): the group comes from the environment (ddp::init_options::from_env()) and --ranks is
 // ignored; only rank 0 prints rows. bench/netns_hier.sh runs it so across network namespaces.
@@ -38,6 +40,8 @@
 //
 // Ranks are forked here, one fresh process group per (ranks, model) pair.
 #include <ddp/data_parallel.hpp>
+#include <ddp/reducer/compress.hpp>
+#include <ddp/reducer/hooked.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/tree.hpp>
 #include <ddp/transport/tcp.hpp>
@@ -402,13 +406,24 @@ void rank_main(const ddp::init_options& io, const options& o) {
         run_reducer<ddp::ring<ddp::tcp>, ddp::host_allocator>(pg, m, e, o, red);
       } else if (red == "tree_tcp") {
         run_reducer<ddp::tree<ddp::tcp>, ddp::host_allocator>(pg, m, e, o, red);
+      } else if (red == "ring_tcp_fp16") {
+        run_reducer<ddp::hooked<ddp::ring<ddp::tcp>, ddp::fp16_compress>, ddp::host_allocator>(pg, m, e, o, red);
+      } else if (red == "ring_tcp_bf16") {
+        run_reducer<ddp::hooked<ddp::ring<ddp::tcp>, ddp::bf16_compress>, ddp::host_allocator>(pg, m, e, o, red);
+      } else if (red == "tree_tcp_fp16") {
+        run_reducer<ddp::hooked<ddp::tree<ddp::tcp>, ddp::fp16_compress>, ddp::host_allocator>(pg, m, e, o, red);
+      } else if (red == "default_fp16") {
+        run_reducer<ddp::hooked<ddp::auto_reducer, ddp::fp16_compress>, ddp::data_parallel::allocator_type>(pg, m, e, o, red);
 #ifdef DDP_BENCH_HAS_SHM
-      } else if (red == "ring_shm" || red == "tree_shm") {
+      } else if (red == "ring_shm" || red == "tree_shm" || red == "ring_shm_fp16") {
         // The arena must hold every rank's buckets; tmpfs only backs the pages touched.
         const std::size_t per_rank = m.elems * 4 + (std::size_t{64} << 20);
         const ddp::shm_options so{.segment_bytes = per_rank * static_cast<std::size_t>(world)};
         if (red == "ring_shm")
           run_reducer<ddp::ring<ddp::shm>, ddp::shm_allocator>(pg, m, e, o, red, so, ddp::reducer_options{});
+        else if (red == "ring_shm_fp16")
+          run_reducer<ddp::hooked<ddp::ring<ddp::shm>, ddp::fp16_compress>, ddp::shm_allocator>(pg, m, e, o, red, so,
+                                                                                              ddp::reducer_options{});
         else
           run_reducer<ddp::tree<ddp::shm>, ddp::shm_allocator>(pg, m, e, o, red, so, ddp::reducer_options{});
 #endif

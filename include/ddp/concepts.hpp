@@ -19,6 +19,7 @@
 #include <concepts>
 #include <cstddef>
 #include <string>
+#include <type_traits>
 
 #include <ddp/version.hpp>
 #include <ddp/dtype.hpp>
@@ -108,13 +109,25 @@ concept allocator_bound_to_reducer = requires(R& r) {
   { A::for_reducer(r) } -> std::same_as<A>;
 };
 
-/// An allocator that the wrapper builds from its reducer (either way above) instead of
+/// A reducer that decorates another, `r.inner()` (`ddp::hooked`): an allocator bound to the
+/// inner reducer is bound to the decorator too, so that buckets live where the inner reducer
+/// reads them fastest.
+template <class A, class R>
+concept allocator_bound_through_inner = requires(R& r) {
+  r.inner();
+  requires allocator_bound_to_reducer<A, std::remove_reference_t<decltype(r.inner())>> ||
+               allocator_bound_to_transport<A, std::remove_reference_t<decltype(r.inner())>>;
+};
+
+/// An allocator that the wrapper builds from its reducer (any way above) instead of
 /// default-constructing it.
 template <class A, class R>
-concept allocator_bound_to = allocator_bound_to_reducer<A, R> || allocator_bound_to_transport<A, R>;
+concept allocator_bound_to =
+    allocator_bound_to_reducer<A, R> || allocator_bound_to_transport<A, R> || allocator_bound_through_inner<A, R>;
 
 /// The allocator the wrapper uses with reducer `r`: bound to it when `allocator_bound_to`
-/// (from the reducer first), else default-constructed.
+/// (from the reducer first, then its transport, then the reducer it decorates), else
+/// default-constructed.
 /// \code
 /// auto alloc = ddp::allocator_for<ddp::shm_allocator>(reducer);  // from reducer.transport()
 /// \endcode
@@ -124,6 +137,8 @@ A allocator_for(R& r) {
     return A::for_reducer(r);
   else if constexpr (allocator_bound_to_transport<A, R>)
     return A(r.transport());
+  else if constexpr (requires { r.inner(); })
+    return allocator_for<A>(r.inner());
   else
     return A{};
 }

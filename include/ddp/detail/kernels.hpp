@@ -808,6 +808,100 @@ inline void avg_finish(void* p, std::size_t n, dtype t, int world) {
   });
 }
 
+
+// ---- bulk conversions between f32 and a 16-bit wire type (compression hooks) ----------------
+//
+// `narrow` writes round-to-nearest-even(src[i] * scale) as f16 or bf16, `widen` writes
+// float(src[i]) * scale. With scale 1 and no saturation the rounding is bit for bit that of
+// `ddp::half` / `ddp::bfloat16` (subnormals included) for every value but NaN: every NaN
+// becomes the canonical quiet NaN (0x7e00, 0x7fc0; 0x7fc00000 when widened), as the arithmetic
+// kernels produce it, so that the F16C and the software paths agree bit for bit. A power-of-two
+// scale is exact short of the subnormal ranges, so then there is one rounding per element.
+// `saturate`: a finite value whose rounding would overflow becomes the type's largest finite
+// value of its sign (never a silent inf); infinities stay infinite.
+
+namespace kern {
+
+template <class W>
+[[gnu::always_inline]] inline f32v narrow_prepare(f32v v, f32v scale, bool saturate) noexcept {
+  v = canonical_nan<float>(v * scale);
+  if (saturate) {
+    const i32v sign = i32v{} + std::numeric_limits<std::int32_t>::min();  // the sign bit
+    const f32v a = reinterpret_cast<f32v>(reinterpret_cast<i32v>(v) & ~sign);
+    const f32v top = f32v{} + max_finite<W>();
+    const i32v over = (a > top) & (a <= std::numeric_limits<float>::max());  // finite only
+    v = select(over, reinterpret_cast<f32v>((reinterpret_cast<i32v>(v) & sign) | reinterpret_cast<i32v>(top)), v);
+  }
+  return v;
+}
+
+template <class W>
+inline void narrow_loop(W* dst, const float* src, std::size_t n, float scale, bool saturate) noexcept {
+  using L = lanes<float>;
+  constexpr std::size_t w = L::width;
+  const f32v s = f32v{} + scale;
+  std::size_t i = 0;
+  for (; i + w <= n; i += w) lanes<W>::store(dst + i, narrow_prepare<W>(L::load(src + i), s, saturate));
+  if (i < n) store_n(dst + i, narrow_prepare<W>(load_n(src + i, n - i), s, saturate), n - i);
+}
+
+template <class W>
+inline void widen_loop(float* dst, const W* src, std::size_t n, float scale) noexcept {
+  using L = lanes<float>;
+  constexpr std::size_t w = L::width;
+  const f32v s = f32v{} + scale;
+  std::size_t i = 0;
+  for (; i + w <= n; i += w) L::store(dst + i, canonical_nan<float>(lanes<W>::load(src + i) * s));
+  if (i < n) store_n(dst + i, canonical_nan<float>(load_n(src + i, n - i) * s), n - i);
+}
+
+}  // namespace kern
+
+/// `dst[i] = half(src[i] * scale)`, rounded to nearest even; NaN canonical; with `saturate`
+/// finite values beyond 65504 become +-65504 instead of inf. `dst` must not overlap `src`.
+inline void narrow_to_f16(half* dst, const float* src, std::size_t n, float scale = 1.0f, bool saturate = false) noexcept {
+  kern::narrow_loop<half>(dst, src, n, scale, saturate);
+}
+/// `dst[i] = bfloat16(src[i] * scale)`, as `narrow_to_f16`.
+inline void narrow_to_bf16(bfloat16* dst, const float* src, std::size_t n, float scale = 1.0f,
+                           bool saturate = false) noexcept {
+  kern::narrow_loop<bfloat16>(dst, src, n, scale, saturate);
+}
+/// `dst[i] = float(src[i]) * scale`; NaN canonical. `dst` must not overlap `src`.
+inline void widen_from_f16(float* dst, const half* src, std::size_t n, float scale = 1.0f) noexcept {
+  kern::widen_loop<half>(dst, src, n, scale);
+}
+/// `dst[i] = float(src[i]) * scale`, as `widen_from_f16`.
+inline void widen_from_bf16(float* dst, const bfloat16* src, std::size_t n, float scale = 1.0f) noexcept {
+  kern::widen_loop<bfloat16>(dst, src, n, scale);
+}
+
+/// The largest |src[i]| over the finite elements (0 when there is none): NaN and inf are left
+/// out, so that a compression scale still fits the finite values next to them.
+inline float max_abs_finite(const float* src, std::size_t n) noexcept {
+  using namespace kern;
+  using L = lanes<float>;
+  constexpr std::size_t w = L::width;
+  const i32v sign = i32v{} + std::numeric_limits<std::int32_t>::min();  // the sign bit
+  const f32v top = f32v{} + std::numeric_limits<float>::max();
+  f32v m0{}, m1{};
+  auto step = [&](f32v m, f32v v) {
+    const f32v a = reinterpret_cast<f32v>(reinterpret_cast<i32v>(v) & ~sign);
+    return select((a <= top) & (a > m), a, m);  // NaN and inf compare false
+  };
+  std::size_t i = 0;
+  for (; i + 2 * w <= n; i += 2 * w) {
+    m0 = step(m0, L::load(src + i));
+    m1 = step(m1, L::load(src + i + w));
+  }
+  for (; i + w <= n; i += w) m0 = step(m0, L::load(src + i));
+  if (i < n) m0 = step(m0, load_n(src + i, n - i));  // zero padding cannot raise the maximum
+  m0 = select(m1 > m0, m1, m0);
+  float r = 0;
+  for (std::size_t k = 0; k < w; ++k) r = m0[k] > r ? m0[k] : r;
+  return r;
+}
+
 }  // namespace detail
 }  // namespace v0
 }  // namespace ddp
