@@ -679,3 +679,25 @@ TEST_CASE("copy_bytes_streaming copies every byte, whatever the alignment and le
     }
   }
 }
+
+TEST_CASE("the finishing division clamps a quotient past the largest value on both sides") {
+  // A finite average that rounding carried beyond the largest finite value becomes that value,
+  // with its sign; the sign mask once kept negative quotients at -inf.
+  auto check = [](auto tag) {
+    using T = decltype(tag);
+    using L = det::kern::lanes<T>;
+    using S = typename L::scalar;
+    const auto top = static_cast<S>(det::kern::max_finite<T>());
+    const typename L::vec half_step = typename L::vec{} + S(0.5);
+    const auto up = det::kern::avg_out<T, det::kern::fin_mode::div>(typename L::vec{} + top, half_step);
+    const auto down = det::kern::avg_out<T, det::kern::fin_mode::div>(typename L::vec{} - top, half_step);
+    CHECK(up[0] == top);
+    CHECK(down[0] == -top);
+    const S inf = std::numeric_limits<S>::infinity();  // inf in stays inf: not a rounding artefact
+    CHECK(det::kern::avg_out<T, det::kern::fin_mode::div>(typename L::vec{} - inf, half_step)[0] == -inf);
+  };
+  check(float{});
+  check(double{});
+  check(half{});
+  check(bfloat16{});
+}

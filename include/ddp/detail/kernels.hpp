@@ -430,7 +430,7 @@ template <class T, fin_mode F>
     V q;
     if constexpr (F == fin_mode::mul) q = x * d;
     else q = x / d;
-    const M sign = reinterpret_cast<M>(V{} + S(-0.0));
+    const M sign = reinterpret_cast<M>(-V{});  // -0.0: the sign bit alone (0.0 + -0.0 is +0.0)
     const V ax = reinterpret_cast<V>(reinterpret_cast<M>(x) & ~sign);
     const V aq = reinterpret_cast<V>(reinterpret_cast<M>(q) & ~sign);
     const V top = V{} + max_finite<T>();
