@@ -60,6 +60,29 @@ def model_mib(path):
     return elems * 4 / (1 << 20)
 
 
+def bucket_count(path, cap_mib, first_mib=1.0):
+    """Buckets ddp's size_planner makes of a params file (reverse registration order; a parameter
+    that would push a non-empty bucket past its cap closes it first; a bucket at its cap closes),
+    the first capped at min(cap, first_mib) as ddp_step sets it."""
+    sizes = []
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if parts and not parts[0].startswith("#"):
+                sizes.append(math.prod(int(d) for d in parts[1:]) * 4)
+    cap, first = cap_mib * (1 << 20), min(cap_mib, first_mib) * (1 << 20)
+    count, fill = 0, 0
+    for b in reversed(sizes):
+        limit = first if count == 0 else cap
+        if fill and fill + b > limit:
+            count, fill = count + 1, 0
+            limit = cap
+        fill += b
+        if fill >= limit:
+            count, fill = count + 1, 0
+    return count + (1 if fill else 0)
+
+
 def run(cmd, timeout, log):
     """Runs cmd in its own session; returns (ok, stdout). Past timeout its whole group is killed,
     and what it printed until then is kept."""
@@ -127,8 +150,9 @@ SUMMARY_COLUMNS = ["system", "model", "ranks", "bucket_cap_mb", "rounds", "steps
                    "sync_max_ms", "step_median_ms", "nosync_median_ms", "exposed_median_ms", "compute_ms"]
 
 
-def best_table(summary):
+def best_table(summary, model_paths):
     """Markdown: per model and ranks, each curve's best cap and PyTorch's at 25 MiB and at its best."""
+    paths = {os.path.splitext(os.path.basename(p))[0]: p for p in model_paths}
     curves = {}
     for r in summary:
         s = r["system"]
@@ -136,9 +160,9 @@ def best_table(summary):
             continue
         curves.setdefault((r["model"], r["ranks"]), {}).setdefault(s, []).append(
             (float(r["bucket_cap_mb"]), float(r["sync_ms"]), float(r["sync_min_ms"]), float(r["sync_max_ms"])))
-    lines = ["| model | ranks | system | best cap (MiB) | sync at best (ms, rounds' range) | at 25 MiB (ms) | "
+    lines = ["| model | ranks | system | best cap (MiB) | buckets | sync at best (ms, rounds' range) | at 25 MiB (ms) | "
              "best / 25 MiB | PyTorch at 25 MiB / this at best |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for (model, ranks) in sorted(curves):
         systems = curves[(model, ranks)]
         torch25 = dict((c, v) for c, v, _, _ in systems.get(TORCH, [])).get(25.0)
@@ -146,7 +170,8 @@ def best_table(summary):
             pts = systems[s]
             cap, v, lo, hi = min(pts, key=lambda p: p[1])
             at25 = dict((c, val) for c, val, _, _ in pts).get(25.0)
-            lines.append(f"| {model} | {ranks} | {s} | {cap:g} | {v:.1f} ({lo:.1f}-{hi:.1f}) | "
+            nb = bucket_count(paths[model], cap) if model in paths else "-"
+            lines.append(f"| {model} | {ranks} | {s} | {cap:g} | {nb} | {v:.1f} ({lo:.1f}-{hi:.1f}) | "
                          + (f"{at25:.1f} | {v / at25:.2f} |" if at25 else "- | - |")
                          + (f" {torch25 / v:.2f}x |" if torch25 else " - |"))
     return "\n".join(lines)
@@ -175,6 +200,9 @@ def main():
     ap.add_argument("--view-reducers", default="default", help="ddp reducers also run in view mode ('' for none)")
     ap.add_argument("--caps", help="bucket caps in MiB, comma-separated (default: "
                     + ",".join(f"{c:g}" for c in FULL_CAPS) + ")")
+    ap.add_argument("--model-caps", action="append", default=[], metavar="MODEL=CAPS",
+                    help="caps for one model (its file name without .params), e.g. bert_base=1,4,16,25,100; "
+                    "repeatable")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per point and round")
     ap.add_argument("--warmup", type=int, default=1)
@@ -187,6 +215,10 @@ def main():
     ap.add_argument("--ddp-step", default="build/bench/ddp_step")
     ap.add_argument("--python", default="/usr/bin/python3", help="the interpreter that imports torch")
     ap.add_argument("--timeout", type=int, default=400, help="seconds per child run before it is killed")
+    ap.add_argument("--budget", type=int, default=900,
+                    help="seconds: no further round starts when the last one would not fit")
+    ap.add_argument("--append", action="store_true",
+                    help="add rounds to OUT_rounds.csv (numbered after those there) instead of starting it anew")
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT.png from OUT_rounds.csv")
     args = ap.parse_args()
 
@@ -200,6 +232,12 @@ def main():
     caps = [float(c) for c in args.caps.split(",")] if args.caps else (QUICK_CAPS if args.quick else FULL_CAPS)
     models = [os.path.join(ROOT, m) if not os.path.isabs(m) else m for m in args.models.split(",") if m]
     ranks = [int(n) for n in args.ranks.split(",") if n]
+    per_model = {}
+    for spec in args.model_caps:
+        name, _, value = spec.partition("=")
+        if not value:
+            ap.error(f"--model-caps {spec}: expected MODEL=CAP,CAP,...")
+        per_model[name] = [float(c) for c in value.split(",")]
     out = args.out if os.path.isabs(args.out) else os.path.join(ROOT, args.out)
     raw_path = out + "_rounds.csv"
     log = sys.stderr
@@ -211,14 +249,24 @@ def main():
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         t_start = time.monotonic()
         failures = 0
-        with open(raw_path, "w", newline="") as f:
+        first = 0
+        if args.append and os.path.exists(raw_path):
+            with open(raw_path) as f:
+                first = max((int(r["round"]) + 1 for r in csv.DictReader(f)), default=0)
+        with open(raw_path, "a" if first else "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["round"] + COLUMNS)
+            if not first:
+                w.writerow(["round"] + COLUMNS)
             for rnd in range(args.rounds):
+                elapsed = time.monotonic() - t_start
+                if rnd > 0 and elapsed / rnd * (rnd + 1) > args.budget:
+                    print(f"stopping after {rnd} rounds: {elapsed:.0f} s spent, --budget {args.budget} s", file=log)
+                    break
                 for n in ranks:
                     for m in models:
                         size = model_mib(m)
-                        mcaps = caps + ([math.ceil(size)] if size > max(caps) else [])
+                        mcaps = per_model.get(os.path.splitext(os.path.basename(m))[0], caps)
+                        mcaps = mcaps + ([math.ceil(size)] if size > max(mcaps) else [])
                         cap_list = ",".join(f"{c:g}" for c in mcaps)
                         print(f"round {rnd + 1}/{args.rounds}, {n} ranks, {os.path.basename(m)} "
                               f"({size:.1f} MiB), caps {cap_list}", file=log, flush=True)
@@ -237,7 +285,7 @@ def main():
                             ok, text = run(cmd, args.timeout, log)
                             failures += not ok
                             for r in parse_rows(text):
-                                w.writerow([rnd] + [r[c] for c in COLUMNS])
+                                w.writerow([first + rnd] + [r[c] for c in COLUMNS])
                             f.flush()
         print(f"measured in {time.monotonic() - t_start:.0f} s, {failures} failed runs", file=log)
 
@@ -250,7 +298,8 @@ def main():
         w = csv.DictWriter(f, SUMMARY_COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(summary)
-    rounds = max(int(r["round"]) for r in raw) + 1
+    rounds = sorted({int(r["rounds"]) for r in summary})
+    rounds = f"{rounds[0]}" if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
     steps = raw[0]["steps"]
     plot.draw_sweep(summary, out + ".png", "sync_ms",
                     f"sync per step against bucket cap (median of {rounds} rounds of {steps} steps; "
@@ -258,7 +307,7 @@ def main():
     plot.draw_sweep([r for r in summary if r["system"] != TORCH], out + "_exposed.png", "exposed_median_ms",
                     "ddp: exposed time (last gradient ready to finish() return) against bucket cap")
     print(f"wrote {out}.csv, {out}_rounds.csv, {out}.png, {out}_exposed.png", file=log)
-    print(best_table(summary))
+    print(best_table(summary, models))
     print()
     print(noise(raw))
     return 0
