@@ -125,7 +125,7 @@ def draw_sweep(rows, output, metric="sync_ms", title=None):
         return 0
     models = sorted({k[0] for k in panels})
     ranks = sorted({k[1] for k in panels})
-    fig, axes = plt.subplots(len(models), len(ranks), figsize=(5.2 * len(ranks), 4.2 * len(models)),
+    fig, axes = plt.subplots(len(models), len(ranks), figsize=(5.2 * len(ranks), 4.2 * len(models) + 1.2),
                              squeeze=False)
     handles = {}
     for i, model in enumerate(models):
@@ -164,7 +164,10 @@ def draw_sweep(rows, output, metric="sync_ms", title=None):
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize="small",
                frameon=False)
     fig.suptitle(title or "gradient synchronization per step against bucket cap")
-    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
+    # The legend keeps about an inch at the bottom, the title half an inch at the top, whatever
+    # the number of panel rows.
+    height = fig.get_figheight()
+    fig.tight_layout(rect=(0, 1.0 / height, 1, 1 - 0.45 / height))
     fig.savefig(output, dpi=110)
     plt.close(fig)
     return len(panels)
