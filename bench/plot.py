@@ -132,6 +132,11 @@ def draw_sweep(rows, output, metric="sync_ms", title=None):
         for j, n in enumerate(ranks):
             ax = axes[i][j]
             series = panels.get((model, n), {})
+            if not series:
+                ax.set_axis_off()
+                ax.text(0.5, 0.5, f"{model}, {n} ranks: not measured", ha="center", va="center",
+                        transform=ax.transAxes)
+                continue
             order = sorted(series, key=lambda s: (s != "pytorch_ddp_gloo", s))
             for system in order:
                 pts = series[system]
