@@ -472,3 +472,37 @@ TEST_CASE("a killed peer during compressed steps: ddp::error on every surviving 
     }
   }
 }
+
+// Ranks built with different hooks run different sequences of collectives (fp16 agrees on a
+// scale first, bf16 does not): that must be an error on every rank, never a silent result.
+template <class Hook>
+void reduce_with(const std::string& kind, ddp::process_group& pg, std::vector<float>& v) {
+  with_reducer<Hook>(kind, pg, [&](auto& red) {
+    for (int i = 0; i < 3; ++i) red.allreduce(v.data(), v.size(), ddp::dtype::f32, ddp::op::avg);
+  });
+}
+
+TEST_CASE("ranks with different hooks: an error on every rank, not wrong numbers") {
+  for (const char* kind : kinds) {
+    CAPTURE(kind);
+    const int n = 2;
+    const int port = free_port();
+    auto outs = run_ranks(n, [&](int r) {
+      auto pg = ddp::init_process_group(opts(r, n, port, 3s));
+      std::vector<float> v(1000, static_cast<float>(r + 1));
+      if (r == 0)
+        reduce_with<ddp::fp16_compress>(kind, pg, v);
+      else
+        reduce_with<ddp::bf16_compress>(kind, pg, v);
+      for (float x : v) require(x == 1.5f, "silently wrong: " + std::to_string(x) + " instead of 1.5");
+      throw std::runtime_error("no error, and the average is right");
+    }, 60s);
+    for (auto& o : outs) {
+      CAPTURE(o.rank);
+      CAPTURE(o.message);
+      CHECK(o.exit_code == 1);  // a ddp::error
+      CHECK(o.message.find("collective mismatch") != std::string::npos);
+      CHECK(o.seconds < 2.5);  // detected, not the 3 s timeout
+    }
+  }
+}

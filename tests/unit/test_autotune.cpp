@@ -3,6 +3,8 @@
 #include <doctest/doctest.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -201,4 +203,29 @@ TEST_CASE("autotune: bucket_policy keeps its defaults and equality with the new 
   b = a;
   b.autotune_caps = {1_MiB};
   CHECK_FALSE(a == b);
+}
+
+TEST_CASE("autotune: steps or rounds too large to count are rejected, not wrapped around") {
+  // skip + steps and rounds * candidates * (skip + steps) would wrap: a candidate would end
+  // after one step with no sample, or measuring would count as done before it began.
+  for (auto [steps, rounds] : {std::pair<std::size_t, std::size_t>{SIZE_MAX, 1}, {1, SIZE_MAX / 2 + 1},
+                               {std::size_t{1} << 40, 1}, {1, std::size_t{1} << 40}}) {
+    CAPTURE(steps);
+    CAPTURE(rounds);
+    try {
+      ddp::bucket_autotuner bad({1_MiB, 2_MiB}, steps, rounds);
+      FAIL("no error");
+    } catch (const ddp::error& e) {
+      CHECK(e.condition() == ddp::errc::invalid_argument);
+      CHECK(std::string(e.what()).find(rounds > 1 ? "autotune_rounds" : "autotune_steps") != std::string::npos);
+    }
+  }
+  // The largest accepted values still schedule every candidate in full.
+  ddp::bucket_autotuner t({1_MiB, 2_MiB}, ddp::bucket_autotuner::max_steps, 1);
+  t.start({1_MiB, 2_MiB}, {2, 1});
+  CHECK_FALSE(t.measuring_done());
+  CHECK_FALSE(t.record(1.0));  // the unmeasured step of candidate 0
+  CHECK_FALSE(t.record(1.0));  // its first measured one: candidate 0 goes on
+  CHECK(t.cap() == 1_MiB);
+  CHECK(t.tuning_steps(8) == 1 + 8 * (1 + ddp::bucket_autotuner::max_steps));
 }

@@ -283,3 +283,44 @@ TEST_CASE("timeline: reducers note when collectives start only while a timeline 
   CHECK(done.thread_id() > 0);
   CHECK(done.thread_id() != ddp::detail::os_thread_id());
 }
+
+TEST_CASE("timeline: a file another process records into is never shared; the next suffix is used") {
+  // A process can be rank 0 of one group and rank 1 of another while its peer is the reverse:
+  // per-process counting alone gives both the same two names, and two writers corrupt both files.
+  temp_dir d;
+  ddp::dp_options o;
+  o.timeline = d.path + "/x";
+  int ready[2], done[2];
+  REQUIRE(::pipe(ready) == 0);
+  REQUIRE(::pipe(done) == 0);
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    int code = 0;
+    {
+      auto mine = ddp::timeline::open(o, 0, 2);  // the other process's rank 0 file
+      code = mine && mine->path() == d.path + "/x.rank0.json" ? 0 : 3;
+      char c = 1;
+      if (::write(ready[1], &c, 1) != 1 || ::read(done[0], &c, 1) != 1) code = 4;
+    }
+    std::_Exit(code);
+  }
+  char c = 0;
+  REQUIRE(::read(ready[0], &c, 1) == 1);
+  {
+    auto a = ddp::timeline::open(o, 0, 2);  // this process's first one with that name
+    REQUIRE(a);
+    CHECK(a->path() == d.path + "/x.rank0.1.json");
+    // The constructor that takes a path says so rather than truncating the other's trace.
+    CHECK_THROWS_WITH_AS(ddp::timeline(d.path + "/x.rank0.json", 0, 2), doctest::Contains("another timeline records into it"),
+                         ddp::error);
+    REQUIRE(::write(done[1], &c, 1) == 1);
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  }
+  CHECK(python_parses(d.path + "/x.rank0.json"));
+  CHECK(python_parses(d.path + "/x.rank0.1.json"));
+  for (int fd : {ready[0], ready[1], done[0], done[1]}) ::close(fd);
+}

@@ -90,8 +90,11 @@ inline double median_of(std::vector<double> v) {
 /// \endcode
 class bucket_autotuner {
  public:
+  /// The largest `autotune_steps` and `autotune_rounds` accepted.
+  static constexpr std::size_t max_steps = 1'000'000, max_rounds = 1'000'000;
+
   /// `caps`: the candidates (empty: `default_autotune_caps()`); `steps` measured per candidate
-  /// and pass, `rounds` passes. Throws errc::invalid_argument when `steps` or `rounds` is 0.
+  /// and pass, `rounds` passes. Throws errc::invalid_argument when `steps` or `rounds` is 0 or above `max_steps` / `max_rounds`.
   bucket_autotuner(std::vector<std::size_t> caps, std::size_t steps, std::size_t rounds = 1, std::size_t skip = 1)
       : steps_(steps), rounds_(rounds), skip_(skip) {
     if (steps == 0)
@@ -100,6 +103,17 @@ class bucket_autotuner {
     if (rounds == 0)
       detail::raise(errc::invalid_argument, -1,
                     "bucket_policy::autotune_rounds is 0; the autotune needs at least one pass over the candidates");
+    // Bounded so that the schedule's counts (skip + steps, rounds x candidates x that) cannot
+    // wrap around: a wrapped count would end a candidate with no sample, or the tuning before it
+    // began, and the choice would be silently arbitrary.
+    if (steps > max_steps)
+      detail::raise(errc::invalid_argument, -1,
+                    "bucket_policy::autotune_steps is " + std::to_string(steps) + ", more than " +
+                        std::to_string(max_steps) + "; a few measured steps per candidate are enough");
+    if (rounds > max_rounds)
+      detail::raise(errc::invalid_argument, -1,
+                    "bucket_policy::autotune_rounds is " + std::to_string(rounds) + ", more than " +
+                        std::to_string(max_rounds) + "; a few passes over the candidates are enough");
     if (caps.empty()) caps = default_autotune_caps();
     std::sort(caps.begin(), caps.end());
     caps.erase(std::unique(caps.begin(), caps.end()), caps.end());

@@ -6,6 +6,8 @@
 /// writes its own. See docs/tuning.md, "See a step: the timeline".
 
 #include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -99,31 +101,77 @@ class timeline {
     if (base.empty()) return nullptr;
     std::uint64_t steps = opts.timeline_steps;
     if (steps == 0) steps = steps_from_env(rank);
-    // The k-th timeline of this process with the same file name gets a suffix (timeline_file).
+    // The k-th timeline of this process with the same file name gets a suffix (timeline_file),
+    // and so does one whose file another process records into (a process can be rank 0 of one
+    // group and rank 1 of another while its peer is the reverse: both would name the same two
+    // files). The file lock tells; it is held until the timeline closes its file.
     static std::mutex mu;
     static std::map<std::string, unsigned> used;
-    std::string path;
-    unsigned serial = 0;
-    {
-      std::lock_guard lock(mu);
-      const std::string first = timeline_file(base, rank);
-      const unsigned k = used[first]++;
-      path = timeline_file(base, rank, k);
-      static unsigned made = 0;
-      serial = made++;
+    for (int tries = 0;; ++tries) {
+      std::string path;
+      unsigned serial = 0;
+      {
+        std::lock_guard lock(mu);
+        const std::string first = timeline_file(base, rank);
+        const unsigned k = used[first]++;
+        path = timeline_file(base, rank, k);
+        static unsigned made = 0;
+        serial = made++;
+      }
+      const int fd = open_locked(path);
+      if (fd < 0 && errno == EWOULDBLOCK && tries < 100) continue;
+      if (fd < 0) fail_to_open(path, rank, errno == EWOULDBLOCK ? "100 files of that name are in use" : "cannot open it", errno);
+      return std::unique_ptr<timeline>(new timeline(adopt_fd{fd}, path, rank, world_size, steps, serial));
     }
-    return std::make_unique<timeline>(std::move(path), rank, world_size, steps, serial);
   }
 
   /// Creates (or truncates) `path` and writes the trace's header. `serial` tells apart the
-  /// flow ids of several timelines of one process. Throws errc::system naming the file.
-  timeline(std::string path, int rank, int world_size, std::uint64_t steps = default_steps, unsigned serial = 0)
-      : path_(std::move(path)), rank_(rank), world_(world_size), max_steps_(steps), serial_(serial & 0xff) {
+  /// flow ids of several timelines of one process. Throws errc::system naming the file (also
+  /// when another timeline, of this process or another, records into it).
+  timeline(const std::string& path, int rank, int world_size, std::uint64_t steps = default_steps, unsigned serial = 0)
+      : timeline(adopt_fd{open_or_raise(path, rank)}, path, rank, world_size, steps, serial) {}
+
+  timeline(const timeline&) = delete;
+  timeline& operator=(const timeline&) = delete;
+
+ private:
+  struct adopt_fd {
+    int fd;
+  };
+
+  // Opens `path` for writing and locks it (flock, exclusive): -1 with errno EWOULDBLOCK when
+  // another open file holds the lock, -1 with errno when it cannot be opened. The file is
+  // truncated only once locked, so a trace another process writes is never cut short. Where the
+  // file system has no such locks, the file is used unlocked.
+  static int open_locked(const std::string& path) noexcept {
     // O_NONBLOCK: a FIFO nobody reads fails here (ENXIO) instead of blocking the constructor;
     // for a regular file it changes nothing. O_CLOEXEC: programs the trainer starts do not
     // inherit it.
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NONBLOCK, 0666);
-    if (fd_ < 0) fail_to_open("cannot open it", errno);
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0666);
+    if (fd < 0) return -1;
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+      ::close(fd);
+      errno = EWOULDBLOCK;
+      return -1;
+    }
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::ftruncate(fd, 0) != 0) {
+      const int e = errno;
+      ::close(fd);
+      errno = e;
+      return -1;
+    }
+    return fd;
+  }
+  static int open_or_raise(const std::string& path, int rank) {
+    const int fd = open_locked(path);
+    if (fd < 0)
+      fail_to_open(path, rank, errno == EWOULDBLOCK ? "another timeline records into it" : "cannot open it", errno);
+    return fd;
+  }
+
+  timeline(adopt_fd f, const std::string& path, int rank, int world_size, std::uint64_t steps, unsigned serial)
+      : path_(path), rank_(rank), world_(world_size), max_steps_(steps), serial_(serial & 0xff), fd_(f.fd) {
     buf_.reserve(flush_bytes * 2);
     buf_ += "{\"traceEvents\":[\n";
     metadata("process_name", -1, "\"name\":" + quoted("rank " + std::to_string(rank_)));
@@ -131,13 +179,12 @@ class timeline {
     if (const int e = write_all()) {
       ::close(fd_);
       fd_ = -1;
-      fail_to_open("cannot write to it", e);
+      fail_to_open(path_, rank_, "cannot write to it", e);
     }
     detail::timed_collectives().fetch_add(1, std::memory_order_relaxed);  // workers time collectives now
   }
 
-  timeline(const timeline&) = delete;
-  timeline& operator=(const timeline&) = delete;
+ public:
 
   /// Writes what is buffered and closes the JSON. In a child made by fork() it writes nothing
   /// (the file is the parent's) and only closes the child's descriptor.
@@ -231,9 +278,9 @@ class timeline {
     return v;
   }
 
-  [[noreturn]] void fail_to_open(const char* what, int err) const {
-    detail::raise(errc::system, rank_,
-                  "the timeline file '" + path_ + "' (from DDP_TIMELINE or dp_options::timeline): " + what + ": " +
+  [[noreturn]] static void fail_to_open(const std::string& path, int rank, const char* what, int err) {
+    detail::raise(errc::system, rank,
+                  "the timeline file '" + path + "' (from DDP_TIMELINE or dp_options::timeline): " + what + ": " +
                       std::strerror(err) + "; name a file in a writable directory, or leave DDP_TIMELINE unset");
   }
 

@@ -41,7 +41,8 @@ struct bucket_policy {
   /// Candidate caps for `autotune`, in bytes; empty: 1, 2, 4, 8, 16, 25, 50 and 100 MiB. A
   /// candidate whose plan equals a smaller candidate's (caps above the model size) is skipped.
   std::vector<std::size_t> autotune_caps = {};
-  /// Steps measured per candidate in each pass (after one unmeasured step on fresh buckets).
+  /// Steps measured per candidate in each pass (after one unmeasured step on fresh buckets);
+  /// at most a million, as `autotune_rounds`.
   std::size_t autotune_steps = 2;
   /// Passes over the candidates; a candidate's figure is the median of its steps over all
   /// passes, so that a burst of load on the machine does not land on one candidate only.
