@@ -17,9 +17,8 @@
 //
 // --compress fp16|bf16 sends the gradient buckets as 16-bit floats (ddp::hooked with
 // ddp::fp16_compress or ddp::bf16_compress over the default reducer, docs/tuning.md). The
-// gradients then differ from the single-process run by the compression's rounding, so the
-// program reports the largest weight difference from that run instead of checking it against
-// 1e-4; the other checks stay.
+// gradients then differ from the single-process run by the compression's rounding as well, so
+// the tolerance of that check is 1e-2 (fp16) or 5e-2 (bf16); the other checks stay.
 #include <ddp/data_parallel.hpp>
 #include <ddp/ddp.hpp>
 #include <ddp/reducer/compress.hpp>
@@ -333,16 +332,14 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
       for (std::size_t k = 0; k < a.w.size(); ++k) max_diff = std::max(max_diff, static_cast<double>(std::abs(a.w[k] - b.w[k])));
       for (std::size_t k = 0; k < a.b.size(); ++k) max_diff = std::max(max_diff, static_cast<double>(std::abs(a.b[k] - b.b[k])));
     }
-    if (compressed) {
-      // The compression's rounding is the difference: reported, not checked against 1e-4.
-      std::printf("single-process run on the full batch: max |difference| of weights %.3g (%s compression)\n",
-                  max_diff, compress);
-    } else {
-      const bool match = max_diff <= tolerance;
-      std::printf("single-process run on the full batch: max |difference| of weights %.3g (tolerance %.0e): %s\n",
-                  max_diff, tolerance, match ? "OK" : "FAILED");
-      ok = ok && match;
-    }
+    // With compression the 16-bit rounding of every gradient is part of the difference: a looser
+    // bound, still far below what a broken compression gives (weights are of order 0.1-1).
+    const std::string c = compress;
+    const double bound = c == "fp16" ? 1e-2 : c == "bf16" ? 5e-2 : tolerance;
+    const bool match = max_diff <= bound;
+    std::printf("single-process run on the full batch: max |difference| of weights %.3g (tolerance %.0e%s%s): %s\n",
+                max_diff, bound, compressed ? ", " : "", compressed ? compress : "", match ? "OK" : "FAILED");
+    ok = ok && match;
     const double steps = static_cast<double>(epochs * steps_per_epoch);
     std::printf("per step: backward %.3f ms, communication left exposed after backward %.3f ms\n",
                 backward_ms / steps, exposed_ms / steps);
