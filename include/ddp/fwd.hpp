@@ -56,6 +56,14 @@ class mpi_reducer;
 class nccl_reducer;
 class hierarchical;
 class auto_reducer;
+// communication hooks: reducer/hooked.hpp (the decorator; its Hook defaults to plain_allreduce
+// there), reducer/compress.hpp
+struct comm_bucket;
+struct plain_allreduce;
+template <class Inner, class Hook>
+class hooked;
+struct fp16_compress;
+struct bf16_compress;
 
 // policies: planner/, memory/, parameter.hpp
 struct bucket_policy;
@@ -72,6 +80,9 @@ struct tensor_view;
 // and checks its arguments against the policy concepts in its body.
 struct dp_options;
 struct step_stats;
+struct autotune_report;
+class bucket_autotuner;
+class timeline;
 template <class Planner = size_planner, class Reducer = auto_reducer, class Allocator = auto_allocator>
 class basic_data_parallel;
 /// The wrapper with the default policies: size-bucketed buckets, the engine the group's topology
