@@ -9,8 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${BUILD_DIR:-build-asan-quick}
 if [[ ! -f "$dir/build.ninja" ]]; then
-  meson setup "$dir" --wrap-mode=nodownload --buildtype=debugoptimized -Db_sanitize=address,undefined \
-    -Db_lundef=false -Dbench=disabled -Dexamples=disabled >/dev/null
+  # -O1 with line tables only (-g1): stack traces name functions, files and lines, and the
+  # build takes half the time of -O2 -g.
+  meson setup "$dir" --wrap-mode=nodownload --buildtype=plain -Doptimization=1 -Dcpp_args=-g1 \
+    -Dtest_optimization=1 -Db_sanitize=address,undefined -Db_lundef=false -Dbench=disabled -Dexamples=disabled >/dev/null
 fi
 fuzz=(store_frame store_server store_client mesh_hello auth_handshake coll_desc)
 unit=(store_protocol dtype schedule)

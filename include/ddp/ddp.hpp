@@ -33,7 +33,9 @@
 #include <ddp/planner/size_planner.hpp>      // IWYU pragma: export
 #include <ddp/process_group.hpp>  // IWYU pragma: export
 #include <ddp/reducer/auto.hpp>   // IWYU pragma: export
+#include <ddp/reducer/compress.hpp>      // IWYU pragma: export
 #include <ddp/reducer/hierarchical.hpp>  // IWYU pragma: export
+#include <ddp/reducer/hooked.hpp>        // IWYU pragma: export
 #include <ddp/reducer/ring.hpp>   // IWYU pragma: export
 #include <ddp/reducer/shm.hpp>    // IWYU pragma: export
 #include <ddp/reducer/tree.hpp>   // IWYU pragma: export

@@ -90,7 +90,7 @@ TEST_CASE("garbage and stalled clients are dropped or ignored while real clients
   // The real client is served at once, and the garbage clients are closed by the server.
   const auto t0 = ddp::detail::clock::now();
   for (int i = 0; i < 100; ++i) CHECK(good.get("k", soon()) == "v");
-  CHECK(ddp::detail::clock::now() - t0 < 1s);
+  CHECK(ddp::detail::clock::now() - t0 < 3s);
   char buf[16];
   std::error_code ec;
   ddp::detail::recv_all(huge, buf, 1, soon(2s), ec);
@@ -383,7 +383,7 @@ TEST_CASE("a store client that saw a bad frame length or an unknown status is br
       CHECK(e.code() == ddp::errc::protocol);
       CHECK(std::string(e.what()).find("unusable after an earlier failure: " + bad.why) != std::string::npos);
     }
-    CHECK(ddp::detail::clock::now() - t0 < 500ms);
+    CHECK(ddp::detail::clock::now() - t0 < 1500ms);  // a second try would wait out its 2 s
     fake.join();
     CHECK(served.load() == 2);  // the hello and the first call; the second call never went out
   }
@@ -1047,10 +1047,10 @@ TEST_CASE("a stranger streaming costly requests keeps the loop neither from memb
     ++n;
   }
   MESSAGE(n << " member round trips beside the stream, the slowest " << worst << " s");
-  CHECK(worst < 0.5);  // it took 25 s before the budget
+  CHECK(worst < 2.0);  // it took 25 s before the budget (a few hundredths of a second now)
   const auto t = ddp::detail::clock::now();
   server->stop();
-  CHECK(ddp::detail::clock::now() - t < 1s);  // 12.8 s before
+  CHECK(ddp::detail::clock::now() - t < 3s);  // 12.8 s before
   stop = true;
   ::shutdown(fd, SHUT_RDWR);
   attacker.join();
