@@ -23,8 +23,9 @@ jobs=()
 if [[ ! -f "$dir/build.ninja" ]]; then
   # debugoptimized keeps assert() on and -O2, which keeps the multi-process tests' timing close
   # to a release build; b_lundef=false because clang's sanitizer runtimes leave symbols to the
-  # executable. Benchmarks gain nothing from a sanitizer and double the build time.
-  meson setup "$dir" --wrap-mode=nodownload --buildtype=debugoptimized \
+  # executable. Benchmarks gain nothing from a sanitizer and double the build time. The tests
+  # follow the build type here (-O2), not the -O0 of a normal build.
+  meson setup "$dir" --wrap-mode=nodownload --buildtype=debugoptimized -Dtest_optimization=build \
     -Db_sanitize="$sanitize" -Db_lundef=false -Dbench=disabled
 fi
 abs=$(cd "$dir" && pwd)

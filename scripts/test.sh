@@ -19,9 +19,9 @@ if [[ "${DDP_SANITIZE:-1}" != 0 ]]; then
   scripts/asan_quick.sh
   took "the sanitizer pass"
 fi
-# Every libFuzzer target (clang, ASan+UBSan) for DDP_FUZZ_SECONDS each, 10 by default; 0 skips.
+# Every libFuzzer target (clang, ASan+UBSan) for DDP_FUZZ_SECONDS each, 5 by default; 0 skips.
 # Longer runs: scripts/fuzz.sh 600.
-if [[ "${DDP_FUZZ_SECONDS:-10}" != 0 ]]; then
-  scripts/fuzz.sh "${DDP_FUZZ_SECONDS:-10}"
+if [[ "${DDP_FUZZ_SECONDS:-5}" != 0 ]]; then
+  scripts/fuzz.sh "${DDP_FUZZ_SECONDS:-5}"
   took "the fuzz pass"
 fi

@@ -498,12 +498,18 @@ class basic_data_parallel {
   void rebuild_from_order() {
     settled_ = true;
     if (state_.order().size() != views_.size()) return;  // cannot happen: every parameter was ready or unused
-    bucket_plan fresh = agree_.rebuilt_plan(planner_, infos_, policy_, state_.order(), &tune_order_);
+    install_plan(agree_.rebuilt_plan(planner_, infos_, policy_, state_.order(), &tune_order_), "after the rebuild");
+  }
+
+  // Puts `fresh` in place when it differs from the plan in use (new buckets, a new generation),
+  // then every rank confirms one plan. Copy mode only, with no collective in flight: nothing
+  // lives in the buckets between steps and no pointer into them was handed out.
+  void install_plan(bucket_plan fresh, const char* when) {
     if (!(fresh == memory_.plan())) {
       memory_.allocate(std::move(fresh));
       ++generation_;
     }
-    agree_.check_plan(memory_.plan(), settled_, "after the rebuild");
+    agree_.check_plan(memory_.plan(), settled_, when);
   }
 
   // ---- the bucket-cap autotune (docs/tuning.md, "Autotune") -------------------------------
@@ -577,16 +583,10 @@ class basic_data_parallel {
     });
   }
 
-  // Plans with `cap` from the agreed order; new buckets only when the layout differs (copy
-  // mode: nothing lives in them between steps). Every rank confirms the same plan.
+  // Plans with `cap` from the agreed order (install_plan: new buckets only when the layout differs).
   void replan(std::size_t cap, const char* when) {
     policy_ = with_cap(tune_base_, cap);
-    bucket_plan fresh = planner_.plan(infos_, policy_, tune_order_);
-    if (!(fresh == memory_.plan())) {
-      memory_.allocate(std::move(fresh));
-      ++generation_;
-    }
-    agree_.check_plan(memory_.plan(), settled_, when);
+    install_plan(planner_.plan(infos_, policy_, tune_order_), when);
   }
 
   process_group pg_;  // the wrapper's own handle: the group stays open while this lives
