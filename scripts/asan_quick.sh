@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A bounded sanitizer pass that every test run includes: the code that reads what the network
 # sends (the fuzz corpus replays, the store protocol, the store server against real clients,
-# floods and descriptor exhaustion), the pure kernels and schedules, and the lifetimes suite
-# (reducers and wrappers outliving the program's process_group handle, forked children), under
-# AddressSanitizer + UndefinedBehaviorSanitizer. The whole suite under ASan or TSan:
+# floods and descriptor exhaustion), the dtypes and schedules, under AddressSanitizer +
+# UndefinedBehaviorSanitizer. The whole suite under ASan or TSan, the lifetimes suite
+# (reducers and wrappers outliving the program's process_group handle) included:
 # scripts/sanitize.sh (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ if [[ ! -f "$dir/build.ninja" ]]; then
 fi
 fuzz=(store_frame store_server store_client mesh_hello auth_handshake coll_desc)
 unit=(store_protocol dtype schedule)
-multi=(store lifetimes)
+multi=(store)
 targets=()
 for t in "${fuzz[@]}"; do targets+=("tests/fuzz/fuzz_$t"); done
 for t in "${unit[@]}"; do targets+=("tests/unit/unit_$t"); done

@@ -21,7 +21,9 @@ jobs=()
 
 if [[ ! -f "$dir/build.ninja" ]]; then
   # Only the fuzz targets are built; the optional SDKs would only slow the configure step.
-  CXX=${CXX:-clang++} meson setup "$dir" --wrap-mode=nodownload --buildtype=debugoptimized \
+  # -O1 with line tables only (-g1): crash reports name functions, files and lines, and the
+  # targets build in half the time of -O2 -g.
+  CXX=${CXX:-clang++} meson setup "$dir" --wrap-mode=nodownload --buildtype=plain -Doptimization=1 -Dcpp_args=-g1 \
     -Db_sanitize=address,undefined -Db_lundef=false -Dbench=disabled -Dexamples=disabled \
     -Dtbb=disabled -Dcuda=disabled -Dnccl=disabled -Dmpi=disabled >"$dir.setup.log" 2>&1 ||
     { cat "$dir.setup.log"; exit 1; }
