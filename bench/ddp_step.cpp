@@ -34,6 +34,13 @@
 //                                 costs time proportional to its bytes, compute_ms in total
 //                                 (auto: the flat allreduce time), so exposed_median_ms shows
 //                                 how much communication the overlap leaves uncovered.
+//   --optim sgd|adamw (optimizer overlap, docs/data-parallel.md): with the same compute, a
+//   real optimizer step over every parameter (SGD with momentum, or AdamW), three rows:
+//   ddp_<reducer>_<mode>_<optim>_alone       the optimizer step by itself (step_median_ms)
+//   ddp_<reducer>_<mode>_<optim>_sequential  backward, finish(), then the optimizer
+//   ddp_<reducer>_<mode>_<optim>_overlapped  backward, finish() stepping each bucket's
+//                                            parameters in on_bucket_reduced
+//   and on stderr the share of the optimizer's time hidden: (sequential - overlapped) / alone.
 // Columns: system,model,ranks,bucket_cap_mb,steps,step_median_ms,nosync_median_ms,sync_ms,
 //          exposed_median_ms,compute_ms
 // (the first eight are torch_ddp.py's; exposed = last grad_ready to finish() return).
@@ -57,6 +64,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -86,6 +94,7 @@ struct options {
   double compute_ms = -1;  // -1: auto
   bool spin = false, flat = true, compute = true;
   bool from_env = false;  // --env: one rank of a launched group
+  std::string optim;      // --optim sgd|adamw: the optimizer-overlap rows
   std::vector<model_spec> models;
 };
 
@@ -170,6 +179,9 @@ options parse(int argc, char** argv) {
       o.compute = false;
     } else if (a == "--env") {
       o.from_env = true;
+    } else if (a == "--optim") {
+      o.optim = value();
+      if (o.optim != "sgd" && o.optim != "adamw") usage("--optim is sgd or adamw");
     } else if (a == "-h" || a == "--help") {
       usage("help");
     } else if (!a.empty() && a[0] == '-') {
@@ -279,6 +291,75 @@ void backward(DP& dp, engine& e, bool view, float scale, compute_model& cm) {
 struct row {
   double step_ms = 0, nosync_ms = 0, exposed_ms = 0;
 };
+
+// The optimizer of the overlap rows: its own copy of every parameter and its state, updated
+// from the averaged gradients as torch.optim.SGD (momentum 0.9) or AdamW (PyTorch's defaults)
+// would, one parameter at a time.
+struct optimizer {
+  bool adamw = false;
+  std::vector<std::vector<float>> value, m, v;
+  std::vector<int> steps;
+
+  optimizer(const engine& e, bool adam) : adamw(adam), steps(e.grads.size(), 0) {
+    for (const auto& g : e.grads) {
+      value.emplace_back(g.size(), 0.01f);
+      m.emplace_back(g.size(), 0.0f);
+      if (adamw) v.emplace_back(g.size(), 0.0f);
+    }
+  }
+  void step(std::size_t i, const float* g) {
+    float* p = value[i].data();
+    float* mi = m[i].data();
+    const std::size_t n = value[i].size();
+    if (!adamw) {
+      for (std::size_t k = 0; k < n; ++k) {
+        mi[k] = 0.9f * mi[k] + g[k];
+        p[k] -= 0.01f * mi[k];
+      }
+      return;
+    }
+    const int t = ++steps[i];
+    const float lr = 1e-3f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 1e-2f;
+    const float c1 = 1.0f - std::pow(b1, static_cast<float>(t)), c2 = std::sqrt(1.0f - std::pow(b2, static_cast<float>(t)));
+    float* vi = v[i].data();
+    for (std::size_t k = 0; k < n; ++k) {
+      p[k] *= 1.0f - lr * wd;
+      mi[k] = b1 * mi[k] + (1.0f - b1) * g[k];
+      vi[k] = b2 * vi[k] + (1.0f - b2) * g[k] * g[k];
+      p[k] -= lr / c1 * mi[k] / (std::sqrt(vi[k]) / c2 + eps);
+    }
+  }
+};
+
+// Steps of backward + finish() + the optimizer, sequential (after finish) or overlapped (in
+// on_bucket_reduced); also the optimizer alone. Rows as print_row's, times the slowest rank's.
+template <class DP>
+std::vector<double> time_optim(ddp::process_group& pg, DP& dp, engine& e, bool view, const options& o,
+                               compute_model cm, optimizer& opt, int how) {
+  const auto grad_of = [&](std::size_t i) -> const float* {
+    return view ? static_cast<const float*>(dp.bucket_grad(i)) : e.grads[i].data();
+  };
+  if (how == 2)
+    dp.on_bucket_reduced([&](const ddp::reduced_bucket& b) {
+      for (std::size_t i : b.parameters) opt.step(i, grad_of(i));
+    });
+  std::vector<double> t;
+  for (int s = 0; s < o.warmup + o.steps; ++s) {
+    dp.get_reducer().barrier();
+    const auto t0 = clock_type::now();
+    if (how == 0) {
+      for (std::size_t i = 0; i < e.grads.size(); ++i) opt.step(i, grad_of(i));
+    } else {
+      backward(dp, e, view, 1.0f / static_cast<float>(s + 1), cm);
+      dp.finish();
+      if (how == 1)
+        for (std::size_t i = 0; i < e.grads.size(); ++i) opt.step(i, grad_of(i));
+    }
+    if (s >= o.warmup) t.push_back(ms_since(t0));
+  }
+  dp.on_bucket_reduced({});
+  return slowest(pg, t);
+}
 
 // Times `steps` interleaved pairs (no_sync, synchronized) of one configuration.
 template <class DP>
@@ -390,6 +471,29 @@ void run_reducer(ddp::process_group& pg, const model_spec& m, engine& e, const o
       compute_model cm{compute_ms * 1e6 / static_cast<double>(m.elems), o.spin, {}};
       const row r = time_steps(pg, dp, e, view, o, cm);
       print_row(pg, "ddp_" + name + "_" + mode + "_compute", m, 25, o.steps, r, compute_ms);
+      if (!o.optim.empty()) {
+        // Three rounds of (alone, sequential, overlapped), alternating, so that load drifting
+        // during the run falls on all three alike.
+        optimizer opt(e, o.optim == "adamw");
+        std::vector<double> alone, seq, ovl;
+        for (int k = 0; k < 3; ++k) {
+          for (int how = 0; how < 3; ++how) {
+            const auto t = time_optim(pg, dp, e, view, o, cm, opt, how);
+            auto& into = how == 0 ? alone : how == 1 ? seq : ovl;
+            into.insert(into.end(), t.begin(), t.end());
+          }
+        }
+        const std::string base = "ddp_" + name + "_" + mode + "_" + o.optim;
+        const double a = median(alone), sq = median(seq), ov = median(ovl);
+        print_row(pg, base + "_alone", m, 25, o.steps, {a, 0, 0}, compute_ms);
+        print_row(pg, base + "_sequential", m, 25, o.steps, {sq, 0, 0}, compute_ms);
+        print_row(pg, base + "_overlapped", m, 25, o.steps, {ov, 0, 0}, compute_ms);
+        if (pg.rank() == 0)
+          std::fprintf(stderr, "%s %s %d ranks: optimizer %.2f ms, sequential %.2f ms, overlapped %.2f ms: %.0f%% of the "
+                               "optimizer hidden (sync alone: %.2f ms exposed)\n",
+                       base.c_str(), m.name.c_str(), pg.size(), a, sq, ov, a > 0 ? 100.0 * (sq - ov) / a : 0.0,
+                       r.exposed_ms);
+      }
     }
   }
 }

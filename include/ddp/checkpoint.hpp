@@ -40,7 +40,8 @@
 namespace ddp {
 inline namespace v0 {
 
-/// Saves the values of `params` (names, dtypes, shapes and bytes; gradients are not saved) and
+/// Saves the values of `params` (names, dtypes, shapes and bytes; gradients are not saved), its
+/// buffers and frozen parameters when it has them (`ddp::has_buffers`, e.g. `torch_parameters`), and
 /// the caller's `extra` bytes to `path`, written by rank 0 alone. The file appears whole or not
 /// at all: rank 0 writes `<path>.tmp.<pid>`, fsyncs it, renames it over `path` and fsyncs the
 /// directory. Collective: every rank returns once rank 0 has succeeded, and a failure on rank 0
@@ -68,7 +69,7 @@ void save_checkpoint(process_group& pg, const std::filesystem::path& path, const
       v = {code, parameter, who + why};
     };
     try {
-      const auto views = to_views(params);
+      const auto views = to_state_views(params);
       std::vector<ck::entry> entries;
       std::uint64_t data_bytes = 0;
       for (std::size_t i = 0; i < views.size() && v.ok(); ++i) {
@@ -176,7 +177,7 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
   ck::fd_guard fd;
   std::string meta;  // u64 file size, the header, the table: what rank 0 hands every rank
   try {
-    views = to_views(params);
+    views = to_state_views(params);
     for (std::size_t i = 0; i < views.size(); ++i) {
       const auto& t = views[i];
       if (t.device >= 0)

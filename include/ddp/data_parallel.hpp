@@ -6,14 +6,17 @@
 /// backward was still running. The parts it is built from live in `ddp/data_parallel/`.
 /// See docs/data-parallel.md.
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +29,7 @@
 #include <ddp/data_parallel/autotune.hpp>
 #include <ddp/data_parallel/bucket_memory.hpp>
 #include <ddp/data_parallel/bucket_state.hpp>
+#include <ddp/data_parallel/buffers.hpp>
 #include <ddp/data_parallel/detail/failure_latch.hpp>
 #include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/data_parallel/detail/uneven.hpp>
@@ -88,6 +92,7 @@ class basic_data_parallel {
         policy_(std::move(policy)),
         opts_(opts),
         views_(to_views(params)),
+        buffers_(to_buffer_views(params)),
         names_(detail::own_names(views_)),
         infos_(detail::infos_of(views_)),
         red_(pg, std::forward<ReducerArgs>(reducer_args)...),
@@ -97,10 +102,18 @@ class basic_data_parallel {
         state_(views_.size(), [this](std::size_t b) { launch(b); },
                opts.uneven_inputs ? bucket_state::open_fn([this] { issue_count(1); }) : bucket_state::open_fn{}) {
     memory_.check_reachable(views_, pg_.rank());
+    memory_.check_reachable(std::span<const buffer_view>(buffers_.buffers()), pg_.rank());
     agree_.check_signatures(views_);
+    agree_.check_buffer_signatures(buffers_.buffers());
     agree_.check_same("dp_options::uneven_inputs", opts_.uneven_inputs ? 1 : 0);
+    agree_.check_same("dp_options::find_unused_parameters", opts_.find_unused_parameters ? 1 : 0);
+    agree_.check_same("dp_options::buffers (0 broadcast, 1 average, 2 none)", static_cast<std::uint64_t>(opts_.buffers));
+    agree_.check_same("dp_options::divide_by (0 world_size, 1 contributors)", static_cast<std::uint64_t>(opts_.divide_by));
     set_up_autotune();
-    if (opts_.broadcast_parameters && pg.size() > 1) agreement::broadcast_values(red_, views_, pg_.timeout());
+    if (opts_.broadcast_parameters && pg.size() > 1) {
+      agreement::broadcast_values(red_, std::span<const tensor_view>(views_), pg_.timeout());
+      agreement::broadcast_values(red_, std::span<const buffer_view>(buffers_.buffers()), pg_.timeout());
+    }
     // View mode hands bucket memory to the engine, which keeps the pointers: that layout must
     // never move, so it is final from the start (docs/data-parallel.md, "View mode"). With
     // uneven inputs a rank may join before it ever ran a step, and rank 0 may be that rank:
@@ -191,17 +204,27 @@ class basic_data_parallel {
           state_.complete(i, true, false);  // not backward's work: the statistics ignore it
         }
         state_.launch_ready();
+        if (record_needed()) issue_record(false);
       });
       const auto& plan = memory_.plan();
+      // Without the unused-parameter record, each bucket's hook runs as soon as its average is
+      // in place, while later buckets still reduce; with it, once the record says which
+      // parameters no rank used (docs/data-parallel.md, "Optimizer overlap").
+      const bool hook_early = bucket_hook_ && !opts_.find_unused_parameters;
       for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
         wait_bucket(b);
         if (opts_.uneven_inputs) finish_uneven(b, contributors);
-        if (opts_.gradient_as_bucket_view) continue;
-        // Copy back bucket by bucket: later buckets keep reducing meanwhile.
-        for (const auto& e : plan.buckets[b].entries)
-          guarded("finish (copying the average back)", e.param,
-                  [&] { memory_.copy_out(e.param, views_[e.param].grad, views_[e.param].bytes()); });
+        if (!opts_.gradient_as_bucket_view)
+          // Copy back bucket by bucket: later buckets keep reducing meanwhile.
+          for (const auto& e : plan.buckets[b].entries)
+            guarded("finish (copying the average back)", e.param,
+                    [&] { memory_.copy_out(e.param, views_[e.param].grad, views_[e.param].bytes()); });
+        if (hook_early) call_bucket_hook(b);
       }
+      const int source = record_needed() ? wait_record("finish") : 0;
+      if (bucket_hook_ && !hook_early)
+        for (std::size_t b = 0; b < plan.buckets.size(); ++b) call_bucket_hook(b);
+      sync_buffer_values(source, opts_.buffers, "finish (the buffers after the step)");
       state_.clear_accumulated();  // they are in this step's average now
     }
     if (timeline_) record_timeline(t_call);
@@ -269,8 +292,12 @@ class basic_data_parallel {
             memory_.zero_bucket(b);
             launch(b);
           }
+          if (record_needed()) issue_record(true);
         });
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) wait_bucket(b, "join");
+        // The step's buffers, from the highest rank still training (PyTorch's Join does the same).
+        const int source = record_needed() ? wait_record("join") : 0;
+        sync_buffer_values(source, opts_.buffers, "join (the buffers after the step)");
         ++joined_steps_;
       }
       memory_.clear_requests();
@@ -306,6 +333,53 @@ class basic_data_parallel {
     if (opts_.gradient_as_bucket_view)
       for (std::size_t i = 0; i < out.size(); ++i) out[i].grad = memory_.slot(i);
     return out;
+  }
+
+  /// Optimizer overlap: `fn` is called inside each synchronized `finish()` once per bucket, in plan
+  /// order, as soon as that bucket's average is in the engine's gradients, while the later
+  /// buckets still reduce, on the thread that calls `finish()` (LibTorch: the thread inside
+  /// `loss.backward()`). An engine steps the bucket's parameters there, so the optimizer runs
+  /// while communication goes on. With `find_unused_parameters` the calls come after the last
+  /// bucket, once `unused_on_every_rank()` is known. An exception from `fn` fails the wrapper as
+  /// any failure inside `finish()` does. Set it between steps; an empty function removes it.
+  /// See docs/data-parallel.md, "Optimizer overlap".
+  /// \code
+  /// dp.on_bucket_reduced([&](const ddp::reduced_bucket& b) {
+  ///   for (std::size_t i : b.parameters) sgd_step(i);  // the engine's own update of parameter i
+  /// });
+  /// \endcode
+  void on_bucket_reduced(std::function<void(const reduced_bucket&)> fn) {
+    check_healthy();
+    if (state_.is_open())
+      detail::raise(errc::usage, pg_.rank(), "on_bucket_reduced() in the middle of a step; set it between steps");
+    bucket_hook_ = std::move(fn);
+  }
+
+  /// Copies rank 0's buffers (`buffer_kind::buffer`) to every rank now (`buffer_sync::average`:
+  /// averages the floating-point ones); a collective, between steps. `finish()` already does this
+  /// after each synchronized step as `dp_options::buffers` says; call it where a model's buffers
+  /// change outside a step, e.g. after loading statistics on rank 0 only. `errc::usage` inside a step.
+  /// \code
+  /// dp.sync_buffers();  // every rank now holds rank 0's BatchNorm statistics
+  /// \endcode
+  void sync_buffers(buffer_sync how = buffer_sync::broadcast) {
+    check_healthy();
+    check_not_joining("sync_buffers()");
+    if (state_.is_open())
+      detail::raise(errc::usage, pg_.rank(), "sync_buffers() in the middle of a step; call it before the first grad_ready or after finish()");
+    sync_buffer_values(0, how, "sync_buffers");
+  }
+
+  /// The buffers and frozen parameters the wrapper keeps alike (from `ddp::has_buffers`).
+  const std::vector<buffer_view>& buffers() const noexcept { return buffers_.buffers(); }
+
+  /// With `dp_options::find_unused_parameters`: true when no rank used parameter `i` in the last
+  /// synchronized step (nor accumulated it in the `no_sync()` steps before it). Its gradient then
+  /// holds zero; an engine that can tell the optimizer "no gradient" (LibTorch's undefined
+  /// `grad()`, which the adapter leaves so) skips it, as PyTorch's DDP does. False without the option.
+  bool unused_on_every_rank(std::size_t i) const {
+    check_index(i, "unused_on_every_rank");
+    return i < unused_everywhere_.size() && unused_everywhere_[i] != 0;
   }
 
   /// Bumped when the bucket layout changes: once in copy mode (the rebuild), plus once per
@@ -434,12 +508,99 @@ class basic_data_parallel {
   // Bucket b holds the reducer's result over every rank, joined ones contributing zeros: make
   // it the average over the `count` contributors (floats: scaled by world / count unless they
   // are all; integers: their sum divided by count).
-  void finish_uneven(std::size_t b, int count) {
+  void finish_uneven(std::size_t b, int contributors) {
     const auto& bk = memory_.plan().buckets[b];
     if (!opts_.average || bk.numel == 0) return;
+    const int count = opts_.divide_by == join_divisor::world_size ? pg_.size() : contributors;
     if (count == pg_.size() && detail::avg_scales(bk.type)) return;
     guarded("finish (averaging over the contributing ranks)", -1, [&] {
       memory_.on_host(b, [&](void* p) { detail::uneven_finish(p, bk.numel, bk.type, pg_.size(), count); });
+    });
+  }
+
+  // The bucket hook for bucket b (its parameters in plan order).
+  void call_bucket_hook(std::size_t b) {
+    hook_params_.clear();
+    for (const auto& e : memory_.plan().buckets[b].entries) hook_params_.push_back(e.param);
+    guarded("finish (the bucket hook, on_bucket_reduced)", -1,
+            [&] { bucket_hook_(reduced_bucket{b, std::span<const std::size_t>(hook_params_), step_}); });
+  }
+
+  // ---- buffers and the step record (docs/engines.md, "What is synchronized") ---------------
+  // The side buffer holds, one after the other in time, the uneven-inputs count, the step record
+  // and the buffers' staging: each collective on it ends before the next one is put there.
+  std::size_t side_bytes() const {
+    std::size_t bytes = opts_.uneven_inputs ? sizeof(std::int64_t) : 0;
+    if (record_needed()) bytes = std::max(bytes, step_record::bytes(views_.size()));
+    return std::max(bytes, buffers_.bytes());  // also with buffer_sync::none, for sync_buffers()
+  }
+
+  // The step record is reduced when some rank may not use a parameter (which ones no rank used)
+  // or when ranks may join and buffers follow one rank (which rank that is).
+  bool record_needed() const noexcept {
+    return pg_.size() > 1 && (opts_.find_unused_parameters ||
+                              (opts_.uneven_inputs && opts_.buffers == buffer_sync::broadcast && !buffers_.groups().empty()));
+  }
+
+  // After this step's buckets (or a joined rank's zeros), under guarded().
+  void issue_record(bool joined) {
+    std::vector<bool> used(views_.size(), false);
+    if (!joined)
+      for (std::size_t i = 0; i < views_.size(); ++i) used[i] = !state_.unused(i) || state_.accumulated(i);
+    const auto words = step_record::encode(used, joined ? -1 : pg_.rank());
+    memory_.put_side(words.data(), words.size() * sizeof(std::int64_t));
+    memory_.track_side(red_.allreduce_async(memory_.side(), words.size(), dtype::i64, op::max));
+  }
+
+  // Waits (bounded) for the record; keeps which parameters no rank used and returns the source
+  // of the buffers (the highest rank that took part in the step).
+  int wait_record(const char* what) {
+    std::vector<std::int64_t> words(views_.size() + 1, 0);
+    guarded(
+        what, -1,
+        [&] {
+          memory_.wait_side(wait_patience(), pg_.rank(), "the step record (parameters used, the buffers' source) was not reduced");
+          memory_.get_side(words.data(), words.size() * sizeof(std::int64_t));
+        },
+        false);
+    unused_everywhere_.assign(views_.size(), 0);
+    if (opts_.find_unused_parameters)
+      for (std::size_t i = 0; i < views_.size(); ++i) unused_everywhere_[i] = words[i] == 0 ? 1 : 0;
+    const std::int64_t source = words.back();
+    if (source < 0 || source >= pg_.size())
+      guarded(what, -1, [&] {
+        detail::raise(errc::protocol, pg_.rank(), "the step record names rank " + std::to_string(source) + " of " +
+                                                      std::to_string(pg_.size()) + " as the buffers' source");
+      });
+    return static_cast<int>(source);
+  }
+
+  // Makes the buffers alike: rank `source`'s everywhere, or the floating-point ones averaged.
+  // One collective per dtype over the side buffer, each awaited before the next is put there.
+  void sync_buffer_values(int source, buffer_sync how, const char* what) {
+    if (how == buffer_sync::none || buffers_.groups().empty() || pg_.size() == 1) return;
+    const auto& bufs = buffers_.buffers();
+    guarded(what, -1, [&] {
+      for (const auto& sl : buffers_.slots()) memory_.put_side(sl.offset, bufs[sl.buffer].data, bufs[sl.buffer].bytes());
+    });
+    for (const auto& g : buffers_.groups()) {
+      void* p = static_cast<std::byte*>(memory_.side()) + g.offset;
+      guarded(what, -1, [&] {
+        memory_.track_side(how == buffer_sync::average && detail::avg_scales(g.type)
+                               ? red_.allreduce_async(p, g.numel, g.type, op::avg)
+                               : red_.broadcast_async(p, g.numel, g.type, source));
+      });
+      guarded(
+          what, -1,
+          [&] {
+            memory_.wait_side(wait_patience(), pg_.rank(),
+                              std::string("the ") + dtype_name(g.type) + " buffers were not " +
+                                  (how == buffer_sync::average ? "averaged" : "broadcast"));
+          },
+          false);
+    }
+    guarded(what, -1, [&] {
+      for (const auto& sl : buffers_.slots()) memory_.get_side(sl.offset, bufs[sl.buffer].data, bufs[sl.buffer].bytes());
     });
   }
 
@@ -486,7 +647,7 @@ class basic_data_parallel {
     agree_.share_setup(detail::exception_of([&] {
       open_timeline();
       memory_.allocate(std::move(plan));
-      if (opts_.uneven_inputs) memory_.allocate_side(sizeof(std::int64_t));  // the count
+      if (const std::size_t side = side_bytes(); side > 0) memory_.allocate_side(side);
       if (opts_.gradient_as_bucket_view)
         for (std::size_t i = 0; i < views_.size(); ++i) memory_.copy_in(i, views_[i].grad, views_[i].bytes());
     }));  // a failed rank's buckets are freed with memory_ as construction unwinds
@@ -595,6 +756,10 @@ class basic_data_parallel {
   bucket_policy policy_;
   dp_options opts_;
   std::vector<tensor_view> views_;
+  buffer_layout buffers_;  // the buffers and frozen parameters, and the per-step staging layout
+  std::vector<std::uint8_t> unused_everywhere_;  // per parameter, after a synchronized step (the record)
+  std::function<void(const reduced_bucket&)> bucket_hook_;  // on_bucket_reduced
+  std::vector<std::size_t> hook_params_;                    // the hook's current bucket
   std::vector<std::string> names_;
   std::vector<param_info> infos_;
   Reducer red_;

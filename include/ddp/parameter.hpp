@@ -275,5 +275,157 @@ std::vector<tensor_view> to_views(const C& c) {
   return out;
 }
 
+
+// ---- buffers: the rest of a model's state ----------------------------------------------------
+
+/// What a buffer is, which says when ranks make it alike (docs/engines.md, "What is synchronized").
+enum class buffer_kind : std::uint8_t {
+  /// State that the forward pass updates, such as BatchNorm's running statistics: rank 0's at
+  /// construction and, by default, after every synchronized step (`dp_options::buffers`).
+  buffer,
+  /// A parameter that is not trained (frozen, `requires_grad = false`): rank 0's at construction
+  /// only, as PyTorch's DistributedDataParallel broadcasts every parameter once.
+  frozen_parameter,
+};
+
+/// One piece of a model's state that is not a trained parameter: a buffer or a frozen parameter.
+/// Like `tensor_view`, not owned; it has no gradient.
+/// \code
+/// std::vector<float> running_mean(64);
+/// ddp::buffer_view b = ddp::make_buffer_view(std::span{running_mean}, "bn1.running_mean");
+/// \endcode
+struct buffer_view {
+  void* data = nullptr;
+  std::size_t numel = 0;
+  dtype type = dtype::f32;
+  int device = -1;
+  std::string_view name{};
+  std::vector<std::int64_t> shape{};
+  buffer_kind kind = buffer_kind::buffer;
+  /// Size of the values in bytes.
+  std::size_t bytes() const noexcept { return numel * dtype_size(type); }
+  friend bool operator==(const buffer_view&, const buffer_view&) = default;
+};
+
+/// Builds a `buffer_view` over typed storage; an empty `shape` becomes `{data.size()}`. Throws
+/// `errc::invalid_argument` when a non-empty `shape` does not multiply out to `data.size()`.
+/// \code
+/// auto b = ddp::make_buffer_view(std::span{frozen_embedding}, "embed.weight", {1000, 64},
+///                                ddp::buffer_kind::frozen_parameter);
+/// \endcode
+template <element T>
+  requires(!std::is_const_v<T>)
+buffer_view make_buffer_view(std::span<T> data, std::string_view name = {}, std::vector<std::int64_t> shape = {},
+                             buffer_kind kind = buffer_kind::buffer) {
+  auto v = make_tensor_view(data, data, name, std::move(shape));  // the same shape checks
+  return buffer_view{v.data, v.numel, v.type, -1, name, std::move(v.shape), kind};
+}
+
+/// Optional part of `parameter_traits<C>`: `buffer_count(c)` and `buffer(c, i)` (a `buffer_view`)
+/// describe the model's buffers and frozen parameters, which the wrapper keeps equal across ranks
+/// and checkpoints save. A container without them has none.
+template <class C>
+concept has_buffers = requires(const C& c, std::size_t i) {
+  { detail::traits_of<C>::buffer_count(c) } -> std::convertible_to<std::size_t>;
+  { detail::traits_of<C>::buffer(c, i) } -> std::convertible_to<buffer_view>;
+};
+
+/// The buffers of any `parameter_set` (none without `has_buffers`), checked as `to_views` checks
+/// parameters: `errc::invalid_argument` naming the buffer for a null data pointer or a shape that
+/// disagrees with its numel.
+/// \code
+/// std::vector<ddp::buffer_view> state = ddp::to_buffer_views(model);
+/// \endcode
+template <parameter_set C>
+std::vector<buffer_view> to_buffer_views(const C& c) {
+  std::vector<buffer_view> out;
+  if constexpr (has_buffers<C>) {
+    using traits = detail::traits_of<C>;
+    const std::size_t n = static_cast<std::size_t>(traits::buffer_count(c));
+    out.reserve(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      buffer_view v = traits::buffer(c, i);
+      if (v.shape.empty()) v.shape.push_back(static_cast<std::int64_t>(v.numel));
+      const auto label = [&] {
+        return "buffer " + std::to_string(i) + (v.name.empty() ? std::string() : " ('" + std::string(v.name) + "')");
+      };
+      if (v.numel != 0 && v.data == nullptr) detail::raise(errc::invalid_argument, -1, label() + ": null data pointer");
+      std::int64_t product = 1;
+      for (auto d : v.shape) product *= d;
+      if (product < 0 || static_cast<std::size_t>(product) != v.numel)
+        detail::raise(errc::invalid_argument, -1,
+                      label() + ": shape holds " + std::to_string(product) + " elements but numel is " +
+                          std::to_string(v.numel));
+      out.push_back(std::move(v));
+    }
+  }
+  return out;
+}
+
+/// A `parameter_set` with buffers beside it, for containers that have no buffer traits of their
+/// own (a `std::vector<tensor_view>`, say). Made by `ddp::with_buffers`; holds the parameter set
+/// by reference when given an lvalue, by value otherwise.
+template <class P>
+class buffered_parameters {
+ public:
+  buffered_parameters(P params, std::vector<buffer_view> buffers)
+      : params_(std::forward<P>(params)), buffers_(std::move(buffers)) {}
+  const std::remove_cvref_t<P>& parameters() const noexcept { return params_; }
+  const std::vector<buffer_view>& buffers() const noexcept { return buffers_; }
+
+ private:
+  P params_;
+  std::vector<buffer_view> buffers_;
+};
+
+/// `params` with `buffers`: what the wrapper and checkpoints take to keep a whole model in step.
+/// \code
+/// ddp::data_parallel dp{pg, ddp::with_buffers(views, {ddp::make_buffer_view(std::span{stats}, "bn.stats")})};
+/// \endcode
+template <parameter_set P>
+buffered_parameters<P> with_buffers(P&& params, std::vector<buffer_view> buffers) {
+  return buffered_parameters<P>(std::forward<P>(params), std::move(buffers));
+}
+
+template <class P>
+struct parameter_traits<buffered_parameters<P>> {
+  using self = buffered_parameters<P>;
+  using inner = detail::traits_of<P>;
+  static std::size_t size(const self& s) { return static_cast<std::size_t>(inner::size(s.parameters())); }
+  static void* data(const self& s, std::size_t i) { return static_cast<void*>(inner::data(s.parameters(), i)); }
+  static void* grad(const self& s, std::size_t i) { return static_cast<void*>(inner::grad(s.parameters(), i)); }
+  static std::size_t numel(const self& s, std::size_t i) { return static_cast<std::size_t>(inner::numel(s.parameters(), i)); }
+  static dtype type(const self& s, std::size_t i) { return inner::type(s.parameters(), i); }
+  static int device(const self& s, std::size_t i) {
+    if constexpr (has_parameter_device<P>) return static_cast<int>(inner::device(s.parameters(), i));
+    else return -1;
+  }
+  static std::string_view name(const self& s, std::size_t i) {
+    if constexpr (has_parameter_name<P>) return std::string_view(inner::name(s.parameters(), i));
+    else return {};
+  }
+  static std::vector<std::int64_t> shape(const self& s, std::size_t i) {
+    std::vector<std::int64_t> out;
+    if constexpr (has_parameter_shape<P>)
+      for (auto d : inner::shape(s.parameters(), i)) out.push_back(static_cast<std::int64_t>(d));
+    return out;  // empty: {numel}
+  }
+  static std::size_t buffer_count(const self& s) { return s.buffers().size(); }
+  static const buffer_view& buffer(const self& s, std::size_t i) { return s.buffers().at(i); }
+};
+
+
+/// The whole state of a model as views: every parameter, then every buffer and frozen parameter
+/// (whose `grad` is its `data`). What checkpoints save and load.
+/// \code
+/// for (const auto& v : ddp::to_state_views(model)) std::printf("%s\n", std::string(v.name).c_str());
+/// \endcode
+template <parameter_set C>
+std::vector<tensor_view> to_state_views(const C& c) {
+  auto out = to_views(c);
+  for (auto& b : to_buffer_views(c)) out.push_back(tensor_view{b.data, b.data, b.numel, b.type, b.device, b.name, std::move(b.shape)});
+  return out;
+}
+
 }  // namespace v0
 }  // namespace ddp

@@ -516,3 +516,33 @@ TEST_CASE("eigen: ranks holding a matrix in different storage orders disagree at
     CHECK(o.message.find("'w'") != std::string::npos);
   }
 }
+
+TEST_CASE("eigen: buffers and a frozen matrix are rank 0's at construction; buffers rank 0's after each step") {
+  const int port = free_port();
+  const auto outs = run_ranks(3, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, 3, port, 10s));
+    Eigen::MatrixXf w = Eigen::MatrixXf::Constant(3, 2, static_cast<float>(r)), gw = Eigen::MatrixXf::Zero(3, 2);
+    Eigen::VectorXf mean = Eigen::VectorXf::Constant(4, 7.0f + static_cast<float>(r));
+    Eigen::MatrixXd frozen = Eigen::MatrixXd::Constant(2, 2, 1.0 + r);
+    Eigen::Matrix<std::int64_t, Eigen::Dynamic, 1> count = Eigen::Matrix<std::int64_t, Eigen::Dynamic, 1>::Constant(1, 10 * r);
+    ddp::eigen_parameters params;
+    params.add("w", w, gw);
+    params.add_buffer("bn.mean", mean);
+    params.add_buffer("frozen", frozen, ddp::buffer_kind::frozen_parameter);
+    params.add_buffer("bn.count", count);
+    ddp::data_parallel dp{pg, params};
+    if (w(0, 0) != 0.0f || mean(3) != 7.0f || frozen(1, 1) != 1.0 || count(0) != 0)
+      throw std::runtime_error("not rank 0's state after construction");
+    mean.setConstant(100.0f + static_cast<float>(r));  // what this rank's forward left
+    frozen.setConstant(-1.0 * r);
+    count(0) = r + 1;
+    params.grad_ready(dp, 0);
+    dp.finish();
+    if (mean(0) != 100.0f || count(0) != 1) throw std::runtime_error("buffers are not rank 0's after the step");
+    if (frozen(0, 0) != -1.0 * r) throw std::runtime_error("the frozen matrix changed after construction");
+  });
+  for (const auto& o : outs) {
+    CAPTURE(o.message);
+    CHECK(o.ok());
+  }
+}

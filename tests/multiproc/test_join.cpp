@@ -104,24 +104,26 @@ double ulp(ddp::dtype t, double v) {
 
 // Every gradient holds the average over the contributing ranks `who` of step s, epoch e:
 // exact for i32 (the sum divided by their count, truncated), within one ulp for the floats.
+// `divisor`: the ranks' count the average divides by (who.size(), or the world size: join_divisor).
 void check_step(const model& m, const std::vector<const void*>& grads, const std::vector<int>& who, int s, int e,
-                const std::string& what) {
+                const std::string& what, std::size_t divisor = 0) {
+  if (divisor == 0) divisor = who.size();
   for (std::size_t i = 0; i < m.size(); ++i)
     for (std::size_t j = 0; j < m.numel[i]; ++j) {
       double expect = 0;
       if (m.types[i] == ddp::dtype::i32) {
         long sum = 0;
         for (int q : who) sum += static_cast<long>(grad_value(m, q, i, j, s, e));
-        expect = static_cast<double>(sum / static_cast<long>(who.size()));
+        expect = static_cast<double>(sum / static_cast<long>(divisor));
       } else {
         for (int q : who) expect += grad_value(m, q, i, j, s, e);
-        expect /= static_cast<double>(who.size());
+        expect /= static_cast<double>(divisor);
       }
       const double got = model::get(grads[i], m.types[i], j);
       if (std::abs(got - expect) > ulp(m.types[i], expect))
         throw std::runtime_error(what + ": " + m.names[i] + "[" + std::to_string(j) + "] is " + std::to_string(got) +
-                                 ", expected " + std::to_string(expect) + " (the average over " +
-                                 std::to_string(who.size()) + " ranks)");
+                                 ", expected " + std::to_string(expect) + " (the sum over " +
+                                 std::to_string(who.size()) + " ranks divided by " + std::to_string(divisor) + ")");
     }
 }
 
@@ -130,12 +132,13 @@ const ddp::bucket_policy small_buckets{.cap_bytes = 256, .first_cap_bytes = 64};
 // Epochs of `batches[e][r]` steps on rank r; every step's result checked on every active rank,
 // then join(); then the next epoch with the same wrapper.
 template <class DP>
-void uneven_run(int n, const std::vector<std::vector<int>>& batches, bool view, const char* label) {
+void uneven_run(int n, const std::vector<std::vector<int>>& batches, bool view, const char* label,
+                ddp::join_divisor divide_by = ddp::join_divisor::contributors) {
   const int port = free_port();
   auto outs = run_ranks(n, [&](int r) {
     auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
     model m;
-    DP dp{pg, m.views, small_buckets, {.gradient_as_bucket_view = view, .uneven_inputs = true}};
+    DP dp{pg, m.views, small_buckets, {.gradient_as_bucket_view = view, .uneven_inputs = true, .divide_by = divide_by}};
     require(dp.generation() == 0, "the layout is settled at construction");
     std::uint64_t joined = 0;
     for (std::size_t e = 0; e < batches.size(); ++e) {
@@ -156,7 +159,8 @@ void uneven_run(int n, const std::vector<std::vector<int>>& batches, bool view, 
         for (int q = 0; q < n; ++q)
           if (b[static_cast<std::size_t>(q)] > s) who.push_back(q);
         const std::string what = ep + " step " + std::to_string(s);
-        check_step(m, grads, who, s, static_cast<int>(e), what);
+        check_step(m, grads, who, s, static_cast<int>(e), what,
+                   divide_by == ddp::join_divisor::world_size ? static_cast<std::size_t>(n) : who.size());
         require(dp.last_step_stats().contributors == static_cast<int>(who.size()),
                 what + ": stats report " + std::to_string(dp.last_step_stats().contributors) + " contributors");
       }
@@ -204,6 +208,13 @@ const std::vector<std::vector<int>> four_ranks{{5, 0, 1, 3}, {0, 4, 4, 1}};
 TEST_CASE("uneven shards (0, 1, N batches): every step averages over its contributors, default reducer") {
   uneven_run<ddp::data_parallel>(3, three_ranks, false, "data_parallel, 3 ranks");
   uneven_run<ddp::data_parallel>(4, four_ranks, true, "data_parallel, 4 ranks");
+}
+
+TEST_CASE("uneven shards, the default divisor: the sum over the contributors divided by the world size (PyTorch's)") {
+  uneven_run<ddp::data_parallel>(3, three_ranks, false, "data_parallel, 3 ranks, divide by the world",
+                                 ddp::join_divisor::world_size);
+  uneven_run<ring_tcp>(4, four_ranks, true, "ring<tcp>, 4 ranks, divide by the world", ddp::join_divisor::world_size);
+  CHECK(ddp::dp_options{}.divide_by == ddp::join_divisor::world_size);
 }
 
 TEST_CASE("uneven shards: ring<tcp>, copy and view mode") {

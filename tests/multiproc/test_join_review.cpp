@@ -101,7 +101,7 @@ void lone_contributor(int n, const std::vector<ddp::dtype>& types, std::size_t n
   auto outs = run_ranks(n, [&](int r) {
     auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
     params m(types, numel);
-    DP dp{pg, m.views, {}, {.uneven_inputs = true}};
+    DP dp{pg, m.views, {}, {.uneven_inputs = true, .divide_by = ddp::join_divisor::contributors}};
     if (r != 0) {
       dp.join();
       require(dp.joined_steps() == 1, "answered one step");
@@ -170,7 +170,7 @@ TEST_CASE("join review: integer averages over 3 contributors of 4, mixed signs, 
   auto outs = run_ranks(n, [&](int r) {
     auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
     params m({ddp::dtype::i32, ddp::dtype::i64}, 5);
-    ring_tcp dp{pg, m.views, {}, {.uneven_inputs = true}};
+    ring_tcp dp{pg, m.views, {}, {.uneven_inputs = true, .divide_by = ddp::join_divisor::contributors}};
     if (r == 3) {
       dp.join();
       return;
@@ -208,7 +208,7 @@ TEST_CASE("join review: no_sync() windows on the active and on the joining rank"
     auto outs = run_ranks(n, [&](int r) {
       auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
       params m({ddp::dtype::f32}, 8);
-      ring_tcp dp{pg, m.views, {}, {.gradient_as_bucket_view = view, .uneven_inputs = true}};
+      ring_tcp dp{pg, m.views, {}, {.gradient_as_bucket_view = view, .uneven_inputs = true, .divide_by = ddp::join_divisor::contributors}};
       float* g = view ? static_cast<float*>(dp.bucket_grad(0)) : reinterpret_cast<float*>(m.grad[0].data());
       const auto put = [&](float base, bool add) {
         for (int j = 0; j < 8; ++j) g[j] = (add ? g[j] : 0.0f) + base + static_cast<float>(j);
@@ -254,7 +254,7 @@ TEST_CASE("join review: a joined rank whose peer is slower than the timeout fail
   auto outs = run_ranks(n, [&](int r) {
     auto pg = ddp::init_process_group(group_options(r, n, port, 1500ms));
     params m({ddp::dtype::f32}, 4);
-    ring_tcp dp{pg, m.views, {}, {.uneven_inputs = true}};
+    ring_tcp dp{pg, m.views, {}, {.uneven_inputs = true, .divide_by = ddp::join_divisor::contributors}};
     if (r == 1) {
       const auto t0 = std::chrono::steady_clock::now();
       try {

@@ -314,7 +314,7 @@ TEST_CASE("torch review: uneven inputs through wrapper().join(), view mode") {
     torch::set_num_threads(1);
     Small net, copy;
     auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
-    ddp::torch_data_parallel dp{pg, *net, {}, {.gradient_as_bucket_view = true, .uneven_inputs = true}};
+    ddp::torch_data_parallel dp{pg, *net, {}, {.gradient_as_bucket_view = true, .uneven_inputs = true, .divide_by = ddp::join_divisor::contributors}};
     auto loss_at = [&](int s) { return [s](Small& m, int r) { return m->forward(input_of(r, 10 + s, 3)).square().sum(); }; };
     const int mine = rank == 0 ? 3 : 1;
     for (int s = 0; s < mine; ++s) {
@@ -334,6 +334,104 @@ TEST_CASE("torch review: uneven inputs through wrapper().join(), view mode") {
     net->zero_grad();
     loss_at(5)(net, rank).backward();
     require_grads(net, want, rank, "next epoch");
+  });
+  check_all_ok(outs);
+}
+
+// A parameter no rank used (find_unused_parameters) keeps an undefined .grad() after its
+// gradients were set to None, so SGD with momentum and weight decay leaves it where it was (PyTorch's DDP
+// leaves it None); a parameter one rank used gets the average on every rank.
+TEST_CASE("torch review: a parameter no rank used keeps no gradient, and the optimizer skips it") {
+  struct ThreeImpl : torch::nn::Module {
+    ThreeImpl() {
+      a = register_module("a", torch::nn::Linear(3, 2));
+      b = register_module("b", torch::nn::Linear(3, 2));
+      c = register_module("c", torch::nn::Linear(3, 2));
+    }
+    torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+  };
+  const int world = 2, port = ddp_test::free_port();
+  auto outs = run_processes({0, 1}, [&](int rank) {
+    torch::set_num_threads(1);
+    auto net = std::make_shared<ThreeImpl>();
+    auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+    ddp::torch_data_parallel dp{pg, *net, {}, {.find_unused_parameters = true}};
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.1));
+    const auto c_before = net->c->weight.detach().clone();
+    for (int s = 0; s < 2; ++s) {
+      for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();  // zero_grad(set_to_none)
+      auto x = input_of(rank, s, 3);
+      auto loss = net->a(x).sum() + (rank == 1 ? net->b(x).sum() : torch::zeros({}));  // b on rank 1 only
+      loss.backward();
+      if (net->c->weight.grad().defined() || net->c->bias.grad().defined())
+        throw std::runtime_error("c, used by no rank, has a gradient");
+      if (!net->b->weight.grad().defined()) throw std::runtime_error("b, used by rank 1, has no gradient on rank " +
+                                                                     std::to_string(rank));
+      if (!dp.wrapper().unused_on_every_rank(4) || dp.wrapper().unused_on_every_rank(2))
+        throw std::runtime_error("unused_on_every_rank is wrong");
+      opt.step();
+    }
+    if (!torch::equal(net->c->weight, c_before)) throw std::runtime_error("the optimizer moved c");
+  });
+  check_all_ok(outs);
+}
+
+// Embedding(sparse=true) after zero_grad(true) hands autograd's sparse gradient over: it is
+// averaged as a dense one (it used to end backward() with LibTorch's "Cannot access data
+// pointer of Tensor that doesn't have storage").
+TEST_CASE("torch review: a sparse gradient is averaged") {
+  const int world = 2, port = ddp_test::free_port();
+  auto outs = run_processes({0, 1}, [&](int rank) {
+    torch::set_num_threads(1);
+    auto emb = torch::nn::Embedding(torch::nn::EmbeddingOptions(6, 3).sparse(true));
+    auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+    ddp::torch_data_parallel dp{pg, *emb};
+    for (auto& p : emb->parameters()) p.mutable_grad() = torch::Tensor();
+    emb->forward(torch::tensor({rank, 4}, torch::kLong)).sum().backward();
+    auto g = emb->weight.grad();
+    if (g.is_sparse()) throw std::runtime_error("the gradient is still sparse");
+    // Row r was looked up by rank r alone (1 / 2 each), row 4 by both (1).
+    for (int row = 0; row < 6; ++row) {
+      const float want = row == 4 ? 1.0f : row < 2 ? 0.5f : 0.0f;
+      if (g[row].sub(want).abs().max().item<float>() != 0.0f)
+        throw std::runtime_error("row " + std::to_string(row) + " of the averaged sparse gradient is wrong");
+    }
+  });
+  check_all_ok(outs);
+}
+
+// overlap_optimizer: every parameter's optimizer steps inside backward() as its bucket is
+// averaged; the weights after three steps are those of one SGD (momentum) over all of them,
+// stepped after an ordinary backward(), on a second module with the same start.
+TEST_CASE("torch review: overlap_optimizer steps inside backward() as one optimizer after it would") {
+  const int world = 2, port = ddp_test::free_port();
+  auto outs = run_processes({0, 1}, [&](int rank) {
+    torch::set_num_threads(1);
+    Small a, b;
+    auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+    ddp::torch_data_parallel da{pg, *a, ddp::bucket_policy{.cap_bytes = 64, .first_cap_bytes = 32}};
+    ddp::torch_data_parallel db{pg, *b};
+    {
+      torch::NoGradGuard g;
+      auto pa = a->parameters(), pb = b->parameters();
+      for (std::size_t i = 0; i < pa.size(); ++i) pb[i].copy_(pa[i]);
+    }
+    const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+    da.overlap_optimizer([&](std::vector<torch::Tensor> p) { return std::make_unique<torch::optim::SGD>(p, sgd); });
+    torch::optim::SGD ob(b->parameters(), sgd);
+    if (da.optimizers().size() != 4) throw std::runtime_error("one optimizer per parameter");
+    for (int s = 0; s < 3; ++s) {
+      a->zero_grad();
+      a->forward(input_of(rank, s, 3)).square().sum().backward();  // averaged and stepped
+      ob.zero_grad();
+      b->forward(input_of(rank, s, 3)).square().sum().backward();
+      ob.step();
+    }
+    auto pa = a->parameters(), pb = b->parameters();
+    for (std::size_t i = 0; i < pa.size(); ++i)
+      if (!torch::allclose(pa[i], pb[i], 1e-6, 1e-7))
+        throw std::runtime_error("parameter " + std::to_string(i) + " differs from the sequential optimizer's");
+    if (da.wrapper().plan().buckets.size() < 2) throw std::runtime_error("the test needs several buckets");
   });
   check_all_ok(outs);
 }

@@ -1,4 +1,5 @@
 #include "ddp/data_parallel/agreement.hpp"
+#include "ddp/data_parallel/buffers.hpp"
 
 #include <doctest/doctest.h>
 
@@ -192,4 +193,59 @@ TEST_CASE("agreement: an option every rank must share (check_same) names the dif
   CHECK(e.condition() == ddp::errc::mismatch);
   CHECK(std::string(e.what()).find("ranks disagree on dp_options::uneven_inputs: rank 0 has 1, rank 1 has 0") !=
         std::string::npos);
+}
+
+TEST_CASE("agreement: buffers are compared like parameters, frozen ones told apart, named as buffers") {
+  fake_pair fake;
+  ddp::agreement agree{fake.channel()};
+  std::vector<float> a(6), b(6);
+  std::vector<std::int64_t> c(1);
+  const std::vector<ddp::buffer_view> mine{
+      ddp::make_buffer_view(std::span{a}, "bn.mean"),
+      ddp::make_buffer_view(std::span{b}, "frozen.w", {2, 3}, ddp::buffer_kind::frozen_parameter),
+      ddp::make_buffer_view(std::span{c}, "bn.count")};
+  fake.theirs = ddp::agreement::encode_signatures(std::span<const ddp::buffer_view>(mine));
+  agree.check_buffer_signatures(mine);
+
+  auto other = mine;
+  other[1].kind = ddp::buffer_kind::buffer;  // a buffer where rank 0 has a frozen parameter
+  fake.theirs = ddp::agreement::encode_signatures(std::span<const ddp::buffer_view>(other));
+  const auto e = error_of([&] { agree.check_buffer_signatures(mine); });
+  CHECK(e.condition() == ddp::errc::mismatch);
+  CHECK(e.parameter() == -1);
+  CHECK(std::string(e.what()).find("ranks disagree on buffer 1 ('frozen.w'): rank 0 has f32[2, 3] (frozen parameter), "
+                                   "rank 1 has f32[2, 3]") != std::string::npos);
+
+  other.pop_back();
+  other[1].kind = ddp::buffer_kind::frozen_parameter;
+  fake.theirs = ddp::agreement::encode_signatures(std::span<const ddp::buffer_view>(other));
+  const auto n = error_of([&] { agree.check_buffer_signatures(mine); });
+  CHECK(std::string(n.what()).find("ranks disagree on the number of buffers: rank 0 has 3, rank 1 has 2; the first "
+                                   "differing is buffer 2 ('bn.count')") != std::string::npos);
+}
+
+TEST_CASE("buffer_layout: each-step buffers grouped by dtype, 64-byte aligned groups; frozen ones left out") {
+  std::vector<float> m1(5), m2(3);
+  std::vector<double> v(2);
+  std::vector<std::int64_t> c(1);
+  std::vector<float> frozen(7);
+  const ddp::buffer_layout layout{{ddp::make_buffer_view(std::span{c}, "count"), ddp::make_buffer_view(std::span{m1}, "m1"),
+                                   ddp::make_buffer_view(std::span{frozen}, "f", {}, ddp::buffer_kind::frozen_parameter),
+                                   ddp::make_buffer_view(std::span{v}, "v"), ddp::make_buffer_view(std::span{m2}, "m2")}};
+  REQUIRE(layout.groups().size() == 3);
+  CHECK(layout.groups()[0].type == ddp::dtype::f32);
+  CHECK(layout.groups()[0].offset == 0);
+  CHECK(layout.groups()[0].numel == 8);  // m1 and m2, not the frozen one
+  CHECK(layout.groups()[1].type == ddp::dtype::f64);
+  CHECK(layout.groups()[1].offset == 64);
+  CHECK(layout.groups()[2].type == ddp::dtype::i64);
+  CHECK(layout.groups()[2].offset == 128);
+  CHECK(layout.bytes() == 192);
+  REQUIRE(layout.slots().size() == 4);
+  CHECK(layout.slots()[0].buffer == 1);  // m1 at 0
+  CHECK(layout.slots()[1].buffer == 4);  // m2 after m1's 5 floats
+  CHECK(layout.slots()[1].offset == 20);
+  CHECK(layout.buffers()[2].name == "f");
+  CHECK(ddp::step_record::encode({true, false, true}, 2) == std::vector<std::int64_t>{1, 0, 1, 2});
+  CHECK(ddp::step_record::bytes(3) == 32);
 }

@@ -181,3 +181,32 @@ TEST_CASE("to_views rejects null pointers and inconsistent shapes with the param
     CHECK(std::string(e.what()).find("'bad'") != std::string::npos);
   }
 }
+
+TEST_CASE("with_buffers: a parameter set with buffers; to_buffer_views checks them; to_state_views has both") {
+  std::vector<float> w(4), g(4), mean(3);
+  std::vector<std::int64_t> count(1);
+  std::vector<ddp::tensor_view> views{ddp::make_tensor_view(w, g, "w", {2, 2})};
+  auto state = ddp::with_buffers(views, {ddp::make_buffer_view(std::span{mean}, "bn.mean"),
+                                         ddp::make_buffer_view(std::span{count}, "bn.count")});
+  static_assert(ddp::parameter_set<decltype(state)> && ddp::has_buffers<decltype(state)>);
+  static_assert(!ddp::has_buffers<std::vector<ddp::tensor_view>>);
+  const auto pv = ddp::to_views(state);
+  REQUIRE(pv.size() == 1);
+  CHECK(pv[0].shape == std::vector<std::int64_t>{2, 2});
+  CHECK(pv[0].name == "w");
+  const auto bv = ddp::to_buffer_views(state);
+  REQUIRE(bv.size() == 2);
+  CHECK(bv[1].type == ddp::dtype::i64);
+  CHECK(bv[0].shape == std::vector<std::int64_t>{3});
+  const auto all = ddp::to_state_views(state);
+  REQUIRE(all.size() == 3);
+  CHECK(all[2].name == "bn.count");
+  CHECK(all[2].data == count.data());
+  CHECK(ddp::to_buffer_views(views).empty());
+
+  auto bad = ddp::with_buffers(views, {ddp::buffer_view{nullptr, 3, ddp::dtype::f32, -1, "x", {3}}});
+  CHECK_THROWS_WITH_AS(ddp::to_buffer_views(bad), doctest::Contains("buffer 0 ('x'): null data pointer"), ddp::error);
+  auto shape = ddp::with_buffers(views, {ddp::buffer_view{mean.data(), 3, ddp::dtype::f32, -1, "y", {2, 2}}});
+  CHECK_THROWS_WITH_AS(ddp::to_buffer_views(shape), doctest::Contains("shape holds 4 elements but numel is 3"), ddp::error);
+  CHECK_THROWS_AS(ddp::make_buffer_view(std::span{mean}, "z", {2, 2}), ddp::error);
+}

@@ -158,6 +158,47 @@ class eigen_parameters {
     return index;
   }
 
+  /// Registers `state` as a buffer (`buffer_kind::buffer`: running statistics and the like, kept
+  /// alike across ranks after each step, `dp_options::buffers`) or a frozen parameter (rank 0's at
+  /// construction only). The same objects as `add` are accepted; returns the buffer's index.
+  /// Throws `errc::invalid_argument` for a duplicate name or a view with gaps.
+  /// \code
+  /// params.add_buffer("bn.running_mean", running_mean);
+  /// params.add_buffer("embed.weight", E, ddp::buffer_kind::frozen_parameter);
+  /// \endcode
+  template <class B>
+  std::size_t add_buffer(std::string_view name, B&& state, buffer_kind kind = buffer_kind::buffer) {
+    using BD = std::remove_cvref_t<B>;
+    static_assert(is_dense<BD>, "ddp::eigen_parameters::add_buffer: a buffer must be an Eigen dense object "
+                                "(Matrix, Array, Map, Ref or a block of one)");
+    static_assert(eigen_supported_scalar<typename BD::Scalar>::value);
+    const std::size_t index = buffers_.size();
+    const std::string label = "eigen_parameters::add_buffer: buffer " + std::to_string(index) + " ('" +
+                              std::string(name) + "')";
+    for (const auto& b : buffers_)
+      if (!name.empty() && b.name == name)
+        detail::raise(errc::invalid_argument, -1, label + ": a buffer of this name is already registered");
+    entry e;
+    e.name = std::string(name);
+    if constexpr (eigen_scalar<typename BD::Scalar>) e.type = eigen_dtype<typename BD::Scalar>::value;
+    e.param = storage_of<B>(state, label, "the buffer");
+    e.shape = e.param.shape();
+    e.kind = kind;
+    buffers_.push_back(std::move(e));
+    return index;
+  }
+
+  /// Number of registered buffers and frozen parameters.
+  std::size_t buffer_count() const noexcept { return buffers_.size(); }
+  /// Buffer `i` as ddp sees it (checked: `errc::usage` when its matrix was resized or moved).
+  buffer_view buffer(std::size_t i) const {
+    if (i >= buffers_.size())
+      detail::raise(errc::invalid_argument, -1, "eigen_parameters: buffer " + std::to_string(i) + " does not exist");
+    const entry& e = buffers_[i];
+    verify(e.param, i, e.name, "the buffer", -1);
+    return buffer_view{e.param.data, e.param.numel(), e.type, -1, e.name, e.shape, e.kind};
+  }
+
   /// Number of registered parameters.
   std::size_t size() const noexcept { return entries_.size(); }
   bool empty() const noexcept { return entries_.empty(); }
@@ -317,6 +358,7 @@ class eigen_parameters {
     dtype type = dtype::f32;
     storage param, grad;
     std::vector<std::int64_t> shape;
+    buffer_kind kind = buffer_kind::buffer;  // buffers_ only
   };
 
   static std::string label_of(std::size_t i, std::string_view name) {
@@ -410,6 +452,7 @@ class eigen_parameters {
   }
 
   std::deque<entry> entries_;  // a deque: the names stay put as parameters are added
+  std::deque<entry> buffers_;  // add_buffer: buffers and frozen parameters
 };
 
 /// `eigen_parameters` as a `ddp::parameter_set` (include/ddp/parameter.hpp).
@@ -422,6 +465,8 @@ struct parameter_traits<eigen_parameters> {
   static dtype type(const eigen_parameters& p, std::size_t i) { return p.type(i); }
   static std::string_view name(const eigen_parameters& p, std::size_t i) { return p.name(i); }
   static const std::vector<std::int64_t>& shape(const eigen_parameters& p, std::size_t i) { return p.shape(i); }
+  static std::size_t buffer_count(const eigen_parameters& p) noexcept { return p.buffer_count(); }
+  static buffer_view buffer(const eigen_parameters& p, std::size_t i) { return p.buffer(i); }
 };
 
 static_assert(parameter_set<eigen_parameters>);

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -59,9 +60,13 @@ inline dtype torch_dtype(c10::ScalarType t, std::string_view what = "a tensor") 
   }
 }
 
-/// The trainable parameters of a module (or a list of named tensors) as a `ddp::parameter_set`:
-/// the parameters that require a gradient, in `named_parameters()` order (the order of
-/// `module.parameters()`, which an optimizer sees too). A tensor registered under several names
+/// A module's state (or a list of named tensors) as a `ddp::parameter_set` with buffers: the
+/// parameters that require a gradient, in `named_parameters()` order (the order of
+/// `module.parameters()`, which an optimizer sees too), are the trained parameters; the others
+/// are frozen parameters and the module's `named_buffers()` its buffers (`ddp::has_buffers`), which
+/// the wrapper makes rank 0's at construction and, for buffers, after every synchronized step
+/// (`dp_options::buffers`), and which checkpoints save. Buffers and frozen parameters of a scalar
+/// type ddp does not reduce (bool, uint8, ...) are left out: `skipped()` names them. A tensor registered under several names
 /// (tied weights) is one parameter, under its first name, as PyTorch's DDP sees it (Python's
 /// `named_parameters()` drops duplicates; LibTorch's lists them). Every gradient is made defined (zeros
 /// where autograd has not made one yet), because ddp reads and writes gradients in place.
@@ -77,11 +82,20 @@ class torch_parameters {
   explicit torch_parameters(const torch::nn::Module& module) {
     for (const auto& item : module.named_parameters(/*recurse=*/true))
       if (item.value().requires_grad()) add(item.key(), item.value());
+    for (const auto& item : module.named_parameters(/*recurse=*/true))
+      if (!item.value().requires_grad()) add_state(item.key(), item.value(), buffer_kind::frozen_parameter);
+    for (const auto& item : module.named_buffers(/*recurse=*/true)) add_state(item.key(), item.value(), buffer_kind::buffer);
   }
 
-  explicit torch_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& named) {
+  /// Tensors that require a gradient are parameters, the others frozen parameters; `buffers` (a
+  /// module's `named_buffers()`, say) are buffers.
+  explicit torch_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& named,
+                            const std::vector<std::pair<std::string, torch::Tensor>>& buffers = {}) {
     for (const auto& [name, t] : named)
       if (t.requires_grad()) add(name, t);
+    for (const auto& [name, t] : named)
+      if (!t.requires_grad()) add_state(name, t, buffer_kind::frozen_parameter);
+    for (const auto& [name, t] : buffers) add_state(name, t, buffer_kind::buffer);
   }
 
   std::size_t size() const noexcept { return tensors_.size(); }
@@ -90,7 +104,40 @@ class torch_parameters {
   dtype type(std::size_t i) const { return types_.at(i); }
   const std::vector<std::int64_t>& shape(std::size_t i) const { return shapes_.at(i); }
 
+  /// Buffers and frozen parameters, in that order of registration: frozen parameters first.
+  std::size_t buffer_count() const noexcept { return state_.size(); }
+  const torch::Tensor& buffer_tensor(std::size_t i) const { return state_.at(i).tensor; }
+  buffer_view buffer(std::size_t i) const {
+    const auto& s = state_.at(i);
+    return buffer_view{s.tensor.data_ptr(), static_cast<std::size_t>(s.tensor.numel()), s.type,
+                       s.tensor.is_cuda() ? static_cast<int>(s.tensor.device().index()) : -1, s.name,
+                       std::vector<std::int64_t>(s.tensor.sizes().begin(), s.tensor.sizes().end()), s.kind};
+  }
+  /// Buffers and frozen parameters left out for their scalar type, as "name (type)".
+  const std::vector<std::string>& skipped() const noexcept { return skipped_; }
+
  private:
+  struct state_entry {
+    std::string name;
+    torch::Tensor tensor;
+    dtype type;
+    buffer_kind kind;
+  };
+
+  void add_state(const std::string& name, const torch::Tensor& t, buffer_kind kind) {
+    if (!t.defined()) return;  // a buffer registered as None
+    if (!seen_.insert(t.unsafeGetTensorImpl()).second) return;
+    const std::string label = std::string(kind == buffer_kind::buffer ? "buffer '" : "frozen parameter '") + name + "'";
+    switch (t.scalar_type()) {
+      case c10::ScalarType::Float: case c10::ScalarType::Double: case c10::ScalarType::Half:
+      case c10::ScalarType::BFloat16: case c10::ScalarType::Int: case c10::ScalarType::Long: break;
+      default: skipped_.push_back(name + " (" + c10::toString(t.scalar_type()) + ")"); return;
+    }
+    if (t.layout() != c10::kStrided || !t.is_contiguous())
+      detail::raise(errc::invalid_argument, -1, label + " is not a contiguous dense tensor; call .contiguous() before wrapping");
+    state_.push_back({name, t, torch_dtype(t.scalar_type(), label), kind});
+  }
+
   void add(const std::string& name, const torch::Tensor& t) {
     if (!seen_.insert(t.unsafeGetTensorImpl()).second) return;  // tied: already wrapped under its first name
     const std::string label = "parameter '" + name + "'";
@@ -116,6 +163,8 @@ class torch_parameters {
   std::vector<std::string> names_;
   std::vector<dtype> types_;
   std::vector<std::vector<std::int64_t>> shapes_;
+  std::vector<state_entry> state_;
+  std::vector<std::string> skipped_;
   std::unordered_set<const c10::TensorImpl*> seen_;
 };
 
@@ -134,6 +183,8 @@ struct parameter_traits<torch_parameters> {
   }
   static std::string_view name(const torch_parameters& p, std::size_t i) { return p.name(i); }
   static const std::vector<std::int64_t>& shape(const torch_parameters& p, std::size_t i) { return p.shape(i); }
+  static std::size_t buffer_count(const torch_parameters& p) { return p.buffer_count(); }
+  static buffer_view buffer(const torch_parameters& p, std::size_t i) { return p.buffer(i); }
 };
 
 /// DistributedDataParallel for LibTorch: `basic_data_parallel<Planner, Reducer, Allocator>`
@@ -223,6 +274,40 @@ class basic_torch_data_parallel {
   /// Gradient accumulation: backward passes that start while the guard lives do no communication.
   typename wrapper_type::no_sync_guard no_sync() { return dp_.no_sync(); }
 
+  /// Optimizer overlap (docs/engines.md, "Optimizer overlap"): `make` builds a `torch::optim`
+  /// optimizer over the one parameter it is given, once per trained parameter; from then on
+  /// each synchronized `backward()` steps every parameter's optimizer as soon as its bucket is
+  /// averaged, while later buckets still reduce, so `loss.backward()` returns with the step
+  /// taken: do not call a `step()` of your own. Optimizers whose update is per parameter (SGD,
+  /// Adam, AdamW, RMSprop, Adagrad) step exactly as one optimizer over all parameters would;
+  /// `optimizers()` gives them (to change a learning rate). A parameter no rank used
+  /// (`find_unused_parameters`) is not stepped. Call between steps; `errc::usage` inside one.
+  /// \code
+  /// dp.overlap_optimizer([](std::vector<torch::Tensor> p) {
+  ///   return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.05).momentum(0.9));
+  /// });
+  /// net->zero_grad();
+  /// loss.backward();  // averaged and stepped
+  /// \endcode
+  void overlap_optimizer(
+      const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>& make) {
+    std::vector<std::unique_ptr<torch::optim::Optimizer>> made;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      made.push_back(make(std::vector<torch::Tensor>{params_.tensor(i)}));
+      if (!made.back())
+        detail::raise(errc::invalid_argument, dp_.rank(),
+                      "overlap_optimizer: the factory returned no optimizer for parameter '" + params_.name(i) + "'");
+    }
+    dp_.on_bucket_reduced([this](const reduced_bucket& b) {
+      torch::NoGradGuard no_grad;
+      for (const std::size_t i : b.parameters)
+        if (settle_grad(i)) optimizers_[i]->step();
+    });
+    optimizers_ = std::move(made);
+  }
+  /// The per-parameter optimizers of `overlap_optimizer`, in parameter order.
+  const std::vector<std::unique_ptr<torch::optim::Optimizer>>& optimizers() const noexcept { return optimizers_; }
+
   /// The `basic_data_parallel` underneath (statistics, plan, reducer).
   wrapper_type& wrapper() noexcept { return dp_; }
   const torch_parameters& parameters() const noexcept { return params_; }
@@ -278,7 +363,10 @@ class basic_torch_data_parallel {
       const auto& g = t.grad();
       handed_.fetch_add(1);
       if (!g.is_same(grads_[i])) {  // set to None, then made afresh by autograd
-        if (g.defined() && g.data_ptr() != grads_[i].data_ptr()) grads_[i].copy_(g);
+        if (g.defined() && g.layout() != c10::kStrided)
+          grads_[i].copy_(g.to_dense());  // a sparse gradient (Embedding(sparse=true)): averaged dense
+        else if (g.defined() && g.data_ptr() != grads_[i].data_ptr())
+          grads_[i].copy_(g);
         t.mutable_grad() = grads_[i];
       }
       dp_.grad_ready(i);
@@ -328,11 +416,20 @@ class basic_torch_data_parallel {
       // the engine never handed over: it takes the average too, so that every rank's optimizer
       // takes the same step (PyTorch's reducer creates the gradient from the bucket likewise).
       torch::NoGradGuard no_grad;
-      for (std::size_t i = 0; i < params_.size(); ++i) {
-        const auto& t = params_.tensor(i);
-        if (!t.grad().is_same(grads_[i])) t.mutable_grad() = grads_[i];
-      }
+      for (std::size_t i = 0; i < params_.size(); ++i) settle_grad(i);
     });
+  }
+
+  // After a synchronized step: parameter i's .grad() is the tensor holding its average, also
+  // for a parameter this rank did not use (find_unused_parameters), which may have no gradient
+  // or one the engine never handed over (PyTorch's reducer creates it from the bucket likewise).
+  // A parameter no rank used keeps the gradient it had, an undefined one included, which
+  // optimizers skip, as PyTorch's reducer leaves it: false then.
+  bool settle_grad(std::size_t i) {
+    const auto& t = params_.tensor(i);
+    if (dp_.options().find_unused_parameters && dp_.unused_on_every_rank(i)) return false;
+    if (!t.grad().is_same(grads_[i])) t.mutable_grad() = grads_[i];
+    return true;
   }
 
   // Runs part of a step. An exception leaves the step half done (autograd runs no queued
@@ -363,8 +460,17 @@ class basic_torch_data_parallel {
   }
 
   // Every parameter still has the storage and the gradient accumulator it had at wrapping
-  // (module->to(...) or set_data() would leave ddp reducing memory the module no longer uses).
+  // (module->to(...) or set_data() would leave ddp reducing memory the module no longer uses),
+  // and every buffer its storage.
   void check_parameters() const {
+    const auto& bufs = dp_.buffers();
+    for (std::size_t i = 0; i < bufs.size() && i < params_.buffer_count(); ++i)
+      if (params_.buffer_tensor(i).data_ptr() != bufs[i].data)
+        detail::raise(errc::usage, dp_.rank(),
+                      std::string(bufs[i].kind == buffer_kind::buffer ? "buffer '" : "frozen parameter '") +
+                          std::string(bufs[i].name) +
+                          "' was moved or replaced after wrapping (module->to(), a new tensor assigned); move or load "
+                          "the module first, then wrap it");
     for (std::size_t i = 0; i < params_.size(); ++i) {
       const auto& t = params_.tensor(i);
       if (t.data_ptr() != data_[i] || torch::autograd::impl::try_get_grad_accumulator(t) != hooks_[i].accumulator)
@@ -392,6 +498,7 @@ class basic_torch_data_parallel {
   std::vector<torch::Tensor> grads_;  // the gradient tensor ddp reduces, per parameter
   std::vector<void*> data_;           // each parameter's storage at wrapping
   std::vector<registration> hooks_;
+  std::vector<std::unique_ptr<torch::optim::Optimizer>> optimizers_;  // overlap_optimizer
   std::atomic<bool> step_open_{false};
   std::atomic<std::size_t> handed_{0};  // gradients of the open step given to ddp
   std::mutex failure_mutex_;

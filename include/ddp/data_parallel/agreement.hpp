@@ -15,6 +15,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -48,6 +49,7 @@ struct agreement_channel {
 struct parameter_signature {
   std::uint8_t type = 0;
   std::uint8_t on_device = 0;
+  std::uint8_t frozen = 0;  ///< buffers: a frozen parameter (`buffer_kind::frozen_parameter`)
   std::vector<std::int64_t> shape;
   friend bool operator==(const parameter_signature&, const parameter_signature&) = default;
 };
@@ -67,16 +69,24 @@ class agreement {
 
   // ---- the wire encodings (little-endian 64-bit words) ------------------------------------
 
-  /// Parameter count, then per parameter: dtype | on-device << 8, rank of the shape, the shape.
-  static std::string encode_signatures(std::span<const tensor_view> views) {
+  /// Parameter count, then per parameter: dtype | on-device << 8 | frozen << 9, rank of the
+  /// shape, the shape. The same for buffers (`buffer_view`).
+  template <class View>
+  static std::string encode_signatures(std::span<const View> views) {
     std::string s;
     detail::byte_writer w(s);
     w.u64(views.size());
     for (const auto& v : views) {
-      w.u64(static_cast<std::uint64_t>(v.type) | (v.device >= 0 ? 0x100u : 0u)).u64(v.shape.size());
+      std::uint64_t td = static_cast<std::uint64_t>(v.type) | (v.device >= 0 ? 0x100u : 0u);
+      if constexpr (std::is_same_v<View, buffer_view>)
+        if (v.kind == buffer_kind::frozen_parameter) td |= 0x200u;
+      w.u64(td).u64(v.shape.size());
       for (auto d : v.shape) w.i64(d);
     }
     return s;
+  }
+  static std::string encode_signatures(std::span<const tensor_view> views) {
+    return encode_signatures<tensor_view>(views);
   }
 
   /// The inverse of `encode_signatures`; errc::protocol for a truncated or malformed record
@@ -89,7 +99,8 @@ class agreement {
     for (auto& sig : out) {
       const std::uint64_t td = r.u64();
       sig.type = static_cast<std::uint8_t>(td & 0xff);
-      sig.on_device = static_cast<std::uint8_t>(td >> 8);
+      sig.on_device = static_cast<std::uint8_t>((td >> 8) & 1);
+      sig.frozen = static_cast<std::uint8_t>((td >> 9) & 1);
       const std::uint64_t nd = r.u64();
       if (nd > r.remaining() / 8) r.fail();
       if (!r.ok()) break;
@@ -104,7 +115,7 @@ class agreement {
     std::string d = dtype_name(static_cast<dtype>(s.type));
     d += s.on_device ? "@device[" : "[";
     for (std::size_t k = 0; k < s.shape.size(); ++k) d += (k ? ", " : "") + std::to_string(s.shape[k]);
-    return d + "]";
+    return d + (s.frozen ? "] (frozen parameter)" : "]");
   }
 
   /// The plan's fingerprint, then whether the layout is settled (1) or will be rebuilt (0).
@@ -129,35 +140,10 @@ class agreement {
   /// Every rank has the same parameters (count, dtypes, shapes, host or device). Otherwise
   /// errc::mismatch on every rank, naming the first differing parameter and the ranks that
   /// differ (or the counts).
-  void check_signatures(std::span<const tensor_view> views) const {
-    const auto all = ch_.all_gather(encode_signatures(views));
-    if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) return;
-    std::vector<std::vector<parameter_signature>> sigs;
-    for (const auto& s : all) sigs.push_back(decode_signatures(s));
-    std::size_t common = sigs[0].size();
-    for (const auto& s : sigs) common = std::min(common, s.size());
-    const auto label = [&](std::size_t i) {
-      return detail::parameter_label(i, i < views.size() ? views[i].name : std::string_view{});
-    };
-    for (std::size_t i = 0; i < common; ++i) {
-      std::string differing;
-      for (std::size_t r = 1; r < sigs.size(); ++r)
-        if (!(sigs[r][i] == sigs[0][i]))
-          differing += (differing.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + describe(sigs[r][i]));
-      if (!differing.empty())
-        detail::raise(errc::mismatch, ch_.rank,
-                      "ranks disagree on " + label(i) + ": rank 0 has " + describe(sigs[0][i]) + ", " + differing, -1,
-                      static_cast<int>(i));
-    }
-    std::string counts;
-    for (std::size_t r = 0; r < sigs.size(); ++r)
-      if (sigs[r].size() != sigs[0].size() || r == 0)
-        counts +=
-            (counts.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + std::to_string(sigs[r].size()));
-    detail::raise(errc::mismatch, ch_.rank,
-                  "ranks disagree on the number of parameters: " + counts + "; the first differing is " + label(common),
-                  -1, static_cast<int>(common));
-  }
+  void check_signatures(std::span<const tensor_view> views) const { check_signatures_of(views, "parameter"); }
+
+  /// The same for the buffers and frozen parameters (`buffer_view`): count, kinds, dtypes, shapes.
+  void check_buffer_signatures(std::span<const buffer_view> buffers) const { check_signatures_of(buffers, "buffer"); }
 
   /// Every rank passes the same `value` for the option `what` (a collective); otherwise
   /// errc::mismatch on every rank, naming the option, rank 0's value and the ranks that differ.
@@ -253,10 +239,10 @@ class agreement {
     return value;
   }
 
-  /// Copies rank 0's parameter values to every rank through `red` (a collective), so that
-  /// training starts from one model even when ranks initialized differently.
-  template <reducer Reducer>
-  static void broadcast_values(Reducer& red, std::span<const tensor_view> views, std::chrono::milliseconds timeout) {
+  /// Copies rank 0's parameter (or buffer) values to every rank through `red` (a collective), so
+  /// that training starts from one model even when ranks initialized differently.
+  template <reducer Reducer, class View>
+  static void broadcast_values(Reducer& red, std::span<const View> views, std::chrono::milliseconds timeout) {
     std::vector<request> reqs;
     reqs.reserve(views.size());
     for (const auto& v : views)
@@ -266,6 +252,39 @@ class agreement {
   }
 
  private:
+  template <class View>
+  void check_signatures_of(std::span<const View> views, const char* noun) const {
+    const auto all = ch_.all_gather(encode_signatures<View>(views));
+    if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) return;
+    std::vector<std::vector<parameter_signature>> sigs;
+    for (const auto& s : all) sigs.push_back(decode_signatures(s));
+    std::size_t common = sigs[0].size();
+    for (const auto& s : sigs) common = std::min(common, s.size());
+    const auto label = [&](std::size_t i) {
+      return detail::parameter_label(i, i < views.size() ? views[i].name : std::string_view{}, noun);
+    };
+    const auto index_of = [](std::size_t i) { return std::is_same_v<View, tensor_view> ? static_cast<int>(i) : -1; };
+    for (std::size_t i = 0; i < common; ++i) {
+      std::string differing;
+      for (std::size_t r = 1; r < sigs.size(); ++r)
+        if (!(sigs[r][i] == sigs[0][i]))
+          differing += (differing.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + describe(sigs[r][i]));
+      if (!differing.empty())
+        detail::raise(errc::mismatch, ch_.rank,
+                      "ranks disagree on " + label(i) + ": rank 0 has " + describe(sigs[0][i]) + ", " + differing, -1,
+                      index_of(i));
+    }
+    std::string counts;
+    for (std::size_t r = 0; r < sigs.size(); ++r)
+      if (sigs[r].size() != sigs[0].size() || r == 0)
+        counts +=
+            (counts.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + std::to_string(sigs[r].size()));
+    detail::raise(errc::mismatch, ch_.rank,
+                  std::string("ranks disagree on the number of ") + noun + "s: " + counts + "; the first differing is " +
+                      label(common),
+                  -1, index_of(common));
+  }
+
   agreement_channel ch_;
 };
 

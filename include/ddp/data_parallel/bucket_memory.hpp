@@ -9,6 +9,8 @@
 #include <cstring>
 #include <span>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -59,7 +61,13 @@ class bucket_memory {
 
   /// Raises `errc::unsupported` on `rank` when the buckets or a parameter (`views`) are memory
   /// the CPU cannot touch and the allocator cannot copy it (no `copy` hook).
-  void check_reachable(std::span<const tensor_view> views, int rank) const {
+  void check_reachable(std::span<const tensor_view> views, int rank) const { check_reachable_of(views, rank, "parameter"); }
+  /// The same for the buffers and frozen parameters, which pass through the side buffer.
+  void check_reachable(std::span<const buffer_view> buffers, int rank) const { check_reachable_of(buffers, rank, "buffer"); }
+
+ private:
+  template <class View>
+  void check_reachable_of(std::span<const View> views, int rank, std::string_view noun) const {
     if constexpr (!hooks) {
       if (!host_accessible(alloc_.location()))
         detail::raise(errc::unsupported, rank,
@@ -68,14 +76,15 @@ class bucket_memory {
       for (std::size_t i = 0; i < views.size(); ++i)
         if (views[i].device >= 0)
           detail::raise(errc::unsupported, rank,
-                        detail::parameter_label(i, views[i].name) + " lives on device " +
+                        detail::parameter_label(i, views[i].name, noun) + " lives on device " +
                             std::to_string(views[i].device) +
                             " but the allocator policy cannot copy device memory (it has no copy(dst, src, "
                             "bytes), ddp::allocator_with_copy; use cuda_allocator)",
-                        -1, static_cast<int>(i));
+                        -1, std::is_same_v<View, tensor_view> ? static_cast<int>(i) : -1);
     }
   }
 
+ public:
   /// Frees the current buffers, adopts `plan` and allocates one buffer per bucket. When an
   /// allocation throws, nothing stays allocated and the exception propagates.
   void allocate(bucket_plan plan) {
@@ -165,6 +174,13 @@ class bucket_memory {
   /// Copies `bytes` from host memory `src` into the side buffer, or out of it into `dst`.
   void put_side(const void* src, std::size_t bytes) { copy(side_, src, bytes); }
   void get_side(void* dst, std::size_t bytes) { copy(dst, side_, bytes); }
+  /// The same at `offset` bytes into the side buffer (the buffers' staging, docs/engines.md).
+  void put_side(std::size_t offset, const void* src, std::size_t bytes) {
+    copy(static_cast<std::byte*>(side_) + offset, src, bytes);
+  }
+  void get_side(std::size_t offset, void* dst, std::size_t bytes) {
+    copy(dst, static_cast<std::byte*>(side_) + offset, bytes);
+  }
 
   /// Keeps the request of bucket `b`'s collective, which uses its buffer until it ends.
   void track(std::size_t b, request r) { requests_[b] = std::move(r); }

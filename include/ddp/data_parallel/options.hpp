@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,29 @@
 
 namespace ddp {
 inline namespace v0 {
+
+/// How the wrapper keeps a model's buffers (`buffer_kind::buffer`: BatchNorm statistics and the
+/// like) alike across ranks after construction, where every buffer and frozen parameter becomes
+/// rank 0's. See docs/engines.md, "What is synchronized".
+enum class buffer_sync : std::uint8_t {
+  /// Rank 0's buffers are copied to every rank at the end of each synchronized step (`finish()`),
+  /// so the next forward starts from them on every rank: PyTorch's `broadcast_buffers=True`.
+  broadcast,
+  /// Floating-point buffers are averaged over the ranks at the end of each synchronized step,
+  /// integer ones (step counters) copied from rank 0.
+  average,
+  /// Each rank keeps its own after construction: PyTorch's `broadcast_buffers=False`.
+  none,
+};
+
+/// What a step's average divides by when ranks have joined (`dp_options::uneven_inputs`).
+enum class join_divisor : std::uint8_t {
+  /// The world size: joined ranks count as zero gradients, as PyTorch's `Join` does by default
+  /// (`divide_by_initial_world_size=True`).
+  world_size,
+  /// The ranks that contributed gradients to the step (`step_stats::contributors`).
+  contributors,
+};
 
 /// Run-time options of the data-parallel wrapper. See docs/data-parallel.md.
 /// \code
@@ -38,6 +62,12 @@ struct dp_options {
   /// Every rank must pass the same value; the bucket layout is then fixed at construction (no
   /// rebuild from the ready order). See docs/data-parallel.md, "Uneven inputs".
   bool uneven_inputs = false;
+  /// With `uneven_inputs`: a step's average is the sum over the ranks that contributed divided
+  /// by the world size (PyTorch's default), or by the number of contributors.
+  join_divisor divide_by = join_divisor::world_size;
+  /// How buffers stay alike after construction: rank 0's after every synchronized step
+  /// (PyTorch's default), averaged, or not at all.
+  buffer_sync buffers = buffer_sync::broadcast;
   /// Record every step into a Chrome trace file (Perfetto, chrome://tracing): rank r writes
   /// `<timeline>.rank<r>.json` (or the name with `{rank}` replaced by r). Empty: the environment
   /// variable `DDP_TIMELINE`, and no timeline when that is unset too. See docs/tuning.md,
@@ -61,6 +91,15 @@ struct bucket_timing {
   double ready_to_reduced_ms() const noexcept { return reduced_ms - ready_ms; }
   /// Time the collective spent queued and running.
   double launch_to_reduced_ms() const noexcept { return reduced_ms - launch_ms; }
+};
+
+/// A bucket whose average has just reached the engine's gradients, as the bucket hook
+/// (`basic_data_parallel::on_bucket_reduced`) sees it: its index in the plan and the parameters
+/// whose gradients it holds (indices into the parameter set), valid during the call.
+struct reduced_bucket {
+  std::size_t bucket = 0;
+  std::span<const std::size_t> parameters;
+  std::uint64_t step = 0;  ///< the step `finish()` is ending (`steps()` before it returns)
 };
 
 /// What one step cost; `last_step_stats()` after `finish()`.

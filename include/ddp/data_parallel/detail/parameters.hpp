@@ -18,8 +18,8 @@ namespace ddp {
 inline namespace v0 {
 namespace detail {
 
-inline std::string parameter_label(std::size_t i, std::string_view name) {
-  std::string s = "parameter " + std::to_string(i);
+inline std::string parameter_label(std::size_t i, std::string_view name, std::string_view noun = "parameter") {
+  std::string s = std::string(noun) + " " + std::to_string(i);
   if (!name.empty()) s.append(" ('").append(name).append("')");
   return s;
 }
