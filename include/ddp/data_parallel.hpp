@@ -177,8 +177,9 @@ class basic_data_parallel {
   /// Ends the step: launches the remaining buckets in order, waits for every reduction (bounded
   /// by the timeout), copies the averages back (copy mode) and resets; under `no_sync()` it only
   /// resets. Parameters never ready are an `errc::usage` error naming them, raised before any
-  /// launch (unless `find_unused_parameters`). Any failure inside (timeout, peer_lost, a copy,
-  /// the rebuild) fails the wrapper for good, as in `grad_ready`.
+  /// launch (unless `find_unused_parameters`); so is a second `finish()` with no hook since the
+  /// previous one (and nothing `no_sync()` steps accumulated), whatever the options. Any failure
+  /// inside (timeout, peer_lost, a copy, the rebuild) fails the wrapper for good, as in `grad_ready`.
   /// \code
   /// dp.finish();
   /// optimizer.step();
@@ -186,6 +187,8 @@ class basic_data_parallel {
   void finish() {
     check_healthy();
     check_not_joining("finish()");
+    if (state_.nothing_new(step_, no_sync_depth_ == 0))
+      detail::raise_finish_twice(pg_.rank(), step_ - 1, opts_.find_unused_parameters);
     const auto t_call = steady_clock::now();
     bool sync = false;
     guarded("finish", -1, [&] { sync = state_.open(no_sync_depth_ == 0, t_call); });
@@ -685,12 +688,8 @@ class basic_data_parallel {
   void set_up_autotune() {
     agree_.check_same("bucket_policy::autotune", policy_.autotune ? 1 : 0);
     if (!policy_.autotune) return;
-    std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a of the settings
-    const auto mix = [&h](std::uint64_t w) { h = (h ^ w) * 0x100000001b3ull; };
-    mix(policy_.autotune_steps);
-    mix(policy_.autotune_rounds);
-    for (auto c : policy_.autotune_caps) mix(c);
-    agree_.check_same("bucket_policy::autotune_caps, autotune_steps and autotune_rounds (a hash of them)", h);
+    // Compared as the tuner takes them (caps sorted, each once): a mismatch shows the values.
+    agree_.check_same_text("bucket_policy::autotune_caps, autotune_steps and autotune_rounds", autotune_settings(policy_));
     agree_.check_same("dp_options::gradient_as_bucket_view", opts_.gradient_as_bucket_view ? 1 : 0);
     if (opts_.gradient_as_bucket_view)
       detail::raise(errc::usage, pg_.rank(),

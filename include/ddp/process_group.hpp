@@ -136,11 +136,13 @@ struct init_options {
                           "' is not an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
       return x;
     };
-    const auto rank_var = first({"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"});
-    const auto size_var = first({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"});
+    // The rank and the world size come from one launcher's pair of variables, never half from
+    // one and half from a default: a rank without its world size would run as a world of 1
+    // (docs/getting-started.md, "Environment variables").
+    const auto vars = rank_and_size(first);
+    const auto rank_var = vars.first, size_var = vars.second;
     if (rank_var.first) o.rank = static_cast<int>(as_int(rank_var, -(1LL << 31), (1LL << 31) - 1));
     if (size_var.first) o.world_size = static_cast<int>(as_int(size_var, -(1LL << 31), (1LL << 31) - 1));
-    if (!rank_var.first && !size_var.first) note_world_of_one();
     if (auto v = first({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}); v.first)
       o.local_rank = static_cast<int>(as_int(v, 0, (1LL << 31) - 1));
     if (auto v = first({"MASTER_ADDR"}); v.first) o.master_addr = v.second;
@@ -197,14 +199,82 @@ struct init_options {
   }
 
   /// Says once per process, on stderr, that no launcher set a rank: a program started by hand
-  /// runs alone, which is easy to miss when several ranks were meant.
-  static void note_world_of_one() noexcept {
+  /// runs alone, which is easy to miss when several ranks were meant. `why`, when given, is
+  /// what the environment did hold (a Slurm shell's variables).
+  static void note_world_of_one(const char* why = nullptr) noexcept {
     static std::atomic<bool> said{false};
     if (said.exchange(true)) return;
     std::fputs("ddp: no rank in the environment (RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK/SIZE, PMI_RANK/SIZE or "
-               "SLURM_PROCID/NTASKS): running as a world of 1 (rank 0); start the ranks with ddprun, torchrun, "
-               "mpirun or srun to run more\n",
+               "SLURM_PROCID/NTASKS)",
                stderr);
+    if (why) {
+      std::fputs(": ", stderr);
+      std::fputs(why, stderr);
+    }
+    std::fputs(": running as a world of 1 (rank 0); start the ranks with ddprun, torchrun, mpirun or srun to run "
+               "more\n",
+               stderr);
+  }
+
+  /// The variables that hold the rank and the world size (name and value each; null names
+  /// when no launcher set a rank). `first(names)` is the first of `names` set and not empty.
+  /// Each launcher sets a pair: torchrun and ddprun `RANK`/`WORLD_SIZE`, Open MPI
+  /// `OMPI_COMM_WORLD_RANK/SIZE`, MPICH `PMI_RANK`/`PMI_SIZE`, srun `SLURM_PROCID`/`SLURM_NTASKS`
+  /// (with `--mpi=pmix`, `PMIX_RANK` beside them: PMIx puts no size in the environment). The
+  /// first pair with either variable set is the one; half a pair is errc::invalid_argument
+  /// naming the missing variable, and so is a local rank without its rank. Slurm's job-wide
+  /// variables alone are a shell, not a task: `SLURM_NTASKS` without `SLURM_PROCID` (salloc,
+  /// sbatch) and `SLURM_PROCID=0` without `SLURM_NTASKS` (a batch script) are a world of 1.
+  template <class First>
+  static std::pair<std::pair<const char*, const char*>, std::pair<const char*, const char*>> rank_and_size(
+      First& first) {
+    using var = std::pair<const char*, const char*>;
+    const auto half = [](var set, const char* missing, const char* launcher) {
+      detail::raise(errc::invalid_argument, -1,
+                    std::string("environment variable ") + set.first + "='" + set.second + "' is set but " + missing +
+                        " is not: " + launcher + "; set " + missing + " too, or unset " + set.first +
+                        " (the other half would be a default: rank 0, or a world of 1)");
+    };
+    struct pair_of {
+      const char *rank, *size, *local, *launcher;
+    };
+    static constexpr pair_of pairs[] = {
+        {"RANK", "WORLD_SIZE", "LOCAL_RANK", "torchrun and ddprun set RANK, WORLD_SIZE and LOCAL_RANK"},
+        {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+         "Open MPI's mpirun sets OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE"},
+        {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPICH's mpiexec sets PMI_RANK and PMI_SIZE"}};
+    for (const auto& p : pairs) {
+      const var r = first({p.rank}), s = first({p.size});
+      if (r.first && s.first) return {r, s};
+      if (r.first) half(r, p.size, p.launcher);
+      if (s.first) half(s, p.rank, p.launcher);
+    }
+    const var procid = first({"SLURM_PROCID"}), ntasks = first({"SLURM_NTASKS"});
+    if (const var pmix = first({"PMIX_RANK"}); pmix.first) {
+      if (ntasks.first) return {pmix, ntasks};
+      detail::raise(errc::invalid_argument, -1,
+                    std::string("environment variable PMIX_RANK='") + pmix.second +
+                        "' is set but no world size is: PMIx puts none in the environment; start the ranks with srun "
+                        "--mpi=pmix (which sets SLURM_NTASKS) or Open MPI's mpirun (OMPI_COMM_WORLD_SIZE), or set "
+                        "RANK and WORLD_SIZE");
+    }
+    if (procid.first && ntasks.first) return {procid, ntasks};
+    if (procid.first && std::string_view(procid.second) != "0")
+      half(procid, "SLURM_NTASKS", "srun sets SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID");
+    // What is left names no rank; a local rank then belongs to a pair that is not there.
+    for (const auto& p : pairs)
+      if (const var l = first({p.local}); l.first)
+        detail::raise(errc::invalid_argument, -1,
+                      std::string("environment variable ") + l.first + "='" + l.second + "' is set but " + p.rank +
+                          " and " + p.size + " are not: " + p.launcher + "; set " + p.rank + " and " + p.size +
+                          " too, or unset " + l.first);
+    if (procid.first)
+      note_world_of_one("SLURM_PROCID=0 without SLURM_NTASKS is a batch script's own process, not an srun task");
+    else if (ntasks.first)
+      note_world_of_one("SLURM_NTASKS without SLURM_PROCID is a shell of salloc or sbatch, not an srun task");
+    else
+      note_world_of_one();
+    return {};
   }
 
   /// Cheap check before any socket is opened; empty when the options are usable.

@@ -216,9 +216,46 @@ TEST_CASE("autotune: ranks that disagree on it, or on its candidates, fail at co
   expect_construction_error(
       3, ddp::errc::mismatch, "bucket_policy::autotune: rank 0 has 1, rank 2 has 0",
       [](int r) { return r == 2 ? ddp::bucket_policy{} : tuned(); }, [](int) { return ddp::dp_options{}; });
+  // The values, not a hash of them.
   expect_construction_error(
-      2, ddp::errc::mismatch, "autotune_caps, autotune_steps and autotune_rounds", [](int r) { return tuned(r == 0 ? 2 : 3); },
+      2, ddp::errc::mismatch,
+      "ranks disagree on bucket_policy::autotune_caps, autotune_steps and autotune_rounds: rank 0 has autotune_caps "
+      "[8 KiB, 16 KiB, 32 KiB, 1 MiB, 2 MiB], autotune_steps 2, autotune_rounds 1; rank 1 has autotune_caps [8 KiB, "
+      "16 KiB, 32 KiB, 1 MiB, 2 MiB], autotune_steps 3, autotune_rounds 1",
+      [](int r) { return tuned(r == 0 ? 2 : 3); }, [](int) { return ddp::dp_options{}; });
+  expect_construction_error(
+      3, ddp::errc::mismatch, "rank 0 has autotune_caps [8 KiB, 16 KiB, 32 KiB, 1 MiB, 2 MiB], autotune_steps 2, "
+      "autotune_rounds 1; rank 2 has autotune_caps [8 KiB, 16 KiB, 1 MiB, 2 MiB]",
+      [](int r) {
+        auto p = tuned();
+        if (r == 2) p.autotune_caps = {8_KiB, 16_KiB, 1_MiB, 2_MiB};
+        return p;
+      },
       [](int) { return ddp::dp_options{}; });
+}
+
+TEST_CASE("autotune: candidate lists that differ only in order or repetition agree, and tune alike") {
+  const int n = 2, port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, n, port, 10s));
+    engine e;
+    auto policy = tuned();
+    if (r == 1) policy.autotune_caps = {2_MiB, 32_KiB, 8_KiB, 1_MiB, 16_KiB, 8_KiB};  // the tuner sorts them
+    ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, ddp::host_allocator> dp{pg, e.views, policy};
+    require(dp.policy().cap_bytes == 8_KiB, "both start with the smallest candidate");
+    // Construction agreed; the whole tuning runs in step on both ranks and ends on one choice.
+    for (int s = 0; !dp.autotune_report().done && s < 40; ++s) {
+      backward(dp, e, r, s, false);
+      dp.finish();
+      check_average(e, n, {s}, "step " + std::to_string(s));
+    }
+    const auto& rep = dp.autotune_report();
+    require(rep.done && rep.candidates.size() == kDistinct, "tuned over the same candidates: " + encode(rep));
+    const auto reps = pg.all_gather(encode(rep));
+    require(reps[0] == reps[1], "reports agree: " + reps[1] + " vs rank 0's " + reps[0]);
+  }, 30s);
+  INFO(summary(outs));
+  CHECK(all_ok(outs));
 }
 
 TEST_CASE("autotune with view mode, uneven inputs or a caps list: a clear error on every rank") {

@@ -434,6 +434,76 @@ TEST_CASE("misuse: double grad_ready, index out of range, finish with parameters
   CHECK(all_ok(outs));
 }
 
+// A loop that calls finish() twice used to be told "N parameters never became ready ... or set
+// dp_options::find_unused_parameters"; following that advice averaged zeros into every
+// gradient. The doubled call is its own usage error, with the option too, and leaves the
+// averages of the step before in place.
+TEST_CASE("misuse: a second finish() with nothing new is errc::usage, with or without find_unused_parameters") {
+  for (bool find_unused : {false, true}) {
+    CAPTURE(find_unused);
+    const int n = 2;
+    const int port = free_port();
+    auto outs = run_ranks(n, [&](int r) {
+      auto pg = ddp::init_process_group(opts(r, n, port));
+      model m = random_model(53, 10, 300);
+      ddp::data_parallel dp{pg, m.views, {.cap_bytes = 512, .first_cap_bytes = 512},
+                            {.find_unused_parameters = find_unused}};
+      const auto expect_twice = [&](const std::string& text) {
+        try {
+          dp.finish();
+        } catch (const ddp::error& e) {
+          const std::string msg = e.what();
+          require(e.condition() == ddp::errc::usage, "wrong errc: " + msg);
+          require(msg.find(text) != std::string::npos, "message lacks '" + text + "': " + msg);
+          require(msg.find("never became ready") == std::string::npos, "told of missing parameters: " + msg);
+          require((msg.find("would have averaged a zero gradient") != std::string::npos) == find_unused,
+                  "what the option would have done: " + msg);
+          return;
+        }
+        throw std::runtime_error("a second finish() with nothing new was accepted");
+      };
+      backward(dp, m, r, 0, false, false, static_cast<std::uint64_t>(r));
+      dp.finish();
+      check_average(dp, m, n, {0}, false, none, "step 0");
+      expect_twice("finish() called twice with nothing new: no grad_ready or mark_unused since the previous "
+                   "finish(), which ended step 0");
+      check_average(dp, m, n, {0}, false, none, "step 0's averages after the refused finish()");
+      // The wrapper is not failed: the next step runs as usual, and is refused again after it.
+      backward(dp, m, r, 1, false, false, static_cast<std::uint64_t>(r + 7));
+      dp.finish();
+      check_average(dp, m, n, {1}, false, none, "step 1");
+      expect_twice("which ended step 1");
+      // A finish() with no hook after no_sync() steps is not doubled: it synchronizes what they
+      // accumulated (find_unused_parameters), or names the parameters never ready.
+      {
+        auto guard = dp.no_sync();
+        backward(dp, m, r, 2, false, false, static_cast<std::uint64_t>(r + 3));
+        dp.finish();
+      }
+      if (find_unused) {
+        dp.finish();
+        require(dp.last_step_stats().synchronized, "the accumulated step is synchronized");
+        check_average(dp, m, n, {2}, false, none, "the accumulated micro-step");
+      } else {
+        try {
+          dp.finish();
+          throw std::runtime_error("finish() with parameters never ready was accepted");
+        } catch (const ddp::error& e) {
+          const std::string msg = e.what();
+          require(msg.find("10 parameters never became ready this step") != std::string::npos, msg);
+          require(msg.find("its gradient is then zero, or what no_sync() steps accumulated") != std::string::npos,
+                  "the hint says what marking unused does: " + msg);
+        }
+        for (std::size_t i = 0; i < m.size(); ++i) dp.mark_unused(i);
+        dp.finish();
+        check_average(dp, m, n, {2}, false, none, "the accumulated micro-step, marked unused");
+      }
+    }, 60s);
+    INFO(summary(outs));
+    CHECK(all_ok(outs));
+  }
+}
+
 TEST_CASE("rebuild from the ready order (copy mode): rank 0's order wins, plans agree, done once") {
   const int n = 3;
   const int port = free_port();

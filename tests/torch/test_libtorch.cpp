@@ -145,7 +145,16 @@ TEST_CASE("torch_parameters: a module's trainable parameters, in order, with def
   } catch (const ddp::error& e) {
     CHECK(e.code() == ddp::errc::invalid_argument);
     CHECK(std::string(e.what()).find("parameter 'strided' is not contiguous") != std::string::npos);
+    CHECK(std::string(e.what()).find("p.set_data(p.contiguous())") != std::string::npos);
   }
+  // The advice works: the same tensor, made contiguous in place, is accepted.
+  {
+    torch::NoGradGuard g;
+    leaf_strided.set_data(leaf_strided.contiguous());
+  }
+  ddp::torch_parameters fixed{{{"strided", leaf_strided}}};
+  CHECK(fixed.size() == 1);
+  CHECK(fixed.tensor(0).is_same(leaf_strided));
 }
 
 TEST_CASE("torch_data_parallel: backward() returns with the average, copy and view mode, default and fixed reducers") {

@@ -248,4 +248,29 @@ TEST_CASE("buffer_layout: each-step buffers grouped by dtype, 64-byte aligned gr
   CHECK(layout.buffers()[2].name == "f");
   CHECK(ddp::step_record::encode({true, false, true}, 2) == std::vector<std::int64_t>{1, 0, 1, 2});
   CHECK(ddp::step_record::bytes(3) == 32);
+
+TEST_CASE("agreement: a setting written out (check_same_text) shows every differing value, not a hash") {
+  fake_pair fake;
+  ddp::agreement agree{fake.channel()};
+  fake.theirs = "caps [1 MiB, 4 MiB]";
+  agree.check_same_text("bucket_policy::autotune_caps", "caps [1 MiB, 4 MiB]");
+  CHECK(fake.sent.back() == "caps [1 MiB, 4 MiB]");  // the text itself goes on the wire
+  fake.theirs = "caps [1 MiB, 8 MiB]";
+  const auto e = error_of([&] { agree.check_same_text("bucket_policy::autotune_caps", "caps [1 MiB, 4 MiB]"); });
+  CHECK(e.condition() == ddp::errc::mismatch);
+  CHECK(std::string(e.what()).find("ranks disagree on bucket_policy::autotune_caps: rank 0 has caps [1 MiB, 4 MiB]; "
+                                   "rank 1 has caps [1 MiB, 8 MiB]") != std::string::npos);
+}
+
+TEST_CASE("agreement: check_same_text groups the ranks that share a differing value") {
+  // Five ranks: 1 and 3 agree with each other, 4 has a third value; this process is rank 2.
+  const std::vector<std::string> values{"a", "b", "a", "b", "c"};
+  ddp::agreement agree{{2, 5, [&](const std::string&) { return values; }, {}}};
+  const auto e = error_of([&] { agree.check_same_text("x", "a"); });
+  CHECK(e.rank() == 2);
+  CHECK(std::string(e.what()).find("ranks disagree on x: rank 0 has a; ranks 1, 3 have b; rank 4 has c") !=
+        std::string::npos);
+  // One rank alone checks nothing (and gathers nothing).
+  ddp::agreement alone{{0, 1, {}, {}}};
+  alone.check_same_text("x", "a");
 }

@@ -229,3 +229,27 @@ TEST_CASE("autotune: steps or rounds too large to count are rejected, not wrappe
   CHECK(t.cap() == 1_MiB);
   CHECK(t.tuning_steps(8) == 1 + 8 * (1 + ddp::bucket_autotuner::max_steps));
 }
+
+TEST_CASE("autotune: the settings ranks compare are normalised as the tuner takes them, and exact") {
+  ddp::bucket_policy a{.autotune = true, .autotune_caps = {4_MiB, 1_MiB, 4_MiB, 3_KiB}, .autotune_steps = 3,
+                       .autotune_rounds = 2};
+  ddp::bucket_policy b = a;
+  b.autotune_caps = {1_MiB, 3_KiB, 4_MiB};  // the same candidates, in another order, each once
+  CHECK(ddp::autotune_settings(a) == "autotune_caps [3 KiB, 1 MiB, 4 MiB], autotune_steps 3, autotune_rounds 2");
+  CHECK(ddp::autotune_settings(a) == ddp::autotune_settings(b));
+  CHECK(ddp::normalized_autotune_caps(a.autotune_caps) == std::vector<std::size_t>{3_KiB, 1_MiB, 4_MiB});
+  // The tuner tries exactly these, smallest first.
+  ddp::bucket_autotuner t(a.autotune_caps, 3, 2);
+  CHECK(t.first_cap() == 3_KiB);
+  // An empty list is the default candidates, written out.
+  ddp::bucket_policy d{.autotune = true};
+  ddp::bucket_policy e = d;
+  e.autotune_caps = ddp::default_autotune_caps();
+  CHECK(ddp::autotune_settings(d) == ddp::autotune_settings(e));
+  CHECK(ddp::autotune_settings(d).find("[1 MiB, 2 MiB, 4 MiB, 8 MiB, 16 MiB, 25 MiB, 50 MiB, 100 MiB]") !=
+        std::string::npos);
+  // Caps one byte apart read differently (no rounding to a unit).
+  b.autotune_caps = {1_MiB + 1, 3_KiB, 4_MiB};
+  CHECK(ddp::autotune_settings(b) == "autotune_caps [3 KiB, 1048577 B, 4 MiB], autotune_steps 3, autotune_rounds 2");
+  CHECK(ddp::exact_size(0) == "0 B");
+}

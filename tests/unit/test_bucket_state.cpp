@@ -195,3 +195,20 @@ TEST_CASE("bucket_state: a synchronized step calls on_sync_open once, before its
   REQUIRE_FALSE(st.open(false));  // an unsynchronized step: nothing to precede
   CHECK(events.empty());
 }
+
+TEST_CASE("bucket_state: nothing_new tells a doubled finish() from a step that has something to reduce") {
+  const auto plan = dp_test::three_buckets();
+  recorder rec;
+  ddp::bucket_state st{4, rec.fn()};
+  st.reset(plan, false);
+  CHECK_FALSE(st.nothing_new(0, true));  // the first step: not a second finish()
+  CHECK(st.nothing_new(1, true));        // after a step, no hook yet
+  CHECK_FALSE(st.nothing_new(1, false));  // under no_sync() a finish() only resets
+  st.open(true);
+  CHECK_FALSE(st.nothing_new(1, true));  // a hook opened the step
+  st.reset(plan, false);
+  st.set_accumulated(2);                 // a no_sync() step accumulated parameter 2
+  CHECK_FALSE(st.nothing_new(1, true));
+  st.clear_accumulated();
+  CHECK(st.nothing_new(1, true));
+}

@@ -71,8 +71,10 @@ TEST_CASE("IPv6 and host names are kept as given") {
 }
 
 TEST_CASE("malformed numbers name the variable") {
-  CHECK_THROWS_WITH_AS(parse({{"RANK", "two"}}), doctest::Contains("RANK='two'"), ddp::error);
-  CHECK_THROWS_WITH_AS(parse({{"WORLD_SIZE", "4x"}}), doctest::Contains("WORLD_SIZE"), ddp::error);
+  CHECK_THROWS_WITH_AS(parse({{"RANK", "two"}, {"WORLD_SIZE", "4"}}), doctest::Contains("RANK='two' is not an integer"),
+                       ddp::error);
+  CHECK_THROWS_WITH_AS(parse({{"RANK", "0"}, {"WORLD_SIZE", "4x"}}), doctest::Contains("WORLD_SIZE='4x' is not an integer"),
+                       ddp::error);
   CHECK_THROWS_WITH_AS(parse({{"MASTER_PORT", "-5"}}), doctest::Contains("MASTER_PORT"), ddp::error);
   CHECK_THROWS_WITH_AS(parse({{"DDP_TIMEOUT", "0"}}), doctest::Contains("DDP_TIMEOUT"), ddp::error);
 }
@@ -135,8 +137,10 @@ TEST_CASE("env child: from_env three times") {
   const std::string w = which;
   std::map<std::string, std::string> env{{"MASTER_PORT", "1234"}};
   if (w == "torchrun") env = {{"RANK", "0"}, {"WORLD_SIZE", "1"}};
-  if (w == "ompi") env = {{"OMPI_COMM_WORLD_SIZE", "1"}};
-  if (w == "slurm") env = {{"SLURM_PROCID", "0"}};
+  if (w == "ompi") env = {{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}};
+  if (w == "slurm") env = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}};
+  if (w == "salloc") env = {{"SLURM_NTASKS", "4"}, {"SLURM_JOB_ID", "7"}};
+  if (w == "batch") env = {{"SLURM_PROCID", "0"}, {"SLURM_LOCALID", "0"}, {"SLURM_JOB_ID", "7"}};
   for (int i = 0; i < 3; ++i) (void)parse(env);
 }
 
@@ -149,6 +153,86 @@ TEST_CASE("no rank environment at all: said once on stderr that the program runs
     CAPTURE(env);
     CHECK(count(stderr_of_case("env child: from_env three times", env), "world of 1") == 0);
   }
+  // Slurm's job-wide variables without a task's: a shell, not a rank; the note says which.
+  const auto salloc = stderr_of_case("env child: from_env three times", "salloc");
+  CHECK(count(salloc, "world of 1") == 1);
+  CHECK(salloc.find("SLURM_NTASKS without SLURM_PROCID is a shell of salloc or sbatch") != std::string::npos);
+  const auto batch = stderr_of_case("env child: from_env three times", "batch");
+  CHECK(count(batch, "world of 1") == 1);
+  CHECK(batch.find("SLURM_PROCID=0 without SLURM_NTASKS is a batch script's own process") != std::string::npos);
+}
+
+namespace {
+// The message of from_env's error for `env`, after checking that it is errc::invalid_argument.
+std::string env_error(const std::map<std::string, std::string>& env) {
+  try {
+    (void)parse(env);
+  } catch (const ddp::error& e) {
+    CHECK(e.condition() == ddp::errc::invalid_argument);
+    return e.what();
+  }
+  FAIL("from_env accepted a partial rank environment");
+  return {};
+}
+}  // namespace
+
+TEST_CASE("a partial rank environment is refused, naming the variable that is missing") {
+  // RANK alone used to run as a world of 1 on rank 0 (and rank 1 failed with "outside [0, 1)").
+  auto msg = env_error({{"RANK", "1"}, {"MASTER_ADDR", "10.0.0.1"}});
+  CHECK(msg.find("environment variable RANK='1' is set but WORLD_SIZE is not") != std::string::npos);
+  CHECK(msg.find("set WORLD_SIZE too, or unset RANK") != std::string::npos);
+  msg = env_error({{"WORLD_SIZE", "4"}});
+  CHECK(msg.find("environment variable WORLD_SIZE='4' is set but RANK is not") != std::string::npos);
+  msg = env_error({{"LOCAL_RANK", "1"}});
+  CHECK(msg.find("environment variable LOCAL_RANK='1' is set but RANK and WORLD_SIZE are not") != std::string::npos);
+  // Half of torchrun's pair is refused even where another launcher's pair is complete: which
+  // one was meant is not known.
+  msg = env_error({{"RANK", "1"}, {"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
+  CHECK(msg.find("RANK='1' is set but WORLD_SIZE is not") != std::string::npos);
+  // Each launcher family names its own pair.
+  msg = env_error({{"OMPI_COMM_WORLD_RANK", "2"}});
+  CHECK(msg.find("OMPI_COMM_WORLD_RANK='2' is set but OMPI_COMM_WORLD_SIZE is not") != std::string::npos);
+  msg = env_error({{"OMPI_COMM_WORLD_SIZE", "8"}});
+  CHECK(msg.find("OMPI_COMM_WORLD_SIZE='8' is set but OMPI_COMM_WORLD_RANK is not") != std::string::npos);
+  msg = env_error({{"OMPI_COMM_WORLD_LOCAL_RANK", "0"}});
+  CHECK(msg.find("OMPI_COMM_WORLD_LOCAL_RANK='0' is set but OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE are not") !=
+        std::string::npos);
+  msg = env_error({{"PMI_RANK", "3"}});
+  CHECK(msg.find("PMI_RANK='3' is set but PMI_SIZE is not") != std::string::npos);
+  msg = env_error({{"PMI_SIZE", "3"}});
+  CHECK(msg.find("PMI_SIZE='3' is set but PMI_RANK is not") != std::string::npos);
+  msg = env_error({{"MPI_LOCALRANKID", "1"}});
+  CHECK(msg.find("MPI_LOCALRANKID='1' is set but PMI_RANK and PMI_SIZE are not") != std::string::npos);
+  msg = env_error({{"PMIX_RANK", "1"}});
+  CHECK(msg.find("PMIX_RANK='1' is set but no world size is") != std::string::npos);
+  CHECK(msg.find("SLURM_NTASKS") != std::string::npos);
+  msg = env_error({{"SLURM_PROCID", "3"}, {"SLURM_LOCALID", "1"}});
+  CHECK(msg.find("SLURM_PROCID='3' is set but SLURM_NTASKS is not") != std::string::npos);
+  // An empty variable counts as absent.
+  msg = env_error({{"RANK", "1"}, {"WORLD_SIZE", ""}});
+  CHECK(msg.find("RANK='1' is set but WORLD_SIZE is not") != std::string::npos);
+}
+
+TEST_CASE("launchers that set only part of a family keep working") {
+  // torchrun-style without LOCAL_RANK (ranks started by hand).
+  auto o = parse({{"RANK", "1"}, {"WORLD_SIZE", "2"}});
+  CHECK(o.rank == 1);
+  CHECK(o.world_size == 2);
+  CHECK(o.local_rank == -1);
+  // srun --mpi=pmix: PMIX_RANK and Slurm's size, no PMIX size variable.
+  o = parse({{"PMIX_RANK", "3"}, {"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}});
+  CHECK(o.rank == 3);
+  CHECK(o.world_size == 4);
+  // An salloc or sbatch shell: the job's SLURM_NTASKS, no task; a world of 1, not rank 0 of 4
+  // waiting for ranks that never come.
+  o = parse({{"SLURM_NTASKS", "4"}, {"SLURM_JOB_ID", "7"}});
+  CHECK(o.rank == 0);
+  CHECK(o.world_size == 1);
+  // A batch script's own process without --ntasks: SLURM_PROCID=0 (and SLURM_LOCALID=0) alone.
+  o = parse({{"SLURM_PROCID", "0"}, {"SLURM_LOCALID", "0"}});
+  CHECK(o.rank == 0);
+  CHECK(o.world_size == 1);
+  CHECK(o.validate().empty());
 }
 
 TEST_CASE("DDP_JOB_ID names the job") {
@@ -296,8 +380,9 @@ TEST_CASE("slurm: explicit MASTER_ADDR, MASTER_PORT and DDP_JOB_ID win") {
 }
 
 TEST_CASE("slurm: nothing is derived for ranks that Slurm did not start") {
-  // An salloc shell: a job, but no task.
+  // An salloc shell: a job, but no task (a world of 1).
   auto o = parse({{"SLURM_JOB_ID", "4242"}, {"SLURM_JOB_NODELIST", "node[01-04]"}, {"SLURM_NTASKS", "2"}});
+  CHECK(o.world_size == 1);
   CHECK(o.master_addr == "127.0.0.1");
   CHECK(o.master_port == 29500);
   CHECK(o.job_id.empty());

@@ -144,7 +144,11 @@ class torch_parameters {
     if (!t.is_leaf())
       detail::raise(errc::invalid_argument, -1, label + " is not a leaf tensor (autograd never accumulates its gradient)");
     if (!t.is_contiguous())
-      detail::raise(errc::invalid_argument, -1, label + " is not contiguous; call .contiguous() before wrapping");
+      detail::raise(errc::invalid_argument, -1,
+                    label +
+                        " is not contiguous; make the module's parameter itself contiguous before wrapping "
+                        "(torch::NoGradGuard g; p.set_data(p.contiguous());): a contiguous copy would not be the "
+                        "tensor autograd gives a gradient");
     const dtype type = torch_dtype(t.scalar_type(), label);
     if (!t.grad().defined()) {
       torch::NoGradGuard no_grad;

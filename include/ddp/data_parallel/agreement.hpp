@@ -163,6 +163,37 @@ class agreement {
                         std::to_string(detail::byte_reader(all[0]).u64()) + ", " + differing);
   }
 
+  /// Every rank passes the same `value`, a setting written out as text (a collective; compare
+  /// normalised values, so that settings that mean the same agree); otherwise errc::mismatch on
+  /// every rank, naming `what` and showing rank 0's value and each differing one with its ranks.
+  /// \code
+  /// agree.check_same_text("bucket_policy::autotune settings", ddp::autotune_settings(policy));
+  /// \endcode
+  void check_same_text(const char* what, const std::string& value) const {
+    if (ch_.size == 1) return;
+    const auto all = ch_.all_gather(value);
+    // The differing values in order of first appearance, each with its ranks.
+    std::vector<std::pair<std::string, std::vector<std::size_t>>> others;
+    for (std::size_t r = 1; r < all.size(); ++r) {
+      if (all[r] == all[0]) continue;
+      auto it = std::find_if(others.begin(), others.end(), [&](const auto& o) { return o.first == all[r]; });
+      if (it == others.end()) it = others.insert(others.end(), {all[r], {}});
+      it->second.push_back(r);
+    }
+    if (others.empty()) return;
+    constexpr std::size_t shown = 4, ranks_shown = 8;
+    std::string msg = std::string("ranks disagree on ") + what + ": rank 0 has " + all[0];
+    for (std::size_t k = 0; k < others.size() && k < shown; ++k) {
+      const auto& ranks = others[k].second;
+      msg += ranks.size() > 1 ? "; ranks " : "; rank ";
+      for (std::size_t i = 0; i < ranks.size() && i < ranks_shown; ++i) msg += (i ? ", " : "") + std::to_string(ranks[i]);
+      if (ranks.size() > ranks_shown) msg += " and " + std::to_string(ranks.size() - ranks_shown) + " more";
+      msg += (ranks.size() > 1 ? " have " : " has ") + others[k].first;
+    }
+    if (others.size() > shown) msg += "; and " + std::to_string(others.size() - shown) + " more values";
+    detail::raise(errc::mismatch, ch_.rank, msg);
+  }
+
   /// Ranks agree on the plan and on whether it will be rebuilt (a collective of the group that
   /// a rank skipping it would leave its peers waiting on); `when` says at which point.
   void check_plan(const bucket_plan& plan, bool settled, const char* when) const {

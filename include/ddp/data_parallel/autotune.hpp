@@ -32,6 +32,32 @@ inline std::vector<std::size_t> default_autotune_caps() {
   return caps;
 }
 
+/// The candidates as the tuner takes them: `caps` (empty: `default_autotune_caps()`) sorted, each
+/// once. Lists that differ only in order or repetition are the same candidates.
+inline std::vector<std::size_t> normalized_autotune_caps(std::vector<std::size_t> caps) {
+  if (caps.empty()) caps = default_autotune_caps();
+  std::sort(caps.begin(), caps.end());
+  caps.erase(std::unique(caps.begin(), caps.end()), caps.end());
+  return caps;
+}
+
+/// "4 MiB", "3 KiB", "1000 B": a size in the largest unit that divides it, so the text is exact.
+inline std::string exact_size(std::size_t b) {
+  if (b != 0 && b % (std::size_t{1} << 20) == 0) return std::to_string(b >> 20) + " MiB";
+  if (b != 0 && b % 1024 == 0) return std::to_string(b >> 10) + " KiB";
+  return std::to_string(b) + " B";
+}
+
+/// The autotune settings of `p` as ranks compare them, normalised as the tuner uses them:
+/// "autotune_caps [1 MiB, 4 MiB], autotune_steps 2, autotune_rounds 1".
+inline std::string autotune_settings(const bucket_policy& p) {
+  std::string s = "autotune_caps [";
+  const auto caps = normalized_autotune_caps(p.autotune_caps);
+  for (std::size_t k = 0; k < caps.size(); ++k) s += (k ? ", " : "") + exact_size(caps[k]);
+  return s + "], autotune_steps " + std::to_string(p.autotune_steps) + ", autotune_rounds " +
+         std::to_string(p.autotune_rounds);
+}
+
 /// `base` with its cap set to `cap`: `cap_bytes = cap`, the first bucket's cap kept unless it
 /// is larger than `cap` (so a candidate of 1 MiB is 1 MiB everywhere).
 /// \code
@@ -114,10 +140,7 @@ class bucket_autotuner {
       detail::raise(errc::invalid_argument, -1,
                     "bucket_policy::autotune_rounds is " + std::to_string(rounds) + ", more than " +
                         std::to_string(max_rounds) + "; a few passes over the candidates are enough");
-    if (caps.empty()) caps = default_autotune_caps();
-    std::sort(caps.begin(), caps.end());
-    caps.erase(std::unique(caps.begin(), caps.end()), caps.end());
-    caps_ = std::move(caps);
+    caps_ = normalized_autotune_caps(std::move(caps));
     report_.enabled = true;
   }
 

@@ -112,6 +112,16 @@ class bucket_state {
   void set_accumulated(std::size_t i) noexcept { accumulated_[i] = 1; }
   bool accumulated(std::size_t i) const noexcept { return accumulated_[i] != 0; }
   void clear_accumulated() noexcept { std::fill(accumulated_.begin(), accumulated_.end(), 0); }
+  /// Some parameter has an accumulated gradient that no synchronized step averaged yet.
+  bool any_accumulated() const noexcept {
+    return std::any_of(accumulated_.begin(), accumulated_.end(), [](std::uint8_t a) { return a != 0; });
+  }
+  /// A `finish()` that would open a synchronized step now would have nothing new to reduce:
+  /// no hook since the last `reset` (`!is_open()`), after at least one step (`steps_done`), and
+  /// no gradient that `no_sync()` steps accumulated. The wrapper refuses it (a doubled call).
+  bool nothing_new(std::uint64_t steps_done, bool sync) const {
+    return sync && steps_done > 0 && !is_open() && !any_accumulated();
+  }
   /// Parameters not ready yet, in index order.
   std::vector<std::size_t> missing() const {
     std::vector<std::size_t> out;

@@ -63,7 +63,11 @@ inline std::vector<param_info> infos_of(const std::vector<tensor_view>& views) {
                                        std::uint64_t step, std::size_t bucket) {
   raise(errc::usage, rank,
         std::string(what) + ": " + parameter_label(i, name) + " was already " + (unused ? "marked unused" : "ready") +
-            " in this step (step " + std::to_string(step) + "); call finish() between steps",
+            " in this step (step " + std::to_string(step) + "); each parameter is ready or unused once per step, " +
+            (unused ? std::string("and only if backward produced no gradient for it")
+                    : std::string("when its gradient is final (a parameter used twice in one forward, such as tied "
+                                  "weights, after its last contribution)")) +
+            ", and finish() ends the step",
         static_cast<int>(bucket), static_cast<int>(i));
 }
 [[noreturn]] inline void raise_missing(int rank, const std::vector<std::size_t>& missing,
@@ -71,8 +75,22 @@ inline std::vector<param_info> infos_of(const std::vector<tensor_view>& views) {
   raise(errc::usage, rank,
         "finish() while " + std::to_string(missing.size()) + " parameter" + (missing.size() > 1 ? "s" : "") +
             " never became ready this step: " + parameter_list(missing, names) +
-            "; call grad_ready(i) or mark_unused(i) for each, or set dp_options::find_unused_parameters",
+            "; call grad_ready(i) for each one backward produced a gradient for. Only a parameter that took no part "
+            "in this step's loss may be marked unused (mark_unused(i), or dp_options::find_unused_parameters for "
+            "every parameter not ready at finish()): its gradient is then zero, or what no_sync() steps accumulated",
         -1, static_cast<int>(missing.front()));
+}
+/// A synchronized `finish()` with no hook since the previous `finish()` (which ended step
+/// `previous`): the loop calls `finish()` twice. Not a step of missing parameters: marking them
+/// unused (or `find_unused_parameters`) would average zeros into every gradient.
+[[noreturn]] inline void raise_finish_twice(int rank, std::uint64_t previous, bool find_unused) {
+  raise(errc::usage, rank,
+        "finish() called twice with nothing new: no grad_ready or mark_unused since the previous finish(), which "
+        "ended step " +
+            std::to_string(previous) + "; call finish() once per step, after that step's grad_ready/mark_unused calls" +
+            (find_unused ? " (with dp_options::find_unused_parameters this finish() would have averaged a zero "
+                           "gradient for every parameter)"
+                         : ""));
 }
 
 }  // namespace detail
