@@ -332,7 +332,9 @@ class basic_torch_data_parallel {
   };
 
   struct registration {
-    std::shared_ptr<torch::autograd::Node> accumulator;  // the parameter holds it only weakly
+    // The parameter holds it only weakly. LibTorch 1.13 hands out a std::shared_ptr<Node>, later
+    // releases (2.15) a c10::intrusive_ptr<Node>: the type is whatever grad_accumulator returns.
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::Tensor&>())) accumulator;
     std::uintptr_t key;       // the post hook on the accumulator
     unsigned tensor_hook;     // the parameter's own hook, which survives module->to()
   };
