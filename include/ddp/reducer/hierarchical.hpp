@@ -185,15 +185,14 @@ class hier_engine {
   bool leader() const noexcept { return shm_.rank() == 0; }
   /// What carries the leaders' traffic: tcp or mpi.
   ddp::backend between() const noexcept { return between_; }
-  void abort() noexcept {
-    shm_.abort();
-    tcp_.abort();
-  }
+  void abort() noexcept { abort(errc::aborted, "rank " + std::to_string(pg_.rank()) + " called abort()"); }
   /// abort() with the reason: the host's ranks read it in the segment, the other hosts in the
-  /// group's failure record (which the tcp transport writes), so every rank quotes it.
+  /// group's failure record (which the tcp transport writes), so every rank quotes it. The
+  /// record goes first: the host's leader, woken by the segment, must find it there rather than
+  /// record its own view of the abort.
   void abort(errc code, const std::string& why) noexcept {
-    shm_.abort(code, why);
     tcp_.abort(code, why);
+    shm_.abort(code, why);
   }
 
   void allreduce(const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype t, op o) {
