@@ -33,6 +33,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -45,6 +46,7 @@
 #include <vector>
 
 #include <ddp/detail/socket.hpp>
+#include <ddp/error.hpp>
 
 namespace {
 
@@ -85,6 +87,7 @@ struct exit_note {
 struct rank_proc {
   pid_t pid = -1;  // the keeper, leader of the rank's process group
   int out = -1;
+  int note = -1;   // ddprun's end of the rank's DDP_LAUNCHER_FD socket
   std::string pending;
   bool exited = false;  // the keeper was reaped
   bool ended = false;   // the program's end is known: status and at_ns are set
@@ -205,6 +208,14 @@ int main(int argc, char** argv) {
   for (int r = 0; r < n; ++r) {
     int p[2];
     if (::pipe2(p, O_CLOEXEC) != 0) { std::perror("ddprun: pipe"); return 2; }
+    // The rank's end of the launcher's note (DDP_LAUNCHER_FD, ddp/detail/launcher.hpp): before
+    // ending the ranks of this host because one failed, ddprun tells them which, so that the
+    // group's failure names it and the other hosts do not blame the ranks ended here.
+    int sv[2] = {-1, -1};
+    if (nnodes > 1 && ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+      std::perror("ddprun: socketpair");
+      return 2;
+    }
     const pid_t pid = ::fork();
     if (pid == 0) {
       // The keeper. Each rank leads its own process group, so ending a rank ends whatever it
@@ -221,6 +232,10 @@ int main(int argc, char** argv) {
       ::setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
       ::setenv("DDP_JOB_ID", job_id.c_str(), 1);
       if (!timeout.empty()) ::setenv("DDP_TIMEOUT", timeout.c_str(), 1);
+      if (sv[1] >= 0) {
+        ::fcntl(sv[1], F_SETFD, 0);  // kept across exec: the program's
+        ::setenv("DDP_LAUNCHER_FD", std::to_string(sv[1]).c_str(), 1);
+      }
       struct sigaction ign{};
       ign.sa_handler = SIG_IGN;
       for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &ign, nullptr);
@@ -261,6 +276,11 @@ int main(int argc, char** argv) {
     ::setpgid(pid, pid);
     procs[static_cast<std::size_t>(r)].pid = pid;
     procs[static_cast<std::size_t>(r)].out = p[0];
+    if (sv[1] >= 0) {
+      ::close(sv[1]);
+      ::fcntl(sv[0], F_SETFL, O_NONBLOCK);
+      procs[static_cast<std::size_t>(r)].note = sv[0];
+    }
   }
 
   int exit_code = 0;
@@ -291,6 +311,36 @@ int main(int argc, char** argv) {
     const int st = procs[static_cast<std::size_t>(r)].status;
     return std::string(WIFEXITED(st) ? "exited with status " : "was killed by signal ") +
            std::to_string(WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
+  };
+  // Tells the ranks still running which rank failed first (a group on each records it as the
+  // group's failure unless one was recorded before), and waits up to half a second for their
+  // answers: then ending them blames nobody. Ranks that run no group do not answer.
+  auto tell_cause = [&](int failed) {
+    const std::string note =
+        std::to_string(static_cast<int>(ddp::errc::peer_lost)) + " rank " + std::to_string(base + failed) + " " +
+        describe(failed) + " (seen by its launcher, ddprun on node " + std::to_string(node_rank) +
+        ", which then ended the other ranks of that node)\n";
+    std::vector<int> waiting;
+    for (std::size_t r = 0; r < procs.size(); ++r) {
+      auto& p = procs[r];
+      if (p.note < 0 || p.ended || static_cast<int>(r) == failed) continue;
+      if (::send(p.note, note.data(), note.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(note.size()))
+        waiting.push_back(p.note);
+    }
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+    while (!waiting.empty() && std::chrono::steady_clock::now() < until) {
+      std::vector<pollfd> pf;
+      for (int fd : waiting) pf.push_back({fd, POLLIN, 0});
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      if (::poll(pf.data(), pf.size(), static_cast<int>(std::max<long long>(1, left.count()))) <= 0) continue;
+      std::vector<int> still;
+      for (auto& q : pf) {
+        if (q.revents == 0) { still.push_back(q.fd); continue; }
+        char ack;
+        (void)!::read(q.fd, &ack, 1);  // an answer, or the rank ended: either way done
+      }
+      waiting.swap(still);
+    }
   };
   std::size_t running = procs.size();
   while (running > 0) {
@@ -341,6 +391,7 @@ int main(int argc, char** argv) {
         exit_code = code_of(procs[static_cast<std::size_t>(failed_rank)].status);
         std::fprintf(stderr, "ddprun: rank %d %s; ending the other ranks%s\n", base + failed_rank,
                      describe(failed_rank).c_str(), nnodes > 1 ? " of this host" : "");
+        if (nnodes > 1) tell_cause(failed_rank);
         terminating = true;
         ended_at = now_ns();
         end_all(SIGTERM);

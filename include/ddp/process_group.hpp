@@ -30,6 +30,7 @@
 #include <ddp/detail/bytes.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/kernels.hpp>
+#include <ddp/detail/launcher.hpp>
 #include <ddp/detail/mesh.hpp>
 #include <ddp/detail/slurm.hpp>
 #include <ddp/detail/rendezvous.hpp>
@@ -692,6 +693,7 @@ class process_group::state {
     // A failure a transport on the group recorded counts too: a program that caught it and
     // leaves normally must not keep rank 0 waiting a whole timeout for a peer that is gone.
     const bool failing = failed_.load() || aborted_.load() || unwinding || (server_ && !verdict_.first().empty());
+    launcher_.reset();  // its thread records through the verdict: stopped before the store goes
     links_.reset();
     verdict_.detach();
     store_.reset();
@@ -763,6 +765,7 @@ class process_group::state {
   std::unique_ptr<store_client> store_;
   failure_verdict verdict_;  // kept in store_; detached before it closes
   std::unique_ptr<detail::peer_links> links_;
+  std::unique_ptr<detail::launcher_watch> launcher_;  // DDP_LAUNCHER_FD: the launcher's note (detail/launcher.hpp)
   detail::owner_process owner_;  // the process that joined: a forked child's copy only closes
 };
 
@@ -908,6 +911,13 @@ inline process_group init_process_group(const init_options& opts) {
   // The first barrier makes each rank's first connections (log2(size) peers) and proves the
   // group can talk; a failure there is reported like any other.
   pg.barrier(until);
+  // Under a launcher that ends a host's ranks when one fails (ddprun --nnodes), the launcher
+  // says first which rank failed: recorded as the group's failure, so that the other hosts
+  // name that rank rather than the ranks the launcher ended.
+  if (const int fd = detail::launcher_fd(); fd >= 0)
+    pg.launcher_ = std::make_unique<detail::launcher_watch>(fd, [v = &pg.verdict_](const std::string& note) {
+      if (!note.empty()) v->record(group_failure::decode(note));
+    });
   return process_group(std::move(group));
 }
 

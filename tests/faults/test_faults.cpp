@@ -16,6 +16,8 @@
 
 #include <ddp/data_parallel.hpp>
 #include <ddp/process_group.hpp>
+#include <ddp/reducer/auto.hpp>
+#include <ddp/reducer/hooked.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/tree.hpp>
 #include <ddp/reducer/shm.hpp>
@@ -24,12 +26,15 @@
 #include <doctest/doctest.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <map>
+#include <sstream>
 #include <optional>
 #include <regex>
 #include <stdexcept>
 
 #include "multiproc/harness.hpp"
+#include "multiproc/hosts.hpp"
 
 using namespace std::chrono_literals;
 using namespace ddp_faults;
@@ -537,6 +542,179 @@ TEST_CASE("faults: ranks waiting for a peer to connect stop when the group faile
     CHECK(outs[r].message.find("group aborted by rank 2: rank 2 cannot go on") != std::string::npos);
     CHECK(outs[r].seconds < 3.0);  // the deadline is 6 s away
   }
+}
+
+// ---- blame on the default reducer across hosts --------------------------------------------
+
+namespace {
+
+bool names(const std::string& what, const std::string& pattern) { return std::regex_search(what, std::regex(pattern)); }
+
+// Throws on allreduce 5 of rank `victim` (DDP_FAULT_HOOK_VICTIM, for wrappers that build the hook).
+struct throwing_hook {
+  int victim = static_cast<int>(ddp_test::env_long("DDP_FAULT_HOOK_VICTIM", -1));
+  template <class Inner>
+  void operator()(const ddp::comm_bucket& b, Inner& inner) {
+    if (b.rank == victim && b.seq == 5) throw std::runtime_error("the hook ran out of patience");
+    inner.allreduce(b.data, b.count, b.type, b.oper);
+  }
+};
+
+}  // namespace
+
+// Rank 0 (host a's leader and the store's host) is killed mid-step. The other host's leader
+// learns it on its link to rank 0 and leaves the reason in its segment, since the group's record
+// went with rank 0's store: its host's other ranks quote it (they reported "shm transport
+// aborted by rank L", their own leader, before).
+TEST_CASE("faults: hierarchical with rank 0 killed: every survivor names rank 0") {
+  for (const std::string hosts : {"aabb", "abab"}) {
+    CAPTURE(hosts);
+    const int port = ddp_test::free_port();
+    const auto timeout = 3000ms;
+    auto outs = ddp_test::run_ranks(4, [&](int r) {
+      ddp_test::on_host(hosts, r);
+      auto pg = ddp::init_process_group(blame_opts(r, 4, port, timeout));
+      ddp::auto_reducer red{pg};
+      require(red.chosen() == ddp::backend::hierarchical, "not the hierarchical reducer: " + red.describe());
+      std::vector<float> v(1 << 16, 1.0f);
+      for (int step = 0;; ++step) {
+        if (step == 10 && r == 0) ::raise(SIGKILL);
+        red.allreduce(std::span<float>{v}, ddp::op::avg);
+      }
+    }, 30s);
+    INFO(ddp_test::summary(outs));
+    for (const auto& o : outs) {
+      if (o.rank == 0) continue;
+      CAPTURE(o.rank);
+      CHECK(o.exit_code == 1);
+      CHECK(o.errc == static_cast<int>(ddp::errc::peer_lost));
+      CHECK(names(o.message, R"(rank 0 is lost \(its store does not answer|rank 0 \(pid [0-9]+\) died)"));
+      CHECK(o.message.find("aborted by") == std::string::npos);
+      CHECK(o.seconds < 3.0 + 2.0 + 1.5);
+    }
+  }
+}
+
+// A hook over the default reducer (docs/tuning.md) throws on one rank: every other rank quotes
+// the hook's message, on one host (shm), one rank per host (tcp) and across hosts
+// (hierarchical, the thrower a leader or not); before, they read "rank V called abort()".
+TEST_CASE("faults: a hook that throws over auto_reducer is quoted by every survivor") {
+  struct layout { std::string hosts; int victim; };
+  for (const auto& [hosts, victim] : {layout{"aabb", 1}, layout{"aabb", 2}, layout{"aa", 0}, layout{"ab", 1}}) {
+    CAPTURE(hosts);
+    CAPTURE(victim);
+    const int n = static_cast<int>(hosts.size());
+    const int port = ddp_test::free_port();
+    auto outs = ddp_test::run_ranks(n, [&](int r) {
+      ddp_test::on_host(hosts, r);
+      auto pg = ddp::init_process_group(blame_opts(r, n, port, 3000ms));
+      ddp::hooked<ddp::auto_reducer, throwing_hook> red{pg, throwing_hook{victim}};
+      std::vector<float> v(1 << 14, 1.0f);
+      for (;;) red.allreduce(std::span<float>{v}, ddp::op::avg);
+    }, 30s);
+    INFO(ddp_test::summary(outs));
+    const std::string hook = "the communication hook threw on allreduce 5 (16384 f32, avg): the hook ran out of patience";
+    for (const auto& o : outs) {
+      CAPTURE(o.rank);
+      CHECK(o.exit_code == 1);
+      CHECK(o.errc == static_cast<int>(ddp::errc::aborted));
+      if (o.rank == victim) CHECK(o.message.find(hook) != std::string::npos);
+      else CHECK(o.message.find("rank " + std::to_string(victim) + " reports: " + hook) != std::string::npos);
+      CHECK(o.seconds < 3.0 + 2.0);
+    }
+  }
+}
+
+// Two ddprun as two nodes of 2 ranks (DDP_HOST_ID a and b): rank 3 is killed while every rank
+// computes between steps. ddprun on node 1 ends rank 2 because of it; before, node 0's ranks
+// blamed rank 2 ("lost connection to rank 2"). Now ddprun tells rank 2 the cause first
+// (DDP_LAUNCHER_FD), the group records it, and node 0's ranks name rank 3. The ranks are this
+// executable again, running this test case with DDP_FAULT_AS_RANK set.
+TEST_CASE("faults: across hosts under ddprun --nnodes the rank that failed first is named") {
+  if (std::getenv("DDP_FAULT_AS_RANK") != nullptr) {
+    int code = 0;
+    try {
+      auto pg = ddp::init_process_group(ddp::init_options::from_env());
+      ddp::auto_reducer red{pg};
+      std::vector<float> v(1 << 14, 1.0f);
+      for (int step = 0;; ++step) {
+        red.allreduce(std::span<float>{v}, ddp::op::avg);
+        if (step == 3 && pg.rank() == 3) {
+          std::this_thread::sleep_for(50ms);
+          ::raise(SIGKILL);
+        }
+        std::this_thread::sleep_for(400ms);  // "compute": nobody waits on rank 3 when it dies
+      }
+    } catch (const ddp::error& e) {
+      std::fprintf(stderr, "BLAME %d %s\n", static_cast<int>(e.condition()), e.what());
+      code = 1;
+    }
+    std::fflush(nullptr);
+    std::_Exit(code);
+  }
+  char self[4096];
+  const ssize_t len = ::readlink("/proc/self/exe", self, sizeof self - 1);
+  REQUIRE(len > 0);
+  self[len] = '\0';
+  const char* ddprun = std::getenv("DDPRUN");  // meson passes it; by hand: DDPRUN=build/tools/ddprun
+  REQUIRE_MESSAGE(ddprun != nullptr, "set DDPRUN to the ddprun executable");
+  const int port = ddp_test::free_port();
+  char dir[] = "/tmp/ddp-faults-ddprun-XXXXXX";
+  REQUIRE(::mkdtemp(dir) != nullptr);
+  std::vector<pid_t> nodes;
+  std::fflush(nullptr);
+  for (int node = 0; node < 2; ++node) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      const std::string out = std::string(dir) + "/node" + std::to_string(node);
+      const int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      ::setenv("DDP_HOST_ID", node == 0 ? "a" : "b", 1);
+      ::setenv("DDP_FAULT_AS_RANK", "1", 1);
+      const std::string p = std::to_string(port), k = std::to_string(node);
+      ::execl(ddprun, ddprun, "-n", "2", "--nnodes", "2", "--node-rank", k.c_str(), "--master-addr", "127.0.0.1",
+              "--port", p.c_str(), "--timeout", "4", "--", self,
+              "--test-case=faults: across hosts under ddprun --nnodes the rank that failed first is named",
+              static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    nodes.push_back(pid);
+  }
+  const auto give_up = std::chrono::steady_clock::now() + 40s;
+  for (pid_t pid : nodes) {
+    int st = 0;
+    while (::waitpid(pid, &st, WNOHANG) == 0 && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(20ms);
+    if (std::chrono::steady_clock::now() >= give_up) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &st, 0);
+    }
+  }
+  // "[r] BLAME <errc> <what>" per rank that raised.
+  std::map<int, std::pair<int, std::string>> said;
+  std::string all;
+  for (int node = 0; node < 2; ++node) {
+    const std::string path = std::string(dir) + "/node" + std::to_string(node);
+    std::ifstream in(path);
+    for (std::string line; std::getline(in, line);) {
+      all += line + "\n";
+      int r = -1, code = 0, used = 0;
+      if (std::sscanf(line.c_str(), "[%d] BLAME %d %n", &r, &code, &used) == 2 && used > 0)
+        said[r] = {code, line.substr(static_cast<std::size_t>(used))};
+    }
+    ::unlink(path.c_str());
+  }
+  ::rmdir(dir);
+  INFO(all);
+  for (int r : {0, 1}) {  // node 0: the survivors
+    CAPTURE(r);
+    REQUIRE(said.count(r) == 1);
+    CHECK(said[r].first == static_cast<int>(ddp::errc::peer_lost));
+    CHECK(names(said[r].second, R"(rank 3 was killed by signal 9 \(seen by its launcher|rank 3 \(pid [0-9]+\) died)"));
+    CHECK(said[r].second.find("rank 2") == std::string::npos);
+  }
+  // Rank 2 either found rank 3 dead itself or was ended by its launcher, saying nothing.
+  if (said.count(2) != 0) CHECK(names(said[2].second, R"(rank 3 \(pid [0-9]+\) died)"));
 }
 
 TEST_CASE("faults: ring<tcp>") { fault_suite<ddp::ring<ddp::tcp>>("ring<tcp>", 1); }

@@ -49,7 +49,7 @@ inline namespace v0 {
 namespace detail {
 
 inline constexpr std::uint64_t shm_magic = 0x316d68732d706464ull;  // "ddp-shm1", little endian
-inline constexpr std::uint32_t shm_version = 2;  // 2: descriptors are coll_desc
+inline constexpr std::uint32_t shm_version = 3;  // 2: descriptors are coll_desc; 3: abort reasons
 inline constexpr std::size_t shm_line = 64;
 inline constexpr std::size_t shm_page = 4096;
 
@@ -75,6 +75,12 @@ struct alignas(shm_line) shm_header {
   std::uint64_t arena_bytes;
   std::uint64_t total_bytes;
   std::atomic<std::int32_t> aborted_by;  ///< -1, or the rank that called abort()
+  /// -1, or the rank that claimed the abort: it writes its reason, then sets `aborted_by`, so
+  /// a rank that sees `aborted_by` set also sees the reason (when one was given).
+  std::atomic<std::int32_t> abort_claim;
+  std::int32_t reason_code;  ///< the errc of `reason`
+  std::uint32_t reason_len;  ///< bytes of `reason`; 0: abort() gave none
+  char reason[1024];         ///< why, as the group records failures ("rank 2 reports: ...")
 };
 
 /// One rank's control block. The first line is polled by every peer on each wait; the owner

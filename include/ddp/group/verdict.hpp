@@ -66,6 +66,24 @@ class failure_verdict {
   /// "rank <this rank> reports: <msg>": the text of a failure this rank saw itself.
   std::string reported(const std::string& msg) const { return "rank " + std::to_string(rank_) + " reports: " + msg; }
 
+  /// `msg` as the group records it: as it is when it names the rank it came from already (a
+  /// verdict this rank adopted), else as this rank's own report.
+  group_failure as_recorded(errc code, const std::string& msg) const {
+    return {code, names_reporter(msg) ? msg : reported(msg)};
+  }
+
+  /// True when `text` is a failure as the group records it, naming the rank it came from
+  /// ("rank 2 reports: ...", "rank 2 left the group ...", "group aborted by rank 2: ..."): a
+  /// rank that relays it quotes it as it is, rather than as its own report.
+  static bool names_reporter(const std::string& text) noexcept {
+    if (text.rfind("group aborted by rank ", 0) == 0) return true;
+    if (text.rfind("rank ", 0) != 0) return false;
+    std::size_t i = 5;
+    while (i < text.size() && text[i] >= '0' && text[i] <= '9') ++i;
+    if (i == 5) return false;
+    return text.compare(i, 10, " reports: ") == 0 || text.compare(i, 15, " left the group") == 0;
+  }
+
   /// Records `f` as the group's first failure unless one is recorded already, and returns the
   /// one that holds: the first writer wins, so every rank that reads it before composing its
   /// own error reports the same cause. Returns `f` when the store does not answer.

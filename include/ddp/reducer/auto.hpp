@@ -213,6 +213,18 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
       if constexpr (requires { r.abort(); }) r.abort();
     });
   }
+  /// The same, with the reason: the peers raise `code` quoting `why` ("rank R reports: why")
+  /// where the engine can carry it (shm, tcp, hierarchical), else as abort(). What
+  /// `ddp::hooked` calls when its hook throws.
+  void abort(errc code, const std::string& why) noexcept {
+    visit([&](auto& r) {
+      if constexpr (requires { { r.abort(code, why) } noexcept; })
+        r.abort(code, why);
+      else if constexpr (requires { { r.transport().abort(code, why) } noexcept; })
+        r.transport().abort(code, why);
+      if constexpr (requires { r.abort(); }) r.abort();
+    });
+  }
 
  private:
 

@@ -24,6 +24,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -184,9 +185,14 @@ class hier_engine {
   bool leader() const noexcept { return shm_.rank() == 0; }
   /// What carries the leaders' traffic: tcp or mpi.
   ddp::backend between() const noexcept { return between_; }
-  void abort() noexcept {
-    shm_.abort();
-    tcp_.abort();
+  void abort() noexcept { abort(errc::aborted, "rank " + std::to_string(pg_.rank()) + " called abort()"); }
+  /// abort() with the reason: the host's ranks read it in the segment, the other hosts in the
+  /// group's failure record (which the tcp transport writes), so every rank quotes it. The
+  /// record goes first: the host's leader, woken by the segment, must find it there rather than
+  /// record its own view of the abort.
+  void abort(errc code, const std::string& why) noexcept {
+    tcp_.abort(code, why);
+    shm_.abort(code, why);
   }
 
   void allreduce(const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype t, op o) {
@@ -275,7 +281,8 @@ class hier_engine {
   }
   /// A step within the host. When it fails because this host's leader gave up (its network
   /// failed), the group's recorded failure says why better than "aborted by rank L": that is
-  /// what this rank reports.
+  /// what this rank reports. When the store is gone with rank 0, the reason the leader left
+  /// in the segment (run_leader) says it.
   template <class F>
   void run_local(F&& f) {
     try {
@@ -283,13 +290,18 @@ class hier_engine {
     } catch (const error& e) {
       if (!leader() && (e.condition() == errc::aborted || e.condition() == errc::peer_lost ||
                         e.condition() == errc::timeout)) {
-        // This rank's own verdict (it called abort()) came from no leader.
-        if (const auto g = ctx_.verdict().first(nullptr, true); !g.empty())
+        auto g = ctx_.verdict().first(nullptr, true);
+        int from = shm_.members().front();
+        if (g.empty()) std::tie(g, from) = shm_.abort_reason();
+        // This rank's own verdict (it called abort()) came from no one; a rank's own report
+        // names it already.
+        const auto own = [&](int r) { return g.text.rfind("rank " + std::to_string(r) + " reports: ", 0) == 0; };
+        if (!g.empty())
           raise(g.code, pg_.rank(),
-                g.text.rfind(ctx_.verdict().reported(""), 0) == 0
-                    ? g.text
-                    : g.text + " (reported to this rank by its host's leader, rank " +
-                          std::to_string(shm_.members().front()) + ")");
+                own(pg_.rank()) || (from != shm_.members().front() && own(from)) ? g.text
+                : from == shm_.members().front()
+                    ? g.text + " (reported to this rank by its host's leader, rank " + std::to_string(from) + ")"
+                    : g.text + " (reported to this rank by rank " + std::to_string(from) + ", on its host)");
       }
       // A leader whose host failed tells the other hosts at once, rather than letting them
       // run into their deadline.
@@ -303,6 +315,11 @@ class hier_engine {
   void run_leader(F&& f) {
     try {
       f();
+    } catch (const error& e) {
+      // The reason goes into the segment too: when the failure is rank 0's (the store's host),
+      // the host's ranks cannot read it from the group's record.
+      shm_.abort(e.condition(), message_of(e));
+      throw;
     } catch (...) {
       shm_.abort();
       throw;
@@ -310,10 +327,10 @@ class hier_engine {
   }
   void fail_network(const error& e) noexcept {
     try {
-      ctx_.verdict().record({e.condition(), ctx_.verdict().reported(message_of(e))});
+      tcp_.abort(e.condition(), message_of(e));  // records it as the group's failure, shuts the links
     } catch (...) {
+      tcp_.abort();
     }
-    tcp_.abort();
   }
 
   process_group pg_;  // the reducer's own handle: the group stays open while this lives
@@ -342,6 +359,11 @@ class hierarchical : public detail::reducer_front_end<detail::hier_engine> {
   using transport_type = shm;
 
   explicit hierarchical(process_group& pg, hierarchical_options o = {}) : base(pg.rank(), pg, std::move(o)) {}
+
+  using base::abort;
+  /// abort() with the reason: every rank, on this host and the others, raises `code` quoting
+  /// `why` ("rank R reports: why"). What `ddp::hooked` calls when its hook throws.
+  void abort(errc code, const std::string& why) noexcept { this->engine().abort(code, why); }
 
   /// Which ranks share a host.
   const ddp::topology& topology() const noexcept { return this->engine().topology(); }

@@ -291,7 +291,15 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
     } catch (...) {
     }
     failed_.store(true, std::memory_order_release);
-    if constexpr (requires { inner_.transport().fail(errc::aborted, why); }) {
+    if constexpr (requires {
+                    { inner_.abort(errc::aborted, why) } noexcept;
+                  }) {
+      // The inner reducer carries the reason itself (auto_reducer, hierarchical: shm within a
+      // host, the group's record across hosts).
+      if (tell_peers) inner_.abort(errc::aborted, why);
+      else inner_.abort();
+      return;
+    } else if constexpr (requires { inner_.transport().fail(errc::aborted, why); }) {
       if (tell_peers) {
         try {
           inner_.transport().fail(errc::aborted, why);  // peers quote it: "rank r reports: ..."

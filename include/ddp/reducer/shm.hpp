@@ -35,6 +35,7 @@
 #include <new>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <ddp/version.hpp>
@@ -473,11 +474,30 @@ class shm {
 
   /// Makes every current and future wait on every rank fail with errc::aborted. Safe to call
   /// from any thread, e.g. while the progress thread is blocked in a collective.
-  void abort() noexcept {
-    if (map_.base() == nullptr || owner_.forked()) return;  // a forked child must not fail the parent's group
-    std::int32_t none = -1;
-    header()->aborted_by.compare_exchange_strong(none, rank_, std::memory_order_seq_cst);
-    for (int j = 0; j < size_; ++j) detail::futex_wake_all(&block(j).counter);
+  void abort() noexcept { abort_with({}, {}); }
+
+  /// The same, with the reason: every waiting rank raises `code` quoting `why` (as
+  /// "rank R reports: why", unless `why` already names the rank that reports it) instead of
+  /// "shm transport aborted by rank R". The first abort on the segment is the one every rank
+  /// reports; up to 1 KiB of `why` travels.
+  void abort(errc code, const std::string& why) noexcept { abort_with(code, why); }
+
+  /// Marks the segment failed on every rank with `code` and `msg` (see abort(code, why)), then
+  /// raises it here: what tcp's fail() does for its connections.
+  [[noreturn]] void fail(errc code, const std::string& msg) {
+    abort_with(code, msg);
+    raise_here(code, msg);
+  }
+
+  /// The reason the segment was aborted with, as the group records failures, and the group's
+  /// rank that gave it (-1 and an empty failure: not aborted, or aborted without a reason).
+  std::pair<group_failure, int> abort_reason() const {
+    if (map_.base() == nullptr) return {{}, -1};
+    const auto* h = header();
+    const int by = h->aborted_by.load(std::memory_order_acquire);
+    if (by < 0 || h->reason_len == 0) return {{}, -1};
+    return {{static_cast<errc>(h->reason_code), std::string(h->reason, std::min<std::size_t>(h->reason_len, sizeof h->reason))},
+            members_[static_cast<std::size_t>(by)]};
   }
 
  private:
@@ -504,6 +524,9 @@ class shm {
     h->arena_bytes = layout_.arena_bytes;
     h->total_bytes = layout_.total;
     h->aborted_by.store(-1, std::memory_order_relaxed);
+    h->abort_claim.store(-1, std::memory_order_relaxed);
+    h->reason_code = 0;
+    h->reason_len = 0;
     for (int r = 0; r < size_; ++r) {
       auto* b = new (&block(r)) detail::shm_rank_block{};
       b->counter.store(0, std::memory_order_relaxed);
@@ -540,9 +563,37 @@ class shm {
   }
   void check_abort() const {
     const int by = header()->aborted_by.load(std::memory_order_acquire);
-    if (by >= 0)
-      raise_here(errc::aborted, by == rank_ ? "shm transport aborted by this rank"
-                                            : "shm transport aborted by " + who(by));
+    if (by < 0) return;
+    if (auto [f, from] = abort_reason(); !f.empty()) raise_here(f.code, f.text);
+    raise_here(errc::aborted, by == rank_ ? "shm transport aborted by this rank" : "shm transport aborted by " + who(by));
+  }
+
+  /// abort() and abort(code, why): the first rank to claim the segment writes its reason, then
+  /// publishes itself in `aborted_by`, so a waiter that sees it sees the reason too.
+  void abort_with(errc code, const std::string& why) noexcept {
+    if (map_.base() == nullptr || owner_.forked()) return;  // a forked child must not fail the parent's group
+    auto* h = header();
+    std::int32_t none = -1;
+    if (h->abort_claim.compare_exchange_strong(none, rank_, std::memory_order_seq_cst)) {
+      std::size_t len = 0;
+      if (!why.empty()) {
+        // Quoted as the group quotes failures: "rank R reports: ..." names the rank it came
+        // from; a reason relayed from another rank (the group's verdict) names that one already.
+        const std::string prefix = failure_verdict::names_reporter(why) ? "" : "rank " + std::to_string(grank_) + " reports: ";
+        len = std::min(prefix.size(), sizeof h->reason);
+        std::memcpy(h->reason, prefix.data(), len);
+        const std::size_t more = std::min(why.size(), sizeof h->reason - len);
+        std::memcpy(h->reason + len, why.data(), more);
+        len += more;
+      }
+      h->reason_code = static_cast<std::int32_t>(code);
+      h->reason_len = static_cast<std::uint32_t>(len);
+      std::int32_t unset = -1;
+      h->aborted_by.compare_exchange_strong(unset, rank_, std::memory_order_seq_cst);
+    }
+    // A rank that lost the claim: the winner is publishing (a copy of at most 1 KiB); the
+    // waiters it wakes, and those woken here, see it within one wait slice.
+    for (int j = 0; j < size_; ++j) detail::futex_wake_all(&block(j).counter);
   }
 
   /// Runs a collective's body; on any error marks this transport failed and tells peers

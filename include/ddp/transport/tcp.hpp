@@ -168,10 +168,14 @@ class tcp {
   }
 
   /// Shuts the transport down; peers blocked on this rank fail promptly (errc::aborted).
-  void abort() noexcept {
+  void abort() noexcept { abort(errc::aborted, "rank " + std::to_string(rank()) + " called abort()"); }
+
+  /// The same, with the reason: it becomes the group's failure record (unless a rank recorded
+  /// one first), so peers raise `code` quoting `why` ("rank R reports: why").
+  void abort(errc code, const std::string& why) noexcept {
     if (owner_.forked()) return;  // a forked child must not shut the parent's connections
     try {
-      post_abort(errc::aborted, "rank " + std::to_string(rank()) + " called abort()");
+      post_abort(code, why);
     } catch (...) {
     }
   }
@@ -227,7 +231,7 @@ class tcp {
   /// that is gone too is ignored: shutting the sockets still tells the peers), connections shut.
   void post_abort(errc code, const std::string& msg) {
     if (!mark_broken(msg)) return;
-    ctx_.verdict().record({code, ctx_.verdict().reported(msg)});
+    ctx_.verdict().record(ctx_.verdict().as_recorded(code, msg));
     if (links_) links_->shutdown();
   }
 
