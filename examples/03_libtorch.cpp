@@ -17,6 +17,8 @@
 // after the last step. --bench K times K steps instead (CSV on stdout, see bench/torch_cnn.py).
 #include <ddp/adapters/libtorch.hpp>
 
+#include "tensor_file.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -67,29 +69,6 @@ std::pair<torch::Tensor, torch::Tensor> make_dataset(std::int64_t n) {
   auto y = torch::randint(0, 10, {n});
   auto x = patterns.index_select(0, y) + torch::randn({n, 1, 12, 12});
   return {x, y};
-}
-
-// The tensor file both sides read and write: "DDPT", a count, then per tensor its name, dims
-// and float32 (or int64, for labels) values, little endian as the machine is.
-void write_tensors(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& ts) {
-  std::ofstream f(path, std::ios::binary);
-  const auto put = [&](const void* p, std::size_t n) { f.write(static_cast<const char*>(p), static_cast<std::streamsize>(n)); };
-  put("DDPT", 4);
-  const auto count = static_cast<std::uint32_t>(ts.size());
-  put(&count, 4);
-  for (const auto& [name, t0] : ts) {
-    const auto t = t0.contiguous();
-    const auto len = static_cast<std::uint32_t>(name.size());
-    const std::uint32_t kind = t.scalar_type() == torch::kLong ? 1 : 0;
-    const auto ndim = static_cast<std::uint32_t>(t.dim());
-    put(&len, 4);
-    put(name.data(), len);
-    put(&kind, 4);
-    put(&ndim, 4);
-    for (auto d : t.sizes()) put(&d, 8);
-    put(t.data_ptr(), static_cast<std::size_t>(t.numel()) * t.element_size());
-  }
-  if (!f) throw std::runtime_error("cannot write " + path);
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> named(Cnn& net) {
@@ -148,7 +127,7 @@ int main(int argc, char** argv) try {
     auto ts = named(net);
     ts.emplace_back("data.x", x);
     ts.emplace_back("data.y", y);
-    write_tensors(o.init, ts);
+    example::write_tensors(o.init, ts);
   }
   const auto batch_of = [&](int step) {
     const std::int64_t first = (static_cast<std::int64_t>(step % o.batches) * world + rank) * o.batch;
@@ -206,7 +185,7 @@ int main(int argc, char** argv) try {
     if (rank == 0 && (step % 5 == 0 || step + 1 == o.steps))
       std::printf("step %3d  loss %.4f  (%zu buckets)\n", step, mean_loss, dp.wrapper().plan().buckets.size());
   }
-  if (rank == 0 && !o.out.empty()) write_tensors(o.out, named(net));
+  if (rank == 0 && !o.out.empty()) example::write_tensors(o.out, named(net));
 
   // Every rank must hold the same weights, bit for bit.
   std::string bytes;

@@ -96,14 +96,39 @@ def make_dataset(n):
     return patterns.index_select(0, y) + torch.randn(n, 1, 12, 12), y
 
 
+def join_group(rank, ranks, port):
+    """This process as rank `rank` of a gloo group of `ranks` on the launcher's store at `port`."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.TCPStore("127.0.0.1", port, ranks, False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks)
+
+
+def leave(failed):
+    """Every rank is done with gloo before any tears it down; then leave without the interpreter's
+    finalization, in which a gloo process group's destructor now and then never returns."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failed else 0)
+
+
+def spawn_ranks(worker, args):
+    """`worker(rank, args, port)` in `args.ranks` processes around one store; exit 1 if one fails."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    try:
+        mp.spawn(worker, args=(args, store.port), nprocs=args.ranks, join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        print(e, file=sys.stderr)
+        sys.exit(1)
+
+
 def worker(rank, args, port):
     if args.bind_cores:  # as ddprun --bind-cores: rank r on the r-th usable core
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = dist.TCPStore("127.0.0.1", port, args.ranks, False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.ranks)
+    join_group(rank, args.ranks, port)
     world = args.ranks
     if args.bench:
         torch.manual_seed(100 + rank)
@@ -177,13 +202,7 @@ def worker(rank, args, port):
             if moved < 100 * args.tol:  # else agreeing would prove nothing
                 print("the weights barely moved: train longer for a meaningful comparison", flush=True)
                 failed = True
-    # Every rank is done with gloo before any tears it down; then leave without the interpreter's
-    # finalization, in which a gloo process group's destructor now and then never returns.
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if failed else 0)
+    leave(failed)
 
 
 def main():
@@ -205,12 +224,7 @@ def main():
     args = ap.parse_args()
     if not args.bench and not args.init:
         ap.error("--init is required to train (or --bench K to time)")
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    try:
-        mp.spawn(worker, args=(args, store.port), nprocs=args.ranks, join=True)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        print(e, file=sys.stderr)
-        sys.exit(1)
+    spawn_ranks(worker, args)
 
 
 if __name__ == "__main__":

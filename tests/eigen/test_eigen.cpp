@@ -28,10 +28,6 @@ static_assert(ddp::parameter_set<ddp::eigen_parameters>);
 
 namespace {
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
-
 // Runs `f`, which must throw ddp::error with `code` and every one of `parts` in its message;
 // otherwise throws std::runtime_error saying what differs. Safe in a forked child (doctest's
 // assertions are not: a child's failure would not reach the parent), so the cases below call

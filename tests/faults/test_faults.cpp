@@ -42,6 +42,7 @@ using namespace ddp_faults;
 namespace {
 
 using ddp_test::env_long;
+using ddp_test::require;
 
 enum class scenario { rendezvous, allreduce, buckets, finish };
 const char* scenario_name(scenario s) {
@@ -64,10 +65,6 @@ template <class Reducer>
 std::unique_ptr<Reducer> make_reducer(ddp::process_group& pg) {
   if constexpr (on_shm<Reducer>) return std::make_unique<Reducer>(pg, shm_opts, ddp::reducer_options{});
   else return std::make_unique<Reducer>(pg, ddp::reducer_options{});
-}
-
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
 }
 
 // Runs `f`; a failure is noted with its time right where it reaches the caller, before any

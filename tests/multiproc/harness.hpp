@@ -17,6 +17,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -35,6 +36,11 @@ struct outcome {
   double seconds = 0;       ///< wall time until the child ended
   bool ok() const { return exit_code == 0; }
 };
+
+/// Throws `what` unless `ok`: a check inside a child, which the harness reports with its text.
+inline void require(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
 
 /// An integer from the environment (DDP_SOAK_COUNT, DDP_FAULT_TRIALS, ...), or `dflt`.
 inline long env_long(const char* name, long dflt) {

@@ -32,10 +32,6 @@ using namespace ddp::literals;
 
 namespace {
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
-
 // 24 float32 parameters of 1 Ki elements (4 KiB each, 96 KiB in all).
 constexpr std::size_t kParams = 24, kElems = 1024;
 

@@ -26,10 +26,6 @@ using namespace ddp_test;
 
 namespace {
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
-
 // Two trained parameters, one frozen, and three buffers (f32 statistics, an f64 one, an i64 count).
 struct model {
   std::vector<float> w = std::vector<float>(6), gw = std::vector<float>(6);

@@ -45,10 +45,6 @@ ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds time
   return ddp_test::group_options(rank, n, port, timeout);
 }
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
-
 // The gradient rank r produces for element j of parameter i in micro-step s: small multiples of
 // 1/8, exact in f32 and f64, so sums are exact and only the final division can round.
 double grad_value(int r, std::size_t i, std::size_t j, int s) {

@@ -69,10 +69,6 @@ static_assert(!ddp::allocator_bound_to<ddp::shm_allocator, ddp::hooked<ring_tcp,
 static_assert(ddp::comm_hook<ddp::fp16_compress, ring_tcp>);
 static_assert(!ddp::comm_hook<int, ring_tcp>);
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
-
 ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 20s) {
   auto o = group_options(rank, n, port, timeout);
   o.backend = ddp::backend::automatic;

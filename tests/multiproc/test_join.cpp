@@ -34,10 +34,6 @@ using namespace ddp_test;
 
 namespace {
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
-
 // A model of one parameter per dtype the wrapper reduces, several buckets (small caps).
 struct model {
   std::vector<std::size_t> numel{37, 5, 9, 6, 300};

@@ -28,10 +28,6 @@ using namespace ddp_test;
 
 namespace {
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
-
 // One parameter per dtype, each `n` elements.
 struct params {
   std::vector<ddp::dtype> types;

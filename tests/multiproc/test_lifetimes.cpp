@@ -39,10 +39,6 @@ ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds time
   return ddp_test::group_options(rank, n, port, timeout);
 }
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
-
 // Runs `call`, which must raise a ddp::error of condition `want` whose message contains `text`.
 template <class F>
 void require_raises(F&& call, ddp::errc want, const std::string& text, const std::string& what) {

@@ -21,9 +21,7 @@ using namespace ddp::literals;
 
 namespace {
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
+using ddp_test::require;
 
 // 8 parameters of different sizes; names that need escaping in JSON.
 struct model {

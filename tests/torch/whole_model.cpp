@@ -11,6 +11,8 @@
 // too) and buffers, which the Python side compares with its own ranks'.
 #include <ddp/adapters/libtorch.hpp>
 
+#include "../../examples/tensor_file.hpp"
+
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -58,28 +60,6 @@ std::pair<torch::Tensor, torch::Tensor> make_dataset(std::int64_t n) {
   auto patterns = torch::randn({10, 1, 12, 12});
   auto y = torch::randint(0, 10, {n});
   return {patterns.index_select(0, y) + torch::randn({n, 1, 12, 12}), y};
-}
-
-// "DDPT", a count, then per tensor: name, kind (0 float32, 1 int64), dims, values.
-void write_tensors(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& ts) {
-  std::ofstream f(path, std::ios::binary);
-  const auto put = [&](const void* p, std::size_t n) { f.write(static_cast<const char*>(p), static_cast<std::streamsize>(n)); };
-  put("DDPT", 4);
-  const auto count = static_cast<std::uint32_t>(ts.size());
-  put(&count, 4);
-  for (const auto& [name, t0] : ts) {
-    const auto t = t0.contiguous();
-    const auto len = static_cast<std::uint32_t>(name.size());
-    const std::uint32_t kind = t.scalar_type() == torch::kLong ? 1 : 0;
-    const auto ndim = static_cast<std::uint32_t>(t.dim());
-    put(&len, 4);
-    put(name.data(), len);
-    put(&kind, 4);
-    put(&ndim, 4);
-    for (auto d : t.sizes()) put(&d, 8);
-    put(t.data_ptr(), static_cast<std::size_t>(t.numel()) * t.element_size());
-  }
-  if (!f) throw std::runtime_error("cannot write " + path);
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> state_of(Net& net) {
@@ -136,7 +116,7 @@ int main(int argc, char** argv) try {
     auto ts = state_of(net);
     ts.emplace_back("data.x", x);
     ts.emplace_back("data.y", y);
-    write_tensors(o.init, ts);
+    example::write_tensors(o.init, ts);
   }
   ddp::torch_data_parallel dp{pg, *net, ddp::bucket_policy{}, {.buffers = o.buffers}};
   std::vector<torch::Tensor> trained;
@@ -160,7 +140,7 @@ int main(int argc, char** argv) try {
     }
     opt.step();
   }
-  if (!o.out.empty()) write_tensors(o.out + ".rank" + std::to_string(rank), state_of(net));
+  if (!o.out.empty()) example::write_tensors(o.out + ".rank" + std::to_string(rank), state_of(net));
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "whole_model: %s\n", e.what());

@@ -20,12 +20,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
-tensors = importlib.import_module("03_libtorch_ddp")  # read_tensors, write_tensors
+tensors = importlib.import_module("03_libtorch_ddp")  # tensor files, join_group, leave, spawn_ranks
 
 
 class Net(nn.Module):
@@ -48,10 +47,7 @@ def state_of(model):
 
 
 def worker(rank, args, port):
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = dist.TCPStore("127.0.0.1", port, args.ranks, False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.ranks)
+    tensors.join_group(rank, args.ranks, port)
     world = args.ranks
     init = tensors.read_tensors(args.init)
     torch.manual_seed(100 + rank)
@@ -109,10 +105,7 @@ def worker(rank, args, port):
               f"broadcast_buffers={bool(args.broadcast_buffers)}: worst relative difference {worst:.2e} "
               f"(tolerance {args.tol:g}): {verdict}", flush=True)
         failed = failed or worst > args.tol
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(1 if failed else 0)
+    tensors.leave(failed)
 
 
 def main():
@@ -129,12 +122,7 @@ def main():
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--tol", type=float, default=1e-5)
     args = ap.parse_args()
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    try:
-        mp.spawn(worker, args=(args, store.port), nprocs=args.ranks, join=True)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        print(e, file=sys.stderr)
-        sys.exit(1)
+    tensors.spawn_ranks(worker, args)
 
 
 if __name__ == "__main__":

@@ -248,6 +248,7 @@ TEST_CASE("buffer_layout: each-step buffers grouped by dtype, 64-byte aligned gr
   CHECK(layout.buffers()[2].name == "f");
   CHECK(ddp::step_record::encode({true, false, true}, 2) == std::vector<std::int64_t>{1, 0, 1, 2});
   CHECK(ddp::step_record::bytes(3) == 32);
+}
 
 TEST_CASE("agreement: a setting written out (check_same_text) shows every differing value, not a hash") {
   fake_pair fake;
