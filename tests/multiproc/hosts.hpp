@@ -33,8 +33,5 @@ inline ddp::init_options backend_options(int rank, int n, int port, std::chrono:
 }
 
 /// Throws `what` unless `cond` (a child's failure, reported to the parent by run_ranks).
-inline void require(bool cond, const std::string& what) {
-  if (!cond) throw std::runtime_error(what);
-}
 
 }  // namespace ddp_test

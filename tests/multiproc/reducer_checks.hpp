@@ -20,11 +20,9 @@
 #include <string>
 #include <vector>
 
-namespace ddp_test {
+#include "harness.hpp"
 
-inline void require(bool cond, const std::string& what) {
-  if (!cond) throw std::runtime_error(what);
-}
+namespace ddp_test {
 
 /// Small exact value of rank `r` at index `i` for op `o`.
 inline double exact_input(int r, std::size_t i, ddp::op o) {

@@ -37,9 +37,7 @@ ddp::init_options opts(int rank, int n, int port, std::string token, std::chrono
   o.auth_token = std::move(token);
   return o;
 }
-void require(bool cond, const std::string& what) {
-  if (!cond) throw std::runtime_error(what);
-}
+using ddp_test::require;
 ddp::endpoint loopback_any_port() { return {"127.0.0.1", 0}; }
 auto soon(std::chrono::milliseconds d = 5s) { return detail::clock::now() + d; }
 detail::fd_handle raw_connect(int port) {

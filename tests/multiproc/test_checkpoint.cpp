@@ -24,9 +24,7 @@ using ddp_test::run_ranks;
 namespace fs = std::filesystem;
 
 namespace {
-void require(bool cond, const std::string& what) {
-  if (!cond) throw std::runtime_error(what);
-}
+using ddp_test::require;
 
 /// A small model of mixed dtypes, one empty parameter among them; `variant` changes its layout.
 struct model {

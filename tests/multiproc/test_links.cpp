@@ -23,9 +23,7 @@ using ddp_test::run_ranks;
 using dclock = ddp::detail::clock;
 
 namespace {
-void require(bool cond, const std::string& what) {
-  if (!cond) throw std::runtime_error(what);
-}
+using ddp_test::require;
 double since(dclock::time_point t0) { return std::chrono::duration<double>(dclock::now() - t0).count(); }
 }  // namespace
 

@@ -46,9 +46,7 @@ ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds time
   o.timeout = timeout;
   return o;
 }
-void require(bool cond, const std::string& what) {
-  if (!cond) throw std::runtime_error(what);
-}
+using ddp_test::require;
 }  // namespace
 
 TEST_CASE("groups of 1, 2, 4 and 8 real processes join, barrier, broadcast and all_gather") {

@@ -22,9 +22,7 @@ using ddp_test::group_options;
 using ddp_test::run_ranks;
 
 namespace {
-void require(bool cond, const std::string& what) {
-  if (!cond) throw std::runtime_error(what);
-}
+using ddp_test::require;
 
 // Every rank's bytes of `v`, checked to be the same everywhere (the bits every rank got).
 template <class T>

@@ -41,9 +41,7 @@ ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds time
   return o;
 }
 
-void require(bool cond, const std::string& what) {
-  if (!cond) throw std::runtime_error(what);
-}
+using ddp_test::require;
 
 std::set<std::string> shm_entries() {
   std::set<std::string> names;

@@ -54,9 +54,7 @@ ddp::init_options opts(int rank, int n, int port) {
   return o;
 }
 
-void require(bool cond, const std::string& what) {
-  if (!cond) throw std::runtime_error(what);
-}
+using ddp_test::require;
 
 
 std::size_t shm_free() {
