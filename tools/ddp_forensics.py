@@ -2,7 +2,7 @@
 """Says who is stuck where, from the flight records of a hung or failed ddp job.
 
 Each rank writes its record (DDP_FLIGHT_RECORDER=PATH: on a timeout, a lost peer, an abort, or
-the signal DDP_FLIGHT_RECORDER_SIGNAL names; docs/reliability.md, "Hang forensics"). Given all
+the signal DDP_FLIGHT_RECORDER_SIGNAL names; docs/forensics.md). Given all
 ranks' files, this finds, per reducer, the first collective that not every rank finished and
 says what each rank did about it:
 

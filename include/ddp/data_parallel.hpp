@@ -447,7 +447,7 @@ class basic_data_parallel {
   // bucket_state's launch: bucket b's collective, in plan order, under bucket_state's lock.
   void launch(std::size_t b) {
     const auto& bk = memory_.plan().buckets[b];
-    const detail::flight_tag_scope tag(b, step_);  // the flight record names the bucket (docs/reliability.md)
+    const detail::flight_tag_scope tag(b, step_);  // the flight record names the bucket (docs/forensics.md)
     if (bk.numel > 0)
       memory_.track(b, red_.allreduce_async(memory_.buffer(b), bk.numel, bk.type,
                                             detail::bucket_op(opts_.average, opts_.uneven_inputs, bk.type)));

@@ -19,12 +19,13 @@
 
 #include <ddp/data_parallel.hpp>
 #include <ddp/reducer/auto.hpp>
+#include <ddp/reducer/hooked.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/transport/tcp.hpp>
 
 #include "harness.hpp"
 
-// Hang forensics (docs/reliability.md, "Hang forensics"): a rank that stops in the middle of a
+// Hang forensics (docs/forensics.md): a rank that stops in the middle of a
 // step (here: it sleeps before one of its gradients) leaves the others waiting in that bucket's
 // allreduce; they time out and write their flight records, the stuck rank writes its own on
 // DDP_FLIGHT_RECORDER_SIGNAL, and tools/ddp_forensics.py names the rank, the collective and the
@@ -202,6 +203,18 @@ TEST_CASE("forensics: one process's record: entries, the bucket tag, states, the
     require(t.find("{\"seq\":3,\"kind\":\"barrier\",\"state\":\"finished\"") != std::string::npos, t);
     require(t.find("\"issued\":3,\"capacity\":2048") != std::string::npos, t);
     require(ddp::flight_recorder::file().empty(), "a file without DDP_FLIGHT_RECORDER");
+    {
+      // A hooked reducer's hook runs on its own thread: the inner collective keeps the tag.
+      ddp::hooked<ddp::auto_reducer> hk{pg};
+      {
+        const ddp::detail::flight_tag_scope tag(5, 9);
+        hk.allreduce_async(std::span<float>{v}, ddp::op::sum).wait_for(5s);
+      }
+      const std::string h = ddp::flight_recorder::text();
+      require(h.find("{\"seq\":1,\"kind\":\"allreduce\",\"state\":\"finished\",\"error\":null,\"bucket\":5,"
+                     "\"step\":9,") != std::string::npos,
+              h);
+    }
 
     // Written whole, and a link planted at the name is replaced, not written through.
     const std::string target = dir + "/target", link = dir + "/record.json";

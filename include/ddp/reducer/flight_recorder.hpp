@@ -6,8 +6,7 @@
 /// file (`{rank}` in PATH is replaced by the rank; else `.rank<r>.json` is appended) when a
 /// collective times out, a peer is lost or a reducer aborts, and on the signal
 /// `DDP_FLIGHT_RECORDER_SIGNAL` names; `tools/ddp_forensics.py` reads all ranks' files and says
-/// who waits where. A program can also write the record itself. See docs/reliability.md,
-/// "Hang forensics".
+/// who waits where. A program can also write the record itself. See docs/forensics.md.
 ///
 /// \code
 /// try {

@@ -30,7 +30,7 @@
 //
 // Every collective is also written to the reducer's flight recorder (detail/flight_recorder.hpp)
 // as it is issued, starts and ends, and a timeout, a lost peer or an abort dumps the process's
-// record (DDP_FLIGHT_RECORDER; docs/reliability.md, "Hang forensics").
+// record (DDP_FLIGHT_RECORDER; docs/forensics.md).
 
 #include <atomic>
 #include <chrono>
