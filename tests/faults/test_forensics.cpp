@@ -84,7 +84,12 @@ bool wait_for(const std::string& path, std::chrono::milliseconds limit) {
 
 }  // namespace
 
-TEST_CASE("forensics: a rank stopped before a bucket; the reader names it, the collective and the bucket") {
+namespace {
+
+// One run: ranks 0 and 2 of 3 wait in the bucket rank 1 stopped before, over `backend`.
+void stuck_rank_verdict(ddp::backend backend) {
+  const std::string which = std::string("backend ") + ddp::backend_name(backend);
+  INFO(which);
   const std::string dir = temp_dir();
   const int n = 3, port = ddp_test::free_port();
   constexpr int stuck = 1;        // the rank that stops
@@ -94,7 +99,9 @@ TEST_CASE("forensics: a rank stopped before a bucket; the reader names it, the c
       [&](int r) {
         ::setenv("DDP_FLIGHT_RECORDER", (dir + "/fr-{rank}.json").c_str(), 1);
         ::setenv("DDP_FLIGHT_RECORDER_SIGNAL", "SIGUSR1", 1);
-        auto pg = ddp::init_process_group(ddp_test::group_options(r, n, port, 1s));
+        auto o = ddp_test::group_options(r, n, port, 1s);
+        o.backend = backend;
+        auto pg = ddp::init_process_group(o);
         // 6 parameters of 4 KiB, one bucket each: backward (last first) launches bucket b as
         // parameter 5 - b becomes ready.
         std::vector<std::vector<float>> data(6, std::vector<float>(1024, 1.0f)), grad = data;
@@ -175,6 +182,13 @@ TEST_CASE("forensics: a rank stopped before a bucket; the reader names it, the c
                           ", step 2); rank 1 left no record\n",
                       0) == 0);
   std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+}  // namespace
+
+TEST_CASE("forensics: a rank stopped before a bucket; the reader names it, the collective and the bucket") {
+  stuck_rank_verdict(ddp::backend::automatic);  // ring<shm>: every rank on one host
+  stuck_rank_verdict(ddp::backend::tcp);
 }
 
 TEST_CASE("forensics: one process's record: entries, the bucket tag, states, the switch, the file") {
