@@ -337,12 +337,9 @@ class flight_ring {
   flight_ring* next_ = nullptr;
 };
 
-/// The dump: every live ring of the process, as one JSON document (docs/forensics.md).
-inline std::string flight_record_text(std::string_view reason) {
-  auto& reg = flight_rings();
-  std::lock_guard lock(reg.mu);
-  const std::int64_t wall = flight_wall_now();
-  const std::int64_t steady = flight_now();
+/// The rank a process's record names (and its file): that of its oldest live reducer, else of
+/// the last one built. Under reg.mu.
+inline int flight_process_rank(const flight_registry& reg) noexcept {
   int rank = reg.last_rank;
   std::uint64_t oldest = ~std::uint64_t{0};
   for (const flight_ring* r = reg.head; r != nullptr; r = r->next())
@@ -350,6 +347,16 @@ inline std::string flight_record_text(std::string_view reason) {
       oldest = r->ordinal();
       rank = r->rank();
     }
+  return rank;
+}
+
+/// The dump: every live ring of the process, as one JSON document (docs/forensics.md).
+inline std::string flight_record_text(std::string_view reason) {
+  auto& reg = flight_rings();
+  std::lock_guard lock(reg.mu);
+  const std::int64_t wall = flight_wall_now();
+  const std::int64_t steady = flight_now();
+  const int rank = flight_process_rank(reg);
   char host[256] = {};
   if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
   std::string out = "{\"ddp_flight_recorder\":1,\"library\":\"ddp " + std::to_string(DDP_VERSION_MAJOR) + "." +
@@ -378,13 +385,7 @@ inline std::string flight_record_file(std::string_view base) {
   {
     auto& reg = flight_rings();
     std::lock_guard lock(reg.mu);
-    rank = reg.last_rank;
-    std::uint64_t oldest = ~std::uint64_t{0};
-    for (const flight_ring* r = reg.head; r != nullptr; r = r->next())
-      if (r->ordinal() < oldest) {
-        oldest = r->ordinal();
-        rank = r->rank();
-      }
+    rank = flight_process_rank(reg);
   }
   return rank_file(base, rank);
 }
