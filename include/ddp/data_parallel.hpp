@@ -35,6 +35,7 @@
 #include <ddp/data_parallel/detail/uneven.hpp>
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/data_parallel/timeline.hpp>
+#include <ddp/detail/flight_recorder.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/memory/auto_allocator.hpp>
 #include <ddp/planner/size_planner.hpp>
@@ -610,6 +611,7 @@ class basic_data_parallel {
   // bucket_state's launch: bucket b's collective, in plan order, under bucket_state's lock.
   void launch(std::size_t b) {
     const auto& bk = memory_.plan().buckets[b];
+    const detail::flight_tag_scope tag(b, step_);  // the flight record names the bucket (docs/forensics.md)
     if (bk.numel > 0)
       memory_.track(b, red_.allreduce_async(memory_.buffer(b), bk.numel, bk.type,
                                             detail::bucket_op(opts_.average, opts_.uneven_inputs, bk.type)));

@@ -34,6 +34,7 @@
 #include <ddp/process_group.hpp>  // IWYU pragma: export
 #include <ddp/reducer/auto.hpp>   // IWYU pragma: export
 #include <ddp/reducer/compress.hpp>      // IWYU pragma: export
+#include <ddp/reducer/flight_recorder.hpp>  // IWYU pragma: export
 #include <ddp/reducer/hierarchical.hpp>  // IWYU pragma: export
 #include <ddp/reducer/hooked.hpp>        // IWYU pragma: export
 #include <ddp/reducer/ring.hpp>   // IWYU pragma: export

@@ -19,6 +19,7 @@
 #include <ddp/concepts.hpp>
 #include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/detail/copy.hpp>
+#include <ddp/detail/flight_recorder.hpp>
 #include <ddp/error.hpp>
 #include <ddp/parameter.hpp>
 #include <ddp/planner/bucket_plan.hpp>
@@ -246,6 +247,7 @@ class bucket_memory {
       req.wait(steady_clock::now() + patience + std::chrono::seconds(2));
     } catch (const error& e) {
       if (e.rank() >= 0) throw;
+      if (e.condition() == errc::timeout) detail::flight_record_failure(what + ": the wait timed out");
       detail::raise(e.condition(), rank,
                     what + " within " + std::to_string(patience.count()) + " ms (a peer stopped answering?)", bucket);
     }

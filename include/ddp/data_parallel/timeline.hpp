@@ -33,6 +33,7 @@
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/json.hpp>
+#include <ddp/detail/output_file.hpp>
 #include <ddp/detail/thread_id.hpp>
 #include <ddp/error.hpp>
 #include <ddp/planner/bucket_plan.hpp>
@@ -51,27 +52,7 @@ inline namespace v0 {
 /// ddp::timeline_file("/tmp/t-{rank}.json", 1, 2);  // "/tmp/t-1.2.json"
 /// \endcode
 inline std::string timeline_file(std::string_view base, int rank, unsigned instance = 0) {
-  std::string name;
-  const std::string r = std::to_string(rank);
-  constexpr std::string_view key = "{rank}";
-  if (base.find(key) == std::string_view::npos) {
-    name = std::string(base) + ".rank" + r + ".json";
-  } else {
-    for (std::size_t i = 0; i < base.size();) {
-      if (base.substr(i, key.size()) == key) {
-        name += r;
-        i += key.size();
-      } else {
-        name += base[i++];
-      }
-    }
-  }
-  if (instance == 0) return name;
-  const std::string suffix = "." + std::to_string(instance);
-  constexpr std::string_view ext = ".json";
-  if (name.size() > ext.size() && std::string_view(name).substr(name.size() - ext.size()) == ext)
-    return name.insert(name.size() - ext.size(), suffix);
-  return name + suffix;
+  return detail::rank_file(base, rank, instance);
 }
 
 /// Records the steps of one data-parallel wrapper into a Chrome trace file. The wrapper makes it

@@ -36,6 +36,7 @@
 #include <ddp/clock.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/detail/collective.hpp>
+#include <ddp/detail/flight_recorder.hpp>
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/detail/typed_collectives.hpp>
@@ -179,7 +180,11 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   /// Starts an allreduce: the hook runs it, after every collective issued before it.
   request allreduce_async(void* data, std::size_t count, dtype t, op o) {
     check(t, o, "allreduce");
-    return worker_.submit([=, this] { run_hook(data, count, t, o); });
+    // The inner collectives carry the issuer's flight-record tag (the wrapper's bucket and step).
+    return worker_.submit([=, this, tag = detail::current_flight_tag] {
+      const detail::flight_tag_scope on(tag);
+      run_hook(data, count, t, o);
+    });
   }
   /// Blocking allreduce through the hook; on the calling thread when nothing is queued.
   void allreduce(void* data, std::size_t count, dtype t, op o) {

@@ -27,16 +27,23 @@
 // The engine is a member of the front end, declared before the progress thread, so the thread
 // has joined before the engine goes away. Dispatch is static (a template): no virtual call, no
 // allocation beyond the request's own per collective.
+//
+// Every collective is also written to the reducer's flight recorder (detail/flight_recorder.hpp)
+// as it is issued, starts and ends, and a timeout, a lost peer or an abort dumps the process's
+// record (DDP_FLIGHT_RECORDER; docs/forensics.md).
 
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include <ddp/clock.hpp>
 #include <ddp/detail/collective.hpp>
+#include <ddp/detail/flight_recorder.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>
@@ -147,6 +154,7 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
   void abort() noexcept
     requires engine_aborts<Engine>
   {
+    flight_record_failure("abort() of a reducer on this rank");
     engine_.abort();
   }
 
@@ -155,7 +163,9 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
   /// (a collective for every engine: every rank constructs its reducers in the same order).
   template <class... Args>
   explicit reducer_front_end(int worker_rank, Args&&... args)
-      : engine_(std::forward<Args>(args)...), worker_(worker_rank, Engine::name) {}
+      : engine_(std::forward<Args>(args)...),
+        rec_(flight_ring::make(engine_.rank(), engine_.size(), Engine::name)),
+        worker_(worker_rank, Engine::name) {}
   ~reducer_front_end() = default;
 
   Engine& engine() noexcept { return engine_; }
@@ -179,12 +189,12 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
     check_op(o, rank(), coll_name(k));
     if constexpr (requires { engine_.check(k, count); }) engine_.check(k, count);
     coll_desc d;
+    d.kind = k;  // what every engine's flight record shows
+    d.type = t;
+    d.oper = o;
+    d.root = root;
+    d.count = count;
     if constexpr (Engine::descriptors) {
-      d.kind = k;
-      d.type = t;
-      d.oper = o;
-      d.root = root;
-      d.count = count;
       d.algo = Engine::id;
       d.variant = engine_.variant(k, count * dtype_size(t));
     }
@@ -207,13 +217,50 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
     else
       return job();
   }
+  // ---- the flight record -------------------------------------------------------------------
+  // `record` notes a collective as it is issued (0 when recording is off); `recorded` runs a
+  // part of it and notes its end: finished, or failed with its errc, which for a timeout, a
+  // lost peer or an abort also dumps the record (before the error reaches any waiter).
+  std::uint64_t record(const coll_desc& d, bool started) noexcept {
+    return rec_ ? rec_->issue(d.kind, d.type, d.oper, d.root, d.count, started) : 0;
+  }
+  template <class F>
+  decltype(auto) recorded(std::uint64_t n, bool last, F&& f) {
+    if (n == 0) return f();
+    try {
+      if constexpr (std::is_void_v<decltype(f())>) {
+        f();
+        if (last) rec_->finished(n);
+      } else {
+        decltype(auto) r = f();
+        if (last) rec_->finished(n);
+        return r;
+      }
+    } catch (const error& e) {
+      rec_->failed(n, e.condition());
+      const errc c = e.condition();
+      if (c == errc::timeout || c == errc::peer_lost || c == errc::aborted) flight_record_failure(e.what());
+      throw;
+    } catch (...) {
+      rec_->failed(n, errc::system);
+      throw;
+    }
+  }
+
   template <class Job>
   request submit(const coll_desc& d, Job job) {
     if constexpr (Engine::launches_at_call) {
-      (void)d;
-      return worker_.submit(job());
+      // Started here (on the stream); it ends when the progress thread has seen it complete.
+      const std::uint64_t n = record(d, true);
+      auto done = recorded(n, false, job);
+      if (n == 0) return worker_.submit(std::move(done));
+      return worker_.submit([this, n, done = std::move(done)]() mutable { recorded(n, true, done); });
     } else {
-      return worker_.submit([this, d, job]() mutable { start(d, job); });
+      const std::uint64_t n = record(d, false);
+      return worker_.submit([this, d, job, n]() mutable {
+        if (n != 0) rec_->started(n);
+        recorded(n, true, [&] { start(d, job); });
+      });
     }
   }
   template <class Job>
@@ -221,12 +268,14 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
     if constexpr (Engine::launches_at_call) {
       wait(submit(d, std::move(job)));
     } else {
-      if (!worker_.try_run_inline([&] { start(d, job); })) wait(submit(d, std::move(job)));
+      if (!worker_.try_run_inline([&] { recorded(record(d, true), true, [&] { start(d, job); }); }))
+        wait(submit(d, std::move(job)));
     }
   }
 
   Engine engine_;
   std::atomic<std::uint64_t> seq_{0};  ///< collectives started (see stamp); descriptor engines only
+  std::unique_ptr<flight_ring> rec_;   ///< null when DDP_FLIGHT_RECORDER_ENTRIES=0
   worker worker_;                      // last: joins before the engine goes away
 };
 
