@@ -208,7 +208,6 @@ class basic_data_parallel {
           state_.complete(i, true, false);  // not backward's work: the statistics ignore it
         }
         state_.launch_ready();
-        if (record_needed()) issue_record(false);
       });
       const auto& plan = memory_.plan();
       // Without the unused-parameter record, each bucket's hook runs as soon as its average is
@@ -225,10 +224,12 @@ class basic_data_parallel {
                     [&] { memory_.copy_out(e.param, views_[e.param].grad, views_[e.param].bytes()); });
         if (hook_early) call_bucket_hook(b);
       }
+      if (record_needed()) guarded("finish", -1, [&] { issue_record(false); });
       const int source = record_needed() ? wait_record("finish") : 0;
+      if (opts_.find_unused_parameters && pg_.size() == 1) note_unused_alone();
       if (bucket_hook_ && !hook_early)
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) call_bucket_hook(b);
-      sync_buffer_values(source, opts_.buffers, "finish (the buffers after the step)");
+      sync_buffer_values(source, step_buffer_mode(contributors), "finish (the buffers after the step)");
       state_.clear_accumulated();  // they are in this step's average now
     }
     if (timeline_) record_timeline(t_call);
@@ -286,6 +287,7 @@ class basic_data_parallel {
     } clear{joining_};
     state_.clear_accumulated();  // never averaged: dropped (documented)
     const auto& plan = memory_.plan();
+    std::uint64_t answered = 0;  // steps of others answered in this join()
     for (;;) {
       guarded("join", -1, [&] { issue_count(0); });
       const std::int64_t count = wait_count("join");
@@ -296,17 +298,28 @@ class basic_data_parallel {
             memory_.zero_bucket(b);
             launch(b);
           }
-          if (record_needed()) issue_record(true);
         });
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) wait_bucket(b, "join");
         // The step's buffers, from the highest rank still training (PyTorch's Join does the same).
+        if (record_needed()) guarded("join", -1, [&] { issue_record(true); });
         const int source = record_needed() ? wait_record("join") : 0;
-        sync_buffer_values(source, opts_.buffers, "join (the buffers after the step)");
+        sync_buffer_values(source, step_buffer_mode(static_cast<int>(count)), "join (the buffers after the step)");
         ++joined_steps_;
       }
       memory_.clear_requests();
       if (count == 0) break;  // every rank has joined, and all of them saw it in this round
+      ++answered;
     }
+    // Ranks that joined early took no optimizer steps since: the last rank to join holds the
+    // model every rank continues from (PyTorch's Join ends the same way, _sync_final_model).
+    if (pg_.size() > 1)
+      guarded("join (the model of the last rank to join)", -1, [&] {
+      const auto last = static_cast<int>(pg_.all_reduce(static_cast<std::int64_t>(answered == 0 ? pg_.rank() : -1), op::max));
+      if (last < 0 || last >= pg_.size())
+        detail::raise(errc::protocol, pg_.rank(), "join(): no rank says it joined last (" + std::to_string(last) + ")");
+      agreement::broadcast_values(plain_reducer(), std::span<const tensor_view>(views_), pg_.timeout(), last);
+      agreement::broadcast_values(plain_reducer(), std::span<const buffer_view>(buffers_.buffers()), pg_.timeout(), last);
+    });
     if (opts_.gradient_as_bucket_view)
       guarded("join", -1, [&] {
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) memory_.zero_bucket(b);
@@ -362,7 +375,8 @@ class basic_data_parallel {
   /// Copies rank 0's buffers (`buffer_kind::buffer`) to every rank now (`buffer_sync::average`:
   /// averages the floating-point ones); a collective, between steps. `finish()` already does this
   /// after each synchronized step as `dp_options::buffers` says; call it where a model's buffers
-  /// change outside a step, e.g. after loading statistics on rank 0 only. `errc::usage` inside a step.
+  /// change outside a step, e.g. after loading statistics on rank 0 only. Every rank calls it, and
+  /// none while another is in `join()`. `errc::usage` inside a step.
   /// \code
   /// dp.sync_buffers();  // every rank now holds rank 0's BatchNorm statistics
   /// \endcode
@@ -543,7 +557,7 @@ class basic_data_parallel {
   // or when ranks may join and buffers follow one rank (which rank that is).
   bool record_needed() const noexcept {
     return pg_.size() > 1 && (opts_.find_unused_parameters ||
-                              (opts_.uneven_inputs && opts_.buffers == buffer_sync::broadcast && !buffers_.groups().empty()));
+                              (opts_.uneven_inputs && opts_.buffers != buffer_sync::none && !buffers_.groups().empty()));
   }
 
   // After this step's buckets (or a joined rank's zeros), under guarded().
@@ -553,7 +567,32 @@ class basic_data_parallel {
       for (std::size_t i = 0; i < views_.size(); ++i) used[i] = !state_.unused(i) || state_.accumulated(i);
     const auto words = step_record::encode(used, joined ? -1 : pg_.rank());
     memory_.put_side(words.data(), words.size() * sizeof(std::int64_t));
-    memory_.track_side(red_.allreduce_async(memory_.side(), words.size(), dtype::i64, op::max));
+    memory_.track_side(plain_reducer().allreduce_async(memory_.side(), words.size(), dtype::i64, op::max));
+  }
+
+  // With find_unused_parameters on a world of one: the record is this rank's own.
+  void note_unused_alone() {
+    unused_everywhere_.assign(views_.size(), 0);
+    for (std::size_t i = 0; i < views_.size(); ++i)
+      unused_everywhere_[i] = state_.unused(i) && !state_.accumulated(i) ? 1 : 0;
+  }
+
+  // The collectives of the record and the buffers bypass a communication hook (ddp::hooked):
+  // hooks are for gradient buckets. They are issued only once every bucket has been waited
+  // for, so the hook's queue holds nothing of this wrapper's then.
+  auto& plain_reducer() noexcept {
+    if constexpr (requires { red_.inner(); })
+      return red_.inner();
+    else
+      return red_;
+  }
+
+  // How this step's buffers are made alike: dp_options::buffers, except that averaging while
+  // ranks have joined would mix in their stale buffers: the highest training rank's then.
+  buffer_sync step_buffer_mode(int contributors) const noexcept {
+    if (opts_.buffers == buffer_sync::average && opts_.uneven_inputs && contributors < pg_.size())
+      return buffer_sync::broadcast;
+    return opts_.buffers;
   }
 
   // Waits (bounded) for the record; keeps which parameters no rank used and returns the source
@@ -570,7 +609,9 @@ class basic_data_parallel {
     unused_everywhere_.assign(views_.size(), 0);
     if (opts_.find_unused_parameters)
       for (std::size_t i = 0; i < views_.size(); ++i) unused_everywhere_[i] = words[i] == 0 ? 1 : 0;
-    const std::int64_t source = words.back();
+    // The buffers' source: the highest rank in the step with uneven inputs (PyTorch's Join picks
+    // it so too), rank 0 otherwise.
+    const std::int64_t source = opts_.uneven_inputs ? words.back() : 0;
     if (source < 0 || source >= pg_.size())
       guarded(what, -1, [&] {
         detail::raise(errc::protocol, pg_.rank(), "the step record names rank " + std::to_string(source) + " of " +
@@ -590,9 +631,10 @@ class basic_data_parallel {
     for (const auto& g : buffers_.groups()) {
       void* p = static_cast<std::byte*>(memory_.side()) + g.offset;
       guarded(what, -1, [&] {
+        auto& red = plain_reducer();
         memory_.track_side(how == buffer_sync::average && detail::avg_scales(g.type)
-                               ? red_.allreduce_async(p, g.numel, g.type, op::avg)
-                               : red_.broadcast_async(p, g.numel, g.type, source));
+                               ? red.allreduce_async(p, g.numel, g.type, op::avg)
+                               : red.broadcast_async(p, g.numel, g.type, source));
       });
       guarded(
           what, -1,

@@ -363,7 +363,7 @@ std::vector<buffer_view> to_buffer_views(const C& c) {
 }
 
 /// A `parameter_set` with buffers beside it, for containers that have no buffer traits of their
-/// own (a `std::vector<tensor_view>`, say). Made by `ddp::with_buffers`; holds the parameter set
+/// own (a `std::vector<tensor_view>`, say); a container's own buffers come first. Made by `ddp::with_buffers`; holds the parameter set
 /// by reference when given an lvalue, by value otherwise.
 template <class P>
 class buffered_parameters {
@@ -401,8 +401,14 @@ struct parameter_traits<buffered_parameters<P>> {
     else return -1;
   }
   static std::string_view name(const self& s, std::size_t i) {
-    if constexpr (has_parameter_name<P>) return std::string_view(inner::name(s.parameters(), i));
-    else return {};
+    if constexpr (has_parameter_name<P>) {
+      static_assert(!std::is_same_v<decltype(inner::name(s.parameters(), i)), std::string>,
+                    "parameter_traits<C>::name must return a view or a reference that outlives the container's use, "
+                    "not a temporary std::string");
+      return std::string_view(inner::name(s.parameters(), i));
+    } else {
+      return {};
+    }
   }
   static std::vector<std::int64_t> shape(const self& s, std::size_t i) {
     std::vector<std::int64_t> out;
@@ -410,8 +416,18 @@ struct parameter_traits<buffered_parameters<P>> {
       for (auto d : inner::shape(s.parameters(), i)) out.push_back(static_cast<std::int64_t>(d));
     return out;  // empty: {numel}
   }
-  static std::size_t buffer_count(const self& s) { return s.buffers().size(); }
-  static const buffer_view& buffer(const self& s, std::size_t i) { return s.buffers().at(i); }
+  // The parameter set's own buffers (a torch_parameters' BatchNorm statistics), then the added ones.
+  static std::size_t own_buffers(const self& s) {
+    if constexpr (has_buffers<P>) return static_cast<std::size_t>(inner::buffer_count(s.parameters()));
+    else return 0;
+  }
+  static std::size_t buffer_count(const self& s) { return own_buffers(s) + s.buffers().size(); }
+  static buffer_view buffer(const self& s, std::size_t i) {
+    const std::size_t own = own_buffers(s);
+    if constexpr (has_buffers<P>)
+      if (i < own) return inner::buffer(s.parameters(), i);
+    return s.buffers().at(i - own);
+  }
 };
 
 

@@ -252,3 +252,63 @@ TEST_CASE("checkpoints carry buffers and frozen parameters") {
   INFO(summary(outs));
   CHECK(all_ok(outs));
 }
+
+TEST_CASE("buffers with find_unused_parameters are rank 0's; a world of one knows which parameters it left unused") {
+  const int n = 3, port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+    model m(r);
+    auto state = m.with_buffers();
+    ring_tcp dp{pg, state, {}, {.find_unused_parameters = true}};
+    m.set_buffers(r, 1);
+    dp.grad_ready(0);  // b unused everywhere
+    dp.finish();
+    model first(0);
+    first.set_buffers(0, 1);
+    require(m.mean == first.mean && m.count == first.count, "the buffers are not rank 0's");
+    require(dp.unused_on_every_rank(1) && !dp.unused_on_every_rank(0), "b unused, w used");
+  }, 30s);
+  INFO(summary(outs));
+  CHECK(all_ok(outs));
+  const int port1 = free_port();
+  outs = run_ranks(1, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, 1, port1, 20s));
+    model m(r);
+    ring_tcp dp{pg, m.views, {}, {.find_unused_parameters = true}};
+    dp.grad_ready(0);
+    dp.finish();
+    require(dp.unused_on_every_rank(1) && !dp.unused_on_every_rank(0), "alone: b unused, w used");
+  }, 30s);
+  INFO(summary(outs));
+  CHECK(all_ok(outs));
+}
+
+TEST_CASE("join(): the last rank to join gives every rank its parameters and buffers; averaging yields to it") {
+  for (const auto how : {ddp::buffer_sync::broadcast, ddp::buffer_sync::average}) {
+    CAPTURE(static_cast<int>(how));
+    const int n = 3, port = free_port();
+    auto outs = run_ranks(n, [&](int r) {
+      auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+      model m(r);
+      auto state = m.with_buffers();
+      ring_tcp dp{pg, state, {}, {.uneven_inputs = true, .buffers = how}};
+      const int batches = r == 1 ? 3 : 1;
+      for (int s = 0; s < batches; ++s) {
+        m.set_buffers(r, s + 1);
+        step(dp);
+        for (auto& x : m.w) x += static_cast<float>(r + 1);  // this rank's optimizer step
+      }
+      dp.join();
+      // Rank 1 joined last: its weights (0..5 plus 2 per step, 3 steps) and its step-3 buffers.
+      for (std::size_t j = 0; j < m.w.size(); ++j)
+        require(m.w[j] == static_cast<float>(j) + 6.0f, "w[" + std::to_string(j) + "] is " + std::to_string(m.w[j]) +
+                                                            ", not the last joiner's");
+      model want(0);
+      want.set_buffers(1, 3);
+      require(m.count == want.count, "the integer buffer is not the last joiner's: " + std::to_string(m.count[0]));
+      require(m.mean == want.mean, "the buffers are not the last joiner's");
+    }, 30s);
+    INFO(summary(outs));
+    CHECK(all_ok(outs));
+  }
+}

@@ -210,3 +210,15 @@ TEST_CASE("with_buffers: a parameter set with buffers; to_buffer_views checks th
   CHECK_THROWS_WITH_AS(ddp::to_buffer_views(shape), doctest::Contains("shape holds 4 elements but numel is 3"), ddp::error);
   CHECK_THROWS_AS(ddp::make_buffer_view(std::span{mean}, "z", {2, 2}), ddp::error);
 }
+
+TEST_CASE("with_buffers over a set with buffers of its own: its own first, then the added ones") {
+  std::vector<float> w(2), g(2), a(3), b(4);
+  std::vector<ddp::tensor_view> views{ddp::make_tensor_view(w, g, "w")};
+  auto inner = ddp::with_buffers(views, {ddp::make_buffer_view(std::span{a}, "a")});
+  auto outer = ddp::with_buffers(inner, {ddp::make_buffer_view(std::span{b}, "b")});
+  const auto bv = ddp::to_buffer_views(outer);
+  REQUIRE(bv.size() == 2);
+  CHECK(bv[0].name == "a");
+  CHECK(bv[1].name == "b");
+  CHECK(bv[1].numel == 4);
+}

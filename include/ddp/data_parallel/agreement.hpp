@@ -272,12 +272,14 @@ class agreement {
 
   /// Copies rank 0's parameter (or buffer) values to every rank through `red` (a collective), so
   /// that training starts from one model even when ranks initialized differently.
+  /// `root`: the rank whose values win (rank 0 at construction).
   template <reducer Reducer, class View>
-  static void broadcast_values(Reducer& red, std::span<const View> views, std::chrono::milliseconds timeout) {
+  static void broadcast_values(Reducer& red, std::span<const View> views, std::chrono::milliseconds timeout,
+                               int root = 0) {
     std::vector<request> reqs;
     reqs.reserve(views.size());
     for (const auto& v : views)
-      if (v.numel > 0) reqs.push_back(red.broadcast_async(v.data, v.numel, v.type, 0));
+      if (v.numel > 0) reqs.push_back(red.broadcast_async(v.data, v.numel, v.type, root));
     const auto until = std::chrono::steady_clock::now() + 2 * timeout + std::chrono::seconds(2);
     for (auto& r : reqs) r.wait(until);
   }
