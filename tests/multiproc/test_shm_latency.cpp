@@ -157,7 +157,11 @@ TEST_CASE("ring<shm> and tree<shm>: small and large allreduces with every rank o
         require_all(large, want, "large allreduce " + std::to_string(i));
       }
       const auto took = std::chrono::steady_clock::now() - t0;
-      require(took < 10s, "2020 allreduces on one core took " +
+      // A few seconds where a yield hands the core to the peer at once (under 1 s on the machine
+      // of docs/performance.md); 12-13 s on a virtual machine whose sched_yield() seldom does, for
+      // the code of every release since the bound was set. A waiter that polled without yielding
+      // would take minutes.
+      require(took < 40s, "2020 allreduces on one core took " +
                               std::to_string(std::chrono::duration<double>(took).count()) + " s");
     }, 120s);
     INFO(summary(outs));
