@@ -418,10 +418,7 @@ class basic_torch_data_parallel {
     failing([&] {
       dp_.finish();
       if (!dp_.last_step_stats().synchronized) return;
-      // A parameter this rank did not use (find_unused_parameters) may have no gradient, or one
-      // the engine never handed over: it takes the average too, so that every rank's optimizer
-      // takes the same step (PyTorch's reducer creates the gradient from the bucket likewise).
-      torch::NoGradGuard no_grad;
+      torch::NoGradGuard no_grad;  // settle_grad says what each parameter's .grad() becomes
       for (std::size_t i = 0; i < params_.size(); ++i) settle_grad(i);
     });
   }
