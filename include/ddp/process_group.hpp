@@ -682,11 +682,15 @@ class process_group::state {
       try {
         errc code{};
         std::string msg;
-        post_failure({errc::aborted, detail::latest_live_error(code, msg)
-                                         ? "rank " + std::to_string(rank_) + " left the group on its error (" +
-                                               std::string(detail::errc_name(code)) + "): " + msg
-                                         : "rank " + std::to_string(rank_) +
-                                               " left the group while an exception propagated"});
+        const bool known = detail::latest_live_error(code, msg);
+        // An error about the group itself (calls that do not match, a deadline, a lost peer)
+        // is the peers' error too and keeps its code; one about this rank alone (a bad
+        // argument, a misuse) is errc::aborted for them.
+        const bool group_wide = known && (code == errc::mismatch || code == errc::timeout || code == errc::peer_lost);
+        post_failure({group_wide ? code : errc::aborted,
+                      known ? "rank " + std::to_string(rank_) + " left the group on its error (" +
+                                  std::string(detail::errc_name(code)) + "): " + msg
+                            : "rank " + std::to_string(rank_) + " left the group while an exception propagated"});
       } catch (...) {
       }
     }
@@ -748,7 +752,7 @@ class process_group::state {
   /// rank's own), and shut the mesh so that peers blocked on this rank wake and report it too.
   [[noreturn]] void lost(int peer, const std::error_code& ec, const char* what, const std::string& why = {}) {
     if (aborted_.load()) detail::raise(errc::aborted, rank_, std::string(what) + ": this rank's group was aborted");
-    const auto v = verdict_.judge(peer, ec, "pg", "waiting for rank " + std::to_string(peer), why);
+    const auto v = verdict_.judge(peer, ec, "waiting for rank " + std::to_string(peer), why);
     failed_.exchange(true);
     if (links_) links_->shutdown();
     detail::raise(v.failure.code, rank_, std::string(what) + ": " + v.failure.text);

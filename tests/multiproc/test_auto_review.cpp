@@ -317,12 +317,11 @@ TEST_CASE("review: abort() from another thread on a non-leader ends every rank, 
   }
 }
 
-// Not fixed (may_fail, fails about one run in three here): rank 0, host a's leader and the
-// store's host, times out on rank 1 at about the moment the other hosts' leaders time out on
-// rank 0; they look up the group's verdict, then the "waits for" chain in rank 0's store, but
-// rank 0 has recorded its verdict and exited meanwhile, taking the store with it: they report
-// "rank 0 stopped answering (its store does not reply; ...)" instead of rank 1.
-TEST_CASE("review: a late non-leader is named by every rank within timeout + 2 s" * doctest::may_fail()) {
+// Rank 0, host a's leader and the store's host, times out on rank 1 at about the moment the
+// other hosts' leaders time out on rank 0: they follow the "waits for" records (rank 0's shared
+// memory wait recorded its own ahead of the deadline) or adopt rank 0's verdict, read before
+// rank 0 exits and takes the store with it, never "rank 0 stopped answering".
+TEST_CASE("review: a late non-leader is named by every rank within timeout + 2 s") {
   const auto timeout = 3s;
   for (const std::string hosts : {"aabb", "aabc"}) {
     CAPTURE(hosts);
@@ -474,12 +473,11 @@ TEST_CASE("review: the default wrapper on a /dev/shm that holds some buckets: ho
   }
 }
 
-// Not fixed (may_fail): a leader that times out waiting for another host's leader follows the
-// group's "waits for" chain (group/verdict.hpp name_stopped), but a wait within a host (shm)
-// records nothing in it, so when the other leader's own deadline, at which it names the late
-// rank of its host, comes later than this rank's grace (min(1 s, timeout / 4)), this rank
-// blames that leader, and its host's ranks repeat it. The flat ring names the late rank.
-TEST_CASE("review: a late rank is named even by a rank whose own deadline ends first" * doctest::may_fail()) {
+// A leader that times out waiting for another host's leader follows the group's "waits for"
+// chain (group/verdict.hpp name_stopped); that leader, waiting within its host (shm) for the
+// late rank, recorded so after min(1 s, timeout / 4), long before its own deadline, which comes
+// later than this rank's grace.
+TEST_CASE("review: a late rank is named even by a rank whose own deadline ends first") {
   // Rank 2 (host b's leader) enters the collective 1.5 s before ranks 0 and 3; rank 1 never
   // comes in time. Rank 2's deadline ends first, while rank 0 still waits for rank 1.
   const auto timeout = 3s;

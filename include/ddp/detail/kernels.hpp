@@ -735,8 +735,9 @@ template <element T>
 inline void avg_prescale(T* dst, const T* src, std::size_t n, int world) {
   kern::check_world(world);
   // The one-input combine of a single rank's contribution that does not finish.
-  T* outs[1] = {dst};
-  const T* ins[1] = {src};
+  // Through the type-erased pointers, as combine(): one set of instantiations serves both.
+  void* outs[1] = {dst};
+  const void* ins[1] = {src};
   kern::combine_any<T>(outs, 1, ins, 1, n, op::avg, avg_step{world, 0, false});
 }
 
@@ -746,8 +747,8 @@ template <element T>
 inline void avg_finish(T* p, std::size_t n, int world) {
   kern::check_world(world);
   // The one-input combine of a partial result that finishes.
-  T* outs[1] = {p};
-  const T* ins[1] = {p};
+  void* outs[1] = {p};
+  const void* ins[1] = {p};
   kern::combine_any<T>(outs, 1, ins, 1, n, op::avg, avg_step{world, 1, true});
 }
 

@@ -34,6 +34,11 @@ inline constexpr std::chrono::milliseconds failure_poll = 10ms;
 inline constexpr std::chrono::milliseconds stopped_grace = 1000ms;
 /// Between two reads of the "waits for" records while that grace runs.
 inline constexpr std::chrono::milliseconds stopped_poll = 20ms;
+/// After how long a wait in shared memory records whom it waits for (min with timeout / 4),
+/// ahead of its deadline: a leader that entered the collective earlier and times out over tcp
+/// first then follows it to the late rank of this host. One store round trip to record it and
+/// one to withdraw it, only for waits this long.
+inline constexpr std::chrono::milliseconds shm_note_waiting = 1000ms;
 
 // ---- Closing the group (process_group.hpp) -----------------------------------------------
 

@@ -167,11 +167,10 @@ class failure_verdict {
   /// closed the connection may still be recording why: for a closed link it is waited for
   /// briefly); else "rank 0 is lost" when its store does not answer either (`noticed` says
   /// where this rank noticed: "waiting for rank 3"); else, after a timeout, the rank that
-  /// stopped (name_stopped, under `prefix`); else the lost peer. This rank's own verdict is
+  /// stopped (name_stopped); else the lost peer. This rank's own verdict is
   /// recorded, and when another rank's was recorded meanwhile, that one is returned instead:
   /// the first one is everyone's.
-  link_verdict judge(int peer, const std::error_code& ec, const std::string& prefix, const std::string& noticed,
-                     const std::string& why = {}) {
+  link_verdict judge(int peer, const std::error_code& ec, const std::string& noticed, const std::string& why = {}) {
     bool store_gone = false;
     const bool timed_out = detail::to_errc(ec) == errc::timeout;
     if (auto f = first(&store_gone, !timed_out); !f.empty()) return {f, true};
@@ -181,7 +180,7 @@ class failure_verdict {
       // whatever connection happened to notice first.
       msg = "rank 0 is lost (its store does not answer; noticed " + noticed + ")";
     } else if (timed_out) {
-      msg = name_stopped(prefix, peer);
+      msg = name_stopped(waits_prefix, peer);
     } else {
       msg = !why.empty() ? why : "lost connection to rank " + std::to_string(peer) + " (" + detail::describe(ec) + ")";
     }
@@ -195,6 +194,27 @@ class failure_verdict {
   /// may be the rank that is gone.
   deadline_t store_budget() const {
     return steady_clock::now() + std::min<std::chrono::milliseconds>(detail::timing::failure_store_budget, timeout_ / 8);
+  }
+
+  /// Where every rank's "waits for" record lives: one place for the whole group, whichever
+  /// engine waited (the group's own links, tcp, shared memory), so that a chain crosses from
+  /// one engine to another (a host's leader waiting over tcp for a leader that waits in shared
+  /// memory for a rank of its host).
+  static constexpr const char* waits_prefix = "pg";
+
+  /// Records ahead of any deadline that this rank has been waiting for group rank `peer` for a
+  /// while (shared memory does after min(1 s, timeout / 4), detail::timing), so that a rank
+  /// whose own deadline ends first follows it to the rank that stopped instead of blaming this
+  /// one; `peer < 0` withdraws the record once the wait ended. Best effort: when the store does
+  /// not answer, the timeout's own verdict (name_stopped) says so.
+  void note_waiting(int peer) noexcept {
+    if (!store_ || owner_.forked()) return;
+    try {
+      const std::string key = std::string(waits_prefix) + "/waiting/" + std::to_string(rank_);
+      if (peer < 0) store_->erase(key, store_budget());
+      else store_->set(key, std::to_string(peer), store_budget());
+    } catch (...) {
+    }
   }
 
   /// After a timeout, finds who stopped: the rank this one waits for (`peer`) may itself wait
@@ -250,8 +270,15 @@ class failure_verdict {
       } catch (const error&) {
         return store_silent;
       }
-      // Certain once the chain's end is the only rank left silent; else wait out the grace.
+      // Certain once the chain's end is the only rank left silent; else wait out the grace,
+      // unless a rank records the group's failure meanwhile: judge() then adopts that one, read
+      // while the store is still there (its host, rank 0, leaves soon after it failed).
       if (chain.back() < 0 || (scan_all && silent <= 1) || steady_clock::now() >= end) break;
+      try {
+        if (store_->check(failure_key, store_budget())) break;
+      } catch (const error&) {
+        return store_silent;
+      }
       std::this_thread::sleep_for(detail::timing::stopped_poll);
     }
     // chain: peer, whom peer waits for, ... ending at a silent rank, or at -1 after a cycle.

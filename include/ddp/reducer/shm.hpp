@@ -111,7 +111,9 @@ class shm {
  public:
   /// Built from the group (`ddp::shm s{pg}`), collectively.
   explicit shm(transport_context ctx, shm_options o = {})
-      : rank_(ctx.rank()), size_(ctx.size()), grank_(ctx.rank()), opts_(std::move(o)) {
+      : rank_(ctx.rank()), size_(ctx.size()), grank_(ctx.rank()), opts_(std::move(o)),
+        note_after_(std::min<std::chrono::milliseconds>(detail::timing::shm_note_waiting, ctx.timeout() / 4)),
+        ctx_(ctx) {
     const auto until = ctx.deadline();
     const int channel = ctx.channel();
     auto& pg = ctx.group();
@@ -718,8 +720,17 @@ class shm {
         if (reached(b.counter.load(std::memory_order_acquire), want)) return;
       } while (steady_clock::now() < stop);
     }
+    // A long wait records whom it waits for, ahead of its deadline (failure_verdict::
+    // note_waiting): a rank of another host whose deadline ends first then names rank j, not
+    // this one. Withdrawn when j arrives; left in place when this wait fails.
+    const auto note_at = steady_clock::now() + note_after_;
+    bool noted = false;
     for (;;) {
       check_peer(j, want, until, what);
+      if (!noted && steady_clock::now() >= note_at) {
+        ctx_.verdict().note_waiting(members_[static_cast<std::size_t>(j)]);
+        noted = true;
+      }
       b.waiters.fetch_add(1, std::memory_order_seq_cst);
       const std::uint32_t v = b.counter.load(std::memory_order_seq_cst);
       if (!reached(v, want)) {
@@ -727,7 +738,10 @@ class shm {
         detail::futex_wait(&b.counter, v, std::min<std::chrono::nanoseconds>(slice, left));
       }
       b.waiters.fetch_sub(1, std::memory_order_seq_cst);
-      if (reached(b.counter.load(std::memory_order_acquire), want)) return;
+      if (reached(b.counter.load(std::memory_order_acquire), want)) {
+        if (noted) ctx_.verdict().note_waiting(-1);
+        return;
+      }
     }
   }
 
@@ -878,6 +892,8 @@ class shm {
   errc failed_{};
   std::string failed_what_;
   detail::owner_process owner_;  ///< a forked child's copy only unmaps
+  std::chrono::milliseconds note_after_;  ///< a wait this long records whom it waits for
+  transport_context ctx_;  ///< the group's verdict (the "waits for" records); the group stays open
 };
 
 /// The engine of `ring<shm>` and `tree<shm>`: the reducer's group handle and one `ddp::shm`,

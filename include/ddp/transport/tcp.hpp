@@ -244,7 +244,7 @@ class tcp {
   /// A connection failed: the group's verdict (group/verdict.hpp), which records this rank's own
   /// failure when no rank recorded one first, then the connections go.
   [[noreturn]] void lost(int peer, const std::error_code& ec) {
-    adopt(ctx_.verdict().judge(peer, ec, channel_, "on the link to rank " + std::to_string(peer)).failure);
+    adopt(ctx_.verdict().judge(peer, ec, "on the link to rank " + std::to_string(peer)).failure);
   }
 
   transport_context ctx_;  // the transport's own handle: the group stays open while this lives
