@@ -583,12 +583,12 @@ TEST_CASE("failure_verdict: the chain of waiting ranks, the first record, a stor
         "rank 2): their calls do not match");
 
   // A closed link: this rank's own verdict, recorded; the next rank to judge adopts it.
-  const auto own = v0.judge(1, make_error_code(ddp::errc::peer_lost), "x", "waiting for rank 1");
+  const auto own = v0.judge(1, make_error_code(ddp::errc::peer_lost), "waiting for rank 1");
   CHECK_FALSE(own.adopted);
   CHECK(own.failure.code == ddp::errc::peer_lost);
   CHECK(own.failure.text == "lost connection to rank 1 (peer_lost)");
   CHECK(v1.recorded());
-  const auto theirs = v1.judge(2, make_error_code(ddp::errc::timeout), "x", "waiting for rank 2");
+  const auto theirs = v1.judge(2, make_error_code(ddp::errc::timeout), "waiting for rank 2");
   CHECK(theirs.adopted);
   CHECK(theirs.failure.code == ddp::errc::peer_lost);
   CHECK(theirs.failure.text == "rank 0 reports: lost connection to rank 1 (peer_lost)");
@@ -599,7 +599,7 @@ TEST_CASE("failure_verdict: the chain of waiting ranks, the first record, a stor
   bool gone = false;
   CHECK(v1.first(&gone).empty());
   CHECK(gone);
-  const auto lost = v1.judge(2, make_error_code(ddp::errc::timeout), "x", "on the link to rank 2");
+  const auto lost = v1.judge(2, make_error_code(ddp::errc::timeout), "on the link to rank 2");
   CHECK_FALSE(lost.adopted);
   CHECK(lost.failure.code == ddp::errc::peer_lost);
   CHECK(lost.failure.text == "rank 0 is lost (its store does not answer; noticed on the link to rank 2)");
