@@ -141,6 +141,15 @@ TEST_CASE("timeline: a link, a FIFO or another user's file at the trace's name i
     const char* what;
     const char* found;
   };
+  // One rank builds a wrapper that records to `base`.
+  auto build = [&] {
+    const int port = ddp_test::free_port();
+    return ddp_test::run_ranks(1, [&](int r) {
+      auto pg = ddp::init_process_group(ddp_test::group_options(r, 1, port, 10s));
+      model m;
+      ddp::data_parallel dp{pg, m.views, {}, {.timeline = base}};
+    }, 30s);
+  };
   std::vector<plant> plants = {{"link", "a symbolic link is there"}, {"fifo", "a FIFO is there"}};
   if (root) plants.push_back({"other user's file", "a file of uid 65534 is there"});
   for (const auto& p : plants) {
@@ -154,12 +163,7 @@ TEST_CASE("timeline: a link, a FIFO or another user's file at the trace's name i
       REQUIRE(::chmod(file.c_str(), 0666) == 0);
       REQUIRE(::chown(file.c_str(), 65534, 65534) == 0);
     }
-    const int port = ddp_test::free_port();
-    auto outs = ddp_test::run_ranks(1, [&](int r) {
-      auto pg = ddp::init_process_group(ddp_test::group_options(r, 1, port, 10s));
-      model m;
-      ddp::data_parallel dp{pg, m.views, {}, {.timeline = base}};
-    }, 30s);
+    const auto outs = build();
     INFO(ddp_test::summary(outs));
     REQUIRE(outs.size() == 1);
     CHECK(outs[0].errc == static_cast<int>(ddp::errc::system));
@@ -171,13 +175,7 @@ TEST_CASE("timeline: a link, a FIFO or another user's file at the trace's name i
   }
   // Nothing planted: the trace is created owner-only.
   std::remove(file.c_str());
-  const int port = ddp_test::free_port();
-  auto outs = ddp_test::run_ranks(1, [&](int r) {
-    auto pg = ddp::init_process_group(ddp_test::group_options(r, 1, port, 10s));
-    model m;
-    ddp::data_parallel dp{pg, m.views, {}, {.timeline = base}};
-  }, 30s);
-  REQUIRE(ddp_test::all_ok(outs));
+  REQUIRE(ddp_test::all_ok(build()));
   struct stat st {};
   REQUIRE(::lstat(file.c_str(), &st) == 0);
   CHECK(S_ISREG(st.st_mode));
