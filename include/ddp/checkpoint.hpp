@@ -32,6 +32,7 @@
 #include <ddp/clock.hpp>
 #include <ddp/detail/bytes.hpp>
 #include <ddp/detail/checkpoint.hpp>
+#include <ddp/detail/output_file.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/parameter.hpp>
@@ -43,7 +44,9 @@ inline namespace v0 {
 /// Saves the values of `params` (names, dtypes, shapes and bytes; gradients are not saved), its
 /// buffers and frozen parameters when it has them (`ddp::has_buffers`, e.g. `torch_parameters`), and
 /// the caller's `extra` bytes to `path`, written by rank 0 alone. The file appears whole or not
-/// at all: rank 0 writes `<path>.tmp.<pid>`, fsyncs it, renames it over `path` and fsyncs the
+/// at all: rank 0 writes a temporary beside it (`<path>.<16 random hex digits>.tmp`, created
+/// exclusively, owner-only: mode 0600, so the checkpoint is too; chmod it to share it), fsyncs
+/// it, renames it over `path` (replacing a link there, never writing through it) and fsyncs the
 /// directory. Collective: every rank returns once rank 0 has succeeded, and a failure on rank 0
 /// (a missing directory, a full disk, a parameter in device memory) is raised on every rank,
 /// naming rank 0, the file and the errno (errc::system; errc::unsupported for a device
@@ -62,7 +65,7 @@ void save_checkpoint(process_group& pg, const std::filesystem::path& path, const
   if (pg.rank() == 0) {
     const std::string file = path.string();
     const std::string who = "save_checkpoint('" + file + "'): rank 0 ";
-    const std::string tmp = file + ".tmp." + std::to_string(::getpid());
+    std::string tmp;
     bool created = false;
     const auto fail = [&](errc code, const std::string& why, int parameter = -1) {
       if (created) ::unlink(tmp.c_str());
@@ -87,9 +90,11 @@ void save_checkpoint(process_group& pg, const std::filesystem::path& path, const
       if (v.ok()) {
         const std::string table = ck::encode_table(entries);
         const std::string head = ck::encode_header({entries.size(), table.size(), data_bytes, extra.size()});
-        ck::fd_guard fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666));
+        // A temporary nobody can plant or guess (owner-only, O_EXCL | O_NOFOLLOW), renamed
+        // over the name at the end: what another user put at either name is never written.
+        ck::fd_guard fd(detail::create_temp_beside(file, tmp));
         if (fd.get() < 0) {
-          fail(errc::system, "could not create '" + tmp + "': " + ck::errno_text(errno));
+          fail(errc::system, "could not create a temporary file beside '" + file + "': " + ck::errno_text(errno));
         } else {
           created = true;
           ck::xxh64 sum;
@@ -113,7 +118,10 @@ void save_checkpoint(process_group& pg, const std::filesystem::path& path, const
           } else if (const int ce = fd.reset(); ce != 0) {
             fail(errc::system, "could not close '" + tmp + "': " + ck::errno_text(ce));
           } else if (::rename(tmp.c_str(), file.c_str()) != 0) {
-            fail(errc::system, "could not rename '" + tmp + "' to '" + file + "': " + ck::errno_text(errno));
+            const int e = errno;
+            fail(errc::system, "could not rename '" + tmp + "' to '" + file + "': " + ck::errno_text(e) +
+                                   (e == EPERM || e == EACCES || e == EISDIR ? " (" + detail::found_at(file) + " is there)"
+                                                                             : std::string()));
           } else {
             created = false;
             // The rename lasts only once the directory is on disk too. File systems that
@@ -190,14 +198,23 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
     if (std::endian::native != std::endian::little)
       fail(errc::unsupported, "cannot load on a big-endian host (the format stores little-endian values)");
     if (rank == 0 && v.ok()) {
-      fd.reset(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
+      // O_NONBLOCK: a FIFO (or a device) at the name opens at once and is refused below,
+      // instead of blocking this rank, and with it every rank, for ever.
+      fd.reset(::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
       struct stat st {};
       if (fd.get() < 0) {
         fail(errc::system, "could not open '" + file + "': " + ck::errno_text(errno));
       } else if (::fstat(fd.get(), &st) != 0) {
         fail(errc::system, "could not stat '" + file + "': " + ck::errno_text(errno));
       } else if (!S_ISREG(st.st_mode)) {
-        fail(errc::invalid_argument, "'" + file + "' is not a regular file");
+        fail(errc::invalid_argument, "'" + file + "' is not a regular file (it is " +
+                                         (S_ISFIFO(st.st_mode)   ? "a FIFO"
+                                          : S_ISSOCK(st.st_mode) ? "a socket"
+                                          : S_ISDIR(st.st_mode)  ? "a directory"
+                                                                 : "a device") +
+                                         ")");
+      } else if (::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) & ~O_NONBLOCK) != 0) {
+        fail(errc::system, "could not read '" + file + "': " + ck::errno_text(errno));
       } else {
         const auto size = static_cast<std::uint64_t>(st.st_size);
         std::string head(ck::header_bytes, '\0');
@@ -208,17 +225,25 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
             why = e == ENODATA ? "the file ended early (truncated while read?)" : ck::errno_text(e);
         }
         if (why.empty()) why = ck::decode_header(head, size, h);
+        // The table's size against this model's before it is read: a hostile file's table
+        // (up to max_table_bytes) is never allocated, nor broadcast to the other ranks.
+        std::string other_model;
+        if (why.empty()) other_model = ck::table_fits_model(h, mine, rank);
         std::string table;
-        if (why.empty()) {
+        if (!other_model.empty()) {
+          fail(errc::mismatch, "finds another model in the file: " + other_model);
+        } else if (why.empty()) {
           table.resize(static_cast<std::size_t>(h.table));  // at most max_table_bytes, and within the file
           if (const int e = ck::read_exact(fd.get(), table.data(), table.size()); e != 0)
             why = e == ENODATA ? "the file ended early (truncated while read?)" : ck::errno_text(e);
         }
-        if (why.empty()) {
+        if (why.empty() && other_model.empty()) {
           std::vector<ck::entry> entries;
           why = ck::decode_table(table, h, entries);
         }
-        if (why.empty()) {
+        if (!other_model.empty()) {
+          // already failed: another model
+        } else if (why.empty()) {
           detail::put_u64(meta, size);
           meta += head;
           meta += table;

@@ -101,8 +101,14 @@ inline std::error_code make_error_code(errc e) noexcept { return {static_cast<in
 class error : public std::system_error {
  public:
   error(errc code, int rank, const std::string& msg, int bucket = -1, int parameter = -1)
-      : std::system_error(make_error_code(code)), what_(format(code, rank, msg)),
-        message_at_(what_.size() - msg.size()), rank_(rank), bucket_(bucket), parameter_(parameter) {
+      : std::system_error(make_error_code(code)), what_(prefix(code, rank)), message_at_(what_.size()), rank_(rank),
+        bucket_(bucket), parameter_(parameter) {
+    // A NUL byte from user data (a parameter name read from a file) is written as "\0": what()
+    // is a C string, and the bytes after it must not vanish.
+    for (const char c : msg) {
+      if (c == '\0') what_ += "\\0";
+      else what_ += c;
+    }
     detail::live_errors::get().add(this);
   }
   error(const error& o)
@@ -130,12 +136,11 @@ class error : public std::system_error {
   errc condition() const noexcept { return static_cast<errc>(code().value()); }
 
  private:
-  static std::string format(errc code, int rank, const std::string& msg) {
+  static std::string prefix(errc code, int rank) {
     std::string s = "[ddp.";
     s += detail::errc_name(code);
     s += "] ";
     if (rank >= 0) s += "rank " + std::to_string(rank) + ": ";
-    s += msg;
     return s;
   }
   std::string what_;

@@ -147,7 +147,7 @@ struct init_options {
     if (auto v = first({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}); v.first)
       o.local_rank = static_cast<int>(as_int(v, 0, (1LL << 31) - 1));
     if (auto v = first({"MASTER_ADDR"}); v.first) o.master_addr = v.second;
-    if (auto v = first({"MASTER_PORT"}); v.first) o.master_port = static_cast<int>(as_int(v, 0, 1LL << 31));
+    if (auto v = first({"MASTER_PORT"}); v.first) o.master_port = static_cast<int>(as_int(v, 1, 65535));
     // A rank that Slurm started: what MASTER_ADDR and MASTER_PORT do not say comes from Slurm's
     // own variables, so that `srun -n 4 ./prog` needs nothing set by hand (docs/process-group.md).
     // The rank is Slurm's when it is SLURM_PROCID, or the PMI rank `srun --mpi=pmi2/pmix` sets
@@ -289,6 +289,10 @@ struct init_options {
     if (master_port < 1 || master_port > 65535)
       return "master_port " + std::to_string(master_port) + " is outside [1, 65535]";
     if (master_addr.empty()) return "master_addr is empty";
+    // A DNS name has at most 253 characters (RFC 1035); an address literal is shorter still.
+    if (master_addr.size() > 253)
+      return "master_addr of " + std::to_string(master_addr.size()) +
+             " characters is longer than a host name may be (253)";
     if (timeout.count() <= 0) return "timeout must be positive";
     return {};
   }

@@ -4,6 +4,8 @@
 
 #include <doctest/doctest.h>
 #include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -270,7 +272,8 @@ TEST_CASE("a save that fails on rank 0 is an error on every rank, naming rank 0,
     CHECK(o.exit_code == 1);
     CHECK(o.errc == static_cast<int>(ddp::errc::system));
     CHECK(o.message.find("[ddp.system] rank " + std::to_string(o.rank) + ": save_checkpoint('" + path.string() +
-                         "'): rank 0 could not create '" + path.string() + ".tmp.") != std::string::npos);
+                         "'): rank 0 could not create a temporary file beside '" + path.string() + "'") !=
+          std::string::npos);
     CHECK(o.message.find("': No such file or directory (errno 2)") != std::string::npos);
   }
   CHECK_FALSE(fs::exists(dir.path / "no"));
@@ -297,5 +300,135 @@ TEST_CASE("parameters in device memory are errc::unsupported on every rank, for 
                            " parameter 3 ('emb'): it is in CUDA device 0's memory") != std::string::npos);
     }
     CHECK_FALSE(fs::exists(dir.path / "gpu.ddp"));
+  }
+}
+
+// ---- names and files another local user can plant (docs/security.md) ----------------------
+
+TEST_CASE("hardening: links and files planted at a save's names are never written through; the checkpoint is owner-only") {
+  temp_dir dir;
+  const auto path = dir.path / "ckpt.ddp";
+  const auto victim = dir.path / "victim", victim2 = dir.path / "victim2", planted = dir.path / "planted";
+  write_file(victim, "precious");
+  write_file(victim2, "precious too");
+  // A link at the final name: rename replaces the link itself.
+  fs::create_symlink(victim2, path);
+  const bool root = ::geteuid() == 0;
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, 2, port, 20s));
+    if (r == 0) {
+      // The temporary's name of the previous release, guessable from the pid: a link to the
+      // victim, and (as root) a file of another user that was writable by everyone.
+      const std::string old_tmp = path.string() + ".tmp." + std::to_string(::getpid());
+      fs::create_symlink(victim, old_tmp);
+      const std::string old_tmp2 = path.string() + "." + std::to_string(::getpid()) + ".tmp";
+      write_file(old_tmp2, "someone else's");
+      require(::chmod(old_tmp2.c_str(), 0666) == 0 && (!root || ::chown(old_tmp2.c_str(), 65534, 65534) == 0), "chown");
+      fs::copy_file(old_tmp2, planted);
+    }
+    pg.barrier();
+    model m;
+    m.fill(3.0);
+    ddp::save_checkpoint(pg, path, m.views, bytes_of("step 9"));
+    model back;
+    require(blob_string(ddp::load_checkpoint(pg, path, back.views)) == "step 9", "blob");
+    require(back.bytes() == m.bytes(), "values");
+  });
+  INFO(ddp_test::summary(outs));
+  REQUIRE(ddp_test::all_ok(outs));
+  CHECK(read_file(victim) == "precious");
+  CHECK(read_file(victim2) == "precious too");
+  struct stat st {};
+  REQUIRE(::lstat(path.c_str(), &st) == 0);
+  CHECK(S_ISREG(st.st_mode));
+  CHECK((st.st_mode & 0777) == 0600);
+  CHECK(st.st_uid == ::geteuid());
+  // Nothing was left beside it but what was planted; the planted file is as it was.
+  int temporaries = 0;
+  for (const auto& e : fs::directory_iterator(dir.path)) {
+    const auto name = e.path().filename().string();
+    if (name.rfind("ckpt.ddp.", 0) != 0) continue;
+    ++temporaries;
+    if (fs::is_regular_file(fs::symlink_status(e.path()))) CHECK(read_file(e.path()) == read_file(planted));
+  }
+  CHECK(temporaries == 2);
+}
+
+TEST_CASE("hardening: load_checkpoint on a FIFO is errc::invalid_argument on every rank at once") {
+  temp_dir dir;
+  const auto fifo = dir.path / "ckpt.fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, 2, port, 20s));
+    model m;
+    (void)ddp::load_checkpoint(pg, fifo, m.views);
+  }, 30s);
+  INFO(ddp_test::summary(outs));
+  for (const auto& o : outs) {
+    CAPTURE(o.rank);
+    CHECK(o.errc == static_cast<int>(ddp::errc::invalid_argument));
+    CHECK(o.message.find("'" + fifo.string() + "' is not a regular file (it is a FIFO)") != std::string::npos);
+    CHECK(o.seconds < 10.0);  // the group's timeout is 20 s; before, rank 0 blocked in open() for ever
+  }
+}
+
+TEST_CASE("hardening: a hostile table of two million records costs no rank more memory than a valid file") {
+  temp_dir dir;
+  const auto path = dir.path / "hostile.ddp";
+  // Minimal records (an empty name, f32, no dimensions: one element each), consistent sizes and
+  // a header that passes every check: only the model tells it apart. Written in pieces, so that
+  // this process (whose memory the ranks inherit) stays small.
+  constexpr std::uint64_t records = 2'000'000, record_bytes = 4 + 4 + 4 + 8;
+  {
+    std::string head = valid_file(dir.path / "valid.ddp", "").substr(0, 16);  // magic, version, flags
+    std::ofstream out(path, std::ios::binary);
+    auto u64 = [](std::string& s, std::uint64_t v) {
+      for (int k = 0; k < 8; ++k) s += static_cast<char>((v >> (8 * k)) & 0xff);
+    };
+    u64(head, records);
+    u64(head, records * record_bytes);
+    u64(head, records * 4);
+    u64(head, 0);
+    out.write(head.data(), static_cast<std::streamsize>(head.size()));
+    std::string rec(record_bytes, '\0');
+    rec[4] = static_cast<char>(ddp::dtype::f32);
+    rec[12] = 1;  // numel 1
+    std::string chunk;
+    for (int k = 0; k < 4096; ++k) chunk += rec;
+    for (std::uint64_t i = 0; i < records; i += 4096)
+      out.write(chunk.data(), static_cast<std::streamsize>(std::min<std::uint64_t>(4096, records - i) * record_bytes));
+    const std::string zeros(1 << 20, '\0');
+    for (std::uint64_t left = records * 4 + 8; left > 0;) {
+      const auto n = std::min<std::uint64_t>(left, zeros.size());
+      out.write(zeros.data(), static_cast<std::streamsize>(n));
+      left -= n;
+    }
+  }
+  REQUIRE(fs::file_size(path) == 48 + records * (record_bytes + 4) + 8);
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, 2, port, 30s));
+    model m;
+    rusage before {};
+    ::getrusage(RUSAGE_SELF, &before);
+    try {
+      (void)ddp::load_checkpoint(pg, path, m.views);
+    } catch (const ddp::error&) {
+      rusage after {};
+      ::getrusage(RUSAGE_SELF, &after);
+      const long grew_kib = after.ru_maxrss - before.ru_maxrss;
+      // A valid file of this model costs a few KiB; the table alone is 40 MB.
+      require(grew_kib < 8 * 1024, "rank " + std::to_string(r) + "'s peak memory grew by " + std::to_string(grew_kib) + " KiB");
+      throw;
+    }
+  }, 60s);
+  INFO(ddp_test::summary(outs));
+  for (const auto& o : outs) {
+    CAPTURE(o.rank);
+    CHECK(o.errc == static_cast<int>(ddp::errc::mismatch));
+    CHECK(o.message.find("finds another model in the file: the file's table of 40000000 bytes lists 2000000 "
+                         "parameters, rank 0 has 5") != std::string::npos);
   }
 }

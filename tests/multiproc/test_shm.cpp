@@ -5,6 +5,8 @@
 #include <ddp/reducer/ring.hpp>
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <signal.h>
 #include <unistd.h>
@@ -630,4 +632,47 @@ TEST_CASE("default options hold real models: ResNet-50 on 4 ranks, BERT-base on 
     INFO(ddp_test::summary(outs));
     CHECK(ddp_test::all_ok(outs));
   }
+}
+
+// Before, a segment's name was the group id and a channel number: another local user who read
+// the id from the store (no secret needed) could create that name first, and the job failed
+// with "File exists". Now its random part travels only over the group's connections.
+TEST_CASE("shm: the names another user could predict do not stop a job; a name that is taken names its owner") {
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 2, port));
+    std::vector<std::string> planted;
+    if (r == 0) {
+      char idhex[17];
+      std::snprintf(idhex, sizeof idhex, "%016llx", static_cast<unsigned long long>(pg.id()));
+      for (int k = 0; k < 32; ++k) {
+        const std::string name = "/ddp-" + std::string(idhex) + "-" + std::to_string(k);
+        const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+        require(fd >= 0, "could not plant " + name);
+        ::close(fd);
+        planted.push_back(name);
+      }
+    }
+    pg.barrier();
+    {
+      ddp::shm link{pg};
+      std::vector<float> v(1000, static_cast<float>(r + 1));
+      link.allreduce(v.data(), v.size(), dtype::f32, op::sum, pg.deadline());
+      require(v[0] == 3.0f && v[999] == 3.0f, "sum");
+    }
+    for (const auto& n : planted) ::shm_unlink(n.c_str());
+  });
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+
+  // A name that is taken (here by this user, so that the test needs no second account).
+  const std::string name = "/ddp-test-taken-" + std::to_string(::getpid());
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  REQUIRE(fd >= 0);
+  ::close(fd);
+  ddp::detail::shm_mapping m;
+  const std::string why = m.create(name, 1 << 16, 4096);
+  ::shm_unlink(name.c_str());
+  CHECK(why == "another process holds /dev/shm" + name + " (owner uid " + std::to_string(::geteuid()) +
+                   ", this user: a segment left by an earlier run; remove it)");
 }

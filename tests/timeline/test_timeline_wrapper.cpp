@@ -2,8 +2,13 @@
 
 #include <doctest/doctest.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -117,4 +122,63 @@ TEST_CASE("timeline: a rank whose file cannot be opened fails construction, and 
   CHECK(outs[1].message.find("No such file or directory") != std::string::npos);
   CHECK(outs[0].message.find("rank 1 could not set up") != std::string::npos);
   CHECK(outs[0].message.find("timeline file") != std::string::npos);
+}
+
+// What another local user can plant at a trace's name (docs/security.md): a link to a file of
+// the victim's, a FIFO, a file of their own. Each is refused with what is there, and left as it
+// was; a trace that is created is the user's alone (0600).
+TEST_CASE("timeline: a link, a FIFO or another user's file at the trace's name is refused and left as it was") {
+  char tmpl[] = "/tmp/ddp_timeline_plant_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  const std::string victim = dir + "/victim", base = dir + "/trace", file = base + ".rank0.json";
+  auto slurp = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  std::ofstream(victim) << "precious";
+  const bool root = ::geteuid() == 0;
+  struct plant {
+    const char* what;
+    const char* found;
+  };
+  // One rank builds a wrapper that records to `base`.
+  auto build = [&] {
+    const int port = ddp_test::free_port();
+    return ddp_test::run_ranks(1, [&](int r) {
+      auto pg = ddp::init_process_group(ddp_test::group_options(r, 1, port, 10s));
+      model m;
+      ddp::data_parallel dp{pg, m.views, {}, {.timeline = base}};
+    }, 30s);
+  };
+  std::vector<plant> plants = {{"link", "a symbolic link is there"}, {"fifo", "a FIFO is there"}};
+  if (root) plants.push_back({"other user's file", "a file of uid 65534 is there"});
+  for (const auto& p : plants) {
+    CAPTURE(p.what);
+    std::remove(file.c_str());
+    const std::string what = p.what;
+    if (what == "link") REQUIRE(::symlink(victim.c_str(), file.c_str()) == 0);
+    if (what == "fifo") REQUIRE(::mkfifo(file.c_str(), 0666) == 0);
+    if (what == "other user's file") {
+      std::ofstream(file) << "theirs";
+      REQUIRE(::chmod(file.c_str(), 0666) == 0);
+      REQUIRE(::chown(file.c_str(), 65534, 65534) == 0);
+    }
+    const auto outs = build();
+    INFO(ddp_test::summary(outs));
+    REQUIRE(outs.size() == 1);
+    CHECK(outs[0].errc == static_cast<int>(ddp::errc::system));
+    CHECK(outs[0].message.find("'" + file + "'") != std::string::npos);
+    CHECK(outs[0].message.find(p.found) != std::string::npos);
+    CHECK(outs[0].seconds < 5.0);
+    CHECK(slurp(victim) == "precious");
+    if (what == "other user's file") CHECK(slurp(file) == "theirs");
+  }
+  // Nothing planted: the trace is created owner-only.
+  std::remove(file.c_str());
+  REQUIRE(ddp_test::all_ok(build()));
+  struct stat st {};
+  REQUIRE(::lstat(file.c_str(), &st) == 0);
+  CHECK(S_ISREG(st.st_mode));
+  CHECK((st.st_mode & 0777) == 0600);
+  std::system(("rm -rf '" + dir + "'").c_str());
 }

@@ -79,6 +79,28 @@ TEST_CASE("malformed numbers name the variable") {
   CHECK_THROWS_WITH_AS(parse({{"DDP_TIMEOUT", "0"}}), doctest::Contains("DDP_TIMEOUT"), ddp::error);
 }
 
+TEST_CASE("hardening: ports are range-checked before any cast; host names longer than DNS allows are refused") {
+  // 2^31 once wrapped to a negative port, under a message that advertised [0, 2147483648].
+  for (const char* port : {"2147483648", "65536", "0", "4294967297"}) {
+    CAPTURE(port);
+    const std::string text = std::string("MASTER_PORT='") + port + "' is not an integer in [1, 65535]";
+    CHECK_THROWS_WITH_AS(parse({{"MASTER_PORT", port}}), doctest::Contains(text.c_str()), ddp::error);
+  }
+  CHECK(parse({{"MASTER_PORT", "65535"}}).master_port == 65535);
+  ddp::init_options o;
+  o.master_port = 29500;
+  o.master_addr = std::string(1'000'000, 'a');
+  CHECK(o.validate() == "master_addr of 1000000 characters is longer than a host name may be (253)");
+  o.master_addr = std::string(253, 'a');
+  CHECK(o.validate().empty());
+}
+
+TEST_CASE("hardening: a NUL byte in an error's text is written as \\0, and nothing after it is lost") {
+  const ddp::error e(ddp::errc::mismatch, 2, std::string("parameter 'emb\0edded' differs", 29));
+  CHECK(std::string(e.what()) == "[ddp.mismatch] rank 2: parameter 'emb\\0edded' differs");
+  CHECK(e.message() == "parameter 'emb\\0edded' differs");
+}
+
 TEST_CASE("validate() explains what is wrong") {
   ddp::init_options o;
   o.world_size = 4;

@@ -99,9 +99,11 @@ class timeline {
         static unsigned made = 0;
         serial = made++;
       }
-      const int fd = open_locked(path);
+      std::string why;
+      const int fd = open_locked(path, why);
       if (fd < 0 && errno == EWOULDBLOCK && tries < 100) continue;
-      if (fd < 0) fail_to_open(path, rank, errno == EWOULDBLOCK ? "100 files of that name are in use" : "cannot open it", errno);
+      if (fd < 0)
+        fail_to_open(path, rank, errno == EWOULDBLOCK ? "100 files of that name are in use" : "cannot open it", errno, why);
       return std::unique_ptr<timeline>(new timeline(adopt_fd{fd}, path, rank, world_size, steps, serial));
     }
   }
@@ -124,11 +126,10 @@ class timeline {
   // another open file holds the lock, -1 with errno when it cannot be opened. The file is
   // truncated only once locked, so a trace another process writes is never cut short. Where the
   // file system has no such locks, the file is used unlocked.
-  static int open_locked(const std::string& path) noexcept {
-    // O_NONBLOCK: a FIFO nobody reads fails here (ENXIO) instead of blocking the constructor;
-    // for a regular file it changes nothing. O_CLOEXEC: programs the trainer starts do not
-    // inherit it.
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0666);
+  static int open_locked(const std::string& path, std::string& why) {
+    // open_own_file: never through a link planted at the name, never into a FIFO, socket,
+    // device or another user's file (what is there goes to `why`); a new file is owner-only.
+    const int fd = detail::open_own_file(path, why);
     if (fd < 0) return -1;
     if (::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
       ::close(fd);
@@ -145,9 +146,9 @@ class timeline {
     return fd;
   }
   static int open_or_raise(const std::string& path, int rank) {
-    const int fd = open_locked(path);
-    if (fd < 0)
-      fail_to_open(path, rank, errno == EWOULDBLOCK ? "another timeline records into it" : "cannot open it", errno);
+    std::string why;
+    const int fd = open_locked(path, why);
+    if (fd < 0) fail_to_open(path, rank, errno == EWOULDBLOCK ? "another timeline records into it" : "cannot open it", errno, why);
     return fd;
   }
 
@@ -259,10 +260,15 @@ class timeline {
     return v;
   }
 
-  [[noreturn]] static void fail_to_open(const std::string& path, int rank, const char* what, int err) {
+  /// `found`: what open_own_file found at the name (a link, a FIFO, another user's file).
+  [[noreturn]] static void fail_to_open(const std::string& path, int rank, const char* what, int err,
+                                        const std::string& found = {}) {
     detail::raise(errc::system, rank,
                   "the timeline file '" + path + "' (from DDP_TIMELINE or dp_options::timeline): " + what + ": " +
-                      std::strerror(err) + "; name a file in a writable directory, or leave DDP_TIMELINE unset");
+                      (found.empty() ? std::string(std::strerror(err))
+                                     : found + " (a timeline writes only into a regular file of its own user, never "
+                                               "through a link)") +
+                      "; name a file in a writable directory, or leave DDP_TIMELINE unset");
   }
 
   marks* marks_of(std::size_t b) noexcept {

@@ -280,6 +280,23 @@ inline std::string decode_table(std::string_view table, const header& h, std::ve
   return {};
 }
 
+/// How much larger than the model's own table a file's table may be and still be read (to
+/// name the first parameter that differs): a small constant, so that a hostile file costs
+/// every rank at most that much above a valid one of the same model.
+inline constexpr std::uint64_t table_slack_bytes = std::uint64_t{64} << 10;
+
+/// Checks a file's header against the model of rank `rank` (`mine`) before its table is read:
+/// a table more than table_slack_bytes larger than `mine`'s own describes another model and is
+/// refused without allocating or broadcasting anything proportional to it. Empty, or the
+/// sentence for errc::mismatch.
+inline std::string table_fits_model(const header& h, const std::vector<entry>& mine, int rank) {
+  const std::uint64_t own = encode_table(mine).size();
+  if (h.table <= own + table_slack_bytes) return {};
+  return "the file's table of " + std::to_string(h.table) + " bytes lists " + std::to_string(h.count) +
+         " parameters, rank " + std::to_string(rank) + " has " + std::to_string(mine.size()) + " (a table of " +
+         std::to_string(own) + " bytes)";
+}
+
 /// `f32[4, 6]`.
 inline std::string describe(const entry& e) {
   std::string s = std::string(dtype_name(e.type)) + "[";

@@ -1,13 +1,15 @@
 #pragma once
 #include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
-// Files a rank writes for people to read (the timeline, the flight recorder's dumps): one name
-// per rank from one setting, and a whole-file write that a link planted at the name cannot
-// redirect.
+// Files ddp writes (the timeline, the flight recorder's dumps, checkpoints): one name per rank
+// from one setting, temporaries nobody can plant or guess, whole-file writes that a link planted
+// at the name cannot redirect, and in-place opens that refuse what another user planted.
 
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include <ddp/detail/random.hpp>
 
 #include <cerrno>
 #include <cstddef>
@@ -45,29 +47,87 @@ inline std::string rank_file(std::string_view base, int rank, unsigned instance 
   return name + suffix;
 }
 
+/// What is at `path` (lstat, not following a link), for messages: "a symbolic link", "a FIFO",
+/// "a socket", "a device", "a directory", "a file of uid U", "a file with N hard links", "a
+/// file", or "nothing".
+inline std::string found_at(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return "nothing";
+  if (S_ISLNK(st.st_mode)) return "a symbolic link";
+  if (S_ISFIFO(st.st_mode)) return "a FIFO";
+  if (S_ISSOCK(st.st_mode)) return "a socket";
+  if (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)) return "a device";
+  if (S_ISDIR(st.st_mode)) return "a directory";
+  if (st.st_uid != ::geteuid()) return "a file of uid " + std::to_string(st.st_uid);
+  if (st.st_nlink != 1) return "a file with " + std::to_string(st.st_nlink) + " hard links";
+  return "a file";
+}
+
+/// Creates a new file beside `path` that nothing planted can be: `path.<16 hex digits>.tmp`,
+/// the digits from the kernel's random source, opened O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW
+/// with `mode` (owner-only by default), so neither a link nor a file another user placed there
+/// is written through or reused; a name that is taken is stepped around (another draw, up to 8).
+/// Returns the descriptor and sets `name`, or -1 with errno. No allocation beyond the name.
+inline int create_temp_beside(const std::string& path, std::string& name, mode_t mode = 0600) noexcept {
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    char hex[17];
+    const unsigned long long r = random_u64();
+    for (int k = 0; k < 16; ++k) hex[k] = "0123456789abcdef"[(r >> (60 - 4 * k)) & 0xf];
+    hex[16] = '\0';
+    try {
+      name = path + "." + hex + ".tmp";
+    } catch (...) {
+      errno = ENOMEM;
+      return -1;
+    }
+    const int fd = ::open(name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
+    if (fd >= 0 || errno != EEXIST) return fd;
+  }
+  errno = EEXIST;
+  return -1;
+}
+
+/// Opens `path` for writing in place (a trace that grows while it is written), refusing what
+/// another user may have planted there: a symbolic link (O_NOFOLLOW), a FIFO, socket or device
+/// (O_NONBLOCK, so a FIFO never blocks, and a type check on the opened descriptor), a file of
+/// another user or one with other hard links. A missing file is created with `mode` (owner-only
+/// by default). The descriptor, or -1 with errno set and `why` saying what is there.
+inline int open_own_file(const std::string& path, std::string& why, mode_t mode = 0600) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, mode);
+  if (fd < 0) {
+    const int e = errno;
+    why = e == ELOOP || e == ENXIO || e == EACCES || e == EPERM || e == EISDIR ? found_at(path) + " is there"
+                                                                                 : std::string();
+    errno = e;
+    return -1;
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    errno = e;
+    return -1;
+  }
+  if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || st.st_nlink != 1) {
+    why = !S_ISREG(st.st_mode) ? (S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISSOCK(st.st_mode) ? "a socket" : "a device")
+          : st.st_uid != ::geteuid() ? "a file of uid " + std::to_string(st.st_uid)
+                                     : "a file with " + std::to_string(st.st_nlink) + " hard links";
+    why += " is there";
+    ::close(fd);
+    errno = EEXIST;
+    return -1;
+  }
+  return fd;
+}
+
 /// Writes `text` as the whole content of `path`; 0, or the errno of the step that failed. The
-/// bytes go to `path.<pid>.tmp`, created with O_CREAT | O_EXCL | O_NOFOLLOW (so neither a link
-/// nor a file someone placed there is written through), then renamed onto `path`: rename
-/// replaces a link at `path` itself, never the file it points to, and a reader sees the old
-/// file or the new one, never half of one. Only write(2) and friends: no allocation beyond the
-/// temporary's name.
+/// bytes go to a temporary beside it (create_temp_beside: an unguessable name, never a planted
+/// link or file, owner-only), then renamed onto `path`: rename replaces a link at `path`
+/// itself, never the file it points to, and a reader sees the old file or the new one, never
+/// half of one. Only write(2) and friends: no allocation beyond the temporary's name.
 inline int replace_file(const std::string& path, std::string_view text) noexcept {
   std::string tmp;
-  try {
-    tmp = path + "." + std::to_string(::getpid()) + ".tmp";
-  } catch (...) {
-    return ENOMEM;
-  }
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-  if (fd < 0 && errno == EEXIST) {
-    // Left by an earlier write of this process id that did not finish; ours to replace only if
-    // it is a plain file of our own (unlink removes a link itself, not its target).
-    struct stat st {};
-    if (::lstat(tmp.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() && ::unlink(tmp.c_str()) == 0)
-      fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-    else
-      errno = EEXIST;
-  }
+  const int fd = create_temp_beside(path, tmp);
   if (fd < 0) return errno;
   int err = 0;
   for (std::size_t done = 0; done < text.size();) {

@@ -26,12 +26,12 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <random>
 #include <string>
 #include <vector>
 
 #include <ddp/error.hpp>
 #include <ddp/detail/mesh.hpp>
+#include <ddp/detail/random.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/store_protocol.hpp>
 #include <ddp/detail/timing.hpp>
@@ -130,8 +130,7 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
   const std::string host = req.where.substr(0, req.where.rfind(':'));
 
   // A claim token unique to this process; a second claimant of the rank sees another token.
-  std::random_device rd;
-  const std::uint64_t nonce = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+  const std::uint64_t nonce = random_u64();
   char hostname[256] = {};
   ::gethostname(hostname, sizeof hostname - 1);
   const std::string token = std::string(hostname) + ":" + std::to_string(::getpid()) + ":" + std::to_string(nonce);

@@ -185,7 +185,16 @@ class shm_mapping {
   /// rank at once).
   std::string create(const std::string& name, std::size_t size, std::size_t reserved) {
     fd_ = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-    if (fd_ < 0) return "shm_open(" + name + ", O_CREAT|O_EXCL): " + std::strerror(errno);
+    if (fd_ < 0) {
+      const int e = errno;
+      // The name has a random part only the group's ranks know: taken, it is another process's
+      // (a stale segment of this user, or a name another user created on purpose).
+      struct stat st {};
+      if (e == EEXIST && ::stat(("/dev/shm" + name).c_str(), &st) == 0)
+        return "another process holds /dev/shm" + name + " (owner uid " + std::to_string(st.st_uid) +
+               (st.st_uid == ::geteuid() ? ", this user: a segment left by an earlier run; remove it" : "") + ")";
+      return "shm_open(" + name + ", O_CREAT|O_EXCL): " + std::strerror(e);
+    }
     std::string why;
     if (::ftruncate(fd_, static_cast<off_t>(size)) != 0)
       why = "ftruncate(" + name + ", " + std::to_string(size) + "): " + std::strerror(errno);

@@ -44,6 +44,7 @@
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/futex.hpp>
 #include <ddp/detail/kernels.hpp>
+#include <ddp/detail/random.hpp>
 #include <ddp/detail/schedule.hpp>
 #include <ddp/detail/shm_segment.hpp>
 #include <ddp/detail/socket.hpp>
@@ -138,7 +139,20 @@ class shm {
     if (opts_.slot_bytes < 4096) bad = "shm_options::slot_bytes must be at least 4096";
     if (opts_.spin < 0) bad = "shm_options::spin must not be negative";
     const std::string host = opts_.host_id.empty() ? detail::shm_host_identity() : opts_.host_id;
-    const auto hosts = pg.all_gather(host + '\n' + bad);
+    // Each rank's draw of the segment name's random part leads its entry (16 hex digits); the
+    // segment's rank 0's is used. It travels over the group's connections, never through the
+    // store, so no other local user can know the name before the segment exists and create it
+    // first (docs/security.md).
+    char drawn[17];
+    std::snprintf(drawn, sizeof drawn, "%016llx", static_cast<unsigned long long>(detail::random_u64()));
+    auto hosts = pg.all_gather(std::string(drawn) + host + '\n' + bad);
+    std::string secret_part;
+    for (int r = 0; r < ctx.size(); ++r) {
+      auto& h = hosts[static_cast<std::size_t>(r)];
+      if (h.size() < 16) raise_here(errc::protocol, "rank " + std::to_string(r) + " sent a malformed shm setup entry");
+      if (r == members_[0]) secret_part = h.substr(0, 16);
+      h.erase(0, 16);
+    }
     for (int r = 0; r < ctx.size(); ++r) {
       const auto& h = hosts[static_cast<std::size_t>(r)];
       const auto nl = h.find('\n');
@@ -160,12 +174,14 @@ class shm {
     std::snprintf(idhex, sizeof idhex, "%016llx", static_cast<unsigned long long>(ctx.group_id()));
     name_ = "/ddp-" + std::string(idhex) + "-" + std::to_string(channel);
     if (!opts_.members.empty()) name_ += "-" + std::to_string(members_[0]);  // one segment per host
+    name_ += "-" + secret_part;
     const std::string key = "ddp/shm" + name_;
     std::string why;
     // The name must go even when this constructor throws (a peer lost during setup), or it
     // would stay in /dev/shm after every process has ended. Every rank removes it on failure:
     // rank 0 may be the one lost, killed between creating the segment and unlinking it. The
-    // name is this group's own (its random id), so nothing else can be removed by it.
+    // name is this group's own (its id and a random part only its members know), so nothing
+    // else can be removed by it.
     struct unlink_guard {
       const std::string* name = nullptr;
       ~unlink_guard() {
@@ -181,7 +197,7 @@ class shm {
       if (why.rfind("mmap(", 0) == 0)
         why = "mapping its " + detail::shm_mib(layout_.total) + " of address space (an arena sized by " +
               arena.bound + "; pass shm_options::segment_bytes to map less): " + why;
-      else if (!why.empty())
+      else if (!why.empty() && why.rfind("another process holds", 0) != 0)
         why = "header and staging slots (" + detail::shm_mib(layout_.arena) + "): " + why;
       arena_bound_ = arena.bound;
       if (why.empty()) init_segment();
