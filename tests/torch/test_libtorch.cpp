@@ -81,9 +81,11 @@ void require_close(const std::vector<torch::Tensor>& got, const std::vector<torc
   }
 }
 
+// The gradients, an undefined one (a parameter no rank used, after zero_grad(true)) as zeros,
+// as expected_grads counts it.
 std::vector<torch::Tensor> grads_of(Net& net) {
   std::vector<torch::Tensor> out;
-  for (auto& p : net->parameters()) out.push_back(p.grad().clone());
+  for (auto& p : net->parameters()) out.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
   return out;
 }
 
@@ -191,7 +193,7 @@ TEST_CASE("torch_data_parallel: backward() returns with the average, copy and vi
   check_all_ok(outs);
 }
 
-TEST_CASE("torch_data_parallel: weights start equal, no_sync accumulates, unused parameters count as zero") {
+TEST_CASE("torch_data_parallel: weights start equal, no_sync accumulates, unused parameters keep what the optimizer left") {
   const int world = 2, port = ddp_test::free_port();
   auto outs = run_processes({0, 1}, [&](int rank) {
     torch::set_num_threads(1);
@@ -220,12 +222,19 @@ TEST_CASE("torch_data_parallel: weights start equal, no_sync accumulates, unused
     for (std::size_t i = 0; i < want0.size(); ++i) want.push_back(want0[i] + want1[i]);
     require_close(grads_of(net), want, rank);
 
-    // A forward that skips `spare`: its gradient is zero on every rank (find_unused_parameters).
-    net->zero_grad();
-    loss_of(net, rank, 2, false).backward();
-    if (net->spare->weight.grad().abs().max().item<float>() != 0.0f) throw std::runtime_error("unused gradient not zero");
-    require_close(grads_of(net), expected_grads(net, world, 2, false), rank);
-    if (dp.last_step_stats().unused != 2) throw std::runtime_error("expected 2 unused parameters");
+    // A forward that skips `spare` on every rank (find_unused_parameters): its gradient is left
+    // as the optimizer had it, as PyTorch's DDP leaves it: zero after zero_grad(false), none
+    // after zero_grad(true) (LibTorch 2's default), so that the optimizer skips it.
+    for (const bool to_none : {false, true}) {
+      net->zero_grad(to_none);
+      loss_of(net, rank, 2, false).backward();
+      const auto& g = net->spare->weight.grad();
+      if (to_none && g.defined()) throw std::runtime_error("a gradient no rank made was defined");
+      if (!to_none && (!g.defined() || g.abs().max().item<float>() != 0.0f))
+        throw std::runtime_error("unused gradient not zero");
+      require_close(grads_of(net), expected_grads(net, world, 2, false), rank);
+      if (dp.last_step_stats().unused != 2) throw std::runtime_error("expected 2 unused parameters");
+    }
   });
   check_all_ok(outs);
 }

@@ -15,6 +15,7 @@ copies them at the start of the next forward). Exit 0 when everything agrees wit
 
 import argparse
 import importlib
+import inspect
 import os
 import sys
 
@@ -46,6 +47,17 @@ def state_of(model):
     return list(model.named_parameters()) + list(model.named_buffers())
 
 
+def buffer_option(broadcast):
+    """ddp's buffer_sync::broadcast or ::none in this PyTorch's words. Both make the buffers rank
+    0's at construction. PyTorch 1.x's broadcast_buffers=False did too; since PyTorch 2.x it leaves
+    them rank-local, and forward_sync_buffers=False (where it exists) is the one that matches."""
+    if broadcast:
+        return {"broadcast_buffers": True}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def worker(rank, args, port):
     tensors.join_group(rank, args.ranks, port)
     world = args.ranks
@@ -64,7 +76,7 @@ def worker(rank, args, port):
     for p in model.conv1.parameters():
         p.requires_grad_(False)
     x, y = init["data.x"], init["data.y"]
-    ddp = DistributedDataParallel(model, broadcast_buffers=bool(args.broadcast_buffers))
+    ddp = DistributedDataParallel(model, **buffer_option(bool(args.broadcast_buffers)))
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=args.lr, momentum=args.momentum)
     for step in range(args.steps):
         opt.zero_grad()
