@@ -17,7 +17,8 @@ took "meson test"
 # A bounded ASan+UBSan pass over the network-facing code (scripts/asan_quick.sh, about 4 minutes
 # on 2 cores); DDP_SANITIZE=0 skips it. The whole suite under sanitizers: scripts/sanitize.sh.
 if [[ "${DDP_SANITIZE:-1}" != 0 ]]; then
-  scripts/asan_quick.sh
+  # The fuzz pass below replays every corpus under clang's ASan + UBSan: no second replay here.
+  DDP_ASAN_FUZZ=$([[ "${DDP_FUZZ_SECONDS:-5}" != 0 ]] && echo 0 || echo 1) scripts/asan_quick.sh
   took "the sanitizer pass"
 fi
 # Every libFuzzer target (clang, ASan+UBSan) for DDP_FUZZ_SECONDS each, 5 by default; 0 skips.

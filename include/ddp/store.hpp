@@ -1106,8 +1106,16 @@ class store_client {
   /// Waits until every key exists; returns the keys still missing when `until` passed (empty
   /// when all arrived).
   std::vector<std::string> wait(const std::vector<std::string>& keys, deadline_t until) {
+    return wait(keys, std::chrono::milliseconds(server_wait_ms(until)), until);
+  }
+  /// The same with the store's wait for the keys (`server_wait`) apart from the call's own
+  /// deadline (`until`: its turn on the connection, the request and the reply): a short look
+  /// ("which of these keys are missing now?") at a store busy with other clients' requests
+  /// must not fail because the reply took longer than the look.
+  std::vector<std::string> wait(const std::vector<std::string>& keys, std::chrono::milliseconds server_wait,
+                                deadline_t until) {
     std::vector<std::string_view> f(keys.begin(), keys.end());
-    const auto ms = detail::encode_ms(server_wait_ms(until));
+    const auto ms = detail::encode_ms(std::min<std::int64_t>(server_wait.count(), server_wait_ms(until)));
     f.push_back(ms);
     auto r = call(detail::store_cmd::wait, f, until);
     if (r.code == static_cast<std::uint8_t>(detail::store_status::timeout)) return r.fields;

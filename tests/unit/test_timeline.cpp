@@ -4,6 +4,7 @@
 
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -186,14 +187,20 @@ TEST_CASE("timeline: a file that cannot be opened is an error naming it and the 
     CHECK(msg.find("'/nonexistent-ddp-dir/t.json'") != std::string::npos);
     CHECK(msg.find("No such file or directory") != std::string::npos);
   }
-  // A FIFO nobody reads: an error, not a constructor blocked for ever.
+  // A FIFO nobody reads, and one somebody reads: an error, never a constructor blocked for
+  // ever, nor a trace into a pipe.
   temp_dir d;
   const std::string fifo = d.path + "/fifo";
   REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
-  CHECK_THROWS_WITH_AS(ddp::timeline(fifo, 0, 1), doctest::Contains("No such device or address"), ddp::error);
-  // A full device: the header cannot be written.
+  CHECK_THROWS_WITH_AS(ddp::timeline(fifo, 0, 1), doctest::Contains("cannot open it: a FIFO is there"), ddp::error);
+  const int reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+  REQUIRE(reader >= 0);
+  CHECK_THROWS_WITH_AS(ddp::timeline(fifo, 0, 1), doctest::Contains("cannot open it: a FIFO is there"), ddp::error);
+  ::close(reader);
+  // A device: refused before anything is written to it.
   if (::access("/dev/full", W_OK) == 0)
-    CHECK_THROWS_WITH_AS(ddp::timeline("/dev/full", 0, 1), doctest::Contains("cannot write to it"), ddp::error);
+    CHECK_THROWS_WITH_AS(ddp::timeline("/dev/full", 0, 1), doctest::Contains("cannot open it: a device is there"),
+                         ddp::error);
 }
 
 TEST_CASE("timeline::open: dp_options::timeline, DDP_TIMELINE, DDP_TIMELINE_STEPS, and a second wrapper's file") {

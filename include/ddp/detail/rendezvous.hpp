@@ -106,9 +106,10 @@ std::vector<int> missing_ranks(Store& st, int world, deadline_t until) {
   for (int lo = 0; lo < world; lo += chunk) {
     std::vector<std::string> keys;
     for (int r = lo; r < std::min(world, lo + chunk); ++r) keys.push_back("pg/rank/" + std::to_string(r));
-    // A wait of a millisecond: the store answers at once with the keys still missing.
+    // A wait of a millisecond at the store, which then answers with the keys still missing; the
+    // reply may queue behind thousands of other ranks' requests, so the call has until `until`.
     if (clock::now() >= until) raise(errc::timeout, -1, "no time left to list the missing ranks");
-    for (auto& k : st.wait(keys, clock::now() + timing::missing_ranks_wait))
+    for (auto& k : st.wait(keys, timing::missing_ranks_wait, until))
       missing.push_back(std::atoi(k.c_str() + k.rfind('/') + 1));
   }
   std::sort(missing.begin(), missing.end());

@@ -17,9 +17,12 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <string_view>
+#include <system_error>
 #include <thread>
 
 #include <ddp/version.hpp>
@@ -32,7 +35,13 @@ namespace detail {
 inline int default_kernel_threads() {
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   int local = 1;
-  if (const char* v = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(v));
+  // Range-checked before any cast: a value that is not a number of ranks in [1, 2^20] counts as 1.
+  if (const char* v = std::getenv("LOCAL_WORLD_SIZE")) {
+    long long n = 0;
+    const std::string_view s(v);
+    const auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), n);
+    if (ec == std::errc() && p == s.data() + s.size() && n >= 1 && n <= (1LL << 20)) local = static_cast<int>(n);
+  }
   return std::max(1, hw / local);
 }
 
