@@ -776,11 +776,15 @@ TEST_CASE("strangers holding the store's descriptors are evicted for real client
     for (const auto& e : errors) CHECK_MESSAGE(e.empty(), e);
     CHECK(worked.load() == 8);
     // The strangers that made room were closed by the server.
+    // A stranger that sent a hello may have its challenge waiting before the end of the stream:
+    // read past it.
     int closed = 0;
     for (int fd : strangers) {
       char b[128];
-      pollfd p{fd, POLLIN, 0};
-      if (::poll(&p, 1, 0) == 1 && ::recv(fd, b, sizeof b, MSG_DONTWAIT) <= 0) ++closed;
+      ssize_t n;
+      while ((n = ::recv(fd, b, sizeof b, MSG_DONTWAIT)) > 0) {
+      }
+      if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) ++closed;
     }
     const auto st = host.stats();
     MESSAGE("evicted " << st.evicted << ", shed " << st.shed << ", strangers closed " << closed << " of "
