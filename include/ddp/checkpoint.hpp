@@ -207,12 +207,7 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
       } else if (::fstat(fd.get(), &st) != 0) {
         fail(errc::system, "could not stat '" + file + "': " + ck::errno_text(errno));
       } else if (!S_ISREG(st.st_mode)) {
-        fail(errc::invalid_argument, "'" + file + "' is not a regular file (it is " +
-                                         (S_ISFIFO(st.st_mode)   ? "a FIFO"
-                                          : S_ISSOCK(st.st_mode) ? "a socket"
-                                          : S_ISDIR(st.st_mode)  ? "a directory"
-                                                                 : "a device") +
-                                         ")");
+        fail(errc::invalid_argument, "'" + file + "' is not a regular file (it is " + detail::describe_file(st) + ")");
       } else if (::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) & ~O_NONBLOCK) != 0) {
         fail(errc::system, "could not read '" + file + "': " + ck::errno_text(errno));
       } else {

@@ -47,12 +47,9 @@ inline std::string rank_file(std::string_view base, int rank, unsigned instance 
   return name + suffix;
 }
 
-/// What is at `path` (lstat, not following a link), for messages: "a symbolic link", "a FIFO",
-/// "a socket", "a device", "a directory", "a file of uid U", "a file with N hard links", "a
-/// file", or "nothing".
-inline std::string found_at(const std::string& path) {
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0) return "nothing";
+/// What `st` describes, for messages: "a symbolic link", "a FIFO", "a socket", "a device", "a
+/// directory", "a file of uid U" (another user's), "a file with N hard links", or "a file".
+inline std::string describe_file(const struct stat& st) {
   if (S_ISLNK(st.st_mode)) return "a symbolic link";
   if (S_ISFIFO(st.st_mode)) return "a FIFO";
   if (S_ISSOCK(st.st_mode)) return "a socket";
@@ -61,6 +58,12 @@ inline std::string found_at(const std::string& path) {
   if (st.st_uid != ::geteuid()) return "a file of uid " + std::to_string(st.st_uid);
   if (st.st_nlink != 1) return "a file with " + std::to_string(st.st_nlink) + " hard links";
   return "a file";
+}
+
+/// What is at `path` (lstat, not following a link), as describe_file says it, or "nothing".
+inline std::string found_at(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) != 0 ? "nothing" : describe_file(st);
 }
 
 /// Creates a new file beside `path` that nothing planted can be: `path.<16 hex digits>.tmp`,
@@ -109,10 +112,7 @@ inline int open_own_file(const std::string& path, std::string& why, mode_t mode 
     return -1;
   }
   if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || st.st_nlink != 1) {
-    why = !S_ISREG(st.st_mode) ? (S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISSOCK(st.st_mode) ? "a socket" : "a device")
-          : st.st_uid != ::geteuid() ? "a file of uid " + std::to_string(st.st_uid)
-                                     : "a file with " + std::to_string(st.st_nlink) + " hard links";
-    why += " is there";
+    why = describe_file(st) + " is there";
     ::close(fd);
     errno = EEXIST;
     return -1;

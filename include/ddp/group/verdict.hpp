@@ -210,7 +210,7 @@ class failure_verdict {
   void note_waiting(int peer) noexcept {
     if (!store_ || owner_.forked()) return;
     try {
-      const std::string key = std::string(waits_prefix) + "/waiting/" + std::to_string(rank_);
+      const std::string key = waiting_key(waits_prefix, rank_);
       if (peer < 0) store_->erase(key, store_budget());
       else store_->set(key, std::to_string(peer), store_budget());
     } catch (...) {
@@ -230,7 +230,7 @@ class failure_verdict {
     const std::string store_silent = "rank 0 stopped answering (its store does not reply; " + waited + ")";
     if (!store_) return "rank " + std::to_string(peer) + " did not answer within the deadline";
     try {
-      store_->set(prefix + "/waiting/" + std::to_string(rank_), std::to_string(peer), store_budget());
+      store_->set(waiting_key(prefix, rank_), std::to_string(peer), store_budget());
     } catch (const error&) {
       return store_silent;
     }
@@ -244,7 +244,7 @@ class failure_verdict {
     auto record_of = [&](int r) {
       auto it = waits_for.find(r);
       if (it != waits_for.end()) return it->second;
-      const std::string key = prefix + "/waiting/" + std::to_string(r);
+      const std::string key = waiting_key(prefix, r);
       if (!store_->check(key, store_budget())) return -1;
       const int w = std::atoi(store_->get(key, store_budget()).c_str());
       waits_for[r] = w;
@@ -296,6 +296,8 @@ class failure_verdict {
 
  private:
   static constexpr const char* failure_key = "pg/failure";
+  /// The store key of rank `r`'s "waits for" record under `prefix`.
+  static std::string waiting_key(const std::string& prefix, int r) { return prefix + "/waiting/" + std::to_string(r); }
 
   store_client* store_ = nullptr;
   int rank_ = 0;
