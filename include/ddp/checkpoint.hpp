@@ -119,9 +119,10 @@ void save_checkpoint(process_group& pg, const std::filesystem::path& path, const
             fail(errc::system, "could not close '" + tmp + "': " + ck::errno_text(ce));
           } else if (::rename(tmp.c_str(), file.c_str()) != 0) {
             const int e = errno;
-            fail(errc::system, "could not rename '" + tmp + "' to '" + file + "': " + ck::errno_text(e) +
-                                   (e == EPERM || e == EACCES || e == EISDIR ? " (" + detail::found_at(file) + " is there)"
-                                                                             : std::string()));
+            fail(errc::system,
+                 "could not rename '" + tmp + "' to '" + file + "': " + ck::errno_text(e) +
+                     (e == EPERM || e == EACCES || e == EISDIR ? " (" + detail::found_at(file) + " is there)"
+                                                               : std::string()));
           } else {
             created = false;
             // The rename lasts only once the directory is on disk too. File systems that
@@ -264,8 +265,8 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
   pg.broadcast(std::as_writable_bytes(std::span(meta.data(), meta.size())), 0, until);
   ck::header h;
   std::vector<ck::entry> in_file;
-  std::string why = ck::decode_header(std::string_view(meta).substr(8, ck::header_bytes),
-                                      detail::get_u64(meta.data()), h);
+  std::string why =
+      ck::decode_header(std::string_view(meta).substr(8, ck::header_bytes), detail::get_u64(meta.data()), h);
   if (why.empty()) why = ck::decode_table(std::string_view(meta).substr(8 + ck::header_bytes), h, in_file);
   std::string data;
   std::vector<std::byte> extra;
@@ -283,9 +284,9 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
       if (e == 0 && !extra.empty()) e = ck::read_exact(fd.get(), extra.data(), extra.size());
       if (e == 0) e = ck::read_exact(fd.get(), trailer.data(), trailer.size());
       if (e != 0) {
-        fail(errc::invalid_argument, "read '" + file + "': " +
-                                         (e == ENODATA ? "the file ended early (truncated while read?)"
-                                                       : ck::errno_text(e)));
+        fail(errc::invalid_argument,
+             "read '" + file +
+                 "': " + (e == ENODATA ? "the file ended early (truncated while read?)" : ck::errno_text(e)));
       } else {
         ck::xxh64 sum;
         sum.update(std::string_view(meta).substr(8));

@@ -53,7 +53,9 @@ concept has_broadcast_async = requires(R& r, void* data, std::size_t count, dtyp
 
 /// `r.barrier()` blocks until every rank has called it.
 template <class R>
-concept has_barrier = requires(R& r) { r.barrier(); };
+concept has_barrier = requires(R& r) {
+  r.barrier();
+};
 
 /// `r.rank()` and `r.size()` say where this process stands in the reducer's group.
 template <class R>
@@ -72,18 +74,21 @@ concept has_rank_and_size = requires(const R& r) {
 /// \endcode
 template <class R>
 concept reducer = reducer_constructible_from_group<R> && has_allreduce_async<R> && has_broadcast_async<R> &&
-                  has_barrier<R> && has_rank_and_size<R>;
+    has_barrier<R> && has_rank_and_size<R>;
 
 /// `r.abort()` exists (whether or not it may throw).
 template <class R>
-concept has_abort = requires(R& r) { r.abort(); };
+concept has_abort = requires(R& r) {
+  r.abort();
+};
 
 /// Optional hook: `r.abort()`, `noexcept`, ends the reducer's collectives in flight on every
 /// rank. The wrapper calls it when a failed step or its destructor finds collectives that do
 /// not end; it runs on paths that must not throw, hence `noexcept`.
 template <class R>
 concept reducer_with_abort = requires(R& r) {
-  { r.abort() } noexcept;
+  { r.abort() }
+  noexcept;
 };
 
 /// Optional hook: `r.transport().fail(errc, message)` fails the reducer's transport with a
@@ -116,7 +121,7 @@ template <class A, class R>
 concept allocator_bound_through_inner = requires(R& r) {
   r.inner();
   requires allocator_bound_to_reducer<A, std::remove_reference_t<decltype(r.inner())>> ||
-               allocator_bound_to_transport<A, std::remove_reference_t<decltype(r.inner())>>;
+      allocator_bound_to_transport<A, std::remove_reference_t<decltype(r.inner())>>;
 };
 
 /// An allocator that the wrapper builds from its reducer (any way above) instead of

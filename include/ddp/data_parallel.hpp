@@ -100,16 +100,19 @@ class basic_data_parallel {
         agree_(agreement_channel{pg_.rank(), pg_.size(), [this](const std::string& s) { return pg_.all_gather(s); },
                                  [this](std::span<std::uint64_t> w, int root) { pg_.broadcast(w, root); }}),
         memory_(allocator_for<Allocator>(red_)),
-        state_(views_.size(), [this](std::size_t b) { launch(b); },
-               opts.uneven_inputs ? bucket_state::open_fn([this] { issue_count(1); }) : bucket_state::open_fn{}) {
+        state_(
+            views_.size(), [this](std::size_t b) { launch(b); },
+            opts.uneven_inputs ? bucket_state::open_fn([this] { issue_count(1); }) : bucket_state::open_fn{}) {
     memory_.check_reachable(views_, pg_.rank());
     memory_.check_reachable(std::span<const buffer_view>(buffers_.buffers()), pg_.rank());
     agree_.check_signatures(views_);
     agree_.check_buffer_signatures(buffers_.buffers());
     agree_.check_same("dp_options::uneven_inputs", opts_.uneven_inputs ? 1 : 0);
     agree_.check_same("dp_options::find_unused_parameters", opts_.find_unused_parameters ? 1 : 0);
-    agree_.check_same("dp_options::buffers (0 broadcast, 1 average, 2 none)", static_cast<std::uint64_t>(opts_.buffers));
-    agree_.check_same("dp_options::divide_by (0 world_size, 1 contributors)", static_cast<std::uint64_t>(opts_.divide_by));
+    agree_.check_same("dp_options::buffers (0 broadcast, 1 average, 2 none)",
+                      static_cast<std::uint64_t>(opts_.buffers));
+    agree_.check_same("dp_options::divide_by (0 world_size, 1 contributors)",
+                      static_cast<std::uint64_t>(opts_.divide_by));
     set_up_autotune();
     if (opts_.broadcast_parameters && pg.size() > 1) {
       agreement::broadcast_values(red_, std::span<const tensor_view>(views_), pg_.timeout());
@@ -314,12 +317,15 @@ class basic_data_parallel {
     // model every rank continues from (PyTorch's Join ends the same way, _sync_final_model).
     if (pg_.size() > 1)
       guarded("join (the model of the last rank to join)", -1, [&] {
-      const auto last = static_cast<int>(pg_.all_reduce(static_cast<std::int64_t>(answered == 0 ? pg_.rank() : -1), op::max));
-      if (last < 0 || last >= pg_.size())
-        detail::raise(errc::protocol, pg_.rank(), "join(): no rank says it joined last (" + std::to_string(last) + ")");
-      agreement::broadcast_values(plain_reducer(), std::span<const tensor_view>(views_), pg_.timeout(), last);
-      agreement::broadcast_values(plain_reducer(), std::span<const buffer_view>(buffers_.buffers()), pg_.timeout(), last);
-    });
+        const auto last =
+            static_cast<int>(pg_.all_reduce(static_cast<std::int64_t>(answered == 0 ? pg_.rank() : -1), op::max));
+        if (last < 0 || last >= pg_.size())
+          detail::raise(errc::protocol, pg_.rank(),
+                        "join(): no rank says it joined last (" + std::to_string(last) + ")");
+        agreement::broadcast_values(plain_reducer(), std::span<const tensor_view>(views_), pg_.timeout(), last);
+        agreement::broadcast_values(plain_reducer(), std::span<const buffer_view>(buffers_.buffers()), pg_.timeout(),
+                                    last);
+      });
     if (opts_.gradient_as_bucket_view)
       guarded("join", -1, [&] {
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) memory_.zero_bucket(b);
@@ -384,7 +390,8 @@ class basic_data_parallel {
     check_healthy();
     check_not_joining("sync_buffers()");
     if (state_.is_open())
-      detail::raise(errc::usage, pg_.rank(), "sync_buffers() in the middle of a step; call it before the first grad_ready or after finish()");
+      detail::raise(errc::usage, pg_.rank(),
+                    "sync_buffers() in the middle of a step; call it before the first grad_ready or after finish()");
     sync_buffer_values(0, how, "sync_buffers");
   }
 
@@ -439,8 +446,9 @@ class basic_data_parallel {
   void check_not_joining(const char* what) const {
     if (joining_.load(std::memory_order_acquire))
       detail::raise(errc::usage, pg_.rank(),
-                    std::string(what) + " while this rank's join() is running (join() returns once every rank "
-                                        "has joined; the next epoch's steps may start then)");
+                    std::string(what) +
+                        " while this rank's join() is running (join() returns once every rank "
+                        "has joined; the next epoch's steps may start then)");
   }
 
   void check_index(std::size_t i, const char* what) const {
@@ -487,9 +495,7 @@ class basic_data_parallel {
     if (timeline_) timeline_->bucket_waited(b, t_wait, steady_clock::now());
   }
 
-  std::chrono::milliseconds wait_patience() const {
-    return opts_.timeout.count() > 0 ? opts_.timeout : pg_.timeout();
-  }
+  std::chrono::milliseconds wait_patience() const { return opts_.timeout.count() > 0 ? opts_.timeout : pg_.timeout(); }
 
   // ---- uneven inputs (docs/data-parallel.md, "Uneven inputs") -------------------------------
   // Every synchronized step of an active rank, and every round of a joined rank's join(),
@@ -540,8 +546,9 @@ class basic_data_parallel {
   void call_bucket_hook(std::size_t b) {
     hook_params_.clear();
     for (const auto& e : memory_.plan().buckets[b].entries) hook_params_.push_back(e.param);
-    guarded("finish (the bucket hook, on_bucket_reduced)", -1,
-            [&] { bucket_hook_(reduced_bucket{b, std::span<const std::size_t>(hook_params_), step_}); });
+    guarded("finish (the bucket hook, on_bucket_reduced)", -1, [&] {
+      bucket_hook_(reduced_bucket{b, std::span<const std::size_t>(hook_params_), step_});
+    });
   }
 
   // ---- buffers and the step record (docs/engines.md, "What is synchronized") ---------------
@@ -556,8 +563,9 @@ class basic_data_parallel {
   // The step record is reduced when some rank may not use a parameter (which ones no rank used)
   // or when ranks may join and buffers follow one rank (which rank that is).
   bool record_needed() const noexcept {
-    return pg_.size() > 1 && (opts_.find_unused_parameters ||
-                              (opts_.uneven_inputs && opts_.buffers != buffer_sync::none && !buffers_.groups().empty()));
+    return pg_.size() > 1 &&
+           (opts_.find_unused_parameters ||
+            (opts_.uneven_inputs && opts_.buffers != buffer_sync::none && !buffers_.groups().empty()));
   }
 
   // After this step's buckets (or a joined rank's zeros), under guarded().
@@ -602,7 +610,8 @@ class basic_data_parallel {
     guarded(
         what, -1,
         [&] {
-          memory_.wait_side(wait_patience(), pg_.rank(), "the step record (parameters used, the buffers' source) was not reduced");
+          memory_.wait_side(wait_patience(), pg_.rank(),
+                            "the step record (parameters used, the buffers' source) was not reduced");
           memory_.get_side(words.data(), words.size() * sizeof(std::int64_t));
         },
         false);
@@ -614,8 +623,9 @@ class basic_data_parallel {
     const std::int64_t source = opts_.uneven_inputs ? words.back() : 0;
     if (source < 0 || source >= pg_.size())
       guarded(what, -1, [&] {
-        detail::raise(errc::protocol, pg_.rank(), "the step record names rank " + std::to_string(source) + " of " +
-                                                      std::to_string(pg_.size()) + " as the buffers' source");
+        detail::raise(errc::protocol, pg_.rank(),
+                      "the step record names rank " + std::to_string(source) + " of " + std::to_string(pg_.size()) +
+                          " as the buffers' source");
       });
     return static_cast<int>(source);
   }
@@ -626,7 +636,8 @@ class basic_data_parallel {
     if (how == buffer_sync::none || buffers_.groups().empty() || pg_.size() == 1) return;
     const auto& bufs = buffers_.buffers();
     guarded(what, -1, [&] {
-      for (const auto& sl : buffers_.slots()) memory_.put_side(sl.offset, bufs[sl.buffer].data, bufs[sl.buffer].bytes());
+      for (const auto& sl : buffers_.slots())
+        memory_.put_side(sl.offset, bufs[sl.buffer].data, bufs[sl.buffer].bytes());
     });
     for (const auto& g : buffers_.groups()) {
       void* p = static_cast<std::byte*>(memory_.side()) + g.offset;
@@ -646,7 +657,8 @@ class basic_data_parallel {
           false);
     }
     guarded(what, -1, [&] {
-      for (const auto& sl : buffers_.slots()) memory_.get_side(sl.offset, bufs[sl.buffer].data, bufs[sl.buffer].bytes());
+      for (const auto& sl : buffers_.slots())
+        memory_.get_side(sl.offset, bufs[sl.buffer].data, bufs[sl.buffer].bytes());
     });
   }
 
@@ -723,8 +735,8 @@ class basic_data_parallel {
   // ---- the bucket-cap autotune (docs/tuning.md, "Autotune") -------------------------------
   // Every rank runs the same schedule: the first synchronized step with the smallest candidate
   // (unmeasured), then autotune_rounds passes over the candidates, each visit one unmeasured
-  // step on fresh buckets and autotune_steps measured ones. Each tuning step ends with an all_reduce (max) of this rank's figure, so all
-  // ranks record the same numbers; rank 0's pick is broadcast all the same, and check_plan
+  // step on fresh buckets and autotune_steps measured ones. Each tuning step ends with an all_reduce (max) of this
+  // rank's figure, so all ranks record the same numbers; rank 0's pick is broadcast all the same, and check_plan
   // confirms one plan after every re-plan.
 
   // At construction, on every rank: ranks agree on the option and its settings, then reject the
@@ -733,7 +745,8 @@ class basic_data_parallel {
     agree_.check_same("bucket_policy::autotune", policy_.autotune ? 1 : 0);
     if (!policy_.autotune) return;
     // Compared as the tuner takes them (caps sorted, each once): a mismatch shows the values.
-    agree_.check_same_text("bucket_policy::autotune_caps, autotune_steps and autotune_rounds", autotune_settings(policy_));
+    agree_.check_same_text("bucket_policy::autotune_caps, autotune_steps and autotune_rounds",
+                           autotune_settings(policy_));
     agree_.check_same("dp_options::gradient_as_bucket_view", opts_.gradient_as_bucket_view ? 1 : 0);
     if (opts_.gradient_as_bucket_view)
       detail::raise(errc::usage, pg_.rank(),
@@ -761,11 +774,11 @@ class basic_data_parallel {
       if (!t.started()) {
         // The first synchronized step: rank 0's ready order is known (tune_order_, or empty
         // without the rebuild), and the plan in place is the smallest candidate's.
-        auto caps = distinct_caps(planner_, infos_, tune_base_, tune_order_, policy_.autotune_caps.empty()
-                                                                                 ? default_autotune_caps()
-                                                                                 : policy_.autotune_caps);
+        auto caps = distinct_caps(planner_, infos_, tune_base_, tune_order_,
+                                  policy_.autotune_caps.empty() ? default_autotune_caps() : policy_.autotune_caps);
         std::vector<std::size_t> buckets;
-        for (auto c : caps) buckets.push_back(planner_.plan(infos_, with_cap(tune_base_, c), tune_order_).buckets.size());
+        for (auto c : caps)
+          buckets.push_back(planner_.plan(infos_, with_cap(tune_base_, c), tune_order_).buckets.size());
         t.start(std::move(caps), buckets);
         return;
       }
@@ -799,7 +812,7 @@ class basic_data_parallel {
   bucket_policy policy_;
   dp_options opts_;
   std::vector<tensor_view> views_;
-  buffer_layout buffers_;  // the buffers and frozen parameters, and the per-step staging layout
+  buffer_layout buffers_;                        // the buffers and frozen parameters, and the per-step staging layout
   std::vector<std::uint8_t> unused_everywhere_;  // per parameter, after a synchronized step (the record)
   std::function<void(const reduced_bucket&)> bucket_hook_;  // on_bucket_reduced
   std::vector<std::size_t> hook_params_;                    // the hook's current bucket
@@ -817,7 +830,7 @@ class basic_data_parallel {
   std::uint64_t step_ = 0;
   std::uint64_t generation_ = 0;
   step_stats last_stats_;
-  detail::failure_latch failure_;  // the first failure: every later call raises it
+  detail::failure_latch failure_;          // the first failure: every later call raises it
   std::optional<bucket_autotuner> tuner_;  // with bucket_policy::autotune
   bucket_policy tune_base_;                // the policy as given; candidates replace its cap
   std::vector<std::size_t> tune_order_;    // rank 0's ready order from the rebuild (empty: none)

@@ -35,7 +35,7 @@ struct half {
       return static_cast<std::uint16_t>(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0u));
     }
     if (absx >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // overflow
-    if (absx < 0x38800000u) {  // subnormal or zero in half
+    if (absx < 0x38800000u) {                                                    // subnormal or zero in half
       // Shift the float so that its value in units of 2^-24 sits in the integer part.
       const float scaled = std::bit_cast<float>(absx) * 16777216.0f;  // 2^24, exact
       // Round to nearest even through the float adder: add and subtract 2^23.
@@ -73,57 +73,80 @@ struct bfloat16 {
     x += 0x7fffu + ((x >> 16) & 1u);
     return static_cast<std::uint16_t>(x >> 16);
   }
-  static float to_float(std::uint16_t b) noexcept {
-    return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
-  }
+  static float to_float(std::uint16_t b) noexcept { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
 };
 
 /// Maps a C++ element type to its `ddp::dtype`; undefined for unsupported types.
 template <class T>
 struct dtype_of;
-template <> struct dtype_of<float> : std::integral_constant<dtype, dtype::f32> {};
-template <> struct dtype_of<double> : std::integral_constant<dtype, dtype::f64> {};
-template <> struct dtype_of<half> : std::integral_constant<dtype, dtype::f16> {};
-template <> struct dtype_of<bfloat16> : std::integral_constant<dtype, dtype::bf16> {};
-template <> struct dtype_of<std::int32_t> : std::integral_constant<dtype, dtype::i32> {};
-template <> struct dtype_of<std::int64_t> : std::integral_constant<dtype, dtype::i64> {};
+template <>
+struct dtype_of<float> : std::integral_constant<dtype, dtype::f32> {};
+template <>
+struct dtype_of<double> : std::integral_constant<dtype, dtype::f64> {};
+template <>
+struct dtype_of<half> : std::integral_constant<dtype, dtype::f16> {};
+template <>
+struct dtype_of<bfloat16> : std::integral_constant<dtype, dtype::bf16> {};
+template <>
+struct dtype_of<std::int32_t> : std::integral_constant<dtype, dtype::i32> {};
+template <>
+struct dtype_of<std::int64_t> : std::integral_constant<dtype, dtype::i64> {};
 
 template <class T>
 inline constexpr dtype dtype_of_v = dtype_of<std::remove_cv_t<T>>::value;
 
 /// True for the element types every ddp reducer supports.
 template <class T>
-concept element = requires { dtype_of<std::remove_cv_t<T>>::value; };
+concept element = requires {
+  dtype_of<std::remove_cv_t<T>>::value;
+};
 
 /// Size in bytes of one element of `t`.
 constexpr std::size_t dtype_size(dtype t) noexcept {
   switch (t) {
-    case dtype::f32: case dtype::i32: return 4;
-    case dtype::f64: case dtype::i64: return 8;
-    case dtype::f16: case dtype::bf16: return 2;
+    case dtype::f32:
+    case dtype::i32:
+      return 4;
+    case dtype::f64:
+    case dtype::i64:
+      return 8;
+    case dtype::f16:
+    case dtype::bf16:
+      return 2;
   }
   return 0;
 }
 
 constexpr const char* dtype_name(dtype t) noexcept {
   switch (t) {
-    case dtype::f32: return "f32";
-    case dtype::f64: return "f64";
-    case dtype::f16: return "f16";
-    case dtype::bf16: return "bf16";
-    case dtype::i32: return "i32";
-    case dtype::i64: return "i64";
+    case dtype::f32:
+      return "f32";
+    case dtype::f64:
+      return "f64";
+    case dtype::f16:
+      return "f16";
+    case dtype::bf16:
+      return "bf16";
+    case dtype::i32:
+      return "i32";
+    case dtype::i64:
+      return "i64";
   }
   return "?";
 }
 
 constexpr const char* op_name(op o) noexcept {
   switch (o) {
-    case op::sum: return "sum";
-    case op::avg: return "avg";
-    case op::min: return "min";
-    case op::max: return "max";
-    case op::prod: return "prod";
+    case op::sum:
+      return "sum";
+    case op::avg:
+      return "avg";
+    case op::min:
+      return "min";
+    case op::max:
+      return "max";
+    case op::prod:
+      return "prod";
   }
   return "?";
 }

@@ -30,8 +30,10 @@ struct endpoint {
   /// errc::invalid_argument for a missing or malformed port, or an IPv6 address without brackets.
   static endpoint parse(std::string_view s) {
     auto bad = [&](const char* why) -> endpoint {
-      detail::raise(errc::invalid_argument, -1, "endpoint '" + std::string(s) + "': " + why + " (write host:port, or "
-                                                "[ipv6]:port)");
+      detail::raise(errc::invalid_argument, -1,
+                    "endpoint '" + std::string(s) + "': " + why +
+                        " (write host:port, or "
+                        "[ipv6]:port)");
     };
     std::string_view host, port;
     if (!s.empty() && s.front() == '[') {

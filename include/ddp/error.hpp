@@ -39,19 +39,32 @@ class error;
 namespace detail {
 inline const char* errc_name(errc e) noexcept {
   switch (e) {
-    case errc::invalid_argument: return "invalid_argument";
-    case errc::timeout: return "timeout";
-    case errc::peer_lost: return "peer_lost";
-    case errc::mismatch: return "mismatch";
-    case errc::protocol: return "protocol";
-    case errc::address_in_use: return "address_in_use";
-    case errc::unresolvable: return "unresolvable";
-    case errc::rank_conflict: return "rank_conflict";
-    case errc::aborted: return "aborted";
-    case errc::auth_failed: return "auth_failed";
-    case errc::unsupported: return "unsupported";
-    case errc::system: return "system";
-    case errc::usage: return "usage";
+    case errc::invalid_argument:
+      return "invalid_argument";
+    case errc::timeout:
+      return "timeout";
+    case errc::peer_lost:
+      return "peer_lost";
+    case errc::mismatch:
+      return "mismatch";
+    case errc::protocol:
+      return "protocol";
+    case errc::address_in_use:
+      return "address_in_use";
+    case errc::unresolvable:
+      return "unresolvable";
+    case errc::rank_conflict:
+      return "rank_conflict";
+    case errc::aborted:
+      return "aborted";
+    case errc::auth_failed:
+      return "auth_failed";
+    case errc::unsupported:
+      return "unsupported";
+    case errc::system:
+      return "system";
+    case errc::usage:
+      return "usage";
   }
   return "unknown";
 }
@@ -101,18 +114,28 @@ inline std::error_code make_error_code(errc e) noexcept { return {static_cast<in
 class error : public std::system_error {
  public:
   error(errc code, int rank, const std::string& msg, int bucket = -1, int parameter = -1)
-      : std::system_error(make_error_code(code)), what_(prefix(code, rank)), message_at_(what_.size()), rank_(rank),
-        bucket_(bucket), parameter_(parameter) {
+      : std::system_error(make_error_code(code)),
+        what_(prefix(code, rank)),
+        message_at_(what_.size()),
+        rank_(rank),
+        bucket_(bucket),
+        parameter_(parameter) {
     // A NUL byte from user data (a parameter name read from a file) is written as "\0": what()
     // is a C string, and the bytes after it must not vanish.
     for (const char c : msg) {
-      if (c == '\0') what_ += "\\0";
-      else what_ += c;
+      if (c == '\0')
+        what_ += "\\0";
+      else
+        what_ += c;
     }
     detail::live_errors::get().add(this);
   }
   error(const error& o)
-      : std::system_error(o), what_(o.what_), message_at_(o.message_at_), rank_(o.rank_), bucket_(o.bucket_),
+      : std::system_error(o),
+        what_(o.what_),
+        message_at_(o.message_at_),
+        rank_(o.rank_),
+        bucket_(o.bucket_),
         parameter_(o.parameter_) {
     detail::live_errors::get().add(this);
   }
@@ -169,8 +192,7 @@ inline bool latest_live_error(errc& code, std::string& message) {
 }
 
 /// The single throw site of ddp.
-[[noreturn]] inline void raise(errc code, int rank, const std::string& msg, int bucket = -1,
-                               int parameter = -1) {
+[[noreturn]] inline void raise(errc code, int rank, const std::string& msg, int bucket = -1, int parameter = -1) {
   throw error(code, rank, msg, bucket, parameter);
 }
 }  // namespace detail

@@ -60,9 +60,9 @@ struct tensor_view {
 /// auto v = ddp::make_tensor_view(std::span{weights}, std::span{grads}, "conv1.weight", {64, 3, 7, 7});
 /// \endcode
 template <element T>
-  requires(!std::is_const_v<T>)
-tensor_view make_tensor_view(std::span<T> data, std::span<T> grad, std::string_view name = {},
-                             std::vector<std::int64_t> shape = {}) {
+requires(!std::is_const_v<T>) tensor_view
+    make_tensor_view(std::span<T> data, std::span<T> grad, std::string_view name = {},
+                     std::vector<std::int64_t> shape = {}) {
   const auto label = [&] {
     return name.empty() ? std::string("unnamed parameter") : "parameter '" + std::string(name) + "'";
   };
@@ -85,22 +85,25 @@ tensor_view make_tensor_view(std::span<T> data, std::span<T> grad, std::string_v
                         std::to_string(data.size()));
     }
   }
-  return tensor_view{static_cast<void*>(data.data()), static_cast<void*>(grad.data()), data.size(),
-                     dtype_of_v<T>, -1, name, std::move(shape)};
+  return tensor_view{static_cast<void*>(data.data()),
+                     static_cast<void*>(grad.data()),
+                     data.size(),
+                     dtype_of_v<T>,
+                     -1,
+                     name,
+                     std::move(shape)};
 }
 
 /// Same as the `std::span` overload, for any contiguous ranges (e.g. `std::vector<float>&`).
 template <std::ranges::contiguous_range D, std::ranges::contiguous_range G>
-  requires std::same_as<std::ranges::range_value_t<D>, std::ranges::range_value_t<G>> &&
-           element<std::ranges::range_value_t<D>> &&
-           (!std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<D>>>) &&
-           (!std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<G>>>)
-tensor_view make_tensor_view(D&& data, G&& grad, std::string_view name = {},
-                             std::vector<std::int64_t> shape = {}) {
+requires std::same_as<std::ranges::range_value_t<D>, std::ranges::range_value_t<G>> &&
+    element<std::ranges::range_value_t<D>> &&
+    (!std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<D>>>)&&(
+        !std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<G>>>)tensor_view
+    make_tensor_view(D&& data, G&& grad, std::string_view name = {}, std::vector<std::int64_t> shape = {}) {
   using T = std::ranges::range_value_t<D>;
   return make_tensor_view(std::span<T>(std::ranges::data(data), std::ranges::size(data)),
-                          std::span<T>(std::ranges::data(grad), std::ranges::size(grad)), name,
-                          std::move(shape));
+                          std::span<T>(std::ranges::data(grad), std::ranges::size(grad)), name, std::move(shape));
 }
 
 /// Customization point: how ddp reads parameter `i` of a container `C`.
@@ -135,8 +138,8 @@ struct parameter_traits {};
 
 /// The built-in adapter: any random-access range whose elements are `tensor_view`.
 template <class C>
-  requires std::ranges::random_access_range<const C> && std::ranges::sized_range<const C> &&
-           std::same_as<std::ranges::range_value_t<const C>, tensor_view>
+requires std::ranges::random_access_range<const C> && std::ranges::sized_range<const C> &&
+    std::same_as<std::ranges::range_value_t<const C>, tensor_view>
 struct parameter_traits<C> {
   static std::size_t size(const C& c) { return static_cast<std::size_t>(std::ranges::size(c)); }
   static const tensor_view& at(const C& c, std::size_t i) {
@@ -157,8 +160,7 @@ using traits_of = parameter_traits<std::remove_cvref_t<C>>;
 
 template <class P>
 concept writable_object_pointer =
-    std::is_pointer_v<P> && !std::is_const_v<std::remove_pointer_t<P>> &&
-    !std::is_function_v<std::remove_pointer_t<P>>;
+    std::is_pointer_v<P> && !std::is_const_v<std::remove_pointer_t<P>> && !std::is_function_v<std::remove_pointer_t<P>>;
 }  // namespace detail
 
 /// `parameter_traits<C>::size(c)` gives the parameter count.
@@ -219,7 +221,7 @@ concept has_parameter_shape = requires(const C& c, std::size_t i) {
 /// \endcode
 template <class C>
 concept parameter_set = has_parameter_count<C> && has_parameter_data<C> && has_parameter_grad<C> &&
-                        has_parameter_numel<C> && has_parameter_dtype<C>;
+    has_parameter_numel<C> && has_parameter_dtype<C>;
 
 /// Normalizes any `parameter_set` into views; the wrapper works on these internally.
 ///
@@ -265,16 +267,15 @@ std::vector<tensor_view> to_views(const C& c) {
     std::int64_t product = 1;
     for (auto d : v.shape) product *= d;
     if (product < 0 || static_cast<std::size_t>(product) != v.numel) {
-      detail::raise(errc::invalid_argument, -1,
-                    label() + ": shape holds " + std::to_string(product) + " elements but numel is " +
-                        std::to_string(v.numel),
-                    -1, static_cast<int>(i));
+      detail::raise(
+          errc::invalid_argument, -1,
+          label() + ": shape holds " + std::to_string(product) + " elements but numel is " + std::to_string(v.numel),
+          -1, static_cast<int>(i));
     }
     out.push_back(std::move(v));
   }
   return out;
 }
-
 
 // ---- buffers: the rest of a model's state ----------------------------------------------------
 
@@ -314,9 +315,9 @@ struct buffer_view {
 ///                                ddp::buffer_kind::frozen_parameter);
 /// \endcode
 template <element T>
-  requires(!std::is_const_v<T>)
-buffer_view make_buffer_view(std::span<T> data, std::string_view name = {}, std::vector<std::int64_t> shape = {},
-                             buffer_kind kind = buffer_kind::buffer) {
+requires(!std::is_const_v<T>) buffer_view
+    make_buffer_view(std::span<T> data, std::string_view name = {}, std::vector<std::int64_t> shape = {},
+                     buffer_kind kind = buffer_kind::buffer) {
   auto v = make_tensor_view(data, data, name, std::move(shape));  // the same shape checks
   return buffer_view{v.data, v.numel, v.type, -1, name, std::move(v.shape), kind};
 }
@@ -353,9 +354,9 @@ std::vector<buffer_view> to_buffer_views(const C& c) {
       std::int64_t product = 1;
       for (auto d : v.shape) product *= d;
       if (product < 0 || static_cast<std::size_t>(product) != v.numel)
-        detail::raise(errc::invalid_argument, -1,
-                      label() + ": shape holds " + std::to_string(product) + " elements but numel is " +
-                          std::to_string(v.numel));
+        detail::raise(
+            errc::invalid_argument, -1,
+            label() + ": shape holds " + std::to_string(product) + " elements but numel is " + std::to_string(v.numel));
       out.push_back(std::move(v));
     }
   }
@@ -363,8 +364,8 @@ std::vector<buffer_view> to_buffer_views(const C& c) {
 }
 
 /// A `parameter_set` with buffers beside it, for containers that have no buffer traits of their
-/// own (a `std::vector<tensor_view>`, say); a container's own buffers come first. Made by `ddp::with_buffers`; holds the parameter set
-/// by reference when given an lvalue, by value otherwise.
+/// own (a `std::vector<tensor_view>`, say); a container's own buffers come first. Made by `ddp::with_buffers`; holds
+/// the parameter set by reference when given an lvalue, by value otherwise.
 template <class P>
 class buffered_parameters {
  public:
@@ -394,11 +395,15 @@ struct parameter_traits<buffered_parameters<P>> {
   static std::size_t size(const self& s) { return static_cast<std::size_t>(inner::size(s.parameters())); }
   static void* data(const self& s, std::size_t i) { return static_cast<void*>(inner::data(s.parameters(), i)); }
   static void* grad(const self& s, std::size_t i) { return static_cast<void*>(inner::grad(s.parameters(), i)); }
-  static std::size_t numel(const self& s, std::size_t i) { return static_cast<std::size_t>(inner::numel(s.parameters(), i)); }
+  static std::size_t numel(const self& s, std::size_t i) {
+    return static_cast<std::size_t>(inner::numel(s.parameters(), i));
+  }
   static dtype type(const self& s, std::size_t i) { return inner::type(s.parameters(), i); }
   static int device(const self& s, std::size_t i) {
-    if constexpr (has_parameter_device<P>) return static_cast<int>(inner::device(s.parameters(), i));
-    else return -1;
+    if constexpr (has_parameter_device<P>)
+      return static_cast<int>(inner::device(s.parameters(), i));
+    else
+      return -1;
   }
   static std::string_view name(const self& s, std::size_t i) {
     if constexpr (has_parameter_name<P>) {
@@ -418,8 +423,10 @@ struct parameter_traits<buffered_parameters<P>> {
   }
   // The parameter set's own buffers (a torch_parameters' BatchNorm statistics), then the added ones.
   static std::size_t own_buffers(const self& s) {
-    if constexpr (has_buffers<P>) return static_cast<std::size_t>(inner::buffer_count(s.parameters()));
-    else return 0;
+    if constexpr (has_buffers<P>)
+      return static_cast<std::size_t>(inner::buffer_count(s.parameters()));
+    else
+      return 0;
   }
   static std::size_t buffer_count(const self& s) { return own_buffers(s) + s.buffers().size(); }
   static buffer_view buffer(const self& s, std::size_t i) {
@@ -430,7 +437,6 @@ struct parameter_traits<buffered_parameters<P>> {
   }
 };
 
-
 /// The whole state of a model as views: every parameter, then every buffer and frozen parameter
 /// (whose `grad` is its `data`). What checkpoints save and load.
 /// \code
@@ -439,7 +445,8 @@ struct parameter_traits<buffered_parameters<P>> {
 template <parameter_set C>
 std::vector<tensor_view> to_state_views(const C& c) {
   auto out = to_views(c);
-  for (auto& b : to_buffer_views(c)) out.push_back(tensor_view{b.data, b.data, b.numel, b.type, b.device, b.name, std::move(b.shape)});
+  for (auto& b : to_buffer_views(c))
+    out.push_back(tensor_view{b.data, b.data, b.numel, b.type, b.device, b.name, std::move(b.shape)});
   return out;
 }
 

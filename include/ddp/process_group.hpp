@@ -47,23 +47,29 @@ inline namespace v0 {
 /// Which collectives engine the default reducer (`ddp::auto_reducer`, reducer/auto.hpp) uses;
 /// by name in `DDP_BACKEND`, as PyTorch's `init_process_group("gloo")`. See docs/cluster.md.
 enum class backend : std::uint8_t {
-  automatic,  ///< "auto": one rank -> none; one host -> shm; several hosts -> hierarchical
-  shm,        ///< "shm": shared memory; every rank on one host
-  tcp,        ///< "tcp": a ring over TCP between all ranks
-  mpi,        ///< "mpi": MPI_Allreduce (needs DDP_WITH_MPI: <ddp/reducer/mpi.hpp>)
-  nccl,       ///< "nccl": NCCL on CUDA devices (needs DDP_WITH_NCCL: <ddp/reducer/nccl.hpp>)
+  automatic,     ///< "auto": one rank -> none; one host -> shm; several hosts -> hierarchical
+  shm,           ///< "shm": shared memory; every rank on one host
+  tcp,           ///< "tcp": a ring over TCP between all ranks
+  mpi,           ///< "mpi": MPI_Allreduce (needs DDP_WITH_MPI: <ddp/reducer/mpi.hpp>)
+  nccl,          ///< "nccl": NCCL on CUDA devices (needs DDP_WITH_NCCL: <ddp/reducer/nccl.hpp>)
   hierarchical,  ///< "hierarchical": shm within each host, tcp between one leader per host
 };
 
 /// The name of `b` as `DDP_BACKEND` spells it ("auto", "shm", ...).
 constexpr const char* backend_name(backend b) noexcept {
   switch (b) {
-    case backend::automatic: return "auto";
-    case backend::shm: return "shm";
-    case backend::tcp: return "tcp";
-    case backend::mpi: return "mpi";
-    case backend::nccl: return "nccl";
-    case backend::hierarchical: return "hierarchical";
+    case backend::automatic:
+      return "auto";
+    case backend::shm:
+      return "shm";
+    case backend::tcp:
+      return "tcp";
+    case backend::mpi:
+      return "mpi";
+    case backend::nccl:
+      return "nccl";
+    case backend::hierarchical:
+      return "hierarchical";
   }
   return "?";
 }
@@ -82,14 +88,14 @@ inline std::optional<backend> parse_backend(std::string_view name) noexcept {
 ///                                    .master_port = 29500, .timeout = std::chrono::seconds(60)});
 /// \endcode
 struct init_options {
-  int rank = 0;                                   ///< this process, in [0, world_size)
-  int world_size = 1;                             ///< number of processes in the group
-  std::string master_addr = "127.0.0.1";          ///< host name, IPv4 or IPv6 address of rank 0
-  int master_port = 29500;                        ///< rank 0's store port
+  int rank = 0;                                                 ///< this process, in [0, world_size)
+  int world_size = 1;                                           ///< number of processes in the group
+  std::string master_addr = "127.0.0.1";                        ///< host name, IPv4 or IPv6 address of rank 0
+  int master_port = 29500;                                      ///< rank 0's store port
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};  ///< every blocking wait's bound
-  std::string auth_token = {};                    ///< shared secret; needs an authenticator (docs/security.md)
-  int local_rank = -1;                            ///< rank on this host, -1 when unknown
-  std::string job_id = {};                        ///< names the job; tells two jobs on one port apart (optional)
+  std::string auth_token = {};  ///< shared secret; needs an authenticator (docs/security.md)
+  int local_rank = -1;          ///< rank on this host, -1 when unknown
+  std::string job_id = {};      ///< names the job; tells two jobs on one port apart (optional)
   /// Lets a group without a secret serve its store beyond loopback (any host that reaches the
   /// port could then join or disturb the group). Off by default; DDP_INSECURE=1 sets it.
   bool insecure = false;
@@ -114,7 +120,9 @@ struct init_options {
   /// `12000 + (16 * SLURM_JOB_ID + SLURM_STEP_ID % 16) % 20000` (in [12000, 31999], below
   /// Linux's ephemeral ports), with `job_id` "slurm-<job>.<step>". A malformed node list is
   /// errc::invalid_argument too.
-  static init_options from_env() { return from_env([](const char* n) { return std::getenv(n); }); }
+  static init_options from_env() {
+    return from_env([](const char* n) { return std::getenv(n); });
+  }
 
   /// The same, with a custom lookup (used by tests and by embedders with their own config).
   template <class Getenv>
@@ -133,8 +141,8 @@ struct init_options {
       auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
       if (ec != std::errc() || p != s.data() + s.size() || x < lo || x > hi)
         detail::raise(errc::invalid_argument, -1,
-                      std::string("environment variable ") + nv.first + "='" + nv.second +
-                          "' is not an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+                      std::string("environment variable ") + nv.first + "='" + nv.second + "' is not an integer in [" +
+                          std::to_string(lo) + ", " + std::to_string(hi) + "]");
       return x;
     };
     // The rank and the world size come from one launcher's pair of variables, never half from
@@ -179,8 +187,7 @@ struct init_options {
         o.job_id = "slurm-" + std::to_string(j) + "." + std::to_string(s);
       }
     }
-    if (auto v = first({"DDP_TIMEOUT"}); v.first)
-      o.timeout = std::chrono::seconds(as_int(v, 1, 1LL << 31));
+    if (auto v = first({"DDP_TIMEOUT"}); v.first) o.timeout = std::chrono::seconds(as_int(v, 1, 1LL << 31));
     if (auto v = first({"DDP_AUTH_TOKEN"}); v.first) o.auth_token = v.second;
     if (auto v = first({"DDP_JOB_ID"}); v.first) o.job_id = v.second;
     if (auto v = first({"DDP_INSECURE"}); v.first) o.insecure = as_int(v, 0, 1) == 1;
@@ -205,16 +212,18 @@ struct init_options {
   static void note_world_of_one(const char* why = nullptr) noexcept {
     static std::atomic<bool> said{false};
     if (said.exchange(true)) return;
-    std::fputs("ddp: no rank in the environment (RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK/SIZE, PMI_RANK/SIZE or "
-               "SLURM_PROCID/NTASKS)",
-               stderr);
+    std::fputs(
+        "ddp: no rank in the environment (RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK/SIZE, PMI_RANK/SIZE or "
+        "SLURM_PROCID/NTASKS)",
+        stderr);
     if (why) {
       std::fputs(": ", stderr);
       std::fputs(why, stderr);
     }
-    std::fputs(": running as a world of 1 (rank 0); start the ranks with ddprun, torchrun, mpirun or srun to run "
-               "more\n",
-               stderr);
+    std::fputs(
+        ": running as a world of 1 (rank 0); start the ranks with ddprun, torchrun, mpirun or srun to run "
+        "more\n",
+        stderr);
   }
 
   /// The variables that hold the rank and the world size (name and value each; null names
@@ -313,9 +322,9 @@ struct init_options {
 /// \endcode
 class process_group {
  public:
-  process_group(const process_group&) = default;             ///< another handle on the same group
+  process_group(const process_group&) = default;  ///< another handle on the same group
   process_group& operator=(const process_group&) = default;
-  process_group(process_group&&) noexcept = default;         ///< leaves `other` empty
+  process_group(process_group&&) noexcept = default;  ///< leaves `other` empty
   process_group& operator=(process_group&&) noexcept = default;
   ~process_group() = default;  ///< the last handle closes the group
 
@@ -372,11 +381,11 @@ class process_group {
   /// pg.all_reduce(std::span{stats}, ddp::op::sum);
   /// \endcode
   template <element T, std::size_t Extent>
-    requires(!std::is_const_v<T>)
-  void all_reduce(std::span<T, Extent> values, op o) { all_reduce(values, o, deadline()); }
+  requires(!std::is_const_v<T>) void all_reduce(std::span<T, Extent> values, op o) {
+    all_reduce(values, o, deadline());
+  }
   template <element T, std::size_t Extent>
-    requires(!std::is_const_v<T>)
-  void all_reduce(std::span<T, Extent> values, op o, deadline_t until);
+  requires(!std::is_const_v<T>) void all_reduce(std::span<T, Extent> values, op o, deadline_t until);
 
   /// One value: returns the reduction of every rank's `value`.
   ///
@@ -488,8 +497,8 @@ class process_group::state {
         recv(from, &theirs, sizeof theirs, until, "broadcast");
         if (theirs != n)
           detail::raise(errc::mismatch, rank_,
-                        "broadcast size differs: " + std::to_string(n) + " bytes here, " +
-                            std::to_string(theirs) + " at rank " + std::to_string(from));
+                        "broadcast size differs: " + std::to_string(n) + " bytes here, " + std::to_string(theirs) +
+                            " at rank " + std::to_string(from));
         recv(from, data.data(), data.size(), until, "broadcast");
         break;
       }
@@ -521,9 +530,9 @@ class process_group::state {
   std::vector<std::string> all_gather(const std::string& mine) { return all_gather(mine, deadline()); }
   std::vector<std::string> all_gather(const std::string& mine, deadline_t until) {
     if (mine.size() > max_gather_blob)
-      detail::raise(errc::invalid_argument, rank_,
-                    "all_gather blob of " + std::to_string(mine.size()) + " bytes; at most " +
-                        std::to_string(max_gather_blob));
+      detail::raise(
+          errc::invalid_argument, rank_,
+          "all_gather blob of " + std::to_string(mine.size()) + " bytes; at most " + std::to_string(max_gather_blob));
     // `packed`: (u64 length, bytes) for ranks rank_, rank_ + 1, ... of this rank's subtree.
     std::string packed = detail::encode_i64(static_cast<std::int64_t>(mine.size())) + mine;
     for (int mask = 1; mask < size_; mask <<= 1) {
@@ -540,8 +549,9 @@ class process_group::state {
       recv(child, &n, sizeof n, until, "all_gather");
       // Lengths from the wire are checked before anything is allocated with them.
       if (n > ranks * (8 + max_gather_blob))
-        detail::raise(errc::protocol, rank_, "all_gather: rank " + std::to_string(child) + " announced " +
-                                                 std::to_string(n) + " bytes for " + std::to_string(ranks) + " ranks");
+        detail::raise(errc::protocol, rank_,
+                      "all_gather: rank " + std::to_string(child) + " announced " + std::to_string(n) + " bytes for " +
+                          std::to_string(ranks) + " ranks");
       const auto at = packed.size();
       packed.resize(at + n);
       recv(child, packed.data() + at, n, until, "all_gather");
@@ -579,13 +589,18 @@ class process_group::state {
     const std::size_t es = detail::checked_size(t);
     if (n > process_group::max_all_reduce_bytes / es)
       detail::raise(errc::invalid_argument, rank_,
-                    "all_reduce of " + std::to_string(n) + " " + dtype_name(t) + " values (" +
-                        std::to_string(n) + " x " + std::to_string(es) + " bytes); at most " +
+                    "all_reduce of " + std::to_string(n) + " " + dtype_name(t) + " values (" + std::to_string(n) +
+                        " x " + std::to_string(es) + " bytes); at most " +
                         std::to_string(process_group::max_all_reduce_bytes) +
                         " bytes: use a reducer (ddp::ring) for larger buffers");
     std::string mine;
-    detail::byte_writer(mine).u32(tag).u8(static_cast<std::uint8_t>(t)).u8(static_cast<std::uint8_t>(o)).zeros(2).u64(n).raw(
-        std::span(static_cast<const std::byte*>(values), n * es));
+    detail::byte_writer(mine)
+        .u32(tag)
+        .u8(static_cast<std::uint8_t>(t))
+        .u8(static_cast<std::uint8_t>(o))
+        .zeros(2)
+        .u64(n)
+        .raw(std::span(static_cast<const std::byte*>(values), n * es));
     std::vector<std::string> all;
     try {
       all = all_gather(mine, until);
@@ -664,7 +679,6 @@ class process_group::state {
     }
   }
 
-
   /// The group's failure record and the judgement on failed links (group/verdict.hpp).
   failure_verdict& verdict() noexcept { return verdict_; }
 
@@ -706,10 +720,11 @@ class process_group::state {
     verdict_.detach();
     store_.reset();
     if (server_) {
-      const auto until =
-          steady_clock::now() + (failing ? std::min<std::chrono::milliseconds>(detail::timing::close_failing_wait, opts_.timeout / 4)
-                                  : opts_.timeout);
-      while (server_->clients() > 0 && steady_clock::now() < until) std::this_thread::sleep_for(detail::timing::close_poll);
+      const auto until = steady_clock::now() + (failing ? std::min<std::chrono::milliseconds>(
+                                                              detail::timing::close_failing_wait, opts_.timeout / 4)
+                                                        : opts_.timeout);
+      while (server_->clients() > 0 && steady_clock::now() < until)
+        std::this_thread::sleep_for(detail::timing::close_poll);
       server_.reset();
     }
   }
@@ -774,14 +789,15 @@ class process_group::state {
   failure_verdict verdict_;  // kept in store_; detached before it closes
   std::unique_ptr<detail::peer_links> links_;
   std::unique_ptr<detail::launcher_watch> launcher_;  // DDP_LAUNCHER_FD: the launcher's note (detail/launcher.hpp)
-  detail::owner_process owner_;  // the process that joined: a forked child's copy only closes
+  detail::owner_process owner_;                       // the process that joined: a forked child's copy only closes
 };
 
 inline process_group::state& process_group::live(const char* what) const {
   if (!s_)
     detail::raise(errc::usage, -1,
-                  std::string(what) + " on an empty process_group handle (it was moved from or closed); use "
-                                      "the handle it was moved to, or one kept by a reducer or wrapper");
+                  std::string(what) +
+                      " on an empty process_group handle (it was moved from or closed); use "
+                      "the handle it was moved to, or one kept by a reducer or wrapper");
   s_->owner_.check(s_->rank_, std::string("process_group (") + what + ")");
   return *s_;
 }
@@ -803,8 +819,7 @@ inline std::vector<std::string> process_group::all_gather(const std::string& min
   return live("all_gather()").all_gather(mine);
 }
 template <element T, std::size_t Extent>
-  requires(!std::is_const_v<T>)
-void process_group::all_reduce(std::span<T, Extent> values, op o, deadline_t until) {
+requires(!std::is_const_v<T>) void process_group::all_reduce(std::span<T, Extent> values, op o, deadline_t until) {
   live("all_reduce()").all_reduce(static_cast<void*>(values.data()), values.size(), dtype_of_v<T>, o, until);
 }
 inline int process_group::connections() const noexcept { return s_ ? s_->connections() : 0; }
@@ -909,10 +924,11 @@ inline process_group init_process_group(const init_options& opts) {
   pg.store_ = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
   auto& st = *pg.store_;
 
-  pg.group_id_ = detail::join_store(
-      st, {rank, opts.world_size, opts.job_id, opts.master_addr + ":" + std::to_string(opts.master_port),
-           static_cast<long long>(opts.timeout.count())},
-      until);
+  pg.group_id_ =
+      detail::join_store(st,
+                         {rank, opts.world_size, opts.job_id, opts.master_addr + ":" + std::to_string(opts.master_port),
+                          static_cast<long long>(opts.timeout.count())},
+                         until);
   pg.verdict_ = failure_verdict(pg.store_.get(), rank, opts.world_size, opts.timeout);
   pg.links_ = detail::open_links(st, pg.group_id_, rank, opts.world_size, opts.timeout, "pg/mesh", 0,
                                  [v = &pg.verdict_] { return v->recorded(); });

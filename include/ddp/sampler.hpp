@@ -135,9 +135,9 @@ class distributed_sampler {
       detail::raise(errc::invalid_argument, rank,
                     "distributed_sampler: world size " + std::to_string(world) + " (must be at least 1)");
     if (rank < 0 || rank >= world)
-      detail::raise(errc::invalid_argument, rank,
-                    "distributed_sampler: rank " + std::to_string(rank) + " is outside [0, " +
-                        std::to_string(world) + ")");
+      detail::raise(
+          errc::invalid_argument, rank,
+          "distributed_sampler: rank " + std::to_string(rank) + " is outside [0, " + std::to_string(world) + ")");
     const auto w = static_cast<std::uint64_t>(world);
     // Written so that nothing overflows, up to n = 2^64 - 1.
     per_rank_ = opts_.drop_last ? n_ / w : n_ / w + (n_ % w != 0 ? 1 : 0);
@@ -146,13 +146,12 @@ class distributed_sampler {
 
   /// The rank and size of `group` (a `ddp::process_group`, or anything with `rank()` and `size()`).
   template <class Group>
-    requires requires(const Group& g) {
-      { g.rank() } -> std::convertible_to<int>;
-      { g.size() } -> std::convertible_to<int>;
-    }
+  requires requires(const Group& g) {
+    { g.rank() } -> std::convertible_to<int>;
+    { g.size() } -> std::convertible_to<int>;
+  }
   distributed_sampler(const Group& group, std::uint64_t dataset_size, sampler_options options = {})
-      : distributed_sampler(dataset_size, static_cast<int>(group.rank()), static_cast<int>(group.size()),
-                            options) {}
+      : distributed_sampler(dataset_size, static_cast<int>(group.rank()), static_cast<int>(group.size()), options) {}
 
   /// Chooses the epoch whose order the sampler yields (as PyTorch's `set_epoch`): call it with
   /// the same value on every rank before each epoch, or every epoch has epoch 0's order.
@@ -171,7 +170,7 @@ class distributed_sampler {
   std::uint64_t total_size() const noexcept {
     const auto w = static_cast<std::uint64_t>(world_);
     return per_rank_ > std::numeric_limits<std::uint64_t>::max() / w ? std::numeric_limits<std::uint64_t>::max()
-                                                                      : per_rank_ * w;
+                                                                     : per_rank_ * w;
   }
   std::uint64_t dataset_size() const noexcept { return n_; }
   int rank() const noexcept { return rank_; }
@@ -195,15 +194,33 @@ class distributed_sampler {
 
     iterator() = default;
     std::uint64_t operator*() const noexcept { return (*s_)[i_]; }
-    std::uint64_t operator[](difference_type k) const noexcept {
-      return (*s_)[i_ + static_cast<std::uint64_t>(k)];
+    std::uint64_t operator[](difference_type k) const noexcept { return (*s_)[i_ + static_cast<std::uint64_t>(k)]; }
+    iterator& operator++() noexcept {
+      ++i_;
+      return *this;
     }
-    iterator& operator++() noexcept { ++i_; return *this; }
-    iterator operator++(int) noexcept { auto t = *this; ++i_; return t; }
-    iterator& operator--() noexcept { --i_; return *this; }
-    iterator operator--(int) noexcept { auto t = *this; --i_; return t; }
-    iterator& operator+=(difference_type k) noexcept { i_ += static_cast<std::uint64_t>(k); return *this; }
-    iterator& operator-=(difference_type k) noexcept { i_ -= static_cast<std::uint64_t>(k); return *this; }
+    iterator operator++(int) noexcept {
+      auto t = *this;
+      ++i_;
+      return t;
+    }
+    iterator& operator--() noexcept {
+      --i_;
+      return *this;
+    }
+    iterator operator--(int) noexcept {
+      auto t = *this;
+      --i_;
+      return t;
+    }
+    iterator& operator+=(difference_type k) noexcept {
+      i_ += static_cast<std::uint64_t>(k);
+      return *this;
+    }
+    iterator& operator-=(difference_type k) noexcept {
+      i_ -= static_cast<std::uint64_t>(k);
+      return *this;
+    }
     friend iterator operator+(iterator it, difference_type k) noexcept { return it += k; }
     friend iterator operator+(difference_type k, iterator it) noexcept { return it += k; }
     friend iterator operator-(iterator it, difference_type k) noexcept { return it -= k; }
@@ -250,7 +267,8 @@ class distributed_sampler {
     for (std::size_t i = order.size() - 1; i > 0; --i)
       std::swap(order[i], order[static_cast<std::size_t>(g.below(i + 1))]);
     mine_.resize(static_cast<std::size_t>(per_rank_));
-    for (std::uint64_t i = 0; i < per_rank_; ++i) mine_[static_cast<std::size_t>(i)] = order[static_cast<std::size_t>(position(i))];
+    for (std::uint64_t i = 0; i < per_rank_; ++i)
+      mine_[static_cast<std::size_t>(i)] = order[static_cast<std::size_t>(position(i))];
   }
 
   std::uint64_t n_;

@@ -73,11 +73,11 @@ inline namespace v0 {
 struct store_limits {
   std::size_t max_bytes = std::size_t{128} << 20;     ///< entries: keys, values and entry_overhead each
   std::size_t max_buffered = std::size_t{128} << 20;  ///< buffers, parked requests and connection_overhead
-  std::size_t max_connections = 65536;               ///< open connections, handshakes included
+  std::size_t max_connections = 65536;                ///< open connections, handshakes included
 
   static constexpr std::size_t entry_overhead = 160;       ///< per key held (a map node, its strings)
-  static constexpr std::size_t connection_overhead = 512;   ///< per open connection
-  static constexpr std::size_t waiter_overhead = 256;       ///< per parked get/wait, plus 32 per key
+  static constexpr std::size_t connection_overhead = 512;  ///< per open connection
+  static constexpr std::size_t waiter_overhead = 256;      ///< per parked get/wait, plus 32 per key
 };
 
 /// Serves the store on one listening socket from a background thread, with epoll: the cost of
@@ -90,9 +90,9 @@ struct store_limits {
 /// With a non-empty `member_prefix` the store has members: a connection joins by a successful
 /// compare_set from the empty value of a key `member_prefix` + `<r>` (process_group claims
 /// "pg/rank/<r>" this way); with `members` > 0, `<r>` must be a number below it written without
-/// leading zeros, so that once every seat is taken nobody else can join. Other connections may read (get, check, wait) and claim, but
-/// every other write is refused with errc::auth_failed on the writer, and clients() counts
-/// members only, so a stranger can neither plant the group's failure nor delay its end.
+/// leading zeros, so that once every seat is taken nobody else can join. Other connections may read (get, check, wait)
+/// and claim, but every other write is refused with errc::auth_failed on the writer, and clients() counts members only,
+/// so a stranger can neither plant the group's failure nor delay its end.
 class store_server {
  public:
   /// Binds `ep` (port 0 picks a free port; an empty host, every interface; a name is resolved and
@@ -103,7 +103,11 @@ class store_server {
   /// hard limit (every connection holds a descriptor).
   store_server(const endpoint& ep, int rank, std::shared_ptr<const authenticator> auth = nullptr,
                store_limits limits = {}, std::string member_prefix = {}, std::uint32_t members = 0)
-      : rank_(rank), auth_(std::move(auth)), limits_(limits), member_prefix_(std::move(member_prefix)), members_(members) {
+      : rank_(rank),
+        auth_(std::move(auth)),
+        limits_(limits),
+        member_prefix_(std::move(member_prefix)),
+        members_(members) {
     raise_descriptor_limit();
     listen_ = detail::listen_on(detail::resolve(ep.host, ep.port, rank, true).front(), rank, 4096);
     const auto bound = detail::local_address(listen_.get());
@@ -184,7 +188,7 @@ class store_server {
 
   struct client {
     detail::fd_handle fd;
-    std::uint64_t seq = 0;                     // order of arrival
+    std::uint64_t seq = 0;  // order of arrival
     std::string in;
     std::string out;
     std::optional<detail::auth_responder> hs;  // engaged until the handshake is done
@@ -198,17 +202,17 @@ class store_server {
     bool touched = false;                      // settled at the end of this round
     std::uint32_t events = 0;                  // epoll interest now
     int tier = trusted;
-    std::uint64_t order = 0;                   // its place in by_tier_
-    std::uint64_t active = 0;                  // when a request of it was last answered
+    std::uint64_t order = 0;   // its place in by_tier_
+    std::uint64_t active = 0;  // when a request of it was last answered
     deadline_t accepted{};
-    deadline_t eof_limit{};            // ... within this time at most
-    deadline_t limit{};                // end of the handshake or of the closing linger
-    timer_map::iterator timer{};               // in timers_ when `timed`
+    deadline_t eof_limit{};       // ... within this time at most
+    deadline_t limit{};           // end of the handshake or of the closing linger
+    timer_map::iterator timer{};  // in timers_ when `timed`
     bool timed = false;
-    std::vector<std::uint64_t> parked;         // ids of its parked requests
+    std::vector<std::uint64_t> parked;  // ids of its parked requests
     std::size_t parked_bytes = 0;
-    std::size_t held = 0;                      // counted in buffered_
-    bool backlogged = false;                   // complete frames wait in `in` for a later round
+    std::size_t held = 0;     // counted in buffered_
+    bool backlogged = false;  // complete frames wait in `in` for a later round
   };
   struct waiter {
     std::uint64_t owner;  // the client's seq
@@ -302,11 +306,21 @@ class store_server {
 
   void on_event(client& c, std::uint32_t ev) {
     touch(c);
-    if ((ev & (EPOLLERR | EPOLLHUP)) && !(ev & EPOLLIN)) { kill(c); return; }
+    if ((ev & (EPOLLERR | EPOLLHUP)) && !(ev & EPOLLIN)) {
+      kill(c);
+      return;
+    }
     if (ev & EPOLLIN) {
       const auto r = c.closing ? drain(c) : on_readable(c);
-      if (r == read_result::closed) { kill(c); return; }
-      if (r == read_result::invalid) { ++dropped_; kill(c); return; }
+      if (r == read_result::closed) {
+        kill(c);
+        return;
+      }
+      if (r == read_result::invalid) {
+        ++dropped_;
+        kill(c);
+        return;
+      }
     }
   }
 
@@ -336,7 +350,10 @@ class store_server {
       auto& c = *it->second;
       c.touched = false;
       if (c.dead) continue;
-      if (!c.out.empty() && !flush(c)) { kill(c); continue; }
+      if (!c.out.empty() && !flush(c)) {
+        kill(c);
+        continue;
+      }
       // Replies taken: frames that waited for them are handled next round.
       if (!c.backlogged && !c.closing && !c.hs && c.out.size() < backpressure) {
         std::uint32_t len = 0;
@@ -354,7 +371,10 @@ class store_server {
       // A client that shut its side goes once it has every answer it is owed, or after
       // eof_linger: a closed socket looks the same as a half-closed one, and requests parked
       // by a client that is gone must not hold a descriptor for as long as they asked to wait.
-      if (c.eof && ((c.out.empty() && c.parked.empty()) || now >= c.eof_limit)) { kill(c); continue; }
+      if (c.eof && ((c.out.empty() && c.parked.empty()) || now >= c.eof_limit)) {
+        kill(c);
+        continue;
+      }
       // Memory a 64 MiB frame left behind goes back once it is handled.
       if (c.in.empty() && c.in.capacity() > (64u << 10)) std::string().swap(c.in);
       if (c.out.empty() && c.out.capacity() > (64u << 10)) std::string().swap(c.out);
@@ -372,7 +392,6 @@ class store_server {
     }
     touched_.clear();
     replies_ = 0;  // every answer made this round is in its client's `out` now, counted
-
   }
 
   /// Parked requests and connections whose time is up.
@@ -636,7 +655,8 @@ class store_server {
     std::size_t target = std::max(need, 2 * in.capacity());
     if (in.size() >= 4) {
       const std::size_t frame_end = std::size_t{4} + detail::get_u32(in.data());
-      if (frame_end >= need && frame_end <= std::size_t{4} + detail::store_max_frame) target = std::min(target, frame_end);
+      if (frame_end >= need && frame_end <= std::size_t{4} + detail::store_max_frame)
+        target = std::min(target, frame_end);
     }
     std::string grown;  // reserve() on `in` itself would at least double it
     grown.reserve(target);
@@ -669,12 +689,15 @@ class store_server {
     if (c.hs) {
       switch (c.hs->feed(c.in, c.out, [](const detail::auth_hello&) { return true; })) {
         case state::hello:
-        case state::proof: return true;
+        case state::proof:
+          return true;
         case state::done:
           c.hs.reset();
           c.confirmed = true;
           break;
-        case state::failed: refuse(c); return true;
+        case state::failed:
+          refuse(c);
+          return true;
         case state::foreign:
           // Most likely a rank started without the token: tell it so before closing.
           c.out += detail::encode_frame(static_cast<std::uint8_t>(detail::store_status::auth_required), {});
@@ -693,7 +716,10 @@ class store_server {
   static bool flush(client& c) {
     while (!c.out.empty()) {
       const ssize_t k = ::send(c.fd.get(), c.out.data(), c.out.size(), MSG_NOSIGNAL);
-      if (k > 0) { c.out.erase(0, static_cast<std::size_t>(k)); continue; }
+      if (k > 0) {
+        c.out.erase(0, static_cast<std::size_t>(k));
+        continue;
+      }
       return k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
     }
     return true;
@@ -763,10 +789,12 @@ class store_server {
     const bool claim = detail::is_claim(f, member_prefix_, members_);
     if (!member_prefix_.empty() && !c.member && detail::is_write(f.code) && !claim) {
       static constexpr const char* names[] = {"", "set", "get", "add", "compare_set", "erase", "check", "wait"};
-      reply(c, detail::store_status::forbidden,
-            {"the store of rank " + std::to_string(rank_) + " refused to " + names[f.code] + " key '" + k.substr(0, 64) +
-             "': this connection has not joined the group (only a connection that claimed a rank, with "
-             "compare_set of '" + member_prefix_ + "<rank>', may write)"});
+      reply(
+          c, detail::store_status::forbidden,
+          {"the store of rank " + std::to_string(rank_) + " refused to " + names[f.code] + " key '" + k.substr(0, 64) +
+           "': this connection has not joined the group (only a connection that claimed a rank, with "
+           "compare_set of '" +
+           member_prefix_ + "<rank>', may write)"});
       return true;
     }
     switch (static_cast<store_cmd>(f.code)) {
@@ -784,9 +812,9 @@ class store_server {
         auto it = data_.find(k);
         const std::string& old = it == data_.end() ? std::string() : it->second;
         // Two's-complement wrap-around, as the counter's users expect; no signed overflow.
-        const auto nv = static_cast<std::int64_t>(
-            static_cast<std::uint64_t>(old.size() == 8 ? detail::decode_i64(old) : 0) +
-            static_cast<std::uint64_t>(detail::decode_i64(f.fields[1])));
+        const auto nv =
+            static_cast<std::int64_t>(static_cast<std::uint64_t>(old.size() == 8 ? detail::decode_i64(old) : 0) +
+                                      static_cast<std::uint64_t>(detail::decode_i64(f.fields[1])));
         if (!store_value(c, k, detail::encode_i64(nv))) return true;
         reply(c, detail::store_status::ok, {data_.find(k)->second});
         return true;
@@ -840,10 +868,9 @@ class store_server {
     const std::size_t need = key.size() + value.size() + overhead;
     if (need > limits_.max_bytes) {
       // Could never fit, however empty the store: a bad argument, not a full store.
-      const std::string why = "store value for key '" + key.substr(0, 64) + "' is too large: " +
-                              std::to_string(need) + " bytes with its key and entry overhead, and the store of rank " +
-                              std::to_string(rank_) + " holds at most " + std::to_string(limits_.max_bytes) +
-                              " (store_limits::max_bytes)";
+      const std::string why = "store value for key '" + key.substr(0, 64) + "' is too large: " + std::to_string(need) +
+                              " bytes with its key and entry overhead, and the store of rank " + std::to_string(rank_) +
+                              " holds at most " + std::to_string(limits_.max_bytes) + " (store_limits::max_bytes)";
       reply(c, detail::store_status::too_large, {why});
       return false;
     }
@@ -855,8 +882,10 @@ class store_server {
       reply(c, detail::store_status::full, {why});
       return false;
     }
-    if (it == data_.end()) data_.emplace(key, std::string(value));
-    else it->second.assign(value);
+    if (it == data_.end())
+      data_.emplace(key, std::string(value));
+    else
+      it->second.assign(value);
     stored_ = now + need;
     if (watch_.find(key) != watch_.end()) pending_wakes_.push_back(key);
     return true;
@@ -949,11 +978,11 @@ class store_server {
   store_limits limits_;
   std::string member_prefix_;
   std::uint32_t members_ = 0;  ///< seats that can be claimed (0: any key under member_prefix_)
-  detail::fd_handle spare_;  // given up to accept (and close) one connection when out of descriptors
+  detail::fd_handle spare_;    // given up to accept (and close) one connection when out of descriptors
   deadline_t accept_pause_{};
   deadline_t pressure_until_{};  // out of descriptors lately
   deadline_t fd_room_until_{};   // fd_room_ holds until then
-  std::size_t fd_room_ = 0;              // connections that fit the descriptors left
+  std::size_t fd_room_ = 0;      // connections that fit the descriptors left
   int port_ = 0;
   detail::fd_handle listen_;
   detail::fd_handle wake_;
@@ -967,14 +996,14 @@ class store_server {
   std::atomic<int> evicted_{0};
   std::atomic<std::size_t> stored_{0};
   std::atomic<std::size_t> buffered_{0};
-  std::size_t replies_ = 0;               ///< answer bytes made this round, not yet counted in `held`
-  std::vector<std::uint64_t> backlog_;    ///< clients with frames left for the next round
+  std::size_t replies_ = 0;             ///< answer bytes made this round, not yet counted in `held`
+  std::vector<std::uint64_t> backlog_;  ///< clients with frames left for the next round
   // What the serving thread works on, on the heap: a forked child abandons it (the parent's
   // thread may have been changing it at the fork) instead of destroying it.
   struct serving {
     std::map<std::string, std::string, std::less<>> data;
     std::unordered_map<std::uint64_t, std::unique_ptr<client>> clients;  // by seq
-    std::set<std::tuple<int, std::uint64_t, std::uint64_t>> by_tier;  // strangers: (tier, order, seq)
+    std::set<std::tuple<int, std::uint64_t, std::uint64_t>> by_tier;     // strangers: (tier, order, seq)
     std::unordered_map<std::uint64_t, waiter> waiters;
     watch_map watch;      // key -> parked requests waiting for it
     timer_map deadlines;  // when each parked request times out
@@ -1036,10 +1065,10 @@ class store_client {
         // Retrying ran into the deadline: the master (rank 0) never came up, or its store kept
         // closing our connections (no room).
         detail::raise(errc::timeout, rank,
-                      closed > 0 ? no_room()
-                                 : "could not reach the store of rank 0 at " + where +
-                                       " before the deadline (rank 0 never arrived?): last error: " +
-                                       detail::describe(ec));
+                      closed > 0
+                          ? no_room()
+                          : "could not reach the store of rank 0 at " + where +
+                                " before the deadline (rank 0 never arrived?): last error: " + detail::describe(ec));
       }
       detail::tune_stream(fd_.get(), 0);
       try {
@@ -1283,8 +1312,9 @@ class store_client {
     turn_guard(const turn_guard&) = delete;
     turn_guard& operator=(const turn_guard&) = delete;
   };
-  std::unique_ptr<turn> turn_ = std::make_unique<turn>();  ///< one request at a time on the connection; waited for until the deadline
-  std::string broken_;  ///< why the connection is unusable (written during a turn); empty while it is fine
+  std::unique_ptr<turn> turn_ =
+      std::make_unique<turn>();  ///< one request at a time on the connection; waited for until the deadline
+  std::string broken_;           ///< why the connection is unusable (written during a turn); empty while it is fine
   errc broken_code_ = errc::peer_lost;
   detail::owner_process owner_;
 };

@@ -44,19 +44,27 @@ inline namespace v0 {
 /// The `ddp::dtype` of an Eigen scalar type; no `value` for a type ddp does not reduce.
 template <class Scalar>
 struct eigen_dtype {};
-template <> struct eigen_dtype<float> : std::integral_constant<dtype, dtype::f32> {};
-template <> struct eigen_dtype<double> : std::integral_constant<dtype, dtype::f64> {};
-template <> struct eigen_dtype<std::int32_t> : std::integral_constant<dtype, dtype::i32> {};
-template <> struct eigen_dtype<std::int64_t> : std::integral_constant<dtype, dtype::i64> {};
+template <>
+struct eigen_dtype<float> : std::integral_constant<dtype, dtype::f32> {};
+template <>
+struct eigen_dtype<double> : std::integral_constant<dtype, dtype::f64> {};
+template <>
+struct eigen_dtype<std::int32_t> : std::integral_constant<dtype, dtype::i32> {};
+template <>
+struct eigen_dtype<std::int64_t> : std::integral_constant<dtype, dtype::i64> {};
 // Eigen's 16-bit floats are their bits (IEEE binary16, bfloat16), as ddp::half and ddp::bfloat16.
-template <> struct eigen_dtype<Eigen::half> : std::integral_constant<dtype, dtype::f16> {};
-template <> struct eigen_dtype<Eigen::bfloat16> : std::integral_constant<dtype, dtype::bf16> {};
+template <>
+struct eigen_dtype<Eigen::half> : std::integral_constant<dtype, dtype::f16> {};
+template <>
+struct eigen_dtype<Eigen::bfloat16> : std::integral_constant<dtype, dtype::bf16> {};
 static_assert(sizeof(Eigen::half) == 2 && sizeof(Eigen::bfloat16) == 2);
 
 /// An Eigen scalar type ddp can reduce: float, double, std::int32_t, std::int64_t, Eigen::half,
 /// Eigen::bfloat16.
 template <class Scalar>
-concept eigen_scalar = requires { eigen_dtype<std::remove_cv_t<Scalar>>::value; };
+concept eigen_scalar = requires {
+  eigen_dtype<std::remove_cv_t<Scalar>>::value;
+};
 
 /// Instantiated for each registered scalar type: a compiler error for an unsupported one
 /// names the type in this template's arguments (`eigen_supported_scalar<std::complex<float>>`).
@@ -144,8 +152,8 @@ class eigen_parameters {
     // parameter's rows, columns and order, even where the memory-order shapes agree (a square
     // matrix, a transposed one in the other order).
     const bool line = e.param.rows == 1 || e.param.cols == 1;
-    const bool same_matrix = line || (e.grad.rows == e.param.rows && e.grad.cols == e.param.cols &&
-                                      e.grad.row_major == e.param.row_major);
+    const bool same_matrix =
+        line || (e.grad.rows == e.param.rows && e.grad.cols == e.param.cols && e.grad.row_major == e.param.row_major);
     if (e.param.numel() != e.grad.numel() || squeezed(e.param.shape()) != squeezed(e.grad.shape()) || !same_matrix)
       detail::raise(errc::invalid_argument, -1,
                     label + ": the gradient is " + e.grad.describe() + " but the parameter is " + e.param.describe() +
@@ -169,12 +177,13 @@ class eigen_parameters {
   template <class B>
   std::size_t add_buffer(std::string_view name, B&& state, buffer_kind kind = buffer_kind::buffer) {
     using BD = std::remove_cvref_t<B>;
-    static_assert(is_dense<BD>, "ddp::eigen_parameters::add_buffer: a buffer must be an Eigen dense object "
-                                "(Matrix, Array, Map, Ref or a block of one)");
+    static_assert(is_dense<BD>,
+                  "ddp::eigen_parameters::add_buffer: a buffer must be an Eigen dense object "
+                  "(Matrix, Array, Map, Ref or a block of one)");
     static_assert(eigen_supported_scalar<typename BD::Scalar>::value);
     const std::size_t index = buffers_.size();
-    const std::string label = "eigen_parameters::add_buffer: buffer " + std::to_string(index) + " ('" +
-                              std::string(name) + "')";
+    const std::string label =
+        "eigen_parameters::add_buffer: buffer " + std::to_string(index) + " ('" + std::string(name) + "')";
     for (const auto& b : buffers_)
       if (!name.empty() && b.name == name)
         detail::raise(errc::invalid_argument, -1, label + ": a buffer of this name is already registered");
@@ -273,8 +282,9 @@ class eigen_parameters {
     const std::string label = "eigen_parameters::grad_view: " + label_of(i, e.name);
     if (!dp.options().gradient_as_bucket_view)
       detail::raise(errc::usage, rank,
-                    label + ": the wrapper is in copy mode (dp_options::gradient_as_bucket_view is false); "
-                            "backward writes the registered gradient there",
+                    label +
+                        ": the wrapper is in copy mode (dp_options::gradient_as_bucket_view is false); "
+                        "backward writes the registered gradient there",
                     -1, static_cast<int>(i));
     if (dp.size() != entries_.size())
       detail::raise(errc::invalid_argument, rank,
@@ -349,7 +359,9 @@ class eigen_parameters {
     }
     std::string describe() const {
       return std::to_string(rows) + "x" + std::to_string(cols) +
-             (vector ? " (a vector)" : row_major ? " row-major" : " column-major");
+             (vector      ? " (a vector)"
+              : row_major ? " row-major"
+                          : " column-major");
     }
   };
 
@@ -387,9 +399,10 @@ class eigen_parameters {
     static_assert(!plain || std::is_lvalue_reference_v<X>,
                   "ddp::eigen_parameters::add: a temporary matrix; register the engine's own object, whose "
                   "storage outlives the data_parallel wrapper");
-    static_assert(!direct || (plain ? !std::is_const_v<std::remove_reference_t<X>> : (T::Flags & Eigen::LvalueBit) != 0),
-                  "ddp::eigen_parameters::add: a read-only object (a const matrix, a Map or Ref of const); ddp "
-                  "writes the parameter (rank 0's values at construction) and the gradient (the average)");
+    static_assert(
+        !direct || (plain ? !std::is_const_v<std::remove_reference_t<X>> : (T::Flags & Eigen::LvalueBit) != 0),
+        "ddp::eigen_parameters::add: a read-only object (a const matrix, a Map or Ref of const); ddp "
+        "writes the parameter (rank 0's values at construction) and the gradient (the average)");
     static_assert(!direct || T::InnerStrideAtCompileTime == 1 || T::InnerStrideAtCompileTime == Eigen::Dynamic,
                   "ddp::eigen_parameters::add: a view with a compile-time inner stride other than 1 "
                   "(InnerStride<N>): ddp needs contiguous storage");

@@ -47,12 +47,18 @@ inline namespace v0 {
 /// The `ddp::dtype` of a LibTorch scalar type; `errc::unsupported` naming the type otherwise.
 inline dtype torch_dtype(c10::ScalarType t, std::string_view what = "a tensor") {
   switch (t) {
-    case c10::ScalarType::Float: return dtype::f32;
-    case c10::ScalarType::Double: return dtype::f64;
-    case c10::ScalarType::Half: return dtype::f16;
-    case c10::ScalarType::BFloat16: return dtype::bf16;
-    case c10::ScalarType::Int: return dtype::i32;
-    case c10::ScalarType::Long: return dtype::i64;
+    case c10::ScalarType::Float:
+      return dtype::f32;
+    case c10::ScalarType::Double:
+      return dtype::f64;
+    case c10::ScalarType::Half:
+      return dtype::f16;
+    case c10::ScalarType::BFloat16:
+      return dtype::bf16;
+    case c10::ScalarType::Int:
+      return dtype::i32;
+    case c10::ScalarType::Long:
+      return dtype::i64;
     default:
       detail::raise(errc::unsupported, -1,
                     std::string(what) + " has scalar type " + c10::toString(t) +
@@ -66,14 +72,12 @@ inline dtype torch_dtype(c10::ScalarType t, std::string_view what = "a tensor") 
 /// are frozen parameters and the module's `named_buffers()` its buffers (`ddp::has_buffers`), which
 /// the wrapper makes rank 0's at construction and, for buffers, after every synchronized step
 /// (`dp_options::buffers`), and which checkpoints save. Buffers and frozen parameters of a scalar
-/// type ddp does not reduce (bool, uint8, ...) are left out: `skipped()` names them. A tensor registered under several names
-/// (tied weights) is one parameter, under its first name, as PyTorch's DDP sees it (Python's
-/// `named_parameters()` drops duplicates; LibTorch's lists them). Every gradient is made defined (zeros
-/// where autograd has not made one yet), because ddp reads and writes gradients in place.
-/// Throws `ddp::error`: `errc::invalid_argument` for a tensor that is not contiguous or not a
-/// leaf, `errc::unsupported` for a scalar type ddp does not reduce; the message names it.
-/// A tensor on a CUDA device is a device parameter (`tensor_view::device` is its index).
-/// \code
+/// type ddp does not reduce (bool, uint8, ...) are left out: `skipped()` names them. A tensor registered under several
+/// names (tied weights) is one parameter, under its first name, as PyTorch's DDP sees it (Python's `named_parameters()`
+/// drops duplicates; LibTorch's lists them). Every gradient is made defined (zeros where autograd has not made one
+/// yet), because ddp reads and writes gradients in place. Throws `ddp::error`: `errc::invalid_argument` for a tensor
+/// that is not contiguous or not a leaf, `errc::unsupported` for a scalar type ddp does not reduce; the message names
+/// it. A tensor on a CUDA device is a device parameter (`tensor_view::device` is its index). \code
 /// ddp::torch_parameters params{*net};
 /// static_assert(ddp::parameter_set<ddp::torch_parameters>);
 /// \endcode
@@ -84,7 +88,8 @@ class torch_parameters {
       if (item.value().requires_grad()) add(item.key(), item.value());
     for (const auto& item : module.named_parameters(/*recurse=*/true))
       if (!item.value().requires_grad()) add_state(item.key(), item.value(), buffer_kind::frozen_parameter);
-    for (const auto& item : module.named_buffers(/*recurse=*/true)) add_state(item.key(), item.value(), buffer_kind::buffer);
+    for (const auto& item : module.named_buffers(/*recurse=*/true))
+      add_state(item.key(), item.value(), buffer_kind::buffer);
   }
 
   /// Tensors that require a gradient are parameters, the others frozen parameters; `buffers` (a
@@ -109,9 +114,13 @@ class torch_parameters {
   const torch::Tensor& buffer_tensor(std::size_t i) const { return state_.at(i).tensor; }
   buffer_view buffer(std::size_t i) const {
     const auto& s = state_.at(i);
-    return buffer_view{s.tensor.data_ptr(), static_cast<std::size_t>(s.tensor.numel()), s.type,
-                       s.tensor.is_cuda() ? static_cast<int>(s.tensor.device().index()) : -1, s.name,
-                       std::vector<std::int64_t>(s.tensor.sizes().begin(), s.tensor.sizes().end()), s.kind};
+    return buffer_view{s.tensor.data_ptr(),
+                       static_cast<std::size_t>(s.tensor.numel()),
+                       s.type,
+                       s.tensor.is_cuda() ? static_cast<int>(s.tensor.device().index()) : -1,
+                       s.name,
+                       std::vector<std::int64_t>(s.tensor.sizes().begin(), s.tensor.sizes().end()),
+                       s.kind};
   }
   /// Buffers and frozen parameters left out for their scalar type, as "name (type)".
   const std::vector<std::string>& skipped() const noexcept { return skipped_; }
@@ -129,12 +138,20 @@ class torch_parameters {
     if (!seen_.insert(t.unsafeGetTensorImpl()).second) return;
     const std::string label = std::string(kind == buffer_kind::buffer ? "buffer '" : "frozen parameter '") + name + "'";
     switch (t.scalar_type()) {
-      case c10::ScalarType::Float: case c10::ScalarType::Double: case c10::ScalarType::Half:
-      case c10::ScalarType::BFloat16: case c10::ScalarType::Int: case c10::ScalarType::Long: break;
-      default: skipped_.push_back(name + " (" + c10::toString(t.scalar_type()) + ")"); return;
+      case c10::ScalarType::Float:
+      case c10::ScalarType::Double:
+      case c10::ScalarType::Half:
+      case c10::ScalarType::BFloat16:
+      case c10::ScalarType::Int:
+      case c10::ScalarType::Long:
+        break;
+      default:
+        skipped_.push_back(name + " (" + c10::toString(t.scalar_type()) + ")");
+        return;
     }
     if (t.layout() != c10::kStrided || !t.is_contiguous())
-      detail::raise(errc::invalid_argument, -1, label + " is not a contiguous dense tensor; call .contiguous() before wrapping");
+      detail::raise(errc::invalid_argument, -1,
+                    label + " is not a contiguous dense tensor; call .contiguous() before wrapping");
     state_.push_back({name, t, torch_dtype(t.scalar_type(), label), kind});
   }
 
@@ -142,7 +159,8 @@ class torch_parameters {
     if (!seen_.insert(t.unsafeGetTensorImpl()).second) return;  // tied: already wrapped under its first name
     const std::string label = "parameter '" + name + "'";
     if (!t.is_leaf())
-      detail::raise(errc::invalid_argument, -1, label + " is not a leaf tensor (autograd never accumulates its gradient)");
+      detail::raise(errc::invalid_argument, -1,
+                    label + " is not a leaf tensor (autograd never accumulates its gradient)");
     if (!t.is_contiguous())
       detail::raise(errc::invalid_argument, -1,
                     label +
@@ -153,7 +171,8 @@ class torch_parameters {
     if (!t.grad().defined()) {
       torch::NoGradGuard no_grad;
       t.mutable_grad() = torch::zeros_like(t, torch::MemoryFormat::Contiguous);
-    } else if (!t.grad().is_contiguous() || t.grad().sizes() != t.sizes() || t.grad().scalar_type() != t.scalar_type()) {
+    } else if (!t.grad().is_contiguous() || t.grad().sizes() != t.sizes() ||
+               t.grad().scalar_type() != t.scalar_type()) {
       detail::raise(errc::invalid_argument, -1,
                     label + ": its gradient is not a contiguous tensor of the parameter's shape and type");
     }
@@ -226,8 +245,8 @@ class basic_torch_data_parallel {
                                   std::forward<ReducerArgs>(reducer_args)...) {}
 
   template <class... ReducerArgs>
-  basic_torch_data_parallel(process_group& pg, torch_parameters params, bucket_policy policy = {},
-                            dp_options opts = {}, ReducerArgs&&... reducer_args)
+  basic_torch_data_parallel(process_group& pg, torch_parameters params, bucket_policy policy = {}, dp_options opts = {},
+                            ReducerArgs&&... reducer_args)
       : params_(std::move(params)),
         dp_(pg, params_, std::move(policy), opts, std::forward<ReducerArgs>(reducer_args)...),
         grads_(params_.size()),
@@ -335,8 +354,8 @@ class basic_torch_data_parallel {
     // The parameter holds it only weakly. LibTorch 1.13 hands out a std::shared_ptr<Node>, later
     // releases (2.15) a c10::intrusive_ptr<Node>: the type is whatever grad_accumulator returns.
     decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::Tensor&>())) accumulator;
-    std::uintptr_t key;       // the post hook on the accumulator
-    unsigned tensor_hook;     // the parameter's own hook, which survives module->to()
+    std::uintptr_t key;    // the post hook on the accumulator
+    unsigned tensor_hook;  // the parameter's own hook, which survives module->to()
   };
 
   // The first hook of a backward (a parameter's tensor hook or its accumulator's post hook)
@@ -458,7 +477,8 @@ class basic_torch_data_parallel {
       step_open_.store(false);
       detail::raise(failure_code_, dp_.rank(),
                     "torch_data_parallel: an earlier backward() failed and left its step unfinished, so this "
-                    "wrapper cannot be used again (build a new one); the first failure: " + failure_);
+                    "wrapper cannot be used again (build a new one); the first failure: " +
+                        failure_);
     }
   }
 

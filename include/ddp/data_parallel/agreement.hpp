@@ -186,7 +186,8 @@ class agreement {
     for (std::size_t k = 0; k < others.size() && k < shown; ++k) {
       const auto& ranks = others[k].second;
       msg += ranks.size() > 1 ? "; ranks " : "; rank ";
-      for (std::size_t i = 0; i < ranks.size() && i < ranks_shown; ++i) msg += (i ? ", " : "") + std::to_string(ranks[i]);
+      for (std::size_t i = 0; i < ranks.size() && i < ranks_shown; ++i)
+        msg += (i ? ", " : "") + std::to_string(ranks[i]);
       if (ranks.size() > ranks_shown) msg += " and " + std::to_string(ranks.size() - ranks_shown) + " more";
       msg += (ranks.size() > 1 ? " have " : " has ") + others[k].first;
     }
@@ -313,8 +314,8 @@ class agreement {
         counts +=
             (counts.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + std::to_string(sigs[r].size()));
     detail::raise(errc::mismatch, ch_.rank,
-                  std::string("ranks disagree on the number of ") + noun + "s: " + counts + "; the first differing is " +
-                      label(common),
+                  std::string("ranks disagree on the number of ") + noun + "s: " + counts +
+                      "; the first differing is " + label(common),
                   -1, index_of(common));
   }
 

@@ -120,7 +120,8 @@ class bucket_autotuner {
   static constexpr std::size_t max_steps = 1'000'000, max_rounds = 1'000'000;
 
   /// `caps`: the candidates (empty: `default_autotune_caps()`); `steps` measured per candidate
-  /// and pass, `rounds` passes. Throws errc::invalid_argument when `steps` or `rounds` is 0 or above `max_steps` / `max_rounds`.
+  /// and pass, `rounds` passes. Throws errc::invalid_argument when `steps` or `rounds` is 0 or above `max_steps` /
+  /// `max_rounds`.
   bucket_autotuner(std::vector<std::size_t> caps, std::size_t steps, std::size_t rounds = 1, std::size_t skip = 1)
       : steps_(steps), rounds_(rounds), skip_(skip) {
     if (steps == 0)
@@ -231,8 +232,8 @@ class bucket_autotuner {
     std::string out;
     for (const auto& c : r.candidates) {
       char buf[96];
-      std::snprintf(buf, sizeof buf, "ddp: autotune: cap %-9s %3zu buckets  median %9.3f ms  [", mib(c.cap_bytes).c_str(),
-                    c.buckets, c.median_ms);
+      std::snprintf(buf, sizeof buf, "ddp: autotune: cap %-9s %3zu buckets  median %9.3f ms  [",
+                    mib(c.cap_bytes).c_str(), c.buckets, c.median_ms);
       out += buf;
       for (std::size_t k = 0; k < c.samples_ms.size(); ++k) {
         std::snprintf(buf, sizeof buf, "%s%.3f", k ? " " : "", c.samples_ms[k]);

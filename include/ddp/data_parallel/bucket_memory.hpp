@@ -62,9 +62,13 @@ class bucket_memory {
 
   /// Raises `errc::unsupported` on `rank` when the buckets or a parameter (`views`) are memory
   /// the CPU cannot touch and the allocator cannot copy it (no `copy` hook).
-  void check_reachable(std::span<const tensor_view> views, int rank) const { check_reachable_of(views, rank, "parameter"); }
+  void check_reachable(std::span<const tensor_view> views, int rank) const {
+    check_reachable_of(views, rank, "parameter");
+  }
   /// The same for the buffers and frozen parameters, which pass through the side buffer.
-  void check_reachable(std::span<const buffer_view> buffers, int rank) const { check_reachable_of(buffers, rank, "buffer"); }
+  void check_reachable(std::span<const buffer_view> buffers, int rank) const {
+    check_reachable_of(buffers, rank, "buffer");
+  }
 
  private:
   template <class View>

@@ -120,9 +120,9 @@ struct step_stats {
 /// One candidate cap of the bucket-cap autotune (`bucket_policy::autotune`) and what it measured.
 struct autotune_candidate {
   std::size_t cap_bytes = 0;
-  std::size_t buckets = 0;          ///< buckets in its plan
-  std::vector<double> samples_ms;   ///< per measured step: the slowest rank's first `grad_ready` to `finish()` return
-  double median_ms = 0;             ///< the median of `samples_ms`: what the choice compares
+  std::size_t buckets = 0;         ///< buckets in its plan
+  std::vector<double> samples_ms;  ///< per measured step: the slowest rank's first `grad_ready` to `finish()` return
+  double median_ms = 0;            ///< the median of `samples_ms`: what the choice compares
 };
 
 /// What the bucket-cap autotune measured and chose; `autotune_report()` of the wrapper. Every
@@ -132,10 +132,10 @@ struct autotune_candidate {
 /// if (r.done) std::printf("cap %zu bytes\n", r.chosen_cap_bytes);
 /// \endcode
 struct autotune_report {
-  bool enabled = false;               ///< `bucket_policy::autotune` was set
-  bool done = false;                  ///< the choice is made and in place
-  std::size_t chosen_cap_bytes = 0;   ///< rank 0's choice, adopted by every rank (0 until done)
-  std::uint64_t decided_at_step = 0;  ///< the `finish()` (step number) that made the choice
+  bool enabled = false;                        ///< `bucket_policy::autotune` was set
+  bool done = false;                           ///< the choice is made and in place
+  std::size_t chosen_cap_bytes = 0;            ///< rank 0's choice, adopted by every rank (0 until done)
+  std::uint64_t decided_at_step = 0;           ///< the `finish()` (step number) that made the choice
   std::vector<autotune_candidate> candidates;  ///< in the order they were tried (ascending caps)
 };
 

@@ -103,7 +103,8 @@ class timeline {
       const int fd = open_locked(path, why);
       if (fd < 0 && errno == EWOULDBLOCK && tries < 100) continue;
       if (fd < 0)
-        fail_to_open(path, rank, errno == EWOULDBLOCK ? "100 files of that name are in use" : "cannot open it", errno, why);
+        fail_to_open(path, rank, errno == EWOULDBLOCK ? "100 files of that name are in use" : "cannot open it", errno,
+                     why);
       return std::unique_ptr<timeline>(new timeline(adopt_fd{fd}, path, rank, world_size, steps, serial));
     }
   }
@@ -148,7 +149,9 @@ class timeline {
   static int open_or_raise(const std::string& path, int rank) {
     std::string why;
     const int fd = open_locked(path, why);
-    if (fd < 0) fail_to_open(path, rank, errno == EWOULDBLOCK ? "another timeline records into it" : "cannot open it", errno, why);
+    if (fd < 0)
+      fail_to_open(path, rank, errno == EWOULDBLOCK ? "another timeline records into it" : "cannot open it", errno,
+                   why);
     return fd;
   }
 
@@ -167,7 +170,6 @@ class timeline {
   }
 
  public:
-
   /// Writes what is buffered and closes the JSON. In a child made by fork() it writes nothing
   /// (the file is the parent's) and only closes the child's descriptor.
   ~timeline() {
@@ -225,8 +227,8 @@ class timeline {
   /// recording.
   template <class InFlight>
   void end_step(std::uint64_t step, const bucket_state& st, const bucket_plan& plan,
-                const std::vector<std::string>& names, std::uint64_t plan_generation,
-                steady_clock::time_point t_call, bool copy_back, InFlight&& in_flight) noexcept {
+                const std::vector<std::string>& names, std::uint64_t plan_generation, steady_clock::time_point t_call,
+                bool copy_back, InFlight&& in_flight) noexcept {
     const auto t_end = steady_clock::now();
     if (!recording()) return;
     try {
@@ -314,7 +316,8 @@ class timeline {
     const std::string r = "rank " + std::to_string(rank_) + ": ";
     metadata("thread_name", tid,
              "\"name\":" + quoted(r + (progress ? "progress thread" : "backward/finish (engine thread)")));
-    metadata("thread_sort_index", tid, "\"sort_index\":" + std::to_string(progress ? 1000 + threads_.size() : threads_.size()));
+    metadata("thread_sort_index", tid,
+             "\"sort_index\":" + std::to_string(progress ? 1000 + threads_.size() : threads_.size()));
   }
   // The start of an event: name, phase, pid, tid, ts.
   void head(std::string_view name, const char* ph, long tid, std::int64_t ts) {
@@ -399,8 +402,8 @@ class timeline {
     std::size_t bytes = 0;
     for (const auto& bk : plan.buckets) bytes += bk.bytes;
     span("step " + s, me, start, end,
-         "\"step\":" + s + ",\"synchronized\":true,\"buckets\":" + std::to_string(nb) + ",\"bytes\":" +
-             std::to_string(bytes));
+         "\"step\":" + s + ",\"synchronized\":true,\"buckets\":" + std::to_string(nb) +
+             ",\"bytes\":" + std::to_string(bytes));
     // Backward as ddp saw it: first hook to the last one, including the launches those hooks made.
     std::int64_t backward_end = ns(st.last_ready());
     for (std::size_t b = 0; b < nb; ++b) {
@@ -438,8 +441,8 @@ class timeline {
           const std::int64_t a = ns(req.started_at()), z = ns(req.finished_at());
           span("allreduce bucket " + bs, progress, a, z,
                named + ",\"queued_us\":" + std::to_string(std::max<std::int64_t>(0, a - launched) / 1000));
-          const std::uint64_t id = (static_cast<std::uint64_t>(rank_) << 32) | (std::uint64_t{serial_} << 24) |
-                                   (flow_seq_++ & 0xffffff);
+          const std::uint64_t id =
+              (static_cast<std::uint64_t>(rank_) << 32) | (std::uint64_t{serial_} << 24) | (flow_seq_++ & 0xffffff);
           flow("s", launcher, launched, id);
           flow("f", progress, a, id);
         }
@@ -474,8 +477,9 @@ class timeline {
   void stop_failed(const std::string& why) noexcept {
     if (failed_) return;
     failed_ = true;
-    std::fprintf(stderr, "ddp: rank %d: the timeline file '%s' is incomplete: %s; recording stopped, training goes on\n",
-                 rank_, path_.c_str(), why.c_str());
+    std::fprintf(stderr,
+                 "ddp: rank %d: the timeline file '%s' is incomplete: %s; recording stopped, training goes on\n", rank_,
+                 path_.c_str(), why.c_str());
     buf_.clear();
   }
 

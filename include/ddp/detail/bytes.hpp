@@ -79,15 +79,36 @@ class byte_writer {
  public:
   explicit byte_writer(std::string& out) noexcept : out_(&out) {}
 
-  byte_writer& u8(std::uint8_t v) { out_->push_back(static_cast<char>(v)); return *this; }
-  byte_writer& u32(std::uint32_t v) { put_u32(*out_, v); return *this; }
-  byte_writer& u64(std::uint64_t v) { put_u64(*out_, v); return *this; }
-  byte_writer& i64(std::int64_t v) { put_u64(*out_, static_cast<std::uint64_t>(v)); return *this; }
+  byte_writer& u8(std::uint8_t v) {
+    out_->push_back(static_cast<char>(v));
+    return *this;
+  }
+  byte_writer& u32(std::uint32_t v) {
+    put_u32(*out_, v);
+    return *this;
+  }
+  byte_writer& u64(std::uint64_t v) {
+    put_u64(*out_, v);
+    return *this;
+  }
+  byte_writer& i64(std::int64_t v) {
+    put_u64(*out_, static_cast<std::uint64_t>(v));
+    return *this;
+  }
   /// `n` zero bytes (reserved or padding fields).
-  byte_writer& zeros(std::size_t n) { out_->append(n, '\0'); return *this; }
+  byte_writer& zeros(std::size_t n) {
+    out_->append(n, '\0');
+    return *this;
+  }
   /// Bytes as they are, without a length (fixed-size fields).
-  byte_writer& raw(std::string_view s) { out_->append(s.data(), s.size()); return *this; }
-  byte_writer& raw(std::span<const std::byte> b) { put_bytes(*out_, b); return *this; }
+  byte_writer& raw(std::string_view s) {
+    out_->append(s.data(), s.size());
+    return *this;
+  }
+  byte_writer& raw(std::span<const std::byte> b) {
+    put_bytes(*out_, b);
+    return *this;
+  }
   /// A u32 length, then the bytes. The caller keeps `s` below 4 GiB (the formats' limits are far lower).
   byte_writer& str(std::string_view s) {
     put_u32(*out_, static_cast<std::uint32_t>(s.size()));
@@ -129,8 +150,10 @@ class byte_reader {
   void raw(std::span<std::byte> out) noexcept {
     if (out.empty()) return;
     const char* p = take(out.size());
-    if (p) std::memcpy(out.data(), p, out.size());
-    else std::memset(out.data(), 0, out.size());
+    if (p)
+      std::memcpy(out.data(), p, out.size());
+    else
+      std::memset(out.data(), 0, out.size());
   }
   /// A u32 length, then that many bytes; fails when the length passes `limit` or the end.
   std::string_view str(std::size_t limit = SIZE_MAX) noexcept {

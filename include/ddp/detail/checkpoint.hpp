@@ -143,18 +143,13 @@ class xxh64 {
 
  private:
   static constexpr std::uint64_t p1 = 11400714785074694791ull, p2 = 14029467366897019727ull,
-                                 p3 = 1609587929392839161ull, p4 = 9650029242287828579ull,
-                                 p5 = 2870177450012600261ull;
+                                 p3 = 1609587929392839161ull, p4 = 9650029242287828579ull, p5 = 2870177450012600261ull;
   static constexpr std::uint64_t rotl(std::uint64_t x, int r) noexcept { return (x << r) | (x >> (64 - r)); }
   static constexpr std::uint64_t round(std::uint64_t acc, std::uint64_t in) noexcept {
     return rotl(acc + in * p2, 31) * p1;
   }
-  static std::uint64_t load64(const unsigned char* p) noexcept {
-    return get_u64(reinterpret_cast<const char*>(p));
-  }
-  static std::uint32_t load32(const unsigned char* p) noexcept {
-    return get_u32(reinterpret_cast<const char*>(p));
-  }
+  static std::uint64_t load64(const unsigned char* p) noexcept { return get_u64(reinterpret_cast<const char*>(p)); }
+  static std::uint32_t load32(const unsigned char* p) noexcept { return get_u32(reinterpret_cast<const char*>(p)); }
   void stripe(const unsigned char* p) noexcept {
     for (int i = 0; i < 4; ++i) v_[i] = round(v_[i], load64(p + 8 * i));
   }
@@ -245,7 +240,9 @@ inline std::string decode_table(std::string_view table, const header& h, std::ve
   out.reserve(static_cast<std::size_t>(h.count));  // bounded: count <= table / min_record_bytes
   std::uint64_t bytes = 0;
   for (std::uint64_t i = 0; i < h.count; ++i) {
-    const auto bad = [&](const std::string& why) { return "checkpoint table, parameter " + std::to_string(i) + ": " + why; };
+    const auto bad = [&](const std::string& why) {
+      return "checkpoint table, parameter " + std::to_string(i) + ": " + why;
+    };
     entry e;
     e.name = std::string(r.str(max_name_bytes));
     const auto t = r.u8();
@@ -267,7 +264,8 @@ inline std::string decode_table(std::string_view table, const header& h, std::ve
     }
     e.numel = r.u64();
     if (!r.ok()) return bad("truncated record");
-    if (!fits || product != e.numel) return bad("numel " + std::to_string(e.numel) + " is not the product of its shape");
+    if (!fits || product != e.numel)
+      return bad("numel " + std::to_string(e.numel) + " is not the product of its shape");
     if (e.numel > std::numeric_limits<std::uint64_t>::max() / dtype_size(e.type) ||
         !add_to(bytes, e.numel * dtype_size(e.type)))
       return bad("too large");
@@ -411,11 +409,15 @@ void settle(Group& pg, const verdict& mine, deadline_t until) {
   if (first == none) return;
   std::string frame;
   if (pg.rank() == first)
-    byte_writer(frame).u32(static_cast<std::uint32_t>(mine.code)).u32(static_cast<std::uint32_t>(mine.parameter)).raw(
-        mine.message);
+    byte_writer(frame)
+        .u32(static_cast<std::uint32_t>(mine.code))
+        .u32(static_cast<std::uint32_t>(mine.parameter))
+        .raw(mine.message);
   std::uint64_t len = frame.size();
   pg.broadcast(std::as_writable_bytes(std::span(&len, 1)), first, until);
-  if (len > (std::uint64_t{1} << 20)) raise(errc::protocol, pg.rank(), "rank " + std::to_string(first) + " announced a " + std::to_string(len) + "-byte error");
+  if (len > (std::uint64_t{1} << 20))
+    raise(errc::protocol, pg.rank(),
+          "rank " + std::to_string(first) + " announced a " + std::to_string(len) + "-byte error");
   frame.resize(static_cast<std::size_t>(len));
   pg.broadcast(std::as_writable_bytes(std::span(frame.data(), frame.size())), first, until);
   byte_reader r(frame);

@@ -32,11 +32,16 @@ enum class coll_kind : std::uint8_t { allreduce = 1, broadcast, reduce_scatter, 
 
 inline const char* coll_name(coll_kind k) noexcept {
   switch (k) {
-    case coll_kind::allreduce: return "allreduce";
-    case coll_kind::broadcast: return "broadcast";
-    case coll_kind::reduce_scatter: return "reduce_scatter";
-    case coll_kind::allgather: return "allgather";
-    case coll_kind::barrier: return "barrier";
+    case coll_kind::allreduce:
+      return "allreduce";
+    case coll_kind::broadcast:
+      return "broadcast";
+    case coll_kind::reduce_scatter:
+      return "reduce_scatter";
+    case coll_kind::allgather:
+      return "allgather";
+    case coll_kind::barrier:
+      return "barrier";
   }
   return "?";
 }
@@ -49,17 +54,23 @@ enum class coll_variant : std::uint8_t { none = 0, recursive_doubling = 1, halvi
 
 inline const char* algo_name(coll_algo a) noexcept {
   switch (a) {
-    case coll_algo::none: return "";
-    case coll_algo::ring: return "ring";
-    case coll_algo::tree: return "tree";
+    case coll_algo::none:
+      return "";
+    case coll_algo::ring:
+      return "ring";
+    case coll_algo::tree:
+      return "tree";
   }
   return "?";
 }
 inline const char* variant_name(coll_variant v) noexcept {
   switch (v) {
-    case coll_variant::none: return "";
-    case coll_variant::recursive_doubling: return "recursive doubling";
-    case coll_variant::halving_doubling: return "halving-doubling";
+    case coll_variant::none:
+      return "";
+    case coll_variant::recursive_doubling:
+      return "recursive doubling";
+    case coll_variant::halving_doubling:
+      return "halving-doubling";
   }
   return "?";
 }
@@ -106,8 +117,8 @@ inline std::string mismatch(const coll_desc& mine, int my_rank, const coll_desc&
   if (mine == theirs) return {};
   std::string s = "collective mismatch: rank " + std::to_string(my_rank) + " called " + describe(mine) + ", rank " +
                   std::to_string(their_rank) + " called " + describe(theirs);
-  if (mine.magic == coll_magic && theirs.magic == coll_magic && mine.kind == theirs.kind && mine.count == theirs.count &&
-      mine.type == theirs.type && mine.bytes == theirs.bytes) {
+  if (mine.magic == coll_magic && theirs.magic == coll_magic && mine.kind == theirs.kind &&
+      mine.count == theirs.count && mine.type == theirs.type && mine.bytes == theirs.bytes) {
     if (mine.algo != theirs.algo)
       s += " (every rank must use the same reducer: ring on all, or tree on all)";
     else if (mine.variant != theirs.variant)
@@ -131,7 +142,8 @@ inline void check_dtype(dtype t, int rank, const char* what) {
 inline void check_op(op o, int rank, const char* what) {
   if (!valid_op(o))
     raise(errc::invalid_argument, rank,
-          std::string(what) + ": unknown reduction op " + std::to_string(static_cast<int>(o)) + " (ddp::op is sum .. prod)");
+          std::string(what) + ": unknown reduction op " + std::to_string(static_cast<int>(o)) +
+              " (ddp::op is sum .. prod)");
 }
 
 /// "[0x7f00, 0x7f40) (64 bytes)"
@@ -152,13 +164,15 @@ inline void check_overlap(const char* what, int rank, const void* large, std::si
   const auto l = reinterpret_cast<std::uintptr_t>(large), s = reinterpret_cast<std::uintptr_t>(small);
   if (s >= l + large_bytes || l >= s + small_bytes) return;
   if (s == l + static_cast<std::uintptr_t>(rank) * small_bytes) return;  // in place
-  const bool rs = std::string(what) == "reduce_scatter";  // large is the input
+  const bool rs = std::string(what) == "reduce_scatter";                 // large is the input
   const std::string in = byte_range(rs ? large : small, rs ? large_bytes : small_bytes);
   const std::string out = byte_range(rs ? small : large, rs ? small_bytes : large_bytes);
-  const std::string slice = byte_range(static_cast<const char*>(large) + static_cast<std::size_t>(rank) * small_bytes, small_bytes);
+  const std::string slice =
+      byte_range(static_cast<const char*>(large) + static_cast<std::size_t>(rank) * small_bytes, small_bytes);
   raise(errc::invalid_argument, rank,
         std::string(what) + ": input " + in + " and output " + out + " overlap; pass disjoint buffers, or (in place) " +
-            (rs ? "an output that is exactly this rank's slice of the input " : "an input that is exactly this rank's slice of the output ") +
+            (rs ? "an output that is exactly this rank's slice of the input "
+                : "an input that is exactly this rank's slice of the output ") +
             slice);
 }
 

@@ -19,8 +19,8 @@ namespace detail {
   // later call; errors that poison the context (kernel faults) stay, and the next call says so.
   (void)cudaGetLastError();
   raise(errc::system, -1,
-        std::string("CUDA ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ") from " + expr + " at " +
-            file + ":" + std::to_string(line));
+        std::string("CUDA ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ") from " + expr + " at " + file +
+            ":" + std::to_string(line));
 }
 
 /// Makes `device` current for the scope and restores the previous device on exit, so that an
@@ -53,9 +53,8 @@ class cuda_device_guard {
 
 /// Evaluates a CUDA runtime call; on failure clears the last error and throws `ddp::error`
 /// (`errc::system`) naming the CUDA error, the expression, file and line.
-#define DDP_CUDA_CHECK(expr)                                                   \
-  do {                                                                         \
-    const cudaError_t ddp_cuda_status_ = (expr);                               \
-    if (ddp_cuda_status_ != cudaSuccess)                                       \
-      ::ddp::detail::raise_cuda(ddp_cuda_status_, #expr, __FILE__, __LINE__);  \
+#define DDP_CUDA_CHECK(expr)                                                                                     \
+  do {                                                                                                           \
+    const cudaError_t ddp_cuda_status_ = (expr);                                                                 \
+    if (ddp_cuda_status_ != cudaSuccess) ::ddp::detail::raise_cuda(ddp_cuda_status_, #expr, __FILE__, __LINE__); \
   } while (false)

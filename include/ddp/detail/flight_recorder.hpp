@@ -47,11 +47,16 @@ enum class flight_state : std::uint8_t { empty = 0, queued, started, finished, f
 
 inline const char* flight_state_name(flight_state s) noexcept {
   switch (s) {
-    case flight_state::empty: return "empty";
-    case flight_state::queued: return "queued";
-    case flight_state::started: return "started";
-    case flight_state::finished: return "finished";
-    case flight_state::failed: return "failed";
+    case flight_state::empty:
+      return "empty";
+    case flight_state::queued:
+      return "queued";
+    case flight_state::started:
+      return "started";
+    case flight_state::finished:
+      return "finished";
+    case flight_state::failed:
+      return "failed";
   }
   return "?";
 }
@@ -262,8 +267,13 @@ class flight_ring {
 
  private:
   flight_ring(std::size_t entries, int rank, int size, const char* name, std::uint64_t ordinal)
-      : entries_(entries), mask_(entries - 1), e_(new flight_entry[entries]), rank_(rank), size_(size),
-        name_(name), ordinal_(ordinal) {}
+      : entries_(entries),
+        mask_(entries - 1),
+        e_(new flight_entry[entries]),
+        rank_(rank),
+        size_(size),
+        name_(name),
+        ordinal_(ordinal) {}
 
   flight_entry& slot(std::uint64_t n) const noexcept { return e_[n & mask_]; }
   void end(std::uint64_t n, flight_state s, std::uint8_t err) noexcept {
@@ -296,8 +306,8 @@ class flight_ring {
     static constexpr struct {
       const char* name;
       int number;
-    } names[] = {{"USR1", SIGUSR1}, {"USR2", SIGUSR2}, {"HUP", SIGHUP}, {"QUIT", SIGQUIT}, {"PWR", SIGPWR},
-                 {"WINCH", SIGWINCH}, {"URG", SIGURG}};
+    } names[] = {{"USR1", SIGUSR1}, {"USR2", SIGUSR2},   {"HUP", SIGHUP}, {"QUIT", SIGQUIT},
+                 {"PWR", SIGPWR},   {"WINCH", SIGWINCH}, {"URG", SIGURG}};
     for (const auto& n : names)
       if (s == n.name) return n.number;
     if (!s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; }) && s.size() < 4) {
@@ -318,7 +328,8 @@ class flight_ring {
     if (flight_signal_pid.load(std::memory_order_relaxed) == ::getpid()) {
       const int fd = flight_signal_fd.load(std::memory_order_relaxed);
       const char c = 1;
-      if (fd >= 0) [[maybe_unused]] auto w = ::write(fd, &c, 1);
+      if (fd >= 0) [[maybe_unused]]
+        auto w = ::write(fd, &c, 1);
     }
     errno = saved;
   }
@@ -441,7 +452,8 @@ inline void flight_ring::install_signal(flight_registry& reg, int sig, int rank)
     reg.pipe_read = -1;
     flight_signal_fd.store(-1, std::memory_order_relaxed);
     int p[2];
-    if (::pipe2(p, O_CLOEXEC) != 0) raise(errc::system, rank, std::string("flight recorder: pipe2: ") + std::strerror(errno));
+    if (::pipe2(p, O_CLOEXEC) != 0)
+      raise(errc::system, rank, std::string("flight recorder: pipe2: ") + std::strerror(errno));
     ::fcntl(p[1], F_SETFL, O_NONBLOCK);
     reg.pipe_read = p[0];
     flight_signal_fd.store(p[1], std::memory_order_relaxed);

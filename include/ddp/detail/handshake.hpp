@@ -153,7 +153,12 @@ class auth_responder {
       auth_->random(nonce_);
       std::array<std::byte, authenticator::mac_size> tag;
       auth_->mac(bytes_of(auth_transcript('R', hello_bytes_, nonce_)), tag);
-      byte_writer(out).u32(auth_magic).u8(static_cast<std::uint8_t>(auth_status::challenge)).zeros(3).raw(nonce_).raw(tag);
+      byte_writer(out)
+          .u32(auth_magic)
+          .u8(static_cast<std::uint8_t>(auth_status::challenge))
+          .zeros(3)
+          .raw(nonce_)
+          .raw(tag);
       state_ = state::proof;
     }
     if (state_ == state::proof) {

@@ -101,10 +101,10 @@ template <class V, class M>
 // binary16 -> binary32; `h` holds the half in its low 16 bits.
 [[gnu::always_inline]] inline f32v half_to_float(u32v h) noexcept {
   const u32v sign = (h & 0x8000u) << 16;
-  u32v o = (h & 0x7fffu) << 13;                 // exponent and mantissa in float position
+  u32v o = (h & 0x7fffu) << 13;  // exponent and mantissa in float position
   const i32v e = reinterpret_cast<i32v>(o & 0x0f800000u);
-  o += (127u - 15u) << 23;                      // rebias the exponent
-  const i32v is_special = e == 0x0f800000;      // inf / nan: exponent goes to 255
+  o += (127u - 15u) << 23;                  // rebias the exponent
+  const i32v is_special = e == 0x0f800000;  // inf / nan: exponent goes to 255
   o += reinterpret_cast<u32v>(is_special) & ((128u - 16u) << 23);
   // Zero and subnormal: exponent field is 1 after rebias plus 1; subtracting 2^-14 leaves
   // mantissa * 2^-24 exactly.
@@ -132,9 +132,7 @@ template <class V, class M>
   return r | sign;
 }
 
-[[gnu::always_inline]] inline f32v bf16_to_float(u32v b) noexcept {
-  return reinterpret_cast<f32v>(b << 16);
-}
+[[gnu::always_inline]] inline f32v bf16_to_float(u32v b) noexcept { return reinterpret_cast<f32v>(b << 16); }
 
 [[gnu::always_inline]] inline u32v float_to_bf16(f32v f) noexcept {
   const u32v x = reinterpret_cast<u32v>(f);
@@ -160,7 +158,11 @@ struct lanes<float> {
   using mask = i32v;
   static constexpr std::size_t width = vector_bytes / 4;
   static constexpr bool is_float = true;
-  static vec load(const float* p) noexcept { vec v; std::memcpy(&v, p, sizeof v); return v; }
+  static vec load(const float* p) noexcept {
+    vec v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
   static void store(float* p, vec v) noexcept { std::memcpy(p, &v, sizeof v); }
 };
 
@@ -171,7 +173,11 @@ struct lanes<double> {
   using mask = i64v;
   static constexpr std::size_t width = vector_bytes / 8;
   static constexpr bool is_float = true;
-  static vec load(const double* p) noexcept { vec v; std::memcpy(&v, p, sizeof v); return v; }
+  static vec load(const double* p) noexcept {
+    vec v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
   static void store(double* p, vec v) noexcept { std::memcpy(p, &v, sizeof v); }
 };
 
@@ -181,7 +187,11 @@ struct lanes<std::int32_t> {
   using uvec = u32v;
   static constexpr std::size_t width = vector_bytes / 4;
   static constexpr bool is_float = false;
-  static vec load(const std::int32_t* p) noexcept { vec v; std::memcpy(&v, p, sizeof v); return v; }
+  static vec load(const std::int32_t* p) noexcept {
+    vec v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
   static void store(std::int32_t* p, vec v) noexcept { std::memcpy(p, &v, sizeof v); }
 };
 
@@ -191,7 +201,11 @@ struct lanes<std::int64_t> {
   using uvec = u64v;
   static constexpr std::size_t width = vector_bytes / 8;
   static constexpr bool is_float = false;
-  static vec load(const std::int64_t* p) noexcept { vec v; std::memcpy(&v, p, sizeof v); return v; }
+  static vec load(const std::int64_t* p) noexcept {
+    vec v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
   static void store(std::int64_t* p, vec v) noexcept { std::memcpy(p, &v, sizeof v); }
 };
 
@@ -278,10 +292,14 @@ template <class T, op O>
   using V = typename L::vec;
   if constexpr (L::is_float) {
     V r;
-    if constexpr (O == op::sum || O == op::avg) r = a + b;
-    else if constexpr (O == op::prod) r = a * b;
-    else if constexpr (O == op::min) r = select((b < a) | (b != b), b, a);
-    else r = select((b > a) | (b != b), b, a);
+    if constexpr (O == op::sum || O == op::avg)
+      r = a + b;
+    else if constexpr (O == op::prod)
+      r = a * b;
+    else if constexpr (O == op::min)
+      r = select((b < a) | (b != b), b, a);
+    else
+      r = select((b > a) | (b != b), b, a);
     return canonical_nan<T>(r);
   } else {
     using U = typename L::uvec;
@@ -289,8 +307,10 @@ template <class T, op O>
       return reinterpret_cast<V>(reinterpret_cast<U>(a) + reinterpret_cast<U>(b));
     else if constexpr (O == op::prod)
       return reinterpret_cast<V>(reinterpret_cast<U>(a) * reinterpret_cast<U>(b));
-    else if constexpr (O == op::min) return select(b < a, b, a);
-    else return select(b > a, b, a);
+    else if constexpr (O == op::min)
+      return select(b < a, b, a);
+    else
+      return select(b > a, b, a);
   }
 }
 
@@ -355,22 +375,25 @@ namespace kern {
 // Largest finite value of a floating element type, in its compute type.
 template <class T>
 constexpr typename lanes<T>::scalar max_finite() noexcept {
-  if constexpr (std::is_same_v<T, half>) return 65504.0f;
-  else if constexpr (std::is_same_v<T, bfloat16>) return std::bit_cast<float>(0x7f7f0000u);
-  else return std::numeric_limits<T>::max();
+  if constexpr (std::is_same_v<T, half>)
+    return 65504.0f;
+  else if constexpr (std::is_same_v<T, bfloat16>)
+    return std::bit_cast<float>(0x7f7f0000u);
+  else
+    return std::numeric_limits<T>::max();
 }
 
 // `avg_step` with its factors broadcast to compute vectors.
 template <class T>
 struct avg_vec {
   using V = typename lanes<T>::vec;
-  V pre{};               // floats: 2^-(k+1)
-  V post{};              // floats: world * pre; integers: world
-  V inv{};               // floats: 1 / post, used when it is exact (post a power of two)
+  V pre{};   // floats: 2^-(k+1)
+  V post{};  // floats: world * pre; integers: world
+  V inv{};   // floats: 1 / post, used when it is exact (post a power of two)
   int raw_from = 0;
   bool finish = false;
-  bool divide = false;   // post != 1
-  bool by_inv = false;   // x * inv == x / post bit for bit
+  bool divide = false;  // post != 1
+  bool by_inv = false;  // x * inv == x / post bit for bit
 };
 
 template <class T>
@@ -402,15 +425,20 @@ enum class fin_mode { none, mul, div };
 template <class T>
 constexpr fin_mode finish_of(const avg_vec<T>& a) noexcept {
   if (!a.finish || !a.divide) return fin_mode::none;
-  if constexpr (lanes<T>::is_float) return a.by_inv ? fin_mode::mul : fin_mode::div;
-  else return fin_mode::div;
+  if constexpr (lanes<T>::is_float)
+    return a.by_inv ? fin_mode::mul : fin_mode::div;
+  else
+    return fin_mode::div;
 }
 
 // A single rank's contribution entering an average.
 template <class T>
-[[gnu::always_inline]] inline typename lanes<T>::vec avg_in(typename lanes<T>::vec x, typename lanes<T>::vec pre) noexcept {
-  if constexpr (lanes<T>::is_float) return x * pre;
-  else return x;
+[[gnu::always_inline]] inline typename lanes<T>::vec avg_in(typename lanes<T>::vec x,
+                                                            typename lanes<T>::vec pre) noexcept {
+  if constexpr (lanes<T>::is_float)
+    return x * pre;
+  else
+    return x;
 }
 
 // The division that finishes an average: `d` is `post` (div) or its reciprocal (mul). Floats
@@ -419,7 +447,8 @@ template <class T>
 // largest value got there by rounding (the average of finite values is finite): it becomes
 // that largest value rather than inf.
 template <class T, fin_mode F>
-[[gnu::always_inline]] inline typename lanes<T>::vec avg_out(typename lanes<T>::vec x, typename lanes<T>::vec d) noexcept {
+[[gnu::always_inline]] inline typename lanes<T>::vec avg_out(typename lanes<T>::vec x,
+                                                             typename lanes<T>::vec d) noexcept {
   using L = lanes<T>;
   using V = typename L::vec;
   if constexpr (F == fin_mode::none) {
@@ -428,8 +457,10 @@ template <class T, fin_mode F>
     using M = typename L::mask;
     using S = typename L::scalar;
     V q;
-    if constexpr (F == fin_mode::mul) q = x * d;
-    else q = x / d;
+    if constexpr (F == fin_mode::mul)
+      q = x * d;
+    else
+      q = x / d;
     const M sign = reinterpret_cast<M>(-V{});  // -0.0: the sign bit alone (0.0 + -0.0 is +0.0)
     const V ax = reinterpret_cast<V>(reinterpret_cast<M>(x) & ~sign);
     const V aq = reinterpret_cast<V>(reinterpret_cast<M>(q) & ~sign);
@@ -461,12 +492,14 @@ constexpr typename lanes<T>::vec finish_operand(const avg_vec<T>& a) noexcept {
 // contribution, scaled on entry.
 template <class T, bool Raw, bool Whole, class In>
 [[gnu::always_inline]] inline typename lanes<T>::vec get_in(In p, std::size_t i, std::size_t k,
-                                                             typename lanes<T>::vec pre) noexcept {
+                                                            typename lanes<T>::vec pre) noexcept {
   using L = lanes<T>;
   const T* q = static_cast<const T*>(p) + i;
   typename L::vec x;
-  if constexpr (Whole) x = L::load(q);
-  else x = load_n(q, k);
+  if constexpr (Whole)
+    x = L::load(q);
+  else
+    x = load_n(q, k);
   if constexpr (Raw) x = avg_in<T>(x, pre);
   return x;
 }
@@ -507,10 +540,14 @@ inline void combine_2(Out const* outs, int nouts, In in0, In in1, std::size_t n,
   constexpr std::size_t w = lanes<T>::width;
   std::size_t i = 0;
   for (; i + w <= n; i += w)
-    put_out<T, F, true>(outs, nouts, i, apply<T, O>(get_in<T, Raw0, true>(in0, i, w, pre), get_in<T, Raw1, true>(in1, i, w, pre)), w, d);
+    put_out<T, F, true>(outs, nouts, i,
+                        apply<T, O>(get_in<T, Raw0, true>(in0, i, w, pre), get_in<T, Raw1, true>(in1, i, w, pre)), w,
+                        d);
   if (i < n) {
     const std::size_t k = n - i;
-    put_out<T, F, false>(outs, nouts, i, apply<T, O>(get_in<T, Raw0, false>(in0, i, k, pre), get_in<T, Raw1, false>(in1, i, k, pre)), k, d);
+    put_out<T, F, false>(outs, nouts, i,
+                         apply<T, O>(get_in<T, Raw0, false>(in0, i, k, pre), get_in<T, Raw1, false>(in1, i, k, pre)), k,
+                         d);
   }
 }
 
@@ -523,7 +560,8 @@ template <class T, op O, bool Raw0, bool Raw1, class In>
   constexpr std::size_t w = lanes<T>::width;
   std::size_t v = 0;
   for (; (v + 1) * w <= m; ++v)
-    acc[v] = apply<T, O>(get_in<T, Raw0, true>(in0, base + v * w, w, pre), get_in<T, Raw1, true>(in1, base + v * w, w, pre));
+    acc[v] =
+        apply<T, O>(get_in<T, Raw0, true>(in0, base + v * w, w, pre), get_in<T, Raw1, true>(in1, base + v * w, w, pre));
   if (v * w < m)
     acc[v] = apply<T, O>(get_in<T, Raw0, false>(in0, base + v * w, m - v * w, pre),
                          get_in<T, Raw1, false>(in1, base + v * w, m - v * w, pre));
@@ -538,11 +576,13 @@ template <class T, op O, bool Raw, class In>
 }
 template <class T, op O, bool Raw, fin_mode F, class Out, class In>
 [[gnu::noinline]] void tile_last(Out const* outs, int nouts, const typename lanes<T>::vec* acc, In in, std::size_t base,
-                                 std::size_t m, const typename lanes<T>::vec pre, const typename lanes<T>::vec d) noexcept {
+                                 std::size_t m, const typename lanes<T>::vec pre,
+                                 const typename lanes<T>::vec d) noexcept {
   constexpr std::size_t w = lanes<T>::width;
   std::size_t v = 0;
   for (; (v + 1) * w <= m; ++v)
-    put_out<T, F, true>(outs, nouts, base + v * w, apply<T, O>(acc[v], get_in<T, Raw, true>(in, base + v * w, w, pre)), w, d);
+    put_out<T, F, true>(outs, nouts, base + v * w, apply<T, O>(acc[v], get_in<T, Raw, true>(in, base + v * w, w, pre)),
+                        w, d);
   if (v * w < m)
     put_out<T, F, false>(outs, nouts, base + v * w,
                          apply<T, O>(acc[v], get_in<T, Raw, false>(in, base + v * w, m - v * w, pre)), m - v * w, d);
@@ -552,8 +592,10 @@ template <class T, op O, bool Raw, fin_mode F, class Out, class In>
 template <op O, class F>
 [[gnu::always_inline]] inline void with_flag(bool b, F&& f) {
   if constexpr (O == op::avg) {
-    if (b) f(std::true_type{});
-    else f(std::false_type{});
+    if (b)
+      f(std::true_type{});
+    else
+      f(std::false_type{});
   } else {
     f(std::false_type{});
   }
@@ -563,9 +605,15 @@ template <op O, class F>
 [[gnu::always_inline]] inline void with_fin(fin_mode m, F&& f) {
   if constexpr (O == op::avg) {
     switch (m) {
-      case fin_mode::none: f(std::integral_constant<fin_mode, fin_mode::none>{}); return;
-      case fin_mode::mul: f(std::integral_constant<fin_mode, fin_mode::mul>{}); return;
-      case fin_mode::div: f(std::integral_constant<fin_mode, fin_mode::div>{}); return;
+      case fin_mode::none:
+        f(std::integral_constant<fin_mode, fin_mode::none>{});
+        return;
+      case fin_mode::mul:
+        f(std::integral_constant<fin_mode, fin_mode::mul>{});
+        return;
+      case fin_mode::div:
+        f(std::integral_constant<fin_mode, fin_mode::div>{});
+        return;
     }
   } else {
     f(std::integral_constant<fin_mode, fin_mode::none>{});
@@ -585,7 +633,9 @@ inline void combine_loop(Out const* outs, int nouts, In const* ins, int nins, st
   if (nins == 1) {
     if constexpr (avg) {
       with_flag<O>(raw(0), [&](auto r0) {
-        with_fin<O>(fin, [&](auto f) { combine_1<T, decltype(r0)::value, decltype(f)::value>(outs, nouts, ins[0], n, pre, d); });
+        with_fin<O>(fin, [&](auto f) {
+          combine_1<T, decltype(r0)::value, decltype(f)::value>(outs, nouts, ins[0], n, pre, d);
+        });
       });
     }
     return;
@@ -594,7 +644,8 @@ inline void combine_loop(Out const* outs, int nouts, In const* ins, int nins, st
     with_flag<O>(raw(0), [&](auto r0) {
       with_flag<O>(raw(1), [&](auto r1) {
         with_fin<O>(fin, [&](auto f) {
-          combine_2<T, O, decltype(r0)::value, decltype(r1)::value, decltype(f)::value>(outs, nouts, ins[0], ins[1], n, pre, d);
+          combine_2<T, O, decltype(r0)::value, decltype(r1)::value, decltype(f)::value>(outs, nouts, ins[0], ins[1], n,
+                                                                                        pre, d);
         });
       });
     });
@@ -629,17 +680,26 @@ inline void combine_any(Out const* outs, int nouts, In const* ins, int nins, std
   if (nins == 1 && !scales) {
     const void* src = ins[0];
     for (int k = 0; k < nouts; ++k)
-      if (static_cast<const void*>(outs[k]) != src)
-        copy_bytes(static_cast<void*>(outs[k]), src, n * sizeof(T));
+      if (static_cast<const void*>(outs[k]) != src) copy_bytes(static_cast<void*>(outs[k]), src, n * sizeof(T));
     return;
   }
   const avg_vec<T> none{};
   switch (o) {
-    case op::sum: combine_loop<T, op::sum>(outs, nouts, ins, nins, n, none); return;
-    case op::avg: combine_loop<T, op::avg>(outs, nouts, ins, nins, n, make_avg<T>(a)); return;
-    case op::min: combine_loop<T, op::min>(outs, nouts, ins, nins, n, none); return;
-    case op::max: combine_loop<T, op::max>(outs, nouts, ins, nins, n, none); return;
-    case op::prod: combine_loop<T, op::prod>(outs, nouts, ins, nins, n, none); return;
+    case op::sum:
+      combine_loop<T, op::sum>(outs, nouts, ins, nins, n, none);
+      return;
+    case op::avg:
+      combine_loop<T, op::avg>(outs, nouts, ins, nins, n, make_avg<T>(a));
+      return;
+    case op::min:
+      combine_loop<T, op::min>(outs, nouts, ins, nins, n, none);
+      return;
+    case op::max:
+      combine_loop<T, op::max>(outs, nouts, ins, nins, n, none);
+      return;
+    case op::prod:
+      combine_loop<T, op::prod>(outs, nouts, ins, nins, n, none);
+      return;
   }
 }
 
@@ -647,8 +707,7 @@ inline void combine_any(Out const* outs, int nouts, In const* ins, int nins, std
 
 inline void check_op(op o) {
   if (static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
-    raise(errc::invalid_argument, -1,
-          "unknown op " + std::to_string(static_cast<int>(o)) + " in a reduction kernel");
+    raise(errc::invalid_argument, -1, "unknown op " + std::to_string(static_cast<int>(o)) + " in a reduction kernel");
 }
 inline void check_dtype(dtype t) {
   if (dtype_size(t) == 0)
@@ -656,8 +715,7 @@ inline void check_dtype(dtype t) {
           "unknown dtype " + std::to_string(static_cast<int>(t)) + " in a reduction kernel");
 }
 inline void check_world(int world) {
-  if (world < 1)
-    raise(errc::invalid_argument, -1, "avg over a world of " + std::to_string(world) + " ranks");
+  if (world < 1) raise(errc::invalid_argument, -1, "avg over a world of " + std::to_string(world) + " ranks");
 }
 inline void check_avg(op o, const avg_step& a, int nins) {
   if (o != op::avg) return;
@@ -670,12 +728,24 @@ inline void check_avg(op o, const avg_step& a, int nins) {
 template <class F>
 inline void dispatch(dtype t, F&& f) {
   switch (t) {
-    case dtype::f32: f(float{}); return;
-    case dtype::f64: f(double{}); return;
-    case dtype::f16: f(half{}); return;
-    case dtype::bf16: f(bfloat16{}); return;
-    case dtype::i32: f(std::int32_t{}); return;
-    case dtype::i64: f(std::int64_t{}); return;
+    case dtype::f32:
+      f(float{});
+      return;
+    case dtype::f64:
+      f(double{});
+      return;
+    case dtype::f16:
+      f(half{});
+      return;
+    case dtype::bf16:
+      f(bfloat16{});
+      return;
+    case dtype::i32:
+      f(std::int32_t{});
+      return;
+    case dtype::i64:
+      f(std::int64_t{});
+      return;
   }
   check_dtype(t);
 }
@@ -703,10 +773,18 @@ inline void reduce_into(T* dst, const T* src, std::size_t n, op o) {
   kern::check_op(o);
   switch (o) {
     case op::sum:
-    case op::avg: kern::reduce_loop<T, op::sum>(dst, src, n); return;
-    case op::min: kern::reduce_loop<T, op::min>(dst, src, n); return;
-    case op::max: kern::reduce_loop<T, op::max>(dst, src, n); return;
-    case op::prod: kern::reduce_loop<T, op::prod>(dst, src, n); return;
+    case op::avg:
+      kern::reduce_loop<T, op::sum>(dst, src, n);
+      return;
+    case op::min:
+      kern::reduce_loop<T, op::min>(dst, src, n);
+      return;
+    case op::max:
+      kern::reduce_loop<T, op::max>(dst, src, n);
+      return;
+    case op::prod:
+      kern::reduce_loop<T, op::prod>(dst, src, n);
+      return;
   }
 }
 
@@ -721,8 +799,7 @@ inline void reduce_into(T* dst, const T* src, std::size_t n, op o) {
 /// Requires `nins >= 1`; with one input the outputs receive a copy of it (scaled, for an average
 /// that scales it). An unknown `o` or an invalid `a` is `errc::invalid_argument`.
 template <element T>
-inline void combine(T* const* outs, int nouts, const T* const* ins, int nins, std::size_t n,
-                    op o, avg_step a = {}) {
+inline void combine(T* const* outs, int nouts, const T* const* ins, int nins, std::size_t n, op o, avg_step a = {}) {
   kern::check_op(o);
   kern::check_avg(o, a, nins);
   kern::combine_any<T>(outs, nouts, ins, nins, n, o, a);
@@ -765,8 +842,8 @@ inline void reduce_into(void* dst, const void* src, std::size_t n, dtype t, op o
 /// Type-erased `combine`. Large reductions are split across the installed parallel hook
 /// (ddp/parallel/tbb.hpp), when there is one; each piece keeps the fixed order of inputs, so the
 /// bits do not depend on how it was split.
-inline void combine(void* const* outs, int nouts, const void* const* ins, int nins, std::size_t n,
-                    dtype t, op o, avg_step a = {}) {
+inline void combine(void* const* outs, int nouts, const void* const* ins, int nins, std::size_t n, dtype t, op o,
+                    avg_step a = {}) {
   kern::check_dtype(t);
   kern::check_op(o);
   kern::check_avg(o, a, nins);
@@ -774,21 +851,30 @@ inline void combine(void* const* outs, int nouts, const void* const* ins, int ni
   const std::size_t es = dtype_size(t);
   if (par != nullptr && n * es >= parallel_min_bytes && nouts <= 64 && nins <= 64) {
     struct job {
-      void* const* outs; int nouts; const void* const* ins; int nins; dtype t; op o; avg_step a; std::size_t es;
+      void* const* outs;
+      int nouts;
+      const void* const* ins;
+      int nins;
+      dtype t;
+      op o;
+      avg_step a;
+      std::size_t es;
     } j{outs, nouts, ins, nins, t, o, a, es};
-    par(n, (std::size_t{256} << 10) / es, [](std::size_t b, std::size_t e, void* ctx) {
-      const auto& j = *static_cast<const job*>(ctx);
-      void* po[64];
-      const void* pi[64];
-      for (int k = 0; k < j.nouts; ++k) po[k] = static_cast<char*>(j.outs[k]) + b * j.es;
-      for (int k = 0; k < j.nins; ++k) pi[k] = static_cast<const char*>(j.ins[k]) + b * j.es;
-      kern::dispatch(j.t, [&](auto tag) { kern::combine_any<decltype(tag)>(po, j.nouts, pi, j.nins, e - b, j.o, j.a); });
-    }, &j);
+    par(
+        n, (std::size_t{256} << 10) / es,
+        [](std::size_t b, std::size_t e, void* ctx) {
+          const auto& j = *static_cast<const job*>(ctx);
+          void* po[64];
+          const void* pi[64];
+          for (int k = 0; k < j.nouts; ++k) po[k] = static_cast<char*>(j.outs[k]) + b * j.es;
+          for (int k = 0; k < j.nins; ++k) pi[k] = static_cast<const char*>(j.ins[k]) + b * j.es;
+          kern::dispatch(j.t,
+                         [&](auto tag) { kern::combine_any<decltype(tag)>(po, j.nouts, pi, j.nins, e - b, j.o, j.a); });
+        },
+        &j);
     return;
   }
-  kern::dispatch(t, [&](auto tag) {
-    kern::combine_any<decltype(tag)>(outs, nouts, ins, nins, n, o, a);
-  });
+  kern::dispatch(t, [&](auto tag) { kern::combine_any<decltype(tag)>(outs, nouts, ins, nins, n, o, a); });
 }
 
 /// Type-erased `avg_prescale`.
@@ -808,7 +894,6 @@ inline void avg_finish(void* p, std::size_t n, dtype t, int world) {
     avg_finish(static_cast<T*>(p), n, world);
   });
 }
-
 
 // ---- bulk conversions between f32 and a 16-bit wire type (compression hooks) ----------------
 //
@@ -860,7 +945,8 @@ inline void widen_loop(float* dst, const W* src, std::size_t n, float scale) noe
 
 /// `dst[i] = half(src[i] * scale)`, rounded to nearest even; NaN canonical; with `saturate`
 /// finite values beyond 65504 become +-65504 instead of inf. `dst` must not overlap `src`.
-inline void narrow_to_f16(half* dst, const float* src, std::size_t n, float scale = 1.0f, bool saturate = false) noexcept {
+inline void narrow_to_f16(half* dst, const float* src, std::size_t n, float scale = 1.0f,
+                          bool saturate = false) noexcept {
   kern::narrow_loop<half>(dst, src, n, scale, saturate);
 }
 /// `dst[i] = bfloat16(src[i] * scale)`, as `narrow_to_f16`.

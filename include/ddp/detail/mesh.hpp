@@ -93,8 +93,10 @@ class peer_links {
     endpoint ep;
     ep.addr = local;
     ep.len = local.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
-    if (local.ss_family == AF_INET) reinterpret_cast<sockaddr_in&>(ep.addr).sin_port = 0;
-    else reinterpret_cast<sockaddr_in6&>(ep.addr).sin6_port = 0;
+    if (local.ss_family == AF_INET)
+      reinterpret_cast<sockaddr_in&>(ep.addr).sin_port = 0;
+    else
+      reinterpret_cast<sockaddr_in6&>(ep.addr).sin6_port = 0;
     listen_ = listen_on(ep, rank_, 4096);
     const auto me = local_address(listen_.get());
     wake_ = fd_handle(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -118,14 +120,16 @@ class peer_links {
   /// meanwhile, see shutdown()), errc::auth_failed.
   int get(int peer, deadline_t until) {
     if (peer < 0 || peer >= size_ || peer == rank_)
-      raise(errc::invalid_argument, rank_, "no connection to rank " + std::to_string(peer) + " in a group of " +
-                                               std::to_string(size_));
+      raise(errc::invalid_argument, rank_,
+            "no connection to rank " + std::to_string(peer) + " in a group of " + std::to_string(size_));
     std::unique_lock lk(mu_);
     auto& s = slots_[peer];
     auto backoff = timing::connect_backoff;
     for (;;) {
       if (s.state == link::ready) return s.fd.get();
-      if (shut_) raise(errc::peer_lost, rank_, "the group failed before a connection to rank " + std::to_string(peer) + " was made");
+      if (shut_)
+        raise(errc::peer_lost, rank_,
+              "the group failed before a connection to rank " + std::to_string(peer) + " was made");
       if (s.state == link::none) {
         s.state = link::connecting;
         lk.unlock();
@@ -158,7 +162,10 @@ class peer_links {
           // Dropped before its verdict (a crowd of strangers at the peer's listener): again.
           s.state = link::none;
           cv_.notify_all();
-          if (clock::now() >= until) raise(errc::timeout, rank_, "could not connect to rank " + std::to_string(peer) + " before the deadline (its listener dropped every attempt)");
+          if (clock::now() >= until)
+            raise(errc::timeout, rank_,
+                  "could not connect to rank " + std::to_string(peer) +
+                      " before the deadline (its listener dropped every attempt)");
           lk.unlock();
           std::this_thread::sleep_for(backoff);
           backoff = std::min(backoff * 2, timing::connect_backoff_max);
@@ -170,8 +177,7 @@ class peer_links {
       const auto step = std::min(until, clock::now() + timing::link_wait_slice);
       if (cv_.wait_until(lk, step) == std::cv_status::timeout) {
         if (s.state == link::ready) continue;
-        if (clock::now() >= until)
-          raise(errc::timeout, rank_, "rank " + std::to_string(peer) + " never connected");
+        if (clock::now() >= until) raise(errc::timeout, rank_, "rank " + std::to_string(peer) + " never connected");
         if (s.state == link::awaiting && clock::now() >= s.next_probe) {
           // A peer that died after promising its connection never sends it; its listener,
           // closed with it, refuses. Ask now and then rather than wait for the deadline.
@@ -189,8 +195,7 @@ class peer_links {
           lk.unlock();
           const bool failed = group_failed_();
           lk.lock();
-          if (failed && s.state != link::ready)
-            group_failed_while_waiting(peer);
+          if (failed && s.state != link::ready) group_failed_while_waiting(peer);
         }
       }
     }
@@ -209,7 +214,8 @@ class peer_links {
   int connections() const noexcept {
     if (owner_.forked()) return 0;
     std::lock_guard lk(mu_);
-    return static_cast<int>(std::count_if(slots_.begin(), slots_.end(), [](const auto& kv) { return kv.second.state == link::ready; }));
+    return static_cast<int>(
+        std::count_if(slots_.begin(), slots_.end(), [](const auto& kv) { return kv.second.state == link::ready; }));
   }
 
   /// Shuts every connection down (peers blocked on this rank wake) and stops new ones: later
@@ -254,7 +260,8 @@ class peer_links {
   }
 
   [[noreturn]] void group_failed_while_waiting(int peer) const {
-    raise(errc::peer_lost, rank_, "the group failed while this rank waited for rank " + std::to_string(peer) + " to connect");
+    raise(errc::peer_lost, rank_,
+          "the group failed while this rank waited for rank " + std::to_string(peer) + " to connect");
   }
 
   /// True when the announced address `v` refuses a connection: the peer's process is gone.
@@ -300,8 +307,7 @@ class peer_links {
       }
       if (clock::now() >= until)
         raise(errc::timeout, rank_, "rank " + std::to_string(peer) + " never connected (it never opened this channel)");
-      if (group_failed_ && round % 8 == 7 && group_failed_())
-        group_failed_while_waiting(peer);
+      if (group_failed_ && round % 8 == 7 && group_failed_()) group_failed_while_waiting(peer);
       std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(pause, until - clock::now()));
       pause = std::min(pause * 2, timing::lookup_pause_max);
     }
@@ -402,7 +408,8 @@ class peer_links {
       std::vector<pollfd> pfds{{wake_.get(), POLLIN, 0}};
       const auto before = clock::now();
       pfds.push_back({listen_.get(), static_cast<short>(before >= accept_pause ? POLLIN : 0), 0});
-      int timeout = before >= accept_pause ? static_cast<int>(timing::acceptor_idle.count()) : ms_left(accept_pause) + 1;
+      int timeout =
+          before >= accept_pause ? static_cast<int>(timing::acceptor_idle.count()) : ms_left(accept_pause) + 1;
       for (auto& p : pend) {
         pfds.push_back({p.fd.get(), POLLIN, 0});
         timeout = std::min(timeout, ms_left(p.limit) + 1);
@@ -413,14 +420,20 @@ class peer_links {
       std::vector<bool> drop(pend.size(), false);
       for (std::size_t i = 0; i < pend.size(); ++i) {
         auto& p = pend[i];
-        if (now >= p.limit) { drop[i] = true; continue; }
+        if (now >= p.limit) {
+          drop[i] = true;
+          continue;
+        }
         if (!(pfds[i + 2].revents & (POLLIN | POLLHUP | POLLERR))) continue;
         // Read only what the current step needs: whatever follows belongs to the peer's traffic.
         std::size_t want = sizeof(mesh_hello);
         if (p.hs) want = p.hs->current() == auth_responder::state::hello ? auth_hello_size : auth_proof_size;
         char buf[auth_hello_size];
         const ssize_t k = ::recv(p.fd.get(), buf, want - p.in.size(), 0);
-        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) { drop[i] = true; continue; }
+        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+          drop[i] = true;
+          continue;
+        }
         if (k < 0) continue;
         p.in.append(buf, static_cast<std::size_t>(k));
         if (!p.hs) {
@@ -432,7 +445,8 @@ class peer_links {
           decide(h.rank, p.fd);
           continue;
         }
-        const auto st = p.hs->feed(p.in, p.out, [&](const auth_hello& h) { return admit(h.from, h.to, h.size, h.group); });
+        const auto st =
+            p.hs->feed(p.in, p.out, [&](const auth_hello& h) { return admit(h.from, h.to, h.size, h.group); });
         if (!p.out.empty()) {
           // One short message at a time, into an empty socket buffer: this does not block.
           [[maybe_unused]] auto s = ::send(p.fd.get(), p.out.data(), p.out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -465,8 +479,8 @@ class peer_links {
           }
           if (pend.size() >= max_pending) pend.erase(pend.begin());
           const bool crowded = pend.size() >= max_pending / 4;
-          pending p{fd_handle(fd), {}, {}, std::nullopt,
-                    clock::now() + (crowded ? crowded_limit : auth_handshake_limit)};
+          pending p{
+              fd_handle(fd), {}, {}, std::nullopt, clock::now() + (crowded ? crowded_limit : auth_handshake_limit)};
           if (auth_) p.hs.emplace(auth_.get(), auth_kind::mesh);
           pend.push_back(std::move(p));
         }

@@ -55,9 +55,12 @@ inline errc mpi_condition(int code) noexcept {
     case MPI_ERR_ROOT:
     case MPI_ERR_COMM:
     case MPI_ERR_ARG:
-    case MPI_ERR_RANK: return errc::invalid_argument;
-    case MPI_ERR_TRUNCATE: return errc::mismatch;
-    default: return errc::system;
+    case MPI_ERR_RANK:
+      return errc::invalid_argument;
+    case MPI_ERR_TRUNCATE:
+      return errc::mismatch;
+    default:
+      return errc::system;
   }
 }
 
@@ -86,9 +89,8 @@ inline int mpi_world_rank() noexcept {
 /// Evaluates an MPI call; on failure throws `ddp::error` naming the MPI error, the expression,
 /// file and line (the condition follows the MPI error class: `invalid_argument`, `peer_lost`,
 /// `mismatch` or `system`).
-#define DDP_MPI_CHECK(expr)                                                 \
-  do {                                                                      \
-    const int ddp_mpi_status_ = (expr);                                     \
-    if (ddp_mpi_status_ != MPI_SUCCESS)                                     \
-      ::ddp::detail::raise_mpi(ddp_mpi_status_, #expr, __FILE__, __LINE__); \
+#define DDP_MPI_CHECK(expr)                                                                                   \
+  do {                                                                                                        \
+    const int ddp_mpi_status_ = (expr);                                                                       \
+    if (ddp_mpi_status_ != MPI_SUCCESS) ::ddp::detail::raise_mpi(ddp_mpi_status_, #expr, __FILE__, __LINE__); \
   } while (false)

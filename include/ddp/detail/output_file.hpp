@@ -100,7 +100,7 @@ inline int open_own_file(const std::string& path, std::string& why, mode_t mode 
   if (fd < 0) {
     const int e = errno;
     why = e == ELOOP || e == ENXIO || e == EACCES || e == EPERM || e == EISDIR ? found_at(path) + " is there"
-                                                                                 : std::string();
+                                                                               : std::string();
     errno = e;
     return -1;
   }

@@ -6,6 +6,9 @@
 // tool that means to use a private header directly says so: #define DDP_ALLOW_DETAIL_HEADERS
 // before its first include. No include guard: the check runs at every inclusion.
 #if !defined(DDP_PUBLIC_HEADER_INCLUDED) && !defined(DDP_ALLOW_DETAIL_HEADERS)
-#error "this header is private to ddp: include <ddp/ddp.hpp> (or the public header of an optional part: <ddp/reducer/mpi.hpp>, <ddp/reducer/nccl.hpp>, <ddp/memory/cuda_allocator.hpp>, <ddp/parallel/tbb.hpp>, <ddp/auth/sodium.hpp>) instead; code that means to use it defines DDP_ALLOW_DETAIL_HEADERS first"
+// clang-format off
+#error "this header is private to ddp: include <ddp/ddp.hpp> (or an optional part's public header, \
+such as <ddp/reducer/mpi.hpp>) instead; code that means to use it defines DDP_ALLOW_DETAIL_HEADERS first"
+// clang-format on
 #endif
 #include <ddp/version.hpp>

@@ -142,8 +142,9 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
       raise(errc::rank_conflict, rank,
             "rank " + std::to_string(rank) + " is already taken by another process (its claim: '" +
                 owner.substr(0, 96) + "'); every process needs its own rank" +
-                (st.auth() ? std::string() : std::string(" (without a secret any process that reaches the store can "
-                                                         "take a free rank: docs/security.md)")) +
+                (st.auth() ? std::string()
+                           : std::string(" (without a secret any process that reaches the store can "
+                                         "take a free rank: docs/security.md)")) +
                 (req.job_id.empty() ? " (if another job of the same size uses " + req.where +
                                           ", give each job its own MASTER_PORT, or a DDP_JOB_ID)"
                                     : ""));

@@ -48,8 +48,7 @@ constexpr range partition(std::size_t count, int parts, int i) noexcept {
 /// Like `partition`, but every boundary except the final `count` is a multiple of
 /// `align_elems` (so each part starts on a cache line or vector boundary). Balanced in units of
 /// `align_elems`; parts at the end may be empty when there are fewer units than parts.
-constexpr range partition_aligned(std::size_t count, int parts, int i,
-                                  std::size_t align_elems) noexcept {
+constexpr range partition_aligned(std::size_t count, int parts, int i, std::size_t align_elems) noexcept {
   if (align_elems <= 1) return partition(count, parts, i);
   const std::size_t units = (count + align_elems - 1) / align_elems;
   const range u = partition(units, parts, i);
@@ -149,12 +148,12 @@ constexpr int hd_real_rank(int n, int v) noexcept {
 /// One exchange level, seen from one (non-folded) rank. Blocks are of `hd_plan::blocks`, mapped
 /// to elements with `block_span(count, blocks, ...)`.
 struct hd_level {
-  int peer;         ///< real rank exchanged with
-  bool lower;       ///< this rank's virtual rank is the lower of the pair: its data is the left operand
-  int keep_begin;   ///< blocks [keep_begin, keep_end) are received from the peer and reduced into
-  int keep_end;     ///<   (halving) or, in the allgather, sent to the peer
-  int send_begin;   ///< blocks [send_begin, send_end) are sent to the peer (halving) or, in the
-  int send_end;     ///<   allgather, received from it
+  int peer;        ///< real rank exchanged with
+  bool lower;      ///< this rank's virtual rank is the lower of the pair: its data is the left operand
+  int keep_begin;  ///< blocks [keep_begin, keep_end) are received from the peer and reduced into
+  int keep_end;    ///<   (halving) or, in the allgather, sent to the peer
+  int send_begin;  ///< blocks [send_begin, send_end) are sent to the peer (halving) or, in the
+  int send_end;    ///<   allgather, received from it
 };
 
 /// A rank's part in halving-doubling or recursive doubling.
@@ -166,9 +165,9 @@ struct hd_level {
 /// receive `send` (copy). (4) fold: a rank with a partner sends the result to it; the folded-out
 /// rank receives it.
 struct hd_plan {
-  int n = 1;              ///< group size
-  int p2 = 1;             ///< ranks that take part in the levels
-  int vrank = 0;          ///< virtual rank, -1 if folded out
+  int n = 1;      ///< group size
+  int p2 = 1;     ///< ranks that take part in the levels
+  int vrank = 0;  ///< virtual rank, -1 if folded out
   bool folded_out = false;
   int fold_partner = -1;  ///< the rank this one folds with, or -1
   int blocks = 1;         ///< blocks the buffer is split into (p2 for halving-doubling, else 1)

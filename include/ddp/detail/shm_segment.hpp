@@ -49,7 +49,7 @@ inline namespace v0 {
 namespace detail {
 
 inline constexpr std::uint64_t shm_magic = 0x316d68732d706464ull;  // "ddp-shm1", little endian
-inline constexpr std::uint32_t shm_version = 3;  // 2: descriptors are coll_desc; 3: abort reasons
+inline constexpr std::uint32_t shm_version = 3;                    // 2: descriptors are coll_desc; 3: abort reasons
 inline constexpr std::size_t shm_line = 64;
 inline constexpr std::size_t shm_page = 4096;
 
@@ -142,7 +142,7 @@ inline std::string shm_mib(std::size_t bytes) {
 
 /// What /dev/shm holds now ("/dev/shm has 1.2 MiB free of 64.0 MiB"), for error messages.
 inline std::string shm_space() {
-  struct statvfs vfs{};
+  struct statvfs vfs {};
   if (::statvfs("/dev/shm", &vfs) != 0) return std::string("statvfs(/dev/shm): ") + std::strerror(errno);
   return "/dev/shm has " + shm_mib(static_cast<std::size_t>(vfs.f_bavail) * vfs.f_frsize) + " free of " +
          shm_mib(static_cast<std::size_t>(vfs.f_blocks) * vfs.f_frsize);
@@ -150,7 +150,7 @@ inline std::string shm_space() {
 
 /// Size of /dev/shm (its tmpfs limit), or 0 when it cannot be read.
 inline std::size_t shm_capacity() noexcept {
-  struct statvfs vfs{};
+  struct statvfs vfs {};
   if (::statvfs("/dev/shm", &vfs) != 0) return 0;
   return static_cast<std::size_t>(vfs.f_blocks) * vfs.f_frsize;
 }
@@ -211,7 +211,7 @@ class shm_mapping {
   std::string open(const std::string& name, std::size_t size) {
     fd_ = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
     if (fd_ < 0) return "shm_open(" + name + "): " + std::strerror(errno);
-    struct stat st{};
+    struct stat st {};
     std::string why;
     if (::fstat(fd_, &st) != 0)
       why = "fstat(" + name + "): " + std::strerror(errno);
@@ -230,7 +230,7 @@ class shm_mapping {
     if (bytes == 0) return {};
     // Refuse up front when /dev/shm plainly lacks the room: a doomed posix_fallocate would
     // first take what is left from every other user of /dev/shm, then give it back.
-    struct statvfs vfs{};
+    struct statvfs vfs {};
     if (::statvfs("/dev/shm", &vfs) == 0 && static_cast<std::size_t>(vfs.f_bavail) * vfs.f_frsize < bytes)
       return reserve_failure(bytes, "statvfs", ENOSPC);
     // In steps, so that a signal (EINTR: tmpfs undoes the interrupted call) costs one step's
@@ -254,10 +254,17 @@ class shm_mapping {
   static std::string reserve_failure(std::size_t bytes, const char* how, int e) {
     std::string cause;
     switch (e) {
-      case ENOSPC: cause = "/dev/shm is full (remove what fills it, or enlarge it, e.g. docker --shm-size)"; break;
-      case EFBIG: cause = "larger than a file may grow here (RLIMIT_FSIZE or the file system's limit)"; break;
-      case ENOMEM: cause = "out of memory (tmpfs pages count against this process's memory cgroup)"; break;
-      default: break;
+      case ENOSPC:
+        cause = "/dev/shm is full (remove what fills it, or enlarge it, e.g. docker --shm-size)";
+        break;
+      case EFBIG:
+        cause = "larger than a file may grow here (RLIMIT_FSIZE or the file system's limit)";
+        break;
+      case ENOMEM:
+        cause = "out of memory (tmpfs pages count against this process's memory cgroup)";
+        break;
+      default:
+        break;
     }
     return "cannot reserve " + shm_mib(bytes) + " (" + how + ": " + std::strerror(e) + ")" +
            (cause.empty() ? "" : ": " + cause) + "; " + shm_space();
@@ -289,7 +296,7 @@ class shm_mapping {
 /// within RLIMIT_FSIZE after the `before` bytes that precede the arena (a larger ftruncate
 /// would raise SIGXFSZ).
 struct shm_arena_size {
-  std::size_t bytes = 0;  ///< the whole arena (world parts)
+  std::size_t bytes = 0;   ///< the whole arena (world parts)
   const char* bound = "";  ///< what limited each part, for messages
 };
 
@@ -307,7 +314,7 @@ inline shm_arena_size shm_arena(int world, std::size_t asked, std::size_t before
   part = round_up(part, shm_page);
   std::size_t space = std::size_t{1} << 44;
   const char* space_bound = "16 TiB of address space";
-  struct rlimit lim{};
+  struct rlimit lim {};
   if (::getrlimit(RLIMIT_AS, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur / 4 < space) {
     space = static_cast<std::size_t>(lim.rlim_cur) / 4;
     space_bound = "a quarter of the address-space limit (RLIMIT_AS, ulimit -v), shared by the ranks";
@@ -396,7 +403,6 @@ class arena_heap {
   std::size_t used_ = 0;
 };
 
-
 inline std::string read_first_line(const char* path) {
   std::ifstream f(path);
   std::string s;
@@ -423,7 +429,7 @@ inline std::string shm_host_identity() {
   ::gethostname(host, sizeof host - 1);
   char ns[128] = {};
   const ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof ns - 1);
-  struct stat st{};
+  struct stat st {};
   const bool shm_dev = ::stat("/dev/shm", &st) == 0;
   return std::string(host) + " boot " + read_first_line("/proc/sys/kernel/random/boot_id") + " " +
          (n > 0 ? std::string(ns, static_cast<std::size_t>(n)) : std::string("net:?")) + " shm " +

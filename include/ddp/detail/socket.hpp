@@ -51,7 +51,10 @@ class fd_handle {
   explicit fd_handle(int fd) noexcept : fd_(fd) {}
   fd_handle(fd_handle&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
   fd_handle& operator=(fd_handle&& o) noexcept {
-    if (this != &o) { reset(); fd_ = std::exchange(o.fd_, -1); }
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
     return *this;
   }
   fd_handle(const fd_handle&) = delete;
@@ -134,8 +137,7 @@ inline int port_of(const sockaddr_storage& a) {
 }
 
 inline bool is_loopback(const sockaddr_storage& a) {
-  if (a.ss_family == AF_INET)
-    return (ntohl(reinterpret_cast<const sockaddr_in&>(a).sin_addr.s_addr) >> 24) == 127;
+  if (a.ss_family == AF_INET) return (ntohl(reinterpret_cast<const sockaddr_in&>(a).sin_addr.s_addr) >> 24) == 127;
   const auto& in6 = reinterpret_cast<const sockaddr_in6&>(a).sin6_addr;
   return IN6_IS_ADDR_LOOPBACK(&in6) != 0;
 }
@@ -172,17 +174,29 @@ inline sockaddr_storage local_address(int fd) {
 /// sets `ec` (connection refused is the normal case while the listener is not up yet).
 inline fd_handle try_connect(const endpoint& ep, deadline_t d, std::error_code& ec) {
   fd_handle fd(::socket(ep.addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!fd) { ec.assign(errno, std::generic_category()); return {}; }
+  if (!fd) {
+    ec.assign(errno, std::generic_category());
+    return {};
+  }
   if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&ep.addr), ep.len) != 0) {
-    if (errno != EINPROGRESS) { ec.assign(errno, std::generic_category()); return {}; }
+    if (errno != EINPROGRESS) {
+      ec.assign(errno, std::generic_category());
+      return {};
+    }
     pollfd p{fd.get(), POLLOUT, 0};
     int r = 0;
     for (int left = ms_left(d); r == 0 && left > 0; left = ms_left(d)) r = ::poll(&p, 1, left);
-    if (r <= 0) { ec = make_error_code(errc::timeout); return {}; }
+    if (r <= 0) {
+      ec = make_error_code(errc::timeout);
+      return {};
+    }
     int err = 0;
     socklen_t len = sizeof err;
     ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-    if (err != 0) { ec.assign(err, std::generic_category()); return {}; }
+    if (err != 0) {
+      ec.assign(err, std::generic_category());
+      return {};
+    }
   }
   ec.clear();
   return fd;
@@ -209,14 +223,20 @@ inline fd_handle connect_retry(const std::vector<endpoint>& eps, deadline_t d, s
 inline fd_handle accept_until(int listen_fd, deadline_t d, std::error_code& ec) {
   for (;;) {
     const int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd >= 0) { ec.clear(); return fd_handle(fd); }
+    if (fd >= 0) {
+      ec.clear();
+      return fd_handle(fd);
+    }
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       ec.assign(errno, std::generic_category());
       return {};
     }
     pollfd p{listen_fd, POLLIN, 0};
     const int left = ms_left(d);
-    if (left == 0) { ec = make_error_code(errc::timeout); return {}; }
+    if (left == 0) {
+      ec = make_error_code(errc::timeout);
+      return {};
+    }
     ::poll(&p, 1, left);
   }
 }
@@ -226,12 +246,19 @@ inline void send_all(int fd, const void* data, std::size_t n, deadline_t d, std:
   auto p = static_cast<const char*>(data);
   while (n > 0) {
     const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (k > 0) { p += k; n -= static_cast<std::size_t>(k); continue; }
+    if (k > 0) {
+      p += k;
+      n -= static_cast<std::size_t>(k);
+      continue;
+    }
     if (k < 0 && errno == EINTR) continue;
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       pollfd pf{fd, POLLOUT, 0};
       const int left = ms_left(d);
-      if (left == 0) { ec = make_error_code(errc::timeout); return; }
+      if (left == 0) {
+        ec = make_error_code(errc::timeout);
+        return;
+      }
       ::poll(&pf, 1, left);  // 0 (capped wait over, or the deadline): the loop checks again
       continue;
     }
@@ -247,13 +274,23 @@ inline void recv_all(int fd, void* data, std::size_t n, deadline_t d, std::error
   auto p = static_cast<char*>(data);
   while (n > 0) {
     const ssize_t k = ::recv(fd, p, n, 0);
-    if (k > 0) { p += k; n -= static_cast<std::size_t>(k); continue; }
-    if (k == 0) { ec = make_error_code(errc::peer_lost); return; }
+    if (k > 0) {
+      p += k;
+      n -= static_cast<std::size_t>(k);
+      continue;
+    }
+    if (k == 0) {
+      ec = make_error_code(errc::peer_lost);
+      return;
+    }
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
       pollfd pf{fd, POLLIN, 0};
       const int left = ms_left(d);
-      if (left == 0) { ec = make_error_code(errc::timeout); return; }
+      if (left == 0) {
+        ec = make_error_code(errc::timeout);
+        return;
+      }
       ::poll(&pf, 1, left);  // 0 (capped wait over, or the deadline): the loop checks again
       continue;
     }

@@ -3,8 +3,8 @@
 // IWYU pragma: private
 // Wire format of the key-value store. A frame is
 //   u32 length (of everything after it, little endian) | u8 code | fields...
-// and a field is u32 length | bytes (detail/bytes.hpp writes and reads them). Lengths are checked against fixed limits before anything
-// is allocated, so a peer that claims a huge frame is dropped instead of growing our memory.
+// and a field is u32 length | bytes (detail/bytes.hpp writes and reads them). Lengths are checked against fixed limits
+// before anything is allocated, so a peer that claims a huge frame is dropped instead of growing our memory.
 
 #include <cstddef>
 #include <cstdint>
@@ -26,7 +26,13 @@ enum class store_cmd : std::uint8_t { set = 1, get = 2, add = 3, cas = 4, del = 
 // forbidden: a store with members (store_server's member_prefix) refused a write from a
 // connection that has not claimed a rank; the one field says which key and why.
 enum class store_status : std::uint8_t {
-  ok = 0, timeout = 1, bad_request = 2, auth_required = 3, full = 4, too_large = 5, forbidden = 6
+  ok = 0,
+  timeout = 1,
+  bad_request = 2,
+  auth_required = 3,
+  full = 4,
+  too_large = 5,
+  forbidden = 6
 };
 inline constexpr std::uint8_t store_last_status = static_cast<std::uint8_t>(store_status::forbidden);
 
@@ -88,13 +94,20 @@ inline bool valid_request(const frame& f) {
     if (!is_value && f.fields[i].size() > store_max_key) return false;
   }
   switch (static_cast<store_cmd>(f.code)) {
-    case store_cmd::set: return n == 2;
-    case store_cmd::get: return n == 2;
-    case store_cmd::add: return n == 2 && f.fields[1].size() == 8;
-    case store_cmd::cas: return n == 3;
-    case store_cmd::del: return n == 1;
-    case store_cmd::check: return n == 1;
-    case store_cmd::wait: return n >= 2;
+    case store_cmd::set:
+      return n == 2;
+    case store_cmd::get:
+      return n == 2;
+    case store_cmd::add:
+      return n == 2 && f.fields[1].size() == 8;
+    case store_cmd::cas:
+      return n == 3;
+    case store_cmd::del:
+      return n == 1;
+    case store_cmd::check:
+      return n == 1;
+    case store_cmd::wait:
+      return n >= 2;
   }
   return false;
 }

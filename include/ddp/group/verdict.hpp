@@ -103,8 +103,9 @@ class failure_verdict {
   /// an exception records it while it unwinds, which may come a moment later.
   group_failure first(bool* store_gone = nullptr, bool linger = false) noexcept {
     if (owner_.forked()) return {};
-    const auto end = steady_clock::now() + (linger ? std::min<std::chrono::milliseconds>(detail::timing::failure_linger, timeout_ / 8)
-                                            : std::chrono::milliseconds(0));
+    const auto end = steady_clock::now() +
+                     (linger ? std::min<std::chrono::milliseconds>(detail::timing::failure_linger, timeout_ / 8)
+                             : std::chrono::milliseconds(0));
     try {
       for (;;) {
         const auto until = store_budget();
@@ -193,7 +194,8 @@ class failure_verdict {
   /// Bound of a store round trip made while failing: short, because the store's host (rank 0)
   /// may be the rank that is gone.
   deadline_t store_budget() const {
-    return steady_clock::now() + std::min<std::chrono::milliseconds>(detail::timing::failure_store_budget, timeout_ / 8);
+    return steady_clock::now() +
+           std::min<std::chrono::milliseconds>(detail::timing::failure_store_budget, timeout_ / 8);
   }
 
   /// Where every rank's "waits for" record lives: one place for the whole group, whichever
@@ -211,8 +213,10 @@ class failure_verdict {
     if (!store_ || owner_.forked()) return;
     try {
       const std::string key = waiting_key(waits_prefix, rank_);
-      if (peer < 0) store_->erase(key, store_budget());
-      else store_->set(key, std::to_string(peer), store_budget());
+      if (peer < 0)
+        store_->erase(key, store_budget());
+      else
+        store_->set(key, std::to_string(peer), store_budget());
     } catch (...) {
     }
   }
@@ -288,8 +292,7 @@ class failure_verdict {
     if (chain.back() < 0) {
       std::string ring;
       for (std::size_t i = 0; i + 1 < chain.size(); ++i) ring += (ring.empty() ? "" : ", ") + std::to_string(chain[i]);
-      return "ranks " + ring + " wait for each other and none of them stopped (" + via +
-             "): their calls do not match";
+      return "ranks " + ring + " wait for each other and none of them stopped (" + via + "): their calls do not match";
     }
     return "rank " + std::to_string(chain.back()) + " stopped answering within the deadline (" + via + ")";
   }

@@ -26,10 +26,14 @@ constexpr bool host_accessible(memory_kind k) noexcept { return k != memory_kind
 
 constexpr const char* memory_kind_name(memory_kind k) noexcept {
   switch (k) {
-    case memory_kind::host: return "host";
-    case memory_kind::pinned: return "pinned";
-    case memory_kind::shared: return "shared";
-    case memory_kind::cuda: return "cuda";
+    case memory_kind::host:
+      return "host";
+    case memory_kind::pinned:
+      return "pinned";
+    case memory_kind::shared:
+      return "shared";
+    case memory_kind::cuda:
+      return "cuda";
   }
   return "?";
 }
@@ -42,14 +46,17 @@ concept has_allocate = requires(A& a, std::size_t bytes) {
 
 /// `a.deallocate(p, bytes)` releases what `allocate(bytes)` returned.
 template <class A>
-concept has_deallocate = requires(A& a, void* p, std::size_t bytes) { a.deallocate(p, bytes); };
+concept has_deallocate = requires(A& a, void* p, std::size_t bytes) {
+  a.deallocate(p, bytes);
+};
 
 /// `a.deallocate(p, bytes)` is `noexcept`: the wrapper frees buckets in destructors and on
 /// error paths, where an exception would end the program. An allocator whose release can fail
 /// (CUDA) records the failure instead of throwing it.
 template <class A>
 concept has_nothrow_deallocate = has_deallocate<A> && requires(A& a, void* p, std::size_t bytes) {
-  { a.deallocate(p, bytes) } noexcept;
+  { a.deallocate(p, bytes) }
+  noexcept;
 };
 
 /// `a.location()` says which `memory_kind` the allocator hands out.
@@ -68,7 +75,7 @@ concept has_memory_location = requires(const A& a) {
 /// \endcode
 template <class A>
 concept device_allocator = std::copy_constructible<A> && has_allocate<A> && has_deallocate<A> &&
-                           has_nothrow_deallocate<A> && has_memory_location<A>;
+    has_nothrow_deallocate<A> && has_memory_location<A>;
 
 /// Optional hook: `a.copy(dst, src, bytes)` copies between bucket memory and a parameter's
 /// gradient (either side may be device memory). The wrapper then never copies bucket memory
@@ -81,7 +88,9 @@ concept allocator_with_copy = requires(A& a, void* dst, const void* src, std::si
 /// Optional hook: `a.zero(dst, bytes)` clears bucket memory (the slot of an unused parameter).
 /// An allocator with `copy` must have it too: the wrapper could not clear such memory itself.
 template <class A>
-concept allocator_with_zero = requires(A& a, void* dst, std::size_t bytes) { a.zero(dst, bytes); };
+concept allocator_with_zero = requires(A& a, void* dst, std::size_t bytes) {
+  a.zero(dst, bytes);
+};
 
 /// An allocator that moves bucket bytes itself: both hooks, as `cuda_allocator` has.
 /// \code
@@ -93,8 +102,9 @@ concept copying_allocator = device_allocator<A> && allocator_with_copy<A> && all
 /// `A{}.location()` is a constant expression (a default-constructible allocator whose memory
 /// kind is fixed), so the wrapper can check at compile time what the memory needs.
 template <class A>
-concept allocator_with_constant_location =
-    requires { typename std::integral_constant<memory_kind, A{}.location()>; };
+concept allocator_with_constant_location = requires {
+  typename std::integral_constant<memory_kind, A{}.location()>;
+};
 
 /// True when `A`'s memory is known at compile time to be out of the CPU's reach (it then needs
 /// `allocator_with_copy` and `allocator_with_zero`).

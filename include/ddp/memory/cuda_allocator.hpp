@@ -93,10 +93,10 @@ struct cuda_allocator {
   /// The allocator for a reducer's buckets: its device and stream (`nccl_reducer`). The
   /// wrapper builds its allocator this way (`ddp::allocator_bound_to`).
   template <class Reducer>
-    requires requires(const Reducer& r) {
-      { r.device() } -> std::convertible_to<int>;
-      { r.stream() } -> std::convertible_to<cudaStream_t>;
-    }
+  requires requires(const Reducer& r) {
+    { r.device() } -> std::convertible_to<int>;
+    { r.stream() } -> std::convertible_to<cudaStream_t>;
+  }
   static cuda_allocator for_reducer(const Reducer& r) noexcept {
     return cuda_allocator{.device = r.device(), .stream = r.stream()};
   }

@@ -59,12 +59,8 @@ struct bucket_policy {
 
 /// Byte-size literals for policies: `25_MiB`, `512_KiB`.
 inline namespace literals {
-constexpr std::size_t operator""_KiB(unsigned long long v) noexcept {
-  return static_cast<std::size_t>(v) << 10;
-}
-constexpr std::size_t operator""_MiB(unsigned long long v) noexcept {
-  return static_cast<std::size_t>(v) << 20;
-}
+constexpr std::size_t operator""_KiB(unsigned long long v) noexcept { return static_cast<std::size_t>(v) << 10; }
+constexpr std::size_t operator""_MiB(unsigned long long v) noexcept { return static_cast<std::size_t>(v) << 20; }
 }  // namespace literals
 
 /// What a planner knows about one parameter.

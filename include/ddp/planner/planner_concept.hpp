@@ -18,8 +18,8 @@ inline namespace v0 {
 /// in the order gradients become ready. A planner must be deterministic: every rank calls it
 /// with the same arguments and must get the same plan.
 template <class P>
-concept has_plan_function = requires(const P& p, std::span<const param_info> params,
-                                     const bucket_policy& policy, std::span<const std::size_t> order) {
+concept has_plan_function = requires(const P& p, std::span<const param_info> params, const bucket_policy& policy,
+                                     std::span<const std::size_t> order) {
   { p.plan(params, policy, order) } -> std::same_as<bucket_plan>;
 };
 

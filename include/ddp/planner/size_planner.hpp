@@ -50,7 +50,7 @@ struct size_planner {
       std::size_t closed = 0;    // buckets of this kind closed so far: selects the cap
       std::size_t last_pos = 0;  // walk position of the latest parameter added
     };
-    std::vector<open_bucket> open;  // one per (dtype, device); few kinds, so a linear search
+    std::vector<open_bucket> open;                     // one per (dtype, device); few kinds, so a linear search
     std::vector<std::pair<std::size_t, bucket>> done;  // (last walk position, bucket)
 
     const auto close = [&done](open_bucket& ob) {
@@ -65,8 +65,8 @@ struct size_planner {
       const std::size_t p = walk[pos];
       const param_info& info = params[p];
       if (dtype_size(info.type) == 0) {
-        detail::raise(errc::invalid_argument, -1,
-                      "parameter " + std::to_string(p) + " has an unknown dtype", -1, static_cast<int>(p));
+        detail::raise(errc::invalid_argument, -1, "parameter " + std::to_string(p) + " has an unknown dtype", -1,
+                      static_cast<int>(p));
       }
       auto it = std::find_if(open.begin(), open.end(), [&](const open_bucket& ob) {
         return ob.b.type == info.type && ob.b.device == info.device;
@@ -90,8 +90,7 @@ struct size_planner {
     for (auto& ob : open) {
       if (!ob.b.entries.empty()) close(ob);
     }
-    std::sort(done.begin(), done.end(),
-              [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::sort(done.begin(), done.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
 
     bucket_plan out;
     out.buckets.reserve(done.size());
@@ -114,8 +113,8 @@ struct size_planner {
     }
     if (order.size() != n) {
       detail::raise(errc::invalid_argument, -1,
-                    "bucket order has " + std::to_string(order.size()) + " entries for " +
-                        std::to_string(n) + " parameters; it must be a permutation");
+                    "bucket order has " + std::to_string(order.size()) + " entries for " + std::to_string(n) +
+                        " parameters; it must be a permutation");
     }
     std::vector<bool> seen(n, false);
     for (std::size_t k = 0; k < n; ++k) {

@@ -98,10 +98,12 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
   using variant = std::variant<std::unique_ptr<detail::solo_reducer>, std::unique_ptr<ring<shm>>,
                                std::unique_ptr<hierarchical>, std::unique_ptr<ring<tcp>>
 #if defined(DDP_WITH_MPI)
-                               , std::unique_ptr<mpi_reducer>
+                               ,
+                               std::unique_ptr<mpi_reducer>
 #endif
 #if defined(DDP_WITH_NCCL)
-                               , std::unique_ptr<nccl_reducer>
+                               ,
+                               std::unique_ptr<nccl_reducer>
 #endif
                                >;
   variant r_;
@@ -183,8 +185,12 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
   /// The reducer's own handle on its group.
   process_group& group() noexcept { return pg_; }
 
-  int rank() const noexcept { return visit([](auto& r) { return r.rank(); }); }
-  int size() const noexcept { return visit([](auto& r) { return r.size(); }); }
+  int rank() const noexcept {
+    return visit([](auto& r) { return r.rank(); });
+  }
+  int size() const noexcept {
+    return visit([](auto& r) { return r.size(); });
+  }
 
   request allreduce_async(void* data, std::size_t count, dtype t, op o) {
     return visit([&](auto& r) { return r.allreduce_async(data, count, t, o); });
@@ -218,19 +224,22 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
   /// `ddp::hooked` calls when its hook throws.
   void abort(errc code, const std::string& why) noexcept {
     visit([&](auto& r) {
-      if constexpr (requires { { r.abort(code, why) } noexcept; })
+      if constexpr (requires {
+                      { r.abort(code, why) }
+                      noexcept;
+                    })
         r.abort(code, why);
-      else if constexpr (requires { { r.transport().abort(code, why) } noexcept; })
+      else if constexpr (requires {
+                           { r.transport().abort(code, why) }
+                           noexcept;
+                         })
         r.transport().abort(code, why);
       if constexpr (requires { r.abort(); }) r.abort();
     });
   }
 
  private:
-
-  void wait(const request& r) const {
-    r.wait(steady_clock::now() + 2 * timeout_ + std::chrono::seconds(2));
-  }
+  void wait(const request& r) const { r.wait(steady_clock::now() + 2 * timeout_ + std::chrono::seconds(2)); }
 
   void build(process_group& pg, ddp::backend wanted) {
     const std::string where = topo_.describe();
@@ -263,7 +272,8 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
       }
       case backend::tcp:
         r_ = std::make_unique<ring<tcp>>(pg);
-        what_ = "tcp: " + where + " (ring over TCP" + (by_name ? "" : "; one rank per host, nothing to share") + ")" + why;
+        what_ =
+            "tcp: " + where + " (ring over TCP" + (by_name ? "" : "; one rank per host, nothing to share") + ")" + why;
         break;
       case backend::mpi:
 #if defined(DDP_WITH_MPI)

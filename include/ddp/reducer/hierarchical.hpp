@@ -114,7 +114,8 @@ inline void scale_in_place(void* p, std::size_t count, dtype t, double f) {
     } else if constexpr (std::is_same_v<T, float>) {
       for (std::size_t i = 0; i < count; ++i) v[i] = static_cast<float>(static_cast<double>(v[i]) * f);
     } else if constexpr (!std::is_integral_v<T>) {
-      for (std::size_t i = 0; i < count; ++i) v[i] = T(static_cast<float>(static_cast<double>(static_cast<float>(v[i])) * f));
+      for (std::size_t i = 0; i < count; ++i)
+        v[i] = T(static_cast<float>(static_cast<double>(static_cast<float>(v[i])) * f));
     }
   });
 }
@@ -208,8 +209,7 @@ class hier_engine {
     if (leader())
       run_leader([&] {
         if (o == op::avg && !integral && !uniform)
-          scale_in_place(data, count, t,
-                         static_cast<double>(shm_.size()) / static_cast<double>(pg_.size()));
+          scale_in_place(data, count, t, static_cast<double>(shm_.size()) / static_cast<double>(pg_.size()));
         if (!inter_mpi([&](auto& m) { m.allreduce(data, count, t, inter); }))
           p2p_allreduce<ring_algorithm>(leaders_, d, until, data, count, t, inter, opts_.inter);
         if (o == op::avg && integral) avg_finish(data, count, t, pg_.size());  // the sum / world, truncated
@@ -220,7 +220,8 @@ class hier_engine {
   void broadcast(const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype t, int root) {
     const int rh = topo_.host_of(root), mine = topo_.host_of(pg_.rank());
     const auto& on_root_host = topo_.ranks_on(rh);
-    const int local_root = static_cast<int>(std::find(on_root_host.begin(), on_root_host.end(), root) - on_root_host.begin());
+    const int local_root =
+        static_cast<int>(std::find(on_root_host.begin(), on_root_host.end(), root) - on_root_host.begin());
     if (mine == rh) run_local([&] { shm_.broadcast(data, count, t, local_root, until); });
     if (topo_.hosts() == 1) return;
     if (leader())
@@ -276,9 +277,7 @@ class hier_engine {
   }
   /// A rank that waits for its leader's result waits longer than the leader's own deadline:
   /// when the network fails, the leader's error (naming the ranks lost) reaches it first.
-  deadline_t follow(deadline_t until) const {
-    return leader() ? until : until + detail::timing::hier_follow_grace;
-  }
+  deadline_t follow(deadline_t until) const { return leader() ? until : until + detail::timing::hier_follow_grace; }
   /// A step within the host. When it fails because this host's leader gave up (its network
   /// failed), the group's recorded failure says why better than "aborted by rank L": that is
   /// what this rank reports. When the store is gone with rank 0, the reason the leader left
@@ -288,8 +287,8 @@ class hier_engine {
     try {
       f();
     } catch (const error& e) {
-      if (!leader() && (e.condition() == errc::aborted || e.condition() == errc::peer_lost ||
-                        e.condition() == errc::timeout)) {
+      if (!leader() &&
+          (e.condition() == errc::aborted || e.condition() == errc::peer_lost || e.condition() == errc::timeout)) {
         auto g = ctx_.verdict().first(nullptr, true);
         int from = shm_.members().front();
         if (g.empty()) std::tie(g, from) = shm_.abort_reason();

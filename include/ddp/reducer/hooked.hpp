@@ -69,9 +69,9 @@ struct comm_bucket {
   template <class T>
   std::span<T> as() const {
     if (dtype_of_v<T> != type)
-      detail::raise(errc::invalid_argument, rank,
-                    std::string("comm_bucket::as: the bucket holds ") + dtype_name(type) + ", not " +
-                        dtype_name(dtype_of_v<T>));
+      detail::raise(
+          errc::invalid_argument, rank,
+          std::string("comm_bucket::as: the bucket holds ") + dtype_name(type) + ", not " + dtype_name(dtype_of_v<T>));
     return {static_cast<T*>(data), count};
   }
 };
@@ -79,7 +79,9 @@ struct comm_bucket {
 /// A communication hook for reducer `R`: `h(bucket, inner)` reduces the bucket through `inner`
 /// (or any way it likes) and returns when the result is in `bucket.data` on this rank.
 template <class H, class R>
-concept comm_hook = requires(H& h, const comm_bucket& b, R& r) { h(b, r); };
+concept comm_hook = requires(H& h, const comm_bucket& b, R& r) {
+  h(b, r);
+};
 
 /// The hook that does what the inner reducer would: one allreduce, unchanged.
 struct plain_allreduce {
@@ -93,7 +95,7 @@ namespace detail {
 template <class R>
 struct transport_type_of {};
 template <class R>
-  requires requires { typename R::transport_type; }
+requires requires { typename R::transport_type; }
 struct transport_type_of<R> {
   using transport_type = typename R::transport_type;
 };
@@ -148,14 +150,16 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   /// Builds `Inner{pg, inner_args...}` (a collective, as every reducer's construction) and a
   /// default-constructed hook.
   template <class... Args>
-    requires std::constructible_from<Inner, process_group&, Args...> && std::default_initializable<Hook>
-  explicit hooked(process_group& pg, Args&&... inner_args)
-      : hooked(pg, Hook{}, std::forward<Args>(inner_args)...) {}
+  requires std::constructible_from<Inner, process_group&, Args...> && std::default_initializable<Hook>
+  explicit hooked(process_group& pg, Args&&... inner_args) : hooked(pg, Hook{}, std::forward<Args>(inner_args)...) {}
   /// The same with the hook given.
   template <class... Args>
-    requires std::constructible_from<Inner, process_group&, Args...>
-  hooked(process_group& pg, Hook hook, Args&&... inner_args)
-      : pg_(pg), inner_(pg, std::forward<Args>(inner_args)...), hook_(std::move(hook)), worker_(pg.rank(), "hooked reducer") {}
+  requires std::constructible_from<Inner, process_group&, Args...> hooked(process_group& pg, Hook hook,
+                                                                          Args&&... inner_args)
+      : pg_(pg),
+        inner_(pg, std::forward<Args>(inner_args)...),
+        hook_(std::move(hook)),
+        worker_(pg.rank(), "hooked reducer") {}
 
   hooked(const hooked&) = delete;
   hooked& operator=(const hooked&) = delete;
@@ -169,11 +173,8 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   Hook& hook() noexcept { return hook_; }
   const Hook& hook() const noexcept { return hook_; }
   /// The inner reducer's transport (where it has one: shm_allocator draws from it).
-  decltype(auto) transport() noexcept
-    requires requires(Inner& r) { r.transport(); }
-  {
-    return inner_.transport();
-  }
+  decltype(auto) transport() noexcept requires requires(Inner& r) { r.transport(); }
+  { return inner_.transport(); }
   /// The reducer's own handle on its group.
   process_group& group() noexcept { return pg_; }
 
@@ -195,15 +196,18 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
     check(t, op::sum, "broadcast");
     return worker_.submit([=, this] { pass([&] { return inner_.broadcast_async(data, count, t, root); }); });
   }
-  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o)
-    requires requires(Inner& r) { r.reduce_scatter_async(in, out, count_per_rank, t, o); }
+  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) requires
+      requires(Inner& r) {
+    r.reduce_scatter_async(in, out, count_per_rank, t, o);
+  }
   {
     check(t, o, "reduce_scatter");
     return worker_.submit(
         [=, this] { pass([&] { return inner_.reduce_scatter_async(in, out, count_per_rank, t, o); }); });
   }
-  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t)
-    requires requires(Inner& r) { r.allgather_async(in, out, count_per_rank, t); }
+  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) requires requires(Inner& r) {
+    r.allgather_async(in, out, count_per_rank, t);
+  }
   {
     check(t, op::sum, "allgather");
     return worker_.submit([=, this] { pass([&] { return inner_.allgather_async(in, out, count_per_rank, t); }); });
@@ -216,19 +220,19 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   }
 
   /// Ends the inner reducer's collectives in flight on every rank (where it can be aborted).
-  void abort() noexcept
-    requires requires(Inner& r) {
-      { r.abort() } noexcept;
-    }
-  {
-    inner_.abort();
+  void abort() noexcept requires requires(Inner& r) {
+    { r.abort() }
+    noexcept;
   }
+  { inner_.abort(); }
 
   /// True once a hook failed: every later collective raises errc::aborted quoting it.
   bool failed() const noexcept { return failed_.load(std::memory_order_acquire); }
 
  private:
-  steady_clock::time_point deadline() const { return steady_clock::now() + 2 * pg_.timeout() + std::chrono::seconds(2); }
+  steady_clock::time_point deadline() const {
+    return steady_clock::now() + 2 * pg_.timeout() + std::chrono::seconds(2);
+  }
   void wait(const request& r) const { r.wait(deadline()); }
 
   void check(dtype t, op o, const char* what) const {
@@ -282,8 +286,8 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   }
 
   static std::string hook_failure(const comm_bucket& b, const std::string& what) {
-    return "the communication hook threw on allreduce " + std::to_string(b.seq) + " (" + std::to_string(b.count) +
-           " " + dtype_name(b.type) + ", " + op_name(b.oper) + "): " + what;
+    return "the communication hook threw on allreduce " + std::to_string(b.seq) + " (" + std::to_string(b.count) + " " +
+           dtype_name(b.type) + ", " + op_name(b.oper) + "): " + what;
   }
 
   // After a failed hook the ranks may have run different collectives: fail the inner reducer
@@ -297,12 +301,15 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
     }
     failed_.store(true, std::memory_order_release);
     if constexpr (requires {
-                    { inner_.abort(errc::aborted, why) } noexcept;
+                    { inner_.abort(errc::aborted, why) }
+                    noexcept;
                   }) {
       // The inner reducer carries the reason itself (auto_reducer, hierarchical: shm within a
       // host, the group's record across hosts).
-      if (tell_peers) inner_.abort(errc::aborted, why);
-      else inner_.abort();
+      if (tell_peers)
+        inner_.abort(errc::aborted, why);
+      else
+        inner_.abort();
       return;
     } else if constexpr (requires { inner_.transport().fail(errc::aborted, why); }) {
       if (tell_peers) {
@@ -313,7 +320,8 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
       }
     }
     if constexpr (requires {
-                    { inner_.abort() } noexcept;
+                    { inner_.abort() }
+                    noexcept;
                   })
       inner_.abort();
   }

@@ -144,8 +144,8 @@ class mpi_engine {
     const bool aliased = in_place && src == in;
     std::vector<char> tmp(aliased ? slice : 0);
     void* dst = aliased ? static_cast<void*>(tmp.data()) : out;
-    DDP_MPI_CHECK(MPI_Reduce_scatter_block(src, dst, static_cast<int>(count_per_rank), mpi_type(t), mpi_op(t, o),
-                                           res_.comm));
+    DDP_MPI_CHECK(
+        MPI_Reduce_scatter_block(src, dst, static_cast<int>(count_per_rank), mpi_type(t), mpi_op(t, o), res_.comm));
     if (aliased) std::memcpy(out, dst, slice);
     if (o == op::avg) detail::avg_finish(out, count_per_rank, t, size_);
   }
@@ -227,8 +227,8 @@ class mpi_engine {
     DDP_MPI_CHECK(MPI_Comm_size(res_.comm, &size_));
     if (rank_hint >= 0 && rank_hint != rank_)
       detail::raise(errc::rank_conflict, rank_hint,
-                    "mpi_reducer: group rank " + std::to_string(rank_hint) + " became MPI rank " + std::to_string(rank_) +
-                        " (two members of the group claim the same rank?)");
+                    "mpi_reducer: group rank " + std::to_string(rank_hint) + " became MPI rank " +
+                        std::to_string(rank_) + " (two members of the group claim the same rank?)");
     DDP_MPI_CHECK(MPI_Type_contiguous(2, MPI_BYTE, &res_.half_type));
     DDP_MPI_CHECK(MPI_Type_commit(&res_.half_type));
     create_ops<half>(res_.f16, true);
@@ -239,12 +239,17 @@ class mpi_engine {
 
   MPI_Datatype mpi_type(dtype t) const {
     switch (t) {
-      case dtype::f32: return MPI_FLOAT;
-      case dtype::f64: return MPI_DOUBLE;
+      case dtype::f32:
+        return MPI_FLOAT;
+      case dtype::f64:
+        return MPI_DOUBLE;
       case dtype::f16:
-      case dtype::bf16: return res_.half_type;
-      case dtype::i32: return MPI_INT32_T;
-      case dtype::i64: return MPI_INT64_T;
+      case dtype::bf16:
+        return res_.half_type;
+      case dtype::i32:
+        return MPI_INT32_T;
+      case dtype::i64:
+        return MPI_INT64_T;
     }
     detail::raise(errc::invalid_argument, rank_, "mpi_reducer: unknown dtype " + std::to_string(static_cast<int>(t)));
   }
@@ -254,8 +259,10 @@ class mpi_engine {
   MPI_Op mpi_op(dtype t, op o) const {
     const int i = static_cast<int>(o == op::avg ? op::sum : o);
     switch (t) {
-      case dtype::f16: return res_.f16[i];
-      case dtype::bf16: return res_.bf16[i];
+      case dtype::f16:
+        return res_.f16[i];
+      case dtype::bf16:
+        return res_.bf16[i];
       case dtype::f32:
         if (o == op::min || o == op::max) return res_.f32[i];
         break;
@@ -263,14 +270,19 @@ class mpi_engine {
         if (o == op::min || o == op::max) return res_.f64[i];
         break;
       case dtype::i32:
-      case dtype::i64: break;
+      case dtype::i64:
+        break;
     }
     switch (o) {
       case op::sum:
-      case op::avg: return MPI_SUM;
-      case op::min: return MPI_MIN;
-      case op::max: return MPI_MAX;
-      case op::prod: return MPI_PROD;
+      case op::avg:
+        return MPI_SUM;
+      case op::min:
+        return MPI_MIN;
+      case op::max:
+        return MPI_MAX;
+      case op::prod:
+        return MPI_PROD;
     }
     detail::raise(errc::invalid_argument, rank_, "mpi_reducer: unknown reduction op");
   }

@@ -50,11 +50,16 @@ inline namespace v0 {
 /// \endcode
 inline errc nccl_condition(ncclResult_t r) noexcept {
   switch (r) {
-    case ncclInvalidArgument: return errc::invalid_argument;
-    case ncclInvalidUsage: return errc::usage;
-    case ncclRemoteError: return errc::peer_lost;
-    case ncclInProgress: return errc::timeout;
-    default: return errc::system;
+    case ncclInvalidArgument:
+      return errc::invalid_argument;
+    case ncclInvalidUsage:
+      return errc::usage;
+    case ncclRemoteError:
+      return errc::peer_lost;
+    case ncclInProgress:
+      return errc::timeout;
+    default:
+      return errc::system;
   }
 }
 
@@ -64,12 +69,12 @@ inline errc nccl_condition(ncclResult_t r) noexcept {
 /// Evaluates an NCCL call; any result but `ncclSuccess` throws `ddp::error` naming the NCCL
 /// error, the expression, file and line (condition from `ddp::nccl_condition`). Calls on a
 /// non-blocking communicator may return `ncclInProgress`: poll `ncclCommGetAsyncError` instead.
-#define DDP_NCCL_CHECK(expr)                                                                 \
-  do {                                                                                       \
-    const ncclResult_t ddp_nccl_status_ = (expr);                                            \
-    if (ddp_nccl_status_ != ncclSuccess)                                                     \
-      ::ddp::detail::raise(::ddp::nccl_condition(ddp_nccl_status_), -1,                      \
-                           std::string("NCCL ") + ncclGetErrorString(ddp_nccl_status_) +     \
+#define DDP_NCCL_CHECK(expr)                                                                   \
+  do {                                                                                         \
+    const ncclResult_t ddp_nccl_status_ = (expr);                                              \
+    if (ddp_nccl_status_ != ncclSuccess)                                                       \
+      ::ddp::detail::raise(::ddp::nccl_condition(ddp_nccl_status_), -1,                        \
+                           std::string("NCCL ") + ncclGetErrorString(ddp_nccl_status_) +       \
                                " from " #expr " at " __FILE__ ":" + std::to_string(__LINE__)); \
   } while (false)
 
@@ -236,9 +241,9 @@ class nccl_engine {
       device = local % count;
     }
     if (device >= count)
-      detail::raise(errc::invalid_argument, rank_,
-                    "nccl_reducer: device " + std::to_string(device) + " does not exist (" + std::to_string(count) +
-                        " devices)");
+      detail::raise(
+          errc::invalid_argument, rank_,
+          "nccl_reducer: device " + std::to_string(device) + " does not exist (" + std::to_string(count) + " devices)");
     res_.timeout = timeout_;
     detail::cuda_device_guard on(device);
     res_.device = device;
@@ -255,22 +260,33 @@ class nccl_engine {
 
   static ncclDataType_t nccl_type(dtype t) {
     switch (t) {
-      case dtype::f32: return ncclFloat32;
-      case dtype::f64: return ncclFloat64;
-      case dtype::f16: return ncclFloat16;
-      case dtype::bf16: return ncclBfloat16;
-      case dtype::i32: return ncclInt32;
-      case dtype::i64: return ncclInt64;
+      case dtype::f32:
+        return ncclFloat32;
+      case dtype::f64:
+        return ncclFloat64;
+      case dtype::f16:
+        return ncclFloat16;
+      case dtype::bf16:
+        return ncclBfloat16;
+      case dtype::i32:
+        return ncclInt32;
+      case dtype::i64:
+        return ncclInt64;
     }
     detail::raise(errc::invalid_argument, -1, "nccl_reducer: unknown dtype " + std::to_string(static_cast<int>(t)));
   }
   static ncclRedOp_t nccl_op(op o) {
     switch (o) {
-      case op::sum: return ncclSum;
-      case op::avg: return ncclAvg;
-      case op::min: return ncclMin;
-      case op::max: return ncclMax;
-      case op::prod: return ncclProd;
+      case op::sum:
+        return ncclSum;
+      case op::avg:
+        return ncclAvg;
+      case op::min:
+        return ncclMin;
+      case op::max:
+        return ncclMax;
+      case op::prod:
+        return ncclProd;
     }
     detail::raise(errc::invalid_argument, -1, "unknown reduction op " + std::to_string(static_cast<int>(o)));
   }
@@ -323,7 +339,8 @@ class nccl_engine {
           abort_locked();
           detail::raise(errc::timeout, rank_,
                         std::string("nccl_reducer: ") + what + " did not complete within " +
-                            std::to_string(timeout_.count()) + " ms (a peer is missing or stuck); communicator aborted");
+                            std::to_string(timeout_.count()) +
+                            " ms (a peer is missing or stuck); communicator aborted");
         }
       }
       // Spin briefly (small collectives finish in microseconds), then sleep with a growing
@@ -333,7 +350,7 @@ class nccl_engine {
         continue;
       }
       nap = nap < std::chrono::microseconds(20) ? std::chrono::microseconds(20)
-                                                 : std::min(nap * 2, std::chrono::microseconds(1000));
+                                                : std::min(nap * 2, std::chrono::microseconds(1000));
       std::this_thread::sleep_for(nap);
     }
   }

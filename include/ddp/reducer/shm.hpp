@@ -112,7 +112,10 @@ class shm {
  public:
   /// Built from the group (`ddp::shm s{pg}`), collectively.
   explicit shm(transport_context ctx, shm_options o = {})
-      : rank_(ctx.rank()), size_(ctx.size()), grank_(ctx.rank()), opts_(std::move(o)),
+      : rank_(ctx.rank()),
+        size_(ctx.size()),
+        grank_(ctx.rank()),
+        opts_(std::move(o)),
         note_after_(std::min<std::chrono::milliseconds>(detail::timing::shm_note_waiting, ctx.timeout() / 4)),
         ctx_(ctx) {
     const auto until = ctx.deadline();
@@ -195,15 +198,16 @@ class shm {
       // Header, control blocks and slots are reserved now; the arena as it is handed out.
       why = map_.create(name_, layout_.total, layout_.arena);
       if (why.rfind("mmap(", 0) == 0)
-        why = "mapping its " + detail::shm_mib(layout_.total) + " of address space (an arena sized by " +
-              arena.bound + "; pass shm_options::segment_bytes to map less): " + why;
+        why = "mapping its " + detail::shm_mib(layout_.total) + " of address space (an arena sized by " + arena.bound +
+              "; pass shm_options::segment_bytes to map less): " + why;
       else if (!why.empty() && why.rfind("another process holds", 0) != 0)
         why = "header and staging slots (" + detail::shm_mib(layout_.arena) + "): " + why;
       arena_bound_ = arena.bound;
       if (why.empty()) init_segment();
-      ctx.store().set(key, why.empty() ? "ok " + std::to_string(layout_.slot_bytes) + " " +
-                                             std::to_string(layout_.arena_bytes)
-                                       : "error " + why,
+      ctx.store().set(key,
+                      why.empty()
+                          ? "ok " + std::to_string(layout_.slot_bytes) + " " + std::to_string(layout_.arena_bytes)
+                          : "error " + why,
                       until);
     } else {
       const std::string v = ctx.store().get(key, until);
@@ -216,9 +220,9 @@ class shm {
         layout_ = detail::make_shm_layout(size_, slot, nslots, arena);
         arena_bound_ = detail::shm_arena(size_, opts_.segment_bytes, layout_.arena).bound;
         why = map_.open(name_, layout_.total);
-        if (why.empty() && (header()->magic != detail::shm_magic || header()->version != detail::shm_version ||
-                            header()->world != static_cast<std::uint32_t>(size_) ||
-                            header()->total_bytes != layout_.total))
+        if (why.empty() &&
+            (header()->magic != detail::shm_magic || header()->version != detail::shm_version ||
+             header()->world != static_cast<std::uint32_t>(size_) || header()->total_bytes != layout_.total))
           why = "segment " + name_ + " has an unexpected header";
       }
     }
@@ -276,8 +280,7 @@ class shm {
   /// \code
   /// link.allreduce(v.data(), v.size(), ddp::dtype::f32, ddp::op::avg, pg.deadline());
   /// \endcode
-  void allreduce(void* data, std::size_t count, dtype t, op o, deadline_t until,
-                 shm_algo a = shm_algo::ring) {
+  void allreduce(void* data, std::size_t count, dtype t, op o, deadline_t until, shm_algo a = shm_algo::ring) {
     enter();
     check_types(t, o, "allreduce");
     const std::size_t es = dtype_size(t);
@@ -301,8 +304,8 @@ class shm {
   /// \endcode
   /// `out_slice` must not overlap `in`, except as exactly this rank's slice of it (in place);
   /// `a` only names the caller's algorithm in the descriptor, which peers compare.
-  void reduce_scatter(const void* in, void* out_slice, std::size_t count_per_rank, dtype t, op o,
-                      deadline_t until, shm_algo a = shm_algo::ring) {
+  void reduce_scatter(const void* in, void* out_slice, std::size_t count_per_rank, dtype t, op o, deadline_t until,
+                      shm_algo a = shm_algo::ring) {
     enter();
     check_types(t, o, "reduce_scatter");
     const std::size_t slice_bytes = count_per_rank * dtype_size(t);
@@ -348,7 +351,8 @@ class shm {
     enter();
     check_types(t, op::sum, "allgather");
     const std::size_t slice_bytes = count_per_rank * dtype_size(t);
-    detail::check_overlap("allgather", rank_, out, slice_bytes * static_cast<std::size_t>(size_), in_slice, slice_bytes);
+    detail::check_overlap("allgather", rank_, out, slice_bytes * static_cast<std::size_t>(size_), in_slice,
+                          slice_bytes);
     auto& d = begin(detail::coll_kind::allgather, count_per_rank, t, op::sum, 0, a, detail::shm_desc::no_offset);
     guarded([&] {
       const std::size_t es = dtype_size(t);
@@ -371,7 +375,8 @@ class shm {
         if (k == 0) check_peers(d);
         if (len == 0) break;
         for (int j = 0; j < size_; ++j)
-          if (j != rank_) detail::copy_bytes(dst + (static_cast<std::size_t>(j) * count_per_rank + b) * es, slot(j, s), len * es);
+          if (j != rank_)
+            detail::copy_bytes(dst + (static_cast<std::size_t>(j) * count_per_rank + b) * es, slot(j, s), len * es);
         signal();
         slot_free_at_[s] = count_;
       } while (++k * c < count_per_rank);
@@ -392,12 +397,12 @@ class shm {
   }
 
  private:
-  void broadcast_as(void* data, std::size_t bytes, std::uint64_t count, dtype t, bool raw, int root,
-                    deadline_t until, shm_algo a) {
+  void broadcast_as(void* data, std::size_t bytes, std::uint64_t count, dtype t, bool raw, int root, deadline_t until,
+                    shm_algo a) {
     enter();
     if (root < 0 || root >= size_)
-      raise_here(errc::invalid_argument, "broadcast root " + std::to_string(root) + " is not a rank of " +
-                                             std::to_string(size_));
+      raise_here(errc::invalid_argument,
+                 "broadcast root " + std::to_string(root) + " is not a rank of " + std::to_string(size_));
     auto& d = begin(detail::coll_kind::broadcast, count, t, op::sum, root, a, detail::shm_desc::no_offset);
     d.coll.bytes = raw ? 1 : 0;
     guarded([&] {
@@ -427,7 +432,6 @@ class shm {
       } while (++k * c < bytes);
     });
   }
-
 
  public:
   /// Returns once every rank has entered barrier().
@@ -514,7 +518,8 @@ class shm {
     const auto* h = header();
     const int by = h->aborted_by.load(std::memory_order_acquire);
     if (by < 0 || h->reason_len == 0) return {{}, -1};
-    return {{static_cast<errc>(h->reason_code), std::string(h->reason, std::min<std::size_t>(h->reason_len, sizeof h->reason))},
+    return {{static_cast<errc>(h->reason_code),
+             std::string(h->reason, std::min<std::size_t>(h->reason_len, sizeof h->reason))},
             members_[static_cast<std::size_t>(by)]};
   }
 
@@ -558,7 +563,8 @@ class shm {
   [[noreturn]] void raise_here(errc e, const std::string& msg) const { detail::raise(e, grank_, msg); }
   /// "rank R": the group's rank of the segment's rank `j`, for messages.
   std::string who(int j) const {
-    return "rank " + std::to_string(j >= 0 && j < static_cast<int>(members_.size()) ? members_[static_cast<std::size_t>(j)] : j);
+    return "rank " +
+           std::to_string(j >= 0 && j < static_cast<int>(members_.size()) ? members_[static_cast<std::size_t>(j)] : j);
   }
 
   std::string no_room(std::size_t bytes) const {
@@ -583,7 +589,8 @@ class shm {
     const int by = header()->aborted_by.load(std::memory_order_acquire);
     if (by < 0) return;
     if (auto [f, from] = abort_reason(); !f.empty()) raise_here(f.code, f.text);
-    raise_here(errc::aborted, by == rank_ ? "shm transport aborted by this rank" : "shm transport aborted by " + who(by));
+    raise_here(errc::aborted,
+               by == rank_ ? "shm transport aborted by this rank" : "shm transport aborted by " + who(by));
   }
 
   /// abort() and abort(code, why): the first rank to claim the segment writes its reason, then
@@ -597,7 +604,8 @@ class shm {
       if (!why.empty()) {
         // Quoted as the group quotes failures: "rank R reports: ..." names the rank it came
         // from; a reason relayed from another rank (the group's verdict) names that one already.
-        const std::string prefix = failure_verdict::names_reporter(why) ? "" : "rank " + std::to_string(grank_) + " reports: ";
+        const std::string prefix =
+            failure_verdict::names_reporter(why) ? "" : "rank " + std::to_string(grank_) + " reports: ";
         len = std::min(prefix.size(), sizeof h->reason);
         std::memcpy(h->reason, prefix.data(), len);
         const std::size_t more = std::min(why.size(), sizeof h->reason - len);
@@ -657,7 +665,8 @@ class shm {
     peers_[rank_] = mine;
     // The one check of every engine (detail/collective.hpp), against rank 0's descriptor.
     for (int j = 1; j < size_; ++j)
-      if (auto why = detail::mismatch(peers_[0].coll, members_[0], peers_[j].coll, members_[static_cast<std::size_t>(j)]);
+      if (auto why =
+              detail::mismatch(peers_[0].coll, members_[0], peers_[j].coll, members_[static_cast<std::size_t>(j)]);
           !why.empty())
         raise_here(errc::mismatch, why);
   }
@@ -701,8 +710,8 @@ class shm {
                                       (closed == 1 ? " closed its shm transport" : " failed with an error") +
                                       " while this rank waited for it");
     if (dead)
-      raise_here(errc::peer_lost, std::string(what) + ": " + who(j) + " (pid " +
-                                      std::to_string(b.pid.load()) + ") died while this rank waited for it");
+      raise_here(errc::peer_lost, std::string(what) + ": " + who(j) + " (pid " + std::to_string(b.pid.load()) +
+                                      ") died while this rank waited for it");
     raise_here(errc::timeout, std::string(what) + ": " + who(j) +
                                   " did not arrive before the deadline (waited for its step " + std::to_string(want) +
                                   ", it is at " + std::to_string(b.counter.load()) + ")");
@@ -780,9 +789,7 @@ class shm {
 
   /// Peers read (and in the ring also write) this rank's slot s until they signal the step
   /// recorded in slot_free_at_[s].
-  void wait_slot_free(std::size_t s, deadline_t until, const char* what) {
-    wait_all(slot_free_at_[s], until, what);
-  }
+  void wait_slot_free(std::size_t s, deadline_t until, const char* what) { wait_all(slot_free_at_[s], until, what); }
 
   // ---- allreduce -------------------------------------------------------------------------
 
@@ -797,8 +804,7 @@ class shm {
     detail::combine(outs_.data(), n, ins_.data(), n, len, t, o, detail::avg_step{n, 0, true});
   }
 
-  void allreduce_ring(std::byte* data, std::size_t count, dtype t, op o, deadline_t until,
-                      const detail::shm_desc& d) {
+  void allreduce_ring(std::byte* data, std::size_t count, dtype t, op o, deadline_t until, const detail::shm_desc& d) {
     const std::size_t es = dtype_size(t);
     const bool staged = d.arena_offset == detail::shm_desc::no_offset;
     std::size_t chunk = layout_.slot_bytes / es;
@@ -821,8 +827,8 @@ class shm {
         const auto a = peers_[i].arena_offset, b = peers_[j].arena_offset;
         if (a != detail::shm_desc::no_offset && b != detail::shm_desc::no_offset && a < b + count * es &&
             b < a + count * es)
-          raise_here(errc::invalid_argument, "allreduce: " + who(i) + " and " + who(j) +
-                                                 " passed overlapping buffers in the shared arena");
+          raise_here(errc::invalid_argument,
+                     "allreduce: " + who(i) + " and " + who(j) + " passed overlapping buffers in the shared arena");
       }
     if (all_arena) chunk = count;
     const std::size_t nchunks = (count + chunk - 1) / chunk;
@@ -887,29 +893,29 @@ class shm {
   int size_ = 1;   // ranks sharing the segment
   int grank_ = 0;  // in the group (errors name it)
   shm_options opts_;
-  std::vector<int> members_;  // the group's ranks of the segment's ranks
+  std::vector<int> members_;     // the group's ranks of the segment's ranks
   bool oversubscribed_ = false;  ///< more ranks than cores on this host
-  int spin_ = 0;    ///< most polls per wait
-  int budget_ = 0;  ///< polls of the next wait, adapted between 32 and spin_
+  int spin_ = 0;                 ///< most polls per wait
+  int budget_ = 0;               ///< polls of the next wait, adapted between 32 and spin_
   std::string name_;
   detail::shm_mapping map_;
   detail::shm_layout layout_{};
   std::unique_ptr<detail::arena_heap> heap_;
   std::mutex reserve_mu_;         ///< guards reserved_end_
   std::size_t reserved_end_ = 0;  ///< this rank's part has pages up to here (segment offset)
-  const char* arena_bound_ = "";   ///< what sized each rank's part of the arena (for messages)
-  std::uint64_t count_ = 0;  ///< signals sent; equal on all ranks between collectives
-  std::uint64_t seq_ = 0;    ///< collectives started
-  std::uint64_t turn_ = 0;   ///< slot rotation, advanced identically on every rank
+  const char* arena_bound_ = "";  ///< what sized each rank's part of the arena (for messages)
+  std::uint64_t count_ = 0;       ///< signals sent; equal on all ranks between collectives
+  std::uint64_t seq_ = 0;         ///< collectives started
+  std::uint64_t turn_ = 0;        ///< slot rotation, advanced identically on every rank
   std::array<std::uint64_t, nslots> slot_free_at_{};
   std::vector<const void*> ins_;
   std::vector<void*> outs_;
   std::vector<detail::shm_desc> peers_;
   errc failed_{};
   std::string failed_what_;
-  detail::owner_process owner_;  ///< a forked child's copy only unmaps
+  detail::owner_process owner_;           ///< a forked child's copy only unmaps
   std::chrono::milliseconds note_after_;  ///< a wait this long records whom it waits for
-  transport_context ctx_;  ///< the group's verdict (the "waits for" records); the group stays open
+  transport_context ctx_;                 ///< the group's verdict (the "waits for" records); the group stays open
 };
 
 /// The engine of `ring<shm>` and `tree<shm>`: the reducer's group handle and one `ddp::shm`,
@@ -931,7 +937,8 @@ class shm_engine {
   /// The engine ignores reducer_options; only the algorithm must agree.
   static std::string signature() { return std::string(shm_algo_name(mode)) + "<shm>"; }
 
-  shm_engine(process_group& pg, const reducer_options& o) : pg_(detail::agree_on_reducer(pg, signature())), shm_(pg), opts_(o) {}
+  shm_engine(process_group& pg, const reducer_options& o)
+      : pg_(detail::agree_on_reducer(pg, signature())), shm_(pg), opts_(o) {}
   shm_engine(process_group& pg, shm_options t, const reducer_options& o)
       : pg_(detail::agree_on_reducer(pg, signature())), shm_(pg, std::move(t)), opts_(o) {}
 

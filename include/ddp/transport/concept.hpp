@@ -69,8 +69,8 @@ concept transport_has_recv = requires(T& t, int peer, void* data, std::size_t by
 /// descriptor at the front and reduce segments before the rest lands. `on_recv` may throw
 /// (through `fail`); the transport lets the exception pass.
 template <class T>
-concept transport_has_sendrecv = requires(T& t, int to, std::span<const iovec> out, int from,
-                                          std::span<const iovec> in, deadline_t until) {
+concept transport_has_sendrecv = requires(T& t, int to, std::span<const iovec> out, int from, std::span<const iovec> in,
+                                          deadline_t until) {
   // A temporary, as the algorithms pass it: a sendrecv taking `F&` would not bind it.
   t.sendrecv(to, out, from, in, until, sendrecv_progress{});
 };
@@ -87,7 +87,8 @@ concept transport_has_fail = requires(T& t, errc code, const std::string& messag
 /// (errc::aborted); what `ring<T>::abort()` calls while a collective may be running.
 template <class T>
 concept transport_has_abort = requires(T& t) {
-  { t.abort() } noexcept;
+  { t.abort() }
+  noexcept;
 };
 
 /// A point-to-point transport for `ddp::ring<T>` and `ddp::tree<T>`. Calls on one transport
@@ -96,9 +97,8 @@ concept transport_has_abort = requires(T& t) {
 /// static_assert(ddp::transport<ddp::tcp>);
 /// \endcode
 template <class T>
-concept transport = transport_constructible_from_group<T> && transport_has_rank_and_size<T> &&
-                    transport_has_send<T> && transport_has_recv<T> && transport_has_sendrecv<T> &&
-                    transport_has_fail<T> && transport_has_abort<T>;
+concept transport = transport_constructible_from_group<T> && transport_has_rank_and_size<T> && transport_has_send<T> &&
+    transport_has_recv<T> && transport_has_sendrecv<T> && transport_has_fail<T> && transport_has_abort<T>;
 
 }  // namespace v0
 }  // namespace ddp

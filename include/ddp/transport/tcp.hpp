@@ -90,8 +90,16 @@ class tcp {
     const int sfd = fd(to, until), rfd = fd(from, until);
     iovec sv[4], rv[4];
     std::size_t ns = 0, nr = 0, sleft = 0, rleft = 0;
-    for (auto& v : out) if (v.iov_len) { sv[ns++] = v; sleft += v.iov_len; }
-    for (auto& v : in) if (v.iov_len) { rv[nr++] = v; rleft += v.iov_len; }
+    for (auto& v : out)
+      if (v.iov_len) {
+        sv[ns++] = v;
+        sleft += v.iov_len;
+      }
+    for (auto& v : in)
+      if (v.iov_len) {
+        rv[nr++] = v;
+        rleft += v.iov_len;
+      }
     std::size_t si = 0, ri = 0, got = 0;
     auto advance = [](iovec* v, std::size_t& i, std::size_t n, std::size_t k) {
       while (k > 0 && i < n) {
@@ -132,7 +140,8 @@ class tcp {
         } else if (k == 0) {
           lost(from, make_error_code(errc::peer_lost));
         } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-          lost(from, errno == ECONNRESET ? make_error_code(errc::peer_lost) : std::error_code(errno, std::generic_category()));
+          lost(from, errno == ECONNRESET ? make_error_code(errc::peer_lost)
+                                         : std::error_code(errno, std::generic_category()));
         }
       }
       if (progressed) continue;
@@ -153,8 +162,7 @@ class tcp {
   }
 
   /// Plain full-duplex exchange of one buffer each way.
-  void sendrecv(int to, const void* sbuf, std::size_t sn, int from, void* rbuf, std::size_t rn,
-                deadline_t until) {
+  void sendrecv(int to, const void* sbuf, std::size_t sn, int from, void* rbuf, std::size_t rn, deadline_t until) {
     const iovec o{const_cast<void*>(sbuf), sn}, i{rbuf, rn};
     sendrecv(to, std::span(&o, 1), from, std::span(&i, 1), until, [](std::size_t) {});
   }

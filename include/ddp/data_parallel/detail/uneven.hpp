@@ -55,11 +55,20 @@ inline void uneven_finish(void* p, std::size_t n, dtype t, int world, int count)
   }
   if (count == world) return;
   switch (t) {
-    case dtype::f32: uneven_kern::rescale(static_cast<float*>(p), n, double(world), double(count)); return;
-    case dtype::f64: uneven_kern::rescale(static_cast<double*>(p), n, (long double)world, (long double)count); return;
-    case dtype::f16: uneven_kern::rescale(static_cast<half*>(p), n, float(world), float(count)); return;
-    case dtype::bf16: uneven_kern::rescale(static_cast<bfloat16*>(p), n, float(world), float(count)); return;
-    default: return;
+    case dtype::f32:
+      uneven_kern::rescale(static_cast<float*>(p), n, double(world), double(count));
+      return;
+    case dtype::f64:
+      uneven_kern::rescale(static_cast<double*>(p), n, (long double)world, (long double)count);
+      return;
+    case dtype::f16:
+      uneven_kern::rescale(static_cast<half*>(p), n, float(world), float(count));
+      return;
+    case dtype::bf16:
+      uneven_kern::rescale(static_cast<bfloat16*>(p), n, float(world), float(count));
+      return;
+    default:
+      return;
   }
 }
 

@@ -73,7 +73,8 @@ inline process_group& agree_on_reducer(process_group& pg, const std::string& sig
 
 template <class Engine>
 concept engine_aborts = requires(Engine& e) {
-  { e.abort() } noexcept;
+  { e.abort() }
+  noexcept;
 };
 
 /// Threads. Any thread may issue collectives; they run one at a time, in the order their calls
@@ -146,14 +147,13 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
         [=, this](auto... ctx) { return engine_.allreduce(ctx..., data, count, t, o); });
   }
   void barrier() {
-    run(describe(coll_kind::barrier, dtype::i32, op::sum, 0, 0), [this](auto... ctx) { return engine_.barrier(ctx...); });
+    run(describe(coll_kind::barrier, dtype::i32, op::sum, 0, 0),
+        [this](auto... ctx) { return engine_.barrier(ctx...); });
   }
 
   /// Wakes every waiter on this rank and tells the peers (errc::aborted); pending and later
   /// collectives fail. Only where the engine can be interrupted (not MPI).
-  void abort() noexcept
-    requires engine_aborts<Engine>
-  {
+  void abort() noexcept requires engine_aborts<Engine> {
     flight_record_failure("abort() of a reducer on this rank");
     engine_.abort();
   }
@@ -173,7 +173,8 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
 
  private:
   void check_root(int root) const {
-    if (root < 0 || root >= size()) raise(errc::invalid_argument, rank(), "root " + std::to_string(root) + " is not a rank");
+    if (root < 0 || root >= size())
+      raise(errc::invalid_argument, rank(), "root " + std::to_string(root) + " is not a rank");
   }
   void wait(const request& r) const {
     // The collective itself is bounded by the timeout once it starts; queued work ahead of it

@@ -77,7 +77,8 @@ void exchange(T& t, const coll_desc& d, int to, const void* out, std::size_t out
     if (got < sizeof(coll_desc)) return;
     if (!checked) {
       checked = true;
-      if (auto why = mismatch(d, group_rank_of(t, t.rank()), theirs, group_rank_of(t, from)); !why.empty()) t.fail(errc::mismatch, why);
+      if (auto why = mismatch(d, group_rank_of(t, t.rank()), theirs, group_rank_of(t, from)); !why.empty())
+        t.fail(errc::mismatch, why);
     }
     on_payload(got - sizeof(coll_desc));
   });
@@ -99,7 +100,8 @@ template <class T>
 void recv_checked(T& t, const coll_desc& d, int from, void* data, std::size_t n, deadline_t until) {
   coll_desc theirs{};
   t.recv(from, &theirs, sizeof theirs, until);
-  if (auto why = mismatch(d, group_rank_of(t, t.rank()), theirs, group_rank_of(t, from)); !why.empty()) t.fail(errc::mismatch, why);
+  if (auto why = mismatch(d, group_rank_of(t, t.rank()), theirs, group_rank_of(t, from)); !why.empty())
+    t.fail(errc::mismatch, why);
   if (n) t.recv(from, data, n, until);
 }
 
@@ -146,8 +148,8 @@ void ring_allgather(T& t, const coll_desc& d, char* data, std::size_t count, std
   for (int step = n - 1; step < 2 * (n - 1); ++step) {
     const ring_step st = ring_schedule(r, n, step);
     const range sc = partition(count, n, st.send_chunk), rc = partition(count, n, st.recv_chunk);
-    exchange(t, d, st.send_to, data + sc.begin * es, sc.size() * es, st.recv_from, data + rc.begin * es,
-             rc.size() * es, until);
+    exchange(t, d, st.send_to, data + sc.begin * es, sc.size() * es, st.recv_from, data + rc.begin * es, rc.size() * es,
+             until);
   }
 }
 
@@ -216,8 +218,8 @@ void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dty
     } else {
       const range keep = block_span(count, p.blocks, l.keep_begin, l.keep_end);
       const range send = block_span(count, p.blocks, l.send_begin, l.send_end);
-      exchange(t, d, l.peer, data + send.begin * es, send.size() * es, l.peer, tmp + keep.begin * es,
-               keep.size() * es, until);
+      exchange(t, d, l.peer, data + send.begin * es, send.size() * es, l.peer, tmp + keep.begin * es, keep.size() * es,
+               until);
       combine_range(keep.begin, keep.end, l.lower, theirs_raw, last);  // the last keep is block vrank
     }
   }
@@ -226,8 +228,8 @@ void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dty
     for (int k = p.num_levels - 1; k >= 0; --k) {
       const hd_level& l = p.level[static_cast<std::size_t>(k)];
       const range keep = span_of(l.keep_begin, l.keep_end), send = span_of(l.send_begin, l.send_end);
-      exchange(t, d, l.peer, data + keep.begin * es, keep.size() * es, l.peer, data + send.begin * es,
-               send.size() * es, until);
+      exchange(t, d, l.peer, data + keep.begin * es, keep.size() * es, l.peer, data + send.begin * es, send.size() * es,
+               until);
     }
   }
   if (p.fold_partner >= 0) send_checked(t, d, p.fold_partner, data, bytes, until);
@@ -259,7 +261,8 @@ void p2p_allreduce(T& t, const coll_desc& d, deadline_t until, void* data, std::
 template <class Algorithm, transport Transport>
 class p2p_engine {
   static constexpr bool is_tree = std::same_as<Algorithm, tree_algorithm>;
-  static_assert(is_tree || std::same_as<Algorithm, ring_algorithm>, "ddp: Algorithm is ring_algorithm or tree_algorithm");
+  static_assert(is_tree || std::same_as<Algorithm, ring_algorithm>,
+                "ddp: Algorithm is ring_algorithm or tree_algorithm");
 
  public:
   static constexpr const char* name = "reducer";

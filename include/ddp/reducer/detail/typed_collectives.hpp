@@ -34,15 +34,17 @@ class typed_collectives {
   /// Starts an in-place allreduce of `v`.
   template <class T>
   request allreduce_async(std::span<T> v, op o) {
-    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
-                              "std::int32_t or std::int64_t");
+    static_assert(element<T>,
+                  "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
+                  "std::int32_t or std::int64_t");
     return self().allreduce_async(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
   }
   /// In-place allreduce of `v`; returns when every rank's result is in `v`.
   template <class T>
   void allreduce(std::span<T> v, op o) {
-    static_assert(element<T>, "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
-                              "std::int32_t or std::int64_t");
+    static_assert(element<T>,
+                  "ddp: allreduce element type must be float, double, ddp::half, ddp::bfloat16, "
+                  "std::int32_t or std::int64_t");
     self().allreduce(static_cast<void*>(v.data()), v.size(), dtype_of_v<T>, o);
   }
   /// Copies `root`'s `v` into every rank's `v`.

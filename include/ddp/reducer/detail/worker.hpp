@@ -23,7 +23,8 @@ namespace detail {
 class worker {
  public:
   /// `rank` and `what` name the owner in errors (a call in a forked child).
-  explicit worker(int rank = -1, const char* what = "reducer") : rank_(rank), what_(what), s_(std::make_unique<state>()) {
+  explicit worker(int rank = -1, const char* what = "reducer")
+      : rank_(rank), what_(what), s_(std::make_unique<state>()) {
     s_->thread = std::thread([s = s_.get()] { s->run(); });
   }
   worker(const worker&) = delete;
