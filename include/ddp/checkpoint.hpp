@@ -32,6 +32,8 @@
 #include <ddp/clock.hpp>
 #include <ddp/detail/bytes.hpp>
 #include <ddp/detail/checkpoint.hpp>
+#include <ddp/detail/consensus.hpp>
+#include <ddp/detail/fd.hpp>
 #include <ddp/detail/output_file.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
@@ -61,7 +63,7 @@ template <parameter_set P>
 void save_checkpoint(process_group& pg, const std::filesystem::path& path, const P& params,
                      std::span<const std::byte> extra, deadline_t until) {
   namespace ck = detail::ckpt;
-  ck::verdict v;
+  detail::outcome v;
   if (pg.rank() == 0) {
     const std::string file = path.string();
     const std::string who = "save_checkpoint('" + file + "'): rank 0 ";
@@ -92,9 +94,9 @@ void save_checkpoint(process_group& pg, const std::filesystem::path& path, const
         const std::string head = ck::encode_header({entries.size(), table.size(), data_bytes, extra.size()});
         // A temporary nobody can plant or guess (owner-only, O_EXCL | O_NOFOLLOW), renamed
         // over the name at the end: what another user put at either name is never written.
-        ck::fd_guard fd(detail::create_temp_beside(file, tmp));
+        detail::fd_handle fd(detail::create_temp_beside(file, tmp));
         if (fd.get() < 0) {
-          fail(errc::system, "could not create a temporary file beside '" + file + "': " + ck::errno_text(errno));
+          fail(errc::system, "could not create a temporary file beside '" + file + "': " + detail::errno_text(errno));
         } else {
           created = true;
           ck::xxh64 sum;
@@ -112,15 +114,15 @@ void save_checkpoint(process_group& pg, const std::filesystem::path& path, const
           detail::put_u64(trailer, sum.digest());
           if (e == 0) e = ck::write_all(fd.get(), trailer.data(), trailer.size());
           if (e != 0) {
-            fail(errc::system, "could not write '" + tmp + "': " + ck::errno_text(e));
+            fail(errc::system, "could not write '" + tmp + "': " + detail::errno_text(e));
           } else if (::fsync(fd.get()) != 0) {
-            fail(errc::system, "could not fsync '" + tmp + "': " + ck::errno_text(errno));
+            fail(errc::system, "could not fsync '" + tmp + "': " + detail::errno_text(errno));
           } else if (const int ce = fd.reset(); ce != 0) {
-            fail(errc::system, "could not close '" + tmp + "': " + ck::errno_text(ce));
+            fail(errc::system, "could not close '" + tmp + "': " + detail::errno_text(ce));
           } else if (::rename(tmp.c_str(), file.c_str()) != 0) {
             const int e = errno;
             fail(errc::system,
-                 "could not rename '" + tmp + "' to '" + file + "': " + ck::errno_text(e) +
+                 "could not rename '" + tmp + "' to '" + file + "': " + detail::errno_text(e) +
                      (e == EPERM || e == EACCES || e == EISDIR ? " (" + detail::found_at(file) + " is there)"
                                                                : std::string()));
           } else {
@@ -128,9 +130,9 @@ void save_checkpoint(process_group& pg, const std::filesystem::path& path, const
             // The rename lasts only once the directory is on disk too. File systems that
             // cannot fsync a directory say EINVAL; there is nothing more to do on those.
             const auto parent = path.parent_path();
-            ck::fd_guard dir(::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+            detail::fd_handle dir(::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
             if (dir.get() >= 0 && ::fsync(dir.get()) != 0 && errno != EINVAL)
-              fail(errc::system, "could not fsync the directory of '" + file + "': " + ck::errno_text(errno));
+              fail(errc::system, "could not fsync the directory of '" + file + "': " + detail::errno_text(errno));
           }
         }
       }
@@ -140,7 +142,7 @@ void save_checkpoint(process_group& pg, const std::filesystem::path& path, const
       fail(errc::system, e.what());
     }
   }
-  detail::ckpt::settle(pg, v, until);
+  detail::settle(pg, v, until);
 }
 
 template <parameter_set P>
@@ -177,13 +179,13 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
   const std::string file = path.string();
   const std::string who = "load_checkpoint('" + file + "'): rank " + std::to_string(rank) + " ";
   // 1. Every rank describes its parameters; rank 0 reads the file's header and table.
-  ck::verdict v;
+  detail::outcome v;
   const auto fail = [&](errc code, const std::string& why, int parameter = -1) {
     if (v.ok()) v = {code, parameter, who + why};
   };
   std::vector<tensor_view> views;
   std::vector<ck::entry> mine;
-  ck::fd_guard fd;
+  detail::fd_handle fd;
   std::string meta;  // u64 file size, the header, the table: what rank 0 hands every rank
   try {
     views = to_state_views(params);
@@ -204,13 +206,13 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
       fd.reset(::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
       struct stat st {};
       if (fd.get() < 0) {
-        fail(errc::system, "could not open '" + file + "': " + ck::errno_text(errno));
+        fail(errc::system, "could not open '" + file + "': " + detail::errno_text(errno));
       } else if (::fstat(fd.get(), &st) != 0) {
-        fail(errc::system, "could not stat '" + file + "': " + ck::errno_text(errno));
+        fail(errc::system, "could not stat '" + file + "': " + detail::errno_text(errno));
       } else if (!S_ISREG(st.st_mode)) {
         fail(errc::invalid_argument, "'" + file + "' is not a regular file (it is " + detail::describe_file(st) + ")");
       } else if (::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) & ~O_NONBLOCK) != 0) {
-        fail(errc::system, "could not read '" + file + "': " + ck::errno_text(errno));
+        fail(errc::system, "could not read '" + file + "': " + detail::errno_text(errno));
       } else {
         const auto size = static_cast<std::uint64_t>(st.st_size);
         std::string head(ck::header_bytes, '\0');
@@ -218,7 +220,7 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
         std::string why;
         if (size >= ck::header_bytes) {
           if (const int e = ck::read_exact(fd.get(), head.data(), head.size()); e != 0)
-            why = e == ENODATA ? "the file ended early (truncated while read?)" : ck::errno_text(e);
+            why = e == ENODATA ? "the file ended early (truncated while read?)" : detail::errno_text(e);
         }
         if (why.empty()) why = ck::decode_header(head, size, h);
         // The table's size against this model's before it is read: a hostile file's table
@@ -231,7 +233,7 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
         } else if (why.empty()) {
           table.resize(static_cast<std::size_t>(h.table));  // at most max_table_bytes, and within the file
           if (const int e = ck::read_exact(fd.get(), table.data(), table.size()); e != 0)
-            why = e == ENODATA ? "the file ended early (truncated while read?)" : ck::errno_text(e);
+            why = e == ENODATA ? "the file ended early (truncated while read?)" : detail::errno_text(e);
         }
         if (why.empty() && other_model.empty()) {
           std::vector<ck::entry> entries;
@@ -253,7 +255,7 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
   } catch (const std::exception& e) {
     fail(errc::system, e.what());
   }
-  ck::settle(pg, v, until);
+  detail::settle(pg, v, until);
 
   // 2. Every rank gets the table and compares it with its own parameters; rank 0 reads the
   // data and checks the checksum.
@@ -286,7 +288,7 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
       if (e != 0) {
         fail(errc::invalid_argument,
              "read '" + file +
-                 "': " + (e == ENODATA ? "the file ended early (truncated while read?)" : ck::errno_text(e)));
+                 "': " + (e == ENODATA ? "the file ended early (truncated while read?)" : detail::errno_text(e)));
       } else {
         ck::xxh64 sum;
         sum.update(std::string_view(meta).substr(8));
@@ -305,7 +307,7 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
     fail(errc::system, e.what());  // out of memory for the data
   }
   fd.reset();
-  ck::settle(pg, v, until);
+  detail::settle(pg, v, until);
 
   // 3. The values, from rank 0 straight into every rank's parameters; then the blob.
   std::size_t at = 0;

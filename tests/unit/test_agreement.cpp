@@ -146,7 +146,7 @@ TEST_CASE("agreement: a rank that could not set up its buckets fails every rank,
   agree.share_setup(nullptr);
   CHECK(fake.sent.back().empty());
 
-  fake.theirs = ddp::agreement::encode_outcome(ddp::errc::system, "shm arena full");
+  fake.theirs = ddp::detail::encode_outcome({ddp::errc::system, -1, "shm arena full"});
   const auto e = error_of([&] { agree.share_setup(nullptr); });
   CHECK(e.condition() == ddp::errc::system);
   CHECK(std::string(e.what()).find("rank 1 could not set up its gradient buckets: shm arena full") !=
@@ -158,9 +158,9 @@ TEST_CASE("agreement: a rank that could not set up its buckets fails every rank,
   const auto o = error_of([&] { agree.share_setup(own); });
   CHECK(o.condition() == ddp::errc::unsupported);
   CHECK(std::string(o.what()).find("no room on device 0") != std::string::npos);
-  const auto sent = ddp::agreement::decode_outcome(fake.sent.back());
-  CHECK(sent.first == ddp::errc::unsupported);
-  CHECK(sent.second == "no room on device 0");
+  const auto sent = ddp::detail::decode_outcome(fake.sent.back());
+  CHECK(sent.code == ddp::errc::unsupported);
+  CHECK(sent.message == "no room on device 0");
 
   // Alone, nothing is gathered.
   ddp::agreement alone{{0, 1, nullptr, nullptr}};
@@ -274,4 +274,29 @@ TEST_CASE("agreement: check_same_text groups the ranks that share a differing va
   // One rank alone checks nothing (and gathers nothing).
   ddp::agreement alone{{0, 1, {}, {}}};
   alone.check_same_text("x", "a");
+}
+
+TEST_CASE("consensus: outcomes travel as strings; the lowest failing rank is the one every rank raises") {
+  using ddp::detail::outcome;
+  const outcome o{ddp::errc::mismatch, 7, "rank 2 has f16 where rank 0 has f32 (with spaces)"};
+  const auto back = ddp::detail::decode_outcome(ddp::detail::encode_outcome(o));
+  CHECK(back.code == ddp::errc::mismatch);
+  CHECK(back.parameter == 7);
+  CHECK(back.message == o.message);
+  CHECK(ddp::detail::encode_outcome(outcome{}).empty());
+  CHECK(ddp::detail::decode_outcome("").ok());
+  const auto junk = ddp::detail::decode_outcome("not an outcome");
+  CHECK(junk.code == ddp::errc::protocol);
+  CHECK(junk.message == "not an outcome");
+  // A failure whose message is empty still reads as a failure.
+  const auto empty = ddp::detail::outcome_of(std::make_exception_ptr(ddp::error(ddp::errc::system, 0, "")));
+  CHECK_FALSE(empty.ok());
+  const auto gathered = [](const std::string&) {
+    return std::vector<std::string>{"", ddp::detail::encode_outcome({ddp::errc::timeout, -1, "late"}),
+                                    ddp::detail::encode_outcome({ddp::errc::system, -1, "full"})};
+  };
+  const auto f = ddp::detail::first_failed(gathered, outcome{});
+  CHECK(f.rank == 1);
+  CHECK(f.what.code == ddp::errc::timeout);
+  CHECK(f.what.message == "late");
 }

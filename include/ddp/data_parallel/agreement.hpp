@@ -28,6 +28,8 @@
 #include <ddp/parameter.hpp>
 #include <ddp/planner/bucket_plan.hpp>
 #include <ddp/request.hpp>
+#include <ddp/detail/consensus.hpp>
+#include <ddp/detail/timing.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -126,15 +128,6 @@ class agreement {
   }
 
   /// A rank's bucket setup: empty when it went well, else "<errc> <text>".
-  static std::string encode_outcome(errc code, const std::string& text) {
-    return std::to_string(static_cast<int>(code)) + " " + text;
-  }
-  static std::pair<errc, std::string> decode_outcome(const std::string& v) {
-    const auto sp = v.find(' ');
-    if (sp == std::string::npos) return {errc::protocol, v};
-    return {static_cast<errc>(std::atoi(v.substr(0, sp).c_str())), v.substr(sp + 1)};
-  }
-
   // ---- the checks ---------------------------------------------------------------------------
 
   /// Every rank has the same parameters (count, dtypes, shapes, host or device). Otherwise
@@ -224,29 +217,16 @@ class agreement {
   /// failure (rethrown as it was raised); otherwise a failed peer is raised with its errc,
   /// naming it, so that nobody learns of it only at the first step.
   void share_setup(const std::exception_ptr& mine) const {
-    std::string status;  // empty when fine
-    if (mine) {
-      try {
-        std::rethrow_exception(mine);
-      } catch (const error& e) {
-        status = encode_outcome(e.condition(), detail::message_of(e));
-      } catch (const std::exception& e) {
-        status = encode_outcome(errc::system, e.what());
-      } catch (...) {
-        status = encode_outcome(errc::system, "an exception of unknown type");
-      }
-    }
     if (ch_.size == 1) {
       if (mine) std::rethrow_exception(mine);
       return;
     }
-    const auto all = ch_.all_gather(status);
+    const auto failed = detail::first_failed(ch_.all_gather, detail::outcome_of(mine));
     if (mine) std::rethrow_exception(mine);  // this rank's own cause, as it was raised
-    for (std::size_t r = 0; r < all.size(); ++r) {
-      if (all[r].empty()) continue;
-      const auto [code, text] = decode_outcome(all[r]);
-      detail::raise(code, ch_.rank, "rank " + std::to_string(r) + " could not set up its gradient buckets: " + text);
-    }
+    if (failed.rank >= 0)
+      detail::raise(
+          failed.what.code, ch_.rank,
+          "rank " + std::to_string(failed.rank) + " could not set up its gradient buckets: " + failed.what.message);
   }
 
   /// The rebuild from the observed ready order: rank 0's `order` (every parameter once) is
@@ -281,7 +261,7 @@ class agreement {
     reqs.reserve(views.size());
     for (const auto& v : views)
       if (v.numel > 0) reqs.push_back(red.broadcast_async(v.data, v.numel, v.type, root));
-    const auto until = std::chrono::steady_clock::now() + 2 * timeout + std::chrono::seconds(2);
+    const auto until = detail::timing::collective_deadline(timeout);
     for (auto& r : reqs) r.wait(until);
   }
 

@@ -32,6 +32,7 @@
 #include <ddp/data_parallel/bucket_state.hpp>
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/detail/fork.hpp>
+#include <ddp/detail/fd.hpp>
 #include <ddp/detail/json.hpp>
 #include <ddp/detail/output_file.hpp>
 #include <ddp/detail/thread_id.hpp>
@@ -267,7 +268,7 @@ class timeline {
                                         const std::string& found = {}) {
     detail::raise(errc::system, rank,
                   "the timeline file '" + path + "' (from DDP_TIMELINE or dp_options::timeline): " + what + ": " +
-                      (found.empty() ? std::string(std::strerror(err))
+                      (found.empty() ? detail::errno_text(err)
                                      : found + " (a timeline writes only into a regular file of its own user, never "
                                                "through a link)") +
                       "; name a file in a writable directory, or leave DDP_TIMELINE unset");
@@ -501,7 +502,7 @@ class timeline {
   }
   // As write_all; a failure stops recording, with one line on stderr.
   void flush() noexcept {
-    if (const int e = write_all()) stop_failed(std::string("writing failed: ") + std::strerror(e));
+    if (const int e = write_all()) stop_failed("writing failed: " + detail::errno_text(e));
   }
 
   std::string path_;

@@ -46,6 +46,7 @@
 
 #include <ddp/clock.hpp>
 #include <ddp/detail/bytes.hpp>
+#include <ddp/detail/fd.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 
@@ -331,35 +332,6 @@ inline std::string first_difference(const std::vector<entry>& file, const std::v
 
 // ---- files ----------------------------------------------------------------------------------
 
-inline std::string errno_text(int e) {
-  return std::generic_category().message(e) + " (errno " + std::to_string(e) + ")";
-}
-
-/// A file descriptor closed on scope exit.
-class fd_guard {
- public:
-  explicit fd_guard(int fd = -1) noexcept : fd_(fd) {}
-  fd_guard(const fd_guard&) = delete;
-  fd_guard& operator=(const fd_guard&) = delete;
-  ~fd_guard() { reset(); }
-  int get() const noexcept { return fd_; }
-  /// Holds `fd` from now on (closing what it held).
-  void reset(int fd) noexcept {
-    reset();
-    fd_ = fd;
-  }
-  /// Closes now; returns close()'s errno, 0 when it succeeded.
-  int reset() noexcept {
-    if (fd_ < 0) return 0;
-    const int rc = ::close(fd_);
-    fd_ = -1;
-    return rc == 0 ? 0 : errno;
-  }
-
- private:
-  int fd_;
-};
-
 /// Reads exactly `n` bytes; 0, ENODATA when the file ends first, or the errno.
 inline int read_exact(int fd, void* p, std::size_t n) noexcept {
   auto* c = static_cast<char*>(p);
@@ -385,46 +357,6 @@ inline int write_all(int fd, const void* p, std::size_t n) noexcept {
     n -= static_cast<std::size_t>(k);
   }
   return 0;
-}
-
-// ---- one rank's failure, every rank's error ------------------------------------------------
-
-/// What a rank's part of a collective step came to: empty `message` when it succeeded.
-struct verdict {
-  errc code = errc::system;
-  int parameter = -1;
-  std::string message;
-  bool ok() const noexcept { return message.empty(); }
-};
-
-/// Every rank learns whether every rank's part succeeded; when one did not, every rank raises
-/// the error of the lowest failing rank (its condition, parameter and message, under each
-/// rank's own prefix). Collective over `pg` (a process_group): a scalar all_reduce, then one
-/// broadcast from the failing rank.
-template <class Group>
-void settle(Group& pg, const verdict& mine, deadline_t until) {
-  constexpr std::int32_t none = std::numeric_limits<std::int32_t>::max();
-  std::int32_t first = mine.ok() ? none : pg.rank();
-  pg.all_reduce(std::span<std::int32_t>(&first, 1), op::min, until);
-  if (first == none) return;
-  std::string frame;
-  if (pg.rank() == first)
-    byte_writer(frame)
-        .u32(static_cast<std::uint32_t>(mine.code))
-        .u32(static_cast<std::uint32_t>(mine.parameter))
-        .raw(mine.message);
-  std::uint64_t len = frame.size();
-  pg.broadcast(std::as_writable_bytes(std::span(&len, 1)), first, until);
-  if (len > (std::uint64_t{1} << 20))
-    raise(errc::protocol, pg.rank(),
-          "rank " + std::to_string(first) + " announced a " + std::to_string(len) + "-byte error");
-  frame.resize(static_cast<std::size_t>(len));
-  pg.broadcast(std::as_writable_bytes(std::span(frame.data(), frame.size())), first, until);
-  byte_reader r(frame);
-  const auto code = static_cast<errc>(r.u32());
-  const auto parameter = static_cast<int>(r.u32());
-  const auto text = r.raw(r.remaining());
-  raise(r.ok() ? code : errc::protocol, pg.rank(), std::string(text), -1, parameter);
 }
 
 }  // namespace ckpt

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include <ddp/detail/collective.hpp>
+#include <ddp/detail/fd.hpp>
 #include <ddp/detail/json.hpp>
 #include <ddp/detail/output_file.hpp>
 #include <ddp/dtype.hpp>
@@ -423,7 +424,7 @@ inline void flight_record_dump(std::string_view reason) noexcept {
     if (base.empty()) return;
     const std::string path = flight_record_file(base);
     if (const int e = flight_record_write(path, reason))
-      std::fprintf(stderr, "ddp: cannot write the flight record to %s: %s\n", path.c_str(), std::strerror(e));
+      std::fprintf(stderr, "ddp: cannot write the flight record to %s: %s\n", path.c_str(), errno_text(e).c_str());
   } catch (...) {
   }
 }
@@ -452,8 +453,7 @@ inline void flight_ring::install_signal(flight_registry& reg, int sig, int rank)
     reg.pipe_read = -1;
     flight_signal_fd.store(-1, std::memory_order_relaxed);
     int p[2];
-    if (::pipe2(p, O_CLOEXEC) != 0)
-      raise(errc::system, rank, std::string("flight recorder: pipe2: ") + std::strerror(errno));
+    if (::pipe2(p, O_CLOEXEC) != 0) raise(errc::system, rank, "flight recorder: pipe2: " + errno_text(errno));
     ::fcntl(p[1], F_SETFL, O_NONBLOCK);
     reg.pipe_read = p[0];
     flight_signal_fd.store(p[1], std::memory_order_relaxed);
@@ -479,7 +479,7 @@ inline void flight_ring::install_signal(flight_registry& reg, int sig, int rank)
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;
   if (::sigaction(sig, &sa, nullptr) != 0)
-    raise(errc::system, rank, std::string("flight recorder: sigaction: ") + std::strerror(errno));
+    raise(errc::system, rank, "flight recorder: sigaction: " + errno_text(errno));
   reg.signal = sig;
   reg.signal_installed_in = me;
 }

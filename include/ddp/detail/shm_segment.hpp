@@ -43,6 +43,7 @@
 
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/copy.hpp>
+#include <ddp/detail/fd.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -143,7 +144,7 @@ inline std::string shm_mib(std::size_t bytes) {
 /// What /dev/shm holds now ("/dev/shm has 1.2 MiB free of 64.0 MiB"), for error messages.
 inline std::string shm_space() {
   struct statvfs vfs {};
-  if (::statvfs("/dev/shm", &vfs) != 0) return std::string("statvfs(/dev/shm): ") + std::strerror(errno);
+  if (::statvfs("/dev/shm", &vfs) != 0) return "statvfs(/dev/shm): " + errno_text(errno);
   return "/dev/shm has " + shm_mib(static_cast<std::size_t>(vfs.f_bavail) * vfs.f_frsize) + " free of " +
          shm_mib(static_cast<std::size_t>(vfs.f_blocks) * vfs.f_frsize);
 }
@@ -193,11 +194,11 @@ class shm_mapping {
       if (e == EEXIST && ::stat(("/dev/shm" + name).c_str(), &st) == 0)
         return "another process holds /dev/shm" + name + " (owner uid " + std::to_string(st.st_uid) +
                (st.st_uid == ::geteuid() ? ", this user: a segment left by an earlier run; remove it" : "") + ")";
-      return "shm_open(" + name + ", O_CREAT|O_EXCL): " + std::strerror(e);
+      return "shm_open(" + name + ", O_CREAT|O_EXCL): " + errno_text(e);
     }
     std::string why;
     if (::ftruncate(fd_, static_cast<off_t>(size)) != 0)
-      why = "ftruncate(" + name + ", " + std::to_string(size) + "): " + std::strerror(errno);
+      why = "ftruncate(" + name + ", " + std::to_string(size) + "): " + errno_text(errno);
     if (why.empty()) why = reserve(0, reserved);
     if (why.empty()) why = map(name, size);
     if (!why.empty()) {
@@ -210,11 +211,11 @@ class shm_mapping {
   /// Opens an existing `name` and maps `size` bytes of it.
   std::string open(const std::string& name, std::size_t size) {
     fd_ = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
-    if (fd_ < 0) return "shm_open(" + name + "): " + std::strerror(errno);
+    if (fd_ < 0) return "shm_open(" + name + "): " + errno_text(errno);
     struct stat st {};
     std::string why;
     if (::fstat(fd_, &st) != 0)
-      why = "fstat(" + name + "): " + std::strerror(errno);
+      why = "fstat(" + name + "): " + errno_text(errno);
     else if (static_cast<std::size_t>(st.st_size) < size)
       why = name + " holds " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(size);
     else
@@ -266,12 +267,12 @@ class shm_mapping {
       default:
         break;
     }
-    return "cannot reserve " + shm_mib(bytes) + " (" + how + ": " + std::strerror(e) + ")" +
+    return "cannot reserve " + shm_mib(bytes) + " (" + how + ": " + errno_text(e) + ")" +
            (cause.empty() ? "" : ": " + cause) + "; " + shm_space();
   }
   std::string map(const std::string& name, std::size_t size) {
     void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-    if (p == MAP_FAILED) return "mmap(" + name + ", " + std::to_string(size) + "): " + std::strerror(errno);
+    if (p == MAP_FAILED) return "mmap(" + name + ", " + std::to_string(size) + "): " + errno_text(errno);
     base_ = p;
     size_ = size;
     return {};

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include <ddp/clock.hpp>
+#include <ddp/detail/fd.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/error.hpp>
 
@@ -43,36 +44,6 @@ inline int ms_left(deadline_t d) noexcept {
   if (left <= 0) return 0;
   return left > timing::poll_cap_ms ? static_cast<int>(timing::poll_cap_ms) : static_cast<int>(left);
 }
-
-/// Owns a file descriptor.
-class fd_handle {
- public:
-  fd_handle() = default;
-  explicit fd_handle(int fd) noexcept : fd_(fd) {}
-  fd_handle(fd_handle&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  fd_handle& operator=(fd_handle&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  fd_handle(const fd_handle&) = delete;
-  fd_handle& operator=(const fd_handle&) = delete;
-  ~fd_handle() { reset(); }
-  int get() const noexcept { return fd_; }
-  explicit operator bool() const noexcept { return fd_ >= 0; }
-  void reset() noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-  int release() noexcept { return std::exchange(fd_, -1); }
-
- private:
-  int fd_ = -1;
-};
-
-inline std::string errno_text(int e) { return std::error_code(e, std::generic_category()).message(); }
 
 inline void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
 

@@ -140,6 +140,19 @@ inline constexpr std::chrono::milliseconds shm_wait_slice = 50ms;
 /// where a futex sleep costs a wake-up through the scheduler (tens of microseconds) each step.
 inline constexpr std::chrono::microseconds shm_yield_window = 500us;
 
+// ---- Waiting for a collective (reducers, the wrapper) -------------------------------------
+
+/// Margin of collective_deadline past twice the timeout.
+inline constexpr std::chrono::milliseconds collective_wait_margin = 2000ms;
+/// Deadline of a wait for a collective handed to a reducer: the collective is bounded by the
+/// group's timeout once it starts, and the queued work ahead of it is too, so twice the timeout
+/// and a margin bound the whole wait. The reducer's own deadline error comes first; this one
+/// only keeps a waiter from hanging when the reducer cannot raise one.
+template <class Rep, class Period>
+std::chrono::steady_clock::time_point collective_deadline(std::chrono::duration<Rep, Period> timeout) {
+  return std::chrono::steady_clock::now() + 2 * timeout + collective_wait_margin;
+}
+
 // ---- The hierarchical reducer (reducer/hierarchical.hpp) ----------------------------------
 
 /// How much longer than its leader a rank waits for the leader's result: when the network

@@ -32,6 +32,7 @@
 #include <variant>
 
 #include <ddp/version.hpp>
+#include <ddp/detail/timing.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/topology.hpp>
@@ -239,7 +240,7 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
   }
 
  private:
-  void wait(const request& r) const { r.wait(steady_clock::now() + 2 * timeout_ + std::chrono::seconds(2)); }
+  void wait(const request& r) const { r.wait(detail::timing::collective_deadline(timeout_)); }
 
   void build(process_group& pg, ddp::backend wanted) {
     const std::string where = topo_.describe();

@@ -44,13 +44,13 @@ struct ring_algorithm {};
 struct tree_algorithm {};
 
 namespace detail {
-/// The ring and tree algorithms over a point-to-point transport (reducer/detail/p2p_algorithms.hpp).
+/// The ring and tree algorithms over a point-to-point transport (reducer/ring.hpp).
 template <class Algorithm, transport Transport>
 class p2p_engine;
 }  // namespace detail
 
 /// The engine that runs `basic_reducer<Algorithm, Transport>`: the ring and tree algorithms of
-/// reducer/detail/p2p_algorithms.hpp over any `ddp::transport` (tcp), unless an engine of its own is
+/// reducer/ring.hpp over any `ddp::transport` (tcp), unless an engine of its own is
 /// registered for `Transport` by specializing this (reducer/shm.hpp does for `ddp::shm`).
 template <class Algorithm, class Transport>
 struct engine_for {

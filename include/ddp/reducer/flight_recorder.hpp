@@ -44,7 +44,7 @@ struct flight_recorder {
   /// when it cannot be written.
   static void write(const std::string& path, std::string_view reason = "requested") {
     if (const int e = detail::flight_record_write(path, reason))
-      detail::raise(errc::system, -1, "cannot write the flight record to " + path + ": " + std::strerror(e));
+      detail::raise(errc::system, -1, "cannot write the flight record to " + path + ": " + detail::errno_text(e));
   }
 
   /// The file the automatic dumps of this process go to (from `DDP_FLIGHT_RECORDER` as the

@@ -35,6 +35,7 @@
 #include <ddp/clock.hpp>
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/copy.hpp>
+#include <ddp/detail/first_failure.hpp>
 #include <ddp/detail/kernels.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/dtype.hpp>
@@ -43,7 +44,7 @@
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/basic_reducer.hpp>
 #include <ddp/reducer/detail/front_end.hpp>
-#include <ddp/reducer/detail/p2p_algorithms.hpp>
+#include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/shm.hpp>
 #include <ddp/transport/tcp.hpp>
 #if defined(DDP_WITH_MPI)
@@ -287,8 +288,7 @@ class hier_engine {
     try {
       f();
     } catch (const error& e) {
-      if (!leader() &&
-          (e.condition() == errc::aborted || e.condition() == errc::peer_lost || e.condition() == errc::timeout)) {
+      if (!leader() && detail::is_group_verdict(e.condition())) {
         auto g = ctx_.verdict().first(nullptr, true);
         int from = shm_.members().front();
         if (g.empty()) std::tie(g, from) = shm_.abort_reason();

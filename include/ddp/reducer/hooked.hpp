@@ -40,8 +40,10 @@
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/detail/typed_collectives.hpp>
+#include <ddp/detail/first_failure.hpp>
 #include <ddp/reducer/detail/worker.hpp>
 #include <ddp/request.hpp>
+#include <ddp/detail/timing.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -227,24 +229,17 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   { inner_.abort(); }
 
   /// True once a hook failed: every later collective raises errc::aborted quoting it.
-  bool failed() const noexcept { return failed_.load(std::memory_order_acquire); }
+  bool failed() const noexcept { return failure_.failed(); }
 
  private:
-  steady_clock::time_point deadline() const {
-    return steady_clock::now() + 2 * pg_.timeout() + std::chrono::seconds(2);
-  }
+  steady_clock::time_point deadline() const { return detail::timing::collective_deadline(pg_.timeout()); }
   void wait(const request& r) const { r.wait(deadline()); }
 
   void check(dtype t, op o, const char* what) const {
     detail::check_dtype(t, rank(), what);
     detail::check_op(o, rank(), what);
   }
-  void check_usable() const {
-    if (failed()) {
-      std::lock_guard lock(mu_);
-      detail::raise(errc::aborted, rank(), "this hooked reducer failed earlier; the first cause: " + first_);
-    }
-  }
+  void check_usable() const { failure_.check(rank(), "this hooked reducer failed earlier; the first cause: "); }
 
   request barrier_request() {
     if constexpr (requires { inner_.barrier_async(); }) {
@@ -271,8 +266,7 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
     } catch (const error& e) {
       // A lost peer, a timeout or an abort is a verdict the inner reducer has posted to the
       // peers already: passing it on again would only blur who failed first.
-      const errc c = e.condition();
-      fail(detail::message_of(e), c != errc::peer_lost && c != errc::timeout && c != errc::aborted);
+      fail(detail::message_of(e), !detail::is_group_verdict(e.condition()));
       throw;
     } catch (const std::exception& e) {
       const std::string msg = hook_failure(b, e.what());
@@ -294,12 +288,7 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   // here, so that peers blocked on this rank fail now (quoting `why` where the transport can
   // carry it), and refuse every later collective.
   void fail(const std::string& why, bool tell_peers = true) noexcept {
-    try {
-      std::lock_guard lock(mu_);
-      if (!failed_.load(std::memory_order_relaxed)) first_ = why;
-    } catch (...) {
-    }
-    failed_.store(true, std::memory_order_release);
+    failure_.set(errc::aborted, why);
     if constexpr (requires {
                     { inner_.abort(errc::aborted, why) }
                     noexcept;
@@ -329,11 +318,9 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   process_group pg_;
   Inner inner_;
   Hook hook_;
-  std::uint64_t seq_ = 0;  // hooks run one at a time (worker), so no atomic is needed
-  std::atomic<bool> failed_{false};
-  mutable std::mutex mu_;
-  std::string first_;
-  detail::worker worker_;  // last: joins before the hook and the inner reducer go away
+  std::uint64_t seq_ = 0;          // hooks run one at a time (worker), so no atomic is needed
+  detail::first_failure failure_;  // later collectives raise errc::aborted quoting it
+  detail::worker worker_;          // last: joins before the hook and the inner reducer go away
 };
 
 }  // namespace v0

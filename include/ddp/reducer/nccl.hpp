@@ -27,6 +27,7 @@
 
 #include <ddp/version.hpp>
 #include <ddp/detail/collective.hpp>
+#include <ddp/detail/consensus.hpp>
 #include <ddp/detail/cuda_check.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/reducer/detail/front_end.hpp>
@@ -105,23 +106,13 @@ class nccl_engine {
     // Every rank learns whether every other could set up, so a failure on one rank ends all of
     // them at once instead of leaving the others in initialization until the timeout.
     // A rank that failed sends its message along, so the others quote it.
-    std::string mine = "1";
-    if (local_failure) {
-      try {
-        std::rethrow_exception(local_failure);
-      } catch (const std::exception& e) {
-        mine = "0" + detail::message_of(e);
-      } catch (...) {
-        mine = "0";
-      }
-    }
-    const auto status = pg.all_gather(mine);
+    const auto failed =
+        detail::first_failed([&](const std::string& m) { return pg.all_gather(m); }, detail::outcome_of(local_failure));
     if (local_failure) std::rethrow_exception(local_failure);
-    for (std::size_t q = 0; q < status.size(); ++q)
-      if (status[q] != "1")
-        detail::raise(errc::aborted, rank_,
-                      "nccl_reducer: rank " + std::to_string(q) + " could not set up its GPU or the NCCL id" +
-                          (status[q].size() > 1 ? ": " + status[q].substr(1) : std::string()));
+    if (failed.rank >= 0)
+      detail::raise(errc::aborted, rank_,
+                    "nccl_reducer: rank " + std::to_string(failed.rank) +
+                        " could not set up its GPU or the NCCL id: " + failed.what.message);
     pg.broadcast(std::span<std::byte>(reinterpret_cast<std::byte*>(&id), sizeof id), 0);
 
     const auto until = std::chrono::steady_clock::now() + timeout_;

@@ -41,6 +41,8 @@
 #include <ddp/version.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/collective.hpp>
+#include <ddp/detail/consensus.hpp>
+#include <ddp/detail/first_failure.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/futex.hpp>
 #include <ddp/detail/kernels.hpp>
@@ -231,13 +233,13 @@ class shm {
     // Every rank removes it (a second removal finds nothing): a rank returns from all_gather
     // only after every rank had mapped the segment, and rank 0 may be killed right after it
     // sent its part, before it could remove the name itself.
-    const auto status = pg.all_gather(why);
+    const auto failed = detail::first_failed([&](const std::string& m) { return pg.all_gather(m); },
+                                             detail::outcome{errc::system, -1, why});
     ::shm_unlink(name_.c_str());
     guard.name = nullptr;
-    for (int r = 0; r < ctx.size(); ++r)
-      if (!status[static_cast<std::size_t>(r)].empty())
-        raise_here(errc::system, "shared-memory segment " + name_ + " could not be set up on rank " +
-                                     std::to_string(r) + ": " + status[static_cast<std::size_t>(r)]);
+    if (failed.rank >= 0)
+      raise_here(errc::system, "shared-memory segment " + name_ + " could not be set up on rank " +
+                                   std::to_string(failed.rank) + ": " + failed.what.message);
 
     heap_ = std::make_unique<detail::arena_heap>(layout_.part_begin(rank_), layout_.part_end(rank_));
     reserved_end_ = layout_.part_begin(rank_);
@@ -318,26 +320,17 @@ class shm {
       const std::size_t c = layout_.slot_bytes / es / n;  // elements of each destination per chunk
       const auto* src = static_cast<const std::byte*>(in);
       auto* dst = static_cast<std::byte*>(out_slice);
-      std::size_t k = 0;
-      do {
-        const std::size_t b = k * c;
-        const std::size_t len = std::min(c, count_per_rank - b);
-        const std::size_t s = take_slot();
-        if (len > 0) {
-          wait_slot_free(s, until, "reduce_scatter");
-          for (std::size_t q = 0; q < n; ++q)
-            detail::copy_bytes(slot(rank_, s) + q * c * es, src + (q * count_per_rank + b) * es, len * es);
-        }
-        signal();
-        wait_all(count_, until, "reduce_scatter");
-        if (k == 0) check_peers(d);
-        if (len == 0) break;
-        for (int j = 0; j < size_; ++j) ins_[j] = slot(j, s) + static_cast<std::size_t>(rank_) * c * es;
-        void* out = dst + b * es;
-        detail::combine(&out, 1, ins_.data(), size_, len, t, o, detail::avg_step{size_, 0, true});
-        signal();
-        slot_free_at_[s] = count_;
-      } while (++k * c < count_per_rank);
+      staged_chunks(
+          d, count_per_rank, c, -1, until, "reduce_scatter",
+          [&](std::size_t s, std::size_t b, std::size_t len) {
+            for (std::size_t q = 0; q < n; ++q)
+              detail::copy_bytes(slot(rank_, s) + q * c * es, src + (q * count_per_rank + b) * es, len * es);
+          },
+          [&](std::size_t s, std::size_t b, std::size_t len) {
+            for (int j = 0; j < size_; ++j) ins_[j] = slot(j, s) + static_cast<std::size_t>(rank_) * c * es;
+            void* out = dst + b * es;
+            detail::combine(&out, 1, ins_.data(), size_, len, t, o, detail::avg_step{size_, 0, true});
+          });
     });
   }
 
@@ -361,25 +354,16 @@ class shm {
       auto* dst = static_cast<std::byte*>(out);
       auto* mine = dst + static_cast<std::size_t>(rank_) * count_per_rank * es;
       if (mine != src && count_per_rank > 0) std::memmove(mine, src, count_per_rank * es);  // may overlap
-      std::size_t k = 0;
-      do {
-        const std::size_t b = k * c;
-        const std::size_t len = std::min(c, count_per_rank - b);
-        const std::size_t s = take_slot();
-        if (len > 0) {
-          wait_slot_free(s, until, "allgather");
-          detail::copy_bytes(slot(rank_, s), mine + b * es, len * es);
-        }
-        signal();
-        wait_all(count_, until, "allgather");
-        if (k == 0) check_peers(d);
-        if (len == 0) break;
-        for (int j = 0; j < size_; ++j)
-          if (j != rank_)
-            detail::copy_bytes(dst + (static_cast<std::size_t>(j) * count_per_rank + b) * es, slot(j, s), len * es);
-        signal();
-        slot_free_at_[s] = count_;
-      } while (++k * c < count_per_rank);
+      staged_chunks(
+          d, count_per_rank, c, -1, until, "allgather",
+          [&](std::size_t s, std::size_t b, std::size_t len) {
+            detail::copy_bytes(slot(rank_, s), mine + b * es, len * es);
+          },
+          [&](std::size_t s, std::size_t b, std::size_t len) {
+            for (int j = 0; j < size_; ++j)
+              if (j != rank_)
+                detail::copy_bytes(dst + (static_cast<std::size_t>(j) * count_per_rank + b) * es, slot(j, s), len * es);
+          });
     });
   }
 
@@ -408,28 +392,12 @@ class shm {
     guarded([&] {
       const std::size_t c = layout_.slot_bytes;
       auto* p = static_cast<std::byte*>(data);
-      std::size_t k = 0;
-      do {
-        const std::size_t b = k * c;
-        const std::size_t len = std::min(c, bytes - b);
-        const std::size_t s = take_slot();
-        if (rank_ == root && len > 0) {
-          wait_slot_free(s, until, "broadcast");
-          detail::copy_bytes(slot(root, s), p + b, len);
-        }
-        signal();
-        // After the first step (which checks descriptors) only the root matters.
-        if (k == 0) {
-          wait_all(count_, until, "broadcast");
-          check_peers(d);
-        } else if (rank_ != root) {
-          wait_rank(root, count_, until, "broadcast");
-        }
-        if (len == 0) break;
-        if (rank_ != root) detail::copy_bytes(p + b, slot(root, s), len);
-        signal();
-        slot_free_at_[s] = count_;
-      } while (++k * c < bytes);
+      staged_chunks(
+          d, bytes, c, root, until, "broadcast",
+          [&](std::size_t s, std::size_t b, std::size_t len) { detail::copy_bytes(slot(root, s), p + b, len); },
+          [&](std::size_t s, std::size_t b, std::size_t len) {
+            if (rank_ != root) detail::copy_bytes(p + b, slot(root, s), len);
+          });
     });
   }
 
@@ -583,7 +551,8 @@ class shm {
   void enter() {
     owner_.check(rank_, "shm transport");
     check_abort();
-    if (failed_ != errc{}) raise_here(failed_, "shm transport is unusable after an earlier error: " + failed_what_);
+    if (failure_.failed())
+      raise_here(failure_.code(), "shm transport is unusable after an earlier error: " + failure_.what());
   }
   void check_abort() const {
     const int by = header()->aborted_by.load(std::memory_order_acquire);
@@ -629,8 +598,7 @@ class shm {
     try {
       body();
     } catch (const error& e) {
-      failed_ = e.condition();
-      failed_what_ = detail::message_of(e);
+      failure_.set(e.condition(), detail::message_of(e));
       auto& me = block(rank_);
       me.closed.store(2, std::memory_order_seq_cst);
       detail::futex_wake_all(&me.counter);
@@ -804,6 +772,39 @@ class shm {
     detail::combine(outs_.data(), n, ins_.data(), n, len, t, o, detail::avg_step{n, 0, true});
   }
 
+  /// The staged pipeline of reduce_scatter, allgather, broadcast and the tree allreduce: `total`
+  /// units (elements or bytes) in chunks of `c`, chunk k through the next slot. The ranks that
+  /// write (every rank; with `root` >= 0 the root only) `stage(slot, begin, len)` once the slot is
+  /// free; every rank signals and waits for the writers (for every rank at the first step, which
+  /// checks the descriptors); then `consume(slot, begin, len)` reads the staged parts, and the
+  /// slot is free again once every rank signalled past it. A collective of nothing still runs
+  /// the first step, so that the descriptors are compared.
+  template <class Stage, class Consume>
+  void staged_chunks(const detail::shm_desc& d, std::size_t total, std::size_t c, int root, deadline_t until,
+                     const char* what, Stage&& stage, Consume&& consume) {
+    std::size_t k = 0;
+    do {
+      const std::size_t b = k * c;
+      const std::size_t len = std::min(c, total - b);
+      const std::size_t s = take_slot();
+      if ((root < 0 || rank_ == root) && len > 0) {
+        wait_slot_free(s, until, what);
+        stage(s, b, len);
+      }
+      signal();
+      if (k == 0 || root < 0) {
+        wait_all(count_, until, what);
+        if (k == 0) check_peers(d);
+      } else if (rank_ != root) {
+        wait_rank(root, count_, until, what);  // after the first step only the root matters
+      }
+      if (len == 0) break;
+      consume(s, b, len);
+      signal();
+      slot_free_at_[s] = count_;
+    } while (++k * c < total);
+  }
+
   void allreduce_ring(std::byte* data, std::size_t count, dtype t, op o, deadline_t until, const detail::shm_desc& d) {
     const std::size_t es = dtype_size(t);
     const bool staged = d.arena_offset == detail::shm_desc::no_offset;
@@ -867,25 +868,16 @@ class shm {
       const std::size_t es = dtype_size(t);
       const std::size_t chunk = layout_.slot_bytes / es;
       auto* p = static_cast<std::byte*>(data);
-      std::size_t k = 0;
-      do {
-        const std::size_t b = k * chunk;
-        const std::size_t len = std::min(chunk, count - b);
-        const std::size_t s = take_slot();
-        if (len > 0) {
-          wait_slot_free(s, until, "allreduce");
-          detail::copy_bytes(slot(rank_, s), p + b * es, len * es);
-        }
-        signal();
-        wait_all(count_, until, "allreduce");
-        if (k == 0) check_peers(d);
-        if (len == 0) break;
-        for (int j = 0; j < size_; ++j) ins_[j] = slot(j, s);
-        void* out = p + b * es;
-        detail::combine(&out, 1, ins_.data(), size_, len, t, o, detail::avg_step{size_, 0, true});
-        signal();
-        slot_free_at_[s] = count_;
-      } while (++k * chunk < count);
+      staged_chunks(
+          d, count, chunk, -1, until, "allreduce",
+          [&](std::size_t s, std::size_t b, std::size_t len) {
+            detail::copy_bytes(slot(rank_, s), p + b * es, len * es);
+          },
+          [&](std::size_t s, std::size_t b, std::size_t len) {
+            for (int j = 0; j < size_; ++j) ins_[j] = slot(j, s);
+            void* out = p + b * es;
+            detail::combine(&out, 1, ins_.data(), size_, len, t, o, detail::avg_step{size_, 0, true});
+          });
     });
   }
 
@@ -911,8 +903,7 @@ class shm {
   std::vector<const void*> ins_;
   std::vector<void*> outs_;
   std::vector<detail::shm_desc> peers_;
-  errc failed_{};
-  std::string failed_what_;
+  detail::first_failure failure_;
   detail::owner_process owner_;           ///< a forked child's copy only unmaps
   std::chrono::milliseconds note_after_;  ///< a wait this long records whom it waits for
   transport_context ctx_;                 ///< the group's verdict (the "waits for" records); the group stays open

@@ -1,6 +1,6 @@
 #pragma once
 /// \file transport/concept.hpp
-/// `ddp::transport`: everything the ring and tree algorithms (reducer/detail/p2p_algorithms.hpp) call on
+/// `ddp::transport`: everything the ring and tree algorithms (reducer/ring.hpp) call on
 /// a point-to-point transport, with the exact arguments they pass. `ddp::ring<T>` and
 /// `ddp::tree<T>` are constrained by it, so a transport that lacks one of these is rejected where
 /// the reducer is named, and the diagnostic names the missing requirement (e.g.

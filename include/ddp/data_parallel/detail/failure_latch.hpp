@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include <ddp/data_parallel/detail/parameters.hpp>
+#include <ddp/detail/first_failure.hpp>
 #include <ddp/error.hpp>
 
 namespace ddp {
@@ -22,13 +23,11 @@ namespace detail {
 
 class failure_latch {
  public:
-  bool failed() const noexcept { return failed_.load(std::memory_order_acquire); }
+  bool failed() const noexcept { return first_.failed(); }
 
   /// Raises the first failure's errc on `rank`, quoting its cause, once there is one.
   void check(int rank) const {
-    if (!failed()) return;
-    std::lock_guard lock(mu_);
-    raise(code_, rank, "this data_parallel wrapper failed earlier and cannot be used again; the first cause: " + what_);
+    first_.check(rank, "this data_parallel wrapper failed earlier and cannot be used again; the first cause: ");
   }
 
   /// Called inside a catch block: keeps the current exception as the first failure of `what`
@@ -46,7 +45,7 @@ class failure_latch {
       } catch (const error& e) {
         code = e.condition();
         cause = message_of(e);  // without its "[ddp.x] rank N:" prefix: ours comes later
-        if (code == errc::peer_lost || code == errc::timeout || code == errc::aborted) tell = false;
+        if (is_group_verdict(code)) tell = false;
       } catch (const std::exception& e) {
         cause = e.what();
       } catch (...) {
@@ -55,16 +54,10 @@ class failure_latch {
       std::string where = what;
       if (param >= 0) where += " for " + parameter_label(static_cast<std::size_t>(param), name);
       std::string msg = "data_parallel failed in " + where + " at step " + std::to_string(step) + ": " + cause;
-      {
-        std::lock_guard lock(mu_);
-        if (failed_.load(std::memory_order_relaxed)) return {};  // keep the first cause
-        code_ = code;
-        what_ = msg;
-        failed_.store(true, std::memory_order_release);
-      }
+      if (!first_.set(code, msg)) return {};  // keep the first cause
       return tell ? msg : std::string();
     } catch (...) {
-      failed_.store(true, std::memory_order_release);  // out of memory for the message: still failed
+      first_.set(errc::aborted, {});  // out of memory for the message: still failed
       return {};
     }
   }
@@ -84,10 +77,7 @@ class failure_latch {
   }
 
  private:
-  std::atomic<bool> failed_{false};
-  mutable std::mutex mu_;
-  errc code_ = errc::aborted;
-  std::string what_;
+  first_failure first_;
 };
 
 /// The exception `f()` throws, or null.

@@ -43,6 +43,7 @@
 
 #include <ddp/clock.hpp>
 #include <ddp/detail/collective.hpp>
+#include <ddp/detail/first_failure.hpp>
 #include <ddp/detail/flight_recorder.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
@@ -50,6 +51,7 @@
 #include <ddp/reducer/detail/typed_collectives.hpp>
 #include <ddp/reducer/detail/worker.hpp>
 #include <ddp/request.hpp>
+#include <ddp/detail/timing.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -176,11 +178,7 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
     if (root < 0 || root >= size())
       raise(errc::invalid_argument, rank(), "root " + std::to_string(root) + " is not a rank");
   }
-  void wait(const request& r) const {
-    // The collective itself is bounded by the timeout once it starts; queued work ahead of it
-    // is too, so twice the timeout bounds the whole wait.
-    r.wait(steady_clock::now() + 2 * engine_.timeout() + std::chrono::seconds(2));
-  }
+  void wait(const request& r) const { r.wait(timing::collective_deadline(engine_.timeout())); }
   /// Checks the arguments and builds the descriptor, all but its sequence number: that is
   /// taken when the collective starts (stamp), in the order collectives run. A broadcast carries
   /// its count and dtype like the others: ranks broadcasting the same bytes as different types
@@ -239,8 +237,7 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
       }
     } catch (const error& e) {
       rec_->failed(n, e.condition());
-      const errc c = e.condition();
-      if (c == errc::timeout || c == errc::peer_lost || c == errc::aborted) flight_record_failure(e.what());
+      if (is_group_verdict(e.condition())) flight_record_failure(e.what());
       throw;
     } catch (...) {
       rec_->failed(n, errc::system);

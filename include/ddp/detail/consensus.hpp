@@ -1,0 +1,120 @@
+#pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
+// IWYU pragma: private
+// One rank's failure, every rank's error: the one place where the ranks settle a step each of
+// them took alone (setting up a segment, a device, buckets, a checkpoint file), so that every
+// rank raises the same first cause instead of some ranks going on. Generic over the group: any
+// `all_gather` of strings, or a group with all_reduce and broadcast (settle).
+
+#include <cstdint>
+#include <exception>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ddp/clock.hpp>
+#include <ddp/detail/bytes.hpp>
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+/// What a rank's part of a step came to: empty `message` when it succeeded.
+struct outcome {
+  errc code = errc::system;
+  int parameter = -1;
+  std::string message;
+  bool ok() const noexcept { return message.empty(); }
+};
+
+/// The outcome of `e` (null: success): a ddp::error keeps its condition, parameter and message
+/// (without its "[ddp.x] rank N:" prefix), any other exception is errc::system with its what();
+/// a failure's message is never empty (an empty one would read as success).
+inline outcome outcome_of(const std::exception_ptr& e) {
+  if (!e) return {};
+  outcome o;
+  try {
+    std::rethrow_exception(e);
+  } catch (const error& x) {
+    o = {x.condition(), x.parameter(), std::string(x.message())};
+  } catch (const std::exception& x) {
+    o = {errc::system, -1, x.what()};
+  } catch (...) {
+    o = {errc::system, -1, "an exception of unknown type"};
+  }
+  if (o.message.empty()) o.message = "an error without a message";
+  return o;
+}
+
+/// An outcome as a string to gather (empty when it succeeded), and back. A string that is not
+/// one is errc::protocol quoting it.
+inline std::string encode_outcome(const outcome& o) {
+  if (o.ok()) return {};
+  return std::to_string(static_cast<int>(o.code)) + ' ' + std::to_string(o.parameter) + ' ' + o.message;
+}
+inline outcome decode_outcome(std::string_view s) {
+  if (s.empty()) return {};
+  const auto a = s.find(' ');
+  const auto b = a == std::string_view::npos ? a : s.find(' ', a + 1);
+  if (b == std::string_view::npos) return {errc::protocol, -1, std::string(s)};
+  try {
+    return {static_cast<errc>(std::stoi(std::string(s.substr(0, a)))),
+            std::stoi(std::string(s.substr(a + 1, b - a - 1))), std::string(s.substr(b + 1))};
+  } catch (const std::exception&) {
+    return {errc::protocol, -1, std::string(s)};
+  }
+}
+
+/// The lowest rank whose outcome failed (`rank` -1: none) and that outcome.
+struct failed_rank {
+  int rank = -1;
+  outcome what;
+};
+
+/// Every rank's outcome, gathered through `all_gather` (a collective: std::string ->
+/// std::vector<std::string>, one per rank), and the lowest failing rank among them.
+template <class AllGather>
+failed_rank first_failed(AllGather&& all_gather, const outcome& mine) {
+  const std::vector<std::string> all = all_gather(encode_outcome(mine));
+  for (std::size_t r = 0; r < all.size(); ++r)
+    if (!all[r].empty()) return {static_cast<int>(r), decode_outcome(all[r])};
+  return {};
+}
+
+/// Every rank learns whether every rank's part succeeded; when one did not, every rank raises
+/// the error of the lowest failing rank (its condition, parameter and message, under each
+/// rank's own prefix). Collective over `pg` (a process_group): a scalar all_reduce, then one
+/// broadcast from the failing rank; no string is gathered when every rank succeeded.
+template <class Group>
+void settle(Group& pg, const outcome& mine, deadline_t until) {
+  constexpr std::int32_t none = std::numeric_limits<std::int32_t>::max();
+  std::int32_t first = mine.ok() ? none : pg.rank();
+  pg.all_reduce(std::span<std::int32_t>(&first, 1), op::min, until);
+  if (first == none) return;
+  std::string frame;
+  if (pg.rank() == first)
+    byte_writer(frame)
+        .u32(static_cast<std::uint32_t>(mine.code))
+        .u32(static_cast<std::uint32_t>(mine.parameter))
+        .raw(mine.message);
+  std::uint64_t len = frame.size();
+  pg.broadcast(std::as_writable_bytes(std::span(&len, 1)), first, until);
+  if (len > (std::uint64_t{1} << 20))
+    raise(errc::protocol, pg.rank(),
+          "rank " + std::to_string(first) + " announced a " + std::to_string(len) + "-byte error");
+  frame.resize(static_cast<std::size_t>(len));
+  pg.broadcast(std::as_writable_bytes(std::span(frame.data(), frame.size())), first, until);
+  byte_reader r(frame);
+  const auto code = static_cast<errc>(r.u32());
+  const auto parameter = static_cast<int>(r.u32());
+  const auto text = r.raw(r.remaining());
+  raise(r.ok() ? code : errc::protocol, pg.rank(), std::string(text), -1, parameter);
+}
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp
