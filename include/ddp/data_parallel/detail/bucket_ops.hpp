@@ -1,0 +1,163 @@
+#pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
+/// \file data_parallel/detail/bucket_ops.hpp
+/// `bucket_ops`: what a wrapper does with one bucket in a step (launch its collective, wait for
+/// it, copy its average back, call the `on_bucket_reduced` hook) and with the slot of a parameter
+/// that produced no gradient; the timeline's marks of those moments.
+// IWYU pragma: private
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ddp/clock.hpp>
+#include <ddp/data_parallel/bucket_memory.hpp>
+#include <ddp/data_parallel/bucket_state.hpp>
+#include <ddp/data_parallel/detail/step_guard.hpp>
+#include <ddp/data_parallel/detail/step_sync.hpp>
+#include <ddp/data_parallel/detail/uneven.hpp>
+#include <ddp/data_parallel/options.hpp>
+#include <ddp/data_parallel/timeline.hpp>
+#include <ddp/detail/flight_recorder.hpp>
+#include <ddp/parameter.hpp>
+#include <ddp/planner/bucket_plan.hpp>
+#include <ddp/process_group.hpp>
+#include <ddp/request.hpp>
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+/// The per-bucket and per-slot work of one wrapper's steps. Holds references to the wrapper's
+/// parts (and its timeline and step counter), which outlive it.
+template <class Reducer, class Allocator>
+class bucket_ops {
+ public:
+  bucket_ops(process_group& pg, const dp_options& opts, const std::vector<tensor_view>& views,
+             bucket_memory<Allocator>& memory, bucket_state& state, Reducer& red, step_guard<Reducer>& guarded,
+             std::unique_ptr<timeline>& tl, const std::uint64_t& step) noexcept
+      : pg_(pg),
+        opts_(opts),
+        views_(views),
+        memory_(memory),
+        state_(state),
+        red_(red),
+        guarded_(guarded),
+        timeline_(tl),
+        step_(step) {}
+
+  /// Allocates the buckets of `plan` and the side buffer (in view mode holding the engine's current
+  /// gradients, so nothing accumulated is lost), after opening the timeline: a rank that cannot
+  /// open its file fails construction on every rank (docs/tuning.md, "See a step: the timeline").
+  void set_up(bucket_plan plan, const step_sync<Reducer, Allocator>& sync) {
+    timeline_ = timeline::open(opts_, pg_.rank(), pg_.size());
+    if (timeline_) state_.on_ready([t = timeline_.get()](std::size_t b) { t->bucket_ready(b); });
+    memory_.allocate(std::move(plan));
+    if (const std::size_t side = sync.side_bytes(); side > 0) memory_.allocate_side(side);
+    if (opts_.gradient_as_bucket_view)
+      for (std::size_t i = 0; i < views_.size(); ++i) memory_.copy_in(i, views_[i].grad, views_[i].bytes());
+  }
+
+  /// In finish(): the parameters never ready (`missing`) count as unused, then every bucket not
+  /// launched yet is, in plan order.
+  void launch_rest(const std::vector<std::size_t>& missing) {
+    guarded_("finish", -1, [&] {
+      state_.begin_finish();
+      for (std::size_t i : missing) {
+        state_.claim(i);
+        state_.set_unused(i);
+        guarded_("finish (a parameter never ready)", i, [&] { fill_unused(i); });
+        state_.complete(i, true, false);  // not backward's work: the statistics ignore it
+      }
+      state_.launch_ready();
+    });
+  }
+
+  /// Readies the step state and the buckets for the next step (`settled`: the layout is final).
+  void reset_step(bool settled) {
+    state_.reset(memory_.plan(), !settled);
+    memory_.clear_requests();
+  }
+
+  /// bucket_state's launch: bucket b's collective, in plan order, under bucket_state's lock.
+  void launch(std::size_t b) {
+    const auto& bk = memory_.plan().buckets[b];
+    const detail::flight_tag_scope tag(b, step_);  // the flight record names the bucket (docs/forensics.md)
+    if (bk.numel > 0)
+      memory_.track(b, red_.allreduce_async(memory_.buffer(b), bk.numel, bk.type,
+                                            detail::bucket_op(opts_.average, opts_.uneven_inputs, bk.type)));
+    if (timeline_) timeline_->bucket_launched(b, steady_clock::now());
+  }
+
+  /// Waits (bounded by the timeout) for bucket b's reduction. A failed collective is a verdict
+  /// the reducer already posted to every rank: it is recorded without blaming this rank.
+  void wait(std::size_t b, const char* what = "finish") {
+    const auto t_wait = timeline_ ? steady_clock::now() : steady_clock::time_point{};
+    guarded_(
+        what, -1, [&] { memory_.wait(b, wait_patience(opts_, pg_), pg_.rank()); }, false);
+    const auto& req = memory_.in_flight(b);
+    state_.set_reduced(b, req.valid() ? req.finished_at() : state_.launched_at(b));
+    if (timeline_) timeline_->bucket_waited(b, t_wait, steady_clock::now());
+  }
+
+  /// Copy mode: bucket b's averages back into the engine's gradients.
+  void copy_back(std::size_t b) {
+    if (opts_.gradient_as_bucket_view) return;
+    for (const auto& e : memory_.plan().buckets[b].entries)
+      guarded_("finish (copying the average back)", e.param,
+               [&] { memory_.copy_out(e.param, views_[e.param].grad, views_[e.param].bytes()); });
+  }
+
+  /// The bucket slot of a parameter that is not ready in a synchronized step: zero, or what
+  /// no_sync() steps accumulated (PyTorch DDP keeps an accumulated gradient the same way).
+  void fill_unused(std::size_t i) {
+    if (!state_.accumulated(i))
+      memory_.zero(i, views_[i].bytes());
+    else if (!opts_.gradient_as_bucket_view)
+      memory_.copy_in(i, views_[i].grad, views_[i].bytes());
+    // View mode: the slot already holds the accumulated gradient.
+  }
+
+  /// The timeline's record of the step finish() ends, before the plan can change (the rebuild).
+  void record_timeline(steady_clock::time_point t_call, const std::vector<std::string>& names,
+                       std::uint64_t generation) noexcept {
+    if (!timeline_) return;
+    timeline_->end_step(step_, state_, memory_.plan(), names, generation, t_call, !opts_.gradient_as_bucket_view,
+                        [this](std::size_t b) -> const request& { return memory_.in_flight(b); });
+  }
+
+  /// The `on_bucket_reduced` hook (empty: none).
+  void set_hook(std::function<void(const reduced_bucket&)> fn) { hook_ = std::move(fn); }
+  bool has_hook() const noexcept { return static_cast<bool>(hook_); }
+
+  /// The bucket hook for bucket b (its parameters in plan order).
+  void call_hook(std::size_t b) {
+    hook_params_.clear();
+    for (const auto& e : memory_.plan().buckets[b].entries) hook_params_.push_back(e.param);
+    guarded_("finish (the bucket hook, on_bucket_reduced)", -1, [&] {
+      hook_(reduced_bucket{b, std::span<const std::size_t>(hook_params_), step_});
+    });
+  }
+
+ private:
+  process_group& pg_;
+  const dp_options& opts_;
+  const std::vector<tensor_view>& views_;
+  bucket_memory<Allocator>& memory_;
+  bucket_state& state_;
+  Reducer& red_;
+  step_guard<Reducer>& guarded_;
+  std::unique_ptr<timeline>& timeline_;  // null unless DDP_TIMELINE or dp_options::timeline
+  const std::uint64_t& step_;
+  std::function<void(const reduced_bucket&)> hook_;  // on_bucket_reduced
+  std::vector<std::size_t> hook_params_;             // the hook's current bucket
+};
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp
