@@ -262,7 +262,7 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
         what_ = "shm: " + where + " (ring over one shared-memory segment; buckets in the segment)" + why;
         break;
       case backend::hierarchical: {
-        auto h = std::make_unique<hierarchical>(pg);
+        auto h = std::make_unique<hierarchical>(pg, hierarchical_options{.topology = topo_});
         std::string leaders;
         for (int l : topo_.leaders()) leaders += (leaders.empty() ? "" : ", ") + std::to_string(l);
         what_ = "hierarchical: " + where + " (shm within each host, " +

@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <tuple>
@@ -66,6 +67,9 @@ struct hierarchical_options {
   /// at MPI_THREAD_SERIALIZED or above with the group's processes as its world); `automatic`:
   /// MPI where that holds, else tcp.
   ddp::backend between = ddp::backend::automatic;
+  /// The group's topology when the caller gathered it already (`ddp::auto_reducer` does): the
+  /// reducer then does not gather it again. Every rank gives one, or none does (errc::mismatch).
+  std::optional<ddp::topology> topology{};
 };
 
 namespace detail {
@@ -133,8 +137,8 @@ class hier_engine {
   coll_variant variant(coll_kind, std::size_t) const noexcept { return coll_variant::none; }
 
   hier_engine(process_group& pg, hierarchical_options o)
-      : pg_(agree_on_reducer(pg, "hierarchical")),
-        topo_(topology::of(pg_)),
+      : pg_(agree_on_reducer(pg, o.topology ? "hierarchical (topology given)" : "hierarchical")),
+        topo_(o.topology ? std::move(*o.topology) : topology::of(pg_)),
         ctx_(pg_),
         shm_(pg_, with_members(o.intra, topo_.ranks_on(topo_.host_of(pg_.rank())))),
         tcp_(pg_, o.tcp),
