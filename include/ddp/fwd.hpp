@@ -31,7 +31,7 @@ struct half;
 struct bfloat16;
 class authenticator;
 
-// group: process_group.hpp, store.hpp
+// group: process_group.hpp (group/init_options.hpp, group/process_group.hpp), store.hpp
 struct init_options;
 class process_group;
 struct store_limits;

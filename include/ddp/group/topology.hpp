@@ -11,13 +11,13 @@
 /// \endcode
 
 #include <algorithm>
+#include <concepts>
 #include <map>
 #include <string>
 #include <vector>
 
 #include <ddp/version.hpp>
 #include <ddp/detail/shm_segment.hpp>
-#include <ddp/process_group.hpp>
 
 namespace ddp {
 inline namespace v0 {
@@ -47,7 +47,13 @@ struct topology {
     return t;
   }
   /// The group's topology, gathered from every rank (a collective: every rank calls it).
-  static topology of(process_group& pg) { return from_identities(pg.all_gather(host_identity())); }
+  /// `pg` is a `ddp::process_group`, or anything else whose `all_gather(blob)` returns every
+  /// rank's blob indexed by rank: a topology needs that one collective, not the whole group.
+  template <class Group>
+  requires requires(Group& g, const std::string& blob) {
+    { g.all_gather(blob) } -> std::convertible_to<std::vector<std::string>>;
+  }
+  static topology of(Group& pg) { return from_identities(pg.all_gather(host_identity())); }
 
   int world() const noexcept { return static_cast<int>(host_index.size()); }
   int hosts() const noexcept { return static_cast<int>(members.size()); }

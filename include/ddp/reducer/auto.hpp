@@ -35,6 +35,7 @@
 #include <ddp/detail/timing.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/backend.hpp>
 #include <ddp/group/topology.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/detail/front_end.hpp>

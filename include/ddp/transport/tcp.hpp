@@ -32,7 +32,7 @@
 #include <ddp/detail/socket.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/verdict.hpp>
-#include <ddp/process_group.hpp>
+#include <ddp/group/transport_context.hpp>
 
 namespace ddp {
 inline namespace v0 {

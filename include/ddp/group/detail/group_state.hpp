@@ -1,0 +1,115 @@
+#pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
+// IWYU pragma: private
+// What a process group is, apart from its handles: the data that every `ddp::process_group`
+// handle on one group shares, and what happens when the last handle lets go of it. The group's
+// calls (barrier, broadcast, all_gather, all_reduce, abort) are process_group's own
+// (group/process_group.hpp); this holds no second list of them.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <ddp/clock.hpp>
+#include <ddp/detail/fork.hpp>
+#include <ddp/detail/launcher.hpp>
+#include <ddp/detail/mesh.hpp>
+#include <ddp/detail/timing.hpp>
+#include <ddp/error.hpp>
+#include <ddp/group/init_options.hpp>
+#include <ddp/group/verdict.hpp>
+#include <ddp/store.hpp>
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+/// A group's state; shared by its handles, destroyed (closing the group) with the last one.
+struct group_state {
+  group_state() = default;
+  group_state(const group_state&) = delete;
+  group_state& operator=(const group_state&) = delete;
+  ~group_state() {
+    // In a forked child the members' destructors only close this process's copies of the
+    // descriptors: no wait for the other ranks, no store traffic (the store server's own
+    // destructor leaves the parent's thread alone).
+    if (!owner.forked()) close();
+  }
+
+  /// Records why this rank's group failed (the first failure recorded wins) and shuts the
+  /// mesh, so that peers blocked on this rank wake at once and report the same failure
+  /// instead of naming us. Returns the failure that holds.
+  group_failure post_failure(const group_failure& f) noexcept {
+    failed.exchange(true);
+    auto held = verdict.record(f);
+    if (links) links->shutdown();
+    return held;
+  }
+
+  /// Closes connections; rank 0 waits (bounded by the timeout) for the others to leave its
+  /// store first. When the group failed (an error posted or raised here, abort(), an
+  /// exception on its way out, or a failure any rank recorded) it waits at most
+  /// min(500 ms, timeout / 4): long enough for the peers to read the posted reason, short
+  /// enough that a frozen peer, which never leaves, does not hold this rank's error up by a
+  /// whole timeout.
+  void close() noexcept {
+    const bool unwinding = std::uncaught_exceptions() > 0;
+    // Leaving because of an exception: tell the peers why (the latest ddp::error alive here,
+    // which is the one in flight or the one that caused it), rather than let them find a
+    // closed connection and blame this rank.
+    if (unwinding && !failed.load() && !aborted.load() && store) {
+      try {
+        errc code{};
+        std::string msg;
+        const bool known = detail::latest_live_error(code, msg);
+        // An error about the group itself (calls that do not match, a deadline, a lost peer)
+        // is the peers' error too and keeps its code; one about this rank alone (a bad
+        // argument, a misuse) is errc::aborted for them.
+        const bool group_wide = known && (code == errc::mismatch || code == errc::timeout || code == errc::peer_lost);
+        post_failure({group_wide ? code : errc::aborted,
+                      known ? "rank " + std::to_string(rank) + " left the group on its error (" +
+                                  std::string(detail::errc_name(code)) + "): " + msg
+                            : "rank " + std::to_string(rank) + " left the group while an exception propagated"});
+      } catch (...) {
+      }
+    }
+    // A failure a transport on the group recorded counts too: a program that caught it and
+    // leaves normally must not keep rank 0 waiting a whole timeout for a peer that is gone.
+    const bool failing = failed.load() || aborted.load() || unwinding || (server && !verdict.first().empty());
+    launcher.reset();  // its thread records through the verdict: stopped before the store goes
+    links.reset();
+    verdict.detach();
+    store.reset();
+    if (server) {
+      const auto until = steady_clock::now() + (failing ? std::min<std::chrono::milliseconds>(
+                                                              detail::timing::close_failing_wait, opts.timeout / 4)
+                                                        : opts.timeout);
+      while (server->clients() > 0 && steady_clock::now() < until)
+        std::this_thread::sleep_for(detail::timing::close_poll);
+      server.reset();
+    }
+  }
+
+  init_options opts;
+  int rank = 0;
+  int size = 1;
+  std::uint64_t group_id = 0;
+  int next_channel = 1;  // the next transport's channel; every rank builds its transports in the same order
+  std::atomic<bool> aborted{false};
+  std::atomic<bool> failed{false};  // a failure was posted: close() does not wait for the others
+  std::unique_ptr<store_server> server;
+  std::unique_ptr<store_client> store;
+  failure_verdict verdict;  // kept in store; detached before it closes
+  std::unique_ptr<peer_links> links;
+  std::unique_ptr<launcher_watch> launcher;  // DDP_LAUNCHER_FD: the launcher's note (detail/launcher.hpp)
+  owner_process owner;                       // the process that joined: a forked child's copy only closes
+};
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp

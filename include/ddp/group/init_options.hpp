@@ -1,0 +1,111 @@
+#pragma once
+/// \file group/init_options.hpp
+/// `ddp::init_options`: how a process joins its group, given explicitly or read from the
+/// environment that torchrun-style launchers, `ddprun`, `mpirun` (Open MPI, MPICH/PMI) and Slurm
+/// set (`from_env`; the parsing is in group/detail/env.hpp). See docs/process-group.md.
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <utility>
+
+#include <ddp/version.hpp>
+#include <ddp/group/backend.hpp>
+#include <ddp/group/detail/env.hpp>
+
+namespace ddp {
+inline namespace v0 {
+
+/// How a process joins its group. See docs/process-group.md.
+///
+/// \code
+/// auto pg = ddp::init_process_group({.rank = 1, .world_size = 4, .master_addr = "10.0.0.1",
+///                                    .master_port = 29500, .timeout = std::chrono::seconds(60)});
+/// \endcode
+struct init_options {
+  int rank = 0;                                                 ///< this process, in [0, world_size)
+  int world_size = 1;                                           ///< number of processes in the group
+  std::string master_addr = "127.0.0.1";                        ///< host name, IPv4 or IPv6 address of rank 0
+  int master_port = 29500;                                      ///< rank 0's store port
+  std::chrono::milliseconds timeout{std::chrono::seconds(60)};  ///< every blocking wait's bound
+  std::string auth_token = {};  ///< shared secret; needs an authenticator (docs/security.md)
+  int local_rank = -1;          ///< rank on this host, -1 when unknown
+  std::string job_id = {};      ///< names the job; tells two jobs on one port apart (optional)
+  /// Lets a group without a secret serve its store beyond loopback (any host that reaches the
+  /// port could then join or disturb the group). Off by default; DDP_INSECURE=1 sets it.
+  bool insecure = false;
+  /// The default reducer's engine (`DDP_BACKEND`); `automatic` picks by topology.
+  ddp::backend backend = ddp::backend::automatic;
+  /// Says on stderr (rank 0) what the default reducer chose and why (`DDP_DEBUG=info`).
+  bool debug_info = false;
+
+  /// Largest group: 2^20 ranks. Larger sizes are refused at once (errc::invalid_argument).
+  static constexpr int max_world_size = 1 << 20;
+
+  /// Reads the environment: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`;
+  /// when those are absent Open MPI's `OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`, MPICH/PMI's
+  /// `PMI_RANK/PMI_SIZE` (`MPI_LOCALRANKID`) and Slurm's `SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID`;
+  /// `DDP_TIMEOUT` (seconds), `DDP_AUTH_TOKEN` and `DDP_JOB_ID` (set by `ddprun`), `DDP_BACKEND`
+  /// (auto, shm, tcp, hierarchical, mpi, nccl) and `DDP_DEBUG` (`info`). Throws
+  /// errc::invalid_argument for a variable that is not a number or not a backend's name.
+  ///
+  /// In a rank that `srun` started (its rank is `SLURM_PROCID`), an absent `MASTER_ADDR` is
+  /// the first host of `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`, `SLURM_NODELIST`;
+  /// 127.0.0.1 when it names one host), and an absent `MASTER_PORT` is
+  /// `12000 + (16 * SLURM_JOB_ID + SLURM_STEP_ID % 16) % 20000` (in [12000, 31999], below
+  /// Linux's ephemeral ports), with `job_id` "slurm-<job>.<step>". A malformed node list is
+  /// errc::invalid_argument too.
+  static init_options from_env() {
+    return from_env([](const char* n) { return std::getenv(n); });
+  }
+
+  /// The same, with a custom lookup (used by tests and by embedders with their own config).
+  template <class Getenv>
+  static init_options from_env(Getenv&& get) {
+    init_options o;
+    detail::read_env(o, get);
+    return o;
+  }
+
+  /// Says once per process, on stderr, that no launcher set a rank: a program started by hand
+  /// runs alone, which is easy to miss when several ranks were meant. `why`, when given, is
+  /// what the environment did hold (a Slurm shell's variables).
+  static void note_world_of_one(const char* why = nullptr) noexcept { detail::note_world_of_one(why); }
+
+  /// The variables that hold the rank and the world size (name and value each; null names
+  /// when no launcher set a rank). `first(names)` is the first of `names` set and not empty.
+  /// Each launcher sets a pair: torchrun and ddprun `RANK`/`WORLD_SIZE`, Open MPI
+  /// `OMPI_COMM_WORLD_RANK/SIZE`, MPICH `PMI_RANK`/`PMI_SIZE`, srun `SLURM_PROCID`/`SLURM_NTASKS`
+  /// (with `--mpi=pmix`, `PMIX_RANK` beside them: PMIx puts no size in the environment). The
+  /// first pair with either variable set is the one; half a pair is errc::invalid_argument
+  /// naming the missing variable, and so is a local rank without its rank. Slurm's job-wide
+  /// variables alone are a shell, not a task: `SLURM_NTASKS` without `SLURM_PROCID` (salloc,
+  /// sbatch) and `SLURM_PROCID=0` without `SLURM_NTASKS` (a batch script) are a world of 1.
+  template <class First>
+  static std::pair<std::pair<const char*, const char*>, std::pair<const char*, const char*>> rank_and_size(
+      First& first) {
+    return detail::env_rank_and_size(first);
+  }
+
+  /// Cheap check before any socket is opened; empty when the options are usable.
+  std::string validate() const {
+    if (world_size < 1) return "world_size must be at least 1 (got " + std::to_string(world_size) + ")";
+    if (world_size > max_world_size)
+      return "world_size " + std::to_string(world_size) + " is larger than the " + std::to_string(max_world_size) +
+             " ranks a group supports";
+    if (rank < 0 || rank >= world_size)
+      return "rank " + std::to_string(rank) + " is outside [0, " + std::to_string(world_size) + ")";
+    if (master_port < 1 || master_port > 65535)
+      return "master_port " + std::to_string(master_port) + " is outside [1, 65535]";
+    if (master_addr.empty()) return "master_addr is empty";
+    // A DNS name has at most 253 characters (RFC 1035); an address literal is shorter still.
+    if (master_addr.size() > 253)
+      return "master_addr of " + std::to_string(master_addr.size()) +
+             " characters is longer than a host name may be (253)";
+    if (timeout.count() <= 0) return "timeout must be positive";
+    return {};
+  }
+};
+
+}  // namespace v0
+}  // namespace ddp

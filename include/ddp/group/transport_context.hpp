@@ -1,0 +1,66 @@
+#pragma once
+/// \file group/transport_context.hpp
+/// `ddp::transport_context`: what a transport gets from its group (docs/architecture.md, "Where
+/// a new piece goes"). <ddp/process_group.hpp> includes it.
+
+#include <chrono>
+#include <cstdint>
+
+#include <ddp/version.hpp>
+#include <ddp/clock.hpp>
+#include <ddp/group/process_group.hpp>
+#include <ddp/group/verdict.hpp>
+#include <ddp/store.hpp>
+
+namespace ddp {
+inline namespace v0 {
+
+/// What a transport gets from its group, instead of the group's plumbing: rank, size, timeout,
+/// the group's id, a channel of its own, the group's store and failure verdict, and a handle
+/// that keeps the group open for as long as the transport lives. Built from a `process_group`
+/// (implicitly, so `ddp::tcp t{pg}` and `ddp::shm s{pg}` read as they always did); a transport
+/// opens its connections with it (`detail::open_links(ctx, prefix, bufsize)`).
+///
+/// Building one takes the group's next channel: every rank must build its transports in the
+/// same order (as it must build them at all: their construction is collective).
+/// \code
+/// class my_transport {
+///  public:
+///   explicit my_transport(ddp::transport_context ctx) : ctx_(std::move(ctx)) {}
+///   ...
+/// };
+/// \endcode
+class transport_context {
+ public:
+  /// errc::usage on an empty handle or in a forked child.
+  transport_context(process_group& pg)  // NOLINT(google-explicit-constructor): a group is a context
+      : pg_(pg) {
+    auto& g = pg_.live("transport_context");
+    channel_ = g.next_channel++;
+    verdict_ = &g.verdict;
+  }
+
+  int rank() const noexcept { return pg_.rank(); }
+  int size() const noexcept { return pg_.size(); }
+  std::chrono::milliseconds timeout() const noexcept { return pg_.timeout(); }
+  deadline_t deadline() const { return pg_.deadline(); }
+  /// The group's id, agreed at rendezvous (distinguishes this group's connections).
+  std::uint64_t group_id() const noexcept { return pg_.id(); }
+  /// This transport's channel: a number unique in the group, the same on every rank. It names
+  /// the transport's keys in the store and its shared segments.
+  int channel() const noexcept { return channel_; }
+  /// The transport's own handle on the group (collectives during setup: all_gather, barrier).
+  process_group& group() noexcept { return pg_; }
+  /// The group's store (hosted by rank 0): where a transport's ranks announce addresses.
+  store_client& store() { return pg_.store(); }
+  /// The group's failure verdict: record a failure, read the first one, judge a failed link.
+  failure_verdict& verdict() noexcept { return *verdict_; }
+
+ private:
+  process_group pg_;
+  int channel_ = 0;
+  failure_verdict* verdict_ = nullptr;  // the group's; lives as long as pg_ does
+};
+
+}  // namespace v0
+}  // namespace ddp
