@@ -40,7 +40,7 @@ inline constexpr std::chrono::milliseconds stopped_poll = 20ms;
 /// one to withdraw it, only for waits this long.
 inline constexpr std::chrono::milliseconds shm_note_waiting = 1000ms;
 
-// ---- Closing the group (group/detail/group_state.hpp) -----------------------------------------------
+// ---- Closing the group (group/detail/group_state.hpp) ------------------------------------
 
 /// Cap of rank 0's wait for the others to leave its store when the group failed (min with
 /// timeout / 4): long enough for the peers to read the posted reason, short enough that a
