@@ -46,6 +46,7 @@
 /// wrapping sum divided once, truncating toward zero.
 
 #include <ddp/dtype.hpp>
+#include <ddp/detail/collective.hpp>
 #include <ddp/detail/copy.hpp>
 #include <ddp/detail/parallel.hpp>
 #include <ddp/error.hpp>
@@ -705,15 +706,7 @@ inline void combine_any(Out const* outs, int nouts, In const* ins, int nins, std
 
 // ---- argument checks: a bad dtype, op or world is errc::invalid_argument, never UB ----------
 
-inline void check_op(op o) {
-  if (static_cast<unsigned>(o) > static_cast<unsigned>(op::prod))
-    raise(errc::invalid_argument, -1, "unknown op " + std::to_string(static_cast<int>(o)) + " in a reduction kernel");
-}
-inline void check_dtype(dtype t) {
-  if (dtype_size(t) == 0)
-    raise(errc::invalid_argument, -1,
-          "unknown dtype " + std::to_string(static_cast<int>(t)) + " in a reduction kernel");
-}
+// The dtype and op checks are collective.hpp's (check_dtype, check_op), shared by every reducer.
 inline void check_world(int world) {
   if (world < 1) raise(errc::invalid_argument, -1, "avg over a world of " + std::to_string(world) + " ranks");
 }
@@ -747,7 +740,7 @@ inline void dispatch(dtype t, F&& f) {
       f(std::int64_t{});
       return;
   }
-  check_dtype(t);
+  detail::check_dtype(t, -1, "reduction kernel");
 }
 
 }  // namespace kern
@@ -755,7 +748,7 @@ inline void dispatch(dtype t, F&& f) {
 /// Size of one element of `t`; an unknown dtype is `errc::invalid_argument` (where
 /// `dtype_size` would answer 0 and a caller dividing by it would trap).
 inline std::size_t checked_size(dtype t) {
-  kern::check_dtype(t);
+  check_dtype(t, -1, "reduction kernel");
   return dtype_size(t);
 }
 
@@ -770,7 +763,7 @@ constexpr bool avg_scales(dtype t) noexcept {
 /// alignment needed. An unknown `o` is `errc::invalid_argument`.
 template <element T>
 inline void reduce_into(T* dst, const T* src, std::size_t n, op o) {
-  kern::check_op(o);
+  check_op(o, -1, "reduction kernel");
   switch (o) {
     case op::sum:
     case op::avg:
@@ -800,7 +793,7 @@ inline void reduce_into(T* dst, const T* src, std::size_t n, op o) {
 /// that scales it). An unknown `o` or an invalid `a` is `errc::invalid_argument`.
 template <element T>
 inline void combine(T* const* outs, int nouts, const T* const* ins, int nins, std::size_t n, op o, avg_step a = {}) {
-  kern::check_op(o);
+  check_op(o, -1, "reduction kernel");
   kern::check_avg(o, a, nins);
   kern::combine_any<T>(outs, nouts, ins, nins, n, o, a);
 }
@@ -831,8 +824,8 @@ inline void avg_finish(T* p, std::size_t n, int world) {
 
 /// Type-erased `reduce_into`: `dst` and `src` hold `n` elements of `t`.
 inline void reduce_into(void* dst, const void* src, std::size_t n, dtype t, op o) {
-  kern::check_dtype(t);
-  kern::check_op(o);
+  check_dtype(t, -1, "reduction kernel");
+  check_op(o, -1, "reduction kernel");
   kern::dispatch(t, [&](auto tag) {
     using T = decltype(tag);
     reduce_into(static_cast<T*>(dst), static_cast<const T*>(src), n, o);
@@ -844,8 +837,8 @@ inline void reduce_into(void* dst, const void* src, std::size_t n, dtype t, op o
 /// bits do not depend on how it was split.
 inline void combine(void* const* outs, int nouts, const void* const* ins, int nins, std::size_t n, dtype t, op o,
                     avg_step a = {}) {
-  kern::check_dtype(t);
-  kern::check_op(o);
+  check_dtype(t, -1, "reduction kernel");
+  check_op(o, -1, "reduction kernel");
   kern::check_avg(o, a, nins);
   const auto par = parallel_hook().load(std::memory_order_relaxed);
   const std::size_t es = dtype_size(t);
@@ -879,7 +872,7 @@ inline void combine(void* const* outs, int nouts, const void* const* ins, int ni
 
 /// Type-erased `avg_prescale`.
 inline void avg_prescale(void* dst, const void* src, std::size_t n, dtype t, int world) {
-  kern::check_dtype(t);
+  check_dtype(t, -1, "reduction kernel");
   kern::dispatch(t, [&](auto tag) {
     using T = decltype(tag);
     avg_prescale(static_cast<T*>(dst), static_cast<const T*>(src), n, world);
@@ -888,7 +881,7 @@ inline void avg_prescale(void* dst, const void* src, std::size_t n, dtype t, int
 
 /// Type-erased `avg_finish`.
 inline void avg_finish(void* p, std::size_t n, dtype t, int world) {
-  kern::check_dtype(t);
+  check_dtype(t, -1, "reduction kernel");
   kern::dispatch(t, [&](auto tag) {
     using T = decltype(tag);
     avg_finish(static_cast<T*>(p), n, world);
