@@ -1,5 +1,5 @@
 // Joining at scale: N simulated ranks run the store half of joining a group
-// (ddp::detail::join_store, include/ddp/detail/rendezvous.hpp) against one real store_server, each
+// (ddp::detail::join_store, include/ddp/group/detail/rendezvous.hpp) against one real store_server, each
 // over its own real store_client socket, and we time it.
 //
 //   store_scale [--ranks 1024,4096,16384] [--procs 8] [--reps 3] [--timeout-ms 120000]
@@ -20,7 +20,7 @@
 // Every process raises RLIMIT_NOFILE's soft limit to its hard limit; rank 0 needs N + slack
 // descriptors, so an N the hard limit cannot hold is skipped with a line on stderr.
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
-#include <ddp/detail/rendezvous.hpp>
+#include <ddp/group/detail/rendezvous.hpp>
 #include <ddp/store.hpp>
 
 #include <dirent.h>

@@ -208,7 +208,7 @@ int main(int argc, char** argv) {
   for (int r = 0; r < n; ++r) {
     int p[2];
     if (::pipe2(p, O_CLOEXEC) != 0) { std::perror("ddprun: pipe"); return 2; }
-    // The rank's end of the launcher's note (DDP_LAUNCHER_FD, ddp/detail/launcher.hpp): before
+    // The rank's end of the launcher's note (DDP_LAUNCHER_FD, ddp/group/detail/launcher.hpp): before
     // ending the ranks of this host because one failed, ddprun tells them which, so that the
     // group's failure names it and the other hosts do not blame the ranks ended here.
     int sv[2] = {-1, -1};

@@ -4,7 +4,7 @@
 /// (and a blob of the caller's: optimizer state, step) on rank 0, atomically;
 /// `ddp::load_checkpoint` reads them on rank 0 and hands them to every rank, so the ranks'
 /// hosts need not share a file system. Both are collective, and a failure on any rank is an
-/// error on every rank. The file format is in ddp/detail/checkpoint.hpp; see
+/// error on every rank. The file format is in ddp/data_parallel/detail/checkpoint.hpp; see
 /// docs/training-loop.md.
 ///
 /// \code
@@ -31,7 +31,7 @@
 #include <ddp/version.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/bytes.hpp>
-#include <ddp/detail/checkpoint.hpp>
+#include <ddp/data_parallel/detail/checkpoint.hpp>
 #include <ddp/detail/consensus.hpp>
 #include <ddp/detail/fd.hpp>
 #include <ddp/detail/output_file.hpp>

@@ -38,9 +38,9 @@
 #include <ddp/clock.hpp>
 #include <ddp/auth.hpp>
 #include <ddp/detail/fork.hpp>
-#include <ddp/detail/handshake.hpp>
+#include <ddp/group/detail/handshake.hpp>
 #include <ddp/detail/socket.hpp>
-#include <ddp/detail/store_protocol.hpp>
+#include <ddp/group/detail/store_protocol.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/endpoint.hpp>
 #include <ddp/error.hpp>

@@ -13,7 +13,7 @@
 // right tags from wrong ones, which is all the state machine needs; it is no cryptography.
 
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
-#include <ddp/detail/handshake.hpp>
+#include <ddp/group/detail/handshake.hpp>
 
 #include <algorithm>
 #include <array>

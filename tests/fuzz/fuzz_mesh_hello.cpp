@@ -10,9 +10,9 @@
 // Input: a mode byte (bit 0: the stranger stays connected), then the stranger's bytes.
 
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
-#include <ddp/detail/mesh.hpp>
+#include <ddp/group/detail/mesh.hpp>
 #include <ddp/store.hpp>
-#include <ddp/detail/rendezvous.hpp>
+#include <ddp/group/detail/rendezvous.hpp>
 
 #include <cstring>
 #include <thread>

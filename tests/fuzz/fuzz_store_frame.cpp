@@ -7,7 +7,7 @@
 // Input: one byte that chooses how the rest is cut into reads, then the stream.
 
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
-#include <ddp/detail/store_protocol.hpp>
+#include <ddp/group/detail/store_protocol.hpp>
 
 #include <vector>
 

@@ -15,14 +15,14 @@ import struct
 
 HERE = pathlib.Path(__file__).resolve().parent
 
-# include/ddp/detail/store_protocol.hpp
+# include/ddp/group/detail/store_protocol.hpp
 SET, GET, ADD, CAS, DEL, CHECK, WAIT = range(1, 8)
 OK, TIMEOUT, BAD_REQUEST, AUTH_REQUIRED, FULL, TOO_LARGE, FORBIDDEN = range(7)
 MAX_FRAME = 64 << 20
-# include/ddp/detail/mesh.hpp and tests/fuzz/fuzz_mesh_hello.cpp
+# include/ddp/group/detail/mesh.hpp and tests/fuzz/fuzz_mesh_hello.cpp
 MESH_MAGIC = 0x30504444
 GROUP = 0x6A0B5E11F00D
-# include/ddp/detail/handshake.hpp
+# include/ddp/group/detail/handshake.hpp
 AUTH_MAGIC = 0x41504444
 AUTH_STORE, AUTH_MESH = 1, 2
 # include/ddp/detail/collective.hpp and include/ddp/dtype.hpp

@@ -1,4 +1,4 @@
-// Connections made on first use (detail/mesh.hpp, peer_links) under the timings that broke them
+// Connections made on first use (group/detail/mesh.hpp, peer_links) under the timings that broke them
 // once: threads sharing the group's store connection, a fork while threads wait for a link, an
 // abort while a first contact is in flight, a peer that dies after promising its connection, and
 // a rank that dies between its claim and its count while joining.

@@ -8,7 +8,7 @@
 // the first case fails there.
 #include <ddp/store.hpp>
 #ifndef DDP_TEST_OLD_RENDEZVOUS
-#include <ddp/detail/rendezvous.hpp>
+#include <ddp/group/detail/rendezvous.hpp>
 #endif
 
 #include <doctest/doctest.h>

@@ -1,6 +1,6 @@
 #include <ddp/auth/sodium.hpp>
 
-#include <ddp/detail/handshake.hpp>
+#include <ddp/group/detail/handshake.hpp>
 
 #include <doctest/doctest.h>
 

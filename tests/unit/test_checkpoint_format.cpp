@@ -1,4 +1,4 @@
-// The checkpoint file format (ddp/detail/checkpoint.hpp): the checksum, the header and table
+// The checkpoint file format (ddp/data_parallel/detail/checkpoint.hpp): the checksum, the header and table
 // codecs, and a decoder that refuses every malformed input without reading out of bounds.
 #include <ddp/checkpoint.hpp>
 

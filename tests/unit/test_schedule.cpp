@@ -1,5 +1,5 @@
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
-#include <ddp/detail/schedule.hpp>
+#include <ddp/reducer/detail/schedule.hpp>
 
 #include <ddp/detail/kernels.hpp>
 

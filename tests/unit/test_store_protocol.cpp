@@ -1,7 +1,7 @@
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
-#include <ddp/detail/store_protocol.hpp>
+#include <ddp/group/detail/store_protocol.hpp>
 #include <ddp/detail/bytes.hpp>
-#include <ddp/detail/handshake.hpp>
+#include <ddp/group/detail/handshake.hpp>
 
 #include <doctest/doctest.h>
 

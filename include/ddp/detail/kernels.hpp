@@ -6,7 +6,7 @@
 /// host allreduce, and the scaling of `op::avg` (see "Averages" below).
 ///
 /// The kernels are single-threaded and pure: callers split work between threads or ranks with
-/// `partition` (detail/schedule.hpp). They are written with GNU vector extensions rather than
+/// `partition` (reducer/detail/schedule.hpp). They are written with GNU vector extensions rather than
 /// left to the auto-vectorizer, because gcc's -O2 cost model ("very cheap") refuses loops that
 /// need run-time alias checks, and these loops always would. Vectors are one register wide:
 /// 32 bytes under -mavx, 16 bytes (SSE2) on the x86-64 baseline.
@@ -19,7 +19,7 @@
 ///   otherwise `a`; so a NaN on either side yields a NaN, whatever the order in which ranks are
 ///   combined (a collective would otherwise report NaN or not depending on which rank held it).
 ///   For -0.0 against +0.0 the left operand `a` is kept, so the result depends on the operand
-///   order; schedules fix that order (see detail/schedule.hpp).
+///   order; schedules fix that order (see reducer/detail/schedule.hpp).
 /// - Every NaN an arithmetic kernel produces (op or avg) is the canonical positive quiet NaN
 ///   (0x7fc00000, 0x7ff8000000000000; 0x7e00 in f16, 0x7fc0 in bf16), so that NaN results are
 ///   bit-identical however operands were ordered and whichever conversion path was compiled.

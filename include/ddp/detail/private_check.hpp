@@ -1,5 +1,5 @@
 // IWYU pragma: private
-// The first line of every header under ddp/detail/ and ddp/reducer/detail/ includes this check
+// The first line of every header under a detail/ folder (ddp/detail/, ddp/X/detail/) includes this check
 // (Eigen's InternalHeaderCheck.h idea): a private header included without a public header of
 // ddp before it is a mistake, answered with one line that says what to include. Every public
 // header includes <ddp/version.hpp> first, which defines DDP_PUBLIC_HEADER_INCLUDED. A test or

@@ -49,7 +49,7 @@ inline constexpr std::chrono::milliseconds close_failing_wait = 500ms;
 /// Between two looks at the store's client count while rank 0 waits for the others to leave.
 inline constexpr std::chrono::milliseconds close_poll = 2ms;
 
-// ---- Connections between ranks (detail/mesh.hpp, detail/socket.hpp) ---------------------
+// ---- Connections between ranks (group/detail/mesh.hpp, detail/socket.hpp) ---------------------
 
 /// First pause before connecting again (to the store, or to a peer whose listener dropped an
 /// attempt), doubled each time up to connect_backoff_max: a listener that is about to start is
@@ -85,7 +85,7 @@ inline constexpr std::chrono::milliseconds acceptor_fd_rest = 20ms;
 /// must not overflow it; a loop that polls checks the deadline again when poll returns 0.
 inline constexpr std::int64_t poll_cap_ms = 1'000'000;
 
-// ---- Joining (detail/rendezvous.hpp) -------------------------------------------------------
+// ---- Joining (group/detail/rendezvous.hpp) -------------------------------------------------------
 
 /// A wait of a millisecond: the store answers at once with the keys still missing.
 inline constexpr std::chrono::milliseconds missing_ranks_wait = 1ms;

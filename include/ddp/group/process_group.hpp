@@ -24,9 +24,9 @@
 #include <ddp/auth.hpp>
 #include <ddp/detail/bytes.hpp>
 #include <ddp/detail/kernels.hpp>
-#include <ddp/detail/launcher.hpp>
-#include <ddp/detail/mesh.hpp>
-#include <ddp/detail/rendezvous.hpp>
+#include <ddp/group/detail/launcher.hpp>
+#include <ddp/group/detail/mesh.hpp>
+#include <ddp/group/detail/rendezvous.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>

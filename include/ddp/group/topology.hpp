@@ -10,22 +10,58 @@
 /// std::printf("%s; my host's ranks: %zu\n", topo.describe().c_str(), topo.ranks_on(topo.host_of(pg.rank())).size());
 /// \endcode
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <fstream>
 #include <concepts>
 #include <map>
 #include <string>
 #include <vector>
 
 #include <ddp/version.hpp>
-#include <ddp/detail/shm_segment.hpp>
 
 namespace ddp {
 inline namespace v0 {
 
-/// This process's host identity: `DDP_HOST_ID` when set (containers or tests that want to say
-/// which ranks form a host), else the host name, boot id, network namespace and /dev/shm's
-/// device. Ranks with equal identities are on one host; `ddp::shm` compares the same identity.
-inline std::string host_identity() { return detail::shm_host_identity(); }
+namespace detail {
+/// The first line of the file at `path` (empty when it cannot be read).
+inline std::string read_first_line(const char* path) {
+  std::ifstream f(path);
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+}  // namespace detail
+
+/// This process's host identity, "the same host": host name, boot id (a rebooted or different machine with the
+/// same name differs), network namespace, and the device of /dev/shm (containers on one machine
+/// see different /dev/shm). Ranks with the same identity can share a segment; ranks in
+/// different network namespaces count as different hosts even where they could share memory
+/// (`ip netns exec` gives each process a mount namespace of its own but the same /dev/shm, and
+/// what a group on one host expects is one network). `DDP_HOST_ID`, when set, replaces all of
+/// it (containers that share memory but not a host name, or tests that say which ranks form a
+/// host): the hosts `ddp::topology` finds and the segments `ddp::shm` agrees to share are then
+/// the same ones.
+inline std::string host_identity() {
+  if (const char* v = std::getenv("DDP_HOST_ID"); v != nullptr && *v != '\0') {
+    std::string id = std::string("id ") + v;
+    std::replace(id.begin(), id.end(), '\n', ' ');  // identities travel one per line
+    return id;
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  char ns[128] = {};
+  const ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof ns - 1);
+  struct stat st {};
+  const bool shm_dev = ::stat("/dev/shm", &st) == 0;
+  return std::string(host) + " boot " + detail::read_first_line("/proc/sys/kernel/random/boot_id") + " " +
+         (n > 0 ? std::string(ns, static_cast<std::size_t>(n)) : std::string("net:?")) + " shm " +
+         (shm_dev ? std::to_string(static_cast<unsigned long long>(st.st_dev)) : std::string("?"));
+}
 
 /// Ranks grouped by host. Hosts are numbered by their lowest rank (host 0 holds rank 0), and
 /// each host's ranks are listed in ascending order; a host's *leader* is its lowest rank.

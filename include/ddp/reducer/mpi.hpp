@@ -39,7 +39,7 @@
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/detail/kernels.hpp>
-#include <ddp/detail/mpi_check.hpp>
+#include <ddp/reducer/detail/mpi_check.hpp>
 #include <ddp/reducer/detail/front_end.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>

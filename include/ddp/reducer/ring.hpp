@@ -4,7 +4,7 @@
 /// recursive doubling (small messages) and halving-doubling (large), over a point-to-point
 /// transport such as `ddp::tcp`. See docs/reducers.md. Both live here because the tree reuses
 /// the ring's reduce-scatter, allgather, broadcast and barrier; <ddp/reducer/tree.hpp> includes
-/// this header. The step schedules are the pure functions of detail/schedule.hpp; this file only
+/// this header. The step schedules are the pure functions of reducer/detail/schedule.hpp; this file only
 /// moves bytes and reduces them. Every message carries the collective's 32-byte descriptor,
 /// checked before its payload is used. What the algorithms call on the transport is exactly
 /// `ddp::transport` (transport/concept.hpp); `detail::p2p_engine` at the end is the engine
@@ -31,7 +31,7 @@
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/copy.hpp>
 #include <ddp/detail/kernels.hpp>
-#include <ddp/detail/schedule.hpp>
+#include <ddp/reducer/detail/schedule.hpp>
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/basic_reducer.hpp>

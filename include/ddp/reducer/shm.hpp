@@ -44,15 +44,16 @@
 #include <ddp/detail/consensus.hpp>
 #include <ddp/detail/first_failure.hpp>
 #include <ddp/detail/fork.hpp>
-#include <ddp/detail/futex.hpp>
+#include <ddp/reducer/detail/futex.hpp>
 #include <ddp/detail/kernels.hpp>
 #include <ddp/detail/random.hpp>
-#include <ddp/detail/schedule.hpp>
-#include <ddp/detail/shm_segment.hpp>
+#include <ddp/reducer/detail/schedule.hpp>
+#include <ddp/reducer/detail/shm_segment.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/topology.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/basic_reducer.hpp>
 #include <ddp/reducer/detail/front_end.hpp>
@@ -143,7 +144,7 @@ class shm {
     std::string bad;
     if (opts_.slot_bytes < 4096) bad = "shm_options::slot_bytes must be at least 4096";
     if (opts_.spin < 0) bad = "shm_options::spin must not be negative";
-    const std::string host = opts_.host_id.empty() ? detail::shm_host_identity() : opts_.host_id;
+    const std::string host = opts_.host_id.empty() ? host_identity() : opts_.host_id;
     // Each rank's draw of the segment name's random part leads its entry (16 hex digits); the
     // segment's rank 0's is used. It travels over the group's connections, never through the
     // store, so no other local user can know the name before the segment exists and create it

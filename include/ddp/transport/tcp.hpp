@@ -27,8 +27,8 @@
 #include <ddp/version.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/fork.hpp>
-#include <ddp/detail/mesh.hpp>
-#include <ddp/detail/rendezvous.hpp>
+#include <ddp/group/detail/mesh.hpp>
+#include <ddp/group/detail/rendezvous.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/verdict.hpp>

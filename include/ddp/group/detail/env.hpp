@@ -18,7 +18,7 @@
 #include <system_error>
 #include <utility>
 
-#include <ddp/detail/slurm.hpp>
+#include <ddp/group/detail/slurm.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/backend.hpp>
 

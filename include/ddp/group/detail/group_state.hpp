@@ -17,8 +17,8 @@
 
 #include <ddp/clock.hpp>
 #include <ddp/detail/fork.hpp>
-#include <ddp/detail/launcher.hpp>
-#include <ddp/detail/mesh.hpp>
+#include <ddp/group/detail/launcher.hpp>
+#include <ddp/group/detail/mesh.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/init_options.hpp>
@@ -106,7 +106,7 @@ struct group_state {
   std::unique_ptr<store_client> store;
   failure_verdict verdict;  // kept in store; detached before it closes
   std::unique_ptr<peer_links> links;
-  std::unique_ptr<launcher_watch> launcher;  // DDP_LAUNCHER_FD: the launcher's note (detail/launcher.hpp)
+  std::unique_ptr<launcher_watch> launcher;  // DDP_LAUNCHER_FD: the launcher's note (group/detail/launcher.hpp)
   owner_process owner;                       // the process that joined: a forked child's copy only closes
 };
 

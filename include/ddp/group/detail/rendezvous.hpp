@@ -30,10 +30,10 @@
 #include <vector>
 
 #include <ddp/error.hpp>
-#include <ddp/detail/mesh.hpp>
+#include <ddp/group/detail/mesh.hpp>
 #include <ddp/detail/random.hpp>
 #include <ddp/detail/socket.hpp>
-#include <ddp/detail/store_protocol.hpp>
+#include <ddp/group/detail/store_protocol.hpp>
 #include <ddp/detail/timing.hpp>
 
 namespace ddp {

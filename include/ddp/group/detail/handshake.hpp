@@ -29,7 +29,7 @@
 #include <ddp/error.hpp>
 #include <ddp/detail/bytes.hpp>
 #include <ddp/detail/socket.hpp>
-#include <ddp/detail/store_protocol.hpp>
+#include <ddp/group/detail/store_protocol.hpp>
 
 namespace ddp {
 inline namespace v0 {

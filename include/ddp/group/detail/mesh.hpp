@@ -41,7 +41,7 @@
 #include <ddp/auth.hpp>
 #include <ddp/error.hpp>
 #include <ddp/detail/fork.hpp>
-#include <ddp/detail/handshake.hpp>
+#include <ddp/group/detail/handshake.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/timing.hpp>
 

@@ -1,7 +1,7 @@
 #pragma once
 #include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
-/// \file detail/schedule.hpp
+/// \file reducer/detail/schedule.hpp
 /// Pure collective schedules: who sends which piece to whom, at which step. No sockets here;
 /// the reducers walk these plans over a transport, and the unit tests walk them in memory.
 ///

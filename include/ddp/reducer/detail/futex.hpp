@@ -1,7 +1,7 @@
 #pragma once
 #include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
-/// \file detail/futex.hpp
+/// \file reducer/detail/futex.hpp
 /// Cross-process futex wait and wake on a 32-bit word in shared memory, and the CPU's spin hint.
 ///
 /// The words live in a MAP_SHARED segment mapped by several processes, so the calls must use the

@@ -1,7 +1,7 @@
 #pragma once
 #include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
-/// \file detail/mpi_check.hpp
+/// \file reducer/detail/mpi_check.hpp
 /// Conversion of MPI error codes into `ddp::error`. Only meaningful on communicators whose error
 /// handler is `MPI_ERRORS_RETURN` (the default, `MPI_ERRORS_ARE_FATAL`, aborts the job before a
 /// code is ever returned); `mpi_reducer` sets it on the communicator it duplicates.

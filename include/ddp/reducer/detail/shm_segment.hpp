@@ -1,10 +1,10 @@
 #pragma once
 #include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
-/// \file detail/shm_segment.hpp
+/// \file reducer/detail/shm_segment.hpp
 /// The pieces under `ddp::shm`: a POSIX shared-memory mapping, the layout of the segment
 /// (header, per-rank control blocks, staging slots, arena), the per-rank arena heap, and the
-/// host and process checks.
+/// process check (the host check is `ddp::host_identity`, group/topology.hpp).
 ///
 /// Segment layout (offsets are page aligned where the kernels stream through memory):
 /// ```
@@ -32,7 +32,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <iterator>
 #include <map>
 #include <mutex>
@@ -403,39 +402,6 @@ class arena_heap {
   std::size_t capacity_ = 0;
   std::size_t used_ = 0;
 };
-
-inline std::string read_first_line(const char* path) {
-  std::ifstream f(path);
-  std::string s;
-  std::getline(f, s);
-  return s;
-}
-
-/// Identity of "the same host": host name, boot id (a rebooted or different machine with the
-/// same name differs), network namespace, and the device of /dev/shm (containers on one machine
-/// see different /dev/shm). Ranks with the same identity can share a segment; ranks in
-/// different network namespaces count as different hosts even where they could share memory
-/// (`ip netns exec` gives each process a mount namespace of its own but the same /dev/shm, and
-/// what a group on one host expects is one network). `DDP_HOST_ID`, when set, replaces all of
-/// it (containers that share memory but not a host name, or tests that say which ranks form a
-/// host): the hosts `ddp::topology` finds and the segments `ddp::shm` agrees to share are then
-/// the same ones.
-inline std::string shm_host_identity() {
-  if (const char* v = std::getenv("DDP_HOST_ID"); v != nullptr && *v != '\0') {
-    std::string id = std::string("id ") + v;
-    std::replace(id.begin(), id.end(), '\n', ' ');  // identities travel one per line
-    return id;
-  }
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  char ns[128] = {};
-  const ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof ns - 1);
-  struct stat st {};
-  const bool shm_dev = ::stat("/dev/shm", &st) == 0;
-  return std::string(host) + " boot " + read_first_line("/proc/sys/kernel/random/boot_id") + " " +
-         (n > 0 ? std::string(ns, static_cast<std::size_t>(n)) : std::string("net:?")) + " shm " +
-         (shm_dev ? std::to_string(static_cast<unsigned long long>(st.st_dev)) : std::string("?"));
-}
 
 /// False once `pid` has exited. A zombie (exited, not yet reaped by its parent) counts as gone:
 /// kill(pid, 0) still succeeds on it.
