@@ -11,9 +11,7 @@ using namespace std::chrono_literals;
 using namespace ddp_test;
 
 namespace {
-ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 30s) {
-  return ddp_test::group_options(rank, n, port, timeout);
-}
+constexpr ddp_test::local_group opts{30s};
 
 template <class Reducer>
 void correctness_suite(int n) {
