@@ -394,15 +394,6 @@ TEST_CASE("faults: a rank lost while the shm segment is set up leaves no segment
 
 namespace {
 
-ddp::init_options blame_opts(int r, int n, int port, std::chrono::milliseconds timeout) {
-  ddp::init_options o;
-  o.rank = r;
-  o.world_size = n;
-  o.master_port = port;
-  o.timeout = timeout;
-  return o;
-}
-
 // The sentence from "rank 2 stopped" on, trailing whitespace dropped: the same on every rank
 // that reports the same failure.
 std::string verdict(const std::string& what) {
@@ -423,7 +414,7 @@ TEST_CASE("faults: a rank that is only waiting for the stopped rank is not blame
   const int port = ddp_test::free_port();
   const auto timeout = 4000ms;
   auto outs = ddp_test::run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(blame_opts(r, 3, port, timeout));
+    auto pg = ddp::init_process_group(ddp_test::group_options(r, 3, port, timeout));
     ddp::tcp t{pg};
     pg.barrier();
     char c = 0;
@@ -453,7 +444,7 @@ TEST_CASE("faults: a failure on a transport is what peers in a group call report
   const int port = ddp_test::free_port();
   const auto timeout = 3000ms;
   auto outs = ddp_test::run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(blame_opts(r, 3, port, timeout));
+    auto pg = ddp::init_process_group(ddp_test::group_options(r, 3, port, timeout));
     ddp::tcp t{pg};
     pg.barrier();
     char c = 0;
@@ -484,7 +475,7 @@ TEST_CASE("faults: a peer that never connected is not blamed when rank 0 is gone
     CAPTURE(store_gone);
     const int port = ddp_test::free_port();
     auto outs = ddp_test::run_ranks(3, [&](int r) {
-      auto pg = ddp::init_process_group(blame_opts(r, 3, port, 3000ms));
+      auto pg = ddp::init_process_group(ddp_test::group_options(r, 3, port, 3000ms));
       pg.barrier();
       if (r == 0 && store_gone) ::_exit(0);  // gone, store and all
       if (r == 2 && !store_gone) pg.abort("rank 2 gave up");
@@ -521,7 +512,7 @@ TEST_CASE("faults: a peer that never connected is not blamed when rank 0 is gone
 TEST_CASE("faults: ranks waiting for a peer to connect stop when the group failed") {
   const int port = ddp_test::free_port();
   auto outs = ddp_test::run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(blame_opts(r, 3, port, 6000ms));
+    auto pg = ddp::init_process_group(ddp_test::group_options(r, 3, port, 6000ms));
     pg.barrier();
     if (r == 2) {
       std::this_thread::sleep_for(500ms);
@@ -570,7 +561,7 @@ TEST_CASE("faults: hierarchical with rank 0 killed: every survivor names rank 0"
     const auto timeout = 3000ms;
     auto outs = ddp_test::run_ranks(4, [&](int r) {
       ddp_test::on_host(hosts, r);
-      auto pg = ddp::init_process_group(blame_opts(r, 4, port, timeout));
+      auto pg = ddp::init_process_group(ddp_test::group_options(r, 4, port, timeout));
       ddp::auto_reducer red{pg};
       require(red.chosen() == ddp::backend::hierarchical, "not the hierarchical reducer: " + red.describe());
       std::vector<float> v(1 << 16, 1.0f);
@@ -604,7 +595,7 @@ TEST_CASE("faults: a hook that throws over auto_reducer is quoted by every survi
     const int port = ddp_test::free_port();
     auto outs = ddp_test::run_ranks(n, [&](int r) {
       ddp_test::on_host(hosts, r);
-      auto pg = ddp::init_process_group(blame_opts(r, n, port, 3000ms));
+      auto pg = ddp::init_process_group(ddp_test::group_options(r, n, port, 3000ms));
       ddp::hooked<ddp::auto_reducer, throwing_hook> red{pg, throwing_hook{victim}};
       std::vector<float> v(1 << 14, 1.0f);
       for (;;) red.allreduce(std::span<float>{v}, ddp::op::avg);

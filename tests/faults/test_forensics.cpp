@@ -33,6 +33,7 @@
 
 using namespace std::chrono_literals;
 using namespace ddp::literals;
+using ddp_test::require;
 
 namespace {
 
@@ -66,10 +67,6 @@ std::string forensics(const std::string& args, int& status) {
   const int st = ::pclose(p);
   status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   return out;
-}
-
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
 }
 
 // Waits up to `limit` for `path` to exist.

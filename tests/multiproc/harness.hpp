@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <ddp/error.hpp>
@@ -48,15 +49,36 @@ inline long env_long(const char* name, long dflt) {
   return v != nullptr && *v != '\0' ? std::strtol(v, nullptr, 10) : dflt;
 }
 
-/// Options for rank `rank` of a group of `n` on localhost:`port`.
-inline ddp::init_options group_options(int rank, int n, int port, std::chrono::milliseconds timeout) {
+/// Options for rank `rank` of a group of `n` on localhost:`port`, asking for backend `b`.
+inline ddp::init_options group_options(int rank, int n, int port, std::chrono::milliseconds timeout,
+                                       ddp::backend b = ddp::backend::automatic) {
   ddp::init_options o;
   o.rank = rank;
   o.world_size = n;
   o.master_port = port;
   o.timeout = timeout;
+  o.backend = b;
   return o;
 }
+
+/// group_options with a suite's own default timeout, so that each call names only what differs:
+/// `constexpr ddp_test::local_group opts{20s};`, then `opts(r, n, port)`, `opts(r, n, port, 3s)`,
+/// `opts(r, n, port, 20s, ddp::backend::tcp)` or `opts(r, n, port, secret)`.
+struct local_group {
+  std::chrono::milliseconds timeout;
+
+  ddp::init_options operator()(int rank, int n, int port) const { return group_options(rank, n, port, timeout); }
+  ddp::init_options operator()(int rank, int n, int port, std::chrono::milliseconds t,
+                               ddp::backend b = ddp::backend::automatic) const {
+    return group_options(rank, n, port, t, b);
+  }
+  /// With the group's shared secret (docs/security.md).
+  ddp::init_options operator()(int rank, int n, int port, std::string auth_token) const {
+    auto o = group_options(rank, n, port, timeout);
+    o.auth_token = std::move(auth_token);
+    return o;
+  }
+};
 
 /// An ephemeral port that was free a moment ago (the kernel hands out a fresh one each call).
 inline int free_port() {

@@ -4,11 +4,7 @@
 
 #include <stdlib.h>
 
-#include <chrono>
-#include <stdexcept>
 #include <string>
-
-#include <ddp/process_group.hpp>
 
 #include "harness.hpp"
 
@@ -23,15 +19,5 @@ inline void on_host(const std::string& hosts, int r) {
   else
     ::setenv("DDP_HOST_ID", std::string(1, c).c_str(), 1);
 }
-
-/// Rank r of n on localhost:port, asking for backend `b`.
-inline ddp::init_options backend_options(int rank, int n, int port, std::chrono::milliseconds timeout,
-                                         ddp::backend b = ddp::backend::automatic) {
-  auto o = group_options(rank, n, port, timeout);
-  o.backend = b;
-  return o;
-}
-
-/// Throws `what` unless `cond` (a child's failure, reported to the parent by run_ranks).
 
 }  // namespace ddp_test

@@ -10,6 +10,7 @@
 #include <ddp/process_group.hpp>
 #include <ddp/request.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -168,6 +169,20 @@ void check_invalid_arguments(ddp::process_group& pg, Reducer& red) {
   // Nothing was sent: the next collective pairs up with the peers' next one.
   red.allreduce(std::span<float>(v), ddp::op::sum);
   for (float x : v) require(x == static_cast<float>(n), "allreduce after refused calls");
+}
+
+/// check_invalid_arguments on `n` ranks, on a Ring and then a Tree built on one group (options
+/// from `opts`); each rank's outcome.
+template <class Ring, class Tree>
+std::vector<outcome> run_invalid_arguments(const local_group& opts, int n) {
+  const int port = free_port();
+  return run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    Ring ring{pg};
+    Tree tree{pg};
+    check_invalid_arguments(pg, ring);
+    check_invalid_arguments(pg, tree);
+  }, std::chrono::seconds(60));
 }
 
 /// reduce_scatter and allgather refuse overlapping buffers (errc::invalid_argument naming the

@@ -27,16 +27,7 @@ const std::string secret = "0123456789abcdef-group-secret";
 // This program chooses libsodium's authenticator (including its header installs nothing).
 const bool sodium_chosen = (ddp::install_authenticator(&ddp::sodium_authenticator::make), true);
 
-ddp::init_options opts(int rank, int n, int port, std::string token, std::chrono::milliseconds timeout = 20s) {
-  ddp::init_options o;
-  o.rank = rank;
-  o.world_size = n;
-  o.master_addr = "127.0.0.1";
-  o.master_port = port;
-  o.timeout = timeout;
-  o.auth_token = std::move(token);
-  return o;
-}
+constexpr ddp_test::local_group opts{20s};
 using ddp_test::require;
 ddp::endpoint loopback_any_port() { return {"127.0.0.1", 0}; }
 auto soon(std::chrono::milliseconds d = 5s) { return detail::clock::now() + d; }

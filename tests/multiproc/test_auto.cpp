@@ -29,10 +29,7 @@ using ddp::op;
 
 namespace {
 
-ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 20s,
-                       ddp::backend b = ddp::backend::automatic) {
-  return ddp_test::backend_options(rank, n, port, timeout, b);
-}
+constexpr ddp_test::local_group opts{20s};
 
 bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
 

@@ -41,9 +41,7 @@ static_assert(!ddp::reducer<int>);
 
 namespace {
 
-ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 30s) {
-  return ddp_test::group_options(rank, n, port, timeout);
-}
+constexpr ddp_test::local_group opts{30s};
 
 // The gradient rank r produces for element j of parameter i in micro-step s: small multiples of
 // 1/8, exact in f32 and f64, so sums are exact and only the final division can round.

@@ -69,11 +69,7 @@ static_assert(!ddp::allocator_bound_to<ddp::shm_allocator, ddp::hooked<ring_tcp,
 static_assert(ddp::comm_hook<ddp::fp16_compress, ring_tcp>);
 static_assert(!ddp::comm_hook<int, ring_tcp>);
 
-ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 20s) {
-  auto o = group_options(rank, n, port, timeout);
-  o.backend = ddp::backend::automatic;
-  return o;
-}
+constexpr ddp_test::local_group opts{20s};
 
 // Builds the decorator over the reducer named `kind` and runs `body(red, pg)`.
 template <class Hook, class Body>

@@ -35,9 +35,7 @@ using namespace ddp_test;
 
 namespace {
 
-ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 20s) {
-  return ddp_test::group_options(rank, n, port, timeout);
-}
+constexpr ddp_test::local_group opts{20s};
 
 // Runs `call`, which must raise a ddp::error of condition `want` whose message contains `text`.
 template <class F>

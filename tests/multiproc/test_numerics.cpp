@@ -40,9 +40,7 @@ using ddp::op;
 
 namespace {
 
-ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 60s) {
-  return ddp_test::group_options(rank, n, port, timeout);
-}
+constexpr ddp_test::local_group opts{60s};
 
 std::uint64_t mix(std::uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;

@@ -37,15 +37,7 @@ using ddp_test::run_processes;
 using ddp_test::run_ranks;
 
 namespace {
-ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 20s) {
-  ddp::init_options o;
-  o.rank = rank;
-  o.world_size = n;
-  o.master_addr = "127.0.0.1";
-  o.master_port = port;
-  o.timeout = timeout;
-  return o;
-}
+constexpr ddp_test::local_group opts{20s};
 using ddp_test::require;
 }  // namespace
 

@@ -44,15 +44,7 @@ namespace {
 
 constexpr int sigbus_exit = 128 + SIGBUS;
 
-ddp::init_options opts(int rank, int n, int port) {
-  ddp::init_options o;
-  o.rank = rank;
-  o.world_size = n;
-  o.master_addr = "127.0.0.1";
-  o.master_port = port;
-  o.timeout = 20s;
-  return o;
-}
+constexpr ddp_test::local_group opts{20s};
 
 using ddp_test::require;
 

@@ -27,9 +27,7 @@ using namespace ddp_test;
 // and a waiter never polls a peer that runs on its own core.
 
 namespace {
-ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 30s) {
-  return ddp_test::group_options(rank, n, port, timeout);
-}
+constexpr ddp_test::local_group opts{30s};
 
 /// Context switches of every thread of this process but the calling one.
 long other_threads_switches() {

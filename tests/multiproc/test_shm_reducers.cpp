@@ -16,9 +16,7 @@ using namespace ddp_test;
 // same checks as the TCP reducers.
 
 namespace {
-ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 30s) {
-  return ddp_test::group_options(rank, n, port, timeout);
-}
+constexpr ddp_test::local_group opts{30s};
 template <class Reducer>
 void correctness_suite(int n) {
   const int port = free_port();
@@ -136,14 +134,7 @@ TEST_CASE("ring<shm> on some ranks, tree<shm> on others: mismatch naming both, a
 TEST_CASE("unknown dtype or op on ring<shm> and tree<shm>: invalid_argument at the call") {
   for (int n : {1, 3}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
-      ddp::ring<ddp::shm> ring{pg};
-      ddp::tree<ddp::shm> tree{pg};
-      check_invalid_arguments(pg, ring);
-      check_invalid_arguments(pg, tree);
-    }, 60s);
+    auto outs = run_invalid_arguments<ddp::ring<ddp::shm>, ddp::tree<ddp::shm>>(opts, n);
     INFO(summary(outs));
     CHECK(all_ok(outs));
   }

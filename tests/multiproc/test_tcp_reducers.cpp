@@ -11,9 +11,7 @@ using namespace std::chrono_literals;
 using namespace ddp_test;
 
 namespace {
-ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 30s) {
-  return ddp_test::group_options(rank, n, port, timeout);
-}
+constexpr ddp_test::local_group opts{30s};
 
 template <class Reducer>
 void correctness_suite(int n) {
@@ -251,14 +249,7 @@ TEST_CASE("every descriptor carries the algorithm and its variant; a difference 
 TEST_CASE("unknown dtype or op on ring<tcp> and tree<tcp>: invalid_argument at the call, never SIGFPE") {
   for (int n : {1, 2, 3}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
-      ddp::ring<ddp::tcp> ring{pg};
-      ddp::tree<ddp::tcp> tree{pg};
-      check_invalid_arguments(pg, ring);
-      check_invalid_arguments(pg, tree);
-    }, 60s);
+    auto outs = run_invalid_arguments<ddp::ring<ddp::tcp>, ddp::tree<ddp::tcp>>(opts, n);
     INFO(summary(outs));
     CHECK(all_ok(outs));
   }

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <fstream>
 #include <numeric>
 #include <random>
@@ -318,18 +317,12 @@ TEST_CASE("the fingerprint compares host or device, not the device index (one GP
   CHECK(p2.fingerprint() != p1.fingerprint());
 }
 
-TEST_CASE("real model shapes from DDP_PARAMS_DIR") {
-  const char* dir = std::getenv("DDP_PARAMS_DIR");
-  if (dir == nullptr) {
-    MESSAGE("DDP_PARAMS_DIR not set; skipping real-shape planning");
-    return;
-  }
+TEST_CASE("real model shapes from tests/data") {
   for (const std::string model : {"resnet50", "bert_base"}) {
-    std::ifstream in(std::string(dir) + "/" + model + ".params");
-    if (!in) {
-      MESSAGE(model << ".params not found; skipped");
-      continue;
-    }
+    const std::string path = std::string(DDP_TEST_DATA) + "/" + model + ".params";
+    std::ifstream in(path);
+    INFO(path);
+    REQUIRE(in);
     std::vector<ddp::param_info> ps;
     std::size_t model_bytes = 0;
     std::size_t max_param = 0;

@@ -34,7 +34,7 @@ void expect_error(F&& f, ddp::errc code, std::initializer_list<const char*> part
 // then averages element k of each rank's gradient memory as if it were the parameter's element
 // k, which holds only while every rank makes the same choice (a rank with the other order
 // averages transposed gradients, and construction cannot tell: the shapes are the parameter's).
-TEST_CASE("eigen review: a gradient in the other storage order is refused even where the memory shapes agree") {
+TEST_CASE("eigen: a gradient in the other storage order is refused even where the memory shapes agree") {
   using RowMajor3 = Eigen::Matrix<float, 3, 3, Eigen::RowMajor>;
   using RowMajorX = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   Eigen::Matrix3f W;
@@ -62,7 +62,7 @@ TEST_CASE("eigen review: a gradient in the other storage order is refused even w
 
 // Eigen's resize() to the size a matrix already has keeps its storage: no error; a resize that
 // reallocates is one, naming the parameter.
-TEST_CASE("eigen review: resize to the same size keeps the registration; another size is refused") {
+TEST_CASE("eigen: resize to the same size keeps the registration; another size is refused") {
   Eigen::MatrixXf W(4, 4), gW(4, 4);
   ddp::eigen_parameters p;
   p.add("w", W, gW);

@@ -1,4 +1,4 @@
-// Review of the topology-aware default (ddp::auto_reducer, ddp::hierarchical,
+// Edge cases of the topology-aware default (ddp::auto_reducer, ddp::hierarchical,
 // ddp::auto_allocator): the inputs, timings and call orders that its promises must survive.
 // Hosts are faked with DDP_HOST_ID (set in each forked rank), as in test_auto.cpp.
 #include <ddp/ddp.hpp>
@@ -40,10 +40,7 @@ using ddp::op;
 
 namespace {
 
-ddp::init_options opts(int rank, int n, int port, std::chrono::milliseconds timeout = 20s,
-                       ddp::backend b = ddp::backend::automatic) {
-  return ddp_test::backend_options(rank, n, port, timeout, b);
-}
+constexpr ddp_test::local_group opts{20s};
 
 /// Segments of the group in /dev/shm (their names start with /ddp-).
 int shm_segments() {
@@ -129,7 +126,7 @@ void every_collective(R& red, ddp::process_group& pg) {
 
 }  // namespace
 
-TEST_CASE("review: hosts of 2, 1, 1 ranks and interleaved hosts: every collective from every root") {
+TEST_CASE("auto: hosts of 2, 1, 1 ranks and interleaved hosts: every collective from every root") {
   for (const std::string hosts : {"aabc", "aba", "abab", "abca"}) {
     CAPTURE(hosts);
     const int n = static_cast<int>(hosts.size());
@@ -146,7 +143,7 @@ TEST_CASE("review: hosts of 2, 1, 1 ranks and interleaved hosts: every collectiv
   }
 }
 
-TEST_CASE("review: hierarchical by name with one rank per host, and on one host") {
+TEST_CASE("auto: hierarchical by name with one rank per host, and on one host") {
   for (const std::string hosts : {"abc", "aaa"}) {
     CAPTURE(hosts);
     const int n = static_cast<int>(hosts.size());
@@ -162,7 +159,7 @@ TEST_CASE("review: hierarchical by name with one rank per host, and on one host"
   }
 }
 
-TEST_CASE("review: two auto_reducers in a row, then a ring over tcp, on the same group") {
+TEST_CASE("auto: two auto_reducers in a row, then a ring over tcp, on the same group") {
   const int port = free_port();
   auto outs = run_ranks(4, [&](int r) {
     on_host("aabb", r);
@@ -185,7 +182,7 @@ TEST_CASE("review: two auto_reducers in a row, then a ring over tcp, on the same
   CHECK(ddp_test::all_ok(outs));
 }
 
-TEST_CASE("review: DDP_HOST_ID set on only some ranks") {
+TEST_CASE("auto: DDP_HOST_ID set on only some ranks") {
   const int port = free_port();
   auto outs = run_ranks(4, [&](int r) {
     on_host("a a ", r);  // ranks 0, 2 say "a"; ranks 1, 3 keep the machine's identity
@@ -198,7 +195,7 @@ TEST_CASE("review: DDP_HOST_ID set on only some ranks") {
   CHECK(ddp_test::all_ok(outs));
 }
 
-TEST_CASE("review: DDP_HOST_ID joins ranks whose own identities differ (containers that share memory)") {
+TEST_CASE("auto: DDP_HOST_ID joins ranks whose own identities differ (containers that share memory)") {
   // Rank 1 gets a host name of its own (a UTS namespace: what a container has), with the same
   // /dev/shm and network. DDP_HOST_ID says both are one host: the documented override.
   for (auto b : {ddp::backend::automatic, ddp::backend::hierarchical}) {
@@ -221,7 +218,7 @@ TEST_CASE("review: DDP_HOST_ID joins ranks whose own identities differ (containe
   }
 }
 
-TEST_CASE("review: the default wrapper over hosts of different sizes, view and copy mode, rebuild in the segment") {
+TEST_CASE("auto: the default wrapper over hosts of different sizes, view and copy mode, rebuild in the segment") {
   for (bool view : {false, true}) {
     CAPTURE(view);
     const int port = free_port();
@@ -265,7 +262,7 @@ TEST_CASE("review: the default wrapper over hosts of different sizes, view and c
   }
 }
 
-TEST_CASE("review: buffers in the segment on some ranks and in host memory on others") {
+TEST_CASE("auto: buffers in the segment on some ranks and in host memory on others") {
   const int port = free_port();
   auto outs = run_ranks(4, [&](int r) {
     on_host("aabb", r);
@@ -289,7 +286,7 @@ TEST_CASE("review: buffers in the segment on some ranks and in host memory on ot
   CHECK(ddp_test::all_ok(outs));
 }
 
-TEST_CASE("review: abort() from another thread on a non-leader ends every rank, bounded") {
+TEST_CASE("auto: abort() from another thread on a non-leader ends every rank, bounded") {
   const auto timeout = 4s;
   for (int who : {3, 2}) {
     CAPTURE(who);
@@ -321,7 +318,7 @@ TEST_CASE("review: abort() from another thread on a non-leader ends every rank, 
 // other hosts' leaders time out on rank 0: they follow the "waits for" records (rank 0's shared
 // memory wait recorded its own ahead of the deadline) or adopt rank 0's verdict, read before
 // rank 0 exits and takes the store with it, never "rank 0 stopped answering".
-TEST_CASE("review: a late non-leader is named by every rank within timeout + 2 s") {
+TEST_CASE("auto: a late non-leader is named by every rank within timeout + 2 s") {
   const auto timeout = 3s;
   for (const std::string hosts : {"aabb", "aabc"}) {
     CAPTURE(hosts);
@@ -347,7 +344,7 @@ TEST_CASE("review: a late non-leader is named by every rank within timeout + 2 s
   }
 }
 
-TEST_CASE("review: a killed rank on hosts of 2, 1, 1 is named by every survivor; no segment stays in /dev/shm") {
+TEST_CASE("auto: a killed rank on hosts of 2, 1, 1 is named by every survivor; no segment stays in /dev/shm") {
   for (int victim : {1, 2, 0}) {
     CAPTURE(victim);
     const int before = shm_segments();
@@ -375,7 +372,7 @@ TEST_CASE("review: a killed rank on hosts of 2, 1, 1 is named by every survivor;
   }
 }
 
-TEST_CASE("review: a rank killed while the reducer is being built leaves no segment in /dev/shm") {
+TEST_CASE("auto: a rank killed while the reducer is being built leaves no segment in /dev/shm") {
   for (int victim : {1, 3}) {
     CAPTURE(victim);
     const int before = shm_segments();
@@ -397,7 +394,7 @@ TEST_CASE("review: a rank killed while the reducer is being built leaves no segm
   }
 }
 
-TEST_CASE("review: a count that differs between hosts, or within one, is errc::mismatch on every rank") {
+TEST_CASE("auto: a count that differs between hosts, or within one, is errc::mismatch on every rank") {
   // Host a's ranks agree with each other, host b's with each other, the hosts disagree; then
   // the ranks of host b disagree among themselves.
   for (const std::string which : {"between hosts", "within host b"}) {
@@ -428,7 +425,7 @@ TEST_CASE("review: a count that differs between hosts, or within one, is errc::m
   }
 }
 
-TEST_CASE("review: the default wrapper on a /dev/shm that holds some buckets: host memory for the rest, exact averages") {
+TEST_CASE("auto: the default wrapper on a /dev/shm that holds some buckets: host memory for the rest, exact averages") {
   // 48 MiB of /dev/shm; 30 MiB of gradients per rank: either rank's buckets alone would fit,
   // not every rank's. The default allocator puts what does not fit in host memory, and the
   // allreduce stages those buckets (docs/cluster.md).
@@ -477,7 +474,7 @@ TEST_CASE("review: the default wrapper on a /dev/shm that holds some buckets: ho
 // chain (group/verdict.hpp name_stopped); that leader, waiting within its host (shm) for the
 // late rank, recorded so after min(1 s, timeout / 4), long before its own deadline, which comes
 // later than this rank's grace.
-TEST_CASE("review: a late rank is named even by a rank whose own deadline ends first") {
+TEST_CASE("auto: a late rank is named even by a rank whose own deadline ends first") {
   // Rank 2 (host b's leader) enters the collective 1.5 s before ranks 0 and 3; rank 1 never
   // comes in time. Rank 2's deadline ends first, while rank 0 still waits for rank 1.
   const auto timeout = 3s;
@@ -505,7 +502,7 @@ TEST_CASE("review: a late rank is named even by a rank whose own deadline ends f
   }
 }
 
-TEST_CASE("review: a DDP_HOST_ID with a line break in it") {
+TEST_CASE("auto: a DDP_HOST_ID with a line break in it") {
   const int port = free_port();
   auto outs = run_ranks(2, [&](int r) {
     ::setenv("DDP_HOST_ID", "rack 1\nnode 7", 1);
@@ -520,7 +517,7 @@ TEST_CASE("review: a DDP_HOST_ID with a line break in it") {
   CHECK(ddp_test::all_ok(outs));
 }
 
-TEST_CASE("review: averages on hosts of different sizes stay within docs/reducers.md's bound") {
+TEST_CASE("auto: averages on hosts of different sizes stay within docs/reducers.md's bound") {
   // Hosts of different sizes add roundings (the host's mean, its weight, the leaders' sum): the
   // result may differ from a flat reducer's, but stays within (n + 1) u S of the exact mean.
   for (const std::string hosts : {"aab", "aaaab", "abbbb", "aaa"}) {

@@ -134,7 +134,7 @@ using ring_tcp = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>
 
 // Every mantissa bit in use, a world of 3 (n / c = 3 is not a power of two): the rescale of
 // sum / 3 by 3 stays within an ulp. Holds.
-TEST_CASE("join review: one contributor of 3, random normal values of every float type: within one ulp") {
+TEST_CASE("join: one contributor of 3, random normal values of every float type: within one ulp") {
   const std::vector<ddp::dtype> types{ddp::dtype::f32, ddp::dtype::f64, ddp::dtype::f16, ddp::dtype::bf16};
   auto value = [](std::size_t i, std::size_t j) {
     std::mt19937_64 g(1000 * i + j);
@@ -153,7 +153,7 @@ TEST_CASE("join review: one contributor of 3, random normal values of every floa
 // ulp of sum / c. Not fixed here: the loss happens inside the reducer's scaled accumulation (a
 // fix would reduce f16/bf16 buckets of uneven steps with op::sum in f32, or pre-scale by
 // 2^-(k+1) only where no overflow can happen); left as may_fail.
-TEST_CASE("join review: one contributor of 4, tiny f16 gradients: within one ulp" * doctest::may_fail()) {
+TEST_CASE("join: one contributor of 4, tiny f16 gradients: within one ulp" * doctest::may_fail()) {
   auto value = [](std::size_t, std::size_t j) {
     return std::ldexp(1.0 + static_cast<double>(j % 7) / 8.0, -24 + static_cast<int>(j % 14));  // 6e-8 .. 1.7e-4
   };
@@ -161,7 +161,7 @@ TEST_CASE("join review: one contributor of 4, tiny f16 gradients: within one ulp
 }
 
 // Integer averages over the contributors truncate toward zero, with sums of mixed sign; holds.
-TEST_CASE("join review: integer averages over 3 contributors of 4, mixed signs, truncated toward zero") {
+TEST_CASE("join: integer averages over 3 contributors of 4, mixed signs, truncated toward zero") {
   const int n = 4, port = free_port();
   auto outs = run_ranks(n, [&](int r) {
     auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
@@ -197,7 +197,7 @@ TEST_CASE("join review: integer averages over 3 contributors of 4, mixed signs, 
 // joined (from inside a no_sync() scope of its own, with a micro-step it accumulated and never
 // averaged: dropped). Rank 0's result is its own accumulated sum (one contributor); then a
 // second epoch where both train averages over both. Holds.
-TEST_CASE("join review: no_sync() windows on the active and on the joining rank") {
+TEST_CASE("join: no_sync() windows on the active and on the joining rank") {
   for (const bool view : {false, true}) {
     CAPTURE(view);
     const int n = 2, port = free_port();
@@ -245,7 +245,7 @@ TEST_CASE("join review: no_sync() windows on the active and on the joining rank"
 // A joined rank whose peer is slower than the timeout (alive, not dead): join() raises
 // errc::timeout on the joined rank within about the timeout, and the slow rank's next step
 // fails too (the joined rank's process ends), neither hangs.
-TEST_CASE("join review: a joined rank whose peer is slower than the timeout fails at the deadline, no hang") {
+TEST_CASE("join: a joined rank whose peer is slower than the timeout fails at the deadline, no hang") {
   const int n = 2, port = free_port();
   auto outs = run_ranks(n, [&](int r) {
     auto pg = ddp::init_process_group(group_options(r, n, port, 1500ms));

@@ -88,7 +88,7 @@ void check_all_ok(const std::vector<ddp_test::outcome>& outs) {
 // half done and every later backward() raises errc::usage saying an earlier backward() failed.
 // It must never run a later backward() without averaging (the adapter used to keep its step
 // flag set forever: no callback was queued again, finish() never ran, gradients stayed local).
-TEST_CASE("torch review: a backward() that a user's hook aborts never leaves a later step unsynchronized") {
+TEST_CASE("torch: a backward() that a user's hook aborts never leaves a later step unsynchronized") {
   for (const bool view : {false, true}) {
     for (const bool before_any_gradient : {true, false}) {
       CAPTURE(view);
@@ -143,7 +143,7 @@ TEST_CASE("torch review: a backward() that a user's hook aborts never leaves a l
 // PyTorch's DDP sees it once (Python's named_parameters() drops duplicates). ddp must too: one
 // parameter, one gradient slot, reduced once; otherwise in view mode one gradient has two
 // bucket slots and the second hook copies from the first slot while its bucket is reduced.
-TEST_CASE("torch review: a tensor registered twice (tied weights) is one parameter, averaged right") {
+TEST_CASE("torch: a tensor registered twice (tied weights) is one parameter, averaged right") {
   {
     torch::set_num_threads(1);
     Tied net;
@@ -185,7 +185,7 @@ TEST_CASE("torch review: a tensor registered twice (tied weights) is one paramet
 
 // retain_graph: two backward() calls over one graph are two synchronized steps, the second
 // averaging (first average + local gradient), as PyTorch DDP's reducer averages whatever .grad holds.
-TEST_CASE("torch review: two backward() calls over one graph (retain_graph) are two averaged steps") {
+TEST_CASE("torch: two backward() calls over one graph (retain_graph) are two averaged steps") {
   const int world = 2, port = ddp_test::free_port();
   auto outs = run_processes({0, 1}, [&](int rank) {
     torch::set_num_threads(1);
@@ -209,7 +209,7 @@ TEST_CASE("torch review: two backward() calls over one graph (retain_graph) are 
 
 // View mode, then the wrapper goes away: the module keeps gradients it owns and trains alone
 // (no hook of the dead wrapper fires, no gradient points into freed bucket memory).
-TEST_CASE("torch review: the module trains alone after its view-mode wrapper is destroyed") {
+TEST_CASE("torch: the module trains alone after its view-mode wrapper is destroyed") {
   const int world = 2, port = ddp_test::free_port();
   auto outs = run_processes({0, 1}, [&](int rank) {
     torch::set_num_threads(1);
@@ -238,7 +238,7 @@ TEST_CASE("torch review: the module trains alone after its view-mode wrapper is 
 
 // f64 parameters, and a module with nothing to train (every parameter frozen): no crash, the
 // wrapper is inert and backward() of an unrelated graph is untouched.
-TEST_CASE("torch review: f64 modules average; a module with no trainable parameter is inert") {
+TEST_CASE("torch: f64 modules average; a module with no trainable parameter is inert") {
   const int world = 2, port = ddp_test::free_port();
   auto outs = run_processes({0, 1}, [&](int rank) {
     torch::set_num_threads(1);
@@ -270,7 +270,7 @@ TEST_CASE("torch review: f64 modules average; a module with no trainable paramet
 // parameter was used anywhere (creating it where it was None), so that every rank's optimizer
 // takes the same step. The adapter left rank 1's .grad None (copy and view mode): rank 1's
 // optimizer skipped the layer that rank 0's updated, and the replicas diverged.
-TEST_CASE("torch review: gradients set to None and a layer used on one rank only: every rank gets the average") {
+TEST_CASE("torch: gradients set to None and a layer used on one rank only: every rank gets the average") {
   for (const bool view : {false, true}) {
     CAPTURE(view);
     const int world = 2, port = ddp_test::free_port();
@@ -308,7 +308,7 @@ TEST_CASE("torch review: gradients set to None and a layer used on one rank only
 // join() through wrapper() with the LibTorch adapter in view mode: rank 1 has one batch, rank 0
 // three; rank 1's .grad() tensors (bucket memory) are zero after join(), rank 0's last two
 // steps average over rank 0 alone; then both train the next epoch together.
-TEST_CASE("torch review: uneven inputs through wrapper().join(), view mode") {
+TEST_CASE("torch: uneven inputs through wrapper().join(), view mode") {
   const int world = 2, port = ddp_test::free_port();
   auto outs = run_processes({0, 1}, [&](int rank) {
     torch::set_num_threads(1);
@@ -341,7 +341,7 @@ TEST_CASE("torch review: uneven inputs through wrapper().join(), view mode") {
 // A parameter no rank used (find_unused_parameters) keeps an undefined .grad() after its
 // gradients were set to None, so SGD with momentum and weight decay leaves it where it was (PyTorch's DDP
 // leaves it None); a parameter one rank used gets the average on every rank.
-TEST_CASE("torch review: a parameter no rank used keeps no gradient, and the optimizer skips it") {
+TEST_CASE("torch: a parameter no rank used keeps no gradient, and the optimizer skips it") {
   struct ThreeImpl : torch::nn::Module {
     ThreeImpl() {
       a = register_module("a", torch::nn::Linear(3, 2));
@@ -379,7 +379,7 @@ TEST_CASE("torch review: a parameter no rank used keeps no gradient, and the opt
 // Embedding(sparse=true) after zero_grad(true) hands autograd's sparse gradient over: it is
 // averaged as a dense one (it used to end backward() with LibTorch's "Cannot access data
 // pointer of Tensor that doesn't have storage").
-TEST_CASE("torch review: a sparse gradient is averaged") {
+TEST_CASE("torch: a sparse gradient is averaged") {
   const int world = 2, port = ddp_test::free_port();
   auto outs = run_processes({0, 1}, [&](int rank) {
     torch::set_num_threads(1);
@@ -403,7 +403,7 @@ TEST_CASE("torch review: a sparse gradient is averaged") {
 // overlap_optimizer: every parameter's optimizer steps inside backward() as its bucket is
 // averaged; the weights after three steps are those of one SGD (momentum) over all of them,
 // stepped after an ordinary backward(), on a second module with the same start.
-TEST_CASE("torch review: overlap_optimizer steps inside backward() as one optimizer after it would") {
+TEST_CASE("torch: overlap_optimizer steps inside backward() as one optimizer after it would") {
   const int world = 2, port = ddp_test::free_port();
   auto outs = run_processes({0, 1}, [&](int rank) {
     torch::set_num_threads(1);
