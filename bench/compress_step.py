@@ -7,7 +7,7 @@ bench/results/compress_step.csv: one row per (round, model, ranks, reducer) with
 one summary row per (model, ranks, reducer) with the median over rounds and its ratio to
 ring_tcp's median (round "median").
 
-  /usr/bin/python3 bench/compress_step.py [--build build] [--rounds 3] [--steps 7] [--data ../shared/data]
+  /usr/bin/python3 bench/compress_step.py [--build build] [--rounds 3] [--steps 7] [--data tests/data]
 """
 import argparse
 import csv
@@ -26,7 +26,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--ranks", default="2,4")
-    ap.add_argument("--data", default="../shared/data")
+    ap.add_argument("--data", default="tests/data")
     ap.add_argument("--out", default="bench/results/compress_step.csv")
     a = ap.parse_args()
     data = pathlib.Path(a.data)

@@ -13,7 +13,7 @@
 // allowed): the group comes from the environment (ddp::init_options::from_env()) and --ranks is
 // ignored; only rank 0 prints rows. bench/netns_hier.sh runs it so across network namespaces.
 //
-// For each params file (`name dim dim ...` per line, as in ../shared/data) the model is a set of
+// For each params file (`name dim dim ...` per line, as in tests/data) the model is a set of
 // float32 parameters of exactly those shapes. A step is what an engine with a near-free forward
 // does: backward adds a value into every gradient, last parameter first, calling grad_ready
 // after each, then finish(). Each step runs twice, interleaved, after a barrier: once under
@@ -196,7 +196,7 @@ options parse(int argc, char** argv) {
       o.models.push_back(read_params(a));
     }
   }
-  if (o.models.empty()) usage("no params file given (e.g. ../shared/data)");
+  if (o.models.empty()) usage("no params file given (e.g. tests/data)");
   if (o.steps < 1 || o.warmup < 0) usage("--steps must be positive");
   for (auto& m : o.modes)
     if (m != "copy" && m != "view") usage("--modes takes copy and view");

@@ -2,7 +2,7 @@
 """PyTorch DistributedDataParallel (gloo backend): gradient synchronization time per step.
 
     /usr/bin/python3 bench/peers/torch_ddp.py --ranks 2 \
-        --params /work/shared/data/resnet50.params --bucket-cap-mb 1 25 100
+        --params tests/data/resnet50.params --bucket-cap-mb 1 25 100
 
 The model has exactly the parameters listed in each params file and a forward pass that costs
 next to nothing (the sum of all parameters times a per-batch scalar), so backward yields a
