@@ -81,7 +81,7 @@ int main() {
   ddp::torch_data_parallel dp{pg, *net};
   auto loss = net->forward(torch::ones({2, 16})).sum();
   loss.backward();  // averaged when backward returns
-  return static_cast<int>(dp.size());
+  return 0;
 }
 EOF
 
