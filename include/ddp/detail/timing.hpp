@@ -72,15 +72,23 @@ inline constexpr std::chrono::milliseconds link_wait_slice = 100ms;
 inline constexpr std::chrono::milliseconds link_probe_every = 250ms;
 /// Bound of one such probe: on a live host a refused connection answers in microseconds.
 inline constexpr std::chrono::milliseconds link_probe_connect = 100ms;
-/// Handshake limit per connection once the acceptor holds many (a crowd of strangers): a peer
-/// finishes its hello in milliseconds, a stranger stalled mid-handshake must not hold a slot.
+
+// ---- Listeners: the store's and the mesh acceptor's (group/detail/admission.hpp, event_loop.hpp)
+
+/// Handshake limit per connection while a listener is crowded or out of descriptors lately (a
+/// crowd of strangers): a peer finishes its hello in milliseconds, a stranger stalled
+/// mid-handshake must not hold a slot.
 inline constexpr std::chrono::milliseconds crowded_handshake_limit = 1000ms;
-/// Longest sleep of the acceptor's poll with nothing due: it wakes on its eventfd to stop, so
-/// this only bounds how stale its view of the clock can get.
-inline constexpr std::chrono::milliseconds acceptor_idle = 1000ms;
-/// Rest of a listener out of descriptors (EMFILE): room is made by dropping the oldest
-/// handshake, and the next accept should find it without spinning on the listener meanwhile.
-inline constexpr std::chrono::milliseconds acceptor_fd_rest = 20ms;
+/// Longest sleep of a listener's loop with nothing due (its eventfd wakes it for everything
+/// else): bounds how late a timer can fire if the set of due times is ever out of date.
+inline constexpr std::chrono::milliseconds listener_idle = 1000ms;
+/// Rest of a listener out of descriptors when no stranger could make room: the loop must not
+/// spin on a listener it cannot serve; clients retry their connection.
+inline constexpr std::chrono::milliseconds listener_fd_rest = 50ms;
+/// How long a listener stays "under pressure" after it ran out of descriptors.
+inline constexpr std::chrono::milliseconds listener_pressure_linger = 10000ms;
+/// How long a listener keeps to the room it had when it ran out of descriptors.
+inline constexpr std::chrono::milliseconds listener_fd_room_linger = 1000ms;
 /// Cap of one poll in ms_left(): poll() takes an int of milliseconds, and a deadline days away
 /// must not overflow it; a loop that polls checks the deadline again when poll returns 0.
 inline constexpr std::int64_t poll_cap_ms = 1'000'000;
@@ -95,12 +103,6 @@ inline constexpr std::chrono::milliseconds missing_ranks_budget = 2000ms;
 
 // ---- The store (store.hpp) -----------------------------------------------------------------
 
-/// Longest sleep of the store's loop with nothing due (its eventfd wakes it for everything
-/// else): bounds how late a timer can fire if the set of due times is ever out of date.
-inline constexpr std::chrono::milliseconds store_idle = 1000ms;
-/// Rest of the store's listener when it is out of descriptors and no stranger could make room:
-/// the loop must not spin on a listener it cannot serve; clients retry their connection.
-inline constexpr std::chrono::milliseconds store_accept_rest = 100ms;
 /// Time a refused connection (a failed handshake or claim) is kept half-closed to read its
 /// refusal before it is closed.
 inline constexpr std::chrono::milliseconds store_refused_linger = 2000ms;
@@ -108,13 +110,6 @@ inline constexpr std::chrono::milliseconds store_refused_linger = 2000ms;
 /// half-closed one, and requests of a client that is gone must not hold a descriptor for as
 /// long as they asked to wait.
 inline constexpr std::chrono::milliseconds store_eof_linger = 10000ms;
-/// Under descriptor pressure, a handshake gets this long instead of the usual limit: strangers
-/// stalled mid-handshake must not hold the descriptors real ranks need.
-inline constexpr std::chrono::milliseconds store_pressure_handshake_limit = 1000ms;
-/// How long the store stays "under pressure" after it ran out of descriptors.
-inline constexpr std::chrono::milliseconds store_pressure_linger = 10000ms;
-/// How long the store keeps to the room it had when it ran out of descriptors.
-inline constexpr std::chrono::milliseconds store_fd_room_linger = 1000ms;
 /// Longest wait the store parks for a client (a year): the wait comes from the client and is
 /// clamped before it meets the clock's range.
 inline constexpr std::int64_t store_max_wait_ms = std::int64_t{366} * 86'400'000;

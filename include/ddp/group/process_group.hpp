@@ -33,7 +33,8 @@
 #include <ddp/group/detail/group_state.hpp>
 #include <ddp/group/init_options.hpp>
 #include <ddp/group/verdict.hpp>
-#include <ddp/store.hpp>
+#include <ddp/group/store_client.hpp>
+#include <ddp/group/store_server.hpp>
 
 namespace ddp {
 inline namespace v0 {

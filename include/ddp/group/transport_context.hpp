@@ -10,7 +10,7 @@
 #include <ddp/clock.hpp>
 #include <ddp/group/process_group.hpp>
 #include <ddp/group/verdict.hpp>
-#include <ddp/store.hpp>
+#include <ddp/group/store_client.hpp>
 
 namespace ddp {
 inline namespace v0 {

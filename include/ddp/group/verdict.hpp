@@ -26,7 +26,7 @@
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/error.hpp>
-#include <ddp/store.hpp>
+#include <ddp/group/store_client.hpp>
 
 namespace ddp {
 inline namespace v0 {

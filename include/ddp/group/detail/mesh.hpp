@@ -16,12 +16,10 @@
 //
 // A hello (magic, rank, size, to, group) makes sure a stray connection is not mistaken for a
 // peer; with a secret the hello is the challenge-response of handshake.hpp instead, so only
-// holders of the secret get in. Strangers are served from the same poll loop as the peers,
-// capped in number (the oldest goes first) and in time, so they cannot hold up or crowd out
-// a real peer; a peer whose attempt is dropped before its verdict tries again until its
-// deadline.
-
-#include <sys/eventfd.h>
+// holders of the secret get in. Strangers are served from the same loop as the peers (the
+// group's listener loop, event_loop.hpp, with its admission policy, admission.hpp), capped in
+// number (the oldest goes first) and in time, so they cannot hold up or crowd out a real peer; a
+// peer whose attempt is dropped before its verdict tries again until its deadline.
 
 #include <algorithm>
 #include <atomic>
@@ -41,6 +39,8 @@
 #include <ddp/auth.hpp>
 #include <ddp/error.hpp>
 #include <ddp/detail/fork.hpp>
+#include <ddp/group/detail/admission.hpp>
+#include <ddp/group/detail/event_loop.hpp>
 #include <ddp/group/detail/handshake.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/timing.hpp>
@@ -99,8 +99,9 @@ class peer_links {
       reinterpret_cast<sockaddr_in6&>(ep.addr).sin6_port = 0;
     listen_ = listen_on(ep, rank_, 4096);
     const auto me = local_address(listen_.get());
-    wake_ = fd_handle(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-    thread_ = std::thread([this] { accept_loop(); });
+    acceptor_ = std::make_unique<acceptor>(*this);
+    loop_.emplace(listen_.get(), rank_, "mesh acceptor");
+    loop_->start(*acceptor_);
     try {
       dir_.publish(prefix_ + "/addr/" + std::to_string(rank_), to_string(me) + " " + std::to_string(port_of(me)));
     } catch (...) {
@@ -243,20 +244,16 @@ class peer_links {
   };
 
   void stop() noexcept {
-    if (!thread_.joinable()) return;
-    if (owner_.forked()) {
-      // A forked child's copy: the acceptor thread is the parent's and does not exist here, and
-      // the parent's threads may have been inside the mutex or waiting on the condition
-      // variable at the fork (destroying it would wait for them forever). Only this process's
-      // copies of the descriptors close.
-      thread_.detach();
+    if (!loop_) return;
+    // In a forked child's copy the acceptor thread is the parent's and does not exist here, and
+    // the parent's threads may have been inside the mutex or waiting on the condition variable
+    // at the fork (destroying it would wait for them forever). Only this process's copies of the
+    // descriptors close.
+    if (!loop_->stop()) {
       abandon(std::move(sync_));
-      return;
+      abandon(std::move(acceptor_));
     }
-    stopping_ = true;
-    std::uint64_t one = 1;
-    [[maybe_unused]] auto r = ::write(wake_.get(), &one, sizeof one);
-    thread_.join();
+    loop_.reset();
   }
 
   [[noreturn]] void group_failed_while_waiting(int peer) const {
@@ -391,102 +388,98 @@ class peer_links {
            from < static_cast<std::uint32_t>(size_) && from != static_cast<std::uint32_t>(rank_);
   }
 
-  void accept_loop() {
+  // Runs the handshakes of incoming connections on the listener loop (event_loop.hpp), under
+  // the admission policy: past `capacity` handshakes the oldest is dropped (its initiator, if a
+  // peer, tries again), and while crowded they get the short limit.
+  struct acceptor {
     struct pending {
       fd_handle fd;
       std::string in, out;
       std::optional<auth_responder> hs;
-      deadline_t limit;
     };
-    // Past this many handshakes in progress, the oldest is dropped (its initiator, if a peer,
-    // tries again) and the newcomers get a short limit.
-    constexpr std::size_t max_pending = 256;
-    constexpr auto crowded_limit = timing::crowded_handshake_limit;
-    std::vector<pending> pend;
-    deadline_t accept_pause{};
-    while (!stopping_) {
-      std::vector<pollfd> pfds{{wake_.get(), POLLIN, 0}};
-      const auto before = clock::now();
-      pfds.push_back({listen_.get(), static_cast<short>(before >= accept_pause ? POLLIN : 0), 0});
-      int timeout =
-          before >= accept_pause ? static_cast<int>(timing::acceptor_idle.count()) : ms_left(accept_pause) + 1;
-      for (auto& p : pend) {
-        pfds.push_back({p.fd.get(), POLLIN, 0});
-        timeout = std::min(timeout, ms_left(p.limit) + 1);
-      }
-      ::poll(pfds.data(), pfds.size(), std::max(timeout, 1));
-      if (stopping_) break;
-      const auto now = clock::now();
-      std::vector<bool> drop(pend.size(), false);
-      for (std::size_t i = 0; i < pend.size(); ++i) {
-        auto& p = pend[i];
-        if (now >= p.limit) {
-          drop[i] = true;
-          continue;
-        }
-        if (!(pfds[i + 2].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-        // Read only what the current step needs: whatever follows belongs to the peer's traffic.
-        std::size_t want = sizeof(mesh_hello);
-        if (p.hs) want = p.hs->current() == auth_responder::state::hello ? auth_hello_size : auth_proof_size;
-        char buf[auth_hello_size];
-        const ssize_t k = ::recv(p.fd.get(), buf, want - p.in.size(), 0);
-        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-          drop[i] = true;
-          continue;
-        }
-        if (k < 0) continue;
-        p.in.append(buf, static_cast<std::size_t>(k));
-        if (!p.hs) {
-          if (p.in.size() < sizeof(mesh_hello)) continue;
-          mesh_hello h{};
-          std::memcpy(&h, p.in.data(), sizeof h);
-          drop[i] = true;
-          if (h.magic != mesh_magic || !admit(h.rank, h.to, h.size, h.group)) continue;
-          decide(h.rank, p.fd);
-          continue;
-        }
-        const auto st =
-            p.hs->feed(p.in, p.out, [&](const auth_hello& h) { return admit(h.from, h.to, h.size, h.group); });
-        if (!p.out.empty()) {
-          // One short message at a time, into an empty socket buffer: this does not block.
-          [[maybe_unused]] auto s = ::send(p.fd.get(), p.out.data(), p.out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-          p.out.clear();
-        }
-        if (st == auth_responder::state::done) {
-          decide(p.hs->hello().from, p.fd);
-          drop[i] = true;
-        } else if (st == auth_responder::state::failed || st == auth_responder::state::foreign) {
-          drop[i] = true;
-        }
-      }
-      std::size_t j = 0;
-      for (std::size_t i = 0; i < pend.size(); ++i) {
-        if (drop[i]) continue;
-        if (i != j) pend[j] = std::move(pend[i]);  // never self-move: it may empty the strings
-        ++j;
-      }
-      pend.resize(j);
-      if (pfds[1].revents & POLLIN) {
-        for (;;) {
-          const int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-          if (fd < 0) {
-            if (errno == EMFILE || errno == ENFILE) {
-              // Out of descriptors: the oldest handshake makes room, and the listener rests.
-              if (!pend.empty()) pend.erase(pend.begin());
-              accept_pause = clock::now() + timing::acceptor_fd_rest;
-            }
-            break;
-          }
-          if (pend.size() >= max_pending) pend.erase(pend.begin());
-          const bool crowded = pend.size() >= max_pending / 4;
-          pending p{
-              fd_handle(fd), {}, {}, std::nullopt, clock::now() + (crowded ? crowded_limit : auth_handshake_limit)};
-          if (auth_) p.hs.emplace(auth_.get(), auth_kind::mesh);
-          pend.push_back(std::move(p));
-        }
+    peer_links& links;
+    admission policy;
+    std::unordered_map<std::uint64_t, pending> pend;  // by id, in order of arrival
+    std::uint64_t seq = 0;
+    std::atomic<int> shed{0};
+
+    static admission_rules rules() {
+      admission_rules r;
+      r.capacity = 256;
+      r.crowded_at = r.capacity / 4;
+      return r;
+    }
+    explicit acceptor(peer_links& l) : links(l), policy(rules()) {}
+
+    bool busy() const { return false; }
+    deadline_t next_due(deadline_t now) const { return policy.next_due(now, pend.size()); }
+    bool listening(deadline_t now) const { return policy.listening(now); }
+    void after_events(deadline_t now) {
+      for (const auto& [id, why] : policy.handshakes_over(now, pend.size())) drop(id);
+    }
+    void drop(std::uint64_t id) {
+      policy.forget(id);
+      pend.erase(id);  // closes the descriptor, which leaves the epoll set
+    }
+    bool evict() {
+      const auto id = policy.victim();
+      if (!id) return false;
+      drop(*id);
+      return true;
+    }
+    void on_listener(deadline_t now) {
+      for (;;) {
+        const int fd = policy.accept(
+            links.listen_.get(), now, [this] { return pend.size(); }, [this] { return evict(); }, shed);
+        if (fd < 0) return;
+        pending p{fd_handle(fd), {}, {}, std::nullopt};
+        if (links.auth_) p.hs.emplace(links.auth_.get(), auth_kind::mesh);
+        const auto id = ++seq;
+        pend.emplace(id, std::move(p));
+        policy.place(id, standing::handshaking, id, now);
+        links.loop_->watch(fd, EPOLLIN, id);
       }
     }
-  }
+    void on_event(std::uint64_t id, std::uint32_t ev, deadline_t) {
+      auto it = pend.find(id);
+      if (it == pend.end()) return;
+      if (!(ev & (EPOLLIN | EPOLLHUP | EPOLLERR))) return;
+      auto& p = it->second;
+      // Read only what the current step needs: whatever follows belongs to the peer's traffic.
+      std::size_t want = sizeof(mesh_hello);
+      if (p.hs) want = p.hs->current() == auth_responder::state::hello ? auth_hello_size : auth_proof_size;
+      char buf[auth_hello_size];
+      const ssize_t k = ::recv(p.fd.get(), buf, want - p.in.size(), 0);
+      if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return drop(id);
+      if (k < 0) return;
+      p.in.append(buf, static_cast<std::size_t>(k));
+      if (!p.hs) {
+        if (p.in.size() < sizeof(mesh_hello)) return;
+        mesh_hello h{};
+        std::memcpy(&h, p.in.data(), sizeof h);
+        if (h.magic == mesh_magic && links.admit(h.rank, h.to, h.size, h.group)) hand_over(h.rank, p.fd);
+        return drop(id);
+      }
+      const auto st =
+          p.hs->feed(p.in, p.out, [&](const auth_hello& h) { return links.admit(h.from, h.to, h.size, h.group); });
+      if (!p.out.empty()) {
+        // One short message at a time, into an empty socket buffer: this does not block.
+        [[maybe_unused]] auto s = ::send(p.fd.get(), p.out.data(), p.out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        p.out.clear();
+      }
+      if (st == auth_responder::state::done) {
+        hand_over(p.hs->hello().from, p.fd);
+        drop(id);
+      } else if (st == auth_responder::state::failed || st == auth_responder::state::foreign) {
+        drop(id);
+      }
+    }
+    // A proven connection leaves the loop before its verdict: the peer's traffic is not ours.
+    void hand_over(std::uint32_t from, fd_handle& fd) {
+      links.loop_->unwatch(fd.get());
+      links.decide(from, fd);
+    }
+  };
 
   struct sync {
     std::mutex mu;
@@ -507,10 +500,9 @@ class peer_links {
 
   bool shut_ = false;
   fd_handle listen_;
-  fd_handle wake_;
-  std::atomic<bool> stopping_{false};
   owner_process owner_;
-  std::thread thread_;
+  std::unique_ptr<acceptor> acceptor_;  // on the heap: a forked child abandons it (stop())
+  std::optional<event_loop> loop_;      // last: its thread stops before the rest goes
 };
 
 }  // namespace detail

@@ -1,0 +1,322 @@
+#pragma once
+/// \file group/store_client.hpp
+/// A connection to the group's key-value store (group/store_server.hpp): set, get (waits), add,
+/// compare-and-set, delete, check and wait-for-keys, each with a deadline; with an authenticator
+/// (docs/security.md) the connection first proves the secret and checks the server's proof.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <ddp/version.hpp>
+#include <ddp/clock.hpp>
+#include <ddp/auth.hpp>
+#include <ddp/detail/fork.hpp>
+#include <ddp/group/detail/handshake.hpp>
+#include <ddp/detail/socket.hpp>
+#include <ddp/group/detail/store_protocol.hpp>
+#include <ddp/detail/timing.hpp>
+#include <ddp/error.hpp>
+
+namespace ddp {
+inline namespace v0 {
+
+/// A connection to the store. Calls take turns on it (each waits for its turn until its own
+/// deadline); each takes a deadline.
+class store_client {
+ public:
+  /// Connects, retrying until `until` because rank 0 may start after us, and returns once the
+  /// store has answered: with `auth`, the handshake (it proves the secret and checks the
+  /// server's proof; errc::auth_failed when either fails); without, a `check` round trip. A
+  /// connection the store closes before that (shed or evicted while it had no room,
+  /// docs/security.md) is made again until `until`.
+  ~store_client() {
+    if (owner_.forked()) detail::abandon(std::move(turn_));
+  }
+  store_client(const store_client&) = delete;
+  store_client& operator=(const store_client&) = delete;
+
+  store_client(const std::string& host, int port, int rank, deadline_t until,
+               std::shared_ptr<const authenticator> auth = nullptr)
+      : rank_(rank), auth_(std::move(auth)) {
+    const auto eps = detail::resolve(host, port, rank);
+    const std::string where = host + ":" + std::to_string(port);
+    auto backoff = detail::timing::connect_backoff;
+    int closed = 0;  // connections the store closed before serving them
+    auto no_room = [&] {
+      return "the store of rank 0 at " + where + " closed this rank's connection " + std::to_string(closed) +
+             " times before serving it, until the deadline: it had no room (too many connections or no "
+             "descriptors left on rank 0; strangers flooding it?)";
+    };
+    for (;;) {
+      std::error_code ec;
+      fd_ = detail::connect_retry(eps, until, ec);
+      if (!fd_) {
+        // Retrying ran into the deadline: the master (rank 0) never came up, or its store kept
+        // closing our connections (no room).
+        detail::raise(errc::timeout, rank,
+                      closed > 0
+                          ? no_room()
+                          : "could not reach the store of rank 0 at " + where +
+                                " before the deadline (rank 0 never arrived?): last error: " + detail::describe(ec));
+      }
+      detail::tune_stream(fd_.get(), 0);
+      try {
+        if (auth_) {
+          detail::auth_hello h;
+          h.kind = detail::auth_kind::store;
+          h.from = static_cast<std::uint32_t>(rank);
+          detail::auth_initiate(fd_.get(), *auth_, h, until, rank, "the store of rank 0 at " + where);
+        } else {
+          (void)check("store/hello", until);
+        }
+        return;
+      } catch (const error& e) {
+        // Closed before it was served: the store had no room for us yet. Anything else (a
+        // refusal, a protocol error, the deadline) is the answer.
+        if (e.code() != errc::peer_lost) throw;
+        ++closed;
+        if (steady_clock::now() + backoff >= until) detail::raise(errc::timeout, rank, no_room());
+      }
+      // A fresh connection: nothing of the closed one's failure carries over.
+      fd_.reset();
+      broken_.clear();
+      unusable_ = false;
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min(backoff * 2, detail::timing::connect_backoff_max);
+    }
+  }
+
+  void set(std::string_view key, std::string_view value, deadline_t until = default_deadline()) {
+    call(detail::store_cmd::set, {key, value}, until);
+  }
+
+  /// Waits until `key` exists (server-side wait) and returns its value.
+  std::string get(std::string_view key, deadline_t until = default_deadline()) {
+    const auto ms = detail::encode_ms(server_wait_ms(until));
+    auto r = call(detail::store_cmd::get, {key, ms}, until);
+    if (r.code == static_cast<std::uint8_t>(detail::store_status::timeout))
+      detail::raise(errc::timeout, rank_, "store key '" + std::string(key) + "' never appeared");
+    return r.fields.empty() ? std::string() : r.fields[0];
+  }
+
+  std::int64_t add(std::string_view key, std::int64_t delta, deadline_t until = default_deadline()) {
+    const auto d = detail::encode_i64(delta);
+    auto r = call(detail::store_cmd::add, {key, d}, until);
+    return detail::decode_i64(first_field(r, "add", 8));
+  }
+
+  /// Sets `key` to `desired` if its value is `expected` (empty `expected`: the key is absent).
+  /// Returns the value after the call.
+  std::string compare_set(std::string_view key, std::string_view expected, std::string_view desired,
+                          deadline_t until = default_deadline()) {
+    auto r = call(detail::store_cmd::cas, {key, expected, desired}, until);
+    return first_field(r, "compare_set");
+  }
+
+  bool erase(std::string_view key, deadline_t until = default_deadline()) {
+    return first_field(call(detail::store_cmd::del, {key}, until), "erase") == "1";
+  }
+
+  bool check(std::string_view key, deadline_t until = default_deadline()) {
+    return first_field(call(detail::store_cmd::check, {key}, until), "check") == "1";
+  }
+
+  /// Waits until every key exists; returns the keys still missing when `until` passed (empty
+  /// when all arrived).
+  std::vector<std::string> wait(const std::vector<std::string>& keys, deadline_t until) {
+    return wait(keys, std::chrono::milliseconds(server_wait_ms(until)), until);
+  }
+  /// The same with the store's wait for the keys (`server_wait`) apart from the call's own
+  /// deadline (`until`: its turn on the connection, the request and the reply): a short look
+  /// ("which of these keys are missing now?") at a store busy with other clients' requests
+  /// must not fail because the reply took longer than the look.
+  std::vector<std::string> wait(const std::vector<std::string>& keys, std::chrono::milliseconds server_wait,
+                                deadline_t until) {
+    std::vector<std::string_view> f(keys.begin(), keys.end());
+    const auto ms = detail::encode_ms(std::min<std::int64_t>(server_wait.count(), server_wait_ms(until)));
+    f.push_back(ms);
+    auto r = call(detail::store_cmd::wait, f, until);
+    if (r.code == static_cast<std::uint8_t>(detail::store_status::timeout)) return r.fields;
+    return {};
+  }
+
+  int native_handle() const noexcept { return fd_.get(); }
+
+  /// True once a failure made the connection unusable (every later call fails at once).
+  bool unusable() const noexcept { return unusable_.load(); }
+
+  /// The authenticator this connection was opened with (null without a secret); the mesh
+  /// connections opened through this store use it too.
+  const std::shared_ptr<const authenticator>& auth() const noexcept { return auth_; }
+
+  static deadline_t default_deadline() { return steady_clock::now() + detail::timing::store_default_wait; }
+
+ private:
+  /// The answer's first field; an answer without it (or of the wrong size) is a protocol error.
+  const std::string& first_field(const detail::frame& f, const char* what, std::size_t size = 0) const {
+    if (f.fields.empty() || (size != 0 && f.fields[0].size() != size))
+      detail::raise(errc::protocol, rank_, std::string("store answered ") + what + " without its value");
+    return f.fields[0];
+  }
+
+  /// Requests the store could never take are refused here, before they are sent: the server
+  /// drops a client whose frame passes its limits, which would break this connection (and with
+  /// it the group) for what is only a bad argument.
+  void check_request(detail::store_cmd cmd, const std::vector<std::string_view>& fields) const {
+    const std::string key = fields.empty() ? std::string() : std::string(fields[0].substr(0, 64));
+    const std::size_t nkeys = cmd == detail::store_cmd::wait ? fields.size() - 1 : 1;
+    for (std::size_t i = 0; i < nkeys && i < fields.size(); ++i)
+      if (fields[i].size() > detail::store_max_key)
+        detail::raise(errc::invalid_argument, rank_,
+                      "store key '" + std::string(fields[i].substr(0, 64)) + "...' is " +
+                          std::to_string(fields[i].size()) + " bytes; keys hold at most " +
+                          std::to_string(detail::store_max_key));
+    if (fields.size() > detail::store_max_fields)
+      detail::raise(errc::invalid_argument, rank_,
+                    "store wait for " + std::to_string(nkeys) + " keys; one request holds at most " +
+                        std::to_string(detail::store_max_fields - 1));
+    std::size_t frame = 1;
+    for (auto f : fields) frame += 4 + f.size();
+    if (frame > detail::store_max_frame)
+      detail::raise(errc::invalid_argument, rank_,
+                    "store value for key '" + key + "' is too large: the request is " + std::to_string(frame) +
+                        " bytes and a store frame holds at most " + std::to_string(detail::store_max_frame) +
+                        " (the store is for small metadata; send bulk data through a collective)");
+  }
+
+  detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& fields, deadline_t until) {
+    // A forked child shares the connection with its parent: one frame from it would garble both.
+    owner_.check(rank_, "store_client");
+    check_request(cmd, fields);
+    // Other threads share this connection: the deadline may pass while this call waits for its
+    // turn. That is this call's timeout, not a fault of the connection: nothing was sent.
+    turn_guard lock(*turn_, until);
+    if (!lock.held)
+      detail::raise(errc::timeout, rank_,
+                    "store request timed out waiting for its turn on the connection to rank 0 (another thread's "
+                    "request held it)");
+    if (!broken_.empty())
+      detail::raise(broken_code_, rank_, "store connection to rank 0 is unusable after an earlier failure: " + broken_);
+    const auto start = steady_clock::now();
+    if (start >= until)
+      detail::raise(errc::timeout, rank_,
+                    "store request timed out waiting for its turn on the connection to rank 0 (another thread's "
+                    "request held it)");
+    // Once sent, the answer is read for a moment at least, whatever is left of `until`: an
+    // answer abandoned half-way would make the connection unusable for every later call.
+    until = std::max(until, start + min_answer);
+    const auto out = detail::encode_frame(static_cast<std::uint8_t>(cmd), fields);
+    std::error_code ec;
+    detail::send_all(fd_.get(), out.data(), out.size(), until, ec);
+    if (ec) fail(ec);
+    // The server answers get and wait itself when their time is up, a moment before `until`
+    // (server_wait_ms); the answer may take a little longer than `until` to arrive. Not much:
+    // a store that does not answer (rank 0 frozen) must be noticed soon after the deadline.
+    const bool server_waits = cmd == detail::store_cmd::get || cmd == detail::store_cmd::wait;
+    const auto rd = server_waits ? until + reply_slack : until;
+    char hdr[4];
+    detail::recv_all(fd_.get(), hdr, 4, rd, ec);
+    if (ec) fail(ec);
+    const std::uint32_t len = detail::get_u32(hdr);
+    if (len == 0 || len > detail::store_max_frame)
+      broken(errc::protocol, "store sent a bad frame length (" + std::to_string(len) + " bytes)");
+    std::string body(len, '\0');
+    detail::recv_all(fd_.get(), body.data(), len, rd, ec);
+    if (ec) fail(ec);
+    detail::frame f;
+    if (detail::parse_body(body, f) != detail::parse_result::ok) broken(errc::protocol, "store sent a malformed frame");
+    if (f.code > detail::store_last_status)
+      broken(errc::protocol, "store sent an unknown status " + std::to_string(f.code));
+    if (f.code == static_cast<std::uint8_t>(detail::store_status::full))
+      detail::raise(errc::system, rank_, f.fields.empty() ? std::string("the store of rank 0 is full") : f.fields[0]);
+    if (f.code == static_cast<std::uint8_t>(detail::store_status::too_large))
+      detail::raise(errc::invalid_argument, rank_,
+                    f.fields.empty() ? std::string("the value is larger than the store of rank 0 holds") : f.fields[0]);
+    if (f.code == static_cast<std::uint8_t>(detail::store_status::forbidden))
+      detail::raise(errc::auth_failed, rank_,
+                    f.fields.empty() ? "the store of rank 0 refused a write: this connection has not joined the group"
+                                     : f.fields[0]);
+    if (f.code == static_cast<std::uint8_t>(detail::store_status::bad_request))
+      detail::raise(errc::protocol, rank_, "store rejected the request");
+    if (f.code == static_cast<std::uint8_t>(detail::store_status::auth_required))
+      broken(errc::auth_failed,
+             "the store of rank 0 requires authentication and refused this process: set "
+             "DDP_AUTH_TOKEN (or init_options::auth_token) to the group's secret");
+    return f;
+  }
+
+  static constexpr auto reply_slack = detail::timing::store_reply_slack;
+  static constexpr auto min_answer = detail::timing::store_min_answer;
+
+  /// How long the server waits for a get/wait: up to `until` (however far: days), less a
+  /// margin for its answer.
+  static std::int64_t server_wait_ms(deadline_t until) {
+    const std::int64_t left = std::max<std::int64_t>(
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(until - steady_clock::now()).count());
+    return left - std::min<std::int64_t>(left / 8, reply_slack.count());
+  }
+
+  [[noreturn]] void fail(const std::error_code& ec) {
+    // A reply may still be on its way: later calls would read it as theirs, so none may follow.
+    broken(detail::to_errc(ec) == errc::timeout ? errc::timeout : errc::peer_lost,
+           "store connection to rank 0: " + detail::describe(ec));
+  }
+  /// The byte stream can no longer be trusted to be in step with our requests (a reply still on
+  /// its way, or one we could not frame): every later call fails at once, naming this cause.
+  [[noreturn]] void broken(errc code, const std::string& why) {
+    broken_ = why;
+    broken_code_ = code;
+    unusable_ = true;
+    detail::raise(code, rank_, why);
+  }
+
+  int rank_;
+  std::shared_ptr<const authenticator> auth_;
+  detail::fd_handle fd_;
+  std::atomic<bool> unusable_{false};
+  /// One request at a time on the connection, waited for until the caller's deadline. (A mutex
+  /// and a flag rather than std::timed_mutex, whose timed lock ThreadSanitizer cannot follow.)
+  /// On the heap: a forked child abandons it, since a parent thread may have been waiting on it.
+  struct turn {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool busy = false;
+  };
+  struct turn_guard {
+    turn& t;
+    bool held;
+    turn_guard(turn& tt, deadline_t until) : t(tt) {
+      std::unique_lock lk(t.mu);
+      held = t.cv.wait_until(lk, until, [&] { return !t.busy; });
+      if (held) t.busy = true;
+    }
+    ~turn_guard() {
+      if (!held) return;
+      {
+        std::lock_guard lk(t.mu);
+        t.busy = false;
+      }
+      t.cv.notify_one();
+    }
+    turn_guard(const turn_guard&) = delete;
+    turn_guard& operator=(const turn_guard&) = delete;
+  };
+  std::unique_ptr<turn> turn_ =
+      std::make_unique<turn>();  ///< one request at a time on the connection; waited for until the deadline
+  std::string broken_;           ///< why the connection is unusable (written during a turn); empty while it is fine
+  errc broken_code_ = errc::peer_lost;
+  detail::owner_process owner_;
+};
+
+}  // namespace v0
+}  // namespace ddp
