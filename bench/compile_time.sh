@@ -9,8 +9,9 @@
 #   - `#include` alone, -fsyntax-only: ddp's umbrella, fmt, nlohmann/json, Asio, Eigen, and the
 #     standard headers that ddp's umbrella pulls in (the floor of any header-only ddp);
 #   - one instantiated `ddp::data_parallel` (a wrapper over a parameter list, one step):
-#     -fsyntax-only, -O0 and -O2 to an object file; with DDP_SEPARATE_COMPILATION too when
-#     <ddp/impl/src.hpp> exists (the non-template code then compiles in a unit of its own);
+#     -fsyntax-only, -O0 and -O2 to an object file; with DDP_SEPARATE_COMPILATION too (the
+#     compiled mode: the group's and the default reducer's code compiles once, in src/ddp.cpp,
+#     whose own time is a row of its own);
 #   - the LibTorch adapter: one `ddp::torch_data_parallel` over a module, beside
 #     `#include <torch/torch.h>` alone (what any LibTorch unit pays), -fsyntax-only.
 # Missing reference libraries are installed with apt when run as root (nlohmann-json3-dev,
@@ -122,10 +123,12 @@ row 'ddp: #include <ddp/ddp.hpp>, -fsyntax-only' "$tmp/ddp.cpp" "${inc[@]}" -fsy
 row 'ddp: one data_parallel, -fsyntax-only' "$tmp/wrapper.cpp" "${inc[@]}" -fsyntax-only
 row 'ddp: one data_parallel, -O0 -c' "$tmp/wrapper.cpp" "${inc[@]}" -O0 -c
 row 'ddp: one data_parallel, -O2 -c' "$tmp/wrapper.cpp" "${inc[@]}" -O2 -c
-if [[ -f $root/include/ddp/impl/src.hpp ]]; then
+if [[ -f $root/src/ddp.cpp ]]; then
+  row 'ddp compiled mode: #include <ddp/ddp.hpp>, -fsyntax-only' "$tmp/ddp.cpp" "${inc[@]}" -DDDP_SEPARATE_COMPILATION \
+    -fsyntax-only
+  row 'ddp compiled mode: one data_parallel, -O0 -c' "$tmp/wrapper.cpp" "${inc[@]}" -DDDP_SEPARATE_COMPILATION -O0 -c
   row 'ddp compiled mode: one data_parallel, -O2 -c' "$tmp/wrapper.cpp" "${inc[@]}" -DDDP_SEPARATE_COMPILATION -O2 -c
-  printf '#include <ddp/impl/src.hpp>\n' > "$tmp/src.cpp"
-  row 'ddp compiled mode: the library unit, -O2 -c' "$tmp/src.cpp" "${inc[@]}" -DDDP_SEPARATE_COMPILATION -O2 -c
+  row 'ddp compiled mode: src/ddp.cpp (once), -O2 -c' "$root/src/ddp.cpp" "${inc[@]}" -DDDP_SEPARATE_COMPILATION -O2 -c
 fi
 if [[ -f /usr/include/torch/csrc/api/include/torch/torch.h ]]; then
   row 'LibTorch: #include <torch/torch.h>, -fsyntax-only' "$tmp/torch_alone.cpp" "${torch_flags[@]}" -fsyntax-only

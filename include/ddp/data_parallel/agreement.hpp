@@ -144,16 +144,15 @@ class agreement {
     if (ch_.size == 1) return;
     std::string mine;
     detail::byte_writer(mine).u64(value);
-    const auto all = ch_.all_gather(mine);
-    std::string differing;
-    for (std::size_t r = 1; r < all.size(); ++r)
-      if (all[r] != all[0])
-        differing += (differing.empty() ? "" : ", ") +
-                     ("rank " + std::to_string(r) + " has " + std::to_string(detail::byte_reader(all[r]).u64()));
-    if (!differing.empty())
-      detail::raise(errc::mismatch, ch_.rank,
-                    std::string("ranks disagree on ") + what + ": rank 0 has " +
-                        std::to_string(detail::byte_reader(all[0]).u64()) + ", " + differing);
+    detail::agree([this](const std::string& s) { return ch_.all_gather(s); }, ch_.rank, mine,
+                  [&](const auto& all, const auto& differing) {
+                    const auto number = [&](std::size_t r) {
+                      return std::to_string(detail::byte_reader(all[r]).u64());
+                    };
+                    std::string msg = std::string("ranks disagree on ") + what + ": rank 0 has " + number(0);
+                    for (const auto r : differing) msg += ", rank " + std::to_string(r) + " has " + number(r);
+                    return msg;
+                  });
   }
 
   /// Every rank passes the same `value`, a setting written out as text (a collective; compare
@@ -164,16 +163,20 @@ class agreement {
   /// \endcode
   void check_same_text(const char* what, const std::string& value) const {
     if (ch_.size == 1) return;
-    const auto all = ch_.all_gather(value);
+    detail::agree([this](const std::string& s) { return ch_.all_gather(s); }, ch_.rank, value,
+                  [&](const auto& all, const auto& differing) { return disagreement_text(what, all, differing); });
+  }
+
+  /// "ranks disagree on <what>: rank 0 has <v>; ranks 1, 3 have <w>; ..." for values that are text.
+  static std::string disagreement_text(const char* what, const std::vector<std::string>& all,
+                                       const std::vector<std::size_t>& differing) {
     // The differing values in order of first appearance, each with its ranks.
     std::vector<std::pair<std::string, std::vector<std::size_t>>> others;
-    for (std::size_t r = 1; r < all.size(); ++r) {
-      if (all[r] == all[0]) continue;
+    for (const auto r : differing) {
       auto it = std::find_if(others.begin(), others.end(), [&](const auto& o) { return o.first == all[r]; });
       if (it == others.end()) it = others.insert(others.end(), {all[r], {}});
       it->second.push_back(r);
     }
-    if (others.empty()) return;
     constexpr std::size_t shown = 4, ranks_shown = 8;
     std::string msg = std::string("ranks disagree on ") + what + ": rank 0 has " + all[0];
     for (std::size_t k = 0; k < others.size() && k < shown; ++k) {
@@ -185,7 +188,7 @@ class agreement {
       msg += (ranks.size() > 1 ? " have " : " has ") + others[k].first;
     }
     if (others.size() > shown) msg += "; and " + std::to_string(others.size() - shown) + " more values";
-    detail::raise(errc::mismatch, ch_.rank, msg);
+    return msg;
   }
 
   /// Ranks agree on the plan and on whether it will be rebuilt (a collective of the group that

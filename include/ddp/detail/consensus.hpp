@@ -1,13 +1,19 @@
 #pragma once
 #include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
 // IWYU pragma: private
-// One rank's failure, every rank's error: the one place where the ranks settle a step each of
-// them took alone (setting up a segment, a device, buckets, a checkpoint file), so that every
-// rank raises the same first cause instead of some ranks going on. Generic over the group: any
-// `all_gather` of strings, or a group with all_reduce and broadcast (settle).
+// The one place of group consensus:
+// - agreeing on a value (a setting, a reducer's signature, a backend): every rank's value
+//   gathered, compared with rank 0's, and when some differ every rank raises the same
+//   errc::mismatch (agree, differing_ranks);
+// - one rank's failure, every rank's error: settling a step each rank took alone (setting up a
+//   segment, a device, buckets, a checkpoint file), so that every rank raises the same first
+//   cause instead of some ranks going on (first_failed, settle).
+// Generic over the group: any `all_gather` of strings, or a group with all_reduce and broadcast
+// (settle).
 
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <span>
 #include <string>
@@ -67,6 +73,27 @@ inline outcome decode_outcome(std::string_view s) {
   } catch (const std::exception&) {
     return {errc::protocol, -1, std::string(s)};
   }
+}
+
+/// The ranks whose value differs from rank 0's in `all` (every rank's, gathered), in rank order;
+/// `key` picks what must agree out of each (the whole value by default).
+template <class Key = std::identity>
+std::vector<std::size_t> differing_ranks(const std::vector<std::string>& all, Key&& key = {}) {
+  std::vector<std::size_t> out;
+  for (std::size_t r = 1; r < all.size(); ++r)
+    if (key(all[r]) != key(all[0])) out.push_back(r);
+  return out;
+}
+
+/// Every rank passes `mine` (a collective through `all_gather`: std::string ->
+/// std::vector<std::string>, one per rank); when some rank's differs from rank 0's, every rank
+/// raises errc::mismatch with `describe(all, differing)`: the same text on every rank, since
+/// every rank sees every value.
+template <class AllGather, class Describe>
+void agree(AllGather&& all_gather, int rank, const std::string& mine, Describe&& describe) {
+  const std::vector<std::string> all = all_gather(mine);
+  const auto differing = differing_ranks(all);
+  if (!differing.empty()) raise(errc::mismatch, rank, describe(all, differing));
 }
 
 /// The lowest rank whose outcome failed (`rank` -1: none) and that outcome.

@@ -45,6 +45,7 @@
 /// value, not inf. See `avg_step`, and docs/reducers.md for the error bound. Integer avg is the
 /// wrapping sum divided once, truncating toward zero.
 
+#include <ddp/detail/compiled.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/copy.hpp>
@@ -823,70 +824,18 @@ inline void avg_finish(T* p, std::size_t n, int world) {
 }
 
 /// Type-erased `reduce_into`: `dst` and `src` hold `n` elements of `t`.
-inline void reduce_into(void* dst, const void* src, std::size_t n, dtype t, op o) {
-  check_dtype(t, -1, "reduction kernel");
-  check_op(o, -1, "reduction kernel");
-  kern::dispatch(t, [&](auto tag) {
-    using T = decltype(tag);
-    reduce_into(static_cast<T*>(dst), static_cast<const T*>(src), n, o);
-  });
-}
-
+void reduce_into(void* dst, const void* src, std::size_t n, dtype t, op o);
 /// Type-erased `combine`. Large reductions are split across the installed parallel hook
 /// (ddp/parallel/tbb.hpp), when there is one; each piece keeps the fixed order of inputs, so the
 /// bits do not depend on how it was split.
-inline void combine(void* const* outs, int nouts, const void* const* ins, int nins, std::size_t n, dtype t, op o,
-                    avg_step a = {}) {
-  check_dtype(t, -1, "reduction kernel");
-  check_op(o, -1, "reduction kernel");
-  kern::check_avg(o, a, nins);
-  const auto par = parallel_hook().load(std::memory_order_relaxed);
-  const std::size_t es = dtype_size(t);
-  if (par != nullptr && n * es >= parallel_min_bytes && nouts <= 64 && nins <= 64) {
-    struct job {
-      void* const* outs;
-      int nouts;
-      const void* const* ins;
-      int nins;
-      dtype t;
-      op o;
-      avg_step a;
-      std::size_t es;
-    } j{outs, nouts, ins, nins, t, o, a, es};
-    par(
-        n, (std::size_t{256} << 10) / es,
-        [](std::size_t b, std::size_t e, void* ctx) {
-          const auto& j = *static_cast<const job*>(ctx);
-          void* po[64];
-          const void* pi[64];
-          for (int k = 0; k < j.nouts; ++k) po[k] = static_cast<char*>(j.outs[k]) + b * j.es;
-          for (int k = 0; k < j.nins; ++k) pi[k] = static_cast<const char*>(j.ins[k]) + b * j.es;
-          kern::dispatch(j.t,
-                         [&](auto tag) { kern::combine_any<decltype(tag)>(po, j.nouts, pi, j.nins, e - b, j.o, j.a); });
-        },
-        &j);
-    return;
-  }
-  kern::dispatch(t, [&](auto tag) { kern::combine_any<decltype(tag)>(outs, nouts, ins, nins, n, o, a); });
-}
-
+void combine(void* const* outs, int nouts, const void* const* ins, int nins, std::size_t n, dtype t, op o,
+             avg_step a = {});
 /// Type-erased `avg_prescale`.
-inline void avg_prescale(void* dst, const void* src, std::size_t n, dtype t, int world) {
-  check_dtype(t, -1, "reduction kernel");
-  kern::dispatch(t, [&](auto tag) {
-    using T = decltype(tag);
-    avg_prescale(static_cast<T*>(dst), static_cast<const T*>(src), n, world);
-  });
-}
-
+void avg_prescale(void* dst, const void* src, std::size_t n, dtype t, int world);
 /// Type-erased `avg_finish`.
-inline void avg_finish(void* p, std::size_t n, dtype t, int world) {
-  check_dtype(t, -1, "reduction kernel");
-  kern::dispatch(t, [&](auto tag) {
-    using T = decltype(tag);
-    avg_finish(static_cast<T*>(p), n, world);
-  });
-}
+void avg_finish(void* p, std::size_t n, dtype t, int world);
+// Their definitions: detail/kernels_impl.hpp (compiled once by src/ddp.cpp in compiled mode,
+// detail/compiled.hpp), so that a unit that only calls them instantiates no kernel.
 
 // ---- bulk conversions between f32 and a 16-bit wire type (compression hooks) ----------------
 //
@@ -985,3 +934,7 @@ inline float max_abs_finite(const float* src, std::size_t n) noexcept {
 }  // namespace detail
 }  // namespace v0
 }  // namespace ddp
+
+#if !defined(DDP_SEPARATE_COMPILATION)
+#include <ddp/detail/kernels_impl.hpp>
+#endif

@@ -11,6 +11,7 @@
 
 #include <ddp/version.hpp>
 #include <ddp/group/backend.hpp>
+#include <ddp/detail/compiled.hpp>
 #include <ddp/group/detail/env.hpp>
 
 namespace ddp {
@@ -55,9 +56,7 @@ struct init_options {
   /// `12000 + (16 * SLURM_JOB_ID + SLURM_STEP_ID % 16) % 20000` (in [12000, 31999], below
   /// Linux's ephemeral ports), with `job_id` "slurm-<job>.<step>". A malformed node list is
   /// errc::invalid_argument too.
-  static init_options from_env() {
-    return from_env([](const char* n) { return std::getenv(n); });
-  }
+  static init_options from_env();
 
   /// The same, with a custom lookup (used by tests and by embedders with their own config).
   template <class Getenv>
@@ -109,3 +108,7 @@ struct init_options {
 
 }  // namespace v0
 }  // namespace ddp
+
+#if !defined(DDP_SEPARATE_COMPILATION)
+#include <ddp/group/detail/init_options_impl.hpp>
+#endif

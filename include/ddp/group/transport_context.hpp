@@ -8,6 +8,7 @@
 
 #include <ddp/version.hpp>
 #include <ddp/clock.hpp>
+#include <ddp/group/detail/group_state.hpp>
 #include <ddp/group/process_group.hpp>
 #include <ddp/group/verdict.hpp>
 #include <ddp/group/store_client.hpp>

@@ -18,6 +18,7 @@
 #include <ddp/data_parallel/buffers.hpp>
 #include <ddp/data_parallel/detail/step_guard.hpp>
 #include <ddp/data_parallel/options.hpp>
+#include <ddp/detail/kernels.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>

@@ -43,6 +43,7 @@
 
 #include <ddp/clock.hpp>
 #include <ddp/detail/collective.hpp>
+#include <ddp/detail/consensus.hpp>
 #include <ddp/detail/first_failure.hpp>
 #include <ddp/detail/flight_recorder.hpp>
 #include <ddp/dtype.hpp>
@@ -63,13 +64,13 @@ namespace detail {
 /// (so all ranks are in the same phase), and every rank raises the same errc::mismatch naming
 /// both sides. `signature` names the algorithm and those options ("ring", "tree<shm>").
 inline process_group& agree_on_reducer(process_group& pg, const std::string& signature) {
-  const auto all = pg.all_gather(signature);
-  for (int r = 1; r < pg.size(); ++r)
-    if (all[static_cast<std::size_t>(r)] != all[0])
-      raise(errc::mismatch, pg.rank(),
-            "reducer mismatch: rank 0 constructed " + all[0] + ", rank " + std::to_string(r) + " constructed " +
-                all[static_cast<std::size_t>(r)] +
-                "; every rank must construct the same reducer with the same reducer_options (docs/reducers.md)");
+  agree([&](const std::string& s) { return pg.all_gather(s); }, pg.rank(), signature,
+        [](const auto& all, const auto& differing) {
+          const auto r = differing.front();
+          return "reducer mismatch: rank 0 constructed " + all[0] + ", rank " + std::to_string(r) + " constructed " +
+                 all[r] +
+                 "; every rank must construct the same reducer with the same reducer_options (docs/reducers.md)";
+        });
   return pg;
 }
 
