@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -214,6 +215,15 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
   }
   void barrier() {
     visit([&](auto& r) { r.barrier(); });
+  }
+  /// The engine's progress thread, lent to a decorator (`ddp::hooked` runs its hook on it):
+  /// see reducer/detail/front_end.hpp.
+  request run_in_order(std::function<void()> job) {
+    return visit([&](auto& r) { return r.run_in_order(std::move(job)); });
+  }
+  template <class F>
+  bool try_run_inline(F&& job) {
+    return visit([&](auto& r) { return r.try_run_inline(job); });
   }
   /// Ends the collectives in flight on every rank (where the engine can be interrupted: all but MPI).
   void abort() noexcept {
