@@ -215,7 +215,8 @@ TEST_CASE("forensics: one process's record: entries, the bucket tag, states, the
     require(t.find("\"issued\":3,\"capacity\":2048") != std::string::npos, t);
     require(ddp::flight_recorder::file().empty(), "a file without DDP_FLIGHT_RECORDER");
     {
-      // A hooked reducer's hook runs on its own thread: the inner collective keeps the tag.
+      // A hooked reducer's hook runs as a job on the inner reducer's progress thread: the inner
+      // collective keeps the issuer's tag.
       ddp::hooked<ddp::auto_reducer> hk{pg};
       {
         const ddp::detail::flight_tag_scope tag(5, 9);

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <random>
 #include <stdexcept>
@@ -55,6 +56,52 @@ struct throwing_hook {
 
 using ring_tcp = ddp::ring<ddp::tcp>;
 using ring_shm = ddp::ring<ddp::shm>;
+
+// Runs its inner collectives async and waits for them: on the inner reducer's progress thread,
+// where the hook runs, they must run at once rather than queue behind the hook.
+struct async_hook {
+  int calls = 0;
+  template <class R>
+  void operator()(const ddp::comm_bucket& b, R& inner) {
+    ++calls;
+    float one = 1.0f;
+    auto q1 = inner.allreduce_async(&one, 1, ddp::dtype::f32, ddp::op::sum);  // the group's size
+    auto q2 = inner.allreduce_async(b.data, b.count, b.type, b.oper);
+    q1.wait(b.deadline);
+    q2.wait(b.deadline);
+    if (one != static_cast<float>(b.size)) throw std::runtime_error("the size allreduce gave " + std::to_string(one));
+    inner.barrier();
+  }
+};
+
+// A reducer that lends no progress thread (no run_in_order): hooked keeps one of its own.
+class no_lend {
+ public:
+  explicit no_lend(ddp::process_group& pg) : r_(pg) {}
+  int rank() const noexcept { return r_.rank(); }
+  int size() const noexcept { return r_.size(); }
+  ddp::request allreduce_async(void* d, std::size_t n, ddp::dtype t, ddp::op o) { return r_.allreduce_async(d, n, t, o); }
+  void allreduce(void* d, std::size_t n, ddp::dtype t, ddp::op o) { r_.allreduce(d, n, t, o); }
+  ddp::request broadcast_async(void* d, std::size_t n, ddp::dtype t, int root) { return r_.broadcast_async(d, n, t, root); }
+  ddp::request barrier_async() { return r_.barrier_async(); }
+  void barrier() { r_.barrier(); }
+
+ private:
+  ddp::ring<ddp::tcp> r_;
+};
+
+static_assert(ddp::detail::lends_progress_thread<ddp::ring<ddp::tcp>>);
+static_assert(ddp::detail::lends_progress_thread<ddp::auto_reducer>);
+static_assert(ddp::detail::lends_progress_thread<ddp::hooked<ddp::ring<ddp::shm>>>);
+static_assert(!ddp::detail::lends_progress_thread<no_lend>);
+static_assert(ddp::detail::lends_progress_thread<ddp::hooked<no_lend>>);  // its own worker's
+
+// Threads of this process now.
+long thread_count() {
+  long n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
 
 static_assert(ddp::reducer<ddp::hooked<ring_tcp, recording_hook>>);
 static_assert(ddp::reducer<ddp::hooked<ddp::auto_reducer, ddp::fp16_compress>>);
@@ -495,5 +542,81 @@ TEST_CASE("ranks with different hooks: an error on every rank, not wrong numbers
       CHECK(o.message.find("collective mismatch") != std::string::npos);
       CHECK(o.seconds < 2.5);  // detected, not the 3 s timeout
     }
+  }
+}
+
+TEST_CASE("one progress thread per reducer stack: hooked runs on the inner reducer's thread") {
+  const int n = 2;
+  const int port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port));
+    std::vector<float> v(100, 1.0f);
+    // Each reducer runs a blocking and an async allreduce first, so that whatever a reducer
+    // starts on first use (connections) is running when the threads are counted.
+    auto exercise = [&](auto& red) {
+      red.allreduce(v.data(), v.size(), ddp::dtype::f32, ddp::op::avg);
+      red.allreduce_async(v.data(), v.size(), ddp::dtype::f32, ddp::op::avg).wait(std::chrono::steady_clock::now() + 20s);
+      require(v[0] == 1.0f, "the average of ones");
+    };
+    pg.barrier();
+    const long base = thread_count();
+    ring_tcp plain{pg};
+    exercise(plain);
+    const long with_plain = thread_count();
+    ddp::hooked<ring_tcp, async_hook> hk{pg};
+    exercise(hk);
+    const long with_hooked = thread_count();
+    ddp::hooked<ddp::hooked<ring_tcp, async_hook>, recording_hook> twice{pg};
+    exercise(twice);
+    const long with_twice = thread_count();
+    require(hk.hook().calls == 2 && twice.inner().hook().calls == 2 && twice.hook().seen.size() == 2, "hook calls");
+    const long per_ring = with_plain - base;
+    require(per_ring >= 1, "ring<tcp> has a progress thread: " + std::to_string(per_ring));
+    require(with_hooked - with_plain == per_ring,
+            "hooked<ring<tcp>> added " + std::to_string(with_hooked - with_plain) + " threads, ring<tcp> " + std::to_string(per_ring));
+    require(with_twice - with_hooked == per_ring, "hooked<hooked<ring<tcp>>> added " +
+                                                      std::to_string(with_twice - with_hooked) + " threads, ring<tcp> " +
+                                                      std::to_string(per_ring));
+    // The fallback: an inner reducer without a thread to lend, and the decorator's own.
+    no_lend bare{pg};
+    exercise(bare);
+    const long with_bare = thread_count();
+    ddp::hooked<no_lend, async_hook> own{pg};
+    exercise(own);
+    require(thread_count() - with_bare == per_ring + 1, "hooked<no_lend> keeps a thread of its own");
+    require(own.hook().calls == 2, "fallback hook calls");
+  });
+  CHECK_MESSAGE(all_ok(outs), summary(outs));
+}
+
+TEST_CASE("a hook that waits on async inner collectives, queued behind other work: no deadlock, in order") {
+  for (const char* kind : kinds) {
+    CAPTURE(kind);
+    const int n = 2;
+    const int port = free_port();
+    auto outs = run_ranks(n, [&](int r) {
+      auto pg = ddp::init_process_group(opts(r, n, port));
+      with_reducer<async_hook>(kind, pg, [&](auto& red) {
+        std::vector<std::vector<float>> bufs(6, std::vector<float>(257));
+        std::vector<ddp::request> qs;
+        std::int64_t root = r == 0 ? 7 : 0;
+        for (std::size_t i = 0; i < bufs.size(); ++i) {
+          for (auto& x : bufs[i]) x = static_cast<float>((r + 1) * (i + 1));
+          qs.push_back(red.allreduce_async(bufs[i].data(), bufs[i].size(), ddp::dtype::f32, ddp::op::sum));
+          if (i == 2) qs.push_back(red.broadcast_async(&root, 1, ddp::dtype::i64, 0));
+        }
+        red.allreduce(bufs[0].data(), 1, ddp::dtype::f32, ddp::op::max);  // blocking, behind them
+        red.barrier();
+        for (auto& q : qs) q.wait(std::chrono::steady_clock::now() + 20s);
+        const float tri = static_cast<float>(n * (n + 1) / 2);
+        for (std::size_t i = 0; i < bufs.size(); ++i)
+          for (std::size_t j = i == 0 ? 1 : 0; j < bufs[i].size(); ++j)
+            require(bufs[i][j] == tri * static_cast<float>(i + 1), "bucket " + std::to_string(i));
+        require(bufs[0][0] == tri, "the blocking max after the sum");
+        require(root == 7, "broadcast");
+        require(red.hook().calls == 7, "hook calls: " + std::to_string(red.hook().calls));
+      });
+    });
+    CHECK_MESSAGE(all_ok(outs), summary(outs));
   }
 }

@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -123,6 +124,10 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
   request barrier_async();
   void allreduce(void* data, std::size_t count, dtype t, op o);
   void barrier();
+  /// The engine's progress thread, lent to a decorator (`ddp::hooked` runs its hook on it):
+  /// see reducer/detail/front_end.hpp.
+  request run_in_order(std::function<void()> job);
+  bool try_run_inline(const std::function<void()>& job);
   /// Ends the collectives in flight on every rank (where the engine can be interrupted: all but MPI).
   void abort() noexcept;
   /// The same, with the reason: the peers raise `code` quoting `why` ("rank R reports: why")

@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <string>
@@ -118,8 +119,13 @@ void allreduce_now(R& r, void* data, std::size_t count, dtype t, op o, steady_cl
 /// Contract of the hook (docs/tuning.md):
 /// - it is called once per allreduce issued through this reducer (each bucket the wrapper
 ///   launches, and a program's own `allreduce` calls), in issue order, one call at a time: on
-///   this reducer's progress thread, or on the thread of a blocking call when nothing is
-///   queued. So a hook may keep state (scratch buffers) without locks.
+///   the inner reducer's progress thread (this reducer has none of its own: one progress
+///   thread per reducer stack), or on the thread of a blocking call when nothing is queued. So
+///   a hook may keep state (scratch buffers) without locks. The inner collectives it calls,
+///   blocking or `allreduce_async(...).wait(...)`, run at once on that same thread (they do not
+///   queue behind the hook). Where `Inner` lends no progress thread (a reducer not built on
+///   reducer/detail/front_end.hpp, without `run_in_order` and `try_run_inline`), this reducer
+///   keeps a progress thread of its own and the hook runs there instead.
 /// - it receives the bucket and the inner reducer, and must leave the reduced result in the
 ///   bucket's memory before it returns. It may run any number of collectives on the inner
 ///   reducer, provided every rank runs the same sequence for the same bucket (decide from
@@ -133,7 +139,8 @@ void allreduce_now(R& r, void* data, std::size_t count, dtype t, op o, steady_cl
 /// queue, so every collective keeps its place in the issue order.
 ///
 /// Do not issue collectives on `inner()` directly while this reducer may be running one
-/// (except from inside the hook): they would bypass the queue and its order.
+/// (except from inside the hook): they would not be hooked, and with a progress thread of this
+/// reducer's own (see above) they would bypass its queue and order.
 /// \code
 /// ddp::hooked<ddp::ring<ddp::tcp>, ddp::plain_allreduce> red{pg};
 /// red.allreduce(std::span<float>{v}, ddp::op::avg);
@@ -161,7 +168,7 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
       : pg_(pg),
         inner_(pg, std::forward<Args>(inner_args)...),
         hook_(std::move(hook)),
-        worker_(pg.rank(), "hooked reducer") {}
+        progress_(inner_, pg.rank(), "hooked reducer") {}
 
   hooked(const hooked&) = delete;
   hooked& operator=(const hooked&) = delete;
@@ -184,7 +191,7 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   request allreduce_async(void* data, std::size_t count, dtype t, op o) {
     check(t, o, "allreduce");
     // The inner collectives carry the issuer's flight-record tag (the wrapper's bucket and step).
-    return worker_.submit([=, this, tag = detail::current_flight_tag] {
+    return progress_.submit([=, this, tag = detail::current_flight_tag] {
       const detail::flight_tag_scope on(tag);
       run_hook(data, count, t, o);
     });
@@ -192,11 +199,11 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   /// Blocking allreduce through the hook; on the calling thread when nothing is queued.
   void allreduce(void* data, std::size_t count, dtype t, op o) {
     check(t, o, "allreduce");
-    if (!worker_.try_run_inline([&] { run_hook(data, count, t, o); })) wait(allreduce_async(data, count, t, o));
+    if (!progress_.try_run_inline([&] { run_hook(data, count, t, o); })) wait(allreduce_async(data, count, t, o));
   }
   request broadcast_async(void* data, std::size_t count, dtype t, int root) {
     check(t, op::sum, "broadcast");
-    return worker_.submit([=, this] { pass([&] { return inner_.broadcast_async(data, count, t, root); }); });
+    return progress_.submit([=, this] { pass([&] { return inner_.broadcast_async(data, count, t, root); }); });
   }
   request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) requires
       requires(Inner& r) {
@@ -204,7 +211,7 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   }
   {
     check(t, o, "reduce_scatter");
-    return worker_.submit(
+    return progress_.submit(
         [=, this] { pass([&] { return inner_.reduce_scatter_async(in, out, count_per_rank, t, o); }); });
   }
   request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) requires requires(Inner& r) {
@@ -212,13 +219,13 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   }
   {
     check(t, op::sum, "allgather");
-    return worker_.submit([=, this] { pass([&] { return inner_.allgather_async(in, out, count_per_rank, t); }); });
+    return progress_.submit([=, this] { pass([&] { return inner_.allgather_async(in, out, count_per_rank, t); }); });
   }
   request barrier_async() {
-    return worker_.submit([this] { pass([&] { return barrier_request(); }); });
+    return progress_.submit([this] { pass([&] { return barrier_request(); }); });
   }
   void barrier() {
-    if (!worker_.try_run_inline([&] { pass([&] { return barrier_request(); }); })) wait(barrier_async());
+    if (!progress_.try_run_inline([&] { pass([&] { return barrier_request(); }); })) wait(barrier_async());
   }
 
   /// Ends the inner reducer's collectives in flight on every rank (where it can be aborted).
@@ -230,6 +237,14 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
 
   /// True once a hook failed: every later collective raises errc::aborted quoting it.
   bool failed() const noexcept { return failure_.failed(); }
+
+  /// The progress thread this reducer runs on, lent in turn to a decorator over it (a hooked
+  /// over a hooked): reducer/detail/front_end.hpp.
+  request run_in_order(std::function<void()> job) { return progress_.submit(std::move(job)); }
+  template <class F>
+  bool try_run_inline(F&& job) {
+    return progress_.try_run_inline(std::forward<F>(job));
+  }
 
  private:
   steady_clock::time_point deadline() const { return detail::timing::collective_deadline(pg_.timeout()); }
@@ -318,9 +333,11 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   process_group pg_;
   Inner inner_;
   Hook hook_;
-  std::uint64_t seq_ = 0;          // hooks run one at a time (worker), so no atomic is needed
+  std::uint64_t seq_ = 0;          // hooks run one at a time (progress_), so no atomic is needed
   detail::first_failure failure_;  // later collectives raise errc::aborted quoting it
-  detail::worker worker_;          // last: joins before the hook and the inner reducer go away
+  // Last: before the hook and the inner reducer go away, it waits for this reducer's jobs still
+  // queued on the inner reducer's thread (or joins the thread of its own).
+  detail::progress_of<Inner> progress_;
 };
 
 }  // namespace v0

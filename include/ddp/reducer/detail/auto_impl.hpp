@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <variant>
@@ -141,6 +142,12 @@ DDP_DECL void auto_reducer::allreduce(void* data, std::size_t count, dtype t, op
 }
 DDP_DECL void auto_reducer::barrier() {
   visit([&](auto& r) { r.barrier(); });
+}
+DDP_DECL request auto_reducer::run_in_order(std::function<void()> job) {
+  return visit([&](auto& r) { return r.run_in_order(std::move(job)); });
+}
+DDP_DECL bool auto_reducer::try_run_inline(const std::function<void()>& job) {
+  return visit([&](auto& r) { return r.try_run_inline(job); });
 }
 DDP_DECL void auto_reducer::abort() noexcept {
   visit([](auto& r) {

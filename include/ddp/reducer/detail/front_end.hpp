@@ -26,7 +26,8 @@
 //
 // The engine is a member of the front end, declared before the progress thread, so the thread
 // has joined before the engine goes away. Dispatch is static (a template): no virtual call, no
-// allocation beyond the request's own per collective.
+// allocation beyond the request's own per collective. The progress thread is lent to
+// decorators over the reducer (run_in_order, try_run_inline; ddp::hooked runs its hook on it).
 //
 // Every collective is also written to the reducer's flight recorder (detail/flight_recorder.hpp)
 // as it is issued, starts and ends, and a timeout, a lost peer or an abort dumps the process's
@@ -36,6 +37,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -159,6 +161,22 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
   void abort() noexcept requires engine_aborts<Engine> {
     flight_record_failure("abort() of a reducer on this rank");
     engine_.abort();
+  }
+
+  // ---- the progress thread, lent to decorators (ddp::hooked) -------------------------------
+  // A decorator runs its own jobs (a hook, and the collectives it passes through) on this
+  // reducer's progress thread, in the one queue with this reducer's collectives, rather than
+  // on a thread of its own: one progress thread per reducer stack. A job may call this
+  // reducer's collectives, blocking or async; they run at once on the thread running the job.
+
+  /// Queues `job` behind every collective issued before it; the request completes when it
+  /// has run (with its exception, if any). Called from within a job, it runs `job` at once.
+  request run_in_order(std::function<void()> job) { return worker_.submit(std::move(job)); }
+  /// Runs `job` on the calling thread when nothing is queued or running (or from within a job);
+  /// false, without running it, otherwise: then run_in_order keeps the order.
+  template <class F>
+  bool try_run_inline(F&& job) {
+    return worker_.try_run_inline(std::forward<F>(job));
   }
 
  protected:
