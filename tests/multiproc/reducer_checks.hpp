@@ -185,6 +185,36 @@ std::vector<outcome> run_invalid_arguments(const local_group& opts, int n) {
   }, std::chrono::seconds(60));
 }
 
+/// A broadcast of 256 elements from root 0 on `n` ranks of a `Reducer`, where rank `odd` passes
+/// i32 and the others f32 (the same bytes): a mismatch on every rank naming both, never data
+/// read as another type, within 12 s. Where the root sends and is done before a receiver can see
+/// the difference, `then_barrier` runs a barrier after it, which brings the detecting rank's
+/// verdict to the others. Each rank's outcome, for the caller to CHECK with
+/// broadcast_dtype_mismatch_seen().
+template <class Reducer>
+std::vector<outcome> run_broadcast_dtype_mismatch(const local_group& opts, int n, int odd, bool then_barrier) {
+  const int port = free_port();
+  return run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, n, port, std::chrono::seconds(10)));
+    Reducer red{pg};
+    std::vector<float> f(256, 1.5f);
+    std::vector<std::int32_t> i(256, 7);
+    if (r == odd)
+      red.broadcast(std::span<std::int32_t>(i), 0);
+    else
+      red.broadcast(std::span<float>(f), 0);
+    if (then_barrier) red.barrier();
+  }, std::chrono::seconds(30));
+}
+/// What every rank's outcome of run_broadcast_dtype_mismatch must say; empty when it does.
+inline std::string broadcast_dtype_mismatch_seen(const outcome& o) {
+  if (o.errc != static_cast<int>(ddp::errc::mismatch)) return "not errc::mismatch: " + o.message;
+  for (const char* t : {"broadcast #1 of 256 x f32 from root 0", "broadcast #1 of 256 x i32 from root 0"})
+    if (o.message.find(t) == std::string::npos) return std::string("'") + t + "' not in: " + o.message;
+  if (o.seconds >= 12.0) return "took " + std::to_string(o.seconds) + " s";
+  return {};
+}
+
 /// reduce_scatter and allgather refuse overlapping buffers (errc::invalid_argument naming the
 /// collective and both byte ranges) except the in-place form, which gives the right values,
 /// also across the shm engine's chunk boundaries (`per` elements per rank).
