@@ -185,8 +185,6 @@ class store_server {
     std::string out;
     std::optional<detail::auth_responder> hs;  // engaged in phase::handshake
     std::uint32_t events = 0;                  // epoll interest now
-    standing placed = standing::trusted;       // as the admission policy holds it
-    std::uint64_t order = 0;                   // its place among its standing
     std::uint64_t active = 0;                  // when a request of it was last answered
     deadline_t accepted{};
     deadline_t limit{};                        // end of the refused linger, or of the hung-up one
@@ -417,10 +415,7 @@ class store_server {
     // just answered is about to claim: idle strangers go before it).
     const std::uint64_t order =
         s == standing::not_member ? c.active + (c.parked.empty() ? 0 : std::uint64_t{1} << 62) : c.seq;
-    if (s == c.placed && order == c.order) return;
-    c.placed = s;
-    c.order = order;
-    admission_.place(c.seq, s, order, c.accepted);
+    admission_.place(c.seq, s, order, c.accepted);  // a no-op when neither changed
   }
   void recount(client& c) {
     // Only clients that got in count: a stranger stalled mid-handshake (or one that never

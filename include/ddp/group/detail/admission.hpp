@@ -103,12 +103,6 @@ class admission {
     if (ranked_.empty()) return std::nullopt;
     return std::get<2>(*ranked_.begin());
   }
-  /// Its standing (refused or handshaking strangers count as refused when closed).
-  std::optional<standing> standing_of(id_type id) const {
-    auto it = entries_.find(id);
-    if (it == entries_.end()) return std::nullopt;
-    return it->second.s;
-  }
 
   /// Connections the listener may hold now: the capacity, or fewer for a while after the
   /// process ran out of descriptors.
