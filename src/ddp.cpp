@@ -12,4 +12,6 @@
 #include <ddp/detail/kernels_impl.hpp>
 #include <ddp/group/detail/init_options_impl.hpp>
 #include <ddp/group/detail/process_group_impl.hpp>
+#include <ddp/group/detail/transport_context_impl.hpp>
+#include <ddp/memory/detail/auto_allocator_impl.hpp>
 #include <ddp/reducer/detail/auto_impl.hpp>

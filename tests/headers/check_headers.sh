@@ -5,7 +5,8 @@
 # Private headers (ddp/detail/, ddp/reducer/detail/) compile alone when the translation unit
 # opts in (DDP_ALLOW_DETAIL_HEADERS), and without it each stops with the one line that says to
 # include a public header. Each public header compiled below C++20 stops with one error line
-# that says ddp needs C++20. The headers are checked side by side, one per core.
+# that says ddp needs C++20. Each public header compiles alone in compiled mode
+# (DDP_SEPARATE_COMPILATION) as well. The headers are checked side by side, one per core.
 #   check_headers.sh INCLUDE_DIR CXX [cuda-flags] [mpi-flags] [tbb-flags] [sodium-flags] [torch-flags] [eigen-flags]
 set -u
 inc=$1; cxx=$2; cuda=${3:-none}; mpi=${4:-none}; tbb=${5:-none}; sodium=${6:-none}; torch=${7:-none}; eigen=${8:-none}
@@ -51,6 +52,16 @@ check_one() {
     echo PASS
   else
     echo "FAIL $h"; head -20 "$dir/err"
+  fi
+  # A public header compiles alone in compiled mode too, where the headers only declare the
+  # non-template code (detail/compiled.hpp) and the umbrella stops at the default path.
+  if [[ $h != */detail/* ]]; then
+    if $cxx -std=c++20 -Wall -Wextra -Wpedantic -Werror -fsyntax-only -I. -DDDP_SEPARATE_COMPILATION $extra \
+      "$dir/tu.cpp" 2> "$dir/err"; then
+      echo PASS
+    else
+      echo "FAIL $h with DDP_SEPARATE_COMPILATION"; head -20 "$dir/err"
+    fi
   fi
 }
 export -f check_one

@@ -24,12 +24,12 @@
 #include <ddp/detail/compiled.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/failure.hpp>
 #include <ddp/group/init_options.hpp>
-#include <ddp/group/verdict.hpp>
-#include <ddp/group/store_client.hpp>
 
 namespace ddp {
 inline namespace v0 {
+class store_client;  // group/store_client.hpp
 namespace detail {
 struct group_state;  // group/detail/group_state.hpp
 }  // namespace detail
@@ -135,7 +135,7 @@ class process_group {
   /// on an empty handle or in a forked child.
   void abort(const std::string& why = "abort() called") noexcept;
 
-  /// A failure as the group records it (group/verdict.hpp): its condition and a sentence that
+  /// A failure as the group records it (group/failure.hpp): its condition and a sentence that
   /// names the rank it happened on, so that any rank can raise it under its own prefix.
   using failure = group_failure;
 
@@ -201,5 +201,6 @@ process_group init_process_group(const init_options& opts);
 }  // namespace ddp
 
 #if !defined(DDP_SEPARATE_COMPILATION)
+#include <ddp/group/store_client.hpp>  // store()'s type, complete where the group's code is
 #include <ddp/group/detail/process_group_impl.hpp>
 #endif

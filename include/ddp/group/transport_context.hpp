@@ -8,13 +8,12 @@
 
 #include <ddp/version.hpp>
 #include <ddp/clock.hpp>
-#include <ddp/group/detail/group_state.hpp>
+#include <ddp/detail/compiled.hpp>
 #include <ddp/group/process_group.hpp>
-#include <ddp/group/verdict.hpp>
-#include <ddp/group/store_client.hpp>
 
 namespace ddp {
 inline namespace v0 {
+class failure_verdict;  // group/verdict.hpp
 
 /// What a transport gets from its group, instead of the group's plumbing: rank, size, timeout,
 /// the group's id, a channel of its own, the group's store and failure verdict, and a handle
@@ -34,12 +33,7 @@ inline namespace v0 {
 class transport_context {
  public:
   /// errc::usage on an empty handle or in a forked child.
-  transport_context(process_group& pg)  // NOLINT(google-explicit-constructor): a group is a context
-      : pg_(pg) {
-    auto& g = pg_.live("transport_context");
-    channel_ = g.next_channel++;
-    verdict_ = &g.verdict;
-  }
+  transport_context(process_group& pg);  // NOLINT(google-explicit-constructor): a group is a context
 
   int rank() const noexcept { return pg_.rank(); }
   int size() const noexcept { return pg_.size(); }
@@ -65,3 +59,7 @@ class transport_context {
 
 }  // namespace v0
 }  // namespace ddp
+
+#if !defined(DDP_SEPARATE_COMPILATION)
+#include <ddp/group/detail/transport_context_impl.hpp>
+#endif

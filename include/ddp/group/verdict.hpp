@@ -26,26 +26,11 @@
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/failure.hpp>
 #include <ddp/group/store_client.hpp>
 
 namespace ddp {
 inline namespace v0 {
-
-/// A failure as the group records it: its condition and a sentence that names the rank it
-/// happened on ("rank 2 reports: lost connection to rank 3 (...)"), so that any rank can
-/// raise it under its own prefix.
-struct group_failure {
-  errc code{};
-  std::string text;
-  bool empty() const noexcept { return text.empty(); }
-  /// "<errc> <text>": how a failure travels between ranks (store record, all_gather).
-  std::string encode() const { return std::to_string(static_cast<int>(code)) + " " + text; }
-  static group_failure decode(const std::string& v) {
-    const auto sp = v.find(' ');
-    if (sp == std::string::npos) return {errc::protocol, v};
-    return {static_cast<errc>(std::atoi(v.substr(0, sp).c_str())), v.substr(sp + 1)};
-  }
-};
 
 /// The group's failure record and the judgement on a failed link, for one rank. One per group,
 /// shared by the group and every transport on it (through `transport_context::verdict()`).

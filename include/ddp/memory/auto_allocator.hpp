@@ -13,10 +13,11 @@
 #include <ddp/error.hpp>
 #include <ddp/memory/allocator_concept.hpp>
 #include <ddp/memory/host_allocator.hpp>
+#include <ddp/detail/compiled.hpp>
 #include <ddp/reducer/auto.hpp>
-#include <ddp/reducer/shm.hpp>
 #if defined(DDP_WITH_NCCL)
 #include <ddp/memory/cuda_allocator.hpp>
+#include <ddp/reducer/nccl.hpp>  // for_reducer reads its device and stream
 #endif
 
 namespace ddp {
@@ -49,23 +50,15 @@ class auto_allocator {
 #if defined(DDP_WITH_NCCL)
     if (on_device_) return cuda_.allocate(bytes);
 #endif
-    if (link_ != nullptr && bytes > 0) {
-      try {
-        return link_->allocate(bytes);
-      } catch (const error& e) {
-        if (e.condition() != errc::system) throw;  // the segment is full: host memory instead
-      }
-    }
+    if (link_ != nullptr && bytes > 0)
+      if (void* p = from_segment(link_, bytes)) return p;
     return host_allocator{}.allocate(bytes);
   }
   void deallocate(void* p, std::size_t bytes) const noexcept {
 #if defined(DDP_WITH_NCCL)
     if (on_device_) return cuda_.deallocate(p, bytes);
 #endif
-    if (link_ != nullptr && link_->contains(p))
-      link_->deallocate(p, bytes);
-    else
-      host_allocator{}.deallocate(p, bytes);
+    if (link_ == nullptr || !to_segment(link_, p, bytes)) host_allocator{}.deallocate(p, bytes);
   }
   memory_kind location() const noexcept {
 #if defined(DDP_WITH_NCCL)
@@ -90,6 +83,11 @@ class auto_allocator {
   friend bool operator==(const auto_allocator&, const auto_allocator&) = default;
 
  private:
+  // A block of `segment`, or nullptr when it is full (memory/detail/auto_allocator_impl.hpp).
+  static void* from_segment(shm* segment, std::size_t bytes);
+  // Gives `p` back to `segment` when it came from there; false otherwise.
+  static bool to_segment(shm* segment, void* p, std::size_t bytes) noexcept;
+
   shm* link_ = nullptr;
 #if defined(DDP_WITH_NCCL)
   cuda_allocator cuda_{};
@@ -101,3 +99,7 @@ static_assert(device_allocator<auto_allocator>);
 
 }  // namespace v0
 }  // namespace ddp
+
+#if !defined(DDP_SEPARATE_COMPILATION)
+#include <ddp/memory/detail/auto_allocator_impl.hpp>
+#endif

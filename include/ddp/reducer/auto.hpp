@@ -39,19 +39,23 @@
 #include <ddp/error.hpp>
 #include <ddp/group/backend.hpp>
 #include <ddp/group/topology.hpp>
+#include <ddp/fwd.hpp>
 #include <ddp/process_group.hpp>
-#include <ddp/reducer/detail/front_end.hpp>
 #include <ddp/reducer/detail/typed_collectives.hpp>
+#include <ddp/request.hpp>
+// The engines: complete here in a header-only build; in compiled mode only their names are
+// needed, and a unit that names one includes its header (auto_impl.hpp includes them all).
+#if !defined(DDP_SEPARATE_COMPILATION)
 #include <ddp/reducer/hierarchical.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/shm.hpp>
-#include <ddp/request.hpp>
 #include <ddp/transport/tcp.hpp>
 #if defined(DDP_WITH_MPI)
 #include <ddp/reducer/mpi.hpp>
 #endif
 #if defined(DDP_WITH_NCCL)
 #include <ddp/reducer/nccl.hpp>
+#endif
 #endif
 
 namespace ddp {
@@ -64,17 +68,19 @@ class solo_reducer;  // reducer/detail/auto_impl.hpp: the engine of a group of o
 /// it is a collective; every rank must ask for the same backend (errc::mismatch otherwise).
 class auto_reducer : public detail::typed_collectives<auto_reducer> {
   friend class detail::typed_collectives<auto_reducer>;
-  using variant = std::variant<std::unique_ptr<detail::solo_reducer>, std::unique_ptr<ring<shm>>,
-                               std::unique_ptr<hierarchical>, std::unique_ptr<ring<tcp>>
+  using variant =
+      std::variant<std::unique_ptr<detail::solo_reducer>,
+                   std::unique_ptr<basic_reducer<ring_algorithm, shm>>,                                // ring<shm>
+                   std::unique_ptr<hierarchical>, std::unique_ptr<basic_reducer<ring_algorithm, tcp>>  // ring<tcp>
 #if defined(DDP_WITH_MPI)
-                               ,
-                               std::unique_ptr<mpi_reducer>
+                   ,
+                   std::unique_ptr<mpi_reducer>
 #endif
 #if defined(DDP_WITH_NCCL)
-                               ,
-                               std::unique_ptr<nccl_reducer>
+                   ,
+                   std::unique_ptr<nccl_reducer>
 #endif
-                               >;
+                   >;
   variant r_;
   // Calls `f` on the engine (reducer/detail/auto_impl.hpp).
   template <class F>

@@ -53,7 +53,9 @@
 #include <ddp/detail/timing.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/store_client.hpp>
 #include <ddp/group/topology.hpp>
+#include <ddp/group/verdict.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/basic_reducer.hpp>
 #include <ddp/reducer/detail/front_end.hpp>

@@ -31,6 +31,7 @@
 
 #include <ddp/error.hpp>
 #include <ddp/group/detail/mesh.hpp>
+#include <ddp/group/store_client.hpp>
 #include <ddp/detail/random.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/group/detail/store_protocol.hpp>

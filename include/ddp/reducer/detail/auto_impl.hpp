@@ -15,6 +15,16 @@
 #include <ddp/detail/compiled.hpp>
 #include <ddp/detail/consensus.hpp>
 #include <ddp/reducer/auto.hpp>
+#include <ddp/reducer/hierarchical.hpp>
+#include <ddp/reducer/ring.hpp>
+#include <ddp/reducer/shm.hpp>
+#include <ddp/transport/tcp.hpp>
+#if defined(DDP_WITH_MPI)
+#include <ddp/reducer/mpi.hpp>
+#endif
+#if defined(DDP_WITH_NCCL)
+#include <ddp/reducer/nccl.hpp>
+#endif
 
 namespace ddp {
 inline namespace v0 {

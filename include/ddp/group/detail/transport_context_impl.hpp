@@ -1,0 +1,23 @@
+#pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
+// IWYU pragma: private
+// `transport_context`'s constructor (group/transport_context.hpp): inline in a header-only
+// build, compiled once in src/ddp.cpp in compiled mode (detail/compiled.hpp).
+
+#include <ddp/version.hpp>
+#include <ddp/detail/compiled.hpp>
+#include <ddp/group/detail/group_state.hpp>
+#include <ddp/group/transport_context.hpp>
+#include <ddp/group/verdict.hpp>
+
+namespace ddp {
+inline namespace v0 {
+
+DDP_DECL transport_context::transport_context(process_group& pg) : pg_(pg) {
+  auto& g = pg_.live("transport_context");
+  channel_ = g.next_channel++;
+  verdict_ = &g.verdict;
+}
+
+}  // namespace v0
+}  // namespace ddp
