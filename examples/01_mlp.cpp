@@ -1,7 +1,7 @@
 // Data-parallel training of a small MLP written in plain C++: its own forward and backward, and
 // ddp::data_parallel averaging the gradients across ranks while backward runs.
 //
-//   ddprun -n 4 build/examples/01_mlp [--compress fp16|bf16]
+//   ddprun -n 4 build/examples/01_mlp [--compress fp16|bf16] [--checkpoint FILE [--fail-at-epoch E]]
 //
 // Each rank trains on its shard of a synthetic regression set (generated from a fixed seed, so
 // every rank can build the whole set and take its part). Backward walks the layers last to
@@ -19,6 +19,13 @@
 // ddp::fp16_compress or ddp::bf16_compress over the default reducer, docs/tuning.md). The
 // gradients then differ from the single-process run by the compression's rounding as well, so
 // the tolerance of that check is 1e-2 (fp16) or 5e-2 (bf16); the other checks stay.
+//
+// --checkpoint FILE saves the model (weights, momentum, the epochs done) with
+// ddp::save_checkpoint after every epoch, and a run that finds FILE resumes from it with
+// ddp::load_checkpoint: what `ddprun --max-restarts K` needs to pick a job up where a failed rank
+// left it. The checks above hold for a resumed run as for an uninterrupted one (the reference
+// run is the same). --fail-at-epoch E makes rank 1 kill itself (SIGKILL) as epoch E begins,
+// in the first run only (DDP_RESTART_COUNT unset or 0): the launcher's restart test.
 #include <ddp/data_parallel.hpp>
 #include <ddp/ddp.hpp>
 #include <ddp/reducer/compress.hpp>
@@ -28,10 +35,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <csignal>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <random>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -216,14 +226,23 @@ const std::vector<int> dims{input_dim, 64, 64, 1};
 template <class DP>
 int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::tensor_view>& params, const char* compress);
 
+// Where a run saves and resumes (--checkpoint), and the epoch whose start rank 1 does not
+// survive in the first run (--fail-at-epoch; -1: none).
+std::string checkpoint_path;
+int fail_at_epoch = -1;
+
 int main(int argc, char** argv) try {
   const char* compress = "none";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--compress" && i + 1 < argc) {
       compress = argv[++i];
+    } else if (a == "--checkpoint" && i + 1 < argc) {
+      checkpoint_path = argv[++i];
+    } else if (a == "--fail-at-epoch" && i + 1 < argc) {
+      fail_at_epoch = std::atoi(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: 01_mlp [--compress none|fp16|bf16]\n");
+      std::fprintf(stderr, "usage: 01_mlp [--compress none|fp16|bf16] [--checkpoint FILE [--fail-at-epoch E]]\n");
       return 2;
     }
   }
@@ -249,13 +268,45 @@ int main(int argc, char** argv) try {
   }
   ddp::data_parallel dp{pg, params, buckets};
   return train(pg, dp, model, params, compress);
-} catch (const ddp::error& e) {
+} catch (const std::exception& e) {
   std::fprintf(stderr, "%s\n", e.what());
   return 1;
 }
 
+// The state a resumed run needs besides the weights: the epochs done, the first epoch's loss
+// (the loss check compares with it) and the momentum, which is the same on every rank.
+std::vector<std::byte> resume_state(mlp& model, int epochs_done, double first_loss) {
+  std::vector<std::byte> out(sizeof(std::int64_t) + sizeof(double));
+  const std::int64_t e = epochs_done;
+  std::memcpy(out.data(), &e, sizeof e);
+  std::memcpy(out.data() + sizeof e, &first_loss, sizeof first_loss);
+  for (const auto& L : model.layers())
+    for (const auto* v : {&L.vw, &L.vb}) {
+      const auto* p = reinterpret_cast<const std::byte*>(v->data());
+      out.insert(out.end(), p, p + v->size() * sizeof(float));
+    }
+  return out;
+}
+
+// Applies what resume_state wrote; returns the epochs done.
+int resume_from(mlp& model, const std::vector<std::byte>& in, double& first_loss) {
+  std::size_t need = sizeof(std::int64_t) + sizeof(double);
+  for (const auto& L : model.layers()) need += (L.vw.size() + L.vb.size()) * sizeof(float);
+  if (in.size() != need) throw std::runtime_error("01_mlp: the checkpoint's state is not this model's");
+  std::int64_t e = 0;
+  std::memcpy(&e, in.data(), sizeof e);
+  std::memcpy(&first_loss, in.data() + sizeof e, sizeof first_loss);
+  std::size_t at = sizeof e + sizeof first_loss;
+  for (auto& L : model.layers())
+    for (auto* v : {&L.vw, &L.vb}) {
+      std::memcpy(v->data(), in.data() + at, v->size() * sizeof(float));
+      at += v->size() * sizeof(float);
+    }
+  return static_cast<int>(e);
+}
+
 template <class DP>
-int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::tensor_view>&, const char* compress) {
+int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::tensor_view>& params, const char* compress) {
   const bool compressed = std::string(compress) != "none";
   const int rank = pg.rank(), world = pg.size();
   const dataset data = make_dataset(samples_per_rank * world);
@@ -272,7 +323,17 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
 
   std::vector<double> epoch_loss;
   double exposed_ms = 0, backward_ms = 0;
-  for (int e = 0; e < epochs; ++e) {
+  int first_epoch = 0;
+  double first_loss = 0;
+  if (!checkpoint_path.empty() && std::filesystem::exists(checkpoint_path)) {
+    // Rank 0 reads the file and hands every rank the same weights and state.
+    first_epoch = resume_from(model, ddp::load_checkpoint(pg, checkpoint_path, params), first_loss);
+    if (rank == 0) std::printf("resumed from %s after epoch %d\n", checkpoint_path.c_str(), first_epoch);
+  }
+  const char* restarts = std::getenv("DDP_RESTART_COUNT");
+  const bool first_run = restarts == nullptr || std::atoi(restarts) == 0;
+  for (int e = first_epoch; e < epochs; ++e) {
+    if (e == fail_at_epoch && rank == 1 && first_run) std::raise(SIGKILL);
     double sum = 0;
     for (int s = 0; s < steps_per_epoch; ++s) {
       sum += model.forward_backward(shard_x(rank, s), shard_y(rank, s), batch, [&](std::size_t i) { dp.grad_ready(i); });
@@ -284,11 +345,16 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
     double loss = sum / steps_per_epoch;
     dp.get_reducer().allreduce(std::span<double>(&loss, 1), ddp::op::avg);  // mean over all shards
     epoch_loss.push_back(loss);
+    if (e == 0) first_loss = loss;
     if (rank == 0) std::printf("epoch %2d  loss %.6f\n", e + 1, loss);
+    if (!checkpoint_path.empty()) {
+      const auto state = resume_state(model, e + 1, first_loss);
+      ddp::save_checkpoint(pg, checkpoint_path, params, std::span<const std::byte>(state));
+    }
   }
 
   bool ok = true;
-  const double first = epoch_loss.front(), last = epoch_loss.back();
+  const double first = first_loss, last = epoch_loss.empty() ? first_loss : epoch_loss.back();
   if (rank == 0)
     std::printf("loss fell from %.6f to %.6f (%.1fx): %s\n", first, last, first / last,
                 last < first / 4 ? "OK" : "FAILED");
@@ -340,7 +406,7 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
     std::printf("single-process run on the full batch: max |difference| of weights %.3g (tolerance %.0e%s%s): %s\n",
                 max_diff, bound, compressed ? ", " : "", compressed ? compress : "", match ? "OK" : "FAILED");
     ok = ok && match;
-    const double steps = static_cast<double>(epochs * steps_per_epoch);
+    const double steps = static_cast<double>(std::max(1, (epochs - first_epoch) * steps_per_epoch));
     std::printf("per step: backward %.3f ms, communication left exposed after backward %.3f ms\n",
                 backward_ms / steps, exposed_ms / steps);
   }

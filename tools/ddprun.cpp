@@ -3,6 +3,7 @@
 //   ddprun -n 4 [--master-addr 127.0.0.1] [--port P] [--timeout S] [--] prog args...
 //   ddprun -n 4 --nnodes 3 --node-rank K --master-addr HOST --port P [--job-id ID] [--] prog args...
 //   ddprun -n 2 --bind-cores [--] prog args...
+//   ddprun -n 4 --max-restarts 3 [--] prog args...
 //
 // Picks a free port unless --port is given, sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
 // LOCAL_RANK, LOCAL_WORLD_SIZE and DDP_JOB_ID (unless set) for each rank, prefixes every output
@@ -17,6 +18,14 @@
 // else one derived from the master's address and port (the same on every host). Each ddprun
 // ends only its own host's ranks; the others learn of a failure through ddp's group (their
 // collectives fail naming the rank that was lost).
+//
+// --max-restarts K: when a rank fails, ddprun ends the others as always, says once which rank
+// failed and how, and starts every rank again, up to K times, as torchrun's --max_restarts does
+// (each run on a fresh port unless --port is given; DDP_RESTART_COUNT tells the ranks which run
+// this is, 0 for the first). The program resumes from its own checkpoint
+// (ddp::save_checkpoint / ddp::load_checkpoint: examples/01_mlp.cpp --checkpoint). ddprun
+// exits with the status of the last run. A signal to ddprun itself ends the job, with no
+// restart. One host only for now (docs/reliability.md).
 //
 // --bind-cores pins local rank l to the l-th core ddprun may run on (modulo their number), as
 // mpirun binds its ranks to cores: two ranks that hand a shared-memory step back and forth are
@@ -59,7 +68,8 @@ void on_signal(int s) { g_signal = s; }
                "program [args...]\n"
                "       ddprun -n N --nnodes NODES --node-rank K --master-addr ADDR --port PORT [--job-id ID] "
                "[--timeout SECONDS] [--] program [args...]\n"
-               "       options: --bind-cores (pin local rank l to the l-th usable core)\n",
+               "       options: --bind-cores (pin local rank l to the l-th usable core), --max-restarts K "
+               "(start every rank again when one fails, up to K times)\n",
                msg);
   std::exit(2);
 }
@@ -120,6 +130,7 @@ int main(int argc, char** argv) {
   std::string addr = "127.0.0.1";
   std::string timeout, job_id_opt;
   bool bind_cores = false;
+  int max_restarts = 0;
   // A whole decimal number in [lo, hi], or a usage error naming the option.
   auto number = [](const std::string& name, const std::string& v, long lo, long hi) {
     char* end = nullptr;
@@ -148,6 +159,7 @@ int main(int argc, char** argv) {
     else if (a == "--job-id") job_id_opt = value("--job-id");
     else if (a == "--timeout") timeout = value("--timeout");
     else if (a == "--bind-cores") bind_cores = true;
+    else if (a == "--max-restarts") max_restarts = number("--max-restarts", value("--max-restarts"), 0, 1 << 20);
     else if (a == "-h" || a == "--help") usage("help");
     else if (a == "--") { ++i; break; }
     else if (!a.empty() && a[0] == '-') usage(("unknown option " + a).c_str());
@@ -168,6 +180,8 @@ int main(int argc, char** argv) {
     usage(("--nnodes " + std::to_string(nnodes) + " needs" + missing).c_str());
   }
   if (static_cast<long long>(n) * nnodes > (1 << 20)) usage("-n times --nnodes is larger than 1048576 ranks");
+  if (max_restarts > 0 && nnodes > 1)
+    usage("--max-restarts runs on one host only (--nnodes 1): the hosts' launchers do not yet restart together");
   if (i >= argc) usage("no program given");
   const int world = n * nnodes;
   const int base = node_rank * n;  // global rank of this host's local rank 0
@@ -198,226 +212,246 @@ int main(int argc, char** argv) {
     job_id = buf;
   }
 
-  void* shared = ::mmap(nullptr, sizeof(exit_note) * static_cast<std::size_t>(n), PROT_READ | PROT_WRITE,
-                        MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (shared == MAP_FAILED) { std::perror("ddprun: mmap"); return 2; }
-  auto* notes = static_cast<exit_note*>(shared);
-  for (int r = 0; r < n; ++r) new (&notes[r]) exit_note{};
-
-  std::vector<rank_proc> procs(static_cast<std::size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    int p[2];
-    if (::pipe2(p, O_CLOEXEC) != 0) { std::perror("ddprun: pipe"); return 2; }
-    // The rank's end of the launcher's note (DDP_LAUNCHER_FD, ddp/group/detail/launcher.hpp): before
-    // ending the ranks of this host because one failed, ddprun tells them which, so that the
-    // group's failure names it and the other hosts do not blame the ranks ended here.
-    int sv[2] = {-1, -1};
-    if (nnodes > 1 && ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
-      std::perror("ddprun: socketpair");
-      return 2;
-    }
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      // The keeper. Each rank leads its own process group, so ending a rank ends whatever it
-      // started; the keeper outlives the program by a moment only, and ignores the signals
-      // ddprun sends the group so that it can still write down how the program ended.
-      ::setpgid(0, 0);
-      ::dup2(p[1], 1);
-      ::dup2(p[1], 2);
-      ::setenv("MASTER_ADDR", addr.c_str(), 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      ::setenv("RANK", std::to_string(base + r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
-      ::setenv("DDP_JOB_ID", job_id.c_str(), 1);
-      if (!timeout.empty()) ::setenv("DDP_TIMEOUT", timeout.c_str(), 1);
-      if (sv[1] >= 0) {
-        ::fcntl(sv[1], F_SETFD, 0);  // kept across exec: the program's
-        ::setenv("DDP_LAUNCHER_FD", std::to_string(sv[1]).c_str(), 1);
+  for (int restart = 0;; ++restart) {
+    if (restart > 0 && !port_given) {
+      try {
+        port = pick_port(addr);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "ddprun: %s\n", e.what());
+        return 2;
       }
-      struct sigaction ign{};
-      ign.sa_handler = SIG_IGN;
-      for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &ign, nullptr);
-      const pid_t prog = ::fork();
-      if (prog == 0) {
-        struct sigaction dfl{};
-        dfl.sa_handler = SIG_DFL;
-        for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaction(sig, &dfl, nullptr);
-        if (bind_cores) {
-          cpu_set_t allowed, one;
-          CPU_ZERO(&allowed);
-          CPU_ZERO(&one);
-          if (::sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) > 0) {
-            const int k = r % CPU_COUNT(&allowed);
-            for (int c = 0, seen = 0; c < CPU_SETSIZE; ++c)
-              if (CPU_ISSET(c, &allowed) && seen++ == k) {
-                CPU_SET(c, &one);
-                break;
-              }
-            if (::sched_setaffinity(0, sizeof one, &one) != 0)
-              std::fprintf(stderr, "ddprun: cannot bind rank %d to a core: %s\n", base + r, std::strerror(errno));
-          }
-        }
-        ::execvp(argv[i], argv + i);
-        std::fprintf(stderr, "ddprun: cannot run %s: %s\n", argv[i], std::strerror(errno));
-        ::_exit(127);
-      }
-      int st = 127 << 8;
-      if (prog > 0)
-        while (::waitpid(prog, &st, 0) < 0 && errno == EINTR) {
-        }
-      notes[r].at_ns = now_ns();
-      notes[r].status = st;
-      notes[r].done = 1;
-      ::_exit(0);
     }
-    ::close(p[1]);
-    ::setpgid(pid, pid);
-    procs[static_cast<std::size_t>(r)].pid = pid;
-    procs[static_cast<std::size_t>(r)].out = p[0];
-    if (sv[1] >= 0) {
-      ::close(sv[1]);
-      ::fcntl(sv[0], F_SETFL, O_NONBLOCK);
-      procs[static_cast<std::size_t>(r)].note = sv[0];
-    }
-  }
+    const bool restart_left = restart < max_restarts;
+    void* shared = ::mmap(nullptr, sizeof(exit_note) * static_cast<std::size_t>(n), PROT_READ | PROT_WRITE,
+                          MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (shared == MAP_FAILED) { std::perror("ddprun: mmap"); return 2; }
+    auto* notes = static_cast<exit_note*>(shared);
+    for (int r = 0; r < n; ++r) new (&notes[r]) exit_note{};
 
-  int exit_code = 0;
-  int failed_rank = -1;
-  bool terminating = false;
-  std::int64_t ended_at = INT64_MAX;  // when ddprun began ending the ranks itself
-  auto kill_deadline = std::chrono::steady_clock::time_point::max();
-  auto end_all = [&](int sig) {
-    for (auto& p : procs) ::kill(-p.pid, sig);
-  };
-  // The rank that failed first among those that ended before ddprun began ending them.
-  auto first_failure = [&]() -> int {
-    int first = -1;
+    std::vector<rank_proc> procs(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) {
-      const auto& p = procs[static_cast<std::size_t>(r)];
-      if (!p.ended || code_of(p.status) == 0 || p.at_ns >= ended_at) continue;
-      if (first < 0 || p.at_ns < procs[static_cast<std::size_t>(first)].at_ns) first = r;
-    }
-    return first;
-  };
-  // Ranks fail together (the survivors of a lost rank fail because of it), and their keepers
-  // may be scheduled late on a loaded machine: after the first failure is seen, wait a moment
-  // for the others' notes before naming the first.
-  constexpr auto settle = std::chrono::milliseconds(150);
-  constexpr auto never = std::chrono::steady_clock::time_point::max();
-  auto settle_until = never;
-  auto describe = [&](int r) {
-    const int st = procs[static_cast<std::size_t>(r)].status;
-    return std::string(WIFEXITED(st) ? "exited with status " : "was killed by signal ") +
-           std::to_string(WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
-  };
-  // Tells the ranks still running which rank failed first (a group on each records it as the
-  // group's failure unless one was recorded before), and waits up to half a second for their
-  // answers: then ending them blames nobody. Ranks that run no group do not answer.
-  auto tell_cause = [&](int failed) {
-    const std::string note =
-        std::to_string(static_cast<int>(ddp::errc::peer_lost)) + " rank " + std::to_string(base + failed) + " " +
-        describe(failed) + " (seen by its launcher, ddprun on node " + std::to_string(node_rank) +
-        ", which then ended the other ranks of that node)\n";
-    std::vector<int> waiting;
-    for (std::size_t r = 0; r < procs.size(); ++r) {
-      auto& p = procs[r];
-      if (p.note < 0 || p.ended || static_cast<int>(r) == failed) continue;
-      if (::send(p.note, note.data(), note.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(note.size()))
-        waiting.push_back(p.note);
-    }
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
-    while (!waiting.empty() && std::chrono::steady_clock::now() < until) {
-      std::vector<pollfd> pf;
-      for (int fd : waiting) pf.push_back({fd, POLLIN, 0});
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
-      if (::poll(pf.data(), pf.size(), static_cast<int>(std::max<long long>(1, left.count()))) <= 0) continue;
-      std::vector<int> still;
-      for (auto& q : pf) {
-        if (q.revents == 0) { still.push_back(q.fd); continue; }
-        char ack;
-        (void)!::read(q.fd, &ack, 1);  // an answer, or the rank ended: either way done
+      int p[2];
+      if (::pipe2(p, O_CLOEXEC) != 0) { std::perror("ddprun: pipe"); return 2; }
+      // The rank's end of the launcher's note (DDP_LAUNCHER_FD, ddp/group/detail/launcher.hpp): before
+      // ending the ranks of this host because one failed, ddprun tells them which, so that the
+      // group's failure names it and the other hosts do not blame the ranks ended here.
+      int sv[2] = {-1, -1};
+      if (nnodes > 1 && ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+        std::perror("ddprun: socketpair");
+        return 2;
       }
-      waiting.swap(still);
-    }
-  };
-  std::size_t running = procs.size();
-  while (running > 0) {
-    std::vector<pollfd> pf;
-    for (auto& p : procs)
-      if (p.out >= 0) pf.push_back({p.out, POLLIN, 0});
-    const bool settling = settle_until != never && !terminating;
-    if (!pf.empty()) ::poll(pf.data(), pf.size(), settling ? 10 : 50);
-    else ::usleep(settling ? 5000 : 20000);
-    for (std::size_t r = 0; r < procs.size(); ++r) {
-      auto& p = procs[r];
-      if (p.out < 0) continue;
-      char buf[65536];
-      for (;;) {
-        pollfd one{p.out, POLLIN, 0};
-        if (::poll(&one, 1, 0) <= 0) break;
-        const ssize_t k = ::read(p.out, buf, sizeof buf);
-        if (k <= 0) { ::close(p.out); p.out = -1; emit(base + static_cast<int>(r), p.pending, true); break; }
-        p.pending.append(buf, static_cast<std::size_t>(k));
-        emit(base + static_cast<int>(r), p.pending, false);
-      }
-    }
-    for (std::size_t r = 0; r < procs.size(); ++r) {
-      auto& p = procs[r];
-      if (!p.exited) {
-        int st = 0;
-        if (::waitpid(p.pid, &st, WNOHANG) == p.pid) {
-          p.exited = true;
-          --running;
-          if (!notes[r].done.load()) {  // the keeper itself was killed
-            p.ended = true;
-            p.status = st;
-            p.at_ns = now_ns();
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        // The keeper. Each rank leads its own process group, so ending a rank ends whatever it
+        // started; the keeper outlives the program by a moment only, and ignores the signals
+        // ddprun sends the group so that it can still write down how the program ended.
+        ::setpgid(0, 0);
+        ::dup2(p[1], 1);
+        ::dup2(p[1], 2);
+        ::setenv("MASTER_ADDR", addr.c_str(), 1);
+        ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+        ::setenv("RANK", std::to_string(base + r).c_str(), 1);
+        ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+        ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+        ::setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
+        ::setenv("DDP_JOB_ID", job_id.c_str(), 1);
+        ::setenv("DDP_RESTART_COUNT", std::to_string(restart).c_str(), 1);
+        if (!timeout.empty()) ::setenv("DDP_TIMEOUT", timeout.c_str(), 1);
+        if (sv[1] >= 0) {
+          ::fcntl(sv[1], F_SETFD, 0);  // kept across exec: the program's
+          ::setenv("DDP_LAUNCHER_FD", std::to_string(sv[1]).c_str(), 1);
+        }
+        struct sigaction ign{};
+        ign.sa_handler = SIG_IGN;
+        for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &ign, nullptr);
+        const pid_t prog = ::fork();
+        if (prog == 0) {
+          struct sigaction dfl{};
+          dfl.sa_handler = SIG_DFL;
+          for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaction(sig, &dfl, nullptr);
+          if (bind_cores) {
+            cpu_set_t allowed, one;
+            CPU_ZERO(&allowed);
+            CPU_ZERO(&one);
+            if (::sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) > 0) {
+              const int k = r % CPU_COUNT(&allowed);
+              for (int c = 0, seen = 0; c < CPU_SETSIZE; ++c)
+                if (CPU_ISSET(c, &allowed) && seen++ == k) {
+                  CPU_SET(c, &one);
+                  break;
+                }
+              if (::sched_setaffinity(0, sizeof one, &one) != 0)
+                std::fprintf(stderr, "ddprun: cannot bind rank %d to a core: %s\n", base + r, std::strerror(errno));
+            }
           }
+          ::execvp(argv[i], argv + i);
+          std::fprintf(stderr, "ddprun: cannot run %s: %s\n", argv[i], std::strerror(errno));
+          ::_exit(127);
+        }
+        int st = 127 << 8;
+        if (prog > 0)
+          while (::waitpid(prog, &st, 0) < 0 && errno == EINTR) {
+          }
+        notes[r].at_ns = now_ns();
+        notes[r].status = st;
+        notes[r].done = 1;
+        ::_exit(0);
+      }
+      ::close(p[1]);
+      ::setpgid(pid, pid);
+      procs[static_cast<std::size_t>(r)].pid = pid;
+      procs[static_cast<std::size_t>(r)].out = p[0];
+      if (sv[1] >= 0) {
+        ::close(sv[1]);
+        ::fcntl(sv[0], F_SETFL, O_NONBLOCK);
+        procs[static_cast<std::size_t>(r)].note = sv[0];
+      }
+    }
+
+    int exit_code = 0;
+    int failed_rank = -1;
+    bool terminating = false;
+    std::int64_t ended_at = INT64_MAX;  // when ddprun began ending the ranks itself
+    auto kill_deadline = std::chrono::steady_clock::time_point::max();
+    auto end_all = [&](int sig) {
+      for (auto& p : procs) ::kill(-p.pid, sig);
+    };
+    // The rank that failed first among those that ended before ddprun began ending them.
+    auto first_failure = [&]() -> int {
+      int first = -1;
+      for (int r = 0; r < n; ++r) {
+        const auto& p = procs[static_cast<std::size_t>(r)];
+        if (!p.ended || code_of(p.status) == 0 || p.at_ns >= ended_at) continue;
+        if (first < 0 || p.at_ns < procs[static_cast<std::size_t>(first)].at_ns) first = r;
+      }
+      return first;
+    };
+    // Ranks fail together (the survivors of a lost rank fail because of it), and their keepers
+    // may be scheduled late on a loaded machine: after the first failure is seen, wait a moment
+    // for the others' notes before naming the first.
+    constexpr auto settle = std::chrono::milliseconds(150);
+    constexpr auto never = std::chrono::steady_clock::time_point::max();
+    auto settle_until = never;
+    auto describe = [&](int r) {
+      const int st = procs[static_cast<std::size_t>(r)].status;
+      return std::string(WIFEXITED(st) ? "exited with status " : "was killed by signal ") +
+             std::to_string(WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
+    };
+    // Tells the ranks still running which rank failed first (a group on each records it as the
+    // group's failure unless one was recorded before), and waits up to half a second for their
+    // answers: then ending them blames nobody. Ranks that run no group do not answer.
+    auto tell_cause = [&](int failed) {
+      const std::string note =
+          std::to_string(static_cast<int>(ddp::errc::peer_lost)) + " rank " + std::to_string(base + failed) + " " +
+          describe(failed) + " (seen by its launcher, ddprun on node " + std::to_string(node_rank) +
+          ", which then ended the other ranks of that node)\n";
+      std::vector<int> waiting;
+      for (std::size_t r = 0; r < procs.size(); ++r) {
+        auto& p = procs[r];
+        if (p.note < 0 || p.ended || static_cast<int>(r) == failed) continue;
+        if (::send(p.note, note.data(), note.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(note.size()))
+          waiting.push_back(p.note);
+      }
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+      while (!waiting.empty() && std::chrono::steady_clock::now() < until) {
+        std::vector<pollfd> pf;
+        for (int fd : waiting) pf.push_back({fd, POLLIN, 0});
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+        if (::poll(pf.data(), pf.size(), static_cast<int>(std::max<long long>(1, left.count()))) <= 0) continue;
+        std::vector<int> still;
+        for (auto& q : pf) {
+          if (q.revents == 0) { still.push_back(q.fd); continue; }
+          char ack;
+          (void)!::read(q.fd, &ack, 1);  // an answer, or the rank ended: either way done
+        }
+        waiting.swap(still);
+      }
+    };
+    std::size_t running = procs.size();
+    while (running > 0) {
+      std::vector<pollfd> pf;
+      for (auto& p : procs)
+        if (p.out >= 0) pf.push_back({p.out, POLLIN, 0});
+      const bool settling = settle_until != never && !terminating;
+      if (!pf.empty()) ::poll(pf.data(), pf.size(), settling ? 10 : 50);
+      else ::usleep(settling ? 5000 : 20000);
+      for (std::size_t r = 0; r < procs.size(); ++r) {
+        auto& p = procs[r];
+        if (p.out < 0) continue;
+        char buf[65536];
+        for (;;) {
+          pollfd one{p.out, POLLIN, 0};
+          if (::poll(&one, 1, 0) <= 0) break;
+          const ssize_t k = ::read(p.out, buf, sizeof buf);
+          if (k <= 0) { ::close(p.out); p.out = -1; emit(base + static_cast<int>(r), p.pending, true); break; }
+          p.pending.append(buf, static_cast<std::size_t>(k));
+          emit(base + static_cast<int>(r), p.pending, false);
         }
       }
-      if (!p.ended && notes[r].done.load()) {
-        p.ended = true;
-        p.status = notes[r].status.load();
-        p.at_ns = notes[r].at_ns.load();
+      for (std::size_t r = 0; r < procs.size(); ++r) {
+        auto& p = procs[r];
+        if (!p.exited) {
+          int st = 0;
+          if (::waitpid(p.pid, &st, WNOHANG) == p.pid) {
+            p.exited = true;
+            --running;
+            if (!notes[r].done.load()) {  // the keeper itself was killed
+              p.ended = true;
+              p.status = st;
+              p.at_ns = now_ns();
+            }
+          }
+        }
+        if (!p.ended && notes[r].done.load()) {
+          p.ended = true;
+          p.status = notes[r].status.load();
+          p.at_ns = notes[r].at_ns.load();
+        }
+        if (p.ended && code_of(p.status) != 0 && settle_until == never)
+          settle_until = std::chrono::steady_clock::now() + settle;
       }
-      if (p.ended && code_of(p.status) != 0 && settle_until == never)
-        settle_until = std::chrono::steady_clock::now() + settle;
-    }
-    if (!terminating && settle_until != never && (std::chrono::steady_clock::now() >= settle_until || running == 0)) {
-      failed_rank = first_failure();
-      if (failed_rank >= 0) {
-        exit_code = code_of(procs[static_cast<std::size_t>(failed_rank)].status);
-        std::fprintf(stderr, "ddprun: rank %d %s; ending the other ranks%s\n", base + failed_rank,
-                     describe(failed_rank).c_str(), nnodes > 1 ? " of this host" : "");
-        if (nnodes > 1) tell_cause(failed_rank);
+      if (!terminating && settle_until != never && (std::chrono::steady_clock::now() >= settle_until || running == 0)) {
+        failed_rank = first_failure();
+        if (failed_rank >= 0) {
+          exit_code = code_of(procs[static_cast<std::size_t>(failed_rank)].status);
+          if (restart_left)
+            std::fprintf(stderr, "ddprun: rank %d %s; restarting every rank (restart %d of %d)\n", base + failed_rank,
+                         describe(failed_rank).c_str(), restart + 1, max_restarts);
+          else
+            std::fprintf(stderr, "ddprun: rank %d %s; ending the other ranks%s\n", base + failed_rank,
+                         describe(failed_rank).c_str(), nnodes > 1 ? " of this host" : "");
+          if (nnodes > 1) tell_cause(failed_rank);
+          terminating = true;
+          ended_at = now_ns();
+          end_all(SIGTERM);
+          kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        }
+      }
+      if (g_signal != 0 && !terminating) {
         terminating = true;
+        exit_code = 128 + g_signal;
         ended_at = now_ns();
-        end_all(SIGTERM);
+        end_all(g_signal);
         kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
       }
+      if (terminating && std::chrono::steady_clock::now() > kill_deadline) end_all(SIGKILL);
     }
-    if (g_signal != 0 && !terminating) {
-      terminating = true;
-      exit_code = 128 + g_signal;
-      ended_at = now_ns();
-      end_all(g_signal);
-      kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    for (std::size_t r = 0; r < procs.size(); ++r) {
+      if (procs[r].out >= 0) {
+        // What the rank wrote before it ended; a grandchild that still holds the pipe open must
+        // not keep the launcher waiting.
+        ::fcntl(procs[r].out, F_SETFL, O_NONBLOCK);
+        char buf[65536];
+        ssize_t k;
+        while ((k = ::read(procs[r].out, buf, sizeof buf)) > 0) procs[r].pending.append(buf, static_cast<std::size_t>(k));
+        emit(base + static_cast<int>(r), procs[r].pending, true);
+        ::close(procs[r].out);
+      }
     }
-    if (terminating && std::chrono::steady_clock::now() > kill_deadline) end_all(SIGKILL);
+    ::munmap(shared, sizeof(exit_note) * static_cast<std::size_t>(n));
+    for (auto& p : procs)
+      if (p.note >= 0) ::close(p.note);
+    // A rank failed, no signal came to ddprun, and a restart is left: every rank starts again.
+    if (exit_code == 0 || g_signal != 0 || !restart_left || failed_rank < 0) return exit_code;
   }
-  for (std::size_t r = 0; r < procs.size(); ++r) {
-    if (procs[r].out >= 0) {
-      // What the rank wrote before it ended; a grandchild that still holds the pipe open must
-      // not keep the launcher waiting.
-      ::fcntl(procs[r].out, F_SETFL, O_NONBLOCK);
-      char buf[65536];
-      ssize_t k;
-      while ((k = ::read(procs[r].out, buf, sizeof buf)) > 0) procs[r].pending.append(buf, static_cast<std::size_t>(k));
-      emit(base + static_cast<int>(r), procs[r].pending, true);
-      ::close(procs[r].out);
-    }
-  }
-  return exit_code;
 }

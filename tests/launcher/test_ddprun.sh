@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ddprun's contract: environment per rank, "[rank] " prefixes, a failing rank ends the others
-# and ddprun exits with its status. Prints "N passed, N failed".
+# and ddprun exits with its status; --max-restarts starts the ranks again. Prints "N passed, N failed".
 #   test_ddprun.sh DDPRUN [PROCESS_GROUP_EXAMPLE]
 set -u
 ddprun=$1
@@ -96,6 +96,28 @@ check "a --nnodes that is not a number is refused" '[[ $? -eq 2 && "$out" == *"-
 check "-n 0 is refused" '[[ $? -eq 2 ]]'
 "$ddprun" -n 2 /nonexistent/program 2>/dev/null >/dev/null
 check "a program that cannot start fails the run" '[[ $? -ne 0 ]]'
+
+# --max-restarts K: a failed run is started again, every rank of it, up to K times; the cause of
+# each restart is said once; DDP_RESTART_COUNT numbers the runs; a fresh port for each run.
+out=$("$ddprun" -n 3 --max-restarts 2 sh -c \
+  'echo "run=$DDP_RESTART_COUNT p=$MASTER_PORT"; if [ "$RANK" = 1 ] && [ "$DDP_RESTART_COUNT" -lt 2 ]; then exit 5; fi' 2>&1)
+rc=$?
+check "--max-restarts: a run that succeeds after two restarts exits 0" '[[ $rc -eq 0 ]]'
+check "--max-restarts: every rank ran three times, numbered 0, 1, 2" \
+  '[[ $(grep -c "run=0 " <<<"$out") -eq 3 && $(grep -c "run=1 " <<<"$out") -eq 3 && $(grep -c "run=2 " <<<"$out") -eq 3 ]]'
+check "--max-restarts: each restart's cause said once" \
+  '[[ $(grep -c "rank 1 exited with status 5; restarting every rank (restart 1 of 2)" <<<"$out") -eq 1 &&
+      $(grep -c "rank 1 exited with status 5; restarting every rank (restart 2 of 2)" <<<"$out") -eq 1 ]]'
+check "--max-restarts: each run on a port of its own" \
+  '[[ $(sed -n "s/.*run=[0-9] p=\([0-9]*\).*/\1/p" <<<"$out" | sort -u | wc -l) -eq 3 ]]'
+out=$("$ddprun" -n 2 --max-restarts 1 sh -c 'if [ "$RANK" = 0 ]; then exit 4; fi; sleep 60' 2>&1)
+rc=$?
+check "--max-restarts: when the restarts are spent, the failing rank's status is ddprun's" \
+  '[[ $rc -eq 4 && "$out" == *"(restart 1 of 1)"* && "$out" == *"rank 0 exited with status 4; ending the other ranks"* ]]'
+out=$("$ddprun" -n 1 --max-restarts 3 sh -c 'echo "run=$DDP_RESTART_COUNT"' 2>&1)
+check "--max-restarts: a run that succeeds is not restarted" '[[ "$out" == "[0] run=0" ]]'
+out=$("$ddprun" -n 2 --nnodes 2 --node-rank 0 --master-addr h --port 5 --max-restarts 1 true 2>&1)
+check "--max-restarts with several hosts is refused, saying why" '[[ $? -eq 2 && "$out" == *"one host only"* ]]'
 
 # --bind-cores: each rank on one core, local rank l on the l-th usable core (modulo their count).
 ncpu=$(nproc)

@@ -3,6 +3,12 @@
 // on one machine or a test say which ranks form a host; tests/netns runs real network
 // namespaces.
 #include <ddp/ddp.hpp>
+// Named here: in compiled mode (the auto_compiled suite) the umbrella stops at the default path.
+#include <ddp/memory/shm_allocator.hpp>
+#include <ddp/reducer/hierarchical.hpp>
+#include <ddp/reducer/ring.hpp>
+#include <ddp/reducer/shm.hpp>
+#include <ddp/transport/tcp.hpp>
 
 #include <signal.h>
 #include <stdlib.h>
