@@ -1,7 +1,7 @@
 // Data-parallel training of a small MLP written in plain C++: its own forward and backward, and
 // ddp::data_parallel averaging the gradients across ranks while backward runs.
 //
-//   ddprun -n 4 build/examples/01_mlp [--compress fp16|bf16] [--checkpoint FILE [--fail-at-epoch E]]
+//   ddprun -n 4 build/examples/01_mlp [--compress fp16|bf16] [--checkpoint FILE [--fail-at-epoch E [--fail-rank R]]]
 //
 // Each rank trains on its shard of a synthetic regression set (generated from a fixed seed, so
 // every rank can build the whole set and take its part). Backward walks the layers last to
@@ -24,8 +24,9 @@
 // ddp::save_checkpoint after every epoch, and a run that finds FILE resumes from it with
 // ddp::load_checkpoint: what `ddprun --max-restarts K` needs to pick a job up where a failed rank
 // left it. The checks above hold for a resumed run as for an uninterrupted one (the reference
-// run is the same). --fail-at-epoch E makes rank 1 kill itself (SIGKILL) as epoch E begins,
-// in the first run only (DDP_RESTART_COUNT unset or 0): the launcher's restart test.
+// run is the same). --fail-at-epoch E makes rank R (--fail-rank, 1 by default) kill itself
+// (SIGKILL) as epoch E begins, in the first run only (DDP_RESTART_COUNT unset or 0): the
+// launcher's restart test.
 #include <ddp/data_parallel.hpp>
 #include <ddp/ddp.hpp>
 #include <ddp/reducer/compress.hpp>
@@ -230,6 +231,7 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
 // survive in the first run (--fail-at-epoch; -1: none).
 std::string checkpoint_path;
 int fail_at_epoch = -1;
+int fail_rank = 1;
 
 int main(int argc, char** argv) try {
   const char* compress = "none";
@@ -241,8 +243,10 @@ int main(int argc, char** argv) try {
       checkpoint_path = argv[++i];
     } else if (a == "--fail-at-epoch" && i + 1 < argc) {
       fail_at_epoch = std::atoi(argv[++i]);
+    } else if (a == "--fail-rank" && i + 1 < argc) {
+      fail_rank = std::atoi(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: 01_mlp [--compress none|fp16|bf16] [--checkpoint FILE [--fail-at-epoch E]]\n");
+      std::fprintf(stderr, "usage: 01_mlp [--compress none|fp16|bf16] [--checkpoint FILE [--fail-at-epoch E [--fail-rank R]]]\n");
       return 2;
     }
   }
@@ -333,7 +337,7 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
   const char* restarts = std::getenv("DDP_RESTART_COUNT");
   const bool first_run = restarts == nullptr || std::atoi(restarts) == 0;
   for (int e = first_epoch; e < epochs; ++e) {
-    if (e == fail_at_epoch && rank == 1 && first_run) std::raise(SIGKILL);
+    if (e == fail_at_epoch && rank == fail_rank && first_run) std::raise(SIGKILL);
     double sum = 0;
     for (int s = 0; s < steps_per_epoch; ++s) {
       sum += model.forward_backward(shard_x(rank, s), shard_y(rank, s), batch, [&](std::size_t i) { dp.grad_ready(i); });

@@ -25,7 +25,11 @@
 // this is, 0 for the first). The program resumes from its own checkpoint
 // (ddp::save_checkpoint / ddp::load_checkpoint: examples/01_mlp.cpp --checkpoint). ddprun
 // exits with the status of the last run. A signal to ddprun itself ends the job, with no
-// restart. One host only for now (docs/reliability.md).
+// restart. On several hosts every host's ddprun restarts its ranks: a failure on one host
+// reaches the others through the group (their ranks fail naming the lost rank), so each
+// host's ddprun sees its own ranks fail and starts them again; run k's job id is
+// "<job>+restart.k", and a rank that finds an earlier run's store still on the port waits for
+// it to go, so the hosts meet in the same run.
 //
 // --bind-cores pins local rank l to the l-th core ddprun may run on (modulo their number), as
 // mpirun binds its ranks to cores: two ranks that hand a shared-memory step back and forth are
@@ -52,6 +56,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ddp/detail/socket.hpp>
@@ -99,6 +104,7 @@ struct rank_proc {
   int out = -1;
   int note = -1;   // ddprun's end of the rank's DDP_LAUNCHER_FD socket
   std::string pending;
+  std::string last_error;  // the last "[ddp.<errc>] ..." line it wrote: why it failed, when it says
   bool exited = false;  // the keeper was reaped
   bool ended = false;   // the program's end is known: status and at_ns are set
   int status = 0;
@@ -107,14 +113,19 @@ struct rank_proc {
 
 int code_of(int st) { return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st); }
 
-void emit(int rank, std::string& pending, bool flush_all) {
+// Prints the rank's complete lines (all with `flush_all`), noting the last ddp error among them.
+void emit(int rank, std::string& pending, std::string& last_error, bool flush_all) {
+  auto line = [&](std::string_view l) {
+    std::printf("[%d] %.*s\n", rank, static_cast<int>(l.size()), l.data());
+    if (const auto at = l.find("[ddp."); at != std::string_view::npos) last_error = l.substr(at, 400);
+  };
   std::size_t pos;
   while ((pos = pending.find('\n')) != std::string::npos) {
-    std::printf("[%d] %.*s\n", rank, static_cast<int>(pos), pending.data());
+    line(std::string_view(pending).substr(0, pos));
     pending.erase(0, pos + 1);
   }
   if (flush_all && !pending.empty()) {
-    std::printf("[%d] %s\n", rank, pending.c_str());
+    line(pending);
     pending.clear();
   }
   std::fflush(stdout);
@@ -180,8 +191,6 @@ int main(int argc, char** argv) {
     usage(("--nnodes " + std::to_string(nnodes) + " needs" + missing).c_str());
   }
   if (static_cast<long long>(n) * nnodes > (1 << 20)) usage("-n times --nnodes is larger than 1048576 ranks");
-  if (max_restarts > 0 && nnodes > 1)
-    usage("--max-restarts runs on one host only (--nnodes 1): the hosts' launchers do not yet restart together");
   if (i >= argc) usage("no program given");
   const int world = n * nnodes;
   const int base = node_rank * n;  // global rank of this host's local rank 0
@@ -254,7 +263,10 @@ int main(int argc, char** argv) {
         ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
         ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
         ::setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
-        ::setenv("DDP_JOB_ID", job_id.c_str(), 1);
+        // Run k > 0 of the job is "<job>+restart.k": a rank of a new run that finds the store of an
+        // earlier one still on the port (another host's launcher has not ended it yet) waits for
+        // it to go (group/detail/rendezvous.hpp, job_run).
+        ::setenv("DDP_JOB_ID", (restart > 0 ? job_id + "+restart." + std::to_string(restart) : job_id).c_str(), 1);
         ::setenv("DDP_RESTART_COUNT", std::to_string(restart).c_str(), 1);
         if (!timeout.empty()) ::setenv("DDP_TIMEOUT", timeout.c_str(), 1);
         if (sv[1] >= 0) {
@@ -383,9 +395,9 @@ int main(int argc, char** argv) {
           pollfd one{p.out, POLLIN, 0};
           if (::poll(&one, 1, 0) <= 0) break;
           const ssize_t k = ::read(p.out, buf, sizeof buf);
-          if (k <= 0) { ::close(p.out); p.out = -1; emit(base + static_cast<int>(r), p.pending, true); break; }
+          if (k <= 0) { ::close(p.out); p.out = -1; emit(base + static_cast<int>(r), p.pending, p.last_error, true); break; }
           p.pending.append(buf, static_cast<std::size_t>(k));
-          emit(base + static_cast<int>(r), p.pending, false);
+          emit(base + static_cast<int>(r), p.pending, p.last_error, false);
         }
       }
       for (std::size_t r = 0; r < procs.size(); ++r) {
@@ -414,9 +426,13 @@ int main(int argc, char** argv) {
         failed_rank = first_failure();
         if (failed_rank >= 0) {
           exit_code = code_of(procs[static_cast<std::size_t>(failed_rank)].status);
+          // The cause, once: the rank that failed first, and what it said last when it said what
+          // failed (a rank of another host, when this rank failed because of it).
+          const auto& said = procs[static_cast<std::size_t>(failed_rank)].last_error;
+          const std::string cause = describe(failed_rank) + (said.empty() ? "" : " (" + said + ")");
           if (restart_left)
-            std::fprintf(stderr, "ddprun: rank %d %s; restarting every rank (restart %d of %d)\n", base + failed_rank,
-                         describe(failed_rank).c_str(), restart + 1, max_restarts);
+            std::fprintf(stderr, "ddprun: rank %d %s; restarting every rank (restart %d of %d)\n",
+                         base + failed_rank, cause.c_str(), restart + 1, max_restarts);
           else
             std::fprintf(stderr, "ddprun: rank %d %s; ending the other ranks%s\n", base + failed_rank,
                          describe(failed_rank).c_str(), nnodes > 1 ? " of this host" : "");
@@ -444,7 +460,7 @@ int main(int argc, char** argv) {
         char buf[65536];
         ssize_t k;
         while ((k = ::read(procs[r].out, buf, sizeof buf)) > 0) procs[r].pending.append(buf, static_cast<std::size_t>(k));
-        emit(base + static_cast<int>(r), procs[r].pending, true);
+        emit(base + static_cast<int>(r), procs[r].pending, procs[r].last_error, true);
         ::close(procs[r].out);
       }
     }

@@ -196,6 +196,37 @@ TEST_CASE("a second job on the same port is told that another job holds the port
   CHECK(outs[4].message.find("give each job its own MASTER_PORT") != std::string::npos);
 }
 
+TEST_CASE("a rank of a job's next run waits for the earlier run's store to go, then joins its own run") {
+  const int port = free_port();
+  // What a restarting launcher (ddprun --max-restarts) leaves: run 0 of job "J" still holds the
+  // port when a rank of run 1 ("J+restart.1") arrives. 0: run 0's rank 0, whose rank 1 never
+  // comes (it times out and its store goes). 1: run 1's rank 1, early. 2: run 1's rank 0, once
+  // the port is free. 3: a rank of run 0 that comes when run 1 holds the port: refused, as any
+  // other job is (an earlier run never waits for a later one).
+  auto outs = run_processes({0, 1, 2, 3}, [&](int code) {
+    const int r = code == 0 || code == 2 ? 0 : 1;
+    auto o = opts(r, 2, port, code == 0 ? 1500ms : 10s);
+    o.job_id = code == 1 || code == 2 ? "J+restart.1" : "J";
+    if (code == 1) std::this_thread::sleep_for(300ms);
+    if (code == 2) std::this_thread::sleep_for(4500ms);
+    if (code == 3) std::this_thread::sleep_for(6000ms);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto pg = ddp::init_process_group(o);
+    pg.barrier();
+    if (code == 1) {
+      const auto waited = std::chrono::steady_clock::now() - t0;
+      if (waited < 3s) throw std::runtime_error("joined run 1 before run 1's store was up");
+    }
+    if (code == 1 || code == 2) std::this_thread::sleep_for(3000ms);  // hold the port while 3 tries
+  }, 30s);
+  INFO(ddp_test::summary(outs));
+  CHECK(outs[0].errc == static_cast<int>(ddp::errc::timeout));
+  CHECK(outs[1].ok());
+  CHECK(outs[2].ok());
+  CHECK(outs[3].errc == static_cast<int>(ddp::errc::address_in_use));
+  CHECK(outs[3].message.find("job 'J+restart.1'") != std::string::npos);
+}
+
 TEST_CASE("ranks that never arrive: every waiting rank fails within the timeout and names them") {
   const int port = free_port();
   const auto timeout = 2s;

@@ -95,6 +95,9 @@ inline constexpr std::int64_t poll_cap_ms = 1'000'000;
 
 // ---- Joining (group/detail/rendezvous.hpp) -------------------------------------------------------
 
+/// Between two tries to join while the port still serves the job's earlier run (a launcher's
+/// restart: the old store goes when its ranks have been ended).
+inline constexpr std::chrono::milliseconds earlier_run_retry = 50ms;
 /// A wait of a millisecond: the store answers at once with the keys still missing.
 inline constexpr std::chrono::milliseconds missing_ranks_wait = 1ms;
 /// Bound of the requests that name the missing ranks after rendezvous timed out: the error

@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <thread>
 #include <vector>
 
 #include <ddp/auth.hpp>
@@ -314,14 +315,27 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
   if (rank == 0)
     pg.server = std::make_unique<store_server>(endpoint{opts.master_addr, opts.master_port}, 0, auth, store_limits{},
                                                "pg/rank/", static_cast<std::uint32_t>(opts.world_size));
-  pg.store = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
+  const detail::join_request join{rank, opts.world_size, opts.job_id,
+                                  opts.master_addr + ":" + std::to_string(opts.master_port),
+                                  static_cast<long long>(opts.timeout.count())};
+  for (;;) {
+    pg.store = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
+    try {
+      pg.group_id = detail::join_store(*pg.store, join, until);
+      break;
+    } catch (const detail::earlier_run_store& old) {
+      // The job's previous run still holds the port (its launcher is ending its ranks, and its
+      // store goes with them): connect again until this run's store answers.
+      pg.store.reset();
+      if (steady_clock::now() + detail::timing::earlier_run_retry >= until)
+        detail::raise(errc::timeout, rank,
+                      "rendezvous timed out after " + std::to_string(opts.timeout.count()) + " ms: the store at " +
+                          join.where + " still serves the job's earlier run '" + old.theirs + "', not this one ('" +
+                          opts.job_id + "')");
+      std::this_thread::sleep_for(detail::timing::earlier_run_retry);
+    }
+  }
   auto& st = *pg.store;
-
-  pg.group_id =
-      detail::join_store(st,
-                         {rank, opts.world_size, opts.job_id, opts.master_addr + ":" + std::to_string(opts.master_port),
-                          static_cast<long long>(opts.timeout.count())},
-                         until);
   pg.verdict = failure_verdict(pg.store.get(), rank, opts.world_size, opts.timeout);
   pg.links = detail::open_links(st, pg.group_id, rank, opts.world_size, opts.timeout, "pg/mesh", 0,
                                 [v = &pg.verdict] { return v->recorded(); });

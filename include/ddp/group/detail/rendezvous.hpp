@@ -23,10 +23,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ddp/error.hpp>
@@ -88,6 +90,24 @@ struct join_request {
   std::string job_id;
   std::string where;
   long long timeout_ms = 0;
+};
+
+/// A job's runs under a launcher that restarts it (`ddprun --max-restarts`): run k > 0 of job
+/// "J" has the id "J+restart.k", run 0 the id "J". Returns {J, k}.
+inline std::pair<std::string, long> job_run(const std::string& id) {
+  const auto at = id.rfind("+restart.");
+  if (at == std::string::npos) return {id, 0};
+  char* end = nullptr;
+  const long k = std::strtol(id.c_str() + at + 9, &end, 10);
+  if (end == id.c_str() + at + 9 || *end != '\0' || k <= 0) return {id, 0};
+  return {id.substr(0, at), k};
+}
+
+/// Thrown by join_store() when the store on the port is an earlier run of this very job (its
+/// ranks are being ended by their launcher, and the store goes with them): the caller connects
+/// again until the new run's store answers, within its deadline.
+struct earlier_run_store {
+  std::string theirs;
 };
 
 /// Names ranks compactly: "rank 3", "ranks 1, 2, 5", "ranks 1, 2, ... (40 in all)".
@@ -166,6 +186,11 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
     const auto theirs = st.get("pg/job", until);
     const auto sp = theirs.find(' ');
     const std::string their_id = sp == std::string::npos ? std::string() : theirs.substr(sp + 1);
+    if (!req.job_id.empty() && their_id != req.job_id) {
+      const auto [mine_base, mine_run] = job_run(req.job_id);
+      const auto [their_base, their_run] = job_run(their_id);
+      if (mine_base == their_base && their_run < mine_run) throw earlier_run_store{their_id};
+    }
     if (theirs.substr(0, sp) != std::to_string(req.world) ||
         (!req.job_id.empty() && !their_id.empty() && their_id != req.job_id))
       raise(errc::address_in_use, rank,
