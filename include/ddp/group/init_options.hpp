@@ -39,6 +39,12 @@ struct init_options {
   ddp::backend backend = ddp::backend::automatic;
   /// Says on stderr (rank 0) what the default reducer chose and why (`DDP_DEBUG=info`).
   bool debug_info = false;
+  /// The heartbeat's lease (`DDP_HEARTBEAT_MS`); 0, the default, runs none. With a lease L the
+  /// ranks beat to each other every L / 8 on connections of their own, and a rank silent for L
+  /// (frozen, stopped, cut off) fails the group within about L, however long `timeout` is: every
+  /// survivor's collective ends with errc::timeout naming it; a rank that died fails it at once
+  /// (errc::peer_lost). Costs one thread and two connections per rank (docs/reliability.md).
+  std::chrono::milliseconds heartbeat{0};
 
   /// Largest group: 2^20 ranks. Larger sizes are refused at once (errc::invalid_argument).
   static constexpr int max_world_size = 1 << 20;
@@ -47,7 +53,8 @@ struct init_options {
   /// when those are absent Open MPI's `OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`, MPICH/PMI's
   /// `PMI_RANK/PMI_SIZE` (`MPI_LOCALRANKID`) and Slurm's `SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID`;
   /// `DDP_TIMEOUT` (seconds), `DDP_AUTH_TOKEN` and `DDP_JOB_ID` (set by `ddprun`), `DDP_BACKEND`
-  /// (auto, shm, tcp, hierarchical, mpi, nccl) and `DDP_DEBUG` (`info`). Throws
+  /// (auto, shm, tcp, hierarchical, mpi, nccl), `DDP_DEBUG` (`info`) and `DDP_HEARTBEAT_MS`
+  /// (the heartbeat's lease in milliseconds, 0 for none). Throws
   /// errc::invalid_argument for a variable that is not a number or not a backend's name.
   ///
   /// In a rank that `srun` started (its rank is `SLURM_PROCID`), an absent `MASTER_ADDR` is
@@ -102,6 +109,7 @@ struct init_options {
       return "master_addr of " + std::to_string(master_addr.size()) +
              " characters is longer than a host name may be (253)";
     if (timeout.count() <= 0) return "timeout must be positive";
+    if (heartbeat.count() < 0) return "heartbeat must not be negative (0 runs none)";
     return {};
   }
 };

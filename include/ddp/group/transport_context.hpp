@@ -5,6 +5,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <utility>
 
 #include <ddp/version.hpp>
 #include <ddp/clock.hpp>
@@ -14,6 +17,39 @@
 namespace ddp {
 inline namespace v0 {
 class failure_verdict;  // group/verdict.hpp
+struct group_failure;   // group/failure.hpp
+namespace detail {
+struct group_state;  // group/detail/group_state.hpp
+}  // namespace detail
+
+/// A transport's registration for the group's failure as a whole (`transport_context::watch`):
+/// while it lives, a group that fails (its heartbeat found a rank frozen or dead) calls the
+/// function it holds. Destroying it unregisters, waiting for a call in progress: a transport
+/// declares it last, so that it goes first.
+class group_watch {
+ public:
+  group_watch() = default;
+  group_watch(group_watch&& o) noexcept : s_(std::move(o.s_)), id_(std::exchange(o.id_, 0)) {}
+  group_watch& operator=(group_watch&& o) noexcept {
+    if (this != &o) {
+      reset();
+      s_ = std::move(o.s_);
+      id_ = std::exchange(o.id_, 0);
+    }
+    return *this;
+  }
+  group_watch(const group_watch&) = delete;
+  group_watch& operator=(const group_watch&) = delete;
+  ~group_watch() { reset(); }
+  /// Unregisters now.
+  void reset() noexcept;
+
+ private:
+  friend class transport_context;
+  group_watch(std::shared_ptr<detail::group_state> s, std::uint64_t id) noexcept : s_(std::move(s)), id_(id) {}
+  std::shared_ptr<detail::group_state> s_;
+  std::uint64_t id_ = 0;
+};
 
 /// What a transport gets from its group, instead of the group's plumbing: rank, size, timeout,
 /// the group's id, a channel of its own, the group's store and failure verdict, and a handle
@@ -50,6 +86,11 @@ class transport_context {
   store_client& store() { return pg_.store(); }
   /// The group's failure verdict: record a failure, read the first one, judge a failed link.
   failure_verdict& verdict() noexcept { return *verdict_; }
+  /// Calls `on_failure` (on the thread that found it) when the group fails as a whole: its
+  /// heartbeat found a rank frozen or dead (init_options::heartbeat). A transport aborts
+  /// itself there with the group's failure, so that its collectives blocked on a silent peer
+  /// end at once. Keep the returned handle for as long as the transport lives.
+  group_watch watch(std::function<void(const group_failure&)> on_failure);
 
  private:
   process_group pg_;

@@ -253,6 +253,9 @@ class shm {
     oversubscribed_ = static_cast<unsigned>(size_) > cores;
     spin_ = oversubscribed_ ? std::min(opts_.spin, 64) : opts_.spin;
     budget_ = spin_;
+    // The group failed as a whole (its heartbeat found a rank frozen or dead): wake the
+    // waiters in the segment at once, with the group's cause.
+    watch_ = ctx_.watch([this](const group_failure& f) { abort_with(f.code, f.text); });
   }
 
   // Not movable: shm_allocator handles and in-flight peers refer to this object.
@@ -261,6 +264,7 @@ class shm {
   /// Peers waiting on this rank learn at once that it left (errc::peer_lost) instead of
   /// running into their deadline.
   ~shm() {
+    watch_.reset();  // no call from the group's failure while this goes
     // A forked child's copy maps the parent's segment: marking it closed would fail the
     // parent's peers. Only the child's mapping goes (with the members).
     if (map_.base() == nullptr || owner_.forked()) return;
@@ -910,6 +914,7 @@ class shm {
   detail::owner_process owner_;           ///< a forked child's copy only unmaps
   std::chrono::milliseconds note_after_;  ///< a wait this long records whom it waits for
   transport_context ctx_;                 ///< the group's verdict (the "waits for" records); the group stays open
+  group_watch watch_;                     ///< last: unregistered first, before what its call uses goes
 };
 
 /// The engine of `ring<shm>` and `tree<shm>`: the reducer's group handle and one `ddp::shm`,

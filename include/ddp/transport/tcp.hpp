@@ -32,6 +32,7 @@
 #include <ddp/detail/socket.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/verdict.hpp>
+#include <ddp/group/failure.hpp>
 #include <ddp/group/transport_context.hpp>
 
 namespace ddp {
@@ -54,6 +55,9 @@ class tcp {
     channel_ = "tcp/" + std::to_string(ctx_.channel());
     // Connections are made on first use: a ring touches two peers, a tree three.
     links_ = detail::open_links(ctx_, channel_, o.socket_buffer);
+    // The group failed as a whole (its heartbeat found a rank frozen or dead): end the
+    // collectives blocked here at once, with the group's cause.
+    watch_ = ctx_.watch([this](const group_failure& f) { abort(f.code, f.text); });
   }
   tcp(const tcp&) = delete;
   tcp& operator=(const tcp&) = delete;
@@ -263,6 +267,7 @@ class tcp {
   mutable std::mutex reason_mu_;
   std::string broken_reason_;  ///< guarded by reason_mu_; set once, before broken_
   detail::owner_process owner_;
+  group_watch watch_;  // last: unregistered first, before what its call uses goes
 };
 
 }  // namespace v0

@@ -161,6 +161,7 @@ void read_env(Options& o, Getenv& get) {
     }
   }
   if (auto v = first({"DDP_TIMEOUT"}); v.first) o.timeout = std::chrono::seconds(as_int(v, 1, 1LL << 31));
+  if (auto v = first({"DDP_HEARTBEAT_MS"}); v.first) o.heartbeat = std::chrono::milliseconds(as_int(v, 0, 1LL << 31));
   if (auto v = first({"DDP_AUTH_TOKEN"}); v.first) o.auth_token = v.second;
   if (auto v = first({"DDP_JOB_ID"}); v.first) o.job_id = v.second;
   if (auto v = first({"DDP_INSECURE"}); v.first) o.insecure = as_int(v, 0, 1) == 1;

@@ -11,12 +11,16 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
 #include <ddp/clock.hpp>
 #include <ddp/detail/fork.hpp>
+#include <ddp/group/detail/heartbeat.hpp>
 #include <ddp/group/detail/launcher.hpp>
 #include <ddp/group/detail/mesh.hpp>
 #include <ddp/detail/timing.hpp>
@@ -52,6 +56,29 @@ struct group_state {
     return held;
   }
 
+  /// Fails the group as a whole (its heartbeat found a rank frozen or dead): records `f` (the
+  /// first failure recorded wins), shuts the mesh and aborts every transport that watches the
+  /// group, with the failure that holds, so that collectives blocked on this rank end at once.
+  void fail_all(const group_failure& f) noexcept {
+    const auto held = post_failure(f);
+    std::lock_guard lock(watch_mu);
+    for (auto& [id, w] : watchers) try {
+        w(held);
+      } catch (...) {
+      }
+  }
+  /// Registers `w` for fail_all(); the id unregisters it (unwatch, which waits for a call in
+  /// progress, so that a transport's destructor that unwatches first is never called after).
+  std::uint64_t watch(std::function<void(const group_failure&)> w) {
+    std::lock_guard lock(watch_mu);
+    watchers.emplace(next_watch, std::move(w));
+    return next_watch++;
+  }
+  void unwatch(std::uint64_t id) noexcept {
+    std::lock_guard lock(watch_mu);
+    watchers.erase(id);
+  }
+
   /// Closes connections; rank 0 waits (bounded by the timeout) for the others to leave its
   /// store first. When the group failed (an error posted or raised here, abort(), an
   /// exception on its way out, or a failure any rank recorded) it waits at most
@@ -82,6 +109,8 @@ struct group_state {
     // A failure a transport on the group recorded counts too: a program that caught it and
     // leaves normally must not keep rank 0 waiting a whole timeout for a peer that is gone.
     const bool failing = failed.load() || aborted.load() || unwinding || (server && !verdict.first().empty());
+    heartbeat.reset();  // says goodbye to the successor: a normal close is no death
+    heartbeat_links.reset();
     launcher.reset();  // its thread records through the verdict: stopped before the store goes
     links.reset();
     verdict.detach();
@@ -107,8 +136,13 @@ struct group_state {
   std::unique_ptr<store_client> store;
   failure_verdict verdict;  // kept in store; detached before it closes
   std::unique_ptr<peer_links> links;
-  std::unique_ptr<launcher_watch> launcher;  // DDP_LAUNCHER_FD: the launcher's note (group/detail/launcher.hpp)
-  owner_process owner;                       // the process that joined: a forked child's copy only closes
+  std::unique_ptr<launcher_watch> launcher;     // DDP_LAUNCHER_FD: the launcher's note (group/detail/launcher.hpp)
+  std::unique_ptr<peer_links> heartbeat_links;  // the heartbeat's ring ("pg/hb"), when init_options::heartbeat
+  std::unique_ptr<heartbeat_watch> heartbeat;   // group/detail/heartbeat.hpp
+  std::mutex watch_mu;                          // guards watchers
+  std::map<std::uint64_t, std::function<void(const group_failure&)>> watchers;  // transports, for fail_all()
+  std::uint64_t next_watch = 1;
+  owner_process owner;  // the process that joined: a forked child's copy only closes
 };
 
 }  // namespace detail

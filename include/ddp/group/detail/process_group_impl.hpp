@@ -315,9 +315,12 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
   if (rank == 0)
     pg.server = std::make_unique<store_server>(endpoint{opts.master_addr, opts.master_port}, 0, auth, store_limits{},
                                                "pg/rank/", static_cast<std::uint32_t>(opts.world_size));
-  const detail::join_request join{rank, opts.world_size, opts.job_id,
+  const detail::join_request join{rank,
+                                  opts.world_size,
+                                  opts.job_id,
                                   opts.master_addr + ":" + std::to_string(opts.master_port),
-                                  static_cast<long long>(opts.timeout.count())};
+                                  static_cast<long long>(opts.timeout.count()),
+                                  static_cast<long long>(opts.heartbeat.count())};
   for (;;) {
     pg.store = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
     try {
@@ -343,6 +346,18 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
   // group can talk; a failure there is reported like any other.
   process_group handle(std::move(group));
   handle.barrier(until);
+  if (opts.heartbeat.count() > 0 && opts.world_size > 1) {
+    // The heartbeat's ring, on connections of its own: each rank beats to its successor and
+    // watches its predecessor (group/detail/heartbeat.hpp).
+    const int succ = (rank + 1) % opts.world_size, pred = (rank + opts.world_size - 1) % opts.world_size;
+    pg.heartbeat_links = detail::open_links(st, pg.group_id, rank, opts.world_size, opts.timeout, "pg/hb", 0,
+                                            [v = &pg.verdict] { return v->recorded(); });
+    const int succ_fd = pg.heartbeat_links->get(succ, until);
+    const int pred_fd = pg.heartbeat_links->get(pred, until);
+    pg.heartbeat = std::make_unique<detail::heartbeat_watch>(
+        pred_fd, pred, succ_fd, opts.heartbeat,
+        [g = &pg](errc code, const std::string& text) { g->fail_all(g->verdict.as_recorded(code, text)); });
+  }
   // Under a launcher that ends a host's ranks when one fails (ddprun --nnodes), the launcher
   // says first which rank failed: recorded as the group's failure, so that the other hosts
   // name that rank rather than the ranks the launcher ended.

@@ -90,6 +90,7 @@ struct join_request {
   std::string job_id;
   std::string where;
   long long timeout_ms = 0;
+  long long heartbeat_ms = 0;  // init_options::heartbeat: every rank must run the same
 };
 
 /// A job's runs under a launcher that restarts it (`ddprun --max-restarts`): run k > 0 of job
@@ -143,6 +144,11 @@ template <class Store>
 std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
   const int rank = req.rank;
   const std::string job = std::to_string(req.world) + " " + req.job_id;
+  // Rank 0's heartbeat rides on its job record (no request more): "\nheartbeat <ms>" when on.
+  const auto heartbeat_of = [](const std::string& record) -> long long {
+    const auto nl = record.find("\nheartbeat ");
+    return nl == std::string::npos ? 0 : std::atoll(record.c_str() + nl + 11);
+  };
   auto describe_job = [](const std::string& j) {
     const auto sp = j.find(' ');
     const std::string id = sp == std::string::npos ? std::string() : j.substr(sp + 1);
@@ -176,14 +182,15 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
     // checks that the store on this port is its own job's before it claims a rank: another
     // job's store answering here means the port is taken, not that two processes want a rank.
     claim();
-    st.set("pg/job", job, until);
+    st.set("pg/job", req.heartbeat_ms > 0 ? job + "\nheartbeat " + std::to_string(req.heartbeat_ms) : job, until);
     st.set("pg/id", encode_i64(static_cast<std::int64_t>(nonce)), until);
   } else {
     if (!st.wait({"pg/job"}, until).empty())
       raise(errc::timeout, rank,
             "rendezvous timed out after " + std::to_string(req.timeout_ms) + " ms: the store at " + req.where +
                 " answers, but its rank 0 never described its job");
-    const auto theirs = st.get("pg/job", until);
+    const auto record = st.get("pg/job", until);
+    const auto theirs = record.substr(0, record.find('\n'));
     const auto sp = theirs.find(' ');
     const std::string their_id = sp == std::string::npos ? std::string() : theirs.substr(sp + 1);
     if (!req.job_id.empty() && their_id != req.job_id) {
@@ -196,6 +203,11 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
       raise(errc::address_in_use, rank,
             "another job holds port " + port + " at " + host + ": the store there serves " + describe_job(theirs) +
                 ", this process belongs to " + describe_job(job) + "; give each job its own MASTER_PORT");
+    if (const long long hb = heartbeat_of(record); hb != req.heartbeat_ms)
+      raise(errc::mismatch, rank,
+            "heartbeat mismatch: rank 0 runs a heartbeat lease of " + std::to_string(hb) + " ms, rank " +
+                std::to_string(rank) + " one of " + std::to_string(req.heartbeat_ms) +
+                " ms (0: none); every rank must set the same DDP_HEARTBEAT_MS (init_options::heartbeat)");
     claim();
   }
 

@@ -19,5 +19,17 @@ DDP_DECL transport_context::transport_context(process_group& pg) : pg_(pg) {
   verdict_ = &g.verdict;
 }
 
+DDP_DECL group_watch transport_context::watch(std::function<void(const group_failure&)> on_failure) {
+  auto& g = pg_.live("transport_context::watch");
+  const auto id = g.watch(std::move(on_failure));
+  return group_watch(pg_.s_, id);
+}
+
+DDP_DECL void group_watch::reset() noexcept {
+  if (s_ && id_ != 0) s_->unwatch(id_);
+  s_.reset();
+  id_ = 0;
+}
+
 }  // namespace v0
 }  // namespace ddp

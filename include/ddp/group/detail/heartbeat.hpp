@@ -1,0 +1,144 @@
+#pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
+// IWYU pragma: private
+// The group's heartbeat (init_options::heartbeat, DDP_HEARTBEAT_MS): a frozen rank is found
+// within the lease, however long the collective timeout is. The ranks form a ring on a channel
+// of their own ("pg/hb"): each sends one byte to its successor every lease / 8 and watches its
+// predecessor. A predecessor that is silent for a whole lease is frozen, stopped (SIGSTOP) or
+// cut off (errc::timeout); one whose connection ends without a goodbye died (errc::peer_lost,
+// at once). The watching rank then fails the group: its failure is recorded as the group's and
+// every transport on the group is aborted with it, so the collectives blocked here end at
+// once, and the peers blocked on this rank wake and report the same cause
+// (docs/reliability.md). A thread of its own, stopped with the group; a rank that closes its
+// group says goodbye first, so that ranks finishing at different times are never taken for
+// dead ones.
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include <ddp/clock.hpp>
+#include <ddp/detail/fork.hpp>
+#include <ddp/error.hpp>
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+/// Watches the predecessor's heartbeats and sends this rank's to the successor, from a thread.
+/// `on_lost(code, text)` runs once, on that thread, when the predecessor froze or died (text:
+/// "rank P ...", from this rank's view). The two descriptors belong to the caller's links and
+/// may be the same one (a group of two).
+class heartbeat_watch {
+ public:
+  /// The byte that says "alive", and the one that says "closing normally".
+  static constexpr char beat = 'h';
+  static constexpr char goodbye = 'b';
+
+  heartbeat_watch(int pred_fd, int pred, int succ_fd, std::chrono::milliseconds lease,
+                  std::function<void(errc, const std::string&)> on_lost)
+      : pred_fd_(pred_fd),
+        pred_(pred),
+        succ_fd_(succ_fd),
+        lease_(lease),
+        every_(std::max<std::chrono::milliseconds>(std::chrono::milliseconds(1), lease / 8)),
+        stop_(::eventfd(0, EFD_CLOEXEC)),
+        on_lost_(std::move(on_lost)) {
+    if (stop_ < 0) raise(errc::system, -1, "heartbeat: eventfd failed");
+    thread_ = std::thread([this] { run(); });
+  }
+  heartbeat_watch(const heartbeat_watch&) = delete;
+  heartbeat_watch& operator=(const heartbeat_watch&) = delete;
+  /// Says goodbye to the successor (a normal close, not a death), then stops the thread.
+  ~heartbeat_watch() {
+    if (owner_.forked()) {
+      if (thread_.joinable()) abandon(std::make_unique<std::thread>(std::move(thread_)));  // the parent's thread
+      ::close(stop_);
+      return;
+    }
+    const std::uint64_t one = 1;
+    (void)!::write(stop_, &one, sizeof one);
+    if (thread_.joinable()) thread_.join();
+    (void)!::send(succ_fd_, &goodbye, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    ::close(stop_);
+  }
+
+  /// True once the predecessor was found frozen or dead.
+  bool tripped() const noexcept { return tripped_; }
+
+ private:
+  void run() noexcept {
+    auto heard = steady_clock::now();
+    auto next_beat = heard;
+    bool pred_left = false;  // the predecessor said goodbye: nothing more to watch
+    bool succ_gone = false;  // the successor's end is closed: its own watcher, or its exit, says why
+    for (;;) {
+      const auto now = steady_clock::now();
+      if (now >= next_beat) {
+        if (!succ_gone) {
+          const ssize_t k = ::send(succ_fd_, &beat, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+          if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) succ_gone = true;
+        }
+        next_beat = now + every_;
+      }
+      if (pred_left && succ_gone) return;
+      if (!pred_left && now - heard > lease_) {
+        const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - heard).count();
+        return lost(errc::timeout, "rank " + std::to_string(pred_) + " stopped answering: no heartbeat for " +
+                                       std::to_string(ms) + " ms (lease " + std::to_string(lease_.count()) +
+                                       " ms; the rank is frozen, stopped or cut off)");
+      }
+      const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next_beat - steady_clock::now());
+      pollfd p[2] = {{pred_left ? -1 : pred_fd_, POLLIN, 0}, {stop_, POLLIN, 0}};
+      const int n = ::poll(p, 2, static_cast<int>(std::max<long long>(0, wait.count())));
+      if (n < 0 && errno != EINTR) return;
+      if (n <= 0) continue;
+      if (p[1].revents != 0) return;  // the group is closing
+      if (p[0].revents == 0) continue;
+      char buf[256];
+      const ssize_t k = ::recv(pred_fd_, buf, sizeof buf, MSG_DONTWAIT);
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+      if (k <= 0)
+        return lost(errc::peer_lost,
+                    "rank " + std::to_string(pred_) + " died: its heartbeat connection ended without a goodbye");
+      heard = steady_clock::now();
+      for (ssize_t i = 0; i < k; ++i)
+        if (buf[i] == goodbye) pred_left = true;
+    }
+  }
+
+  void lost(errc code, const std::string& text) noexcept {
+    tripped_ = true;
+    try {
+      on_lost_(code, text);
+    } catch (...) {
+    }
+  }
+
+  int pred_fd_;
+  int pred_;
+  int succ_fd_;
+  std::chrono::milliseconds lease_;
+  std::chrono::milliseconds every_;
+  int stop_;
+  std::function<void(errc, const std::string&)> on_lost_;
+  std::atomic<bool> tripped_{false};
+  std::thread thread_;
+  owner_process owner_;
+};
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp

@@ -1,0 +1,183 @@
+// The group's heartbeat (init_options::heartbeat, group/detail/heartbeat.hpp): a frozen rank
+// (SIGSTOP) fails every survivor's collective within the lease, though the collective timeout
+// is a minute; a killed one at once; ranks that finish at different times are not taken for
+// dead; every rank must run the same lease.
+
+#include <ddp/ddp.hpp>
+#include <ddp/store.hpp>
+#include <ddp/reducer/ring.hpp>
+#include <ddp/transport/tcp.hpp>
+
+#include <doctest/doctest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "harness.hpp"
+
+using namespace std::chrono_literals;
+using ddp_test::free_port;
+using ddp_test::group_options;
+using ddp_test::run_ranks;
+using ddp_test::summary;
+
+namespace {
+
+// Rank `victim` stops itself (SIGSTOP) or dies (SIGKILL) before the step; the others run an
+// allreduce through `Reducer` and must fail. Each survivor then kills a stopped victim (its pid
+// is in `pid_file`), so that the run ends when they do.
+template <class Reducer>
+std::vector<ddp_test::outcome> lose_a_rank(int n, int victim, int sig, std::chrono::milliseconds lease) {
+  const int port = free_port();
+  const std::string pid_file = "/tmp/ddp-heartbeat-victim-" + std::to_string(port);
+  auto outs = run_ranks(n, [&](int r) {
+    auto o = group_options(r, n, port, 60s);
+    o.heartbeat = lease;
+    auto pg = ddp::init_process_group(o);
+    Reducer red{pg};
+    std::vector<float> g(1 << 16, 1.0f);
+    red.allreduce(std::span<float>(g), ddp::op::sum);  // a first step that every rank takes
+    pg.barrier();
+    if (r == victim) {
+      std::ofstream(pid_file) << ::getpid() << "\n";
+      ::raise(sig);
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      red.allreduce(std::span<float>(g), ddp::op::sum);
+    } catch (const ddp::error& e) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::ifstream in(pid_file);
+      pid_t pid = 0;
+      if (in >> pid && pid > 0) ::kill(pid, SIGKILL);
+      throw ddp::error(e.condition(), e.rank(), std::string(e.what()) + " [after " + std::to_string(s) + " s]");
+    }
+    throw std::runtime_error("the step completed without rank " + std::to_string(victim));
+  }, 40s);
+  std::remove(pid_file.c_str());
+  return outs;
+}
+
+double seconds_quoted(const std::string& msg) {
+  const auto at = msg.rfind("[after ");
+  return at == std::string::npos ? 1e9 : std::stod(msg.substr(at + 7));
+}
+
+}  // namespace
+
+TEST_CASE("heartbeat: a frozen rank fails every survivor within the lease, naming it, though the timeout is 60 s") {
+  for (int n : {2, 4}) {
+    CAPTURE(n);
+    SUBCASE("ring<tcp>") {
+      auto outs = lose_a_rank<ddp::ring<ddp::tcp>>(n, 1, SIGSTOP, 1000ms);
+      INFO(summary(outs));
+      for (int r = 0; r < n; ++r) {
+        if (r == 1) continue;
+        const auto& o = outs[static_cast<std::size_t>(r)];
+        CAPTURE(o.message);
+        CHECK(o.errc == static_cast<int>(ddp::errc::timeout));
+        CHECK(o.message.find("rank 1 stopped answering: no heartbeat for") != std::string::npos);
+        CHECK(seconds_quoted(o.message) < 3.0);  // a lease of 1 s, and the cascade
+      }
+    }
+    SUBCASE("the default reducer (shared memory on one host)") {
+      auto outs = lose_a_rank<ddp::auto_reducer>(n, 1, SIGSTOP, 1000ms);
+      INFO(summary(outs));
+      for (int r = 0; r < n; ++r) {
+        if (r == 1) continue;
+        const auto& o = outs[static_cast<std::size_t>(r)];
+        CAPTURE(o.message);
+        CHECK(o.errc == static_cast<int>(ddp::errc::timeout));
+        CHECK(o.message.find("rank 1 stopped answering: no heartbeat for") != std::string::npos);
+        CHECK(seconds_quoted(o.message) < 3.0);
+      }
+    }
+  }
+}
+
+TEST_CASE("heartbeat: rank 0, the store's host, frozen is found too") {
+  // The group's store is on the frozen rank, so the watcher's verdict cannot be shared through
+  // it: each survivor finds the store silent and names rank 0 lost, as soon as the watcher's
+  // abort has woken it.
+  auto outs = lose_a_rank<ddp::ring<ddp::tcp>>(3, 0, SIGSTOP, 1000ms);
+  INFO(summary(outs));
+  for (int r : {1, 2}) {
+    const auto& o = outs[static_cast<std::size_t>(r)];
+    CAPTURE(o.message);
+    CHECK((o.errc == static_cast<int>(ddp::errc::timeout) || o.errc == static_cast<int>(ddp::errc::peer_lost)));
+    CHECK((o.message.find("rank 0 stopped answering") != std::string::npos ||
+           o.message.find("rank 0 is lost") != std::string::npos));
+    CHECK(seconds_quoted(o.message) < 3.0);
+  }
+}
+
+TEST_CASE("heartbeat: a killed rank fails every survivor at once") {
+  // The lease is long (20 s): only the death itself can end the step this soon.
+  for (int n : {2, 4}) {
+    CAPTURE(n);
+    auto outs = lose_a_rank<ddp::auto_reducer>(n, 1, SIGKILL, 20000ms);
+    INFO(summary(outs));
+    for (int r = 0; r < n; ++r) {
+      if (r == 1) continue;
+      const auto& o = outs[static_cast<std::size_t>(r)];
+      CAPTURE(o.message);
+      CHECK(o.errc == static_cast<int>(ddp::errc::peer_lost));
+      CHECK(o.message.find("rank 1") != std::string::npos);
+      CHECK(seconds_quoted(o.message) < 0.5);  // measured: 1-2 ms
+    }
+  }
+}
+
+TEST_CASE("heartbeat: ranks that finish at different times are not taken for dead") {
+  const int port = free_port();
+  // Rank 2 closes its group first, saying goodbye to its successor, rank 0; ranks 0 and 1 keep
+  // theirs open, and their heartbeat watches running, for five leases more, and must find
+  // nothing wrong: no failure in the group's store (rank 0's), whose record any verdict writes.
+  auto outs = run_ranks(3, [&](int r) {
+    auto o = group_options(r, 3, port, 20s);
+    o.heartbeat = 300ms;
+    auto pg = ddp::init_process_group(o);
+    ddp::ring<ddp::tcp> red{pg};
+    std::vector<float> g(1000, 1.0f);
+    red.allreduce(std::span<float>(g), ddp::op::sum);
+    ddp_test::require(g[0] == 3.0f, "the allreduce is wrong");
+    if (r == 2) return;  // closes its group now
+    std::this_thread::sleep_for(1500ms);
+    if (pg.store().check("pg/failure"))
+      throw std::runtime_error("a failure was recorded: " + pg.store().get("pg/failure"));
+  });
+  INFO(summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("heartbeat: every rank must run the same lease") {
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto o = group_options(r, 2, port, 3s);
+    o.heartbeat = r == 0 ? 1000ms : 0ms;
+    auto pg = ddp::init_process_group(o);
+  });
+  INFO(summary(outs));
+  CHECK(outs[1].errc == static_cast<int>(ddp::errc::mismatch));
+  CHECK(outs[1].message.find("heartbeat mismatch: rank 0 runs a heartbeat lease of 1000 ms, rank 1 one of 0 ms") !=
+        std::string::npos);
+  CHECK(!outs[0].ok());  // rank 1 never arrived
+}
+
+TEST_CASE("heartbeat: a negative lease is refused; DDP_HEARTBEAT_MS sets it") {
+  ddp::init_options o;
+  o.heartbeat = -5ms;
+  CHECK(o.validate().find("heartbeat must not be negative") != std::string::npos);
+  const auto e = ddp::init_options::from_env([](const char* k) -> const char* {
+    return std::string(k) == "DDP_HEARTBEAT_MS" ? "1500" : nullptr;
+  });
+  CHECK(e.heartbeat == 1500ms);
+}
