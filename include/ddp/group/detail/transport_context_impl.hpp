@@ -26,7 +26,9 @@ DDP_DECL group_watch transport_context::watch(std::function<void(const group_fai
 }
 
 DDP_DECL void group_watch::reset() noexcept {
-  if (s_ && id_ != 0) s_->unwatch(id_);
+  // In a forked child the registry is a copy nobody calls (its lock may even be a copy taken
+  // mid-call): left alone.
+  if (s_ && id_ != 0 && !s_->owner.forked()) s_->unwatch(id_);
   s_.reset();
   id_ = 0;
 }
