@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Time from a killed rank to the next completed step, ddp's restart against torchrun's, in one
+# sitting: 4 ranks train on a real model's shapes (ResNet-50 by default), checkpoint every C
+# steps, and rank 1 SIGKILLs itself as step K begins. ddp: `ddprun --max-restarts 1` with
+# build/bench/restart_probe (ddp::save_checkpoint / load_checkpoint). PyTorch: torchrun's agent
+# (elastic_launch, max_restarts 1, c10d rendezvous, torchrun's default monitor interval) with
+# DDP over gloo and torch.save / torch.load (bench/peers/torch_restart.py). Both run ROUNDS
+# times, alternating; the table gives medians of
+#   - kill -> next step: from the victim's `kill at` to the first step that the new run
+#     completes (detection, ending the others, restart, rendezvous, loading the checkpoint, one
+#     step), and
+#   - the steps that the new run repeats (those since the last checkpoint: K - K % C),
+#   - a steady step (the median step of the first run, for scale).
+#
+#   bench/restart_time.sh [ROUNDS] [BUILD_DIR] [PARAMS]    defaults: 5, build, tests/data/resnet50.params
+# TORCH_MONITOR_INTERVAL=S sets the agent's monitor interval (torchrun's default, 5 s, otherwise):
+# it polls its workers that often, so a death waits up to S seconds to be seen.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+rounds=${1:-5}
+build=${2:-$root/build}
+params=${3:-$root/tests/data/resnet50.params}
+ranks=4 steps=12 kill_at=7 victim=1 every=5
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+probe=$build/bench/restart_probe ddprun=$build/tools/ddprun
+[[ -x $probe && -x $ddprun ]] || { echo "restart_time: build $probe and $ddprun first (ninja -C $build)"; exit 2; }
+free_port() { /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# measure LOG: "<kill -> next step ms> <steady step ms>" from a run's output (the steady step:
+# the median of the first run's step-to-step times).
+measure() {
+  local next steady
+  next=$(awk '
+    /kill at/ { for (i = 1; i <= NF; ++i) if ($i == "at") kill = $(i + 1) }
+    /step [0-9]+ run 1 at/ && !next_ms { next_ms = $NF }
+    END { if (kill && next_ms) print next_ms - kill; else print "failed" }' "$1")
+  steady=$(awk '/step [0-9]+ run 0 at/ { if (prev) print $NF - prev; prev = $NF }' "$1" | sort -n |
+    awk '{a[NR] = $1} END {print NR ? a[int((NR + 1) / 2)] : 0}')
+  echo "$next $steady"
+}
+
+ddp_res=() torch_res=() ddp_step=() torch_step=()
+for ((r = 1; r <= rounds; ++r)); do
+  rm -f "$tmp/ckpt.ddp" "$tmp/ckpt.pt"
+  timeout 300 "$ddprun" -n $ranks --max-restarts 1 "$probe" "$params" --checkpoint "$tmp/ckpt.ddp" --steps $steps \
+    --kill-at $kill_at --victim $victim --every $every > "$tmp/ddp.$r" 2>&1
+  read -r a b < <(measure "$tmp/ddp.$r"); ddp_res+=("$a"); ddp_step+=("$b")
+  timeout 300 /usr/bin/python3 "$root/bench/peers/torch_restart.py" "$params" --ranks $ranks --checkpoint "$tmp/ckpt.pt" \
+    --steps $steps --kill-at $kill_at --victim $victim --every $every --port "$(free_port)" \
+    --monitor-interval "${TORCH_MONITOR_INTERVAL:-5}" > "$tmp/torch.$r" 2>&1
+  read -r a b < <(measure "$tmp/torch.$r"); torch_res+=("$a"); torch_step+=("$b")
+  echo "round $r: ddp ${ddp_res[-1]} ms (step ${ddp_step[-1]} ms), torchrun ${torch_res[-1]} ms (step ${torch_step[-1]} ms)" >&2
+done
+median() { printf '%s\n' "$@" | grep -v failed | sort -n | awk '{a[NR] = $1} END {print NR ? (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) : "failed"}'; }
+dm=$(median "${ddp_res[@]}") tm=$(median "${torch_res[@]}")
+repeated=$((kill_at % every))
+echo "restart_time: $(basename "$params" .params), $ranks ranks, kill at step $kill_at, checkpoint every $every, $rounds rounds, $(nproc) cores"
+echo
+echo '| launcher | kill -> next completed step (median ms) | steps repeated | steady step (ms) | runs (ms) |'
+echo '|---|---|---|---|---|'
+echo "| ddprun --max-restarts 1, ddp default | $dm | $repeated | $(median "${ddp_step[@]}") | ${ddp_res[*]} |"
+echo "| torchrun agent (max_restarts 1, c10d, monitor ${TORCH_MONITOR_INTERVAL:-5} s), PyTorch DDP gloo | $tm | $repeated | $(median "${torch_step[@]}") | ${torch_res[*]} |"
+echo
+awk -v d="$dm" -v t="$tm" 'BEGIN { if (d > 0 && t > 0) printf "ddp restarts %.1fx faster than torchrun\n", t / d }'
