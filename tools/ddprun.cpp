@@ -61,6 +61,7 @@
 
 #include <ddp/detail/socket.hpp>
 #include <ddp/error.hpp>
+#include <ddp/store.hpp>
 
 namespace {
 
@@ -221,6 +222,24 @@ int main(int argc, char** argv) {
     job_id = buf;
   }
 
+  // The group's store, served here rather than by rank 0 (DDP_EXTERNAL_STORE=1 for the ranks):
+  // then rank 0's loss leaves the store, and the failure record every survivor reads, in place.
+  // Only where ddprun can serve it as rank 0 would: without a secret (ddprun has no
+  // authenticator) and on loopback unless DDP_INSECURE=1. The user's DDP_EXTERNAL_STORE=0 keeps
+  // the store on rank 0. Every host decides alike; host 0 serves it.
+  const auto env_is = [](const char* name, const char* v) {
+    const char* e = std::getenv(name);
+    return e != nullptr && std::string(e) == v;
+  };
+  const char* token = std::getenv("DDP_AUTH_TOKEN");
+  bool loopback = false;
+  try {
+    for (const auto& ep : ddp::detail::resolve(addr, port, -1, true))
+      loopback = loopback || ddp::detail::is_loopback(ep.addr);
+  } catch (const std::exception&) {
+  }
+  const bool external_store = !env_is("DDP_EXTERNAL_STORE", "0") && (token == nullptr || *token == '\0') &&
+                              (loopback || env_is("DDP_INSECURE", "1"));
   for (int restart = 0;; ++restart) {
     if (restart > 0 && !port_given) {
       try {
@@ -268,6 +287,7 @@ int main(int argc, char** argv) {
         // it to go (group/detail/rendezvous.hpp, job_run).
         ::setenv("DDP_JOB_ID", (restart > 0 ? job_id + "+restart." + std::to_string(restart) : job_id).c_str(), 1);
         ::setenv("DDP_RESTART_COUNT", std::to_string(restart).c_str(), 1);
+        if (external_store) ::setenv("DDP_EXTERNAL_STORE", "1", 1);
         if (!timeout.empty()) ::setenv("DDP_TIMEOUT", timeout.c_str(), 1);
         if (sv[1] >= 0) {
           ::fcntl(sv[1], F_SETFD, 0);  // kept across exec: the program's
@@ -320,6 +340,17 @@ int main(int argc, char** argv) {
       }
     }
 
+    // Started once the ranks are forked (a fork while its thread runs could copy a held lock
+    // into the keeper); the ranks retry until it answers, as they do for rank 0's.
+    std::unique_ptr<ddp::store_server> store;
+    if (external_store && node_rank == 0) {
+      try {
+        store = std::make_unique<ddp::store_server>(ddp::endpoint{addr, port}, 0, nullptr, ddp::store_limits{},
+                                                    "pg/rank/", static_cast<std::uint32_t>(world));
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "ddprun: cannot serve the group's store: %s\n", e.what());
+      }
+    }
     int exit_code = 0;
     int failed_rank = -1;
     bool terminating = false;

@@ -33,14 +33,34 @@ namespace {
 
 // Rank `victim` stops itself (SIGSTOP) or dies (SIGKILL) before the step; the others run an
 // allreduce through `Reducer` and must fail. Each survivor then kills a stopped victim (its pid
-// is in `pid_file`), so that the run ends when they do.
+// is in `pid_file`), so that the run ends when they do. With `external_store` a process of its
+// own serves the group's store, as ddprun does (init_options::external_store), until its
+// clients are gone.
 template <class Reducer>
-std::vector<ddp_test::outcome> lose_a_rank(int n, int victim, int sig, std::chrono::milliseconds lease) {
+std::vector<ddp_test::outcome> lose_a_rank(int n, int victim, int sig, std::chrono::milliseconds lease,
+                                           bool external_store = false) {
   const int port = free_port();
   const std::string pid_file = "/tmp/ddp-heartbeat-victim-" + std::to_string(port);
-  auto outs = run_ranks(n, [&](int r) {
+  constexpr int store_host = 100;
+  std::vector<int> codes;
+  for (int r = 0; r < n; ++r) codes.push_back(r);
+  if (external_store) codes.push_back(store_host);
+  auto outs = ddp_test::run_processes(codes, [&](int r) {
+    if (r == store_host) {
+      ddp::store_server server(ddp::endpoint{"127.0.0.1", port}, 0, nullptr, ddp::store_limits{}, "pg/rank/",
+                               static_cast<std::uint32_t>(n));
+      bool seen = false;
+      for (int i = 0; i < 600; ++i) {  // 30 s at most
+        std::this_thread::sleep_for(50ms);
+        const auto c = server.clients();
+        if (c > 0) seen = true;
+        if (seen && c == 0) return;
+      }
+      return;
+    }
     auto o = group_options(r, n, port, 60s);
     o.heartbeat = lease;
+    o.external_store = external_store;
     auto pg = ddp::init_process_group(o);
     Reducer red{pg};
     std::vector<float> g(1 << 16, 1.0f);
@@ -77,7 +97,7 @@ double seconds_quoted(const std::string& msg) {
 void check_survivors(const std::vector<ddp_test::outcome>& outs, int victim, std::vector<ddp::errc> codes,
                      std::vector<std::string> texts, double bound) {
   for (const auto& o : outs) {
-    if (o.rank == victim) continue;
+    if (o.rank == victim || o.rank >= 100) continue;  // 100: the store's host
     CAPTURE(o.rank);
     CAPTURE(o.message);
     CHECK(std::any_of(codes.begin(), codes.end(), [&](ddp::errc c) { return o.errc == static_cast<int>(c); }));
@@ -114,6 +134,15 @@ TEST_CASE("heartbeat: rank 0, the store's host, frozen is found too") {
   INFO(summary(outs));
   check_survivors(outs, 0, {ddp::errc::timeout, ddp::errc::peer_lost}, {"rank 0 stopped answering", "rank 0 is lost"},
                   3.0);
+}
+
+TEST_CASE("heartbeat: with the store served outside the ranks, a frozen rank 0's verdict reaches every survivor") {
+  // As under ddprun, which serves the store itself: rank 0's loss leaves the failure record in
+  // place, so every survivor raises the watcher's words, not "the store does not answer".
+  auto outs = lose_a_rank<ddp::ring<ddp::tcp>>(3, 0, SIGSTOP, 1000ms, true);
+  INFO(summary(outs));
+  check_survivors(outs, 0, {ddp::errc::timeout}, {"rank 0 stopped answering: no heartbeat for"}, 3.0);
+  CHECK(outs[3].ok());  // the store's host
 }
 
 TEST_CASE("heartbeat: a killed rank fails every survivor at once") {
@@ -162,12 +191,15 @@ TEST_CASE("heartbeat: every rank must run the same lease") {
   CHECK(!outs[0].ok());  // rank 1 never arrived
 }
 
-TEST_CASE("heartbeat: a negative lease is refused; DDP_HEARTBEAT_MS sets it") {
+TEST_CASE("heartbeat: a negative lease is refused; DDP_HEARTBEAT_MS and DDP_EXTERNAL_STORE set the options") {
   ddp::init_options o;
   o.heartbeat = -5ms;
   CHECK(o.validate().find("heartbeat must not be negative") != std::string::npos);
   const auto e = ddp::init_options::from_env([](const char* k) -> const char* {
-    return std::string(k) == "DDP_HEARTBEAT_MS" ? "1500" : nullptr;
+    const std::string key = k;
+    return key == "DDP_HEARTBEAT_MS" ? "1500" : key == "DDP_EXTERNAL_STORE" ? "1" : nullptr;
   });
   CHECK(e.heartbeat == 1500ms);
+  CHECK(e.external_store);
+  CHECK(!ddp::init_options{}.external_store);
 }

@@ -45,6 +45,10 @@ struct init_options {
   /// survivor's collective ends with errc::timeout naming it; a rank that died fails it at once
   /// (errc::peer_lost). Costs one thread and two connections per rank (docs/reliability.md).
   std::chrono::milliseconds heartbeat{0};
+  /// The group's store is served by the launcher (`DDP_EXTERNAL_STORE=1`, which `ddprun` sets
+  /// when it serves one), not by rank 0: rank 0 then only joins it, and its loss leaves the
+  /// store, and the failure record the survivors read, in place. Every rank must agree.
+  bool external_store = false;
 
   /// Largest group: 2^20 ranks. Larger sizes are refused at once (errc::invalid_argument).
   static constexpr int max_world_size = 1 << 20;
@@ -53,8 +57,9 @@ struct init_options {
   /// when those are absent Open MPI's `OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`, MPICH/PMI's
   /// `PMI_RANK/PMI_SIZE` (`MPI_LOCALRANKID`) and Slurm's `SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID`;
   /// `DDP_TIMEOUT` (seconds), `DDP_AUTH_TOKEN` and `DDP_JOB_ID` (set by `ddprun`), `DDP_BACKEND`
-  /// (auto, shm, tcp, hierarchical, mpi, nccl), `DDP_DEBUG` (`info`) and `DDP_HEARTBEAT_MS`
-  /// (the heartbeat's lease in milliseconds, 0 for none). Throws
+  /// (auto, shm, tcp, hierarchical, mpi, nccl), `DDP_DEBUG` (`info`), `DDP_HEARTBEAT_MS`
+  /// (the heartbeat's lease in milliseconds, 0 for none) and `DDP_EXTERNAL_STORE` (1: the
+  /// launcher serves the store). Throws
   /// errc::invalid_argument for a variable that is not a number or not a backend's name.
   ///
   /// In a rank that `srun` started (its rank is `SLURM_PROCID`), an absent `MASTER_ADDR` is

@@ -42,8 +42,11 @@ class failure_verdict {
   failure_verdict() = default;
   /// The verdict of rank `rank` of a group of `size`, kept in `store` (the group's store, which
   /// must outlive it or be detached first); `timeout` is the group's.
-  failure_verdict(store_client* store, int rank, int size, std::chrono::milliseconds timeout) noexcept
-      : store_(store), rank_(rank), size_(size), timeout_(timeout) {}
+  /// `launcher_store`: the store is served by the launcher (init_options::external_store), not
+  /// by rank 0, so a store that does not answer is no verdict on rank 0.
+  failure_verdict(store_client* store, int rank, int size, std::chrono::milliseconds timeout,
+                  bool launcher_store = false) noexcept
+      : store_(store), rank_(rank), size_(size), timeout_(timeout), launcher_store_(launcher_store) {}
 
   /// Forgets the store (it is closing): later calls record and find nothing.
   void detach() noexcept { store_ = nullptr; }
@@ -134,8 +137,7 @@ class failure_verdict {
       if (code != errc::timeout && code != errc::peer_lost) return {code, detail::message_of(e)};
       bool store_gone = false;
       if (auto f = first(&store_gone); !f.empty()) return f;
-      if (store_gone)
-        return {errc::peer_lost, "rank 0 is lost (its store does not answer; " + detail::message_of(e) + ")"};
+      if (store_gone) return {errc::peer_lost, store_lost(detail::message_of(e))};
       return {code, detail::message_of(e)};
     } catch (...) {
       return {e.condition(), {}};
@@ -164,7 +166,7 @@ class failure_verdict {
     if (store_gone) {
       // Rank 0 hosts the store: when it does not answer either, rank 0 is the one lost,
       // whatever connection happened to notice first.
-      msg = "rank 0 is lost (its store does not answer; noticed " + noticed + ")";
+      msg = store_lost("noticed " + noticed);
     } else if (timed_out) {
       msg = name_stopped(waits_prefix, peer);
     } else {
@@ -284,6 +286,13 @@ class failure_verdict {
 
  private:
   static constexpr const char* failure_key = "pg/failure";
+
+  /// The sentence for a store that does not answer: rank 0 lost when it hosts the store.
+  std::string store_lost(const std::string& how) const {
+    return launcher_store_
+               ? "the group's store, which its launcher serves, does not answer (the launcher is gone; " + how + ")"
+               : "rank 0 is lost (its store does not answer; " + how + ")";
+  }
   /// The store key of rank `r`'s "waits for" record under `prefix`.
   static std::string waiting_key(const std::string& prefix, int r) { return prefix + "/waiting/" + std::to_string(r); }
 
@@ -291,6 +300,7 @@ class failure_verdict {
   int rank_ = 0;
   int size_ = 1;
   std::chrono::milliseconds timeout_{0};
+  bool launcher_store_ = false;  // the launcher serves the store, not rank 0
   detail::owner_process owner_;  // the process that joined: a forked child's copy records nothing
 };
 

@@ -165,6 +165,7 @@ void read_env(Options& o, Getenv& get) {
   if (auto v = first({"DDP_AUTH_TOKEN"}); v.first) o.auth_token = v.second;
   if (auto v = first({"DDP_JOB_ID"}); v.first) o.job_id = v.second;
   if (auto v = first({"DDP_INSECURE"}); v.first) o.insecure = as_int(v, 0, 1) == 1;
+  if (auto v = first({"DDP_EXTERNAL_STORE"}); v.first) o.external_store = as_int(v, 0, 1) == 1;
   if (auto v = first({"DDP_BACKEND"}); v.first) {
     const auto b = parse_backend(v.second);
     if (!b)

@@ -312,7 +312,7 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
                           "with DDP_INSECURE=1 (or init_options::insecure = true)");
   // Only connections that claimed a rank (pg/rank/<r>) may write: a stranger can read, but can
   // neither plant a failure, an address or a record, nor hold rank 0's exit (docs/security.md).
-  if (rank == 0)
+  if (rank == 0 && !opts.external_store)
     pg.server = std::make_unique<store_server>(endpoint{opts.master_addr, opts.master_port}, 0, auth, store_limits{},
                                                "pg/rank/", static_cast<std::uint32_t>(opts.world_size));
   const detail::join_request join{rank,
@@ -339,7 +339,7 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
     }
   }
   auto& st = *pg.store;
-  pg.verdict = failure_verdict(pg.store.get(), rank, opts.world_size, opts.timeout);
+  pg.verdict = failure_verdict(pg.store.get(), rank, opts.world_size, opts.timeout, opts.external_store);
   pg.links = detail::open_links(st, pg.group_id, rank, opts.world_size, opts.timeout, "pg/mesh", 0,
                                 [v = &pg.verdict] { return v->recorded(); });
   // The first barrier makes each rank's first connections (log2(size) peers) and proves the
