@@ -61,6 +61,7 @@
 
 #include <ddp/detail/socket.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/detail/rendezvous.hpp>  // job_run_id: the ids of a restarted job's runs
 #include <ddp/store.hpp>
 
 namespace {
@@ -285,7 +286,7 @@ int main(int argc, char** argv) {
         // Run k > 0 of the job is "<job>+restart.k": a rank of a new run that finds the store of an
         // earlier one still on the port (another host's launcher has not ended it yet) waits for
         // it to go (group/detail/rendezvous.hpp, job_run).
-        ::setenv("DDP_JOB_ID", (restart > 0 ? job_id + "+restart." + std::to_string(restart) : job_id).c_str(), 1);
+        ::setenv("DDP_JOB_ID", ddp::detail::job_run_id(job_id, restart).c_str(), 1);
         ::setenv("DDP_RESTART_COUNT", std::to_string(restart).c_str(), 1);
         if (external_store) ::setenv("DDP_EXTERNAL_STORE", "1", 1);
         if (!timeout.empty()) ::setenv("DDP_TIMEOUT", timeout.c_str(), 1);

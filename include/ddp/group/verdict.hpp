@@ -164,8 +164,8 @@ class failure_verdict {
     if (auto f = first(&store_gone, !timed_out); !f.empty()) return {f, true};
     std::string msg;
     if (store_gone) {
-      // Rank 0 hosts the store: when it does not answer either, rank 0 is the one lost,
-      // whatever connection happened to notice first.
+      // The store does not answer either: its host is the one lost (rank 0, unless the
+      // launcher serves it), whatever connection happened to notice first.
       msg = store_lost("noticed " + noticed);
     } else if (timed_out) {
       msg = name_stopped(waits_prefix, peer);

@@ -19,7 +19,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -75,9 +74,6 @@ class heartbeat_watch {
     ::close(stop_);
   }
 
-  /// True once the predecessor was found frozen or dead.
-  bool tripped() const noexcept { return tripped_; }
-
  private:
   void run() noexcept {
     auto heard = steady_clock::now();
@@ -120,7 +116,6 @@ class heartbeat_watch {
   }
 
   void lost(errc code, const std::string& text) noexcept {
-    tripped_ = true;
     try {
       on_lost_(code, text);
     } catch (...) {
@@ -134,7 +129,6 @@ class heartbeat_watch {
   std::chrono::milliseconds every_;
   int stop_;
   std::function<void(errc, const std::string&)> on_lost_;
-  std::atomic<bool> tripped_{false};
   std::thread thread_;
   owner_process owner_;
 };

@@ -333,7 +333,8 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
       if (steady_clock::now() + detail::timing::earlier_run_retry >= until)
         detail::raise(errc::timeout, rank,
                       "rendezvous timed out after " + std::to_string(opts.timeout.count()) + " ms: the store at " +
-                          join.where + " still serves the job's earlier run '" + old.theirs + "', not this one ('" +
+                          join.where + " still serves the job's earlier run" +
+                          (old.theirs.empty() ? std::string() : " '" + old.theirs + "'") + ", not this one ('" +
                           opts.job_id + "')");
       std::this_thread::sleep_for(detail::timing::earlier_run_retry);
     }

@@ -28,6 +28,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -94,13 +95,19 @@ struct join_request {
 };
 
 /// A job's runs under a launcher that restarts it (`ddprun --max-restarts`): run k > 0 of job
-/// "J" has the id "J+restart.k", run 0 the id "J". Returns {J, k}.
+/// "J" has the id "J+restart.k", run 0 the id "J". job_run_id makes it, job_run reads it back.
+inline constexpr std::string_view restart_mark = "+restart.";
+inline std::string job_run_id(const std::string& job, long k) {
+  return k > 0 ? job + std::string(restart_mark) + std::to_string(k) : job;
+}
+/// {J, k} of a run's id.
 inline std::pair<std::string, long> job_run(const std::string& id) {
-  const auto at = id.rfind("+restart.");
+  const auto at = id.rfind(restart_mark);
   if (at == std::string::npos) return {id, 0};
+  const char* digits = id.c_str() + at + restart_mark.size();
   char* end = nullptr;
-  const long k = std::strtol(id.c_str() + at + 9, &end, 10);
-  if (end == id.c_str() + at + 9 || *end != '\0' || k <= 0) return {id, 0};
+  const long k = std::strtol(digits, &end, 10);
+  if (end == digits || *end != '\0' || k <= 0) return {id, 0};
   return {id.substr(0, at), k};
 }
 
@@ -108,7 +115,7 @@ inline std::pair<std::string, long> job_run(const std::string& id) {
 /// ranks are being ended by their launcher, and the store goes with them): the caller connects
 /// again until the new run's store answers, within its deadline.
 struct earlier_run_store {
-  std::string theirs;
+  std::string theirs;  // its job id; empty when it closed before it said
 };
 
 /// Names ranks compactly: "rank 3", "ranks 1, 2, 5", "ranks 1, 2, ... (40 in all)".
@@ -145,9 +152,10 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
   const int rank = req.rank;
   const std::string job = std::to_string(req.world) + " " + req.job_id;
   // Rank 0's heartbeat rides on its job record (no request more): "\nheartbeat <ms>" when on.
-  const auto heartbeat_of = [](const std::string& record) -> long long {
-    const auto nl = record.find("\nheartbeat ");
-    return nl == std::string::npos ? 0 : std::atoll(record.c_str() + nl + 11);
+  constexpr std::string_view heartbeat_mark = "\nheartbeat ";
+  const auto heartbeat_of = [&](const std::string& record) -> long long {
+    const auto at = record.find(heartbeat_mark);
+    return at == std::string::npos ? 0 : std::atoll(record.c_str() + at + heartbeat_mark.size());
   };
   auto describe_job = [](const std::string& j) {
     const auto sp = j.find(' ');
@@ -182,14 +190,23 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
     // checks that the store on this port is its own job's before it claims a rank: another
     // job's store answering here means the port is taken, not that two processes want a rank.
     claim();
-    st.set("pg/job", req.heartbeat_ms > 0 ? job + "\nheartbeat " + std::to_string(req.heartbeat_ms) : job, until);
+    st.set("pg/job", req.heartbeat_ms > 0 ? job + std::string(heartbeat_mark) + std::to_string(req.heartbeat_ms) : job,
+           until);
     st.set("pg/id", encode_i64(static_cast<std::int64_t>(nonce)), until);
   } else {
-    if (!st.wait({"pg/job"}, until).empty())
-      raise(errc::timeout, rank,
-            "rendezvous timed out after " + std::to_string(req.timeout_ms) + " ms: the store at " + req.where +
-                " answers, but its rank 0 never described its job");
-    const auto record = st.get("pg/job", until);
+    std::string record;
+    try {
+      if (!st.wait({"pg/job"}, until).empty())
+        raise(errc::timeout, rank,
+              "rendezvous timed out after " + std::to_string(req.timeout_ms) + " ms: the store at " + req.where +
+                  " answers, but its rank 0 never described its job");
+      record = st.get("pg/job", until);
+    } catch (const error& e) {
+      // A rank of a restarted run may have reached the earlier run's store just as its
+      // launcher ended that run: a store that closes before it said whose it is counts as one.
+      if (e.condition() == errc::peer_lost && job_run(req.job_id).second > 0) throw earlier_run_store{};
+      throw;
+    }
     const auto theirs = record.substr(0, record.find('\n'));
     const auto sp = theirs.find(' ');
     const std::string their_id = sp == std::string::npos ? std::string() : theirs.substr(sp + 1);
