@@ -8,9 +8,15 @@
 //
 //   ddprun -n 4 --max-restarts 1 build/bench/restart_probe tests/data/resnet50.params
 //       --checkpoint /tmp/ckpt.ddp --steps 12 --kill-at 7 --victim 1 --every 5   (one line)
+//
+// --elastic [--signal KILL|STOP]: the same loop in an elastic group (ddp::elastic_group, under
+// `ddprun --elastic 2:4`), no checkpoint: the victim kills or stops itself as step K begins,
+// printing `kill at <ms> pid <pid>`, and the survivors re-form in place; rank 0 prints
+// `step <n> run <0 before the failure, 1 after> at <ms>`. --steps counts committed steps.
 #include <ddp/ddp.hpp>
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -18,6 +24,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -41,8 +48,9 @@ long long now_ms() {
 
 int main(int argc, char** argv) try {
   if (argc < 2) usage("no params file");
-  std::string params_file = argv[1], ckpt;
+  std::string params_file = argv[1], ckpt, sig = "KILL";
   int steps = 12, kill_at = 7, victim = 1, every = 5;
+  bool elastic = false;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&] {
@@ -54,9 +62,12 @@ int main(int argc, char** argv) try {
     else if (a == "--kill-at") kill_at = std::stoi(value());
     else if (a == "--victim") victim = std::stoi(value());
     else if (a == "--every") every = std::stoi(value());
+    else if (a == "--elastic") elastic = true;
+    else if (a == "--signal") sig = value();
     else usage(("unknown option " + a).c_str());
   }
-  if (ckpt.empty()) usage("--checkpoint is needed");
+  if (ckpt.empty() && !elastic) usage("--checkpoint is needed");
+  if (sig != "KILL" && sig != "STOP") usage("--signal takes KILL or STOP");
 
   // The model: one f32 tensor per line of the params file.
   std::ifstream in(params_file);
@@ -78,6 +89,45 @@ int main(int argc, char** argv) try {
   std::vector<ddp::tensor_view> params;
   for (std::size_t i = 0; i < names.size(); ++i) params.push_back(ddp::make_tensor_view(w[i], g[i], names[i]));
 
+  if (elastic) {
+    const auto opts = ddp::init_options::from_env();
+    const char* restarts = std::getenv("DDP_RESTART_COUNT");
+    const bool first_run = restarts == nullptr || std::atoi(restarts) == 0;
+    ddp::elastic_group eg{opts};
+    std::optional<ddp::data_parallel> dp;
+    eg.on_form([&](ddp::process_group& pg) {
+      dp.reset();
+      dp.emplace(pg, params);
+    });
+    if (!eg.start()) return 0;
+    bool killed = false;
+    while (eg.step() < static_cast<std::uint64_t>(steps)) try {
+        if (first_run && !killed && eg.step() == static_cast<std::uint64_t>(kill_at) && opts.rank == victim) {
+          std::printf("kill at %lld pid %d\n", now_ms(), static_cast<int>(::getpid()));
+          std::fflush(stdout);
+          killed = true;
+          ::raise(sig == "KILL" ? SIGKILL : SIGSTOP);
+        }
+        for (std::size_t i = names.size(); i-- > 0;) {
+          std::fill(g[i].begin(), g[i].end(), 0.001f * static_cast<float>(eg.rank() + 1));
+          dp->grad_ready(i);
+        }
+        dp->finish();
+        eg.commit([&] {
+          for (std::size_t i = 0; i < names.size(); ++i)
+            for (std::size_t k = 0; k < w[i].size(); ++k) w[i][k] -= 0.1f * g[i][k];
+        });
+        if (eg.rank() == 0) {
+          std::printf("step %llu run %d at %lld\n", static_cast<unsigned long long>(eg.step()), eg.generation() > 0 ? 1 : 0,
+                      now_ms());
+          std::fflush(stdout);
+        }
+      } catch (const ddp::error& e) {
+        if (!eg.recover(e)) return 0;
+      }
+    eg.finish();
+    return 0;
+  }
   auto pg = ddp::init_process_group(ddp::init_options::from_env());
   const int rank = pg.rank();
   const char* restarts = std::getenv("DDP_RESTART_COUNT");

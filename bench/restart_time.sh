@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Time from a killed rank to the next completed step, ddp's restart against torchrun's, in one
-# sitting: 4 ranks train on a real model's shapes (ResNet-50 by default), checkpoint every C
+# Time from a killed rank to the next completed step, ddp in place (an elastic group) and ddp's
+# restart against torchrun's, in one sitting: 4 ranks train on a real model's shapes (ResNet-50 by default), checkpoint every C
 # steps, and rank 1 SIGKILLs itself as step K begins. ddp: `ddprun --max-restarts 1` with
 # build/bench/restart_probe (ddp::save_checkpoint / load_checkpoint). PyTorch: torchrun's agent
 # (elastic_launch, max_restarts 1, c10d rendezvous, torchrun's default monitor interval) with
@@ -39,8 +39,30 @@ measure() {
   echo "$next $steady"
 }
 
-ddp_res=() torch_res=() ddp_step=() torch_step=()
+# in_place LOG SIGNAL: ddp's in-place recovery (an elastic group under ddprun --elastic 2:4, no
+# replacement): the victim kills or stops itself as step K begins; a stopped one is killed once
+# the survivors are done.
+in_place() {
+  local log=$1 sig=$2 pid
+  timeout 300 "$ddprun" -n $ranks --elastic 2:$ranks --max-restarts 0 "$probe" "$params" --elastic --signal "$sig" \
+    --steps $steps --kill-at $kill_at --victim $victim > "$log" 2>&1 &
+  local launcher=$!
+  for ((t = 0; t < 3000; ++t)); do
+    grep -q "step $steps run" "$log" && break
+    kill -0 $launcher 2>/dev/null || break
+    sleep 0.1
+  done
+  pid=$(sed -n 's/.*kill at [0-9]* pid \([0-9]*\).*/\1/p' "$log" | head -1)
+  [[ -n $pid ]] && kill -KILL "$pid" 2>/dev/null
+  wait $launcher
+}
+
+ddp_res=() torch_res=() ddp_step=() torch_step=() kill_res=() kill_step=() stop_res=()
 for ((r = 1; r <= rounds; ++r)); do
+  in_place "$tmp/kill.$r" KILL
+  read -r a b < <(measure "$tmp/kill.$r"); kill_res+=("$a"); kill_step+=("$b")
+  in_place "$tmp/stop.$r" STOP
+  read -r a b < <(measure "$tmp/stop.$r"); stop_res+=("$a")
   rm -f "$tmp/ckpt.ddp" "$tmp/ckpt.pt"
   timeout 300 "$ddprun" -n $ranks --max-restarts 1 "$probe" "$params" --checkpoint "$tmp/ckpt.ddp" --steps $steps \
     --kill-at $kill_at --victim $victim --every $every > "$tmp/ddp.$r" 2>&1
@@ -49,7 +71,7 @@ for ((r = 1; r <= rounds; ++r)); do
     --steps $steps --kill-at $kill_at --victim $victim --every $every --port "$(free_port)" \
     --monitor-interval "${TORCH_MONITOR_INTERVAL:-5}" > "$tmp/torch.$r" 2>&1
   read -r a b < <(measure "$tmp/torch.$r"); torch_res+=("$a"); torch_step+=("$b")
-  echo "round $r: ddp ${ddp_res[-1]} ms (step ${ddp_step[-1]} ms), torchrun ${torch_res[-1]} ms (step ${torch_step[-1]} ms)" >&2
+  echo "round $r: ddp in place ${kill_res[-1]} ms (SIGKILL), ${stop_res[-1]} ms (SIGSTOP; elastic step ${kill_step[-1]} ms); ddp restart ${ddp_res[-1]} ms (step ${ddp_step[-1]} ms), torchrun ${torch_res[-1]} ms (step ${torch_step[-1]} ms)" >&2
 done
 median() { printf '%s\n' "$@" | grep -v failed | sort -n | awk '{a[NR] = $1} END {print NR ? (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) : "failed"}'; }
 dm=$(median "${ddp_res[@]}") tm=$(median "${torch_res[@]}")
@@ -58,7 +80,13 @@ echo "restart_time: $(basename "$params" .params), $ranks ranks, kill at step $k
 echo
 echo '| launcher | kill -> next completed step (median ms) | steps repeated | steady step (ms) | runs (ms) |'
 echo '|---|---|---|---|---|'
+km=$(median "${kill_res[@]}") sm=$(median "${stop_res[@]}")
+echo "| ddp in place (elastic_group, ddprun --elastic 2:4), SIGKILL | $km | 0 | $(median "${kill_step[@]}") | ${kill_res[*]} |"
+echo "| ddp in place, SIGSTOP (heartbeat lease 1 s) | $sm | 0 | | ${stop_res[*]} |"
 echo "| ddprun --max-restarts 1, ddp default | $dm | $repeated | $(median "${ddp_step[@]}") | ${ddp_res[*]} |"
 echo "| torchrun agent (max_restarts 1, c10d, monitor ${TORCH_MONITOR_INTERVAL:-5} s), PyTorch DDP gloo | $tm | $repeated | $(median "${torch_step[@]}") | ${torch_res[*]} |"
 echo
 awk -v d="$dm" -v t="$tm" 'BEGIN { if (d > 0 && t > 0) printf "ddp restarts %.1fx faster than torchrun\n", t / d }'
+awk -v k="$km" -v t="$tm" 'BEGIN { if (k > 0 && t > 0) printf "ddp recovers in place (SIGKILL) %.1fx faster than torchrun restarts\n", t / k }'
+awk -v e="$(median "${kill_step[@]}")" -v p="$(median "${ddp_step[@]}")" \
+  'BEGIN { if (e > 0 && p > 0) printf "steady step, elastic / plain: %.3f\n", e / p }'

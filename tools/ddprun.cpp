@@ -76,7 +76,8 @@ void on_signal(int s) { g_signal = s; }
                "       ddprun -n N --nnodes NODES --node-rank K --master-addr ADDR --port PORT [--job-id ID] "
                "[--timeout SECONDS] [--] program [args...]\n"
                "       options: --bind-cores (pin local rank l to the l-th usable core), --max-restarts K "
-               "(start every rank again when one fails, up to K times)\n",
+               "(start every rank again when one fails, up to K times), --elastic MIN:MAX (the group shrinks "
+               "and grows in place: a failed rank alone is started again, up to --max-restarts times)\n",
                msg);
   std::exit(2);
 }
@@ -109,6 +110,7 @@ struct rank_proc {
   std::string last_error;  // the last "[ddp.<errc>] ..." line it wrote: why it failed, when it says
   bool exited = false;  // the keeper was reaped
   bool ended = false;   // the program's end is known: status and at_ns are set
+  bool handled = false;  // elastic: its end was seen to (replaced, or noted as final)
   int status = 0;
   std::int64_t at_ns = 0;
 };
@@ -119,7 +121,9 @@ int code_of(int st) { return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st
 void emit(int rank, std::string& pending, std::string& last_error, bool flush_all) {
   auto line = [&](std::string_view l) {
     std::printf("[%d] %.*s\n", rank, static_cast<int>(l.size()), l.data());
-    if (const auto at = l.find("[ddp."); at != std::string_view::npos) last_error = l.substr(at, 400);
+    // (An elastic group's notes, "[ddp.elastic] ...", say what it survived, not why it failed.)
+    if (const auto at = l.find("[ddp."); at != std::string_view::npos && l.substr(at, 13) != "[ddp.elastic]")
+      last_error = l.substr(at, 400);
   };
   std::size_t pos;
   while ((pos = pending.find('\n')) != std::string::npos) {
@@ -144,6 +148,7 @@ int main(int argc, char** argv) {
   std::string timeout, job_id_opt;
   bool bind_cores = false;
   int max_restarts = 0;
+  std::string elastic;  // --elastic MIN:MAX
   // A whole decimal number in [lo, hi], or a usage error naming the option.
   auto number = [](const std::string& name, const std::string& v, long lo, long hi) {
     char* end = nullptr;
@@ -173,6 +178,7 @@ int main(int argc, char** argv) {
     else if (a == "--timeout") timeout = value("--timeout");
     else if (a == "--bind-cores") bind_cores = true;
     else if (a == "--max-restarts") max_restarts = number("--max-restarts", value("--max-restarts"), 0, 1 << 20);
+    else if (a == "--elastic") elastic = value("--elastic");
     else if (a == "-h" || a == "--help") usage("help");
     else if (a == "--") { ++i; break; }
     else if (!a.empty() && a[0] == '-') usage(("unknown option " + a).c_str());
@@ -195,6 +201,13 @@ int main(int argc, char** argv) {
   if (static_cast<long long>(n) * nnodes > (1 << 20)) usage("-n times --nnodes is larger than 1048576 ranks");
   if (i >= argc) usage("no program given");
   const int world = n * nnodes;
+  if (!elastic.empty()) {
+    const auto colon = elastic.find(':');
+    const int lo = number("--elastic (its minimum)", elastic.substr(0, colon), 1, 1 << 20);
+    const int hi = colon == std::string::npos ? lo : number("--elastic (its maximum)", elastic.substr(colon + 1), 1, 1 << 20);
+    if (lo > hi || world < lo || world > hi)
+      usage(("--elastic " + elastic + " must be MIN:MAX with MIN <= " + std::to_string(world) + " ranks <= MAX").c_str());
+  }
   const int base = node_rank * n;  // global rank of this host's local rank 0
   try {
     if (port == 0) port = pick_port(addr);
@@ -241,6 +254,13 @@ int main(int argc, char** argv) {
   }
   const bool external_store = !env_is("DDP_EXTERNAL_STORE", "0") && (token == nullptr || *token == '\0') &&
                               (loopback || env_is("DDP_INSECURE", "1"));
+  // An elastic group's store must outlive every rank: ddprun serves it, or nothing does.
+  if (!elastic.empty() && !external_store) {
+    std::fprintf(stderr,
+                 "ddprun: --elastic needs ddprun to serve the group's store, which it does only without a secret "
+                 "(DDP_AUTH_TOKEN), on loopback or with DDP_INSECURE=1, and without DDP_EXTERNAL_STORE=0\n");
+    return 2;
+  }
   for (int restart = 0;; ++restart) {
     if (restart > 0 && !port_given) {
       try {
@@ -258,16 +278,20 @@ int main(int argc, char** argv) {
     for (int r = 0; r < n; ++r) new (&notes[r]) exit_note{};
 
     std::vector<rank_proc> procs(static_cast<std::size_t>(n));
-    for (int r = 0; r < n; ++r) {
+    // Starts local rank r (its keeper, then the program): run `restart` of the job, or in an
+    // elastic job the slot's `restart`-th replacement. False when a pipe or a socket failed.
+    auto spawn = [&](int r, int run_no) -> bool {
+      new (&notes[r]) exit_note{};
+      procs[static_cast<std::size_t>(r)] = rank_proc{};
       int p[2];
-      if (::pipe2(p, O_CLOEXEC) != 0) { std::perror("ddprun: pipe"); return 2; }
+      if (::pipe2(p, O_CLOEXEC) != 0) { std::perror("ddprun: pipe"); return false; }
       // The rank's end of the launcher's note (DDP_LAUNCHER_FD, ddp/group/detail/launcher.hpp): before
       // ending the ranks of this host because one failed, ddprun tells them which, so that the
       // group's failure names it and the other hosts do not blame the ranks ended here.
       int sv[2] = {-1, -1};
       if (nnodes > 1 && ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
         std::perror("ddprun: socketpair");
-        return 2;
+        return false;
       }
       const pid_t pid = ::fork();
       if (pid == 0) {
@@ -286,9 +310,11 @@ int main(int argc, char** argv) {
         // Run k > 0 of the job is "<job>+restart.k": a rank of a new run that finds the store of an
         // earlier one still on the port (another host's launcher has not ended it yet) waits for
         // it to go (group/detail/rendezvous.hpp, job_run).
-        ::setenv("DDP_JOB_ID", ddp::detail::job_run_id(job_id, restart).c_str(), 1);
-        ::setenv("DDP_RESTART_COUNT", std::to_string(restart).c_str(), 1);
+        // An elastic job is one run: its replacements join it (DDP_RESTART_COUNT > 0).
+        ::setenv("DDP_JOB_ID", (elastic.empty() ? ddp::detail::job_run_id(job_id, run_no) : job_id).c_str(), 1);
+        ::setenv("DDP_RESTART_COUNT", std::to_string(run_no).c_str(), 1);
         if (external_store) ::setenv("DDP_EXTERNAL_STORE", "1", 1);
+        if (!elastic.empty()) ::setenv("DDP_ELASTIC", elastic.c_str(), 1);
         if (!timeout.empty()) ::setenv("DDP_TIMEOUT", timeout.c_str(), 1);
         if (sv[1] >= 0) {
           ::fcntl(sv[1], F_SETFD, 0);  // kept across exec: the program's
@@ -339,15 +365,19 @@ int main(int argc, char** argv) {
         ::fcntl(sv[0], F_SETFL, O_NONBLOCK);
         procs[static_cast<std::size_t>(r)].note = sv[0];
       }
-    }
+      return true;
+    };
+    for (int r = 0; r < n; ++r)
+      if (!spawn(r, restart)) return 2;
 
     // Started once the ranks are forked (a fork while its thread runs could copy a held lock
     // into the keeper); the ranks retry until it answers, as they do for rank 0's.
     std::unique_ptr<ddp::store_server> store;
     if (external_store && node_rank == 0) {
       try {
+        // An elastic group's generations claim their seats in namespaces of their own: no count.
         store = std::make_unique<ddp::store_server>(ddp::endpoint{addr, port}, 0, nullptr, ddp::store_limits{},
-                                                    "pg/rank/", static_cast<std::uint32_t>(world));
+                                                    "pg/rank/", elastic.empty() ? static_cast<std::uint32_t>(world) : 0u);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "ddprun: cannot serve the group's store: %s\n", e.what());
       }
@@ -412,6 +442,8 @@ int main(int argc, char** argv) {
       }
     };
     std::size_t running = procs.size();
+    int replacements = 0;                         // elastic: ranks started again so far
+    std::vector<int> final_status(procs.size());  // elastic: how each slot's last process ended
     while (running > 0) {
       std::vector<pollfd> pf;
       for (auto& p : procs)
@@ -450,6 +482,35 @@ int main(int argc, char** argv) {
           p.ended = true;
           p.status = notes[r].status.load();
           p.at_ns = notes[r].at_ns.load();
+        }
+        if (!elastic.empty()) {
+          // Elastic: the group goes on without a failed rank; a replacement takes its slot
+          // (and joins the group at its next step) while replacements are left.
+          if (!p.ended || !p.exited || p.handled) continue;
+          p.handled = true;
+          final_status[r] = p.status;
+          if (code_of(p.status) == 0 || g_signal != 0) continue;
+          if (replacements >= max_restarts) {
+            std::fprintf(stderr, "ddprun: rank %d %s; no replacement left (--max-restarts %d): the group goes on without it\n",
+                         base + static_cast<int>(r), describe(static_cast<int>(r)).c_str(), max_restarts);
+            continue;
+          }
+          if (p.out >= 0) {
+            ::fcntl(p.out, F_SETFL, O_NONBLOCK);
+            char buf[65536];
+            ssize_t k;
+            while ((k = ::read(p.out, buf, sizeof buf)) > 0) p.pending.append(buf, static_cast<std::size_t>(k));
+            emit(base + static_cast<int>(r), p.pending, p.last_error, true);
+            ::close(p.out);
+          }
+          if (p.note >= 0) ::close(p.note);
+          ++replacements;
+          std::fprintf(stderr, "ddprun: rank %d %s%s; the group goes on without it and a replacement joins it (%d of %d)\n",
+                       base + static_cast<int>(r), describe(static_cast<int>(r)).c_str(),
+                       p.last_error.empty() ? "" : (" (" + p.last_error + ")").c_str(), replacements, max_restarts);
+          if (!spawn(static_cast<int>(r), replacements)) return 2;
+          ++running;
+          continue;
         }
         if (p.ended && code_of(p.status) != 0 && settle_until == never)
           settle_until = std::chrono::steady_clock::now() + settle;
@@ -499,6 +560,18 @@ int main(int argc, char** argv) {
     ::munmap(shared, sizeof(exit_note) * static_cast<std::size_t>(n));
     for (auto& p : procs)
       if (p.note >= 0) ::close(p.note);
+    if (!elastic.empty()) {
+      // A rank that exited with an error fails the job; ranks killed and not replaced were
+      // failures the group survived, as long as one rank finished normally.
+      if (g_signal != 0) return 128 + g_signal;
+      int finished = 0, signalled = 0;
+      for (int st : final_status) {
+        if (WIFEXITED(st) && WEXITSTATUS(st) != 0) return WEXITSTATUS(st);
+        if (WIFEXITED(st)) ++finished;
+        else if (signalled == 0) signalled = code_of(st);
+      }
+      return finished > 0 ? 0 : signalled;
+    }
     // A rank failed, no signal came to ddprun, and a restart is left: every rank starts again.
     if (exit_code == 0 || g_signal != 0 || !restart_left || failed_rank < 0) return exit_code;
   }

@@ -40,6 +40,7 @@
 // their templates are what a unit would otherwise parse for nothing (docs/performance.md,
 // "Compile time").
 #if !defined(DDP_SEPARATE_COMPILATION)
+#include <ddp/group/elastic.hpp>            // IWYU pragma: export
 #include <ddp/memory/shm_allocator.hpp>     // IWYU pragma: export
 #include <ddp/reducer/compress.hpp>         // IWYU pragma: export
 #include <ddp/reducer/flight_recorder.hpp>  // IWYU pragma: export

@@ -138,10 +138,7 @@ class distributed_sampler {
       detail::raise(
           errc::invalid_argument, rank,
           "distributed_sampler: rank " + std::to_string(rank) + " is outside [0, " + std::to_string(world) + ")");
-    const auto w = static_cast<std::uint64_t>(world);
-    // Written so that nothing overflows, up to n = 2^64 - 1.
-    per_rank_ = opts_.drop_last ? n_ / w : n_ / w + (n_ % w != 0 ? 1 : 0);
-    build();
+    share();
   }
 
   /// The rank and size of `group` (a `ddp::process_group`, or anything with `rank()` and `size()`).
@@ -156,10 +153,29 @@ class distributed_sampler {
   /// Chooses the epoch whose order the sampler yields (as PyTorch's `set_epoch`): call it with
   /// the same value on every rank before each epoch, or every epoch has epoch 0's order.
   void set_epoch(std::uint64_t epoch) {
-    if (epoch == epoch_) return;
+    if (epoch == epoch_ && start_ == 0) return;
     epoch_ = epoch;
-    build();
+    start_ = 0;
+    share();
   }
+  /// Resumes epoch `epoch` after the group trained on the first `consumed` positions of its
+  /// order (all ranks together, in whatever world they were: a world of w that took k steps of
+  /// b samples per rank from a share consumed k * b * w): this rank's share is then the rest of
+  /// the order, positions `consumed + rank, consumed + rank + world, ...`, dealt over this
+  /// sampler's world, padded or cut as `drop_last` says. An elastic group that changed size
+  /// in the middle of an epoch (docs/elastic.md) thus neither skips a sample nor sees one twice
+  /// (but for the padding). errc::invalid_argument when `consumed` exceeds the dataset.
+  void resume(std::uint64_t epoch, std::uint64_t consumed) {
+    if (consumed > n_)
+      detail::raise(errc::invalid_argument, rank_,
+                    "distributed_sampler: resume after " + std::to_string(consumed) + " samples of a dataset of " +
+                        std::to_string(n_));
+    epoch_ = epoch;
+    start_ = consumed;
+    share();
+  }
+  /// Positions of the epoch's order taken before this share (resume), 0 after set_epoch.
+  std::uint64_t start() const noexcept { return start_; }
   std::uint64_t epoch() const noexcept { return epoch_; }
 
   /// Samples this rank yields per epoch: ceil(n / world), or floor(n / world) with drop_last.
@@ -247,10 +263,21 @@ class distributed_sampler {
   // Where the i-th index of this rank's share sits in the order: position rank + i * world of
   // the padded order, which repeats the order from its start, so modulo n (n >= 1 whenever
   // size() >= 1). Computed without overflow for any n: i * world < n because i < size().
+  // After resume(epoch, start) the same holds for the rest of the order, [start, n).
   std::uint64_t position(std::uint64_t i) const noexcept {
+    const std::uint64_t m = n_ - start_;
     const std::uint64_t q = i * static_cast<std::uint64_t>(world_);
-    const std::uint64_t r = static_cast<std::uint64_t>(rank_) % n_;
-    return r >= n_ - q ? r - (n_ - q) : q + r;
+    const std::uint64_t r = static_cast<std::uint64_t>(rank_) % m;
+    return start_ + (r >= m - q ? r - (m - q) : q + r);
+  }
+
+  // This rank's count, then its share (with shuffle) of the positions from start_ on.
+  void share() {
+    const auto w = static_cast<std::uint64_t>(world_);
+    const std::uint64_t m = n_ - start_;
+    // Written so that nothing overflows, up to n = 2^64 - 1.
+    per_rank_ = opts_.drop_last ? m / w : m / w + (m % w != 0 ? 1 : 0);
+    build();
   }
 
   // With shuffle: this epoch's permutation, then this rank's share of the padded or cut order.
@@ -277,6 +304,7 @@ class distributed_sampler {
   sampler_options opts_;
   std::uint64_t per_rank_ = 0;
   std::uint64_t epoch_ = 0;
+  std::uint64_t start_ = 0;  // positions of the order taken before this share (resume)
   std::vector<std::uint64_t> mine_;
 };
 

@@ -471,3 +471,21 @@ TEST_CASE("slurm: a malformed node list or job id names the variable and its val
   env["SLURM_STEP_ID"] = "batch";
   CHECK_THROWS_WITH_AS(parse(env), doctest::Contains("SLURM_STEP_ID='batch'"), ddp::error);
 }
+
+TEST_CASE("DDP_ELASTIC gives an elastic group's sizes; validate() checks them") {
+  auto o = parse({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"DDP_ELASTIC", "2:4"}});
+  CHECK(o.elastic_min == 2);
+  CHECK(o.elastic_max == 4);
+  CHECK(o.validate().empty());
+  o = parse({{"DDP_ELASTIC", "3"}});
+  CHECK(o.elastic_min == 3);
+  CHECK(o.elastic_max == 3);
+  CHECK(parse({}).elastic_max == 0);
+  CHECK_THROWS_WITH_AS(parse({{"DDP_ELASTIC", "2:x"}}), doctest::Contains("DDP_ELASTIC (its maximum)='x'"), ddp::error);
+  CHECK_THROWS_WITH_AS(parse({{"DDP_ELASTIC", "0:4"}}), doctest::Contains("DDP_ELASTIC (its minimum)='0'"), ddp::error);
+  o = parse({{"DDP_ELASTIC", "4:2"}});
+  CHECK(o.validate() == "elastic sizes 4:2 are not MIN:MAX with 1 <= MIN <= MAX");
+  o = ddp::init_options{};
+  o.key_prefix = std::string(65, 'k');
+  CHECK(o.validate() == "key_prefix is longer than 64 characters");
+}

@@ -227,3 +227,44 @@ TEST_CASE("a group gives rank and world size; the sampler iterates and indexes l
   CHECK(distributed_sampler(0, 0, 3).empty());
   CHECK(distributed_sampler(0, 0, 3).begin() == distributed_sampler(0, 0, 3).end());
 }
+
+TEST_CASE("resume deals the rest of an epoch over a new world: nothing skipped, nothing seen twice") {
+  const std::uint64_t n = 1000, b = 7;
+  for (const bool shuffle : {false, true}) {
+    std::vector<int> seen(n, 0);
+    std::uint64_t consumed = 0;
+    // Four ranks take 10 steps, then three ranks the rest of the epoch, then five.
+    const auto run = [&](int world, std::uint64_t steps) {
+      for (int r = 0; r < world; ++r) {
+        distributed_sampler s{n, r, world, {.shuffle = shuffle, .seed = 9, .drop_last = true}};
+        s.resume(2, consumed);
+        CHECK(s.start() == consumed);
+        REQUIRE(s.size() >= steps * b);
+        for (std::uint64_t i = 0; i < steps * b; ++i) ++seen[static_cast<std::size_t>(s[i])];
+      }
+      consumed += steps * b * static_cast<std::uint64_t>(world);
+    };
+    run(4, 10);
+    run(3, 12);
+    const std::uint64_t left = (n - consumed) / (5 * b);
+    run(5, left);
+    CHECK(n - consumed < 5 * b);
+    std::uint64_t once = 0;
+    for (int c : seen) {
+      CHECK(c <= 1);
+      once += static_cast<std::uint64_t>(c);
+    }
+    CHECK(once == consumed);
+    // The positions the three phases took are the first `consumed` of epoch 2's order.
+    distributed_sampler all{n, 0, 1, {.shuffle = shuffle, .seed = 9}};
+    all.set_epoch(2);
+    for (std::uint64_t i = 0; i < consumed; ++i) CHECK(seen[static_cast<std::size_t>(all[i])] == 1);
+    // set_epoch starts an epoch from its beginning again.
+    all.resume(2, 10);
+    CHECK(all.size() == n - 10);
+    all.set_epoch(2);
+    CHECK(all.size() == n);
+  }
+  CHECK_THROWS_WITH_AS(distributed_sampler(10, 0, 2).resume(0, 11), doctest::Contains("resume after 11 samples"),
+                       ddp::error);
+}

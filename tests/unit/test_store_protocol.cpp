@@ -116,6 +116,12 @@ TEST_CASE("writes, claims and waited keys, as the server's membership and parked
     CHECK_FALSE(is_claim(seat(k), "pg/rank/", 4));
   }
   CHECK(is_claim(seat("pg/rank/999999"), "pg/rank/"));  // no count: any key under the prefix
+  // Without a count (an elastic group's store), a claim under a namespace ("el3/": a
+  // generation) counts too; with one, a namespace cannot add seats.
+  CHECK(is_claim(seat("el3/pg/rank/0"), "pg/rank/"));
+  CHECK_FALSE(is_claim(seat("el3/pg/rank/0"), "pg/rank/", 4));
+  CHECK_FALSE(is_claim(seat("el3pg/rank/0"), "pg/rank/"));
+  CHECK_FALSE(is_claim(seat("el3/pg/abort"), "pg/rank/"));
   CHECK(waited_keys(parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::get), {"k", ms}))) == 1);
   CHECK(waited_keys(parsed(encode_frame(static_cast<std::uint8_t>(store_cmd::wait), {"a", "b", "c", ms}))) == 3);
   CHECK(static_cast<int>(store_status::forbidden) == 6);

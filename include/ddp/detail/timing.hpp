@@ -98,6 +98,9 @@ inline constexpr std::int64_t poll_cap_ms = 1'000'000;
 /// Between two tries to join while the port still serves the job's earlier run (a launcher's
 /// restart: the old store goes when its ranks have been ended).
 inline constexpr std::chrono::milliseconds earlier_run_retry = 50ms;
+/// How often an elastic group's rank looks again, while it waits for a step's decision or for
+/// its round to close, whether the group failed meanwhile (group/elastic.hpp).
+inline constexpr std::chrono::milliseconds elastic_poll = 20ms;
 /// A wait of a millisecond: the store answers at once with the keys still missing.
 inline constexpr std::chrono::milliseconds missing_ranks_wait = 1ms;
 /// Bound of the requests that name the missing ranks after rendezvous timed out: the error

@@ -49,6 +49,15 @@ struct init_options {
   /// when it serves one), not by rank 0: rank 0 then only joins it, and its loss leaves the
   /// store, and the failure record the survivors read, in place. Every rank must agree.
   bool external_store = false;
+  /// An elastic group's smallest and largest size (`DDP_ELASTIC=MIN:MAX`; 0: not elastic).
+  /// Read by `ddp::elastic_group` (group/elastic.hpp, docs/elastic.md); a plain
+  /// `init_process_group` refuses the mpi and nccl backends for an elastic group
+  /// (errc::unsupported: they cannot shrink).
+  int elastic_min = 0;
+  int elastic_max = 0;
+  /// Prepended to every key this group writes in its store, so that several groups share one
+  /// store apart (an elastic group's generations do). At most 64 characters.
+  std::string key_prefix = {};
 
   /// Largest group: 2^20 ranks. Larger sizes are refused at once (errc::invalid_argument).
   static constexpr int max_world_size = 1 << 20;
@@ -58,8 +67,8 @@ struct init_options {
   /// `PMI_RANK/PMI_SIZE` (`MPI_LOCALRANKID`) and Slurm's `SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID`;
   /// `DDP_TIMEOUT` (seconds), `DDP_AUTH_TOKEN` and `DDP_JOB_ID` (set by `ddprun`), `DDP_BACKEND`
   /// (auto, shm, tcp, hierarchical, mpi, nccl), `DDP_DEBUG` (`info`), `DDP_HEARTBEAT_MS`
-  /// (the heartbeat's lease in milliseconds, 0 for none) and `DDP_EXTERNAL_STORE` (1: the
-  /// launcher serves the store). Throws
+  /// (the heartbeat's lease in milliseconds, 0 for none), `DDP_EXTERNAL_STORE` (1: the
+  /// launcher serves the store) and `DDP_ELASTIC` (MIN:MAX, an elastic group's sizes). Throws
   /// errc::invalid_argument for a variable that is not a number or not a backend's name.
   ///
   /// In a rank that `srun` started (its rank is `SLURM_PROCID`), an absent `MASTER_ADDR` is
@@ -115,6 +124,10 @@ struct init_options {
              " characters is longer than a host name may be (253)";
     if (timeout.count() <= 0) return "timeout must be positive";
     if (heartbeat.count() < 0) return "heartbeat must not be negative (0 runs none)";
+    if (key_prefix.size() > 64) return "key_prefix is longer than 64 characters";
+    if (elastic_max != 0 && (elastic_min < 1 || elastic_min > elastic_max))
+      return "elastic sizes " + std::to_string(elastic_min) + ":" + std::to_string(elastic_max) +
+             " are not MIN:MAX with 1 <= MIN <= MAX";
     return {};
   }
 };

@@ -29,7 +29,8 @@
 
 namespace ddp {
 inline namespace v0 {
-class store_client;  // group/store_client.hpp
+class store_client;   // group/store_client.hpp
+class elastic_group;  // group/elastic.hpp
 namespace detail {
 struct group_state;  // group/detail/group_state.hpp
 }  // namespace detail
@@ -158,6 +159,7 @@ class process_group {
  private:
   friend process_group init_process_group(const init_options&);
   friend class transport_context;  // hands transports the group's channels, links and verdict
+  friend class elastic_group;      // fails, leaves and replaces its generations' groups
   explicit process_group(std::shared_ptr<detail::group_state> s) noexcept : s_(std::move(s)) {}
   /// The group, for a call named `what`: errc::usage on an empty handle or in a forked child.
   detail::group_state& live(const char* what) const;

@@ -146,10 +146,16 @@ class store_client {
     const auto ms = detail::encode_ms(std::min<std::int64_t>(server_wait.count(), server_wait_ms(until)));
     f.push_back(ms);
     auto r = call(detail::store_cmd::wait, f, until);
-    if (r.code == static_cast<std::uint8_t>(detail::store_status::timeout)) return r.fields;
-    return {};
+    if (r.code != static_cast<std::uint8_t>(detail::store_status::timeout)) return {};
+    for (auto& k : r.fields)
+      if (k.starts_with(prefix_)) k.erase(0, prefix_.size());
+    return r.fields;
   }
 
+  /// Puts every key this client reads or writes from now on under `prefix` (an elastic
+  /// group's generation, init_options::key_prefix): groups that share a store stay apart.
+  void set_prefix(std::string prefix) { prefix_ = std::move(prefix); }
+  const std::string& prefix() const noexcept { return prefix_; }
   int native_handle() const noexcept { return fd_.get(); }
 
   /// True once a failure made the connection unusable (every later call fails at once).
@@ -194,9 +200,20 @@ class store_client {
                         " (the store is for small metadata; send bulk data through a collective)");
   }
 
-  detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& fields, deadline_t until) {
+  detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& given, deadline_t until) {
     // A forked child shares the connection with its parent: one frame from it would garble both.
     owner_.check(rank_, "store_client");
+    // The keys (every field of a wait but its last, the first of any other request) under
+    // this client's prefix.
+    std::vector<std::string> keyed;
+    std::vector<std::string_view> prefixed;
+    if (!prefix_.empty() && !given.empty()) {
+      const std::size_t nkeys = cmd == detail::store_cmd::wait ? given.size() - 1 : 1;
+      keyed.reserve(nkeys);
+      prefixed = given;
+      for (std::size_t i = 0; i < nkeys; ++i) prefixed[i] = keyed.emplace_back(prefix_ + std::string(given[i]));
+    }
+    const auto& fields = prefix_.empty() ? given : prefixed;
     check_request(cmd, fields);
     // Other threads share this connection: the deadline may pass while this call waits for its
     // turn. That is this call's timeout, not a fault of the connection: nothing was sent.
@@ -281,6 +298,7 @@ class store_client {
   }
 
   int rank_;
+  std::string prefix_;  ///< put before every key (set_prefix)
   std::shared_ptr<const authenticator> auth_;
   detail::fd_handle fd_;
   std::atomic<bool> unusable_{false};

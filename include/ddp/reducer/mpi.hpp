@@ -60,6 +60,10 @@ class mpi_engine {
 
   /// See mpi_reducer(process_group&).
   explicit mpi_engine(process_group& pg) : timeout_(pg.timeout()) {
+    if (pg.options().elastic_max > 0)
+      detail::raise(errc::unsupported, pg.rank(),
+                    "mpi_reducer on an elastic group (DDP_ELASTIC): MPI_COMM_WORLD cannot shrink or grow (Open MPI 4.1 "
+                    "has no ULFM); use the default reducer, ring or tree");
     check_mpi_ready(pg.rank());
     int wsize = 0;
     DDP_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &wsize));

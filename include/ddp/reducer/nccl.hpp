@@ -95,6 +95,10 @@ class nccl_engine {
   /// See nccl_reducer(process_group&, int, cudaStream_t).
   nccl_engine(process_group& pg, int device, cudaStream_t stream)
       : rank_(pg.rank()), size_(pg.size()), timeout_(pg.timeout()) {
+    if (pg.options().elastic_max > 0)
+      detail::raise(errc::unsupported, rank_,
+                    "nccl_reducer on an elastic group (DDP_ELASTIC): this NCCL path cannot shrink or grow a "
+                    "communicator (no ncclCommShrink); use the default reducer on host memory");
     ncclUniqueId id{};
     std::exception_ptr local_failure;
     try {

@@ -166,6 +166,14 @@ void read_env(Options& o, Getenv& get) {
   if (auto v = first({"DDP_JOB_ID"}); v.first) o.job_id = v.second;
   if (auto v = first({"DDP_INSECURE"}); v.first) o.insecure = as_int(v, 0, 1) == 1;
   if (auto v = first({"DDP_EXTERNAL_STORE"}); v.first) o.external_store = as_int(v, 0, 1) == 1;
+  if (auto v = first({"DDP_ELASTIC"}); v.first) {
+    // "MIN:MAX", or "N" for N:N: the sizes an elastic group may take (group/elastic.hpp).
+    const std::string s = v.second;
+    const auto colon = s.find(':');
+    const std::string a = s.substr(0, colon), b = colon == std::string::npos ? a : s.substr(colon + 1);
+    o.elastic_min = static_cast<int>(as_int({"DDP_ELASTIC (its minimum)", a.c_str()}, 1, 1 << 20));
+    o.elastic_max = static_cast<int>(as_int({"DDP_ELASTIC (its maximum)", b.c_str()}, 1, 1 << 20));
+  }
   if (auto v = first({"DDP_BACKEND"}); v.first) {
     const auto b = parse_backend(v.second);
     if (!b)

@@ -38,7 +38,8 @@ namespace detail {
 
 /// Watches the predecessor's heartbeats and sends this rank's to the successor, from a thread.
 /// `on_lost(code, text)` runs once, on that thread, when the predecessor froze or died (text:
-/// "rank P ...", from this rank's view). The two descriptors belong to the caller's links and
+/// "rank P ...", from this rank's view); the beats to the successor go on until the group
+/// closes. The two descriptors belong to the caller's links and
 /// may be the same one (a group of two).
 class heartbeat_watch {
  public:
@@ -92,9 +93,12 @@ class heartbeat_watch {
       if (pred_left && succ_gone) return;
       if (!pred_left && now - heard > lease_) {
         const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - heard).count();
-        return lost(errc::timeout, "rank " + std::to_string(pred_) + " stopped answering: no heartbeat for " +
-                                       std::to_string(ms) + " ms (lease " + std::to_string(lease_.count()) +
-                                       " ms; the rank is frozen, stopped or cut off)");
+        lost(errc::timeout, "rank " + std::to_string(pred_) + " stopped answering: no heartbeat for " +
+                                std::to_string(ms) + " ms (lease " + std::to_string(lease_.count()) +
+                                " ms; the rank is frozen, stopped or cut off)");
+        // This rank keeps beating: its own watcher must not take it for the one that froze.
+        pred_left = true;
+        continue;
       }
       const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next_beat - steady_clock::now());
       pollfd p[2] = {{pred_left ? -1 : pred_fd_, POLLIN, 0}, {stop_, POLLIN, 0}};
@@ -106,9 +110,12 @@ class heartbeat_watch {
       char buf[256];
       const ssize_t k = ::recv(pred_fd_, buf, sizeof buf, MSG_DONTWAIT);
       if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
-      if (k <= 0)
-        return lost(errc::peer_lost,
-                    "rank " + std::to_string(pred_) + " died: its heartbeat connection ended without a goodbye");
+      if (k <= 0) {
+        lost(errc::peer_lost,
+             "rank " + std::to_string(pred_) + " died: its heartbeat connection ended without a goodbye");
+        pred_left = true;
+        continue;
+      }
       heard = steady_clock::now();
       for (ssize_t i = 0; i < k; ++i)
         if (buf[i] == goodbye) pred_left = true;

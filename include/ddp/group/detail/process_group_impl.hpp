@@ -284,6 +284,12 @@ DDP_DECL void process_group::lost(int peer, const std::error_code& ec, const cha
 
 DDP_DECL process_group init_process_group(const init_options& opts) {
   if (auto why = opts.validate(); !why.empty()) detail::raise(errc::invalid_argument, opts.rank, why);
+  if (opts.elastic_max > 0 && (opts.backend == backend::mpi || opts.backend == backend::nccl))
+    detail::raise(errc::unsupported, opts.rank,
+                  std::string("an elastic group (DDP_ELASTIC) with the ") +
+                      (opts.backend == backend::mpi ? "mpi" : "nccl") +
+                      " backend: it cannot shrink or grow (Open MPI 4.1 has no ULFM; this build's NCCL path has no "
+                      "ncclCommShrink); use the default, tcp, shm or hierarchical");
   // A token with no authenticator installed is errc::unsupported: never run unauthenticated
   // when a secret was asked for.
   std::shared_ptr<const authenticator> auth;
@@ -323,6 +329,7 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
                                   static_cast<long long>(opts.heartbeat.count())};
   for (;;) {
     pg.store = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
+    pg.store->set_prefix(opts.key_prefix);
     try {
       pg.group_id = detail::join_store(*pg.store, join, until);
       break;
@@ -357,7 +364,15 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
     const int pred_fd = pg.heartbeat_links->get(pred, until);
     pg.heartbeat = std::make_unique<detail::heartbeat_watch>(
         pred_fd, pred, succ_fd, opts.heartbeat,
-        [g = &pg](errc code, const std::string& text) { g->fail_all(g->verdict.as_recorded(code, text)); });
+        [g = &pg, pred, elastic = opts.elastic_max > 0, lease = opts.heartbeat](errc code, const std::string& text) {
+          // An elastic group's next generation forms without the ranks found dead here
+          // (group/elastic.hpp): their watcher says so before anything else.
+          if (elastic) try {
+              g->store->set("hb/dead/" + std::to_string(pred), text, steady_clock::now() + lease);
+            } catch (...) {
+            }
+          g->fail_all(g->verdict.as_recorded(code, text));
+        });
   }
   // Under a launcher that ends a host's ranks when one fails (ddprun --nnodes), the launcher
   // says first which rank failed: recorded as the group's failure, so that the other hosts

@@ -124,8 +124,14 @@ inline bool is_write(std::uint8_t code) {
 /// under `prefix` from the empty value.
 inline bool is_claim(const frame& f, std::string_view prefix, std::uint32_t members = 0) {
   if (prefix.empty() || f.code != static_cast<std::uint8_t>(store_cmd::cas) || f.fields.size() != 3 ||
-      !f.fields[0].starts_with(prefix) || !f.fields[1].empty())
+      !f.fields[1].empty())
     return false;
+  if (!f.fields[0].starts_with(prefix)) {
+    // A store without numbered seats takes a claim under a namespace too ("el3/pg/rank/0": a
+    // generation of an elastic group, init_options::key_prefix): anyone may claim there anyway.
+    const auto at = f.fields[0].find(prefix);
+    return members == 0 && at != std::string::npos && at > 0 && f.fields[0][at - 1] == '/';
+  }
   if (members == 0) return true;
   // A seat: a number below `members`, in its one spelling (no sign, no leading zero).
   const std::string_view seat = std::string_view(f.fields[0]).substr(prefix.size());

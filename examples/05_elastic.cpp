@@ -1,0 +1,287 @@
+// Elastic data-parallel training (ddp::elastic_group, docs/elastic.md): the MLP of 01_mlp keeps
+// training while ranks die, freeze or are cut off, and takes replacements in.
+//
+//   ddprun -n 4 --elastic 2:4 --max-restarts 30 build/examples/05_elastic --min-seconds 70
+//
+// Every step is committed on every rank or on none (ddp::elastic_group::commit); a failed step
+// is dropped, the survivors re-form with fresh ranks, and a replacement that ddprun starts gets
+// the weights, the momentum and the data position from the new rank 0. The data is dealt by
+// ddp::distributed_sampler; after a change of size the rest of the epoch is dealt over the new
+// world (resume), so that no sample of an epoch is skipped or seen twice.
+//
+// Checks, in every committed step and at the end (the run exits non-zero when one fails):
+//  - contributors: a parameter of elastic_max slots whose gradient on rank r is `world` in slot
+//    r and 0 elsewhere; averaged, slot q is 1 for every rank q of the generation and 0 beyond:
+//    each committed step's average is over exactly the ranks that committed it;
+//  - the final weights are bitwise equal on every rank (a hash, gathered from all);
+//  - the final loss over the whole dataset is within 25% (+0.002) of an uninterrupted run of
+//    as many steps at the full size (computed on rank 0), and below a quarter of the first.
+// The last line of the final rank 0 is `elastic: OK steps=<n> failures=<k> sizes=<a,b,...>`.
+//
+// --min-seconds S: train at least S seconds (and at least --steps N steps, 300 by default), so
+// that a punisher has time; rank 0 decides when to stop, through the contributors' last slot.
+#include <ddp/ddp.hpp>
+#include <ddp/group/elastic.hpp>
+#include <ddp/sampler.hpp>
+
+#include "mlp_model.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+using namespace mlp_example;
+
+namespace {
+
+constexpr int dataset_size = 4096;
+constexpr int batch = 16;  // per rank
+
+// Appends the bytes of `v` to `out`; reads them back from `in` at `at`.
+template <class T>
+void put(std::string& out, const std::vector<T>& v) {
+  out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+template <class T>
+void get(std::string_view in, std::size_t& at, std::vector<T>& v) {
+  const std::size_t n = v.size() * sizeof(T);
+  if (in.size() - at < n) throw std::runtime_error("05_elastic: rank 0's state is not this model's");
+  std::memcpy(v.data(), in.data() + at, n);
+  at += n;
+}
+
+// Mean squared error of `m` over the whole dataset.
+double full_loss(mlp& m, const dataset& d) {
+  double sum = 0;
+  for (int s = 0; s < d.n; s += 256) {
+    const int n = std::min(256, d.n - s);
+    sum += static_cast<double>(m.forward_backward(d.x.data() + static_cast<std::size_t>(s) * input_dim,
+                                                  d.y.data() + s, n, [](std::size_t) {})) * n;
+  }
+  return sum / d.n;
+}
+
+// The same number of steps without failures, at `world` ranks, in one process.
+double uninterrupted_loss(const dataset& d, int world, std::uint64_t steps) {
+  mlp ref(dims, 1234u);
+  ddp::distributed_sampler all{static_cast<std::uint64_t>(d.n), 0, 1, {.shuffle = true, .seed = 7}};
+  std::uint64_t epoch = 0, at = 0;
+  all.set_epoch(0);
+  std::vector<float> x(static_cast<std::size_t>(batch) * input_dim), y(batch);
+  auto& L = ref.layers();
+  std::vector<std::vector<float>> sw(L.size()), sb(L.size());
+  for (std::uint64_t s = 0; s < steps; ++s) {
+    if (at + static_cast<std::uint64_t>(world * batch) > all.size()) {
+      all.set_epoch(++epoch);
+      at = 0;
+    }
+    for (std::size_t l = 0; l < L.size(); ++l) {
+      sw[l].assign(L[l].gw.size(), 0.0f);
+      sb[l].assign(L[l].gb.size(), 0.0f);
+    }
+    // Rank q of `world` takes positions q, q + world, ... of the rest of the epoch.
+    for (int q = 0; q < world; ++q) {
+      for (int i = 0; i < batch; ++i) {
+        const auto idx = all[at + static_cast<std::uint64_t>(q + i * world)];
+        std::memcpy(&x[static_cast<std::size_t>(i) * input_dim], &d.x[idx * input_dim], input_dim * sizeof(float));
+        y[static_cast<std::size_t>(i)] = d.y[idx];
+      }
+      ref.forward_backward(x.data(), y.data(), batch, [](std::size_t) {});
+      for (std::size_t l = 0; l < L.size(); ++l) {
+        for (std::size_t k = 0; k < sw[l].size(); ++k) sw[l][k] += L[l].gw[k];
+        for (std::size_t k = 0; k < sb[l].size(); ++k) sb[l][k] += L[l].gb[k];
+      }
+    }
+    for (std::size_t l = 0; l < L.size(); ++l) {
+      for (std::size_t k = 0; k < sw[l].size(); ++k) L[l].gw[k] = sw[l][k] / static_cast<float>(world);
+      for (std::size_t k = 0; k < sb[l].size(); ++k) L[l].gb[k] = sb[l][k] / static_cast<float>(world);
+    }
+    ref.step();
+    at += static_cast<std::uint64_t>(world * batch);
+  }
+  return full_loss(ref, d);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  double min_seconds = 0;
+  std::uint64_t min_steps = 300;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--min-seconds" && i + 1 < argc) {
+      min_seconds = std::atof(argv[++i]);
+    } else if (a == "--steps" && i + 1 < argc) {
+      min_steps = static_cast<std::uint64_t>(std::atoll(argv[++i]));
+    } else {
+      std::fprintf(stderr, "usage: 05_elastic [--min-seconds S] [--steps N]\n");
+      return 2;
+    }
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto opts = ddp::init_options::from_env();
+  ddp::elastic_group eg{opts, {.verbose = true}};
+  const int max_world = eg.options().elastic_max;
+  const dataset data = make_dataset(dataset_size);
+
+  // A different initialization on every process: each generation's construction replaces it by
+  // rank 0's, so a replacement starts from the group's weights.
+  const char* replacement = std::getenv("DDP_RESTART_COUNT");
+  mlp model(dims, 1234u + static_cast<unsigned>(opts.rank) + (replacement && std::atoi(replacement) > 0 ? 77u : 0u));
+  auto params = model.parameters();
+  // The contributors: slot q < max_world counts rank q; the last slot carries rank 0's "stop".
+  std::vector<float> count_w(static_cast<std::size_t>(max_world) + 1, 0.0f), count_g(count_w.size(), 0.0f);
+  params.push_back(ddp::make_tensor_view(count_w, count_g, "contributors"));
+  // A replacement built with another model is refused before it takes a seat.
+  std::string signature;
+  for (const auto& p : params) {
+    signature += std::string(p.name) + "[";
+    for (auto d : p.shape) signature += std::to_string(d) + ",";
+    signature += "] ";
+  }
+  eg.signature(signature);
+
+  // What a replacement needs besides the weights: the epoch, the data position, whether the
+  // group is done training, the momentum and the first loss.
+  std::uint64_t epoch = 0, consumed = 0;
+  double first_loss = -1;
+  bool stop = false, counts_ok = true;
+  eg.on_state(
+      [&] {
+        std::string s;
+        put(s, std::vector<std::uint64_t>{epoch, consumed, stop ? 1u : 0u});
+        put(s, std::vector<double>{first_loss});
+        for (auto& L : model.layers()) {
+          put(s, L.vw);
+          put(s, L.vb);
+        }
+        return s;
+      },
+      [&](std::string_view s) {
+        std::size_t at = 0;
+        std::vector<std::uint64_t> pos(3);
+        std::vector<double> fl(1);
+        get(s, at, pos);
+        get(s, at, fl);
+        for (auto& L : model.layers()) {
+          get(s, at, L.vw);
+          get(s, at, L.vb);
+        }
+        epoch = pos[0];
+        consumed = pos[1];
+        stop = pos[2] != 0;
+        first_loss = fl[0];
+      });
+  std::optional<ddp::data_parallel> dp;
+  eg.on_form([&](ddp::process_group& pg) {
+    dp.reset();
+    dp.emplace(pg, params, ddp::bucket_policy{.cap_bytes = 8 << 10, .first_cap_bytes = 512});
+  });
+  const auto finished_without_me = [] {
+    std::printf("the job finished while this process had no seat in the group\n");
+    return 0;
+  };
+  if (!eg.start()) return finished_without_me();
+
+  std::optional<ddp::distributed_sampler> sampler;
+  int sampler_gen = -1;
+  std::uint64_t k = 0;  // steps taken from the current share
+  std::vector<float> x(static_cast<std::size_t>(batch) * input_dim), y(batch);
+  std::string bad_count;
+  while (!stop) try {
+      const int rank = eg.rank(), world = eg.size();
+      if (sampler_gen != eg.generation()) {  // a new generation: deal the rest of the epoch over it
+        sampler.emplace(static_cast<std::uint64_t>(data.n), rank, world,
+                        ddp::sampler_options{.shuffle = true, .seed = 7, .drop_last = true});
+        sampler->resume(epoch, consumed);
+        sampler_gen = eg.generation();
+        k = 0;
+      }
+      if ((k + 1) * batch > sampler->size()) {  // the epoch is done
+        sampler->resume(++epoch, consumed = 0);
+        k = 0;
+      }
+      for (int i = 0; i < batch; ++i) {
+        const auto idx = (*sampler)[k * batch + static_cast<std::uint64_t>(i)];
+        std::memcpy(&x[static_cast<std::size_t>(i) * input_dim], &data.x[idx * input_dim], input_dim * sizeof(float));
+        y[static_cast<std::size_t>(i)] = data.y[idx];
+      }
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::fill(count_g.begin(), count_g.end(), 0.0f);
+      count_g[static_cast<std::size_t>(rank)] = static_cast<float>(world);
+      if (rank == 0 && elapsed >= min_seconds && eg.step() + 1 >= min_steps)
+        count_g.back() = static_cast<float>(world);
+      const float loss = model.forward_backward(x.data(), y.data(), batch, [&](std::size_t i) { dp->grad_ready(i); });
+      dp->grad_ready(params.size() - 1);
+      dp->finish();
+      eg.commit([&] {
+        for (int q = 0; q < max_world; ++q) {
+          const float want = q < world ? 1.0f : 0.0f;
+          if (count_g[static_cast<std::size_t>(q)] != want && bad_count.empty()) {
+            counts_ok = false;
+            bad_count = "step " + std::to_string(eg.step()) + ": slot " + std::to_string(q) + " holds " +
+                        std::to_string(count_g[static_cast<std::size_t>(q)]) + " in a world of " + std::to_string(world);
+          }
+        }
+        stop = count_g.back() == 1.0f;
+        model.step();
+        consumed += static_cast<std::uint64_t>(world * batch);
+        ++k;
+        if (first_loss < 0) first_loss = loss;
+      });
+    } catch (const ddp::error& e) {
+      std::fprintf(stderr, "[ddp.elastic] rank %d: %s\n", eg.rank(), e.what());
+      if (!eg.recover(e)) return finished_without_me();
+    }
+
+  // The final checks, as collectives of the last generation (re-formed too if a rank is lost
+  // here): the weights' hash from every rank, the contributors' verdict, the final loss.
+  for (;;) try {
+      char mine[64];
+      std::snprintf(mine, sizeof mine, "%016llx %d", static_cast<unsigned long long>(model.hash()), counts_ok ? 1 : 0);
+      const auto all = eg.group().all_gather(mine);
+      const bool equal = std::all_of(all.begin(), all.end(), [&](const std::string& h) {
+        return h.substr(0, 16) == all[0].substr(0, 16);
+      });
+      const bool counted = std::all_of(all.begin(), all.end(), [](const std::string& h) { return h.back() == '1'; });
+      int code = equal && counted ? 0 : 1;
+      if (eg.rank() == 0) {
+        const double final_loss = full_loss(model, data);
+        const double ref = uninterrupted_loss(data, max_world, eg.step());
+        const bool close = final_loss <= 1.25 * ref + 0.002 && final_loss < first_loss / 4;
+        std::printf("final weights bitwise equal on all %d ranks: %s\n", eg.size(), equal ? "OK" : "FAILED");
+        std::printf("every committed step averaged over exactly its generation's ranks: %s%s%s\n",
+                    counted ? "OK" : "FAILED", bad_count.empty() ? "" : ": ", bad_count.c_str());
+        std::printf("final loss %.6f, uninterrupted run of %llu steps at %d ranks %.6f, first step %.6f: %s\n",
+                    final_loss, static_cast<unsigned long long>(eg.step()), max_world, ref, first_loss,
+                    close ? "OK" : "FAILED");
+        if (!close) code = 1;
+        std::string sizes;
+        for (int s : eg.sizes()) sizes += (sizes.empty() ? "" : ",") + std::to_string(s);
+        if (code == 0)
+          std::printf("elastic: OK steps=%llu failures=%d sizes=%s\n", static_cast<unsigned long long>(eg.step()),
+                      eg.failures(), sizes.c_str());
+        std::fflush(stdout);
+      }
+      double verdict = code;
+      eg.group().all_reduce(std::span<double>(&verdict, 1), ddp::op::max);
+      eg.finish();
+      return verdict == 0 ? 0 : 1;
+    } catch (const ddp::error& e) {
+      std::fprintf(stderr, "[ddp.elastic] rank %d (final checks): %s\n", eg.rank(), e.what());
+      if (!eg.recover(e)) return finished_without_me();
+    }
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "%s\n", e.what());
+  return 1;
+}

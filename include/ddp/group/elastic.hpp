@@ -1,0 +1,485 @@
+#pragma once
+/// \file group/elastic.hpp
+/// `ddp::elastic_group`: a group that survives the loss of ranks and takes new ones in, between
+/// a minimum and a maximum size (`DDP_ELASTIC=MIN:MAX`, `ddprun --elastic MIN:MAX`). Each step
+/// is committed through the store, on every rank or on none; a failed step is dropped on every
+/// survivor alike, the survivors re-form with fresh, contiguous ranks, and a new member gets the
+/// parameters and the registered state from the new rank 0, never from a file. See
+/// docs/elastic.md.
+///
+/// \code
+/// ddp::elastic_group eg{ddp::init_options::from_env()};
+/// std::optional<ddp::data_parallel> dp;
+/// eg.on_form([&](ddp::process_group& pg) { dp.reset(); dp.emplace(pg, params); });
+/// eg.on_state([&] { return save_momentum(); }, [&](std::string_view s) { load_momentum(s); });
+/// eg.start();
+/// while (eg.step() < steps) try {
+///   model.forward_backward(batch(eg), [&](std::size_t i) { dp->grad_ready(i); });
+///   dp->finish();
+///   eg.commit([&] { model.step(); });  // applies the step only where every rank committed it
+/// } catch (const ddp::error& e) {
+///   if (!eg.recover(e)) return 0;  // the group failed: re-form without the lost ranks (or rethrow)
+/// }
+/// eg.finish();
+/// \endcode
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <ddp/version.hpp>
+#include <ddp/clock.hpp>
+#include <ddp/detail/bytes.hpp>
+#include <ddp/error.hpp>
+#include <ddp/group/detail/group_state.hpp>
+#include <ddp/group/process_group.hpp>
+#include <ddp/group/store_client.hpp>
+#include <ddp/group/store_server.hpp>
+#include <ddp/group/verdict.hpp>
+
+namespace ddp {
+inline namespace v0 {
+
+/// How an elastic group re-forms (docs/elastic.md).
+struct elastic_options {
+  /// How long a re-forming group waits for a member of the last generation that neither came
+  /// back nor was found dead (its heartbeat's watcher was lost with it) before it re-forms
+  /// without it. 0: twice the heartbeat's lease.
+  std::chrono::milliseconds settle{0};
+  /// How long the first generation waits for the ranks the launcher started before it forms
+  /// with those that came (at least the minimum). 0: the group's timeout.
+  std::chrono::milliseconds first_wait{0};
+  /// Bound on one re-formation: the rendezvous of the new generation and its state transfer.
+  /// 0: the group's timeout.
+  std::chrono::milliseconds reform_timeout{0};
+  /// Says on stderr (rank 0) each re-formation: the generation, its size, why.
+  bool verbose = false;
+};
+
+/// A group that survives the loss of ranks (SIGKILL, SIGSTOP, a cut link) and grows back to its
+/// maximum as new processes arrive. It needs a heartbeat (1 s lease unless
+/// `init_options::heartbeat` says otherwise), and its store must outlive any rank: `ddprun
+/// --elastic` serves it; without a launcher's store, the launcher's rank 0 hosts it and its
+/// loss ends the job (docs/elastic.md, "Limits").
+///
+/// The protocol, per step: every rank votes in the store after `finish()` (`commit`); the last
+/// vote commits the step, and a failure before it drops the step on every rank (a rank that
+/// finds the group failed decides "dropped" with one compare-and-set, so both answers cannot
+/// be given). Per re-formation: the survivors and any waiting newcomers register in the next
+/// round; the round closes once every member of the last generation has come back or been
+/// found dead (or after `settle`), with ranks in the old order, newcomers last; `on_form`
+/// rebuilds the wrappers on the new group (their construction broadcasts rank 0's parameters),
+/// and rank 0's step count and registered state (`on_state`) reach every rank.
+class elastic_group {
+ public:
+  /// Joins the elastic group that `opts` names (its `elastic_min` / `elastic_max`, from
+  /// `DDP_ELASTIC`; a non-elastic `opts` is a group of fixed size, min = max = world_size). The
+  /// group forms in `start()`, after the callbacks are set.
+  explicit elastic_group(init_options opts, elastic_options eo = {}) : opts_(std::move(opts)), eo_(eo) {
+    if (opts_.elastic_max == 0) opts_.elastic_min = opts_.elastic_max = opts_.world_size;
+    if (auto why = opts_.validate(); !why.empty()) detail::raise(errc::invalid_argument, opts_.rank, why);
+    if (opts_.backend == backend::mpi || opts_.backend == backend::nccl)
+      detail::raise(errc::unsupported, opts_.rank,
+                    std::string("elastic group with the ") + (opts_.backend == backend::mpi ? "mpi" : "nccl") +
+                        " backend: it cannot shrink or grow (Open MPI without ULFM, NCCL without ncclCommShrink); "
+                        "use the default, tcp, shm or hierarchical");
+    if (!opts_.auth_token.empty())
+      detail::raise(errc::unsupported, opts_.rank,
+                    "elastic group with a secret (DDP_AUTH_TOKEN): not supported yet; an elastic group runs on "
+                    "loopback without one, or with DDP_INSECURE=1 (docs/security.md)");
+    if (opts_.heartbeat.count() == 0) opts_.heartbeat = std::chrono::seconds(1);
+    if (eo_.settle.count() == 0) eo_.settle = 2 * opts_.heartbeat;
+    if (eo_.first_wait.count() == 0) eo_.first_wait = opts_.timeout;
+    if (eo_.reform_timeout.count() == 0) eo_.reform_timeout = opts_.timeout;
+    job_ = opts_.job_id.empty() ? std::string("elastic") : opts_.job_id;
+    uid_ = make_uid();
+    const auto until = steady_clock::now() + opts_.timeout;
+    if (!opts_.external_store && opts_.rank == 0 && !joiner_by_env())
+      server_ = std::make_unique<store_server>(endpoint{opts_.master_addr, opts_.master_port}, 0, nullptr,
+                                               store_limits{}, "pg/rank/", 0);
+    coord_ = std::make_unique<store_client>(opts_.master_addr, opts_.master_port, opts_.rank, until);
+    if (coord_->compare_set("pg/rank/el." + uid_, "", "1", until) != "1")
+      detail::raise(errc::protocol, opts_.rank, "elastic group: could not claim this process's seat in the store");
+  }
+  elastic_group(const elastic_group&) = delete;
+  elastic_group& operator=(const elastic_group&) = delete;
+  ~elastic_group() {
+    pg_.close();
+    coord_.reset();
+    if (server_) {
+      // The launcher's rank 0 hosts the store: keep it up (bounded) while others still use it.
+      const auto until =
+          steady_clock::now() + std::min<std::chrono::milliseconds>(opts_.timeout, std::chrono::seconds(5));
+      while (server_->clients() > 0 && steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  /// Called on every rank each time a generation forms (the first one too), before the state
+  /// transfer: build the wrappers and reducers on `pg` there (dropping the old ones first).
+  void on_form(std::function<void(process_group&)> fn) { on_form_ = std::move(fn); }
+  /// The state a new member needs besides the parameters (optimizer state, sampler position,
+  /// anything the program keeps): `save` runs on the new rank 0, `load` on every other rank.
+  void on_state(std::function<std::string()> save, std::function<void(std::string_view)> load) {
+    save_ = std::move(save);
+    load_ = std::move(load);
+  }
+
+  /// What every member must share, said before start() (the model's parameter names and
+  /// shapes, say): the first generation publishes it, and a newcomer whose own differs is
+  /// refused before it takes a seat, with errc::mismatch naming the first difference, while the
+  /// group goes on (its wrappers' construction would otherwise fail the whole new generation).
+  void signature(std::string s) { signature_ = std::move(s); }
+
+  /// Forms the first generation (the ranks the launcher started), or joins a running job as a
+  /// new member at its next step boundary. Returns false when the job finished before this
+  /// process got a seat (a newcomer that came too late: it should exit normally).
+  bool start() {
+    const auto until = steady_clock::now() + opts_.timeout;
+    std::string gen;
+    if (coord_->check("el/gen", until)) gen = coord_->get("el/gen", until);
+    if (gen.empty() && !joiner_by_env()) {
+      // The first generation: the launcher's ranks, in their order.
+      round_ = 0;
+      prev_size_ = opts_.world_size;
+      return form(opts_.rank, /*member=*/true, eo_.first_wait, "first generation");
+    }
+    if (!signature_.empty() && !gen.empty()) check_signature(until);
+    round_ = gen.empty() ? 0 : std::stoi(gen) + 1;
+    prev_size_ = 0;
+    return form(joiner_prio, /*member=*/false, opts_.timeout, "joined");
+  }
+
+  process_group& group() noexcept { return pg_; }
+  int rank() const noexcept { return pg_.rank(); }
+  int size() const noexcept { return pg_.size(); }
+  /// The current generation (0 for the first; each re-formation takes the next number).
+  int generation() const noexcept { return gen_; }
+  /// Steps committed by the group so far (the same on every rank).
+  std::uint64_t step() const noexcept { return step_; }
+  /// Re-formations after a failure, as the group counts them (rank 0's count reaches every
+  /// new member).
+  int failures() const noexcept { return failures_; }
+  /// The sizes of the group's generations so far, in order (rank 0's record).
+  const std::vector<int>& sizes() const noexcept { return sizes_; }
+  const init_options& options() const noexcept { return opts_; }
+
+  /// Ends a step after `finish()`: votes in the store, and once every rank of the generation
+  /// voted, runs `apply` (the optimizer step) and counts the step. When the group failed
+  /// first, throws errc::aborted ("step N dropped") on every survivor alike, without `apply`:
+  /// catch it with the wrapper's errors and call recover(). When newcomers wait and the group
+  /// is below its maximum, the group re-forms with them right after `apply`.
+  void commit(const std::function<void()>& apply) {
+    auto& st = *coord_;
+    const auto until = steady_clock::now() + opts_.timeout;
+    const std::string base = step_key(gen_, step_);
+    const int n = pg_.size();
+    std::string d;
+    if (st.add(base + "v", 1, until) == n) {
+      const bool grow = n < opts_.elastic_max && st.add(round_key(gen_ + 1) + "n", 0, until) > 0;
+      d = st.compare_set(base + "d", "", grow ? "grow" : "commit", until);
+      st.set("el/step", std::to_string(step_ + 1), until);  // a newcomer waiting for a seat sees the job alive
+      // Every rank voted in this step, so each has read the last step's decision.
+      if (step_ > 0) {
+        (void)st.erase(step_key(gen_, step_ - 1) + "v", until);
+        (void)st.erase(step_key(gen_, step_ - 1) + "d", until);
+      }
+    }
+    while (d.empty()) {
+      if (st.wait({base + "d"}, detail::timing::elastic_poll, until).empty()) {
+        d = st.get(base + "d", until);
+        break;
+      }
+      if (steady_clock::now() >= until)
+        detail::raise(errc::timeout, pg_.rank(), "elastic: step " + std::to_string(step_) + " was never decided");
+      if (group_failed()) d = st.compare_set(base + "d", "", "abort", until);
+    }
+    if (d == "abort")
+      detail::raise(errc::aborted, pg_.rank(),
+                    "elastic: step " + std::to_string(step_) + " dropped on every rank: the group of generation " +
+                        std::to_string(gen_) + " failed (" + failure_text() + ")");
+    ++step_;
+    if (apply) apply();
+    if (d == "grow" && !reform(pg_.rank(), "grow"))
+      detail::raise(errc::aborted, opts_.rank, "elastic: the job finished while this rank re-formed");
+  }
+
+  /// After a step failed (call it in the handler that caught `e`): when `e` is a failure of the
+  /// group (peer_lost, timeout, aborted), drops the step in flight on every survivor and
+  /// re-forms without the lost ranks (and with any newcomer waiting); otherwise, or when fewer
+  /// than the minimum remain, rethrows. The step count stays where the last committed step
+  /// left it. Returns false when the job finished meanwhile without this rank (it was frozen
+  /// or cut off while the others went on): the process should then end normally.
+  bool recover(const std::exception& e) {
+    const auto* de = dynamic_cast<const error*>(&e);
+    const bool group_error = de != nullptr && (de->condition() == errc::peer_lost || de->condition() == errc::timeout ||
+                                               de->condition() == errc::aborted);
+    if (!group_error || !pg_.s_) std::rethrow_exception(std::current_exception());
+    const int old_rank = pg_.rank();
+    // Wake every peer still blocked on this rank, and drop the step in flight for all.
+    pg_.s_->fail_all(pg_.s_->verdict.as_recorded(de->condition(), detail::message_of(e)));
+    try {
+      (void)coord_->compare_set(step_key(gen_, step_) + "d", "", "abort", steady_clock::now() + opts_.timeout);
+    } catch (const error&) {
+      std::rethrow_exception(std::current_exception());
+    }
+    ++failures_;
+    return reform(old_rank, detail::message_of(e));
+  }
+
+  /// Says that the job is done: a newcomer that arrives later leaves (start() returns false).
+  void finish() {
+    try {
+      coord_->set("el/done", "1", steady_clock::now() + opts_.timeout);
+    } catch (const error&) {
+    }
+  }
+
+ private:
+  static constexpr int joiner_prio = 1 << 30;
+
+  static std::string make_uid() {
+    char host[64] = {};
+    (void)::gethostname(host, sizeof host - 1);
+    std::random_device rd;
+    return std::string(host) + "." + std::to_string(::getpid()) + "." + std::to_string(rd());
+  }
+  /// A process that ddprun restarted (DDP_RESTART_COUNT > 0) joins a running job.
+  static bool joiner_by_env() {
+    const char* r = std::getenv("DDP_RESTART_COUNT");
+    return r != nullptr && std::atoi(r) > 0;
+  }
+  /// A newcomer's signature against the group's: errc::mismatch naming where they part.
+  void check_signature(deadline_t until) {
+    if (!coord_->check("el/signature", until)) return;
+    const auto theirs = coord_->get("el/signature", until);
+    if (theirs == signature_) return;
+    std::size_t at = 0;
+    while (at < theirs.size() && at < signature_.size() && theirs[at] == signature_[at]) ++at;
+    const auto from = at < 24 ? 0 : at - 24;
+    detail::raise(errc::mismatch, opts_.rank,
+                  "elastic: this process does not match the running group, which it would have joined: the group's "
+                  "signature reads '..." +
+                      theirs.substr(from, 80) + "', this process's '..." + signature_.substr(from, 80) +
+                      "' (from byte " + std::to_string(at) + " on)");
+  }
+  static std::string round_key(int g) { return "el/r" + std::to_string(g) + "/"; }
+  static std::string step_key(int g, std::uint64_t s) {
+    return "el/g" + std::to_string(g) + "/s" + std::to_string(s) + "/";
+  }
+  static std::string ns(int g) { return "el" + std::to_string(g) + "/"; }
+
+  bool group_failed() {
+    if (!pg_.s_) return true;
+    if (pg_.s_->failed.load() || pg_.s_->aborted.load()) return true;
+    return pg_.s_->verdict.recorded();
+  }
+  std::string failure_text() {
+    if (!pg_.s_) return "no group";
+    const auto f = pg_.s_->verdict.first();
+    return f.empty() ? std::string("a rank failed") : f.text;
+  }
+
+  /// Leaves the current generation and forms the next with `prio` (this rank's place). False
+  /// when the job finished meanwhile.
+  bool reform(int prio, const std::string& why) {
+    if (pg_.s_) pg_.s_->heartbeat.reset();  // a goodbye: this rank is leaving, not dead
+    prev_size_ = pg_.size();
+    prev_gen_ = gen_;
+    round_ = gen_ + 1;
+    return form(prio, /*member=*/true, eo_.reform_timeout, why);
+  }
+
+  /// Registers in round `round_` and waits for it to close; then joins its group. A member of
+  /// the last generation (or of the first) may close the round; a newcomer waits for the
+  /// members to take it in. A round that fails to form (a rank lost during it) is followed by
+  /// the next. Returns false when the job is done.
+  bool form(int prio, bool member, std::chrono::milliseconds wait_for, const std::string& why) {
+    auto& st = *coord_;
+    const auto t0 = steady_clock::now();
+    auto until = t0 + std::max(wait_for, opts_.timeout);
+    std::string progress;  // a newcomer waits for as long as the job commits steps
+    for (int attempt = 0;; ++attempt) {
+      if (steady_clock::now() >= until)
+        detail::raise(errc::timeout, opts_.rank,
+                      "elastic: no generation formed within " +
+                          std::to_string(std::max(wait_for, opts_.timeout).count()) + " ms (round " +
+                          std::to_string(round_) + ")");
+      const std::string rk = round_key(round_);
+      const auto idx = st.add(rk + "n", 1, until);
+      st.set(rk + "m/" + std::to_string(idx), std::to_string(prio) + " " + uid_, until);
+      if (member && prio < prev_size_) st.set(rk + "old/" + std::to_string(prio), "1", until);
+      const auto opened = steady_clock::now();
+      std::int64_t closed = 0;
+      for (;;) {
+        if (st.wait({rk + "closed"}, detail::timing::elastic_poll, until).empty()) {
+          closed = std::stoll(st.get(rk + "closed", until));
+          break;
+        }
+        if (st.check("el/done", until)) return false;
+        if (steady_clock::now() >= until)
+          detail::raise(errc::timeout, opts_.rank, "elastic: round " + std::to_string(round_) + " never closed");
+        if (!member) {  // newcomers never close a round
+          std::string now_at;
+          if (st.check("el/step", until)) now_at = st.get("el/step", until);
+          if (now_at != progress) {
+            progress = now_at;
+            until = steady_clock::now() + std::max(wait_for, opts_.timeout);
+          }
+          continue;
+        }
+        const auto n = st.add(rk + "n", 0, until);
+        // Closed at the maximum; at the minimum or above once every member of the last
+        // generation is back or found dead, or after the wait; below the minimum only after
+        // the wait (a newcomer may still come), and then the formation says so.
+        const auto wait_more = prev_size_ > 0 && round_ > 0 ? eo_.settle : wait_for;
+        const bool waited = steady_clock::now() - opened >= wait_more;
+        const bool close = n >= opts_.elastic_max || (n >= opts_.elastic_min && (waited || all_accounted(rk))) ||
+                           (n < opts_.elastic_min && waited);
+        if (close) {
+          closed = std::stoll(
+              st.compare_set(rk + "closed", "", std::to_string(std::min<std::int64_t>(n, opts_.elastic_max)), until));
+          break;
+        }
+      }
+      if (idx > closed) {
+        // Came after the round closed: a newcomer of the next one.
+        ++round_;
+        member = false;
+        prio = joiner_prio;
+        continue;
+      }
+      // The members, in their order: the last generation's ranks first, then newcomers.
+      std::vector<std::pair<std::pair<std::int64_t, std::int64_t>, std::string>> who;
+      for (std::int64_t i = 1; i <= closed; ++i) {
+        const auto rec = st.get(rk + "m/" + std::to_string(i), until);
+        const auto sp = rec.find(' ');
+        who.push_back({{std::stoll(rec.substr(0, sp)), i}, rec.substr(sp + 1)});
+      }
+      std::sort(who.begin(), who.end());
+      int new_rank = -1;
+      for (std::size_t i = 0; i < who.size(); ++i)
+        if (who[i].second == uid_) new_rank = static_cast<int>(i);
+      if (new_rank < 0) detail::raise(errc::protocol, opts_.rank, "elastic: this process is missing from its round");
+      const int world = static_cast<int>(closed);
+      if (world < opts_.elastic_min)
+        detail::raise(errc::aborted, opts_.rank,
+                      "elastic: the group fell to " + std::to_string(world) + " ranks, below its minimum of " +
+                          std::to_string(opts_.elastic_min) + " (" + why + ")");
+      try {
+        join(new_rank, world, why);
+        return true;
+      } catch (const error& e) {
+        // A rank lost while the generation formed: the next round, with the ones still here.
+        if (e.condition() != errc::peer_lost && e.condition() != errc::timeout && e.condition() != errc::aborted) throw;
+        if (pg_.s_) pg_.s_->fail_all({e.condition(), detail::message_of(e)});
+        if (pg_.s_) pg_.s_->heartbeat.reset();
+        prev_size_ = world;
+        prev_gen_ = round_;
+        prio = new_rank;
+        member = true;
+        ++round_;
+        (void)attempt;
+      }
+    }
+  }
+
+  /// True when every rank of the last generation registered in round `rk` or was found dead
+  /// there (its heartbeat watcher wrote el<g>/hb/dead/<rank>).
+  bool all_accounted(const std::string& rk) {
+    auto& st = *coord_;
+    const auto until = steady_clock::now() + opts_.timeout;
+    std::vector<std::string> keys;
+    for (int q = 0; q < prev_size_; ++q) keys.push_back(rk + "old/" + std::to_string(q));
+    auto missing = st.wait(keys, std::chrono::milliseconds(0), until);
+    if (missing.empty()) return true;
+    if (round_ == 0) return false;
+    std::vector<std::string> dead;
+    for (const auto& k : missing) dead.push_back(ns(prev_gen_) + "hb/dead/" + k.substr(k.rfind('/') + 1));
+    return st.wait(dead, std::chrono::milliseconds(0), until).empty();
+  }
+
+  /// Joins generation round_ as `rank` of `world`, rebuilds the program's wrappers, hands out
+  /// rank 0's state.
+  void join(int rank, int world, const std::string& why) {
+    init_options o = opts_;
+    o.rank = rank;
+    o.world_size = world;
+    o.local_rank = -1;
+    o.key_prefix = ns(round_);
+    o.external_store = true;  // the store outlives every generation
+    o.job_id = job_ + "+el." + std::to_string(round_);
+    o.timeout = eo_.reform_timeout;
+    pg_.close();
+    pg_ = init_process_group(o);
+    pg_.s_->opts.timeout = opts_.timeout;  // collectives keep the program's timeout
+    gen_ = round_;
+    coord_->set("el/gen", std::to_string(gen_), steady_clock::now() + opts_.timeout);
+    if (!signature_.empty() && gen_ == 0 && rank == 0)
+      coord_->set("el/signature", signature_, steady_clock::now() + opts_.timeout);
+    if (rank == 0 && eo_.verbose)
+      std::fprintf(stderr, "[ddp.elastic] generation %d: %d ranks (%s)\n", gen_, world, why.c_str());
+    if (on_form_) on_form_(pg_);
+    // Rank 0's counts (steps, failures, the sizes so far) and the program's state reach every
+    // rank.
+    sizes_.push_back(world);
+    std::string blob;
+    if (rank == 0) {
+      blob = detail::encode_i64(static_cast<std::int64_t>(step_)) + detail::encode_i64(failures_) +
+             detail::encode_i64(static_cast<std::int64_t>(sizes_.size()));
+      for (int s : sizes_) blob += detail::encode_i64(s);
+      if (save_) blob += save_();
+    }
+    std::uint64_t len = blob.size();
+    pg_.broadcast(std::span<std::uint64_t>(&len, 1), 0);
+    blob.resize(len);
+    pg_.broadcast(std::as_writable_bytes(std::span(blob.data(), blob.size())), 0);
+    const std::string_view b(blob);
+    const auto at = [&](std::size_t i) {
+      if (b.size() < 8 * (i + 1)) detail::raise(errc::protocol, rank, "elastic: rank 0's state is truncated");
+      return detail::decode_i64(b.substr(8 * i, 8));
+    };
+    step_ = static_cast<std::uint64_t>(at(0));
+    failures_ = static_cast<int>(at(1));
+    const auto nsizes = static_cast<std::size_t>(at(2));
+    if (nsizes > b.size() / 8) detail::raise(errc::protocol, rank, "elastic: rank 0's state is malformed");
+    sizes_.clear();
+    for (std::size_t i = 0; i < nsizes; ++i) sizes_.push_back(static_cast<int>(at(3 + i)));
+    if (rank != 0 && load_) load_(b.substr(8 * (3 + nsizes)));
+  }
+
+  init_options opts_;
+  elastic_options eo_;
+  std::string job_;
+  std::string uid_;
+  std::string signature_;
+  std::unique_ptr<store_server> server_;
+  std::unique_ptr<store_client> coord_;
+  process_group pg_{nullptr};
+  std::function<void(process_group&)> on_form_;
+  std::function<std::string()> save_;
+  std::function<void(std::string_view)> load_;
+  int gen_ = -1;
+  int prev_gen_ = -1;
+  int round_ = 0;
+  int prev_size_ = 0;
+  int failures_ = 0;
+  std::uint64_t step_ = 0;
+  std::vector<int> sizes_;
+};
+
+}  // namespace v0
+}  // namespace ddp

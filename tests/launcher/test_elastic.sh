@@ -1,0 +1,90 @@
+#!/bin/bash
+# The elastic group under fire (docs/elastic.md): examples/05_elastic runs under
+# `ddprun -n 4 --elastic 2:4` while a punisher kills (SIGKILL) or freezes (SIGSTOP, thawed a few
+# seconds later) a random rank, rank 0 and ranks still joining included, every INTERVAL seconds,
+# FAILURES times. The run must exit 0, and the final rank 0's last line must be
+# "elastic: OK steps=... failures=... sizes=..." (its checks: bitwise-equal weights, every
+# committed step averaged over exactly its generation, the loss near an uninterrupted run's),
+# with at least one failure survived per failure caused, less those that hit a joiner.
+#
+#   tests/launcher/test_elastic.sh DDPRUN PROGRAM [FAILURES [INTERVAL [RANKS]]]
+#
+# meson test 'elastic' runs 20 failures; scripts/elastic_soak.sh runs 200.
+set -u
+ddprun=$1
+prog=$2
+failures=${3:-20}
+interval=${4:-1.5}
+n=${5:-4}
+# Training outlasts the punisher by a margin, so that the run ends in peace.
+min_seconds=$(awk -v f="$failures" -v i="$interval" 'BEGIN { print int(f * i + 8) }')
+log=$(mktemp /tmp/ddp-elastic.XXXXXX)
+trap 'rm -f "$log"' EXIT
+
+"$ddprun" -n "$n" --elastic 2:"$n" --max-restarts $((failures + 10)) "$prog" --min-seconds "$min_seconds" >"$log" 2>&1 &
+launcher=$!
+
+# The programs: each keeper (a child of ddprun) has one child, the program.
+programs() {
+  local k p
+  for k in $(pgrep -P "$launcher"); do
+    for p in $(pgrep -P "$k"); do echo "$p"; done
+  done
+}
+state_of() { awk '{ print $3 }' "/proc/$1/stat" 2>/dev/null; }
+
+kills=0
+stops=0
+frozen=()  # "pid:when" of each frozen program, thawed after 3 s
+sleep 2
+while [ $((kills + stops)) -lt "$failures" ] && kill -0 "$launcher" 2>/dev/null; do
+  sleep "$interval"
+  now=$(date +%s)
+  still=()
+  for f in "${frozen[@]}"; do
+    if [ $((now - ${f#*:})) -ge 3 ]; then kill -CONT "${f%%:*}" 2>/dev/null; else still+=("$f"); fi
+  done
+  frozen=("${still[@]}")
+  live=()
+  for p in $(programs); do
+    [ "$(state_of "$p")" != T ] && [ -n "$(state_of "$p")" ] && live+=("$p")
+  done
+  # Keep the group above its minimum of 2: act only with 3 running programs or more.
+  [ "${#live[@]}" -lt 3 ] && continue
+  victim=${live[$((RANDOM % ${#live[@]}))]}
+  if [ $((RANDOM % 3)) -eq 0 ]; then
+    kill -STOP "$victim" 2>/dev/null && { stops=$((stops + 1)); frozen+=("$victim:$(date +%s)"); }
+  else
+    kill -KILL "$victim" 2>/dev/null && kills=$((kills + 1))
+  fi
+done
+sleep 3
+for f in "${frozen[@]}"; do kill -CONT "${f%%:*}" 2>/dev/null; done
+# Anything still stopped (a program frozen just as it started) is thawed too.
+for p in $(programs); do [ "$(state_of "$p")" = T ] && kill -CONT "$p"; done
+
+wait "$launcher"
+rc=$?
+echo "punisher: $kills kills, $stops freezes; ddprun exited with $rc"
+grep -v ' epoch ' "$log" | grep -E 'ddprun:|generation|elastic:|OK|FAILED|error|\[ddp\.' | grep -v 'ddp.elastic\] rank' | tail -40
+last=$(grep -E '^\[[0-9]+\] ' "$log" | grep -E 'elastic: ' | tail -1)
+echo "last: $last"
+if [ "$rc" -ne 0 ]; then
+  echo "FAILED: ddprun exited with $rc"
+  tail -60 "$log"
+  exit 1
+fi
+case "$last" in
+  *"elastic: OK steps="*) ;;
+  *) echo "FAILED: no 'elastic: OK' line"; tail -60 "$log"; exit 1 ;;
+esac
+survived=$(echo "$last" | sed -n 's/.*failures=\([0-9]*\).*/\1/p')
+if [ "$((kills + stops))" -lt "$failures" ]; then
+  echo "FAILED: the run ended after $((kills + stops)) of $failures failures"
+  exit 1
+fi
+if [ "${survived:-0}" -lt $(((kills + stops) / 2)) ]; then
+  echo "FAILED: $((kills + stops)) failures caused, only $survived survived by the group"
+  exit 1
+fi
+echo "elastic under fire: OK ($kills kills, $stops freezes, $survived re-formations after a failure)"

@@ -1,0 +1,319 @@
+// The elastic group (group/elastic.hpp, docs/elastic.md), in real processes over a store served
+// outside the ranks (as ddprun serves it): a killed or frozen rank, rank 0 included, costs the
+// step in flight on every survivor alike and nothing more; the survivors re-form with fresh,
+// contiguous ranks and hold bitwise-equal parameters; a newcomer joins at a step boundary and
+// gets the parameters and the registered state from rank 0; a newcomer built for another model
+// is refused while the group goes on; below its minimum the group says so; mpi and nccl refuse.
+
+#include <ddp/ddp.hpp>
+#include <ddp/group/elastic.hpp>
+#include <ddp/store.hpp>
+
+#include <doctest/doctest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "harness.hpp"
+
+using namespace std::chrono_literals;
+using ddp_test::free_port;
+using ddp_test::group_options;
+using ddp_test::require;
+using ddp_test::summary;
+
+namespace {
+
+constexpr int store_host = 100;   // the process that serves the store
+constexpr int newcomer = 50;      // a process that starts late and joins the running group
+constexpr int stranger = 60;      // a newcomer built for another model
+constexpr std::size_t count = 4096;
+
+struct plan {
+  int n = 4;                 // ranks at the start
+  int min = 2, max = 4;      // the elastic sizes
+  int victim = -1;           // the rank that fails
+  int sig = SIGKILL;         // how
+  int fail_at = 5;           // as this step begins
+  int steps = 12;            // committed steps in all
+  ddp::backend backend = ddp::backend::automatic;
+  bool late = false;         // a newcomer joins after the first steps
+  bool bad_late = false;     // a newcomer with another signature tries to
+  std::chrono::milliseconds step_pause{0};
+};
+
+// Serves the group's store (no numbered seats, as ddprun's elastic store) until its clients
+// are gone or 40 s passed.
+void serve_store(int port) {
+  ddp::store_server server(ddp::endpoint{"127.0.0.1", port}, 0, nullptr, ddp::store_limits{}, "pg/rank/", 0);
+  bool seen = false;
+  for (int i = 0; i < 800; ++i) {
+    std::this_thread::sleep_for(50ms);
+    const auto c = server.clients();
+    if (c > 0) seen = true;
+    if (seen && c == 0) return;
+  }
+}
+
+std::uint64_t hash_of(const std::vector<float>& w) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (float f : w) {
+    std::uint32_t b;
+    std::memcpy(&b, &f, 4);
+    h = (h ^ b) * 0x100000001b3ull;
+  }
+  return h;
+}
+
+// One process of the run: trains `p.steps` committed steps of w -= 0.01 * avg(rank + 1), then
+// checks, with the group it ends in, what every rank must agree on. The victim fails itself.
+void member(const plan& p, int code, int port, const std::string& pid_file) {
+  const bool is_newcomer = code == newcomer || code == stranger;
+  auto o = group_options(is_newcomer ? 0 : code, p.n, port, 30s, p.backend);
+  o.elastic_min = p.min;
+  o.elastic_max = p.max;
+  o.heartbeat = 500ms;
+  o.external_store = true;
+  if (is_newcomer) std::this_thread::sleep_for(1500ms);  // the group runs first
+  ddp::elastic_group eg{o};
+  std::vector<float> w(count, is_newcomer ? 5.0f : 1.0f + static_cast<float>(code)), g(count, 0.0f);
+  std::vector<ddp::tensor_view> params{ddp::make_tensor_view(w, g, "w")};
+  eg.signature(code == stranger ? "w[8192]" : "w[4096]");
+  std::optional<ddp::data_parallel> dp;
+  eg.on_form([&](ddp::process_group& pg) {
+    dp.reset();
+    dp.emplace(pg, params);
+  });
+  int applied = 0;  // steps this process applied, or received with the state
+  eg.on_state([&] { return std::to_string(applied); }, [&](std::string_view s) { applied = std::stoi(std::string(s)); });
+  if (!eg.start()) throw std::runtime_error("the job finished before this process got a seat");
+  require(eg.generation() > 0 || !is_newcomer, "a newcomer formed the first generation");
+  bool failed_once = false;
+  std::vector<int> worlds;  // the world of each committed step, from this process's view
+  while (eg.step() < static_cast<std::uint64_t>(p.steps)) try {
+      if (code == p.victim && !failed_once && eg.step() == static_cast<std::uint64_t>(p.fail_at)) {
+        failed_once = true;
+        std::ofstream(pid_file) << ::getpid() << "\n";
+        ::raise(p.sig);
+      }
+      if (p.step_pause.count() > 0) std::this_thread::sleep_for(p.step_pause);
+      std::fill(g.begin(), g.end(), static_cast<float>(eg.rank() + 1));
+      dp->grad_ready(0);
+      dp->finish();
+      const int world = eg.size();
+      eg.commit([&] {
+        // avg(rank + 1) over ranks 0..world-1 is (world + 1) / 2, exactly.
+        require(g[0] == static_cast<float>(world + 1) / 2.0f,
+                "step " + std::to_string(eg.step()) + " averaged " + std::to_string(g[0]) + " in a world of " +
+                    std::to_string(world));
+        for (auto& v : w) v -= 0.01f * g[0];
+        ++applied;
+      });
+    } catch (const ddp::error& e) {
+      if (!eg.recover(e)) throw std::runtime_error("the job finished without this rank");
+    }
+  // Every rank: the same step count as steps applied, the same bits.
+  require(applied == p.steps, "applied " + std::to_string(applied) + " steps of " + std::to_string(p.steps));
+  char mine[32];
+  std::snprintf(mine, sizeof mine, "%016llx", static_cast<unsigned long long>(hash_of(w)));
+  const auto all = eg.group().all_gather(mine);
+  for (const auto& h : all) require(h == all[0], "weights differ across ranks: " + h + " and " + all[0]);
+  eg.group().barrier();
+  eg.finish();
+  // What this process saw, for the test to check: "<rank> <size> <generation> <failures>".
+  throw ddp::error(ddp::errc::aborted, eg.rank(),
+                   "report " + std::to_string(eg.rank()) + " " + std::to_string(eg.size()) + " " +
+                       std::to_string(eg.generation()) + " " + std::to_string(eg.failures()) + " w0 " +
+                       std::to_string(w[0]));
+}
+
+std::vector<ddp_test::outcome> run(const plan& p) {
+  const int port = free_port();
+  const std::string pid_file = "/tmp/ddp-elastic-victim-" + std::to_string(port);
+  std::vector<int> codes{store_host};
+  for (int r = 0; r < p.n; ++r) codes.push_back(r);
+  if (p.late) codes.push_back(newcomer);
+  if (p.bad_late) codes.push_back(stranger);
+  auto outs = ddp_test::run_processes(
+      codes,
+      [&](int code) {
+        if (code == store_host) return serve_store(port);
+        try {
+          member(p, code, port, pid_file);
+        } catch (...) {
+          // A frozen victim is ended once a survivor is done with it.
+          if (code != p.victim && p.sig == SIGSTOP) {
+            std::ifstream in(pid_file);
+            pid_t pid = 0;
+            if (in >> pid && pid > 0) ::kill(pid, SIGKILL);
+          }
+          throw;
+        }
+      },
+      60s);
+  std::remove(pid_file.c_str());
+  return outs;
+}
+
+struct report {
+  int rank = -1, size = 0, generation = -1, failures = -1;
+  float w0 = 0;
+};
+report report_of(const ddp_test::outcome& o) {
+  report r;
+  const auto at = o.message.find("report ");
+  if (at != std::string::npos)
+    std::sscanf(o.message.c_str() + at, "report %d %d %d %d w0 %f", &r.rank, &r.size, &r.generation, &r.failures, &r.w0);
+  return r;
+}
+
+// w[0] after `before` steps at `n` ranks and the rest at `after` ranks, computed as the ranks do.
+float expected_w0(float w, int steps, int before, int n, int after) {
+  for (int s = 0; s < steps; ++s) w -= 0.01f * static_cast<float>((s < before ? n : after) + 1) / 2.0f;
+  return w;
+}
+
+// The survivors' reports: each ended as one rank of the final group, ranks contiguous.
+std::vector<report> survivors(const std::vector<ddp_test::outcome>& outs, int victim) {
+  std::vector<report> rs;
+  for (const auto& o : outs) {
+    if (o.rank == store_host || o.rank == victim) continue;
+    CAPTURE(o.rank);
+    CAPTURE(o.message);
+    const auto r = report_of(o);
+    CHECK(r.rank >= 0);
+    rs.push_back(r);
+  }
+  std::vector<int> ranks;
+  for (const auto& r : rs) ranks.push_back(r.rank);
+  std::sort(ranks.begin(), ranks.end());
+  for (std::size_t i = 0; i < ranks.size(); ++i) CHECK(ranks[i] == static_cast<int>(i));
+  return rs;
+}
+
+}  // namespace
+
+TEST_CASE("elastic: a killed rank costs one dropped step; the survivors go on with fresh ranks and equal bits") {
+  for (auto b : {ddp::backend::automatic, ddp::backend::tcp, ddp::backend::hierarchical}) {
+    CAPTURE(static_cast<int>(b));
+    plan p;
+    p.victim = 2;
+    p.backend = b;
+    const auto outs = run(p);
+    INFO(summary(outs));
+    const auto rs = survivors(outs, p.victim);
+    REQUIRE(rs.size() == 3);
+    for (const auto& r : rs) {
+      CHECK(r.size == 3);
+      CHECK(r.generation == 1);
+      CHECK(r.failures == 1);
+      // Steps 0-4 at 4 ranks, the dropped step 5 never applied, steps 5-11 at 3.
+      CHECK(r.w0 == doctest::Approx(expected_w0(1.0f, p.steps, p.fail_at, 4, 3)).epsilon(1e-6));
+    }
+  }
+}
+
+TEST_CASE("elastic: a frozen rank 0 is found by the heartbeat; rank 1 becomes rank 0 and the group goes on") {
+  plan p;
+  p.n = 3;
+  p.max = 3;
+  p.victim = 0;
+  p.sig = SIGSTOP;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto outs = run(p);
+  INFO(summary(outs));
+  const auto rs = survivors(outs, p.victim);
+  REQUIRE(rs.size() == 2);
+  for (const auto& r : rs) {
+    CHECK(r.size == 2);
+    CHECK(r.failures == 1);
+    CHECK(r.w0 == doctest::Approx(expected_w0(1.0f, p.steps, p.fail_at, 3, 2)).epsilon(1e-6));
+  }
+  // A lease of 0.5 s: found and re-formed well within the 30 s timeout.
+  CHECK(std::chrono::steady_clock::now() - t0 < 15s);
+}
+
+TEST_CASE("elastic: a newcomer joins at a step boundary and gets rank 0's parameters and state") {
+  plan p;
+  p.n = 3;
+  p.max = 4;
+  p.steps = 60;
+  p.late = true;
+  p.step_pause = 50ms;  // a run of 3 s: the newcomer comes after 1.5 s
+  const auto outs = run(p);
+  INFO(summary(outs));
+  const auto rs = survivors(outs, -1);
+  REQUIRE(rs.size() == 4);
+  for (const auto& r : rs) {
+    CHECK(r.size == 4);
+    CHECK(r.generation == 1);
+    CHECK(r.failures == 0);
+  }
+}
+
+TEST_CASE("elastic: a newcomer built for another model is refused, naming the difference; the group goes on") {
+  plan p;
+  p.n = 2;
+  p.max = 3;
+  p.steps = 50;
+  p.bad_late = true;
+  p.step_pause = 50ms;
+  const auto outs = run(p);
+  INFO(summary(outs));
+  for (const auto& o : outs) {
+    if (o.rank == store_host) continue;
+    CAPTURE(o.message);
+    if (o.rank == stranger) {
+      CHECK(o.errc == static_cast<int>(ddp::errc::mismatch));
+      CHECK(o.message.find("does not match the running group") != std::string::npos);
+      CHECK(o.message.find("w[4096]") != std::string::npos);
+      CHECK(o.message.find("w[8192]") != std::string::npos);
+    } else {
+      const auto r = report_of(o);
+      CHECK(r.size == 2);
+      CHECK(r.generation == 0);
+    }
+  }
+}
+
+TEST_CASE("elastic: below its minimum the group says so on the survivor") {
+  plan p;
+  p.n = 2;
+  p.min = 2;
+  p.max = 2;
+  p.victim = 1;
+  const auto outs = run(p);
+  INFO(summary(outs));
+  for (const auto& o : outs) {
+    if (o.rank != 0) continue;
+    CAPTURE(o.message);
+    CHECK(o.errc == static_cast<int>(ddp::errc::aborted));
+    CHECK(o.message.find("the group fell to 1 ranks, below its minimum of 2") != std::string::npos);
+  }
+}
+
+TEST_CASE("elastic: mpi and nccl cannot shrink, and say so at once") {
+  for (auto b : {ddp::backend::mpi, ddp::backend::nccl}) {
+    auto o = group_options(0, 2, 1, 1s, b);
+    o.elastic_min = 1;
+    o.elastic_max = 2;
+    try {
+      ddp::elastic_group eg{o};
+      FAIL("no error");
+    } catch (const ddp::error& e) {
+      CHECK(e.code() == ddp::errc::unsupported);
+      CHECK(std::string(e.what()).find("cannot shrink or grow") != std::string::npos);
+    }
+    CHECK_THROWS_WITH_AS(ddp::init_process_group(o), doctest::Contains("cannot shrink or grow"), ddp::error);
+  }
+}
