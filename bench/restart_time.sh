@@ -57,12 +57,22 @@ in_place() {
   wait $launcher
 }
 
-ddp_res=() torch_res=() ddp_step=() torch_step=() kill_res=() kill_step=() stop_res=()
+ddp_res=() torch_res=() ddp_step=() torch_step=() kill_res=() kill_step=() stop_res=() tft_res=() tft_step=()
+# torchft (PyPI, with the current torch) where it is installed: TORCHFT_PYTHON, else the venv of
+# scripts/torch_current.sh with torchft added (`/opt/ddp-torch-venv/bin/pip install torchft`).
+tft=${TORCHFT_PYTHON:-/opt/ddp-torch-venv/bin/python}
+"$tft" -c 'import torchft' 2>/dev/null || { echo "restart_time: no torchft at $tft: its row is left out" >&2; tft=""; }
 for ((r = 1; r <= rounds; ++r)); do
   in_place "$tmp/kill.$r" KILL
   read -r a b < <(measure "$tmp/kill.$r"); kill_res+=("$a"); kill_step+=("$b")
   in_place "$tmp/stop.$r" STOP
   read -r a b < <(measure "$tmp/stop.$r"); stop_res+=("$a")
+  if [[ -n $tft ]]; then
+    timeout 300 "$tft" "$root/bench/peers/torchft_recovery.py" "$params" --ranks $ranks --steps 14 --kill-at $kill_at \
+      --victim $victim > "$tmp/torchft.$r" 2>&1
+    read -r a b < <(measure "$tmp/torchft.$r"); tft_res+=("$a"); tft_step+=("$b")
+    echo "round $r: torchft in place ${tft_res[-1]} ms (step ${tft_step[-1]} ms)" >&2
+  fi
   rm -f "$tmp/ckpt.ddp" "$tmp/ckpt.pt"
   timeout 300 "$ddprun" -n $ranks --max-restarts 1 "$probe" "$params" --checkpoint "$tmp/ckpt.ddp" --steps $steps \
     --kill-at $kill_at --victim $victim --every $every > "$tmp/ddp.$r" 2>&1
@@ -84,6 +94,7 @@ km=$(median "${kill_res[@]}") sm=$(median "${stop_res[@]}")
 echo "| ddp in place (elastic_group, ddprun --elastic 2:4), SIGKILL | $km | 0 | $(median "${kill_step[@]}") | ${kill_res[*]} |"
 echo "| ddp in place, SIGSTOP (heartbeat lease 1 s) | $sm | 0 | | ${stop_res[*]} |"
 echo "| ddprun --max-restarts 1, ddp default | $dm | $repeated | $(median "${ddp_step[@]}") | ${ddp_res[*]} |"
+[[ -n $tft ]] && echo "| torchft 0.2 in place (Manager, gloo, lighthouse heartbeat timeout 1 s) | $(median "${tft_res[@]}") | 0 | $(median "${tft_step[@]}") | ${tft_res[*]} |"
 echo "| torchrun agent (max_restarts 1, c10d, monitor ${TORCH_MONITOR_INTERVAL:-5} s), PyTorch DDP gloo | $tm | $repeated | $(median "${torch_step[@]}") | ${torch_res[*]} |"
 echo
 awk -v d="$dm" -v t="$tm" 'BEGIN { if (d > 0 && t > 0) printf "ddp restarts %.1fx faster than torchrun\n", t / d }'

@@ -1,8 +1,8 @@
 #!/bin/bash
 # The elastic group under fire (docs/elastic.md): examples/05_elastic runs under
 # `ddprun -n 4 --elastic 2:4` while a punisher kills (SIGKILL) or freezes (SIGSTOP, thawed a few
-# seconds later) a random rank, rank 0 and ranks still joining included, every INTERVAL seconds,
-# FAILURES times. The run must exit 0, and the final rank 0's last line must be
+# seconds later) a random rank, rank 0 and ranks still joining included, every INTERVAL seconds
+# while at least 3 ranks that have run for 3 s are running, FAILURES times. The run must exit 0, and the final rank 0's last line must be
 # "elastic: OK steps=... failures=... sizes=..." (its checks: bitwise-equal weights, every
 # committed step averaged over exactly its generation, the loss near an uninterrupted run's),
 # with at least one failure survived per failure caused, less those that hit a joiner.
@@ -46,11 +46,16 @@ while [ $((kills + stops)) -lt "$failures" ] && kill -0 "$launcher" 2>/dev/null;
   done
   frozen=("${still[@]}")
   live=()
+  settled=0
   for p in $(programs); do
-    [ "$(state_of "$p")" != T ] && [ -n "$(state_of "$p")" ] && live+=("$p")
+    [ "$(state_of "$p")" != T ] && [ -n "$(state_of "$p")" ] || continue
+    live+=("$p")
+    # Running for 3 s or more: a member by now, not a replacement still on its way in.
+    [ "$(ps -o etimes= -p "$p" 2>/dev/null | tr -d ' ')" -ge 3 ] 2>/dev/null && settled=$((settled + 1))
   done
-  # Keep the group above its minimum of 2: act only with 3 running programs or more.
-  [ "${#live[@]}" -lt 3 ] && continue
+  # Keep the group above its minimum of 2: act only while 3 settled ranks run, so that 2
+  # members that hold the group's state remain whichever rank is hit (joiners included).
+  [ "$settled" -lt 3 ] && continue
   victim=${live[$((RANDOM % ${#live[@]}))]}
   if [ $((RANDOM % 3)) -eq 0 ]; then
     kill -STOP "$victim" 2>/dev/null && { stops=$((stops + 1)); frozen+=("$victim:$(date +%s)"); }

@@ -36,7 +36,8 @@ namespace {
 
 constexpr int store_host = 100;   // the process that serves the store
 constexpr int newcomer = 50;      // a process that starts late and joins the running group
-constexpr int stranger = 60;      // a newcomer built for another model
+constexpr int stranger = 60;      // a newcomer built for another model, which says so
+constexpr int misfit = 61;        // a newcomer built for another model, which says nothing
 constexpr std::size_t count = 4096;
 
 struct plan {
@@ -49,6 +50,7 @@ struct plan {
   ddp::backend backend = ddp::backend::automatic;
   bool late = false;         // a newcomer joins after the first steps
   bool bad_late = false;     // a newcomer with another signature tries to
+  bool misfit_late = false;  // a newcomer with other shapes and no signature tries to
   std::chrono::milliseconds step_pause{0};
 };
 
@@ -78,7 +80,7 @@ std::uint64_t hash_of(const std::vector<float>& w) {
 // One process of the run: trains `p.steps` committed steps of w -= 0.01 * avg(rank + 1), then
 // checks, with the group it ends in, what every rank must agree on. The victim fails itself.
 void member(const plan& p, int code, int port, const std::string& pid_file) {
-  const bool is_newcomer = code == newcomer || code == stranger;
+  const bool is_newcomer = code == newcomer || code == stranger || code == misfit;
   auto o = group_options(is_newcomer ? 0 : code, p.n, port, 30s, p.backend);
   o.elastic_min = p.min;
   o.elastic_max = p.max;
@@ -86,9 +88,10 @@ void member(const plan& p, int code, int port, const std::string& pid_file) {
   o.external_store = true;
   if (is_newcomer) std::this_thread::sleep_for(1500ms);  // the group runs first
   ddp::elastic_group eg{o};
-  std::vector<float> w(count, is_newcomer ? 5.0f : 1.0f + static_cast<float>(code)), g(count, 0.0f);
+  const std::size_t size = code == misfit ? 2 * count : count;
+  std::vector<float> w(size, is_newcomer ? 5.0f : 1.0f + static_cast<float>(code)), g(size, 0.0f);
   std::vector<ddp::tensor_view> params{ddp::make_tensor_view(w, g, "w")};
-  eg.signature(code == stranger ? "w[8192]" : "w[4096]");
+  if (code != misfit) eg.signature(code == stranger ? "w[8192]" : "w[4096]");
   std::optional<ddp::data_parallel> dp;
   eg.on_form([&](ddp::process_group& pg) {
     dp.reset();
@@ -144,6 +147,7 @@ std::vector<ddp_test::outcome> run(const plan& p) {
   for (int r = 0; r < p.n; ++r) codes.push_back(r);
   if (p.late) codes.push_back(newcomer);
   if (p.bad_late) codes.push_back(stranger);
+  if (p.misfit_late) codes.push_back(misfit);
   auto outs = ddp_test::run_processes(
       codes,
       [&](int code) {
@@ -282,6 +286,30 @@ TEST_CASE("elastic: a newcomer built for another model is refused, naming the di
       const auto r = report_of(o);
       CHECK(r.size == 2);
       CHECK(r.generation == 0);
+    }
+  }
+}
+
+TEST_CASE("elastic: a newcomer with other shapes and no signature fails its generation alone; the group goes on") {
+  plan p;
+  p.n = 2;
+  p.max = 3;
+  p.steps = 50;
+  p.misfit_late = true;
+  p.step_pause = 50ms;
+  const auto outs = run(p);
+  INFO(summary(outs));
+  for (const auto& o : outs) {
+    if (o.rank == store_host) continue;
+    CAPTURE(o.message);
+    if (o.rank == misfit) {
+      // The wrappers' construction on the new generation compares every rank's shapes.
+      CHECK(o.errc == static_cast<int>(ddp::errc::mismatch));
+      CHECK(o.message.find("'w'") != std::string::npos);
+    } else {
+      const auto r = report_of(o);
+      CHECK(r.size == 2);
+      CHECK(r.generation >= 2);  // the generation with the misfit failed; the next formed without it
     }
   }
 }

@@ -62,8 +62,9 @@ struct elastic_options {
   /// How long the first generation waits for the ranks the launcher started before it forms
   /// with those that came (at least the minimum). 0: the group's timeout.
   std::chrono::milliseconds first_wait{0};
-  /// Bound on one re-formation: the rendezvous of the new generation and its state transfer.
-  /// 0: the group's timeout.
+  /// Bound on the rendezvous of a new generation: every member of a closed round is alive and
+  /// joining, so it is quick; one that died meanwhile makes it fail at this bound, and the next
+  /// round forms without it. 0: twice the heartbeat's lease, at least 2 s.
   std::chrono::milliseconds reform_timeout{0};
   /// Says on stderr (rank 0) each re-formation: the generation, its size, why.
   bool verbose = false;
@@ -103,7 +104,8 @@ class elastic_group {
     if (opts_.heartbeat.count() == 0) opts_.heartbeat = std::chrono::seconds(1);
     if (eo_.settle.count() == 0) eo_.settle = 2 * opts_.heartbeat;
     if (eo_.first_wait.count() == 0) eo_.first_wait = opts_.timeout;
-    if (eo_.reform_timeout.count() == 0) eo_.reform_timeout = opts_.timeout;
+    if (eo_.reform_timeout.count() == 0)
+      eo_.reform_timeout = std::max<std::chrono::milliseconds>(2 * opts_.heartbeat, std::chrono::seconds(2));
     job_ = opts_.job_id.empty() ? std::string("elastic") : opts_.job_id;
     uid_ = make_uid();
     const auto until = steady_clock::now() + opts_.timeout;
@@ -300,7 +302,7 @@ class elastic_group {
     prev_size_ = pg_.size();
     prev_gen_ = gen_;
     round_ = gen_ + 1;
-    return form(prio, /*member=*/true, eo_.reform_timeout, why);
+    return form(prio, /*member=*/true, opts_.timeout, why);
   }
 
   /// Registers in round `round_` and waits for it to close; then joins its group. A member of
@@ -325,13 +327,16 @@ class elastic_group {
       const auto opened = steady_clock::now();
       std::int64_t closed = 0;
       for (;;) {
+        if (steady_clock::now() + detail::timing::elastic_poll >= until)
+          detail::raise(
+              errc::timeout, opts_.rank,
+              "elastic: round " + std::to_string(round_) + " never closed" +
+                  (member ? std::string() : " (this newcomer waited for a seat while the group committed no step)"));
         if (st.wait({rk + "closed"}, detail::timing::elastic_poll, until).empty()) {
           closed = std::stoll(st.get(rk + "closed", until));
           break;
         }
         if (st.check("el/done", until)) return false;
-        if (steady_clock::now() >= until)
-          detail::raise(errc::timeout, opts_.rank, "elastic: round " + std::to_string(round_) + " never closed");
         if (!member) {  // newcomers never close a round
           std::string now_at;
           if (st.check("el/step", until)) now_at = st.get("el/step", until);
@@ -384,7 +389,12 @@ class elastic_group {
         return true;
       } catch (const error& e) {
         // A rank lost while the generation formed: the next round, with the ones still here.
-        if (e.condition() != errc::peer_lost && e.condition() != errc::timeout && e.condition() != errc::aborted) throw;
+        // A newcomer that does not match the group (its wrappers' construction raised
+        // errc::mismatch on every rank, naming what differs) leaves with that error, and the
+        // members form the next round without it.
+        const bool lost =
+            e.condition() == errc::peer_lost || e.condition() == errc::timeout || e.condition() == errc::aborted;
+        if (!lost && (e.condition() != errc::mismatch || !proven_)) throw;
         if (pg_.s_) pg_.s_->fail_all({e.condition(), detail::message_of(e)});
         if (pg_.s_) pg_.s_->heartbeat.reset();
         prev_size_ = world;
@@ -422,10 +432,9 @@ class elastic_group {
     o.key_prefix = ns(round_);
     o.external_store = true;  // the store outlives every generation
     o.job_id = job_ + "+el." + std::to_string(round_);
-    o.timeout = eo_.reform_timeout;
+    o.rendezvous_timeout = eo_.reform_timeout;
     pg_.close();
     pg_ = init_process_group(o);
-    pg_.s_->opts.timeout = opts_.timeout;  // collectives keep the program's timeout
     gen_ = round_;
     coord_->set("el/gen", std::to_string(gen_), steady_clock::now() + opts_.timeout);
     if (!signature_.empty() && gen_ == 0 && rank == 0)
@@ -433,6 +442,7 @@ class elastic_group {
     if (rank == 0 && eo_.verbose)
       std::fprintf(stderr, "[ddp.elastic] generation %d: %d ranks (%s)\n", gen_, world, why.c_str());
     if (on_form_) on_form_(pg_);
+    proven_ = true;  // this process's wrappers matched a generation's
     // Rank 0's counts (steps, failures, the sizes so far) and the program's state reach every
     // rank.
     sizes_.push_back(world);
@@ -477,6 +487,7 @@ class elastic_group {
   int round_ = 0;
   int prev_size_ = 0;
   int failures_ = 0;
+  bool proven_ = false;  // a generation's wrappers were built here (a mismatch since is a newcomer's)
   std::uint64_t step_ = 0;
   std::vector<int> sizes_;
 };

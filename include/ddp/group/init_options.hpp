@@ -55,6 +55,10 @@ struct init_options {
   /// (errc::unsupported: they cannot shrink).
   int elastic_min = 0;
   int elastic_max = 0;
+  /// Bound on joining (rendezvous, the first barrier, the heartbeat's links) when shorter than
+  /// `timeout`; 0: `timeout`. An elastic group's generations join within a few seconds, so that
+  /// a member lost while one forms costs that long, not a whole timeout.
+  std::chrono::milliseconds rendezvous_timeout{0};
   /// Prepended to every key this group writes in its store, so that several groups share one
   /// store apart (an elastic group's generations do). At most 64 characters.
   std::string key_prefix = {};
@@ -123,6 +127,7 @@ struct init_options {
       return "master_addr of " + std::to_string(master_addr.size()) +
              " characters is longer than a host name may be (253)";
     if (timeout.count() <= 0) return "timeout must be positive";
+    if (rendezvous_timeout.count() < 0) return "rendezvous_timeout must not be negative (0: timeout)";
     if (heartbeat.count() < 0) return "heartbeat must not be negative (0 runs none)";
     if (key_prefix.size() > 64) return "key_prefix is longer than 64 characters";
     if (elastic_max != 0 && (elastic_min < 1 || elastic_min > elastic_max))

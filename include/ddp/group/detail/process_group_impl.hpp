@@ -299,7 +299,9 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
   pg.opts = opts;
   pg.rank = opts.rank;
   pg.size = opts.world_size;
-  const auto until = steady_clock::now() + opts.timeout;
+  const auto joining =
+      opts.rendezvous_timeout.count() > 0 ? std::min(opts.rendezvous_timeout, opts.timeout) : opts.timeout;
+  const auto until = steady_clock::now() + joining;
   const int rank = opts.rank;
 
   // Resolve first, so an unresolvable master fails at once on every rank.
@@ -325,7 +327,7 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
                                   opts.world_size,
                                   opts.job_id,
                                   opts.master_addr + ":" + std::to_string(opts.master_port),
-                                  static_cast<long long>(opts.timeout.count()),
+                                  static_cast<long long>(joining.count()),
                                   static_cast<long long>(opts.heartbeat.count())};
   for (;;) {
     pg.store = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
@@ -339,7 +341,7 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
       pg.store.reset();
       if (steady_clock::now() + detail::timing::earlier_run_retry >= until)
         detail::raise(errc::timeout, rank,
-                      "rendezvous timed out after " + std::to_string(opts.timeout.count()) + " ms: the store at " +
+                      "rendezvous timed out after " + std::to_string(joining.count()) + " ms: the store at " +
                           join.where + " still serves the job's earlier run" +
                           (old.theirs.empty() ? std::string() : " '" + old.theirs + "'") + ", not this one ('" +
                           opts.job_id + "')");
