@@ -254,13 +254,13 @@ int main(int argc, char** argv) {
   }
   const bool external_store = !env_is("DDP_EXTERNAL_STORE", "0") && (token == nullptr || *token == '\0') &&
                               (loopback || env_is("DDP_INSECURE", "1"));
-  // An elastic group's store must outlive every rank: ddprun serves it, or nothing does.
-  if (!elastic.empty() && !external_store) {
+  // An elastic group's store should outlive every rank: ddprun serves it where it can;
+  // otherwise (a secret, which ddprun cannot prove) the group's rank 0 hosts it.
+  if (!elastic.empty() && !external_store)
     std::fprintf(stderr,
-                 "ddprun: --elastic needs ddprun to serve the group's store, which it does only without a secret "
-                 "(DDP_AUTH_TOKEN), on loopback or with DDP_INSECURE=1, and without DDP_EXTERNAL_STORE=0\n");
-    return 2;
-  }
+                 "ddprun: --elastic: the group's store stays on rank 0 (ddprun serves it only without a secret, on "
+                 "loopback or with DDP_INSECURE=1, and without DDP_EXTERNAL_STORE=0): the loss of rank 0 ends the "
+                 "job\n");
   for (int restart = 0;; ++restart) {
     if (restart > 0 && !port_given) {
       try {

@@ -8,7 +8,8 @@
 //   ddpstore [--host ADDR] --port PORT [--world N | --elastic] [--until-idle SECONDS]
 //
 // Prints "ddpstore: serving on ADDR:PORT" once it listens. Ends on SIGINT or SIGTERM, or, with
-// --until-idle S, S seconds after its last client left (once one came). Without a secret (none
+// --until-idle S, once it has had no client for S seconds (since it started, or since its last
+// client left). Without a secret (none
 // is supported here), only on loopback unless DDP_INSECURE=1 (docs/security.md).
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <signal.h>
@@ -83,16 +84,13 @@ int main(int argc, char** argv) try {
                            static_cast<std::uint32_t>(elastic ? 0 : world));
   std::printf("ddpstore: serving on %s:%d\n", host.c_str(), server.port());
   std::fflush(stdout);
-  bool seen = false;
   auto last_busy = std::chrono::steady_clock::now();
   while (g_stop == 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    if (server.clients() > 0) {
-      seen = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (server.clients() > 0)
       last_busy = std::chrono::steady_clock::now();
-    } else if (idle > 0 && seen && std::chrono::steady_clock::now() - last_busy >= std::chrono::seconds(idle)) {
+    else if (idle > 0 && std::chrono::steady_clock::now() - last_busy >= std::chrono::seconds(idle))
       break;
-    }
   }
   return 0;
 } catch (const std::exception& e) {

@@ -16,12 +16,13 @@ prog=$2
 failures=${3:-20}
 interval=${4:-1.5}
 n=${5:-4}
-# Training outlasts the punisher by a margin, so that the run ends in peace.
-min_seconds=$(awk -v f="$failures" -v i="$interval" 'BEGIN { print int(f * i + 8) }')
+# Training goes on until the punisher is done (its stop file), so that the run ends in peace.
 log=$(mktemp /tmp/ddp-elastic.XXXXXX)
-trap 'rm -f "$log"' EXIT
+stop=$log.stop
+trap 'rm -f "$log" "$stop"' EXIT
 
-"$ddprun" -n "$n" --elastic 2:"$n" --max-restarts $((failures + 10)) "$prog" --min-seconds "$min_seconds" >"$log" 2>&1 &
+"$ddprun" -n "$n" --elastic 2:"$n" --max-restarts $((failures + 10)) "$prog" --min-seconds 5 --stop-file "$stop" \
+  >"$log" 2>&1 &
 launcher=$!
 
 # The programs: each keeper (a child of ddprun) has one child, the program.
@@ -67,6 +68,8 @@ sleep 3
 for f in "${frozen[@]}"; do kill -CONT "${f%%:*}" 2>/dev/null; done
 # Anything still stopped (a program frozen just as it started) is thawed too.
 for p in $(programs); do [ "$(state_of "$p")" = T ] && kill -CONT "$p"; done
+sleep 2
+touch "$stop"
 
 wait "$launcher"
 rc=$?

@@ -3,12 +3,17 @@
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/store.hpp>
+#include <ddp/data_parallel.hpp>
+#include <ddp/group/elastic.hpp>
 #include <ddp/transport/tcp.hpp>
 
 #include <doctest/doctest.h>
 #include <fcntl.h>
 
+#include <signal.h>
+
 #include <array>
+#include <optional>
 #include <cstdio>
 #include <numeric>
 #include <stdexcept>
@@ -390,4 +395,64 @@ TEST_CASE("a store without a secret warns once when it listens beyond loopback")
   });
   INFO(ddp_test::summary(outs));
   CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("auth: an elastic group with a secret re-forms after a loss; a process without it takes no seat") {
+  // The store on the launcher's rank 0 (ddprun cannot prove a secret), authenticated like every
+  // connection of the group's generations: the stranger, with a wrong secret, is refused at the
+  // store before it could register, vote or mark a rank dead.
+  const int port = free_port();
+  constexpr int stranger = 9;
+  auto outs = run_processes({0, 1, 2, stranger}, [&](int code) {
+    auto o = opts(code == stranger ? 1 : code, 3, port);
+    o.auth_token = code == stranger ? std::string("not-the-group-secret-0123456789") : secret;
+    o.elastic_min = 2;
+    o.elastic_max = 3;
+    o.heartbeat = 500ms;
+    if (code == stranger) {
+      std::this_thread::sleep_for(500ms);  // the group is training (12 steps of 200 ms)
+      ddp::elastic_group eg{o};
+      (void)eg.start();
+      throw std::runtime_error("a process without the secret took a seat");
+    }
+    ddp::elastic_group eg{o};
+    std::vector<float> w(256, 1.0f + static_cast<float>(code)), g(256, 0.0f);
+    std::vector<ddp::tensor_view> params{ddp::make_tensor_view(w, g, "w")};
+    std::optional<ddp::data_parallel> dp;
+    eg.on_form([&](ddp::process_group& pg) {
+      dp.reset();
+      dp.emplace(pg, params);
+    });
+    require(eg.start(), "the first generation formed");
+    while (eg.step() < 12) try {
+        if (code == 2 && eg.step() == 5) ::raise(SIGKILL);
+        std::this_thread::sleep_for(200ms);
+        std::fill(g.begin(), g.end(), static_cast<float>(eg.rank() + 1));
+        dp->grad_ready(0);
+        dp->finish();
+        eg.commit([&] {
+          for (auto& v : w) v -= 0.01f * g[0];
+        });
+      } catch (const ddp::error& e) {
+        require(eg.recover(e), "the job finished without this rank");
+      }
+    require(eg.size() == 2 && eg.failures() == 1 && eg.generation() == 1,
+            "ended in a group of " + std::to_string(eg.size()) + ", generation " + std::to_string(eg.generation()));
+    const auto all = eg.group().all_gather(std::to_string(w[0]));
+    require(all[0] == all[1], "weights differ: " + all[0] + " and " + all[1]);
+    eg.group().barrier();
+    eg.finish();
+  }, 60s);
+  INFO(ddp_test::summary(outs));
+  for (const auto& o : outs) {
+    CAPTURE(o.rank);
+    CAPTURE(o.message);
+    if (o.rank == stranger) {
+      CHECK(o.errc == static_cast<int>(ddp::errc::auth_failed));
+    } else if (o.rank == 2) {
+      CHECK(o.exit_code == 128 + SIGKILL);
+    } else {
+      CHECK(o.ok());
+    }
+  }
 }

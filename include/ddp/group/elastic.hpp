@@ -41,6 +41,7 @@
 #include <vector>
 
 #include <ddp/version.hpp>
+#include <ddp/auth.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/bytes.hpp>
 #include <ddp/error.hpp>
@@ -97,10 +98,6 @@ class elastic_group {
                     std::string("elastic group with the ") + (opts_.backend == backend::mpi ? "mpi" : "nccl") +
                         " backend: it cannot shrink or grow (Open MPI without ULFM, NCCL without ncclCommShrink); "
                         "use the default, tcp, shm or hierarchical");
-    if (!opts_.auth_token.empty())
-      detail::raise(errc::unsupported, opts_.rank,
-                    "elastic group with a secret (DDP_AUTH_TOKEN): not supported yet; an elastic group runs on "
-                    "loopback without one, or with DDP_INSECURE=1 (docs/security.md)");
     if (opts_.heartbeat.count() == 0) opts_.heartbeat = std::chrono::seconds(1);
     if (eo_.settle.count() == 0) eo_.settle = 2 * opts_.heartbeat;
     if (eo_.first_wait.count() == 0) eo_.first_wait = opts_.timeout;
@@ -109,10 +106,14 @@ class elastic_group {
     job_ = opts_.job_id.empty() ? std::string("elastic") : opts_.job_id;
     uid_ = make_uid();
     const auto until = steady_clock::now() + opts_.timeout;
+    // With a secret every connection to the store and between ranks proves it (docs/security.md):
+    // a stranger can neither register, nor vote, nor mark a rank dead.
+    std::shared_ptr<const authenticator> auth;
+    if (!opts_.auth_token.empty()) auth = make_authenticator(opts_.auth_token, opts_.rank);
     if (!opts_.external_store && opts_.rank == 0 && !joiner_by_env())
-      server_ = std::make_unique<store_server>(endpoint{opts_.master_addr, opts_.master_port}, 0, nullptr,
+      server_ = std::make_unique<store_server>(endpoint{opts_.master_addr, opts_.master_port}, 0, auth,
                                                store_limits{}, "pg/rank/", 0);
-    coord_ = std::make_unique<store_client>(opts_.master_addr, opts_.master_port, opts_.rank, until);
+    coord_ = std::make_unique<store_client>(opts_.master_addr, opts_.master_port, opts_.rank, until, auth);
     if (coord_->compare_set("pg/rank/el." + uid_, "", "1", until) != "1")
       detail::raise(errc::protocol, opts_.rank, "elastic group: could not claim this process's seat in the store");
   }

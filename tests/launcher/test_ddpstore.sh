@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# ddpstore: the group's store as a process of its own, for launchers other than ddprun
+# (docs/elastic.md). A fixed group of 2 started by hand joins it (DDP_EXTERNAL_STORE=1) and
+# ddpstore ends once they are gone (--until-idle); an elastic group of 3 started by hand loses
+# its rank 0 and goes on (the store is not on it); beyond loopback without DDP_INSECURE=1 it
+# refuses to start. Prints "N passed, N failed".
+#   test_ddpstore.sh DDPSTORE PROCESS_GROUP_EXAMPLE ELASTIC_EXAMPLE
+set -u
+ddpstore=$1
+pg_example=$2
+elastic_example=$3
+pass=0; fail=0
+check() { if eval "$2"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $1"; fi; }
+tmp=$(mktemp -d); trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$tmp"' EXIT
+
+# start_store ARGS...: starts ddpstore on a free port; sets store_pid and port.
+start_store() {
+  "$ddpstore" --port 0 "$@" >"$tmp/store.out" 2>&1 &
+  store_pid=$!
+  port=""
+  for _ in $(seq 100); do
+    port=$(sed -n 's/^ddpstore: serving on 127.0.0.1:\([0-9]*\)$/\1/p' "$tmp/store.out")
+    [[ -n $port ]] && break
+    sleep 0.05
+  done
+}
+
+start_store --world 2 --until-idle 3
+check "ddpstore says where it serves" '[[ -n $port ]]'
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port DDP_EXTERNAL_STORE=1 "$pg_example" >"$tmp/pg.$r" 2>&1 &
+done
+ok=0
+for r in 0 1; do wait %$((r + 2)) && ok=$((ok + 1)); done
+check "a fixed group of 2 joins ddpstore and finishes (got $ok of 2)" '[[ $ok -eq 2 ]]'
+for _ in $(seq 200); do kill -0 $store_pid 2>/dev/null || break; sleep 0.05; done
+check "ddpstore ends once its clients are gone (--until-idle 3)" '! kill -0 $store_pid 2>/dev/null'
+wait $store_pid
+check "ddpstore exits 0" '[[ $? -eq 0 ]]'
+
+start_store --elastic --until-idle 3
+pids=()
+for r in 0 1 2; do
+  RANK=$r WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port DDP_EXTERNAL_STORE=1 DDP_ELASTIC=2:3 \
+    "$elastic_example" --min-seconds 4 >"$tmp/el.$r" 2>&1 &
+  pids+=($!)
+done
+sleep 2
+kill -KILL "${pids[0]}"; wait "${pids[0]}" 2>/dev/null
+rcs=""
+for r in 1 2; do wait "${pids[$r]}"; rcs+="$? "; done
+check "the elastic group goes on without its rank 0, the store outside it (exit codes: $rcs)" '[[ $rcs == "0 0 " ]]'
+last=$(cat "$tmp/el.1" "$tmp/el.2" | grep "elastic: OK" | tail -1)
+check "the new rank 0 says elastic: OK with one failure ($last)" '[[ "$last" == *"failures=1 sizes=3,2"* ]]'
+wait $store_pid 2>/dev/null
+
+out=$(DDP_INSECURE= "$ddpstore" --host 10.255.255.1 --port 1 2>&1)
+rc=$?
+check "beyond loopback without DDP_INSECURE=1 it refuses (exit $rc)" '[[ $rc -eq 2 && "$out" == *"DDP_INSECURE=1"* ]]'
+
+echo "$pass passed, $fail failed"
+[[ $fail -eq 0 ]]
