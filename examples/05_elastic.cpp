@@ -17,7 +17,8 @@
 //  - the final loss over the whole dataset is within 25% (+0.002) of an uninterrupted run of
 //    as many steps at the full size (computed on rank 0; of 3000 steps at most: training longer
 //    only lowers the loss), and below a quarter of the first.
-// The last line of the final rank 0 is `elastic: OK steps=<n> failures=<k> sizes=<a,b,...>`.
+// The last line of the final rank 0 is `elastic: OK steps=<n> failures=<k> sizes=<a,b,...>
+// generations=<g>`: the committed steps, the failures survived, the world sizes seen (each once).
 //
 // --min-seconds S: train at least S seconds (and at least --steps N steps, 300 by default), so
 // that a punisher has time; --stop-file F: and until F exists (the punisher's "done"). Rank 0
@@ -277,11 +278,17 @@ int main(int argc, char** argv) try {
                     final_loss, static_cast<unsigned long long>(ref_steps), max_world, ref, first_loss,
                     close ? "OK" : "FAILED");
         if (!close) code = 1;
+        // The world sizes seen, each once, in the order first seen; and how many generations.
         std::string sizes;
-        for (int s : eg.sizes()) sizes += (sizes.empty() ? "" : ",") + std::to_string(s);
+        std::vector<int> seen;
+        for (int s : eg.sizes())
+          if (std::find(seen.begin(), seen.end(), s) == seen.end()) {
+            seen.push_back(s);
+            sizes += (sizes.empty() ? "" : ",") + std::to_string(s);
+          }
         if (code == 0)
-          std::printf("elastic: OK steps=%llu failures=%d sizes=%s\n", static_cast<unsigned long long>(eg.step()),
-                      eg.failures(), sizes.c_str());
+          std::printf("elastic: OK steps=%llu failures=%d sizes=%s generations=%zu\n",
+                      static_cast<unsigned long long>(eg.step()), eg.failures(), sizes.c_str(), eg.sizes().size());
         std::fflush(stdout);
       }
       double verdict = code;

@@ -120,6 +120,10 @@ class elastic_group {
   elastic_group(const elastic_group&) = delete;
   elastic_group& operator=(const elastic_group&) = delete;
   ~elastic_group() {
+    if (pg_.s_) {
+      std::lock_guard lock(pg_.s_->found_mu);
+      pg_.s_->on_found_dead = nullptr;
+    }
     pg_.close();
     coord_.reset();
     if (server_) {
@@ -232,13 +236,11 @@ class elastic_group {
                                                de->condition() == errc::aborted);
     if (!group_error || !pg_.s_) std::rethrow_exception(std::current_exception());
     const int old_rank = pg_.rank();
-    // Wake every peer still blocked on this rank, and drop the step in flight for all.
+    // Wake every peer still blocked on this rank, say whom this rank's heartbeat found dead (the
+    // next round need not wait for it), and drop the step in flight for all.
     pg_.s_->fail_all(pg_.s_->verdict.as_recorded(de->condition(), detail::message_of(e)));
-    try {
-      (void)coord_->compare_set(step_key(gen_, step_) + "d", "", "abort", steady_clock::now() + opts_.timeout);
-    } catch (const error&) {
-      std::rethrow_exception(std::current_exception());
-    }
+    note_dead(gen_);
+    (void)coord_->compare_set(step_key(gen_, step_) + "d", "", "abort", steady_clock::now() + opts_.timeout);
     ++failures_;
     return reform(old_rank, detail::message_of(e));
   }
@@ -397,6 +399,7 @@ class elastic_group {
             e.condition() == errc::peer_lost || e.condition() == errc::timeout || e.condition() == errc::aborted;
         if (!lost && (e.condition() != errc::mismatch || !proven_)) throw;
         if (pg_.s_) pg_.s_->fail_all({e.condition(), detail::message_of(e)});
+        if (gen_ == round_) note_dead(round_);
         if (pg_.s_) pg_.s_->heartbeat.reset();
         prev_size_ = world;
         prev_gen_ = round_;
@@ -408,8 +411,15 @@ class elastic_group {
     }
   }
 
+  /// Writes el<g>/hb/dead/<rank> for the rank this rank's heartbeat found frozen or dead in
+  /// generation `g` (the current group), if it found one.
+  void note_dead(int g) {
+    if (!pg_.s_) return;
+    const int dead = pg_.s_->found_dead.load();
+    if (dead >= 0) coord_->set(ns(g) + "hb/dead/" + std::to_string(dead), "1", steady_clock::now() + opts_.timeout);
+  }
   /// True when every rank of the last generation registered in round `rk` or was found dead
-  /// there (its heartbeat watcher wrote el<g>/hb/dead/<rank>).
+  /// there (its heartbeat watcher wrote el<g>/hb/dead/<rank>, in note_dead).
   bool all_accounted(const std::string& rk) {
     auto& st = *coord_;
     const auto until = steady_clock::now() + opts_.timeout;
@@ -437,6 +447,15 @@ class elastic_group {
     pg_.close();
     pg_ = init_process_group(o);
     gen_ = round_;
+    {
+      // The rank this generation's heartbeat finds dead is said in the store at once, from the
+      // heartbeat's thread, so that the next round need not wait for this rank's recover().
+      std::lock_guard lock(pg_.s_->found_mu);
+      pg_.s_->on_found_dead = [this, g = gen_](int dead) {
+        coord_->set(ns(g) + "hb/dead/" + std::to_string(dead), "1", steady_clock::now() + opts_.heartbeat);
+      };
+      if (pg_.s_->found_dead.load() >= 0) note_dead(gen_);
+    }
     coord_->set("el/gen", std::to_string(gen_), steady_clock::now() + opts_.timeout);
     if (!signature_.empty() && gen_ == 0 && rank == 0)
       coord_->set("el/signature", signature_, steady_clock::now() + opts_.timeout);

@@ -132,6 +132,19 @@ struct group_state {
   int next_channel = 1;  // the next transport's channel; every rank builds its transports in the same order
   std::atomic<bool> aborted{false};
   std::atomic<bool> failed{false};  // a failure was posted: close() does not wait for the others
+  std::atomic<int> found_dead{-1};  // the predecessor this rank's heartbeat found frozen or dead
+  std::mutex found_mu;              // guards on_found_dead
+  /// Told (on the heartbeat's thread) which rank the heartbeat found frozen or dead, before the
+  /// group fails: an elastic group says so in its store (group/elastic.hpp).
+  std::function<void(int)> on_found_dead;
+  void found(int dead) noexcept {
+    found_dead.store(dead);
+    std::lock_guard lock(found_mu);
+    if (on_found_dead) try {
+        on_found_dead(dead);
+      } catch (...) {
+      }
+  }
   std::unique_ptr<store_server> server;
   std::unique_ptr<store_client> store;
   failure_verdict verdict;  // kept in store; detached before it closes

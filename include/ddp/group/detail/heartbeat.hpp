@@ -105,7 +105,7 @@ class heartbeat_watch {
       const int n = ::poll(p, 2, static_cast<int>(std::max<long long>(0, wait.count())));
       if (n < 0 && errno != EINTR) return;
       if (n <= 0) continue;
-      if (p[1].revents != 0) return;  // the group is closing
+      if (p[1].revents != 0) return last_look(pred_left, heard);  // the group is closing
       if (p[0].revents == 0) continue;
       char buf[256];
       const ssize_t k = ::recv(pred_fd_, buf, sizeof buf, MSG_DONTWAIT);
@@ -120,6 +120,30 @@ class heartbeat_watch {
       for (ssize_t i = 0; i < k; ++i)
         if (buf[i] == goodbye) pred_left = true;
     }
+  }
+
+  /// As the group closes: what the predecessor sent and did not yet read is read now, so that a
+  /// death that came just before (its connection ended without a goodbye) or a lease run out is
+  /// still reported; a rank leaving right after a peer died must not take that news with it.
+  void last_look(bool pred_left, steady_clock::time_point heard) noexcept {
+    if (pred_left) return;
+    char buf[256];
+    for (;;) {
+      const ssize_t k = ::recv(pred_fd_, buf, sizeof buf, MSG_DONTWAIT);
+      if (k > 0) {
+        heard = steady_clock::now();
+        for (ssize_t i = 0; i < k; ++i)
+          if (buf[i] == goodbye) return;
+        continue;
+      }
+      if (k == 0)
+        return lost(errc::peer_lost,
+                    "rank " + std::to_string(pred_) + " died: its heartbeat connection ended without a goodbye");
+      break;  // nothing more now (EAGAIN), or an error: said by the rank's own watcher if it matters
+    }
+    if (steady_clock::now() - heard > lease_)
+      lost(errc::timeout, "rank " + std::to_string(pred_) + " stopped answering: no heartbeat for more than " +
+                              std::to_string(lease_.count()) + " ms (the rank is frozen, stopped or cut off)");
   }
 
   void lost(errc code, const std::string& text) noexcept {

@@ -364,17 +364,14 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
                                             [v = &pg.verdict] { return v->recorded(); });
     const int succ_fd = pg.heartbeat_links->get(succ, until);
     const int pred_fd = pg.heartbeat_links->get(pred, until);
-    pg.heartbeat = std::make_unique<detail::heartbeat_watch>(
-        pred_fd, pred, succ_fd, opts.heartbeat,
-        [g = &pg, pred, elastic = opts.elastic_max > 0, lease = opts.heartbeat](errc code, const std::string& text) {
-          // An elastic group's next generation forms without the ranks found dead here
-          // (group/elastic.hpp): their watcher says so before anything else.
-          if (elastic) try {
-              g->store->set("hb/dead/" + std::to_string(pred), text, steady_clock::now() + lease);
-            } catch (...) {
-            }
-          g->fail_all(g->verdict.as_recorded(code, text));
-        });
+    pg.heartbeat = std::make_unique<detail::heartbeat_watch>(pred_fd, pred, succ_fd, opts.heartbeat,
+                                                             [g = &pg, pred](errc code, const std::string& text) {
+                                                               // Noted first: an elastic group's next generation forms
+                                                               // without the rank found dead here (group/elastic.hpp
+                                                               // says so in its store).
+                                                               g->found(pred);
+                                                               g->fail_all(g->verdict.as_recorded(code, text));
+                                                             });
   }
   // Under a launcher that ends a host's ranks when one fails (ddprun --nnodes), the launcher
   // says first which rank failed: recorded as the group's failure, so that the other hosts
