@@ -101,6 +101,10 @@ inline constexpr std::chrono::milliseconds earlier_run_retry = 50ms;
 /// How often an elastic group's rank looks again, while it waits for a step's decision or for
 /// its round to close, whether the group failed meanwhile (group/elastic.hpp).
 inline constexpr std::chrono::milliseconds elastic_poll = 20ms;
+/// How long an elastic group's rank that leaves a generation waits for its heartbeat
+/// predecessor's goodbye or death (group/detail/heartbeat.hpp, leave): the ranks leaving together
+/// say goodbye within milliseconds; a dead one's connection ends a moment after its death.
+inline constexpr std::chrono::milliseconds elastic_leave_wait = 100ms;
 /// A wait of a millisecond: the store answers at once with the keys still missing.
 inline constexpr std::chrono::milliseconds missing_ranks_wait = 1ms;
 /// Bound of the requests that name the missing ranks after rendezvous timed out: the error

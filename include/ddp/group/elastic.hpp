@@ -301,7 +301,11 @@ class elastic_group {
   /// Leaves the current generation and forms the next with `prio` (this rank's place). False
   /// when the job finished meanwhile.
   bool reform(int prio, const std::string& why) {
-    if (pg_.s_) pg_.s_->heartbeat.reset();  // a goodbye: this rank is leaving, not dead
+    if (pg_.s_ && pg_.s_->heartbeat) {
+      // A goodbye (this rank is leaving, not dead), and the predecessor's word before it goes.
+      pg_.s_->heartbeat->leave(detail::timing::elastic_leave_wait);
+      pg_.s_->heartbeat.reset();
+    }
     prev_size_ = pg_.size();
     prev_gen_ = gen_;
     round_ = gen_ + 1;

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -58,6 +59,18 @@ class heartbeat_watch {
         on_lost_(std::move(on_lost)) {
     if (stop_ < 0) raise(errc::system, -1, "heartbeat: eventfd failed");
     thread_ = std::thread([this] { run(); });
+  }
+  /// Leaving the group (an elastic group re-forms): says goodbye to the successor now, then
+  /// waits up to `max` for the predecessor's word, its goodbye or its death, so that a death the
+  /// transports saw first (a dead process's sockets close a moment after it is gone) is still
+  /// reported before this rank moves on. Every leaving rank says goodbye before it waits, so the
+  /// ranks leaving together never wait for each other.
+  void leave(std::chrono::milliseconds max) noexcept {
+    if (owner_.forked()) return;
+    (void)!::send(succ_fd_, &goodbye, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    const auto until = steady_clock::now() + max;
+    while (pred_word_.load() == 0 && steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   heartbeat_watch(const heartbeat_watch&) = delete;
   heartbeat_watch& operator=(const heartbeat_watch&) = delete;
@@ -119,6 +132,7 @@ class heartbeat_watch {
       heard = steady_clock::now();
       for (ssize_t i = 0; i < k; ++i)
         if (buf[i] == goodbye) pred_left = true;
+      if (pred_left) pred_word_.store(1);
     }
   }
 
@@ -136,10 +150,11 @@ class heartbeat_watch {
           if (buf[i] == goodbye) return;
         continue;
       }
-      if (k == 0)
-        return lost(errc::peer_lost,
-                    "rank " + std::to_string(pred_) + " died: its heartbeat connection ended without a goodbye");
-      break;  // nothing more now (EAGAIN), or an error: said by the rank's own watcher if it matters
+      if (k < 0 && errno == EINTR) continue;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;  // nothing more now
+      // The end (a FIN) or a reset (the peer died with bytes unread): no goodbye came.
+      return lost(errc::peer_lost,
+                  "rank " + std::to_string(pred_) + " died: its heartbeat connection ended without a goodbye");
     }
     if (steady_clock::now() - heard > lease_)
       lost(errc::timeout, "rank " + std::to_string(pred_) + " stopped answering: no heartbeat for more than " +
@@ -151,6 +166,7 @@ class heartbeat_watch {
       on_lost_(code, text);
     } catch (...) {
     }
+    pred_word_.store(2);
   }
 
   int pred_fd_;
@@ -161,6 +177,7 @@ class heartbeat_watch {
   int stop_;
   std::function<void(errc, const std::string&)> on_lost_;
   std::thread thread_;
+  std::atomic<int> pred_word_{0};  // 1: the predecessor said goodbye; 2: it was found dead or frozen
   owner_process owner_;
 };
 
