@@ -355,12 +355,15 @@ class elastic_group {
         }
         const auto n = st.add(rk + "n", 0, until);
         // Closed at the maximum; at the minimum or above once every member of the last
-        // generation is back or found dead, or after the wait; below the minimum only after
-        // the wait (a newcomer may still come), and then the formation says so.
+        // generation is back or found dead, or after the wait; below the minimum only when
+        // every member is back or found dead (after the wait: a newcomer may still come), or
+        // after the timeout (members that neither came nor were found dead may be slow, not
+        // gone), and then the formation says so.
         const auto wait_more = prev_size_ > 0 && round_ > 0 ? eo_.settle : wait_for;
         const bool waited = steady_clock::now() - opened >= wait_more;
-        const bool close = n >= opts_.elastic_max || (n >= opts_.elastic_min && (waited || all_accounted(rk))) ||
-                           (n < opts_.elastic_min && waited);
+        const bool close =
+            n >= opts_.elastic_max || (n >= opts_.elastic_min && (waited || all_accounted(rk))) ||
+            (n < opts_.elastic_min && (steady_clock::now() - opened >= opts_.timeout || (waited && all_accounted(rk))));
         if (close) {
           closed = std::stoll(
               st.compare_set(rk + "closed", "", std::to_string(std::min<std::int64_t>(n, opts_.elastic_max)), until));
