@@ -93,11 +93,7 @@ class elastic_group {
   explicit elastic_group(init_options opts, elastic_options eo = {}) : opts_(std::move(opts)), eo_(eo) {
     if (opts_.elastic_max == 0) opts_.elastic_min = opts_.elastic_max = opts_.world_size;
     if (auto why = opts_.validate(); !why.empty()) detail::raise(errc::invalid_argument, opts_.rank, why);
-    if (opts_.backend == backend::mpi || opts_.backend == backend::nccl)
-      detail::raise(errc::unsupported, opts_.rank,
-                    std::string("elastic group with the ") + (opts_.backend == backend::mpi ? "mpi" : "nccl") +
-                        " backend: it cannot shrink or grow (Open MPI without ULFM, NCCL without ncclCommShrink); "
-                        "use the default, tcp, shm or hierarchical");
+    detail::refuse_elastic_backend(opts_);
     if (opts_.heartbeat.count() == 0) opts_.heartbeat = std::chrono::seconds(1);
     if (eo_.settle.count() == 0) eo_.settle = 2 * opts_.heartbeat;
     if (eo_.first_wait.count() == 0) eo_.first_wait = opts_.timeout;
@@ -198,7 +194,12 @@ class elastic_group {
     if (st.add(base + "v", 1, until) == n) {
       const bool grow = n < opts_.elastic_max && st.add(round_key(gen_ + 1) + "n", 0, until) > 0;
       d = st.compare_set(base + "d", "", grow ? "grow" : "commit", until);
-      st.set("el/step", std::to_string(step_ + 1), until);  // a newcomer waiting for a seat sees the job alive
+      // A newcomer waiting for a seat sees the job alive: noted once a second at most, off the
+      // per-step path.
+      if (const auto now = steady_clock::now(); now - progress_noted_ >= std::chrono::seconds(1)) {
+        st.set("el/step", std::to_string(step_ + 1), until);
+        progress_noted_ = now;
+      }
       // Every rank voted in this step, so each has read the last step's decision.
       if (step_ > 0) {
         (void)st.erase(step_key(gen_, step_ - 1) + "v", until);
@@ -232,9 +233,7 @@ class elastic_group {
   /// or cut off while the others went on): the process should then end normally.
   bool recover(const std::exception& e) {
     const auto* de = dynamic_cast<const error*>(&e);
-    const bool group_error = de != nullptr && (de->condition() == errc::peer_lost || de->condition() == errc::timeout ||
-                                               de->condition() == errc::aborted);
-    if (!group_error || !pg_.s_) std::rethrow_exception(std::current_exception());
+    if (de == nullptr || !group_lost(de->condition()) || !pg_.s_) std::rethrow_exception(std::current_exception());
     const int old_rank = pg_.rank();
     // Wake every peer still blocked on this rank, say whom this rank's heartbeat found dead (the
     // next round need not wait for it), and drop the step in flight for all.
@@ -298,14 +297,22 @@ class elastic_group {
     return f.empty() ? std::string("a rank failed") : f.text;
   }
 
+  /// Failures of the group as a whole (a rank lost, silent, or the group aborted), after which
+  /// the next round forms: anything else is the program's or a newcomer's own error.
+  static bool group_lost(errc c) { return c == errc::peer_lost || c == errc::timeout || c == errc::aborted; }
+
+  /// Stops this rank's heartbeat in the current group: a goodbye (this rank is leaving, not
+  /// dead), and the predecessor's word (its goodbye or its death) before it goes.
+  void leave_heartbeat() {
+    if (!pg_.s_ || !pg_.s_->heartbeat) return;
+    pg_.s_->heartbeat->leave(detail::timing::elastic_leave_wait);
+    pg_.s_->heartbeat.reset();
+  }
+
   /// Leaves the current generation and forms the next with `prio` (this rank's place). False
   /// when the job finished meanwhile.
   bool reform(int prio, const std::string& why) {
-    if (pg_.s_ && pg_.s_->heartbeat) {
-      // A goodbye (this rank is leaving, not dead), and the predecessor's word before it goes.
-      pg_.s_->heartbeat->leave(detail::timing::elastic_leave_wait);
-      pg_.s_->heartbeat.reset();
-    }
+    leave_heartbeat();
     prev_size_ = pg_.size();
     prev_gen_ = gen_;
     round_ = gen_ + 1;
@@ -321,7 +328,7 @@ class elastic_group {
     const auto t0 = steady_clock::now();
     auto until = t0 + std::max(wait_for, opts_.timeout);
     std::string progress;  // a newcomer waits for as long as the job commits steps
-    for (int attempt = 0;; ++attempt) {
+    for (;;) {
       if (steady_clock::now() >= until)
         detail::raise(errc::timeout, opts_.rank,
                       "elastic: no generation formed within " +
@@ -402,18 +409,15 @@ class elastic_group {
         // A newcomer that does not match the group (its wrappers' construction raised
         // errc::mismatch on every rank, naming what differs) leaves with that error, and the
         // members form the next round without it.
-        const bool lost =
-            e.condition() == errc::peer_lost || e.condition() == errc::timeout || e.condition() == errc::aborted;
-        if (!lost && (e.condition() != errc::mismatch || !proven_)) throw;
+        if (!group_lost(e.condition()) && (e.condition() != errc::mismatch || !proven_)) throw;
         if (pg_.s_) pg_.s_->fail_all({e.condition(), detail::message_of(e)});
         if (gen_ == round_) note_dead(round_);
-        if (pg_.s_) pg_.s_->heartbeat.reset();
+        leave_heartbeat();
         prev_size_ = world;
         prev_gen_ = round_;
         prio = new_rank;
         member = true;
         ++round_;
-        (void)attempt;
       }
     }
   }
@@ -422,8 +426,10 @@ class elastic_group {
   /// generation `g` (the current group), if it found one.
   void note_dead(int g) {
     if (!pg_.s_) return;
-    const int dead = pg_.s_->found_dead.load();
-    if (dead >= 0) coord_->set(ns(g) + "hb/dead/" + std::to_string(dead), "1", steady_clock::now() + opts_.timeout);
+    if (const int dead = pg_.s_->found_dead.load(); dead >= 0) mark_dead(g, dead, opts_.timeout);
+  }
+  void mark_dead(int g, int dead, std::chrono::milliseconds budget) {
+    coord_->set(ns(g) + "hb/dead/" + std::to_string(dead), "1", steady_clock::now() + budget);
   }
   /// True when every rank of the last generation registered in round `rk` or was found dead
   /// there (its heartbeat watcher wrote el<g>/hb/dead/<rank>, in note_dead).
@@ -458,9 +464,7 @@ class elastic_group {
       // The rank this generation's heartbeat finds dead is said in the store at once, from the
       // heartbeat's thread, so that the next round need not wait for this rank's recover().
       std::lock_guard lock(pg_.s_->found_mu);
-      pg_.s_->on_found_dead = [this, g = gen_](int dead) {
-        coord_->set(ns(g) + "hb/dead/" + std::to_string(dead), "1", steady_clock::now() + opts_.heartbeat);
-      };
+      pg_.s_->on_found_dead = [this, g = gen_](int dead) { mark_dead(g, dead, opts_.heartbeat); };
       if (pg_.s_->found_dead.load() >= 0) note_dead(gen_);
     }
     coord_->set("el/gen", std::to_string(gen_), steady_clock::now() + opts_.timeout);
@@ -514,6 +518,7 @@ class elastic_group {
   int round_ = 0;
   int prev_size_ = 0;
   int failures_ = 0;
+  steady_clock::time_point progress_noted_{};  // when this rank last wrote el/step
   bool proven_ = false;  // a generation's wrappers were built here (a mismatch since is a newcomer's)
   std::uint64_t step_ = 0;
   std::vector<int> sizes_;

@@ -137,6 +137,18 @@ struct init_options {
   }
 };
 
+namespace detail {
+/// errc::unsupported for an elastic group (`elastic_max` > 0) on a backend that cannot shrink
+/// or grow; said by `init_process_group` and `elastic_group` alike.
+inline void refuse_elastic_backend(const init_options& o) {
+  if (o.elastic_max == 0 || (o.backend != backend::mpi && o.backend != backend::nccl)) return;
+  raise(errc::unsupported, o.rank,
+        std::string("an elastic group (DDP_ELASTIC) with the ") + (o.backend == backend::mpi ? "mpi" : "nccl") +
+            " backend: it cannot shrink or grow (Open MPI 4.1 has no ULFM; this build's NCCL path has no "
+            "ncclCommShrink); use the default, tcp, shm or hierarchical");
+}
+}  // namespace detail
+
 }  // namespace v0
 }  // namespace ddp
 

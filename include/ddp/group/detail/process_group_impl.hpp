@@ -284,12 +284,7 @@ DDP_DECL void process_group::lost(int peer, const std::error_code& ec, const cha
 
 DDP_DECL process_group init_process_group(const init_options& opts) {
   if (auto why = opts.validate(); !why.empty()) detail::raise(errc::invalid_argument, opts.rank, why);
-  if (opts.elastic_max > 0 && (opts.backend == backend::mpi || opts.backend == backend::nccl))
-    detail::raise(errc::unsupported, opts.rank,
-                  std::string("an elastic group (DDP_ELASTIC) with the ") +
-                      (opts.backend == backend::mpi ? "mpi" : "nccl") +
-                      " backend: it cannot shrink or grow (Open MPI 4.1 has no ULFM; this build's NCCL path has no "
-                      "ncclCommShrink); use the default, tcp, shm or hierarchical");
+  detail::refuse_elastic_backend(opts);
   // A token with no authenticator installed is errc::unsupported: never run unauthenticated
   // when a secret was asked for.
   std::shared_ptr<const authenticator> auth;
