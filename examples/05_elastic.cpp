@@ -23,9 +23,15 @@
 // --min-seconds S: train at least S seconds (and at least --steps N steps, 300 by default), so
 // that a punisher has time; --stop-file F: and until F exists (the punisher's "done"). Rank 0
 // decides when to stop, through the contributors' last slot.
+//
+// Built with libsodium, it proves the group's secret when DDP_AUTH_TOKEN is set
+// (docs/security.md).
 #include <ddp/ddp.hpp>
 #include <ddp/group/elastic.hpp>
 #include <ddp/sampler.hpp>
+#if DDP_EXAMPLE_SODIUM
+#include <ddp/auth/sodium.hpp>
+#endif
 
 #include "mlp_model.hpp"
 
@@ -137,6 +143,9 @@ int main(int argc, char** argv) try {
     }
   }
   const auto t0 = std::chrono::steady_clock::now();
+#if DDP_EXAMPLE_SODIUM
+  ddp::install_authenticator(&ddp::sodium_authenticator::make);
+#endif
   const auto opts = ddp::init_options::from_env();
   ddp::elastic_group eg{opts, {.verbose = true}};
   const int max_world = eg.options().elastic_max;

@@ -54,6 +54,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <string_view>
@@ -63,6 +64,9 @@
 #include <ddp/error.hpp>
 #include <ddp/group/detail/rendezvous.hpp>  // job_run_id: the ids of a restarted job's runs
 #include <ddp/store.hpp>
+#if DDP_TOOLS_SODIUM
+#include <ddp/auth/sodium.hpp>  // proves the group's secret at the store ddprun serves
+#endif
 
 namespace {
 
@@ -238,29 +242,42 @@ int main(int argc, char** argv) {
 
   // The group's store, served here rather than by rank 0 (DDP_EXTERNAL_STORE=1 for the ranks):
   // then rank 0's loss leaves the store, and the failure record every survivor reads, in place.
-  // Only where ddprun can serve it as rank 0 would: without a secret (ddprun has no
-  // authenticator) and on loopback unless DDP_INSECURE=1. The user's DDP_EXTERNAL_STORE=0 keeps
-  // the store on rank 0. Every host decides alike; host 0 serves it.
+  // Only where ddprun can serve it as rank 0 would: with the group's secret proven at every
+  // connection (DDP_AUTH_TOKEN; ddprun built with libsodium), or without one on loopback unless
+  // DDP_INSECURE=1. The user's DDP_EXTERNAL_STORE=0 keeps the store on rank 0. Every host
+  // decides alike; host 0 serves it.
   const auto env_is = [](const char* name, const char* v) {
     const char* e = std::getenv(name);
     return e != nullptr && std::string(e) == v;
   };
   const char* token = std::getenv("DDP_AUTH_TOKEN");
+  const bool secret = token != nullptr && *token != '\0';
+  std::shared_ptr<const ddp::authenticator> store_auth;
+#if DDP_TOOLS_SODIUM
+  if (secret) {
+    try {
+      ddp::install_authenticator(&ddp::sodium_authenticator::make);
+      store_auth = ddp::make_authenticator(token, 0);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ddprun: cannot prove the group's secret: %s\n", e.what());
+    }
+  }
+#endif
   bool loopback = false;
   try {
     for (const auto& ep : ddp::detail::resolve(addr, port, -1, true))
       loopback = loopback || ddp::detail::is_loopback(ep.addr);
   } catch (const std::exception&) {
   }
-  const bool external_store = !env_is("DDP_EXTERNAL_STORE", "0") && (token == nullptr || *token == '\0') &&
-                              (loopback || env_is("DDP_INSECURE", "1"));
+  const bool external_store = !env_is("DDP_EXTERNAL_STORE", "0") &&
+                              (secret ? store_auth != nullptr : loopback || env_is("DDP_INSECURE", "1"));
   // An elastic group's store should outlive every rank: ddprun serves it where it can;
-  // otherwise (a secret, which ddprun cannot prove) the group's rank 0 hosts it.
+  // otherwise the group's rank 0 hosts it.
   if (!elastic.empty() && !external_store)
-    std::fprintf(stderr,
-                 "ddprun: --elastic: the group's store stays on rank 0 (ddprun serves it only without a secret, on "
-                 "loopback or with DDP_INSECURE=1, and without DDP_EXTERNAL_STORE=0): the loss of rank 0 ends the "
-                 "job\n");
+    std::fprintf(stderr, "ddprun: --elastic: the group's store stays on rank 0 (%s): the loss of rank 0 ends the job\n",
+                 env_is("DDP_EXTERNAL_STORE", "0") ? "DDP_EXTERNAL_STORE=0"
+                 : secret ? "this ddprun was built without libsodium and cannot prove the secret"
+                          : "beyond loopback without a secret or DDP_INSECURE=1");
   for (int restart = 0;; ++restart) {
     if (restart > 0 && !port_given) {
       try {
@@ -376,7 +393,7 @@ int main(int argc, char** argv) {
     if (external_store && node_rank == 0) {
       try {
         // An elastic group's generations claim their seats in namespaces of their own: no count.
-        store = std::make_unique<ddp::store_server>(ddp::endpoint{addr, port}, 0, nullptr, ddp::store_limits{},
+        store = std::make_unique<ddp::store_server>(ddp::endpoint{addr, port}, 0, store_auth, ddp::store_limits{},
                                                     "pg/rank/", elastic.empty() ? static_cast<std::uint32_t>(world) : 0u);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "ddprun: cannot serve the group's store: %s\n", e.what());

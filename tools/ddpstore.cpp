@@ -9,8 +9,9 @@
 //
 // Prints "ddpstore: serving on ADDR:PORT" once it listens. Ends on SIGINT or SIGTERM, or, with
 // --until-idle S, once it has had no client for S seconds (since it started, or since its last
-// client left). Without a secret (none
-// is supported here), only on loopback unless DDP_INSECURE=1 (docs/security.md).
+// client left). With DDP_AUTH_TOKEN (built with libsodium) every connection must prove the
+// group's secret, as at rank 0's store; without one, only on loopback unless DDP_INSECURE=1
+// (docs/security.md).
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <signal.h>
 
@@ -18,11 +19,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 
 #include <ddp/detail/socket.hpp>
 #include <ddp/store.hpp>
+#if DDP_TOOLS_SODIUM
+#include <ddp/auth/sodium.hpp>
+#endif
 
 namespace {
 
@@ -67,12 +72,23 @@ int main(int argc, char** argv) try {
   }
   if (port < 0) usage("--port is needed (0 picks a free one)");
   if (elastic && world > 0) usage("--world and --elastic exclude each other (an elastic group has no fixed seats)");
+  const char* token = std::getenv("DDP_AUTH_TOKEN");
+  std::shared_ptr<const ddp::authenticator> auth;
+  if (token != nullptr && *token != '\0') {
+#if DDP_TOOLS_SODIUM
+    ddp::install_authenticator(&ddp::sodium_authenticator::make);
+    auth = ddp::make_authenticator(token, 0);
+#else
+    usage("DDP_AUTH_TOKEN is set but this ddpstore was built without libsodium: it cannot prove the secret");
+#endif
+  }
   const char* insecure = std::getenv("DDP_INSECURE");
-  if (!(insecure && std::string(insecure) == "1")) {
+  if (!auth && !(insecure && std::string(insecure) == "1")) {
     for (const auto& ep : ddp::detail::resolve(host, port == 0 ? 1 : port, -1, true))
       if (!ddp::detail::is_loopback(ep.addr))
-        usage(("--host " + host + " is beyond loopback and the store has no secret: set DDP_INSECURE=1 to accept "
-               "that any process reaching it may join or disturb the group (docs/security.md)").c_str());
+        usage(("--host " + host + " is beyond loopback and the store has no secret: set DDP_AUTH_TOKEN, or "
+               "DDP_INSECURE=1 to accept that any process reaching it may join or disturb the group "
+               "(docs/security.md)").c_str());
   }
   struct sigaction sa{};
   sa.sa_handler = on_signal;
@@ -80,7 +96,7 @@ int main(int argc, char** argv) try {
   sigaction(SIGTERM, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
   // Only connections that claimed a rank may write: a fixed group's seats are its ranks.
-  ddp::store_server server(ddp::endpoint{host, port}, 0, nullptr, ddp::store_limits{}, "pg/rank/",
+  ddp::store_server server(ddp::endpoint{host, port}, 0, auth, ddp::store_limits{}, "pg/rank/",
                            static_cast<std::uint32_t>(elastic ? 0 : world));
   std::printf("ddpstore: serving on %s:%d\n", host.c_str(), server.port());
   std::fflush(stdout);

@@ -54,6 +54,20 @@ last=$(cat "$tmp/el.1" "$tmp/el.2" | grep "elastic: OK" | tail -1)
 check "the new rank 0 says elastic: OK with one failure ($last)" '[[ "$last" == *"failures=1 sizes=3,2"* ]]'
 wait $store_pid 2>/dev/null
 
+if [[ ${DDP_TEST_SODIUM:-0} == 1 ]]; then
+  # With a secret: a process without it is refused, naming the store as the group's.
+  refusal="the group's store requires authentication"
+  DDP_AUTH_TOKEN=ddpstore-test-secret start_store --world 1 --until-idle 2
+  out=$(RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port DDP_EXTERNAL_STORE=1 DDP_TIMEOUT=5 \
+        timeout 30 "$pg_example" 2>&1)
+  rc=$?
+  check "with DDP_AUTH_TOKEN a process without the secret is refused (exit $rc): $(tail -1 <<<"$out")" \
+    '[[ $rc -ne 0 && $rc -ne 124 && "$out" == *"$refusal"* ]]'
+  wait $store_pid 2>/dev/null
+else
+  out=$(DDP_AUTH_TOKEN=x "$ddpstore" --port 0 2>&1)
+  check "without libsodium a secret is refused, not ignored" '[[ $? -eq 2 && "$out" == *"without libsodium"* ]]'
+fi
 out=$(DDP_INSECURE= "$ddpstore" --host 10.255.255.1 --port 1 2>&1)
 rc=$?
 check "beyond loopback without DDP_INSECURE=1 it refuses (exit $rc)" '[[ $rc -eq 2 && "$out" == *"DDP_INSECURE=1"* ]]'

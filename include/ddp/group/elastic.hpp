@@ -109,7 +109,8 @@ class elastic_group {
     if (!opts_.external_store && opts_.rank == 0 && !joiner_by_env())
       server_ = std::make_unique<store_server>(endpoint{opts_.master_addr, opts_.master_port}, 0, auth, store_limits{},
                                                "pg/rank/", 0);
-    coord_ = std::make_unique<store_client>(opts_.master_addr, opts_.master_port, opts_.rank, until, auth);
+    coord_ = std::make_unique<store_client>(opts_.master_addr, opts_.master_port, opts_.rank, until, auth,
+                                            opts_.external_store);
     if (coord_->compare_set("pg/rank/el." + uid_, "", "1", until) != "1")
       detail::raise(errc::protocol, opts_.rank, "elastic group: could not claim this process's seat in the store");
   }

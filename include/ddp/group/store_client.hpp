@@ -38,7 +38,8 @@ class store_client {
   /// store has answered: with `auth`, the handshake (it proves the secret and checks the
   /// server's proof; errc::auth_failed when either fails); without, a `check` round trip. A
   /// connection the store closes before that (shed or evicted while it had no room,
-  /// docs/security.md) is made again until `until`.
+  /// docs/security.md) is made again until `until`. `external`: the store is served outside the
+  /// group (a launcher or `ddpstore`, DDP_EXTERNAL_STORE=1), not by rank 0; errors say so.
   ~store_client() {
     if (owner_.forked()) detail::abandon(std::move(turn_));
   }
@@ -46,16 +47,16 @@ class store_client {
   store_client& operator=(const store_client&) = delete;
 
   store_client(const std::string& host, int port, int rank, deadline_t until,
-               std::shared_ptr<const authenticator> auth = nullptr)
-      : rank_(rank), auth_(std::move(auth)) {
+               std::shared_ptr<const authenticator> auth = nullptr, bool external = false)
+      : rank_(rank), auth_(std::move(auth)), store_(external ? "the group's store" : "the store of rank 0") {
     const auto eps = detail::resolve(host, port, rank);
     const std::string where = host + ":" + std::to_string(port);
     auto backoff = detail::timing::connect_backoff;
     int closed = 0;  // connections the store closed before serving them
     auto no_room = [&] {
-      return "the store of rank 0 at " + where + " closed this rank's connection " + std::to_string(closed) +
+      return store_ + " at " + where + " closed this rank's connection " + std::to_string(closed) +
              " times before serving it, until the deadline: it had no room (too many connections or no "
-             "descriptors left on rank 0; strangers flooding it?)";
+             "descriptors left on its host; strangers flooding it?)";
     };
     for (;;) {
       std::error_code ec;
@@ -64,10 +65,10 @@ class store_client {
         // Retrying ran into the deadline: the master (rank 0) never came up, or its store kept
         // closing our connections (no room).
         detail::raise(errc::timeout, rank,
-                      closed > 0
-                          ? no_room()
-                          : "could not reach the store of rank 0 at " + where +
-                                " before the deadline (rank 0 never arrived?): last error: " + detail::describe(ec));
+                      closed > 0 ? no_room()
+                                 : "could not reach " + store_ + " at " + where + " before the deadline (" +
+                                       (external ? "its server never started?" : "rank 0 never arrived?") +
+                                       "): last error: " + detail::describe(ec));
       }
       detail::tune_stream(fd_.get(), 0);
       try {
@@ -75,7 +76,7 @@ class store_client {
           detail::auth_hello h;
           h.kind = detail::auth_kind::store;
           h.from = static_cast<std::uint32_t>(rank);
-          detail::auth_initiate(fd_.get(), *auth_, h, until, rank, "the store of rank 0 at " + where);
+          detail::auth_initiate(fd_.get(), *auth_, h, until, rank, store_ + " at " + where);
         } else {
           (void)check("store/hello", until);
         }
@@ -255,20 +256,20 @@ class store_client {
     if (f.code > detail::store_last_status)
       broken(errc::protocol, "store sent an unknown status " + std::to_string(f.code));
     if (f.code == static_cast<std::uint8_t>(detail::store_status::full))
-      detail::raise(errc::system, rank_, f.fields.empty() ? std::string("the store of rank 0 is full") : f.fields[0]);
+      detail::raise(errc::system, rank_, f.fields.empty() ? store_ + " is full" : f.fields[0]);
     if (f.code == static_cast<std::uint8_t>(detail::store_status::too_large))
       detail::raise(errc::invalid_argument, rank_,
-                    f.fields.empty() ? std::string("the value is larger than the store of rank 0 holds") : f.fields[0]);
+                    f.fields.empty() ? "the value is larger than " + store_ + " holds" : f.fields[0]);
     if (f.code == static_cast<std::uint8_t>(detail::store_status::forbidden))
-      detail::raise(errc::auth_failed, rank_,
-                    f.fields.empty() ? "the store of rank 0 refused a write: this connection has not joined the group"
-                                     : f.fields[0]);
+      detail::raise(
+          errc::auth_failed, rank_,
+          f.fields.empty() ? store_ + " refused a write: this connection has not joined the group" : f.fields[0]);
     if (f.code == static_cast<std::uint8_t>(detail::store_status::bad_request))
       detail::raise(errc::protocol, rank_, "store rejected the request");
     if (f.code == static_cast<std::uint8_t>(detail::store_status::auth_required))
-      broken(errc::auth_failed,
-             "the store of rank 0 requires authentication and refused this process: set "
-             "DDP_AUTH_TOKEN (or init_options::auth_token) to the group's secret");
+      broken(errc::auth_failed, store_ +
+                                    " requires authentication and refused this process: set DDP_AUTH_TOKEN (or "
+                                    "init_options::auth_token) to the group's secret");
     return f;
   }
 
@@ -300,6 +301,7 @@ class store_client {
   int rank_;
   std::string prefix_;  ///< put before every key (set_prefix)
   std::shared_ptr<const authenticator> auth_;
+  std::string store_;  // who serves the store, as errors name it
   detail::fd_handle fd_;
   std::atomic<bool> unusable_{false};
   /// One request at a time on the connection, waited for until the caller's deadline. (A mutex

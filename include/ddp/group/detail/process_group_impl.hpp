@@ -325,7 +325,8 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
                                   static_cast<long long>(joining.count()),
                                   static_cast<long long>(opts.heartbeat.count())};
   for (;;) {
-    pg.store = std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth);
+    pg.store =
+        std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth, opts.external_store);
     pg.store->set_prefix(opts.key_prefix);
     try {
       pg.group_id = detail::join_store(*pg.store, join, until);
