@@ -253,13 +253,14 @@ int main(int argc, char** argv) {
   const char* token = std::getenv("DDP_AUTH_TOKEN");
   const bool secret = token != nullptr && *token != '\0';
   std::shared_ptr<const ddp::authenticator> store_auth;
+  std::string no_auth = "this ddprun was built without libsodium and cannot prove the secret";
 #if DDP_TOOLS_SODIUM
   if (secret) {
     try {
       ddp::install_authenticator(&ddp::sodium_authenticator::make);
       store_auth = ddp::make_authenticator(token, 0);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "ddprun: cannot prove the group's secret: %s\n", e.what());
+      no_auth = std::string("ddprun cannot prove the secret: ") + e.what();
     }
   }
 #endif
@@ -276,7 +277,7 @@ int main(int argc, char** argv) {
   if (!elastic.empty() && !external_store)
     std::fprintf(stderr, "ddprun: --elastic: the group's store stays on rank 0 (%s): the loss of rank 0 ends the job\n",
                  env_is("DDP_EXTERNAL_STORE", "0") ? "DDP_EXTERNAL_STORE=0"
-                 : secret ? "this ddprun was built without libsodium and cannot prove the secret"
+                 : secret ? no_auth.c_str()
                           : "beyond loopback without a secret or DDP_INSECURE=1");
   for (int restart = 0;; ++restart) {
     if (restart > 0 && !port_given) {
