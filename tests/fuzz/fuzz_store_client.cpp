@@ -30,14 +30,15 @@ fake_store& fx() {
 
 void call(ddp::store_client& c, std::uint8_t which) {
   const auto until = ddp_fuzz::soon(std::chrono::seconds(2));
-  switch (which % 7) {
+  switch (which % 8) {
     case 0: c.set("k", "v", until); break;
     case 1: (void)c.get("k", until); break;
     case 2: (void)c.add("k", 1, until); break;
     case 3: (void)c.compare_set("k", "", "v", until); break;
     case 4: (void)c.erase("k", until); break;
     case 5: (void)c.check("k", until); break;
-    default: (void)c.wait({"a", "b"}, until); break;
+    case 6: (void)c.wait({"a", "b"}, until); break;
+    default: (void)c.erase_prefix("p/", until); break;
   }
 }
 

@@ -62,6 +62,9 @@ def requests():
         "huge_length": u32(MAX_FRAME + 1) + bytes([SET]),
         "unknown_command": frame(42, b"k"),
         "add_short_delta": frame(ADD, b"n", b"\x01"),
+        "del_prefix": frame(SET, b"p/a", b"1") + frame(SET, b"p/b", b"2") + frame(SET, b"q", b"3") +
+                      frame(DEL, b"p/", b"*") + frame(CHECK, b"q") + frame(DEL, b"", b"*"),
+        "del_prefix_bad_mark": frame(SET, b"p/a", b"1") + frame(DEL, b"p/", b"x"),
     }
 
 
@@ -78,7 +81,7 @@ def member_requests():
     return {
         "forbidden_writes": frame(SET, b"pg/abort", b"stranger") + frame(ADD, b"pg/arrived", i64(1)) +
                             frame(CAS, b"pg/failure", b"", b"x") + frame(DEL, b"pg/id") +
-                            frame(SET, b"tcp/1/abort", b"y"),
+                            frame(SET, b"tcp/1/abort", b"y") + frame(DEL, b"pg/", b"*"),
         "reads": frame(GET, b"pg/rank/0", ms) + frame(CHECK, b"pg/id") + frame(WAIT, b"pg/rank/0", ms),
         "claim_taken": frame(CAS, b"pg/rank/0", b"", b"mine") + frame(SET, b"pg/abort", b"z"),
         "claim_then_write": frame(CAS, b"pg/rank/7", b"", b"t7") + frame(SET, b"pg/abort", b"z") +
@@ -98,7 +101,7 @@ def store_server():
 
 
 def store_client():
-    # First byte: which call (set, get, add, cas, erase, check, wait); then the answer.
+    # First byte: which call (set, get, add, cas, erase, check, wait, erase_prefix); then the answer.
     return {
         "set_ok": bytes([0]) + frame(OK),
         "get_value": bytes([1]) + frame(OK, b"v"),
@@ -108,6 +111,10 @@ def store_client():
         "erase_ok": bytes([4]) + frame(OK, b"1"),
         "check_ok": bytes([5]) + frame(OK, b"0"),
         "wait_timeout": bytes([6]) + frame(TIMEOUT, b"a", b"b"),
+        "erase_prefix_count": bytes([7]) + frame(OK, b"3"),
+        "erase_prefix_not_a_count": bytes([7]) + frame(OK, b"12x"),
+        "erase_prefix_too_many": bytes([7]) + frame(OK, b"999999"),
+        "erase_prefix_again": bytes([7]) + frame(OK, b"4096"),
         "bad_request": bytes([0]) + frame(BAD_REQUEST),
         "set_forbidden": bytes([0]) + frame(FORBIDDEN, b"the store of rank 0 refused to set key 'pg/abort'"),
         "add_forbidden_no_text": bytes([2]) + frame(FORBIDDEN),

@@ -51,6 +51,34 @@ TEST_CASE("set, get, add, compare_set, erase, check and wait") {
   CHECK(c.get("big", soon()) == big);
 }
 
+TEST_CASE("erase_prefix erases every key under a prefix, in bounded requests, and gives their bytes back") {
+  ddp::store_server server{loopback_any_port(), 0};
+  ddp::store_client c{"127.0.0.1", server.port(), 0, soon()};
+  c.set("el3/pg/rank/0", "t");
+  c.set("el3/pg/id", "g");
+  c.set("el30/pg/id", "h");  // another generation: its prefix is el30/, not el3/
+  c.set("el4/x", "y");
+  const auto before = server.stored_bytes();
+  CHECK(c.erase_prefix("el3/") == 2);
+  CHECK_FALSE(c.check("el3/pg/rank/0"));
+  CHECK_FALSE(c.check("el3/pg/id"));
+  CHECK(c.get("el30/pg/id", soon()) == "h");
+  CHECK(c.get("el4/x", soon()) == "y");
+  CHECK(server.stored_bytes() == before - 2 * ddp::store_limits::entry_overhead -
+                                     (std::string("el3/pg/rank/0t").size() + std::string("el3/pg/idg").size()));
+  CHECK(c.erase_prefix("el3/") == 0);
+  // More keys than one request erases (4096): the client asks again until fewer come back.
+  for (int i = 0; i < 5000; ++i) c.set("many/" + std::to_string(i), "v");
+  CHECK(c.erase_prefix("many/") == 5000);
+  CHECK_FALSE(c.check("many/4999"));
+  // Under the client's own prefix, as its other requests.
+  c.set_prefix("el4/");
+  CHECK(c.erase_prefix("") == 1);
+  c.set_prefix("");
+  CHECK_FALSE(c.check("el4/x"));
+  CHECK(c.check("el30/pg/id"));
+}
+
 TEST_CASE("get waits for a key set later by another client, and times out with an error") {
   ddp::store_server server{loopback_any_port(), 0};
   ddp::store_client a{"127.0.0.1", server.port(), 0, soon()};
@@ -897,6 +925,7 @@ TEST_CASE("with members, a connection that did not claim a rank may read but not
     refused([&] { stranger.add(key, 1); }, key);
     refused([&] { stranger.compare_set(key, "", "stranger's cause"); }, key);
     refused([&] { stranger.erase(key); }, key);
+    refused([&] { stranger.erase_prefix(key); }, key);
   }
   // Claiming a rank that is taken does not make it a member either.
   CHECK(stranger.compare_set("pg/rank/1", "", "mine") == "token1");

@@ -282,9 +282,8 @@ class elastic_group {
                       "' (from byte " + std::to_string(at) + " on)");
   }
   static std::string round_key(int g) { return "el/r" + std::to_string(g) + "/"; }
-  static std::string step_key(int g, std::uint64_t s) {
-    return "el/g" + std::to_string(g) + "/s" + std::to_string(s) + "/";
-  }
+  static std::string steps_key(int g) { return "el/g" + std::to_string(g) + "/"; }
+  static std::string step_key(int g, std::uint64_t s) { return steps_key(g) + "s" + std::to_string(s) + "/"; }
   static std::string ns(int g) { return "el" + std::to_string(g) + "/"; }
 
   bool group_failed() {
@@ -358,6 +357,12 @@ class elastic_group {
           if (now_at != progress) {
             progress = now_at;
             until = steady_clock::now() + std::max(wait_for, opts_.timeout);
+            // A round that formed without this newcomer, and was swept since (sweep()): it
+            // would never see it close, so it registers in the round after the current one.
+            if (const int g = std::stoi(st.get("el/gen", until)); g >= round_ && !st.check(rk + "closed", until)) {
+              round_ = g;
+              break;  // closed stays 0: the next round
+            }
           }
           continue;
         }
@@ -501,6 +506,28 @@ class elastic_group {
     sizes_.clear();
     for (std::size_t i = 0; i < nsizes; ++i) sizes_.push_back(static_cast<int>(at(3 + i)));
     if (rank != 0 && load_) load_(b.substr(8 * (3 + nsizes)));
+    if (rank == 0) sweep();
+  }
+
+  /// Erases the keys of generations two or more behind this one (their rendezvous, heartbeat
+  /// and mesh keys, their round's registrations, their last step's votes), so that the store
+  /// holds at most three generations however often the group re-forms. The last one stays for
+  /// a rank of it that wakes late; the one before, for a newcomer that read it as current.
+  /// Best effort: a store that fails here fails the next step too.
+  void sweep() {
+    auto& st = *coord_;
+    const auto until = steady_clock::now() + opts_.timeout;
+    try {
+      int from = 0;
+      if (st.check("el/swept", until)) from = std::stoi(st.get("el/swept", until)) + 1;
+      for (int g = from; g <= gen_ - 2; ++g) {
+        (void)st.erase_prefix(ns(g), until);
+        (void)st.erase_prefix(round_key(g), until);
+        (void)st.erase_prefix(steps_key(g), until);
+        st.set("el/swept", std::to_string(g), until);
+      }
+    } catch (const std::exception&) {
+    }
   }
 
   init_options opts_;

@@ -51,8 +51,8 @@ struct init_options {
   bool external_store = false;
   /// An elastic group's smallest and largest size (`DDP_ELASTIC=MIN:MAX`; 0: not elastic).
   /// Read by `ddp::elastic_group` (group/elastic.hpp, docs/elastic.md); a plain
-  /// `init_process_group` refuses the mpi and nccl backends for an elastic group
-  /// (errc::unsupported: they cannot shrink).
+  /// `init_process_group` refuses the mpi backend for an elastic group (errc::unsupported:
+  /// MPI_COMM_WORLD cannot shrink).
   int elastic_min = 0;
   int elastic_max = 0;
   /// Bound on joining (rendezvous, the first barrier, the heartbeat's links) when shorter than
@@ -139,13 +139,13 @@ struct init_options {
 
 namespace detail {
 /// errc::unsupported for an elastic group (`elastic_max` > 0) on a backend that cannot shrink
-/// or grow; said by `init_process_group` and `elastic_group` alike.
+/// or grow (mpi); said by `init_process_group` and `elastic_group` alike. (nccl can: each
+/// generation's nccl_reducer shrinks the last one's communicator or builds its own.)
 inline void refuse_elastic_backend(const init_options& o) {
-  if (o.elastic_max == 0 || (o.backend != backend::mpi && o.backend != backend::nccl)) return;
+  if (o.elastic_max == 0 || o.backend != backend::mpi) return;
   raise(errc::unsupported, o.rank,
-        std::string("an elastic group (DDP_ELASTIC) with the ") + (o.backend == backend::mpi ? "mpi" : "nccl") +
-            " backend: it cannot shrink or grow (Open MPI 4.1 has no ULFM; this build's NCCL path has no "
-            "ncclCommShrink); use the default, tcp, shm or hierarchical");
+        "an elastic group (DDP_ELASTIC) with the mpi backend: it cannot shrink or grow (Open MPI 4.1 has no "
+        "ULFM); use the default, tcp, shm, hierarchical or nccl");
 }
 }  // namespace detail
 

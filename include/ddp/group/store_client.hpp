@@ -128,6 +128,22 @@ class store_client {
     return first_field(call(detail::store_cmd::del, {key}, until), "erase") == "1";
   }
 
+  /// Erases every key that starts with `prefix` (under this client's prefix); returns how many.
+  /// The store erases a bounded number per request, so this takes one request per 4096 keys.
+  std::size_t erase_prefix(std::string_view prefix, deadline_t until = default_deadline()) {
+    std::size_t total = 0;
+    for (;;) {
+      const std::string a{
+          first_field(call(detail::store_cmd::del, {prefix, detail::store_del_prefix}, until), "erase_prefix")};
+      std::size_t n = 0;
+      if (a.empty() || a.size() > 6 || a.find_first_not_of("0123456789") != std::string::npos ||
+          (n = std::stoul(a)) > detail::store_max_fields)
+        detail::raise(errc::protocol, rank_, "store answered erase_prefix with '" + a.substr(0, 16) + "', not a count");
+      total += n;
+      if (n < detail::store_max_fields) return total;
+    }
+  }
+
   bool check(std::string_view key, deadline_t until = default_deadline()) {
     return first_field(call(detail::store_cmd::check, {key}, until), "check") == "1";
   }

@@ -639,8 +639,10 @@ class store_server {
       if (detail::parse_body(std::string_view(c.in).substr(4, len), f) != detail::parse_result::ok) return false;
       c.in.erase(0, 4 + static_cast<std::size_t>(len));
       if (!detail::valid_request(f)) return false;
-      // A request costs its keys (a wait for 4095 keys is 4095 lookups).
-      budget -= std::min(budget, 1 + f.fields.size());
+      // A request costs its keys (a wait for 4095 keys is 4095 lookups, an erase of a prefix as
+      // many erasures).
+      const bool sweep = f.code == static_cast<std::uint8_t>(detail::store_cmd::del) && f.fields.size() == 2;
+      budget -= std::min(budget, sweep ? std::size_t{detail::store_max_fields} : 1 + f.fields.size());
       if (c.shown == trust::unknown) c.shown = trust::confirmed;
       c.active = ++activity_;
       if (!execute(c, f)) {
@@ -731,6 +733,16 @@ class store_server {
         return true;
       }
       case store_cmd::del: {
+        if (f.fields.size() == 2) {  // every key under the prefix k, a bounded number at a time
+          std::size_t n = 0;
+          for (auto it = data_.lower_bound(k);
+               it != data_.end() && it->first.starts_with(k) && n < detail::store_max_fields; ++n) {
+            stored_ -= it->first.size() + it->second.size() + store_limits::entry_overhead;
+            it = data_.erase(it);
+          }
+          reply(c, detail::store_status::ok, {std::to_string(n)});
+          return true;
+        }
         auto it = data_.find(k);
         const bool erased = it != data_.end();
         if (erased) {

@@ -20,10 +20,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <ddp/version.hpp>
 #include <ddp/detail/collective.hpp>
@@ -31,6 +35,7 @@
 #include <ddp/detail/cuda_check.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/reducer/detail/front_end.hpp>
+#include <ddp/reducer/detail/nccl_shrink.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>
@@ -38,6 +43,16 @@
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
 #error "ddp/reducer/nccl.hpp needs NCCL 2.14 or newer (non-blocking communicators, ncclCommFinalize)"
+#endif
+
+// ncclCommRevoke and ncclCommShrink (NCCL 2.28): when an elastic group fails, its survivors stop
+// the collectives stuck on the lost ranks (revoke) and shrink that communicator for the next
+// generation instead of building a new one. (2.27's shrink alone would leave the stuck kernels
+// running until then, and any cudaFree meanwhile waits for them.)
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#define DDP_NCCL_SHRINK 1
+#else
+#define DDP_NCCL_SHRINK 0
 #endif
 
 namespace ddp {
@@ -94,15 +109,18 @@ class nccl_engine {
 
   /// See nccl_reducer(process_group&, int, cudaStream_t).
   nccl_engine(process_group& pg, int device, cudaStream_t stream)
-      : rank_(pg.rank()), size_(pg.size()), timeout_(pg.timeout()) {
-    if (pg.options().elastic_max > 0)
-      detail::raise(errc::unsupported, rank_,
-                    "nccl_reducer on an elastic group (DDP_ELASTIC): this NCCL path cannot shrink or grow a "
-                    "communicator (no ncclCommShrink); use the default reducer on host memory");
+      : rank_(pg.rank()),
+        size_(pg.size()),
+        timeout_(pg.timeout()),
+        elastic_(pg.options().elastic_max > 0),
+        group_(pg.id()),
+        ctx_(pg) {
     ncclUniqueId id{};
     std::exception_ptr local_failure;
+    std::unique_ptr<resources> parent;  // the last generation's communicator, kept for a shrink
     try {
       setup_device(pg, device, stream);
+      if (elastic_) parent = take_parent(res_->device);
       if (rank_ == 0) DDP_NCCL_CHECK(ncclGetUniqueId(&id));
     } catch (...) {
       local_failure = std::current_exception();
@@ -117,18 +135,70 @@ class nccl_engine {
       detail::raise(errc::aborted, rank_,
                     "nccl_reducer: rank " + std::to_string(failed.rank) +
                         " could not set up its GPU or the NCCL id: " + failed.what.message);
+    // An elastic group's survivors shrink the communicator they kept from the last generation
+    // when every rank kept one of it (detail/nccl_shrink.hpp); otherwise it is built anew.
+    std::optional<std::vector<int>> excluded;
+    if (elastic_ && DDP_NCCL_SHRINK)
+      excluded = detail::nccl_shrink_plan(pg.all_gather(parent ? parent_offer_.encode() : std::string()));
+    if (!excluded) parent.reset();  // aborted: it failed with its group
     pg.broadcast(std::span<std::byte>(reinterpret_cast<std::byte*>(&id), sizeof id), 0);
 
     const auto until = std::chrono::steady_clock::now() + timeout_;
-    detail::cuda_device_guard on(res_.device);
-    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    // Non-blocking: initialization and connection setup can then be bounded by the deadline
-    // and abandoned with ncclCommAbort when a peer never shows up.
-    cfg.blocking = 0;
-    const ncclResult_t r = ncclCommInitRankConfig(&res_.comm, size_, id, rank_, &cfg);
+    detail::cuda_device_guard on(res_->device);
+    ncclResult_t r = ncclSuccess;
+#if DDP_NCCL_SHRINK
+    if (excluded) {
+      // The parent was revoked when its group failed: it may be shrunk once it is quiescent.
+      // The new communicator inherits its (non-blocking) configuration.
+      std::unique_lock lock(mu_);
+      settle_locked(parent->comm, until, "ncclCommRevoke");
+      formed_by_ = "ncclCommShrink";
+      r = ncclCommShrink(parent->comm, excluded->data(), static_cast<int>(excluded->size()), &res_->comm, nullptr,
+                         NCCL_SHRINK_DEFAULT);
+    }
+#endif
+    if (!excluded) {
+      ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+      // Non-blocking: initialization and connection setup can then be bounded by the deadline
+      // and abandoned with ncclCommAbort when a peer never shows up.
+      cfg.blocking = 0;
+      r = ncclCommInitRankConfig(&res_->comm, size_, id, rank_, &cfg);
+    }
     std::unique_lock lock(mu_);
-    if (r != ncclSuccess && r != ncclInProgress) fail_locked(r, "ncclCommInitRankConfig");
-    settle_locked(until, "ncclCommInitRankConfig");
+    if (r != ncclSuccess && r != ncclInProgress) fail_locked(r, formed_by_);
+    settle_locked(res_->comm, until, formed_by_);
+    int n = 0, me = 0;
+    if (excluded && (ncclCommCount(res_->comm, &n) != ncclSuccess || ncclCommUserRank(res_->comm, &me) != ncclSuccess ||
+                     n != size_ || me != rank_)) {
+      abort_locked();
+      detail::raise(errc::mismatch, rank_,
+                    "nccl_reducer: ncclCommShrink made rank " + std::to_string(me) + " of " + std::to_string(n) +
+                        ", not the group's rank " + std::to_string(rank_) + " of " + std::to_string(size_));
+    }
+    lock.unlock();
+    parent.reset();  // aborted: the shrunk communicator does not need it
+    // The group failed as a whole (its heartbeat found a rank frozen or dead): end the
+    // collective in flight at once with the group's cause, not at its deadline.
+    watch_ = ctx_.watch([this](const group_failure& f) { fail_with_group(f); });
+  }
+
+  /// An elastic group's engine whose group failed keeps its communicator (revoked) for the next
+  /// generation's shrink (take_parent); any other ends it (finalized, or aborted).
+  ~nccl_engine() {
+    watch_.reset();  // no call from the group's failure while this goes
+#if DDP_NCCL_SHRINK
+    if (!elastic_ || !res_ || res_->comm == nullptr || res_->owner.forked()) return;
+    if (!kept_for_shrink_ && !ctx_.verdict().recorded()) return;  // ended as any other
+    res_->failed = true;  // its group failed: aborted, not finalized, unless it is kept
+    if (!kept_for_shrink_ && ncclCommRevoke(res_->comm, NCCL_REVOKE_DEFAULT) != ncclSuccess) return;
+    try {
+      std::lock_guard lock(parking().mu);
+      parking().offer = {group_, rank_, size_};
+      parking().res = std::move(res_);  // ends the one kept before, if any
+    } catch (...) {
+      // res_ still owns it: it is aborted
+    }
+#endif
   }
 
   nccl_engine(const nccl_engine&) = delete;
@@ -136,10 +206,13 @@ class nccl_engine {
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
-  int device() const noexcept { return res_.device; }
-  cudaStream_t stream() const noexcept { return res_.stream; }
-  ncclComm_t comm() const noexcept { return res_.comm; }
+  int device() const noexcept { return res_->device; }
+  cudaStream_t stream() const noexcept { return res_->stream; }
+  ncclComm_t comm() const noexcept { return res_->comm; }
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  /// How the communicator was made: "ncclCommInitRankConfig", or "ncclCommShrink" (an elastic
+  /// group's survivors, from the last generation's).
+  const char* formed_by() const noexcept { return formed_by_; }
 
   /// What the progress thread runs to complete a launched collective: waits for its event.
   struct completion {
@@ -152,34 +225,36 @@ class nccl_engine {
   completion allreduce(void* data, std::size_t count, dtype t, op o) {
     const auto nt = nccl_type(t);
     const auto no = nccl_op(o);
-    return launch("ncclAllReduce", [&] { return ncclAllReduce(data, data, count, nt, no, res_.comm, res_.stream); });
+    return launch("ncclAllReduce", [&] { return ncclAllReduce(data, data, count, nt, no, res_->comm, res_->stream); });
   }
   completion broadcast(void* data, std::size_t count, dtype t, int root) {
     const auto nt = nccl_type(t);
-    return launch("ncclBroadcast", [&] { return ncclBroadcast(data, data, count, nt, root, res_.comm, res_.stream); });
+    return launch("ncclBroadcast",
+                  [&] { return ncclBroadcast(data, data, count, nt, root, res_->comm, res_->stream); });
   }
   completion reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
     const auto nt = nccl_type(t);
     const auto no = nccl_op(o);
     return launch("ncclReduceScatter",
-                  [&] { return ncclReduceScatter(in, out, count_per_rank, nt, no, res_.comm, res_.stream); });
+                  [&] { return ncclReduceScatter(in, out, count_per_rank, nt, no, res_->comm, res_->stream); });
   }
   completion allgather(const void* in, void* out, std::size_t count_per_rank, dtype t) {
     const auto nt = nccl_type(t);
-    return launch("ncclAllGather", [&] { return ncclAllGather(in, out, count_per_rank, nt, res_.comm, res_.stream); });
+    return launch("ncclAllGather",
+                  [&] { return ncclAllGather(in, out, count_per_rank, nt, res_->comm, res_->stream); });
   }
   /// NCCL has no barrier: a one-element allreduce on the reducer's stream. It completes when
   /// every rank has reached it and every earlier collective of this reducer has finished.
   completion barrier() {
     return launch("ncclAllReduce (barrier)", [&] {
-      return ncclAllReduce(res_.scratch, res_.scratch, 1, ncclInt32, ncclSum, res_.comm, res_.stream);
+      return ncclAllReduce(res_->scratch, res_->scratch, 1, ncclInt32, ncclSum, res_->comm, res_->stream);
     });
   }
 
   /// Aborts the communicator (`ncclCommAbort`: running NCCL kernels stop); pending and later
   /// requests fail with `errc::aborted`. Peers notice through their own deadline.
   void abort() noexcept {
-    if (res_.owner.forked()) return;  // the communicator is the parent's
+    if (res_->owner.forked()) return;  // the communicator is the parent's
     std::lock_guard lock(mu_);
     abort_locked();
   }
@@ -194,6 +269,7 @@ class nccl_engine {
     bool own_stream = false;
     void* scratch = nullptr;  // barrier's one int
     std::chrono::milliseconds timeout{0};
+    bool failed = false;          // its group failed: aborted, not finalized (its peers may be gone)
     detail::owner_process owner;  // CUDA and NCCL handles are of no use in a forked child
 
     resources() = default;
@@ -204,7 +280,9 @@ class nccl_engine {
       int previous = -1;
       (void)cudaGetDevice(&previous);
       (void)cudaSetDevice(device);
-      if (comm != nullptr) {
+      if (comm != nullptr && failed) {
+        (void)ncclCommAbort(comm);
+      } else if (comm != nullptr) {
         // Finalize flushes what is still in flight and waits for the peers; bounded, then the
         // communicator is torn down either way.
         ncclResult_t st = ncclCommFinalize(comm);
@@ -239,18 +317,18 @@ class nccl_engine {
       detail::raise(
           errc::invalid_argument, rank_,
           "nccl_reducer: device " + std::to_string(device) + " does not exist (" + std::to_string(count) + " devices)");
-    res_.timeout = timeout_;
+    res_->timeout = timeout_;
     detail::cuda_device_guard on(device);
-    res_.device = device;
+    res_->device = device;
     if (stream == nullptr) {
       // A blocking stream (not cudaStreamNonBlocking): it waits for work the program put on the
       // legacy default stream, so gradients computed there are complete before they are reduced.
-      DDP_CUDA_CHECK(cudaStreamCreate(&res_.stream));
-      res_.own_stream = true;
+      DDP_CUDA_CHECK(cudaStreamCreate(&res_->stream));
+      res_->own_stream = true;
     } else {
-      res_.stream = stream;
+      res_->stream = stream;
     }
-    DDP_CUDA_CHECK(cudaMalloc(&res_.scratch, sizeof(std::int32_t)));
+    DDP_CUDA_CHECK(cudaMalloc(&res_->scratch, sizeof(std::int32_t)));
   }
 
   static ncclDataType_t nccl_type(dtype t) {
@@ -289,18 +367,18 @@ class nccl_engine {
   // progress thread runs to complete the request when the event has.
   template <class Call>
   completion launch(const char* what, Call&& call) {
-    res_.owner.check(rank_, "nccl_reducer");
+    res_->owner.check(rank_, "nccl_reducer");
     cudaEvent_t ev = nullptr;
     {
       std::unique_lock lock(mu_);
-      if (aborted_) detail::raise(errc::aborted, rank_, std::string("nccl_reducer: ") + what + " after abort");
-      detail::cuda_device_guard on(res_.device);
+      if (aborted_) raise_aborted_locked(what, " after abort");
+      detail::cuda_device_guard on(res_->device);
       const ncclResult_t r = call();
       if (r != ncclSuccess && r != ncclInProgress) fail_locked(r, what);
       // A non-blocking communicator may still be connecting: wait for it, bounded.
-      if (r == ncclInProgress) settle_locked(std::chrono::steady_clock::now() + timeout_, what);
+      if (r == ncclInProgress) settle_locked(res_->comm, std::chrono::steady_clock::now() + timeout_, what);
       DDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-      const cudaError_t e = cudaEventRecord(ev, res_.stream);
+      const cudaError_t e = cudaEventRecord(ev, res_->stream);
       if (e != cudaSuccess) {
         (void)cudaEventDestroy(ev);
         detail::raise_cuda(e, "cudaEventRecord", __FILE__, __LINE__);
@@ -325,9 +403,9 @@ class nccl_engine {
       if (e != cudaErrorNotReady) detail::raise_cuda(e, "cudaEventQuery", __FILE__, __LINE__);
       {
         std::lock_guard lock(mu_);
-        if (aborted_) detail::raise(errc::aborted, rank_, std::string("nccl_reducer: ") + what + " aborted");
+        if (aborted_) raise_aborted_locked(what, " aborted");
         ncclResult_t st = ncclSuccess;
-        const ncclResult_t q = ncclCommGetAsyncError(res_.comm, &st);
+        const ncclResult_t q = ncclCommGetAsyncError(res_->comm, &st);
         if (q != ncclSuccess) fail_locked(q, "ncclCommGetAsyncError");
         if (st != ncclSuccess && st != ncclInProgress) fail_locked(st, what);
         if (std::chrono::steady_clock::now() >= until) {
@@ -351,11 +429,11 @@ class nccl_engine {
   }
 
   // Waits until the communicator's pending operation (init, a connecting collective) is done.
-  void settle_locked(std::chrono::steady_clock::time_point until, const char* what) {
+  void settle_locked(ncclComm_t comm, std::chrono::steady_clock::time_point until, const char* what) {
     auto nap = std::chrono::microseconds(20);
     for (;;) {
       ncclResult_t st = ncclInProgress;
-      const ncclResult_t q = ncclCommGetAsyncError(res_.comm, &st);
+      const ncclResult_t q = ncclCommGetAsyncError(comm, &st);
       if (q != ncclSuccess) fail_locked(q, "ncclCommGetAsyncError");
       if (st == ncclSuccess) return;
       if (st != ncclInProgress) fail_locked(st, what);
@@ -373,8 +451,8 @@ class nccl_engine {
   // An NCCL failure leaves the communicator unusable: abort it, then report.
   [[noreturn]] void fail_locked(ncclResult_t r, const char* what) {
     std::string detail_text;
-    if (res_.comm != nullptr) {
-      const char* last = ncclGetLastError(res_.comm);
+    if (res_->comm != nullptr) {
+      const char* last = ncclGetLastError(res_->comm);
       if (last != nullptr && *last != '\0') detail_text = std::string(": ") + last;
     }
     abort_locked();
@@ -384,18 +462,77 @@ class nccl_engine {
 
   void abort_locked() noexcept {
     aborted_ = true;
-    if (res_.comm != nullptr) {
-      (void)ncclCommAbort(res_.comm);
-      res_.comm = nullptr;
+    if (res_->comm != nullptr) {
+      (void)ncclCommAbort(res_->comm);
+      res_->comm = nullptr;
     }
+  }
+
+  // A request that finds the engine aborted: with the group's cause when its failure did it.
+  [[noreturn]] void raise_aborted_locked(const char* what, const char* how) {
+    if (!cause_.empty()) detail::raise(cause_.code, rank_, std::string("nccl_reducer: ") + what + ": " + cause_.text);
+    detail::raise(errc::aborted, rank_, std::string("nccl_reducer: ") + what + how);
+  }
+
+  // On the heartbeat's thread, when the group failed as a whole. An elastic group's engine
+  // revokes the communicator (its collectives stuck on the lost ranks stop) and keeps it for the
+  // next generation's shrink; any other engine, or a failed revoke, aborts it.
+  void fail_with_group(const group_failure& f) noexcept {
+    std::lock_guard lock(mu_);
+    if (aborted_) return;
+    try {
+      cause_ = f;
+    } catch (...) {
+    }
+#if DDP_NCCL_SHRINK
+    if (elastic_ && res_->comm != nullptr && ncclCommRevoke(res_->comm, NCCL_REVOKE_DEFAULT) == ncclSuccess) {
+      aborted_ = true;
+      kept_for_shrink_ = true;
+      return;
+    }
+#endif
+    abort_locked();
+  }
+
+  // The one communicator a process keeps between generations (of its last elastic engine whose
+  // group failed). Never destroyed: at exit, CUDA may be gone before static destructors run.
+  struct parked {
+    std::mutex mu;
+    detail::nccl_parent_offer offer;
+    std::unique_ptr<resources> res;
+  };
+  static parked& parking() {
+    static auto* p = new parked;
+    return *p;
+  }
+  // Takes the kept communicator if it is on `device` (and sets parent_offer_); one on another
+  // device, or of the parent process, is ended.
+  std::unique_ptr<resources> take_parent(int device) {
+    if (!DDP_NCCL_SHRINK) return nullptr;
+    std::unique_ptr<resources> r;
+    {
+      std::lock_guard lock(parking().mu);
+      r = std::move(parking().res);
+      parent_offer_ = parking().offer;
+    }
+    if (r && (r->device != device || r->owner.forked())) r.reset();
+    return r;
   }
 
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
-  std::mutex mu_;  // NCCL calls on one communicator must not overlap; guards comm and aborted_
+  bool elastic_;
+  std::uint64_t group_;
+  transport_context ctx_;  // the group's failure verdict and watch
+  std::mutex mu_;          // NCCL calls on one communicator must not overlap; guards comm and aborted_
   bool aborted_ = false;
-  resources res_;
+  bool kept_for_shrink_ = false;  // aborted by the group's failure, communicator kept
+  group_failure cause_;           // the group's failure, when it aborted the engine
+  const char* formed_by_ = "ncclCommInitRankConfig";
+  detail::nccl_parent_offer parent_offer_;
+  std::unique_ptr<resources> res_ = std::make_unique<resources>();
+  group_watch watch_;  // last: it goes first
 };
 
 /// Reducer that enqueues each collective on one CUDA stream of one GPU, in issue order, and

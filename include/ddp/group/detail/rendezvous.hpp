@@ -7,13 +7,16 @@
 //   rank 0:  cas pg/rank/0 "" -> token      (first: the claim makes its connection a member)
 //            set pg/job "<world> <job id>", set pg/id <group id>
 //   rank r:  wait pg/job, check it is this job's; cas pg/rank/<r> "" -> token
-//   all:     add pg/arrived 1; the rank that makes it <world> sets pg/complete
-//            wait pg/complete; get pg/id
+//   rank 0:  wait for every claim pg/rank/<0..world-1> (world / (store_max_fields - 2)
+//            requests), then set pg/complete
+//   all:     wait pg/complete; get pg/id
 //
+// The claim is the arrival: there is no count beside it, so no window in which a rank has
+// claimed but not yet counted, and a rank that stopped while joining is always named.
 // On a timeout a rank names the missing ranks by asking which claims are absent: in one request
 // when the world fits in one (up to store_max_fields - 2 ranks). Larger worlds would have every
 // rank scan every claim, so only rank 0 scans them there and posts the list under pg/missing;
-// the other ranks quote it when it is there, and otherwise say how many ranks arrived.
+// the other ranks wait for it (as long as the naming may take) and quote it.
 //
 // `Store` is `ddp::store_client` (store.hpp, a layer above detail/): the functions take it as a
 // template parameter so that this header needs only the wire protocol, not the store itself.
@@ -127,18 +130,19 @@ inline std::string name_ranks(const std::vector<int>& ranks, std::size_t shown =
   return s;
 }
 
-/// The ranks whose claim key is missing now (rank 0's check after a timeout).
+/// The ranks whose claim key is still missing when the store answers. `patient`: each chunk of
+/// claims is waited for until `until` at the store (rank 0's wait for every rank); otherwise
+/// for a millisecond (the check after a timeout), though the reply may queue behind thousands
+/// of other ranks' requests, so the call still has until `until`.
 template <class Store>
-std::vector<int> missing_ranks(Store& st, int world, deadline_t until) {
+std::vector<int> missing_ranks(Store& st, int world, deadline_t until, bool patient = false) {
   std::vector<int> missing;
   const int chunk = static_cast<int>(store_max_fields) - 2;
   for (int lo = 0; lo < world; lo += chunk) {
     std::vector<std::string> keys;
     for (int r = lo; r < std::min(world, lo + chunk); ++r) keys.push_back("pg/rank/" + std::to_string(r));
-    // A wait of a millisecond at the store, which then answers with the keys still missing; the
-    // reply may queue behind thousands of other ranks' requests, so the call has until `until`.
     if (clock::now() >= until) raise(errc::timeout, -1, "no time left to list the missing ranks");
-    for (auto& k : st.wait(keys, timing::missing_ranks_wait, until))
+    for (auto& k : patient ? st.wait(keys, until) : st.wait(keys, timing::missing_ranks_wait, until))
       missing.push_back(std::atoi(k.c_str() + k.rfind('/') + 1));
   }
   std::sort(missing.begin(), missing.end());
@@ -228,41 +232,47 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
     claim();
   }
 
-  if (st.add("pg/arrived", 1, until) == req.world) st.set("pg/complete", "1", until);
-  if (!st.wait({"pg/complete"}, until).empty()) {
-    // Name the missing ranks: rank 0 scans the claims and posts what it found; the others
-    // quote that, or say how many arrived.
-    const auto budget = clock::now() + timing::missing_ranks_budget;
-    std::string what;
+  // Rank 0 waits for every claim and announces completion; the others wait for that one key.
+  std::string what;
+  if (rank == 0) {
     try {
-      if (rank == 0 || req.world <= static_cast<int>(store_max_fields) - 2) {
-        const auto missing = missing_ranks(st, req.world, budget);
-        if (!missing.empty()) {
-          what = name_ranks(missing) + " of " + std::to_string(req.world) + " never arrived";
-        } else {
-          // Every seat is claimed, yet the count never completed: a rank stopped or died
-          // between its claim and its count (or, the last one, before announcing completion).
-          const auto arrived = st.add("pg/arrived", 0, budget);
-          what = "every rank claimed its place, but " +
-                 (arrived < req.world ? std::to_string(req.world - arrived) + " of " + std::to_string(req.world) +
-                                            " ranks stopped before finishing their join"
-                                      : std::string("the last rank to arrive stopped before announcing it")) +
-                 " (a rank died or froze while joining)";
-        }
-        if (rank == 0) st.set("pg/missing", what, budget);
-      } else if (st.check("pg/missing", budget)) {
-        what = st.get("pg/missing", budget);
-      } else {
-        const auto arrived = st.add("pg/arrived", 0, budget);
-        what = std::to_string(req.world - arrived) + " of " + std::to_string(req.world) +
-               " ranks never arrived (rank 0's error names them)";
+      const auto missing = missing_ranks(st, req.world, until, true);
+      if (missing.empty()) {
+        st.set("pg/complete", "1", until);
+        return static_cast<std::uint64_t>(nonce);
       }
-    } catch (const error&) {
-      what = "not every rank of " + std::to_string(req.world) + " arrived";
+      what = name_ranks(missing) + " of " + std::to_string(req.world) + " never arrived";
+    } catch (const error& e) {
+      if (e.condition() != errc::timeout) throw;
+      // No time was left for a later chunk of claims: ask once more, briefly, who is missing.
     }
-    raise(errc::timeout, rank, "rendezvous timed out after " + std::to_string(req.timeout_ms) + " ms: " + what);
+  } else if (st.wait({"pg/complete"}, until).empty()) {
+    return static_cast<std::uint64_t>(decode_i64(st.get("pg/id", until)));
   }
-  return static_cast<std::uint64_t>(decode_i64(st.get("pg/id", until)));
+  // Name the missing ranks: rank 0 scans the claims and posts what it found; in worlds that fit
+  // one request the others scan them too, in larger ones they quote rank 0's list.
+  const auto budget = clock::now() + timing::missing_ranks_budget;
+  try {
+    if (what.empty() && (rank == 0 || req.world <= static_cast<int>(store_max_fields) - 2)) {
+      const auto missing = missing_ranks(st, req.world, budget);
+      if (!missing.empty())
+        what = name_ranks(missing) + " of " + std::to_string(req.world) + " never arrived";
+      else if (rank == 0)
+        what = "every rank claimed its place, but the last claims came as the deadline passed";
+      else
+        what =
+            "every rank claimed its place, but rank 0 never announced that the group was complete (rank 0 "
+            "stopped or froze while joining)";
+    } else if (what.empty() && st.wait({"pg/missing"}, budget).empty()) {  // rank 0 posts it as it times out
+      what = st.get("pg/missing", budget);
+    } else if (what.empty()) {
+      what = "not every rank of " + std::to_string(req.world) + " arrived (rank 0's error names them)";
+    }
+    if (rank == 0) st.set("pg/missing", what, budget);
+  } catch (const error&) {
+    if (what.empty()) what = "not every rank of " + std::to_string(req.world) + " arrived";
+  }
+  raise(errc::timeout, rank, "rendezvous timed out after " + std::to_string(req.timeout_ms) + " ms: " + what);
 }
 
 }  // namespace detail

@@ -21,6 +21,10 @@ inline namespace v0 {
 namespace detail {
 
 enum class store_cmd : std::uint8_t { set = 1, get = 2, add = 3, cas = 4, del = 5, check = 6, wait = 7 };
+// del takes one key, or a prefix and the mark below: it then erases at most store_max_fields
+// keys that start with the prefix and answers how many, in decimal (the client repeats it
+// until fewer come back).
+inline constexpr std::string_view store_del_prefix = "*";
 // auth_required: the server has a secret and the client started without a handshake.
 // full: the write would pass store_limits::max_bytes; too_large: the value alone passes it.
 // forbidden: a store with members (store_server's member_prefix) refused a write from a
@@ -103,7 +107,7 @@ inline bool valid_request(const frame& f) {
     case store_cmd::cas:
       return n == 3;
     case store_cmd::del:
-      return n == 1;
+      return n == 1 || (n == 2 && f.fields[1] == store_del_prefix);
     case store_cmd::check:
       return n == 1;
     case store_cmd::wait:
