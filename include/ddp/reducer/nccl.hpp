@@ -36,6 +36,8 @@
 #include <ddp/detail/fork.hpp>
 #include <ddp/reducer/detail/front_end.hpp>
 #include <ddp/reducer/detail/nccl_shrink.hpp>
+#include <ddp/group/failure.hpp>
+#include <ddp/group/verdict.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>

@@ -14,6 +14,7 @@
 // their old order, closing the gaps, which must be the group's own new ranks. It is not used
 // when nobody was left out (nothing to shrink: the communicator is built anew).
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <optional>
