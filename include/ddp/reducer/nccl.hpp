@@ -120,9 +120,10 @@ class nccl_engine {
     ncclUniqueId id{};
     std::exception_ptr local_failure;
     std::unique_ptr<resources> parent;  // the last generation's communicator, kept for a shrink
+    detail::nccl_parent_offer offer;    // and what it was
     try {
       setup_device(pg, device, stream);
-      if (elastic_) parent = take_parent(res_->device);
+      if (elastic_) parent = take_parent(res_->device, offer);
       if (rank_ == 0) DDP_NCCL_CHECK(ncclGetUniqueId(&id));
     } catch (...) {
       local_failure = std::current_exception();
@@ -141,7 +142,7 @@ class nccl_engine {
     // when every rank kept one of it (detail/nccl_shrink.hpp); otherwise it is built anew.
     std::optional<std::vector<int>> excluded;
     if (elastic_ && DDP_NCCL_SHRINK)
-      excluded = detail::nccl_shrink_plan(pg.all_gather(parent ? parent_offer_.encode() : std::string()));
+      excluded = detail::nccl_shrink_plan(pg.all_gather(parent ? offer.encode() : std::string()));
     if (!excluded) parent.reset();  // aborted: it failed with its group
     pg.broadcast(std::span<std::byte>(reinterpret_cast<std::byte*>(&id), sizeof id), 0);
 
@@ -507,15 +508,15 @@ class nccl_engine {
     static auto* p = new parked;
     return *p;
   }
-  // Takes the kept communicator if it is on `device` (and sets parent_offer_); one on another
+  // Takes the kept communicator if it is on `device` (and sets `offer`); one on another
   // device, or of the parent process, is ended.
-  std::unique_ptr<resources> take_parent(int device) {
+  std::unique_ptr<resources> take_parent(int device, detail::nccl_parent_offer& offer) {
     if (!DDP_NCCL_SHRINK) return nullptr;
     std::unique_ptr<resources> r;
     {
       std::lock_guard lock(parking().mu);
       r = std::move(parking().res);
-      parent_offer_ = parking().offer;
+      offer = parking().offer;
     }
     if (r && (r->device != device || r->owner.forked())) r.reset();
     return r;
@@ -532,7 +533,6 @@ class nccl_engine {
   bool kept_for_shrink_ = false;  // aborted by the group's failure, communicator kept
   group_failure cause_;           // the group's failure, when it aborted the engine
   const char* formed_by_ = "ncclCommInitRankConfig";
-  detail::nccl_parent_offer parent_offer_;
   std::unique_ptr<resources> res_ = std::make_unique<resources>();
   group_watch watch_;  // last: it goes first
 };
