@@ -86,7 +86,10 @@ void check_one_frame(std::string_view bytes) {
     case store_cmd::set:
     case store_cmd::get: ddp_fuzz::require(f.fields.size() == 2, "set/get shape"); break;
     case store_cmd::del:
-    case store_cmd::check: ddp_fuzz::require(f.fields.size() == 1, "del/check shape"); break;
+      ddp_fuzz::require(f.fields.size() == 1 || (f.fields.size() == 2 && f.fields[1] == store_del_prefix),
+                        "del shape (a key, or a prefix and the mark)");
+      break;
+    case store_cmd::check: ddp_fuzz::require(f.fields.size() == 1, "check shape"); break;
     default: ddp_fuzz::require(false, "unknown command accepted");
   }
   // The server's membership check and its parked requests rely on these.
