@@ -13,6 +13,10 @@
 // `ddprun --elastic 2:4`), no checkpoint: the victim kills or stops itself as step K begins,
 // printing `kill at <ms> pid <pid>`, and the survivors re-form in place; rank 0 prints
 // `step <n> run <0 before the failure, 1 after> at <ms>`. --steps counts committed steps.
+//
+// --kill-at -1: nobody fails (bench/elastic_overhead.sh times steady steps, elastic or plain;
+// bench/restart_time.sh's link-cut row cuts a host's link from outside); without --checkpoint
+// the plain loop saves nothing.
 #include <ddp/ddp.hpp>
 
 #include <signal.h>
@@ -38,8 +42,8 @@ long long now_ms() {
 
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
-               "restart_probe: %s\nusage: restart_probe FILE.params --checkpoint FILE [--steps N] [--kill-at K] "
-               "[--victim V] [--every C]\n",
+               "restart_probe: %s\nusage: restart_probe FILE.params [--checkpoint FILE] [--steps N] [--kill-at K|-1] "
+               "[--victim V] [--every C] [--elastic [--signal KILL|STOP]]\n",
                why);
   std::exit(2);
 }
@@ -66,7 +70,6 @@ int main(int argc, char** argv) try {
     else if (a == "--signal") sig = value();
     else usage(("unknown option " + a).c_str());
   }
-  if (ckpt.empty() && !elastic) usage("--checkpoint is needed");
   if (sig != "KILL" && sig != "STOP") usage("--signal takes KILL or STOP");
 
   // The model: one f32 tensor per line of the params file.
@@ -135,7 +138,7 @@ int main(int argc, char** argv) try {
   ddp::data_parallel dp{pg, params};
 
   int first = 0;
-  if (std::filesystem::exists(ckpt)) {
+  if (!ckpt.empty() && std::filesystem::exists(ckpt)) {
     const auto blob = ddp::load_checkpoint(pg, ckpt, params);
     std::int64_t done = 0;
     if (blob.size() == sizeof done) std::memcpy(&done, blob.data(), sizeof done);
@@ -155,7 +158,7 @@ int main(int argc, char** argv) try {
     dp.finish();
     for (std::size_t i = 0; i < names.size(); ++i)
       for (std::size_t k = 0; k < w[i].size(); ++k) w[i][k] -= 0.1f * g[i][k];
-    if ((s + 1) % every == 0) {
+    if (!ckpt.empty() && (s + 1) % every == 0) {
       const std::int64_t done = s + 1;
       ddp::save_checkpoint(pg, ckpt, params, std::as_bytes(std::span{&done, 1}));
     }

@@ -13,6 +13,10 @@
 #   - a steady step (the median step of the first run, for scale).
 #
 #   bench/restart_time.sh [ROUNDS] [BUILD_DIR] [PARAMS]    defaults: 5, build, tests/data/resnet50.params
+# The in-place rows: SIGKILL and SIGSTOP of the victim on one host, and a cut link: 4 hosts as
+# network namespaces (scripts/netns.sh, 10 Gbit/s links, one rank each, a ddprun per host), the
+# victim's host unplugged at the switch as rank 0 completes step K (needs root; the row is left
+# out where namespaces cannot be made).
 # TORCH_MONITOR_INTERVAL=S sets the agent's monitor interval (torchrun's default, 5 s, otherwise):
 # it polls its workers that often, so a death waits up to S seconds to be seen.
 set -uo pipefail
@@ -21,7 +25,9 @@ rounds=${1:-5}
 build=${2:-$root/build}
 params=${3:-$root/tests/data/resnet50.params}
 ranks=4 steps=12 kill_at=7 victim=1 every=5
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+tmp=$(mktemp -d)
+source "$root/scripts/netns.sh"
+trap 'netns_teardown; rm -rf "$tmp"' EXIT
 probe=$build/bench/restart_probe ddprun=$build/tools/ddprun
 [[ -x $probe && -x $ddprun ]] || { echo "restart_time: build $probe and $ddprun first (ninja -C $build)"; exit 2; }
 free_port() { /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -57,7 +63,34 @@ in_place() {
   wait $launcher
 }
 
-ddp_res=() torch_res=() ddp_step=() torch_step=() kill_res=() kill_step=() stop_res=() tft_res=() tft_step=()
+# link_cut LOG: ddp's in-place recovery from a cut link. The cut's time is written as
+# `kill at <ms>` before rank 0's output, so that measure() reads it as the kill's.
+link_cut() {
+  local log=$1 k t
+  netns_setup $ranks 10gbit || return 1
+  for ((k = ranks - 1; k >= 0; --k)); do
+    netns_exec $k env -u DDP_BACKEND DDP_INSECURE=1 timeout 120 "$ddprun" -n 1 --nnodes $ranks --node-rank $k \
+      --master-addr "$(netns_addr 0)" --port 29500 --elastic 2:$ranks --max-restarts 0 -- "$probe" "$params" \
+      --elastic --kill-at -1 --steps $steps > "$log.host$k" 2>&1 &
+  done
+  for ((t = 0; t < 12000; ++t)); do
+    grep -q "step $kill_at run 0" "$log.host0" 2>/dev/null && break
+    sleep 0.01
+  done
+  echo "kill at $(date +%s%3N) (host $victim's link cut)" > "$log"
+  netns_cut $victim
+  for ((t = 0; t < 1200; ++t)); do
+    grep -q "step $steps run" "$log.host0" && break
+    sleep 0.1
+  done
+  cat "$log.host0" >> "$log"
+  netns_teardown
+  wait
+}
+cut_ok=1
+netns_check 2>/dev/null || { echo "restart_time: network namespaces cannot be made here: the link-cut row is left out" >&2; cut_ok=""; }
+
+ddp_res=() torch_res=() cut_res=() ddp_step=() torch_step=() kill_res=() kill_step=() stop_res=() tft_res=() tft_step=()
 # torchft (PyPI, with the current torch) where it is installed: TORCHFT_PYTHON, else the venv of
 # scripts/torch_current.sh with torchft added (`/opt/ddp-torch-venv/bin/pip install torchft`).
 tft=${TORCHFT_PYTHON:-/opt/ddp-torch-venv/bin/python}
@@ -67,6 +100,11 @@ for ((r = 1; r <= rounds; ++r)); do
   read -r a b < <(measure "$tmp/kill.$r"); kill_res+=("$a"); kill_step+=("$b")
   in_place "$tmp/stop.$r" STOP
   read -r a b < <(measure "$tmp/stop.$r"); stop_res+=("$a")
+  if [[ -n $cut_ok ]]; then
+    link_cut "$tmp/cut.$r"
+    read -r a b < <(measure "$tmp/cut.$r"); cut_res+=("$a")
+    echo "round $r: ddp in place, link cut ${cut_res[-1]} ms (step across namespaces $b ms)" >&2
+  fi
   if [[ -n $tft ]]; then
     timeout 300 "$tft" "$root/bench/peers/torchft_recovery.py" "$params" --ranks $ranks --steps 14 --kill-at $kill_at \
       --victim $victim > "$tmp/torchft.$r" 2>&1
@@ -93,6 +131,7 @@ echo '|---|---|---|---|---|'
 km=$(median "${kill_res[@]}") sm=$(median "${stop_res[@]}")
 echo "| ddp in place (elastic_group, ddprun --elastic 2:4), SIGKILL | $km | 0 | $(median "${kill_step[@]}") | ${kill_res[*]} |"
 echo "| ddp in place, SIGSTOP (heartbeat lease 1 s) | $sm | 0 | | ${stop_res[*]} |"
+[[ -n $cut_ok ]] && echo "| ddp in place, link cut (4 namespaces at 10 Gbit/s, lease 1 s) | $(median "${cut_res[@]}") | 0 | | ${cut_res[*]} |"
 echo "| ddprun --max-restarts 1, ddp default | $dm | $repeated | $(median "${ddp_step[@]}") | ${ddp_res[*]} |"
 [[ -n $tft ]] && echo "| torchft 0.2 in place (Manager, gloo, lighthouse heartbeat timeout 1 s) | $(median "${tft_res[@]}") | 0 | $(median "${tft_step[@]}") | ${tft_res[*]} |"
 echo "| torchrun agent (max_restarts 1, c10d, monitor ${TORCH_MONITOR_INTERVAL:-5} s), PyTorch DDP gloo | $tm | $repeated | $(median "${torch_step[@]}") | ${torch_res[*]} |"

@@ -1,24 +1,32 @@
 // The group's heartbeat (init_options::heartbeat, group/detail/heartbeat.hpp): a frozen rank
 // (SIGSTOP) fails every survivor's collective within the lease, though the collective timeout
 // is a minute; a killed one at once; ranks that finish at different times are not taken for
-// dead; every rank must run the same lease.
+// dead; every rank must run the same lease; a rank that leaves after its group failed says so,
+// and its successor's group fails on it (the rank is not taken for dead).
 
 #include <ddp/ddp.hpp>
 #include <ddp/store.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/transport/tcp.hpp>
+#include <ddp/group/detail/heartbeat.hpp>
 
 #include <doctest/doctest.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "harness.hpp"
@@ -202,4 +210,104 @@ TEST_CASE("heartbeat: a negative lease is refused; DDP_HEARTBEAT_MS and DDP_EXTE
   CHECK(e.heartbeat == 1500ms);
   CHECK(e.external_store);
   CHECK(!ddp::init_options{}.external_store);
+}
+
+TEST_CASE("heartbeat: a goodbye after a failure fails the successor's group, without taking the rank for dead") {
+  // The watch of one rank over socket pairs: its predecessor's end and its successor's end.
+  struct seen {
+    std::mutex mu;
+    std::vector<std::tuple<ddp::errc, std::string, bool>> calls;
+  };
+  const auto watch = [](int pred_fd, int succ_fd, seen& s, std::atomic<bool>& failed) {
+    return std::make_unique<ddp::detail::heartbeat_watch>(
+        pred_fd, 3, succ_fd, 2000ms,
+        [&s](ddp::errc c, const std::string& t, bool dead) {
+          std::lock_guard lock(s.mu);
+          s.calls.emplace_back(c, t, dead);
+        },
+        [&failed] { return failed.load(); });
+  };
+  const auto pair = [] {
+    int fd[2];
+    REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM, 0, fd) == 0);
+    return std::array<int, 2>{fd[0], fd[1]};
+  };
+  const auto wait_for = [](seen& s, std::size_t n) {
+    for (int i = 0; i < 200; ++i) {
+      {
+        std::lock_guard lock(s.mu);
+        if (s.calls.size() >= n) return;
+      }
+      std::this_thread::sleep_for(5ms);
+    }
+  };
+  const auto read_word = [](int fd) {
+    char buf[64];
+    std::string got;
+    for (int i = 0; i < 200; ++i) {
+      const auto k = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+      if (k > 0) got.append(buf, static_cast<std::size_t>(k));
+      if (got.find_first_of("bf") != std::string::npos) break;
+      std::this_thread::sleep_for(5ms);
+    }
+    return got.find('f') != std::string::npos ? 'f' : got.find('b') != std::string::npos ? 'b' : '?';
+  };
+
+  SUBCASE("the predecessor left after a failure: aborted, not dead") {
+    auto p = pair(), q = pair();
+    seen s;
+    std::atomic<bool> failed{false};
+    auto w = watch(p[0], q[0], s, failed);
+    const char f = ddp::detail::heartbeat_watch::goodbye_failed;
+    REQUIRE(::send(p[1], &f, 1, MSG_NOSIGNAL) == 1);
+    wait_for(s, 1);
+    {
+      std::lock_guard lock(s.mu);
+      REQUIRE(s.calls.size() == 1);
+      CHECK(std::get<0>(s.calls[0]) == ddp::errc::aborted);
+      CHECK(std::get<1>(s.calls[0]).find("rank 3 left the group after it failed") != std::string::npos);
+      CHECK_FALSE(std::get<2>(s.calls[0]));
+    }
+    w.reset();
+    for (int fd : {p[0], p[1], q[0], q[1]}) ::close(fd);
+  }
+  SUBCASE("a normal goodbye is no failure; the end of the connection without one is a death") {
+    auto p = pair(), q = pair();
+    seen s;
+    std::atomic<bool> failed{false};
+    auto w = watch(p[0], q[0], s, failed);
+    const char b = ddp::detail::heartbeat_watch::goodbye;
+    REQUIRE(::send(p[1], &b, 1, MSG_NOSIGNAL) == 1);
+    std::this_thread::sleep_for(100ms);
+    {
+      std::lock_guard lock(s.mu);
+      CHECK(s.calls.empty());
+    }
+    w.reset();
+    auto p2 = pair();
+    auto w2 = watch(p2[0], q[0], s, failed);
+    ::close(p2[1]);
+    wait_for(s, 1);
+    {
+      std::lock_guard lock(s.mu);
+      REQUIRE(s.calls.size() == 1);
+      CHECK(std::get<0>(s.calls[0]) == ddp::errc::peer_lost);
+      CHECK(std::get<2>(s.calls[0]));
+    }
+    w2.reset();
+    for (int fd : {p[0], p[1], q[0], q[1], p2[0]}) ::close(fd);
+  }
+  SUBCASE("this rank's goodbye says whether its group failed") {
+    for (const bool f : {false, true}) {
+      CAPTURE(f);
+      auto p = pair(), q = pair();
+      seen s;
+      std::atomic<bool> failed{f};
+      auto w = watch(p[0], q[0], s, failed);
+      w->leave(10ms);
+      CHECK(read_word(q[1]) == (f ? 'f' : 'b'));
+      w.reset();
+      for (int fd : {p[0], p[1], q[0], q[1]}) ::close(fd);
+    }
+  }
 }

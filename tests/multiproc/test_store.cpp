@@ -96,6 +96,33 @@ TEST_CASE("get waits for a key set later by another client, and times out with a
   CHECK(a.get("late", soon()) == "here");
 }
 
+TEST_CASE("try_get waits at the store up to its own bound and says nothing when the key did not come") {
+  ddp::store_server server{loopback_any_port(), 0};
+  ddp::store_client a{"127.0.0.1", server.port(), 0, soon()};
+  ddp::store_client b{"127.0.0.1", server.port(), 1, soon()};
+  // Absent: nothing after the store's wait (about 150 ms, not the call's 5 s deadline).
+  auto t0 = ddp::detail::clock::now();
+  CHECK_FALSE(a.try_get("d", 150ms, soon()).has_value());
+  const auto waited = ddp::detail::clock::now() - t0;
+  CHECK(waited >= 140ms);
+  CHECK(waited < 2s);
+  // Set during the wait: the value comes back in that same request, well before the bound.
+  std::thread t([&] {
+    std::this_thread::sleep_for(100ms);
+    b.set("d", "commit");
+  });
+  t0 = ddp::detail::clock::now();
+  const auto got = a.try_get("d", 4s, soon());
+  t.join();
+  REQUIRE(got.has_value());
+  CHECK(*got == "commit");
+  CHECK(ddp::detail::clock::now() - t0 < 2s);
+  // Present already, and an empty value is a value.
+  b.set("empty", "");
+  const auto e = a.try_get("empty", 0ms, soon());
+  REQUIRE(e.has_value());
+  CHECK(e->empty());
+}
 TEST_CASE("garbage and stalled clients are dropped or ignored while real clients are served") {
   ddp::store_server server{loopback_any_port(), 0};
   ddp::store_client good{"127.0.0.1", server.port(), 0, soon()};

@@ -201,15 +201,14 @@ class elastic_group {
         st.set("el/step", std::to_string(step_ + 1), until);
         progress_noted_ = now;
       }
-      // Every rank voted in this step, so each has read the last step's decision.
-      if (step_ > 0) {
-        (void)st.erase(step_key(gen_, step_ - 1) + "v", until);
-        (void)st.erase(step_key(gen_, step_ - 1) + "d", until);
-      }
+      // Every rank voted in this step, so each has read the decisions of the steps before it:
+      // the last block's keys go in one request, once a block (off the per-step path).
+      if (step_ % step_block == 0 && step_ > 0) (void)st.erase_prefix(block_key(gen_, step_ / step_block - 1), until);
     }
     while (d.empty()) {
-      if (st.wait({base + "d"}, detail::timing::elastic_poll, until).empty()) {
-        d = st.get(base + "d", until);
+      // The decision in one round trip once it is there; a look at the group's health every poll.
+      if (auto got = st.try_get(base + "d", detail::timing::elastic_poll, until)) {
+        d = std::move(*got);
         break;
       }
       if (steady_clock::now() >= until)
@@ -283,7 +282,13 @@ class elastic_group {
   }
   static std::string round_key(int g) { return "el/r" + std::to_string(g) + "/"; }
   static std::string steps_key(int g) { return "el/g" + std::to_string(g) + "/"; }
-  static std::string step_key(int g, std::uint64_t s) { return steps_key(g) + "s" + std::to_string(s) + "/"; }
+  /// A step's keys (its votes "v" and its decision "d") live in blocks of step_block steps, so
+  /// that the last voter erases a whole block in one request once a block.
+  static constexpr std::uint64_t step_block = 64;
+  static std::string block_key(int g, std::uint64_t b) { return steps_key(g) + "b" + std::to_string(b) + "/"; }
+  static std::string step_key(int g, std::uint64_t s) {
+    return block_key(g, s / step_block) + "s" + std::to_string(s) + "/";
+  }
   static std::string ns(int g) { return "el" + std::to_string(g) + "/"; }
 
   bool group_failed() {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -103,11 +104,18 @@ class store_client {
 
   /// Waits until `key` exists (server-side wait) and returns its value.
   std::string get(std::string_view key, deadline_t until = default_deadline()) {
-    const auto ms = detail::encode_ms(server_wait_ms(until));
+    auto v = try_get(key, std::chrono::milliseconds(server_wait_ms(until)), until);
+    if (!v) detail::raise(errc::timeout, rank_, "store key '" + std::string(key) + "' never appeared");
+    return std::move(*v);
+  }
+
+  /// `key`'s value once it exists, waiting for it at the store up to `server_wait`; nothing
+  /// when it did not appear by then (one request: a wait and a get in one round trip).
+  std::optional<std::string> try_get(std::string_view key, std::chrono::milliseconds server_wait, deadline_t until) {
+    const auto ms = detail::encode_ms(std::min<std::int64_t>(server_wait.count(), server_wait_ms(until)));
     auto r = call(detail::store_cmd::get, {key, ms}, until);
-    if (r.code == static_cast<std::uint8_t>(detail::store_status::timeout))
-      detail::raise(errc::timeout, rank_, "store key '" + std::string(key) + "' never appeared");
-    return r.fields.empty() ? std::string() : r.fields[0];
+    if (r.code == static_cast<std::uint8_t>(detail::store_status::timeout)) return std::nullopt;
+    return r.fields.empty() ? std::string() : std::move(r.fields[0]);
   }
 
   std::int64_t add(std::string_view key, std::int64_t delta, deadline_t until = default_deadline()) {

@@ -11,7 +11,9 @@
 // once, and the peers blocked on this rank wake and report the same cause
 // (docs/reliability.md). A thread of its own, stopped with the group; a rank that closes its
 // group says goodbye first, so that ranks finishing at different times are never taken for
-// dead ones.
+// dead ones. A rank whose group failed says a goodbye of its own kind ("left after a failure"),
+// and its successor fails its group on it: a rank whose collective waits only on the lost rank
+// (a send into a cut link) learns at once that the others have moved on.
 
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -38,25 +40,29 @@ inline namespace v0 {
 namespace detail {
 
 /// Watches the predecessor's heartbeats and sends this rank's to the successor, from a thread.
-/// `on_lost(code, text)` runs once, on that thread, when the predecessor froze or died (text:
-/// "rank P ...", from this rank's view); the beats to the successor go on until the group
-/// closes. The two descriptors belong to the caller's links and
-/// may be the same one (a group of two).
+/// `on_lost(code, text, dead)` runs once, on that thread, when the predecessor froze or died
+/// (`dead`; text: "rank P ...", from this rank's view) or left after its group failed (not
+/// dead: it is re-forming); the beats to the successor go on until the group closes.
+/// `failed()` says whether this rank's group failed: its goodbye then says so. The two
+/// descriptors belong to the caller's links and may be the same one (a group of two).
 class heartbeat_watch {
  public:
-  /// The byte that says "alive", and the one that says "closing normally".
+  /// The byte that says "alive", the one that says "closing normally", and the one that says
+  /// "closing after the group failed".
   static constexpr char beat = 'h';
   static constexpr char goodbye = 'b';
+  static constexpr char goodbye_failed = 'f';
 
   heartbeat_watch(int pred_fd, int pred, int succ_fd, std::chrono::milliseconds lease,
-                  std::function<void(errc, const std::string&)> on_lost)
+                  std::function<void(errc, const std::string&, bool dead)> on_lost, std::function<bool()> failed)
       : pred_fd_(pred_fd),
         pred_(pred),
         succ_fd_(succ_fd),
         lease_(lease),
         every_(std::max<std::chrono::milliseconds>(std::chrono::milliseconds(1), lease / 8)),
         stop_(::eventfd(0, EFD_CLOEXEC)),
-        on_lost_(std::move(on_lost)) {
+        on_lost_(std::move(on_lost)),
+        failed_(std::move(failed)) {
     if (stop_ < 0) raise(errc::system, -1, "heartbeat: eventfd failed");
     thread_ = std::thread([this] { run(); });
   }
@@ -67,7 +73,7 @@ class heartbeat_watch {
   /// ranks leaving together never wait for each other.
   void leave(std::chrono::milliseconds max) noexcept {
     if (owner_.forked()) return;
-    (void)!::send(succ_fd_, &goodbye, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    say_goodbye();
     const auto until = steady_clock::now() + max;
     while (pred_word_.load() == 0 && steady_clock::now() < until)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -84,11 +90,21 @@ class heartbeat_watch {
     const std::uint64_t one = 1;
     (void)!::write(stop_, &one, sizeof one);
     if (thread_.joinable()) thread_.join();
-    (void)!::send(succ_fd_, &goodbye, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    say_goodbye();
     ::close(stop_);
   }
 
  private:
+  void say_goodbye() noexcept {
+    bool failed = false;
+    try {
+      failed = failed_ && failed_();
+    } catch (...) {
+    }
+    const char word = failed ? goodbye_failed : goodbye;
+    (void)!::send(succ_fd_, &word, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+  }
+
   void run() noexcept {
     auto heard = steady_clock::now();
     auto next_beat = heard;
@@ -130,9 +146,19 @@ class heartbeat_watch {
         continue;
       }
       heard = steady_clock::now();
-      for (ssize_t i = 0; i < k; ++i)
+      bool left_failed = false;
+      for (ssize_t i = 0; i < k; ++i) {
         if (buf[i] == goodbye) pred_left = true;
-      if (pred_left) pred_word_.store(1);
+        if (buf[i] == goodbye_failed) pred_left = left_failed = true;
+      }
+      if (left_failed) {
+        // Not a death: the predecessor is re-forming; this rank's collectives end now too.
+        report(errc::aborted,
+               "rank " + std::to_string(pred_) + " left the group after it failed (its heartbeat said so)", false);
+        pred_word_.store(1);
+      } else if (pred_left) {
+        pred_word_.store(1);
+      }
     }
   }
 
@@ -147,7 +173,7 @@ class heartbeat_watch {
       if (k > 0) {
         heard = steady_clock::now();
         for (ssize_t i = 0; i < k; ++i)
-          if (buf[i] == goodbye) return;
+          if (buf[i] == goodbye || buf[i] == goodbye_failed) return;
         continue;
       }
       if (k < 0 && errno == EINTR) continue;
@@ -162,11 +188,14 @@ class heartbeat_watch {
   }
 
   void lost(errc code, const std::string& text) noexcept {
+    report(code, text, true);
+    pred_word_.store(2);
+  }
+  void report(errc code, const std::string& text, bool dead) noexcept {
     try {
-      on_lost_(code, text);
+      on_lost_(code, text, dead);
     } catch (...) {
     }
-    pred_word_.store(2);
   }
 
   int pred_fd_;
@@ -175,7 +204,8 @@ class heartbeat_watch {
   std::chrono::milliseconds lease_;
   std::chrono::milliseconds every_;
   int stop_;
-  std::function<void(errc, const std::string&)> on_lost_;
+  std::function<void(errc, const std::string&, bool)> on_lost_;
+  std::function<bool()> failed_;
   std::thread thread_;
   std::atomic<int> pred_word_{0};  // 1: the predecessor said goodbye; 2: it was found dead or frozen
   owner_process owner_;

@@ -360,14 +360,16 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
                                             [v = &pg.verdict] { return v->recorded(); });
     const int succ_fd = pg.heartbeat_links->get(succ, until);
     const int pred_fd = pg.heartbeat_links->get(pred, until);
-    pg.heartbeat = std::make_unique<detail::heartbeat_watch>(pred_fd, pred, succ_fd, opts.heartbeat,
-                                                             [g = &pg, pred](errc code, const std::string& text) {
-                                                               // Noted first: an elastic group's next generation forms
-                                                               // without the rank found dead here (group/elastic.hpp
-                                                               // says so in its store).
-                                                               g->found(pred);
-                                                               g->fail_all(g->verdict.as_recorded(code, text));
-                                                             });
+    pg.heartbeat = std::make_unique<detail::heartbeat_watch>(
+        pred_fd, pred, succ_fd, opts.heartbeat,
+        [g = &pg, pred](errc code, const std::string& text, bool dead) {
+          // Noted first: an elastic group's next generation forms without the rank found dead
+          // here (group/elastic.hpp says so in its store). A rank that left after a failure is
+          // not dead: it registers in the next round.
+          if (dead) g->found(pred);
+          g->fail_all(g->verdict.as_recorded(code, text));
+        },
+        [g = &pg] { return g->failed.load() || g->aborted.load(); });
   }
   // Under a launcher that ends a host's ranks when one fails (ddprun --nnodes), the launcher
   // says first which rank failed: recorded as the group's failure, so that the other hosts

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The steady cost of being elastic: the same training loop (bench/restart_probe, a real model's
+# shapes, the default reducer) as a plain group under `ddprun -n N` and as an elastic group under
+# `ddprun -n N --elastic 2:N` (the vote in the store every step, the heartbeat's thread, the store
+# in the launcher), nobody failing. The two alternate ROUNDS times in one sitting; each run's
+# figure is its mean step after the first 3 steps (rank 0's clock from step 3 to the last step,
+# over the steps between: a finer figure than one step's millisecond stamps), and the table
+# gives each round's ratio (elastic / plain) and the median ratio.
+#
+#   bench/elastic_overhead.sh [ROUNDS] [BUILD_DIR] [PARAMS] [RANKS] [STEPS]
+#       defaults: 9, build, tests/data/resnet50.params, 4, 40
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+rounds=${1:-9}
+build=${2:-$root/build}
+params=${3:-$root/tests/data/resnet50.params}
+ranks=${4:-4}
+steps=${5:-40}
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+probe=$build/bench/restart_probe ddprun=$build/tools/ddprun
+[[ -x $probe && -x $ddprun ]] || { echo "elastic_overhead: build $probe and $ddprun first (ninja -C $build)"; exit 2; }
+
+# step_ms LOG: the mean step of rank 0's `step <n> run 0 at <ms>` lines after the first 3 steps
+# (the first steps warm the buffers and the pages).
+step_ms() {
+  awk '/step [0-9]+ run 0 at/ { if (++n == 3) first = $NF; last = $NF }
+       END { if (n > 4) printf "%.2f\n", (last - first) / (n - 3); else print "failed" }' "$1"
+}
+median() { printf '%s\n' "$@" | grep -v failed | sort -g | awk '{a[NR] = $1} END {print NR ? (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) : "failed"}'; }
+
+plain=() elastic=() ratio=()
+for ((r = 1; r <= rounds; ++r)); do
+  # Alternate which goes first, so that a drift of the machine weighs on both alike.
+  for kind in $( ((r % 2)) && echo "plain elastic" || echo "elastic plain"); do
+    if [[ $kind == plain ]]; then
+      timeout 300 "$ddprun" -n "$ranks" "$probe" "$params" --steps "$steps" --kill-at -1 > "$tmp/plain.$r" 2>&1
+    else
+      timeout 300 "$ddprun" -n "$ranks" --elastic 2:"$ranks" "$probe" "$params" --elastic --steps "$steps" --kill-at -1 \
+        > "$tmp/elastic.$r" 2>&1
+    fi
+  done
+  p=$(step_ms "$tmp/plain.$r") e=$(step_ms "$tmp/elastic.$r")
+  plain+=("$p") elastic+=("$e")
+  x=$(awk -v e="$e" -v p="$p" 'BEGIN { if (e > 0 && p > 0) printf "%.3f", e / p; else print "failed" }')
+  ratio+=("$x")
+  echo "round $r: plain $p ms, elastic $e ms, elastic / plain $x" >&2
+done
+echo "elastic_overhead: $(basename "$params" .params), $ranks ranks, $steps steps a run, $rounds rounds, $(nproc) cores"
+echo
+echo '| group | steady step (median of the runs'"'"' means, ms) | runs (ms) |'
+echo '|---|---|---|'
+echo "| plain (ddprun -n $ranks) | $(median "${plain[@]}") | ${plain[*]} |"
+echo "| elastic (ddprun -n $ranks --elastic 2:$ranks) | $(median "${elastic[@]}") | ${elastic[*]} |"
+echo
+echo "elastic / plain, each round: ${ratio[*]}"
+echo "elastic / plain, median of the rounds: $(median "${ratio[@]}")"
