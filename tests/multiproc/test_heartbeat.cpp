@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -214,32 +213,37 @@ TEST_CASE("heartbeat: a negative lease is refused; DDP_HEARTBEAT_MS and DDP_EXTE
 
 TEST_CASE("heartbeat: a goodbye after a failure fails the successor's group, without taking the rank for dead") {
   // The watch of one rank over socket pairs: its predecessor's end and its successor's end.
+  using call = std::tuple<ddp::errc, std::string, bool>;  // on_lost's code, text and `dead`
   struct seen {
     std::mutex mu;
-    std::vector<std::tuple<ddp::errc, std::string, bool>> calls;
+    std::vector<call> calls;
   };
-  const auto watch = [](int pred_fd, int succ_fd, seen& s, std::atomic<bool>& failed) {
+  const auto watch = [](int pred_fd, int succ_fd, seen& s, bool failed) {
     return std::make_unique<ddp::detail::heartbeat_watch>(
         pred_fd, 3, succ_fd, 2000ms,
         [&s](ddp::errc c, const std::string& t, bool dead) {
           std::lock_guard lock(s.mu);
           s.calls.emplace_back(c, t, dead);
         },
-        [&failed] { return failed.load(); });
+        [failed] { return failed; });
   };
   const auto pair = [] {
     int fd[2];
     REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM, 0, fd) == 0);
-    return std::array<int, 2>{fd[0], fd[1]};
+    return std::array<ddp::detail::fd_handle, 2>{ddp::detail::fd_handle(fd[0]), ddp::detail::fd_handle(fd[1])};
   };
-  const auto wait_for = [](seen& s, std::size_t n) {
+  // The one call on_lost made, waiting up to a second for it.
+  const auto only_call = [](seen& s) {
     for (int i = 0; i < 200; ++i) {
       {
         std::lock_guard lock(s.mu);
-        if (s.calls.size() >= n) return;
+        if (!s.calls.empty()) break;
       }
       std::this_thread::sleep_for(5ms);
     }
+    std::lock_guard lock(s.mu);
+    REQUIRE(s.calls.size() == 1);
+    return s.calls[0];
   };
   const auto read_word = [](int fd) {
     char buf[64];
@@ -252,32 +256,23 @@ TEST_CASE("heartbeat: a goodbye after a failure fails the successor's group, wit
     }
     return got.find('f') != std::string::npos ? 'f' : got.find('b') != std::string::npos ? 'b' : '?';
   };
+  const auto p = pair(), q = pair();
 
   SUBCASE("the predecessor left after a failure: aborted, not dead") {
-    auto p = pair(), q = pair();
     seen s;
-    std::atomic<bool> failed{false};
-    auto w = watch(p[0], q[0], s, failed);
+    auto w = watch(p[0].get(), q[0].get(), s, false);
     const char f = ddp::detail::heartbeat_watch::goodbye_failed;
-    REQUIRE(::send(p[1], &f, 1, MSG_NOSIGNAL) == 1);
-    wait_for(s, 1);
-    {
-      std::lock_guard lock(s.mu);
-      REQUIRE(s.calls.size() == 1);
-      CHECK(std::get<0>(s.calls[0]) == ddp::errc::aborted);
-      CHECK(std::get<1>(s.calls[0]).find("rank 3 left the group after it failed") != std::string::npos);
-      CHECK_FALSE(std::get<2>(s.calls[0]));
-    }
-    w.reset();
-    for (int fd : {p[0], p[1], q[0], q[1]}) ::close(fd);
+    REQUIRE(::send(p[1].get(), &f, 1, MSG_NOSIGNAL) == 1);
+    const auto [code, text, dead] = only_call(s);
+    CHECK(code == ddp::errc::aborted);
+    CHECK(text.find("rank 3 left the group after it failed") != std::string::npos);
+    CHECK_FALSE(dead);
   }
   SUBCASE("a normal goodbye is no failure; the end of the connection without one is a death") {
-    auto p = pair(), q = pair();
     seen s;
-    std::atomic<bool> failed{false};
-    auto w = watch(p[0], q[0], s, failed);
+    auto w = watch(p[0].get(), q[0].get(), s, false);
     const char b = ddp::detail::heartbeat_watch::goodbye;
-    REQUIRE(::send(p[1], &b, 1, MSG_NOSIGNAL) == 1);
+    REQUIRE(::send(p[1].get(), &b, 1, MSG_NOSIGNAL) == 1);
     std::this_thread::sleep_for(100ms);
     {
       std::lock_guard lock(s.mu);
@@ -285,29 +280,20 @@ TEST_CASE("heartbeat: a goodbye after a failure fails the successor's group, wit
     }
     w.reset();
     auto p2 = pair();
-    auto w2 = watch(p2[0], q[0], s, failed);
-    ::close(p2[1]);
-    wait_for(s, 1);
-    {
-      std::lock_guard lock(s.mu);
-      REQUIRE(s.calls.size() == 1);
-      CHECK(std::get<0>(s.calls[0]) == ddp::errc::peer_lost);
-      CHECK(std::get<2>(s.calls[0]));
-    }
-    w2.reset();
-    for (int fd : {p[0], p[1], q[0], q[1], p2[0]}) ::close(fd);
+    auto w2 = watch(p2[0].get(), q[0].get(), s, false);
+    p2[1].reset();
+    const auto [code, text, dead] = only_call(s);
+    CHECK(code == ddp::errc::peer_lost);
+    CHECK(dead);
   }
   SUBCASE("this rank's goodbye says whether its group failed") {
     for (const bool f : {false, true}) {
       CAPTURE(f);
-      auto p = pair(), q = pair();
+      const auto q2 = pair();
       seen s;
-      std::atomic<bool> failed{f};
-      auto w = watch(p[0], q[0], s, failed);
+      auto w = watch(p[0].get(), q2[0].get(), s, f);
       w->leave(10ms);
-      CHECK(read_word(q[1]) == (f ? 'f' : 'b'));
-      w.reset();
-      for (int fd : {p[0], p[1], q[0], q[1]}) ::close(fd);
+      CHECK(read_word(q2[1].get()) == (f ? 'f' : 'b'));
     }
   }
 }

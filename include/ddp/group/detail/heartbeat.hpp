@@ -151,14 +151,11 @@ class heartbeat_watch {
         if (buf[i] == goodbye) pred_left = true;
         if (buf[i] == goodbye_failed) pred_left = left_failed = true;
       }
-      if (left_failed) {
-        // Not a death: the predecessor is re-forming; this rank's collectives end now too.
+      // Not a death: the predecessor is re-forming; this rank's collectives end now too.
+      if (left_failed)
         report(errc::aborted,
                "rank " + std::to_string(pred_) + " left the group after it failed (its heartbeat said so)", false);
-        pred_word_.store(1);
-      } else if (pred_left) {
-        pred_word_.store(1);
-      }
+      if (pred_left) pred_word_.store(1);
     }
   }
 
