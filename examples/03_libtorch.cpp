@@ -15,7 +15,13 @@
 //   /usr/bin/python3 examples/03_libtorch_ddp.py --init init.bin --ranks 4 --steps 20 --compare ddp.bin
 // --init writes (rank 0) the weights every rank starts from and the dataset; --out the weights
 // after the last step. --bench K times K steps instead (CSV on stdout, see bench/torch_cnn.py).
+//
+// --sharded trains with AdamW sharded over the ranks (dp_options::shard, docs/sharded.md): each
+// rank keeps the AdamW state of its shard, and dp.wrapper().step(ddp::adamw) replaces the
+// optimizer's step; the Python side then uses PyTorch's ZeroRedundancyOptimizer over AdamW
+// (--sharded there too), and the weights agree as they do for SGD.
 #include <ddp/adapters/libtorch.hpp>
+#include <ddp/optim/adamw.hpp>
 
 #include "tensor_file.hpp"
 
@@ -40,6 +46,8 @@ struct options {
   int bench = 0;        // timed steps (0: train)
   int warmup = 3;
   bool view = false;    // gradient as bucket view
+  bool sharded = false;  // AdamW sharded over the ranks (ZeRO-2)
+  double weight_decay = 0.01;  // AdamW's (PyTorch's default)
   std::string init, out;
 };
 
@@ -92,6 +100,7 @@ options parse(int argc, char** argv) {
     else if (a == "--bench") o.bench = std::stoi(next());
     else if (a == "--warmup") o.warmup = std::stoi(next());
     else if (a == "--view") o.view = true;
+    else if (a == "--sharded") o.sharded = true;
     else if (a == "--init") o.init = next();
     else if (a == "--out") o.out = next();
     else throw std::runtime_error("unknown argument " + a);
@@ -121,8 +130,9 @@ int main(int argc, char** argv) try {
   const auto [x, y] = make_dataset(static_cast<std::int64_t>(o.batch) * world * o.batches);
   torch::manual_seed(100 + rank);  // each rank its own initial weights: rank 0's must win
   Cnn net(o.width);
-  ddp::torch_data_parallel dp{pg, *net, ddp::bucket_policy{}, {.gradient_as_bucket_view = o.view}};
+  ddp::torch_data_parallel dp{pg, *net, ddp::bucket_policy{}, {.gradient_as_bucket_view = o.view, .shard = o.sharded}};
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(o.lr).momentum(o.momentum));
+  ddp::adamw sharded_opt{{.lr = o.lr, .weight_decay = o.weight_decay}};
   if (rank == 0 && !o.init.empty()) {
     auto ts = named(net);
     ts.emplace_back("data.x", x);
@@ -177,7 +187,10 @@ int main(int argc, char** argv) try {
     opt.zero_grad();
     auto loss = loss_at(step);
     loss.backward();  // when it returns, every gradient holds the average over the ranks
-    opt.step();
+    if (o.sharded)
+      dp.wrapper().step(sharded_opt);  // this rank's shard of the average steps; the weights are gathered
+    else
+      opt.step();
     // The mean loss over the ranks, for the log: a scalar allreduce from the group.
     const double mean_loss = pg.all_reduce(loss.item<double>(), ddp::op::avg);
     if (step == 0) first_loss = mean_loss;

@@ -13,6 +13,8 @@ each tensor's largest magnitude: exit 0 when they do, 1 when they do not.
 
 times steps instead, as the C++ side's --bench does (no_sync and synchronized, interleaved):
 CSV system,ranks,width,elements,steps,step_median_ms,nosync_median_ms,sync_ms on stdout.
+--sharded trains with AdamW under torch.distributed.optim.ZeroRedundancyOptimizer, beside the
+C++ side's --sharded (ddp's sharded AdamW).
 Debian's torch imports only under /usr/bin/python3.
 """
 
@@ -143,7 +145,12 @@ def worker(rank, args, port):
         x, y = init["data.x"], init["data.y"]
     failed = False
     ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+    if args.sharded:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
+                                      weight_decay=args.weight_decay)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
 
     def loss_at(step):
         bx, by = batch_of(x, y, step, rank, world, args.batch, args.batches)
@@ -220,6 +227,9 @@ def main():
     ap.add_argument("--tol", type=float, default=1e-5)
     ap.add_argument("--bench", type=int, default=0, help="timed steps (0: train)")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--sharded", action="store_true",
+                    help="AdamW under ZeroRedundancyOptimizer (the C++ side's --sharded)")
+    ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--bind-cores", action="store_true", help="rank r on the r-th usable core")
     args = ap.parse_args()
     if not args.bench and not args.init:

@@ -31,12 +31,15 @@
 #include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/data_parallel/detail/plan_keeper.hpp>
 #include <ddp/data_parallel/detail/setup_checks.hpp>
+#include <ddp/data_parallel/detail/shard_ops.hpp>
 #include <ddp/data_parallel/detail/step_guard.hpp>
 #include <ddp/data_parallel/detail/step_sync.hpp>
 #include <ddp/data_parallel/options.hpp>
+#include <ddp/data_parallel/shard_layout.hpp>
 #include <ddp/data_parallel/timeline.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/memory/auto_allocator.hpp>
+#include <ddp/optim/shard_optimizer.hpp>
 #include <ddp/planner/size_planner.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/auto.hpp>
@@ -103,15 +106,20 @@ class basic_data_parallel {
             views_.size(), [this](std::size_t b) { buckets_.launch(b); },
             opts.uneven_inputs ? bucket_state::open_fn([this] { join_.issue_count(1); }) : bucket_state::open_fn{}) {
     detail::check_construction(agree_, memory_, views_, buffers_.buffers(), opts_, pg_.rank());
+    if (opts_.shard) shard_type::check(opts_, policy_, views_, memory_.allocator().location(), pg_.rank());
     tune_.set_up(agree_, policy_, opts_, pg_.rank());
     if (opts_.broadcast_parameters && pg.size() > 1) {
       agreement::broadcast_values(red_, std::span<const tensor_view>(views_), pg_.timeout());
       agreement::broadcast_values(red_, std::span<const buffer_view>(buffers_.buffers()), pg_.timeout());
     }
     bucket_plan plan = plans_.first_plan(opts_);
+    if (shards_) shards_->lay_out(plan);
     // Every rank learns whether every other rank's buckets fit (a full /dev/shm, device memory):
     // if not, all fail here; a failed rank's buckets are freed with memory_ as construction unwinds.
-    agree_.share_setup(detail::exception_of([&] { buckets_.set_up(std::move(plan), sync_); }));
+    agree_.share_setup(detail::exception_of([&] {
+      buckets_.set_up(std::move(plan), sync_);
+      if (shards_) shards_->allocate();
+    }));
     buckets_.reset_step(plans_.settled());
   }
 
@@ -128,7 +136,10 @@ class basic_data_parallel {
       return;
     }
     // A collective that does not end may still write into a bucket: leaking it is the safe choice.
-    if (!memory_.drain(pg_.timeout(), [this] { guarded_.abort_reducer(); })) memory_.leak();
+    if (!memory_.drain(pg_.timeout(), [this] { guarded_.abort_reducer(); })) {
+      memory_.leak();
+      if (shards_) shards_->leak();
+    }
   }
 
   /// Gradient `i` is complete for this step: copied into its bucket now (copy mode) or already
@@ -144,7 +155,10 @@ class basic_data_parallel {
     guarded_("grad_ready", i, [&] {
       const bool sync = state_.open(no_sync_depth_ == 0);
       if (!sync) state_.set_accumulated(i);
-      if (sync && !opts_.gradient_as_bucket_view) memory_.copy_in(i, views_[i].grad, views_[i].bytes());
+      if (sync && !opts_.gradient_as_bucket_view) {
+        buckets_.bind_slot(i);
+        memory_.copy_in(i, views_[i].grad, views_[i].bytes());
+      }
       state_.complete(i, sync);
     });
   }
@@ -204,6 +218,7 @@ class basic_data_parallel {
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) buckets_.call_hook(b);
       sync_.sync_buffer_values(source, sync_.step_buffer_mode(contributors), "finish (the buffers after the step)");
       state_.clear_accumulated();  // they are in this step's average now
+      shard_fresh_ = shards_ != nullptr;
     }
     buckets_.record_timeline(t_call, names_, plans_.generation());
     last_stats_ = state_.stats(step_, t_call, steady_clock::now());
@@ -290,6 +305,10 @@ class basic_data_parallel {
   /// \endcode
   void on_bucket_reduced(std::function<void(const reduced_bucket&)> fn) {
     check_healthy();
+    if (opts_.shard)
+      detail::raise(errc::unsupported, pg_.rank(),
+                    "on_bucket_reduced() in the sharded mode (dp_options::shard): the engine's gradients are not "
+                    "averaged; step(optimizer) steps the shards");
     if (state_.is_open())
       detail::raise(errc::usage, pg_.rank(), "on_bucket_reduced() in the middle of a step; set it between steps");
     buckets_.set_hook(std::move(fn));
@@ -311,6 +330,80 @@ class basic_data_parallel {
                     "sync_buffers() in the middle of a step; call it before the first grad_ready or after finish()");
     sync_.sync_buffer_values(0, how, "sync_buffers");
   }
+
+  /// The sharded mode (`dp_options::shard`): after a synchronized `finish()`, steps this rank's
+  /// shard of every bucket with `opt` (a `ddp::shard_optimizer`: `ddp::sgd`, `ddp::adamw`, the
+  /// engine's own) and all-gathers the updated parameters into the engine's tensors, bucket by
+  /// bucket, the gathers of earlier buckets overlapping the steps of later ones. Collective:
+  /// every rank calls it once per synchronized step, with an optimizer of the same `signature()`
+  /// (compared at the first call: errc::mismatch naming both). Throws `errc::usage` without the
+  /// option, inside a step, or without a synchronized `finish()` since the last `step()`; a
+  /// failure inside (timeout, peer_lost) fails the wrapper for good, as in `finish()`. With
+  /// `find_unused_parameters`, a parameter no rank used keeps its value and optimizer state (as
+  /// PyTorch's optimizers skip a parameter whose gradient is None).
+  /// \code
+  /// ddp::adamw opt{{.lr = 1e-3}};
+  /// dp.finish();
+  /// dp.step(opt);  // every rank now holds the same updated parameters
+  /// \endcode
+  template <shard_optimizer Optimizer>
+  void step(Optimizer& opt) {
+    check_healthy();
+    if (!shards_)
+      detail::raise(errc::usage, pg_.rank(),
+                    "step(optimizer) needs the sharded mode (dp_options::shard); without it every rank holds the "
+                    "averaged gradients after finish(): step the engine's optimizer");
+    if (state_.is_open())
+      detail::raise(errc::usage, pg_.rank(), "step(optimizer) in the middle of a step; call it after finish()");
+    if (!shard_fresh_)
+      detail::raise(errc::usage, pg_.rank(),
+                    "step(optimizer) with no synchronized finish() since the last step (its gradient shards were "
+                    "already applied)");
+    shard_fresh_ = false;
+    guarded_("step", -1,
+             [&] { shards_->step(opt, step_, [this](std::size_t i) { return sync_.unused_everywhere(i); }); });
+  }
+
+  /// The sharded mode's optimizer state (and f32 master weights of f16 and bf16 parameters),
+  /// gathered on rank 0 in parameter order: a blob to pass to `save_checkpoint` as its extra
+  /// bytes, which `load_sharded_state` takes back on any world size. Empty on the other ranks.
+  /// Collective, between steps. `errc::usage` without the option.
+  /// \code
+  /// ddp::save_checkpoint(pg, "ckpt.ddp", params, dp.sharded_state());
+  /// \endcode
+  std::vector<std::byte> sharded_state() {
+    check_sharded("sharded_state()");
+    std::vector<std::byte> out;
+    guarded_("sharded_state", -1, [&] { out = shards_->gather_state(); });
+    return out;
+  }
+
+  /// Takes this rank's shards of a `sharded_state()` blob (written at any world size), after the
+  /// parameters were loaded: the next `step()` continues from it. Local; every rank calls it
+  /// with the same blob (`load_checkpoint` hands rank 0's extra bytes to every rank). Throws
+  /// `errc::invalid_argument` for a blob that is not one, `errc::mismatch` for one of other
+  /// parameters, `errc::usage` without the option or inside a step.
+  /// \code
+  /// dp.load_sharded_state(ddp::load_checkpoint(pg, "ckpt.ddp", params));
+  /// \endcode
+  void load_sharded_state(std::span<const std::byte> blob) {
+    check_sharded("load_sharded_state()");
+    shards_->load_state(blob);
+  }
+
+  /// The sharded mode's layout: each bucket's shard on this rank (empty without the option).
+  const shard_layout& shards() const noexcept { return shards_ ? shards_->layout() : empty_layout_; }
+  /// Bytes of optimizer state (and master weights) this rank holds for its shards, and of its
+  /// averaged-gradient shards; 0 without the option.
+  std::size_t shard_state_bytes() const noexcept { return shards_ ? shards_->state_bytes() : 0; }
+  std::size_t shard_gradient_bytes() const noexcept { return shards_ ? shards_->gradient_bytes() : 0; }
+  /// The sharded mode's optimizer steps so far (continued from a loaded state).
+  std::uint64_t sharded_steps() const noexcept { return shards_ ? shards_->steps() : 0; }
+  /// Bytes of bucket buffers held now: one per bucket, or in the sharded mode the pool's few.
+  std::size_t bucket_bytes_held() const noexcept { return memory_.held_bytes(); }
+  /// This rank's averaged gradient shard of bucket `b` after a synchronized `finish()` (the
+  /// bucket's dtype, `shards().buckets[b].per_rank` elements): for a gradient norm, say.
+  const void* grad_shard(std::size_t b) const { return shards_ ? shards_->grad_shard(b) : nullptr; }
 
   /// The buffers and frozen parameters the wrapper keeps alike (from `ddp::has_buffers`).
   const std::vector<buffer_view>& buffers() const noexcept { return buffers_.buffers(); }
@@ -360,6 +453,14 @@ class basic_data_parallel {
     if (i >= views_.size()) detail::raise_bad_index(pg_.rank(), what, i, views_.size());
   }
 
+  void check_sharded(const char* what) const {
+    check_healthy();
+    if (!shards_)
+      detail::raise(errc::usage, pg_.rank(), std::string(what) + " needs the sharded mode (dp_options::shard)");
+    if (state_.is_open())
+      detail::raise(errc::usage, pg_.rank(), std::string(what) + " in the middle of a step; call it between steps");
+  }
+
   void claim(std::size_t i, const char* what) {
     check_index(i, what);
     guarded_.check(pg_.rank());
@@ -387,8 +488,13 @@ class basic_data_parallel {
   step_stats last_stats_;
   detail::step_guard<Reducer> guarded_{names_, step_, red_, pg_};  // the first failure: every later call raises it
   detail::step_sync<Reducer, Allocator> sync_{pg_, opts_, views_.size(), buffers_, memory_, state_, red_, guarded_};
+  using shard_type = detail::shard_ops<Reducer, Allocator>;
+  std::unique_ptr<shard_type> shards_ =  // dp_options::shard only
+      opts_.shard ? std::make_unique<shard_type>(pg_, opts_, views_, memory_, red_, guarded_, agree_) : nullptr;
+  bool shard_fresh_ = false;  // a synchronized finish() since the last step()
+  shard_layout empty_layout_;
   detail::bucket_ops<Reducer, Allocator> buckets_{pg_,  opts_,    views_,    memory_, state_,
-                                                  red_, guarded_, timeline_, step_};
+                                                  red_, guarded_, timeline_, step_,   shards_.get()};
   detail::join_protocol<Reducer, Allocator> join_{pg_, opts_, views_, buffers_, memory_, state_, red_, guarded_, sync_};
   detail::plan_keeper<Planner, Allocator> plans_{agree_, memory_, planner_, infos_, policy_};
   detail::autotune_driver tune_;  // with bucket_policy::autotune

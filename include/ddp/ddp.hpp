@@ -12,29 +12,33 @@
 /// pg.barrier();
 /// \endcode
 
-#include <ddp/version.hpp>                   // IWYU pragma: export
-#include <ddp/auth.hpp>                      // IWYU pragma: export
-#include <ddp/checkpoint.hpp>                // IWYU pragma: export
-#include <ddp/clock.hpp>                     // IWYU pragma: export
-#include <ddp/concepts.hpp>                  // IWYU pragma: export
-#include <ddp/data_parallel.hpp>             // IWYU pragma: export
-#include <ddp/dtype.hpp>                     // IWYU pragma: export
-#include <ddp/endpoint.hpp>                  // IWYU pragma: export
-#include <ddp/error.hpp>                     // IWYU pragma: export
-#include <ddp/fwd.hpp>                       // IWYU pragma: export
-#include <ddp/group/topology.hpp>            // IWYU pragma: export
-#include <ddp/memory/allocator_concept.hpp>  // IWYU pragma: export
-#include <ddp/memory/auto_allocator.hpp>     // IWYU pragma: export
-#include <ddp/memory/host_allocator.hpp>     // IWYU pragma: export
-#include <ddp/parameter.hpp>                 // IWYU pragma: export
-#include <ddp/planner/bucket_plan.hpp>       // IWYU pragma: export
-#include <ddp/planner/planner_concept.hpp>   // IWYU pragma: export
-#include <ddp/planner/size_planner.hpp>      // IWYU pragma: export
-#include <ddp/process_group.hpp>             // IWYU pragma: export
-#include <ddp/reducer/auto.hpp>              // IWYU pragma: export
-#include <ddp/request.hpp>                   // IWYU pragma: export
-#include <ddp/sampler.hpp>                   // IWYU pragma: export
-#include <ddp/transport/concept.hpp>         // IWYU pragma: export
+#include <ddp/version.hpp>                     // IWYU pragma: export
+#include <ddp/auth.hpp>                        // IWYU pragma: export
+#include <ddp/checkpoint.hpp>                  // IWYU pragma: export
+#include <ddp/clock.hpp>                       // IWYU pragma: export
+#include <ddp/concepts.hpp>                    // IWYU pragma: export
+#include <ddp/data_parallel.hpp>               // IWYU pragma: export
+#include <ddp/data_parallel/shard_layout.hpp>  // IWYU pragma: export
+#include <ddp/dtype.hpp>                       // IWYU pragma: export
+#include <ddp/endpoint.hpp>                    // IWYU pragma: export
+#include <ddp/error.hpp>                       // IWYU pragma: export
+#include <ddp/fwd.hpp>                         // IWYU pragma: export
+#include <ddp/group/topology.hpp>              // IWYU pragma: export
+#include <ddp/memory/allocator_concept.hpp>    // IWYU pragma: export
+#include <ddp/memory/auto_allocator.hpp>       // IWYU pragma: export
+#include <ddp/memory/host_allocator.hpp>       // IWYU pragma: export
+#include <ddp/optim/adamw.hpp>                 // IWYU pragma: export
+#include <ddp/optim/sgd.hpp>                   // IWYU pragma: export
+#include <ddp/optim/shard_optimizer.hpp>       // IWYU pragma: export
+#include <ddp/parameter.hpp>                   // IWYU pragma: export
+#include <ddp/planner/bucket_plan.hpp>         // IWYU pragma: export
+#include <ddp/planner/planner_concept.hpp>     // IWYU pragma: export
+#include <ddp/planner/size_planner.hpp>        // IWYU pragma: export
+#include <ddp/process_group.hpp>               // IWYU pragma: export
+#include <ddp/reducer/auto.hpp>                // IWYU pragma: export
+#include <ddp/request.hpp>                     // IWYU pragma: export
+#include <ddp/sampler.hpp>                     // IWYU pragma: export
+#include <ddp/transport/concept.hpp>           // IWYU pragma: export
 // The engines and decorators by name. In compiled mode (DDP_SEPARATE_COMPILATION) the umbrella
 // stops at the default path above, and a unit that names one of these includes its header:
 // their templates are what a unit would otherwise parse for nothing (docs/performance.md,

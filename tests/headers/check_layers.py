@@ -27,7 +27,7 @@ LAYERS = [
     ("group", ["group", "auth", "parallel"], ["process_group.hpp", "store.hpp"]),
     ("transport", ["transport"], []),
     ("reducer", ["reducer"], ["request.hpp"]),
-    ("policy", ["planner", "memory"], ["concepts.hpp", "parameter.hpp", "sampler.hpp"]),
+    ("policy", ["planner", "memory", "optim"], ["concepts.hpp", "parameter.hpp", "sampler.hpp"]),
     ("wrapper", ["data_parallel", "adapters"], ["data_parallel.hpp", "checkpoint.hpp", "ddp.hpp"]),
 ]
 SHARED_DETAIL = "ddp/detail/"

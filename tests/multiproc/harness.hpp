@@ -14,8 +14,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <stdlib.h>
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -189,6 +193,26 @@ inline bool all_ok(const std::vector<outcome>& outs) {
   for (auto& o : outs)
     if (!o.ok()) return false;
   return true;
+}
+
+/// A fresh directory for one test case, removed with it.
+struct temp_dir {
+  std::filesystem::path path;
+  temp_dir() {
+    char tmpl[] = "/tmp/ddp_test_XXXXXX";
+    path = ::mkdtemp(tmpl);
+  }
+  temp_dir(const temp_dir&) = delete;
+  temp_dir& operator=(const temp_dir&) = delete;
+  ~temp_dir() { std::filesystem::remove_all(path); }
+};
+
+inline std::string read_file(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+inline void write_file(const std::filesystem::path& p, const std::string& s) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc).write(s.data(), static_cast<std::streamsize>(s.size()));
 }
 
 }  // namespace ddp_test

@@ -71,23 +71,9 @@ std::string blob_string(const std::vector<std::byte>& b) {
 }
 std::span<const std::byte> bytes_of(const std::string& s) { return std::as_bytes(std::span(s.data(), s.size())); }
 
-/// A fresh directory for one test case, removed with it.
-struct temp_dir {
-  fs::path path;
-  temp_dir() {
-    char tmpl[] = "/tmp/ddp_ckpt_XXXXXX";
-    path = ::mkdtemp(tmpl);
-  }
-  ~temp_dir() { fs::remove_all(path); }
-};
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-void write_file(const fs::path& p, const std::string& s) {
-  std::ofstream(p, std::ios::binary | std::ios::trunc).write(s.data(), static_cast<std::streamsize>(s.size()));
-}
+using ddp_test::read_file;
+using ddp_test::temp_dir;
+using ddp_test::write_file;
 
 /// Saves a model filled with seed 1.0 (rank 0's values; the others' differ) from a group of 1.
 std::string valid_file(const fs::path& p, const std::string& extra) {

@@ -4,9 +4,12 @@
 /// (allocate, copy in and out, zero, drain the collectives that use them), on an allocator
 /// alone, so that it can be tested in one process. See docs/data-parallel.md.
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -109,13 +112,88 @@ class bucket_memory {
 
   /// Frees every buffer (the caller knows that no collective can touch them any more).
   void release() noexcept {
-    for (std::size_t b = 0; b < buffers_.size(); ++b) alloc_.deallocate(buffers_[b], plan_.buckets[b].bytes);
+    if (pool_bytes_ > 0) {
+      for (void* p : pool_) alloc_.deallocate(p, pool_bytes_);
+      pool_.clear();
+      free_.clear();
+      launched_.clear();
+      pool_bytes_ = 0;
+    } else {
+      for (std::size_t b = 0; b < buffers_.size(); ++b) alloc_.deallocate(buffers_[b], plan_.buckets[b].bytes);
+    }
     buffers_.clear();
   }
+
+  /// The sharded mode's buffers: adopts `plan` with no bucket holding memory yet; `bind(b)`
+  /// lends bucket b one of a few buffers of the largest bucket's size, each bucket padded with
+  /// zeros to a multiple of `pad_to` elements (the world size), and `unbind(b)` takes it back.
+  /// A step then holds about as many buffers as buckets are filled or reduced at once (two or
+  /// three), not one per bucket. See docs/sharded.md, "Memory".
+  void allocate_pooled(bucket_plan plan, std::size_t pad_to) {
+    release();
+    plan_ = std::move(plan);
+    pad_to_ = pad_to == 0 ? 1 : pad_to;
+    std::size_t most = 0;
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) most = std::max(most, padded_bytes(b));
+    pool_bytes_ = std::max<std::size_t>(most, 1);
+    buffers_.assign(plan_.buckets.size(), nullptr);
+    requests_.assign(buffers_.size(), request{});
+  }
+  /// Bucket b's padded size in bytes (its plan size where buffers are not pooled).
+  std::size_t padded_bytes(std::size_t b) const noexcept {
+    const auto& bk = plan_.buckets[b];
+    const std::size_t per = (bk.numel + pad_to_ - 1) / pad_to_;
+    return per * pad_to_ * dtype_size(bk.type);
+  }
+  /// Gives bucket b a buffer unless it has one: a free one; else, when `may_wait`, the buffer of
+  /// the oldest bucket whose collective was tracked since it was bound, once that collective
+  /// ends (waited up to `patience`, raised on `rank` as `wait`); else a new one. Its padding is
+  /// zeroed. Safe to call from several threads.
+  void bind(std::size_t b, bool may_wait, std::chrono::milliseconds patience, int rank) {
+    std::lock_guard lock(pool_mu_);
+    if (buffers_[b] != nullptr) return;
+    void* p = nullptr;
+    if (!free_.empty()) {
+      p = free_.back();
+      free_.pop_back();
+    } else if (may_wait && !launched_.empty()) {
+      const std::size_t k = launched_.front();
+      wait(k, patience, rank);
+      launched_.pop_front();
+      p = std::exchange(buffers_[k], nullptr);
+    } else {
+      pool_.reserve(pool_.size() + 1);
+      p = alloc_.allocate(pool_bytes_);
+      pool_.push_back(p);
+    }
+    buffers_[b] = p;
+    const std::size_t used = plan_.buckets[b].bytes, padded = padded_bytes(b);
+    if (padded > used) zero_bytes(static_cast<std::byte*>(p) + used, padded - used);
+  }
+  /// Returns bucket b's buffer to the pool (no collective may still use it).
+  void unbind(std::size_t b) noexcept {
+    std::lock_guard lock(pool_mu_);
+    if (buffers_[b] == nullptr) return;
+    std::erase(launched_, b);
+    free_.push_back(std::exchange(buffers_[b], nullptr));
+  }
+  /// Bytes of bucket buffers held: the pool's, or one buffer per bucket.
+  std::size_t held_bytes() const noexcept {
+    if (pool_bytes_ > 0) return pool_.size() * pool_bytes_;
+    std::size_t sum = 0;
+    for (std::size_t b = 0; b < buffers_.size(); ++b) sum += plan_.buckets[b].bytes;
+    return sum;
+  }
+  /// Buffers the pool holds now (0 where buffers are not pooled) and the bytes of each.
+  std::size_t pooled() const noexcept { return pool_.size(); }
+  std::size_t pool_buffer_bytes() const noexcept { return pool_bytes_; }
   /// Forgets the buffers (and the side buffer) without freeing them: a collective may still
   /// write into them.
   void leak() noexcept {
     buffers_.clear();
+    pool_.clear();
+    free_.clear();
+    pool_bytes_ = 0;
     side_ = nullptr;
   }
 
@@ -135,23 +213,10 @@ class bucket_memory {
   /// Copies `bytes` of parameter `i`'s slot out to `dst`.
   void copy_out(std::size_t i, void* dst, std::size_t bytes) { copy(dst, slot(i), bytes); }
   /// Clears `bytes` of parameter `i`'s slot.
-  void zero(std::size_t i, std::size_t bytes) {
-    if (bytes == 0) return;
-    if constexpr (allocator_with_zero<Allocator>)
-      alloc_.zero(slot(i), bytes);
-    else
-      std::memset(slot(i), 0, bytes);
-  }
+  void zero(std::size_t i, std::size_t bytes) { zero_bytes(slot(i), bytes); }
 
   /// Clears all of bucket `b`'s buffer.
-  void zero_bucket(std::size_t b) {
-    const std::size_t bytes = plan_.buckets[b].bytes;
-    if (bytes == 0) return;
-    if constexpr (allocator_with_zero<Allocator>)
-      alloc_.zero(buffers_[b], bytes);
-    else
-      std::memset(buffers_[b], 0, bytes);
-  }
+  void zero_bucket(std::size_t b) { zero_bytes(buffers_[b], plan_.buckets[b].bytes); }
   /// Runs `f(p)` on bucket `b`'s elements where the CPU can reach them: in place for memory the
   /// CPU touches, else on a host copy brought in and written back through the allocator's hooks.
   template <class F>
@@ -188,7 +253,13 @@ class bucket_memory {
   }
 
   /// Keeps the request of bucket `b`'s collective, which uses its buffer until it ends.
-  void track(std::size_t b, request r) { requests_[b] = std::move(r); }
+  void track(std::size_t b, request r) {
+    requests_[b] = std::move(r);
+    if (pool_bytes_ > 0) {
+      std::lock_guard lock(pool_mu_);
+      launched_.push_back(b);
+    }
+  }
   const request& in_flight(std::size_t b) const noexcept { return requests_[b]; }
   /// The same for the side buffer's collective.
   void track_side(request r) { side_request_ = std::move(r); }
@@ -257,6 +328,14 @@ class bucket_memory {
     }
   }
 
+  void zero_bytes(void* p, std::size_t bytes) {
+    if (bytes == 0) return;
+    if constexpr (allocator_with_zero<Allocator>)
+      alloc_.zero(p, bytes);
+    else
+      std::memset(p, 0, bytes);
+  }
+
   void copy(void* dst, const void* src, std::size_t bytes) {
     if (bytes == 0 || dst == src) return;
     if constexpr (hooks)
@@ -272,6 +351,14 @@ class bucket_memory {
   void* side_ = nullptr;
   std::size_t side_bytes_ = 0;
   request side_request_;
+  // The pool (allocate_pooled): every buffer, the free ones, the bound buckets whose collective
+  // was tracked (oldest first), the size of each buffer (0: not pooled) and the padding.
+  std::vector<void*> pool_;
+  std::vector<void*> free_;
+  std::deque<std::size_t> launched_;
+  std::size_t pool_bytes_ = 0;
+  std::size_t pad_to_ = 1;
+  std::mutex pool_mu_;
 };
 
 }  // namespace v0

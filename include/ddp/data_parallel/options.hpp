@@ -75,6 +75,14 @@ struct dp_options {
   std::string timeline = {};
   /// Steps the timeline records before it stops; 0: `DDP_TIMELINE_STEPS`, else 1000.
   std::uint64_t timeline_steps = 0;
+  /// Sharded data parallel (ZeRO-2): each bucket ends with a reduce-scatter, so after `finish()`
+  /// each rank holds the average of its shard of every bucket (the engine's own gradients stay
+  /// this rank's); `step(optimizer)` then steps the shard with a `ddp::shard_optimizer`
+  /// (`ddp::sgd`, `ddp::adamw` or the engine's) and all-gathers the updated parameters into the
+  /// engine's tensors. Optimizer state and averaged gradients per rank shrink by the world size.
+  /// Every rank must pass the same value; the bucket layout is fixed at construction; not with
+  /// `gradient_as_bucket_view`, `uneven_inputs` or the autotune. See docs/sharded.md.
+  bool shard = false;
 
   friend bool operator==(const dp_options&, const dp_options&) = default;
 };

@@ -18,6 +18,7 @@
 #include <ddp/clock.hpp>
 #include <ddp/data_parallel/bucket_memory.hpp>
 #include <ddp/data_parallel/bucket_state.hpp>
+#include <ddp/data_parallel/detail/shard_ops.hpp>
 #include <ddp/data_parallel/detail/step_guard.hpp>
 #include <ddp/data_parallel/detail/step_sync.hpp>
 #include <ddp/data_parallel/detail/uneven.hpp>
@@ -40,7 +41,7 @@ class bucket_ops {
  public:
   bucket_ops(process_group& pg, const dp_options& opts, const std::vector<tensor_view>& views,
              bucket_memory<Allocator>& memory, bucket_state& state, Reducer& red, step_guard<Reducer>& guarded,
-             std::unique_ptr<timeline>& tl, const std::uint64_t& step) noexcept
+             std::unique_ptr<timeline>& tl, const std::uint64_t& step, shard_ops<Reducer, Allocator>* shards) noexcept
       : pg_(pg),
         opts_(opts),
         views_(views),
@@ -49,7 +50,8 @@ class bucket_ops {
         red_(red),
         guarded_(guarded),
         timeline_(tl),
-        step_(step) {}
+        step_(step),
+        shards_(shards) {}
 
   /// Allocates the buckets of `plan` and the side buffer (in view mode holding the engine's current
   /// gradients, so nothing accumulated is lost), after opening the timeline: a rank that cannot
@@ -57,7 +59,10 @@ class bucket_ops {
   void set_up(bucket_plan plan, const step_sync<Reducer, Allocator>& sync) {
     timeline_ = timeline::open(opts_, pg_.rank(), pg_.size());
     if (timeline_) state_.on_ready([t = timeline_.get()](std::size_t b) { t->bucket_ready(b); });
-    memory_.allocate(std::move(plan));
+    if (shards_ != nullptr)
+      memory_.allocate_pooled(std::move(plan), static_cast<std::size_t>(pg_.size()));
+    else
+      memory_.allocate(std::move(plan));
     if (const std::size_t side = sync.side_bytes(); side > 0) memory_.allocate_side(side);
     if (opts_.gradient_as_bucket_view)
       for (std::size_t i = 0; i < views_.size(); ++i) memory_.copy_in(i, views_[i].grad, views_[i].bytes());
@@ -89,8 +94,10 @@ class bucket_ops {
     const auto& bk = memory_.plan().buckets[b];
     const detail::flight_tag_scope tag(b, step_);  // the flight record names the bucket (docs/forensics.md)
     if (bk.numel > 0)
-      memory_.track(b, red_.allreduce_async(memory_.buffer(b), bk.numel, bk.type,
-                                            detail::bucket_op(opts_.average, opts_.uneven_inputs, bk.type)));
+      memory_.track(b, shards_ != nullptr
+                           ? shards_->reduce_scatter(b)
+                           : red_.allreduce_async(memory_.buffer(b), bk.numel, bk.type,
+                                                  detail::bucket_op(opts_.average, opts_.uneven_inputs, bk.type)));
     if (timeline_) timeline_->bucket_launched(b, steady_clock::now());
   }
 
@@ -105,8 +112,19 @@ class bucket_ops {
     if (timeline_) timeline_->bucket_waited(b, t_wait, steady_clock::now());
   }
 
-  /// Copy mode: bucket b's averages back into the engine's gradients.
+  /// The sharded mode: parameter i's bucket holds a buffer, so that its slot can be written
+  /// (during backward it may wait for the oldest reduce-scatter in flight to free one).
+  void bind_slot(std::size_t i) {
+    if (shards_ != nullptr) memory_.bind(memory_.plan().where[i].first, true, wait_patience(opts_, pg_), pg_.rank());
+  }
+
+  /// Copy mode: bucket b's averages back into the engine's gradients. The sharded mode: bucket
+  /// b's buffer goes back to the pool (its average is in this rank's gradient shard).
   void copy_back(std::size_t b) {
+    if (shards_ != nullptr) {
+      memory_.unbind(b);
+      return;
+    }
     if (opts_.gradient_as_bucket_view) return;
     for (const auto& e : memory_.plan().buckets[b].entries)
       guarded_("finish (copying the average back)", e.param,
@@ -116,6 +134,7 @@ class bucket_ops {
   /// The bucket slot of a parameter that is not ready in a synchronized step: zero, or what
   /// no_sync() steps accumulated (PyTorch DDP keeps an accumulated gradient the same way).
   void fill_unused(std::size_t i) {
+    bind_slot(i);
     if (!state_.accumulated(i))
       memory_.zero(i, views_[i].bytes());
     else if (!opts_.gradient_as_bucket_view)
@@ -156,6 +175,7 @@ class bucket_ops {
   const std::uint64_t& step_;
   std::function<void(const reduced_bucket&)> hook_;  // on_bucket_reduced
   std::vector<std::size_t> hook_params_;             // the hook's current bucket
+  shard_ops<Reducer, Allocator>* shards_;            // the sharded mode's, else null
 };
 
 }  // namespace detail

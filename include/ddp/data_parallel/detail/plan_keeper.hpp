@@ -35,7 +35,8 @@ class plan_keeper {
     // never move, so it is final from the start (docs/data-parallel.md, "View mode"). With
     // uneven inputs a rank may join before it ever ran a step, and rank 0 may be that rank:
     // there is no step every rank has seen to rebuild from ("Uneven inputs").
-    settled_ = opts.gradient_as_bucket_view || !policy_.rebuild_from_ready_order || opts.uneven_inputs;
+    // The sharded mode's optimizer state follows the plan's shards: it never moves either.
+    settled_ = opts.gradient_as_bucket_view || !policy_.rebuild_from_ready_order || opts.uneven_inputs || opts.shard;
     bucket_plan plan = planner_.plan(infos_, policy_, {});
     agree_.check_plan(plan, settled_, "at construction");
     return plan;

@@ -29,6 +29,7 @@ void check_construction(const agreement& agree, const bucket_memory<Allocator>& 
   agree.check_signatures(views);
   agree.check_buffer_signatures(buffers);
   agree.check_same("dp_options::uneven_inputs", opts.uneven_inputs ? 1 : 0);
+  agree.check_same("dp_options::shard", opts.shard ? 1 : 0);
   agree.check_same("dp_options::find_unused_parameters", opts.find_unused_parameters ? 1 : 0);
   agree.check_same("dp_options::buffers (0 broadcast, 1 average, 2 none)", static_cast<std::uint64_t>(opts.buffers));
   agree.check_same("dp_options::divide_by (0 world_size, 1 contributors)", static_cast<std::uint64_t>(opts.divide_by));

@@ -1,0 +1,393 @@
+#pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
+/// \file data_parallel/detail/shard_ops.hpp
+/// `shard_ops`: the sharded mode of the wrapper (`dp_options::shard`): each bucket's
+/// reduce-scatter into this rank's shard of the averaged gradients, the optimizer state of the
+/// shards, the step (`step(opt)`: the optimizer on each shard, then an all-gather of each
+/// bucket's updated parameters into the engine's tensors, pipelined bucket by bucket), and the
+/// state's gathering and re-sharding for checkpoints. See docs/sharded.md.
+// IWYU pragma: private
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ddp/data_parallel/agreement.hpp>
+#include <ddp/data_parallel/bucket_memory.hpp>
+#include <ddp/data_parallel/detail/parameters.hpp>
+#include <ddp/data_parallel/detail/step_guard.hpp>
+#include <ddp/data_parallel/detail/step_sync.hpp>
+#include <ddp/data_parallel/detail/uneven.hpp>
+#include <ddp/data_parallel/options.hpp>
+#include <ddp/data_parallel/shard_layout.hpp>
+#include <ddp/detail/bytes.hpp>
+#include <ddp/detail/flight_recorder.hpp>
+#include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
+#include <ddp/optim/shard_optimizer.hpp>
+#include <ddp/parameter.hpp>
+#include <ddp/process_group.hpp>
+#include <ddp/request.hpp>
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+/// f32 values of `n` elements of `t` (f32, f16, bf16) at `src`, into `dst`, and back.
+inline void widen_to_f32(float* dst, const void* src, std::size_t n, dtype t) noexcept {
+  const auto* h = static_cast<const std::uint16_t*>(src);
+  if (t == dtype::f32)
+    std::memcpy(dst, src, n * sizeof(float));
+  else if (t == dtype::f16)
+    for (std::size_t k = 0; k < n; ++k) dst[k] = half::to_float(h[k]);
+  else
+    for (std::size_t k = 0; k < n; ++k) dst[k] = bfloat16::to_float(h[k]);
+}
+inline void narrow_from_f32(void* dst, const float* src, std::size_t n, dtype t) noexcept {
+  auto* h = static_cast<std::uint16_t*>(dst);
+  if (t == dtype::f32)
+    std::memcpy(dst, src, n * sizeof(float));
+  else if (t == dtype::f16)
+    for (std::size_t k = 0; k < n; ++k) h[k] = half::from_float(src[k]);
+  else
+    for (std::size_t k = 0; k < n; ++k) h[k] = bfloat16::from_float(src[k]);
+}
+
+/// The sharded mode's work, given references to the wrapper's parts (which outlive it).
+template <class Reducer, class Allocator>
+class shard_ops {
+ public:
+  shard_ops(process_group& pg, const dp_options& opts, const std::vector<tensor_view>& views,
+            bucket_memory<Allocator>& memory, Reducer& red, step_guard<Reducer>& guarded, const agreement& agree)
+      : pg_(pg), opts_(opts), views_(views), memory_(memory), red_(red), guarded_(guarded), agree_(agree) {}
+  shard_ops(const shard_ops&) = delete;
+  shard_ops& operator=(const shard_ops&) = delete;
+  ~shard_ops() {
+    if (grads_ != nullptr) memory_.allocator().deallocate(grads_, grad_bytes_);
+  }
+
+  /// Refuses what the sharded mode cannot do (on this rank; construction shares the outcome):
+  /// errc::unsupported for options it does not combine with, parameters that are not f32, f16
+  /// or bf16, and bucket memory the CPU cannot reach (the optimizers step on the host).
+  static void check(const dp_options& opts, const bucket_policy& policy, const std::vector<tensor_view>& views,
+                    memory_kind where, int rank) {
+    const auto refuse = [&](const std::string& why, int param = -1) {
+      detail::raise(errc::unsupported, rank, "dp_options::shard: " + why, -1, param);
+    };
+    if (opts.gradient_as_bucket_view)
+      refuse("gradient_as_bucket_view is not supported (a bucket's memory is lent only while it reduces)");
+    if (opts.uneven_inputs) refuse("uneven_inputs (join) is not supported in the sharded mode");
+    if (policy.autotune) refuse("bucket_policy::autotune is not supported (the shards follow one fixed plan)");
+    if (!host_accessible(where))
+      refuse(std::string("bucket memory of kind '") + memory_kind_name(where) +
+             "' is not reachable from the CPU, where the shard optimizers step; use a host, pinned or shm allocator");
+    for (std::size_t i = 0; i < views.size(); ++i)
+      if (views[i].type != dtype::f32 && views[i].type != dtype::f16 && views[i].type != dtype::bf16)
+        refuse(parameter_label(i, views[i].name) + " is " + dtype_name(views[i].type) +
+                   "; the shard optimizers step f32, f16 and bf16 parameters",
+               static_cast<int>(i));
+  }
+
+  /// After the plan is fixed: this rank's layout, compared across ranks (collective; a mismatch
+  /// names both layouts).
+  void lay_out(const bucket_plan& plan) {
+    layout_ = shard_layout::of(plan, pg_.rank(), pg_.size());
+    agree_.check_same_text("the shard layout (dp_options::shard)", layout_.describe());
+  }
+
+  /// This rank's gradient shards, and f32 master weights for f16 and bf16 buckets (local: the
+  /// wrapper shares the outcome).
+  void allocate() {
+    grad_off_.clear();
+    std::size_t bytes = 0;
+    for (const auto& b : layout_.buckets) {
+      grad_off_.push_back(bytes);
+      bytes += (b.per_rank * dtype_size(b.type) + 63) / 64 * 64;
+    }
+    grad_bytes_ = std::max<std::size_t>(bytes, 64);
+    grads_ = memory_.allocator().allocate(grad_bytes_);
+    std::size_t widest = 0;
+    bool narrow = false;
+    for (const auto& b : layout_.buckets) {
+      widest = std::max(widest, b.per_rank);
+      narrow = narrow || b.type != dtype::f32;
+    }
+    scratch_.assign(widest, 0.0f);
+    if (narrow) {
+      master_.assign(layout_.elements, 0.0f);
+      refresh_master();
+    }
+  }
+
+  /// bucket_ops' launch in the sharded mode: bucket b's reduce-scatter into its gradient shard.
+  request reduce_scatter(std::size_t b) {
+    const auto& bk = layout_.buckets[b];
+    return red_.reduce_scatter_async(memory_.buffer(b), grad_shard(b), bk.per_rank, bk.type,
+                                     bucket_op(opts_.average, false, bk.type));
+  }
+
+  /// The master weights of f16 and bf16 buckets from the engine's parameters (at set-up, and
+  /// after the parameters were loaded).
+  void refresh_master() {
+    if (master_.empty()) return;
+    for (const auto& b : layout_.buckets) {
+      if (b.type == dtype::f32) continue;
+      for (const auto& pc : b.pieces)
+        widen_to_f32(master_.data() + b.offset + pc.shard_offset,
+                     static_cast<const std::byte*>(views_[pc.param].data) + pc.param_offset * dtype_size(b.type),
+                     pc.count, b.type);
+    }
+  }
+
+  /// One optimizer step on this rank's shards, then the all-gather of the updated parameters
+  /// into the engine's tensors; the gathers of two buckets overlap the later buckets' steps.
+  /// Parameters for which `unused(i)` holds (no rank used them: find_unused_parameters) keep
+  /// their values and state, as PyTorch's optimizers skip a parameter without a gradient.
+  template <class Optimizer, class Unused>
+  void step(Optimizer& opt, std::uint64_t wrapper_step, const Unused& unused) {
+    const std::size_t k = opt.state_per_element();
+    if (!started_) {
+      // Ranks stepping different optimizers (or hyperparameters) would diverge in silence.
+      agree_.check_same_text("the shard optimizer (its signature())", opt.signature() + " state=" + std::to_string(k));
+      if (loaded_state_.empty()) {
+        state_.assign(k * layout_.elements, 0.0f);
+      } else {
+        if (loaded_k_ != k)
+          detail::raise(errc::mismatch, pg_.rank(),
+                        "step(): the loaded shard state holds " + std::to_string(loaded_k_) +
+                            " floats per element but the optimizer keeps " + std::to_string(k));
+        state_ = std::move(loaded_state_);
+      }
+      k_ = k;
+      started_ = true;
+    } else if (k != k_) {
+      detail::raise(errc::usage, pg_.rank(),
+                    "step(): the optimizer keeps " + std::to_string(k) + " floats per element but the shards hold " +
+                        std::to_string(k_) + " (pass the same optimizer every step)");
+    }
+    ++steps_;
+    const auto patience = wait_patience(opts_, pg_);
+    const std::size_t n = layout_.buckets.size();
+    constexpr std::size_t window = 2;  // gathers in flight while later buckets step
+    const auto gathered = [&](std::size_t b) {
+      guarded_(
+          "step (the all-gather of the parameters)", -1, [&] { memory_.wait(b, patience, pg_.rank()); }, false);
+      for (const auto& e : memory_.plan().buckets[b].entries)
+        guarded_("step (copying the gathered parameters)", e.param,
+                 [&] { memory_.copy_out(e.param, views_[e.param].data, views_[e.param].bytes()); });
+      memory_.unbind(b);
+    };
+    for (std::size_t b = 0; b < n; ++b) {
+      if (b >= window) gathered(b - window);
+      guarded_("step (the shard optimizer)", -1, [&] { step_bucket(opt, b, wrapper_step, unused); });
+    }
+    for (std::size_t b = n > window ? n - window : 0; b < n; ++b) gathered(b);
+  }
+
+  /// Every rank's shards of the optimizer state (and master weights), gathered into rank 0's
+  /// result in parameter order, independent of the world size and the plan: see `state_blob`.
+  /// Other ranks return an empty vector. Collective.
+  std::vector<std::byte> gather_state() {
+    const bool loaded = !started_ && !loaded_state_.empty();
+    const std::vector<float>& state = loaded ? loaded_state_ : state_;
+    const std::size_t k = loaded ? loaded_k_ : (started_ ? k_ : 0), m = master_.empty() ? 0 : 1, width = k + m;
+    std::vector<std::vector<float>> full;  // rank 0: per parameter, width arrays of numel
+    if (pg_.rank() == 0) {
+      full.resize(views_.size());
+      for (std::size_t i = 0; i < views_.size(); ++i) full[i].assign(width * views_[i].numel, 0.0f);
+    }
+    const int world = pg_.size();
+    std::vector<shard_layout> all;
+    if (pg_.rank() == 0)
+      for (int r = 0; r < world; ++r) all.push_back(shard_layout::of(memory_.plan(), r, world));
+    for (std::size_t b = 0; b < layout_.buckets.size() && width > 0; ++b) {
+      const auto& mine = layout_.buckets[b];
+      const std::size_t per = mine.per_rank;
+      std::vector<float> in(width * per), out(width * per * static_cast<std::size_t>(world));
+      for (std::size_t j = 0; j < k; ++j)
+        std::copy_n(state.data() + k * mine.offset + j * per, per, in.data() + j * per);
+      if (m == 1) std::copy_n(master_.data() + mine.offset, per, in.data() + k * per);
+      wait_collective(red_.allgather_async(in.data(), out.data(), width * per, dtype::f32), "gathering the state");
+      if (pg_.rank() != 0) continue;
+      for (int r = 0; r < world; ++r) {
+        const float* chunk = out.data() + static_cast<std::size_t>(r) * width * per;
+        for (const auto& pc : all[static_cast<std::size_t>(r)].buckets[b].pieces) {
+          const std::size_t numel = views_[pc.param].numel;
+          const bool narrow = mine.type != dtype::f32;
+          for (std::size_t j = 0; j < width; ++j) {
+            if (j == k && !narrow) continue;  // an f32 bucket has no master weights
+            std::copy_n(chunk + j * per + pc.shard_offset, pc.count,
+                        full[pc.param].data() + j * numel + pc.param_offset);
+          }
+        }
+      }
+    }
+    if (pg_.rank() != 0) return {};
+    std::string out = "ddpshard";
+    put_u64(out, 1);  // format version
+    put_u64(out, k);
+    put_u64(out, m);
+    put_u64(out, steps_);
+    put_u64(out, views_.size());
+    for (std::size_t i = 0; i < views_.size(); ++i) put_u64(out, views_[i].numel);
+    for (const auto& f : full) out.append(reinterpret_cast<const char*>(f.data()), f.size() * sizeof(float));
+    std::vector<std::byte> blob(out.size());
+    std::memcpy(blob.data(), out.data(), out.size());
+    return blob;
+  }
+
+  /// Takes this rank's shards from a blob of `gather_state` (any world size, any plan); the
+  /// optimizer's first `step` after it checks that it keeps as many floats per element.
+  void load_state(std::span<const std::byte> blob) {
+    const auto bad = [&](const std::string& why) {
+      detail::raise(errc::invalid_argument, pg_.rank(), "load_sharded_state: " + why);
+    };
+    std::size_t at = 8;
+    const auto u64 = [&]() -> std::uint64_t {
+      if (blob.size() < at + 8) bad("the blob ends early (" + std::to_string(blob.size()) + " bytes)");
+      std::uint64_t v = 0;
+      for (int b = 0; b < 8; ++b) v |= static_cast<std::uint64_t>(std::to_integer<unsigned>(blob[at + b])) << (8 * b);
+      at += 8;
+      return v;
+    };
+    if (blob.size() < 8 || std::memcmp(blob.data(), "ddpshard", 8) != 0)
+      bad("not a shard state (it must come from sharded_state())");
+    if (const auto version = u64(); version != 1) bad("format version " + std::to_string(version) + ", expected 1");
+    const std::uint64_t k = u64(), m = u64(), steps = u64(), count = u64();
+    if (k > 64 || m > 1) bad("a header that no sharded_state() writes");
+    if (count != views_.size())
+      detail::raise(errc::mismatch, pg_.rank(),
+                    "load_sharded_state: the state is of " + std::to_string(count) + " parameters, the wrapper has " +
+                        std::to_string(views_.size()));
+    std::vector<std::size_t> start(views_.size());
+    std::size_t data = at + 8 * count;
+    for (std::size_t i = 0; i < views_.size(); ++i) {
+      const std::uint64_t numel = u64();
+      if (numel != views_[i].numel)
+        detail::raise(errc::mismatch, pg_.rank(),
+                      "load_sharded_state: " + parameter_label(i, views_[i].name) + " has " +
+                          std::to_string(views_[i].numel) + " elements, the state " + std::to_string(numel),
+                      -1, static_cast<int>(i));
+      start[i] = data;
+      data += (k + m) * numel * sizeof(float);
+    }
+    if (blob.size() != data) bad(std::to_string(blob.size()) + " bytes where the header says " + std::to_string(data));
+    std::vector<float> state(k * layout_.elements, 0.0f);
+    for (const auto& b : layout_.buckets)
+      for (const auto& pc : b.pieces) {
+        const std::size_t numel = views_[pc.param].numel;
+        const auto read = [&](std::size_t j, float* dst) {
+          std::memcpy(dst, blob.data() + start[pc.param] + (j * numel + pc.param_offset) * sizeof(float),
+                      pc.count * sizeof(float));
+        };
+        for (std::size_t j = 0; j < k; ++j) read(j, state.data() + k * b.offset + j * b.per_rank + pc.shard_offset);
+        if (m == 1 && b.type != dtype::f32 && !master_.empty()) read(k, master_.data() + b.offset + pc.shard_offset);
+      }
+    if (m == 0) refresh_master();
+    loaded_state_ = std::move(state);
+    loaded_k_ = k;
+    started_ = false;
+    steps_ = steps;
+  }
+
+  /// The wrapper leaks its buckets (a collective may still write): so are the gradient shards.
+  void leak() noexcept { grads_ = nullptr; }
+
+  const shard_layout& layout() const noexcept { return layout_; }
+  /// Optimizer steps taken (`shard_step::step` of the last one).
+  std::uint64_t steps() const noexcept { return steps_; }
+  /// Bytes of optimizer state and master weights this rank holds for its shards.
+  std::size_t state_bytes() const noexcept {
+    return (std::max(state_.size(), loaded_state_.size()) + master_.size()) * sizeof(float);
+  }
+  /// Bytes of this rank's averaged-gradient shards.
+  std::size_t gradient_bytes() const noexcept { return grad_bytes_; }
+  /// This rank's averaged gradient shard of bucket b (after `finish()`), in the bucket's dtype.
+  void* grad_shard(std::size_t b) const noexcept { return static_cast<std::byte*>(grads_) + grad_off_[b]; }
+
+ private:
+  template <class Optimizer, class Unused>
+  void step_bucket(Optimizer& opt, std::size_t b, std::uint64_t wrapper_step, const Unused& unused) {
+    const auto& L = layout_.buckets[b];
+    memory_.bind(b, false, wait_patience(opts_, pg_), pg_.rank());
+    const std::size_t esz = dtype_size(L.type);
+    std::byte* mine = static_cast<std::byte*>(memory_.buffer(b)) + L.first * esz;
+    float* params = nullptr;
+    if (L.type == dtype::f32) {
+      // f32: the engine's values are the weights; this rank's shard of them, padding zero.
+      params = reinterpret_cast<float*>(mine);
+      std::fill_n(params, L.per_rank, 0.0f);
+      for (const auto& pc : L.pieces)
+        std::memcpy(params + pc.shard_offset, static_cast<const float*>(views_[pc.param].data) + pc.param_offset,
+                    pc.count * sizeof(float));
+    } else {
+      params = master_.data() + L.offset;
+    }
+    const float* grads = static_cast<const float*>(grad_shard(b));
+    if (L.type != dtype::f32) {
+      widen_to_f32(scratch_.data(), grad_shard(b), L.per_rank, L.type);
+      grads = scratch_.data();
+    }
+    float* state = state_.data() + k_ * L.offset;
+    // Skipped parameters: their elements' values and state, put back after the step.
+    kept_.clear();
+    for (const auto& pc : L.pieces)
+      if (unused(pc.param))
+        for (std::size_t j = 0; j <= k_; ++j) {
+          const float* from = j == 0 ? params + pc.shard_offset : state + (j - 1) * L.per_rank + pc.shard_offset;
+          kept_.insert(kept_.end(), from, from + pc.count);
+        }
+    opt.step(shard_step{b, steps_, std::span<float>(params, L.per_rank), std::span<const float>(grads, L.per_rank),
+                        std::span<float>(state, k_ * L.per_rank), std::span<const shard_piece>(L.pieces)});
+    if (!kept_.empty()) {
+      const float* from = kept_.data();
+      for (const auto& pc : L.pieces)
+        if (unused(pc.param))
+          for (std::size_t j = 0; j <= k_; ++j, from += pc.count)
+            std::copy_n(from, pc.count,
+                        j == 0 ? params + pc.shard_offset : state + (j - 1) * L.per_rank + pc.shard_offset);
+    }
+    if (L.type != dtype::f32) narrow_from_f32(mine, params, L.per_rank, L.type);
+    const detail::flight_tag_scope tag(b, wrapper_step);
+    memory_.track(b, red_.allgather_async(mine, memory_.buffer(b), L.per_rank, L.type));
+  }
+
+  void wait_collective(const request& r, const char* what) const {
+    try {
+      r.wait(steady_clock::now() + wait_patience(opts_, pg_) + std::chrono::seconds(2));
+    } catch (const error& e) {
+      if (e.rank() >= 0) throw;
+      detail::raise(e.condition(), pg_.rank(), std::string("sharded_state: ") + what + ": " + e.what());
+    }
+  }
+
+  process_group& pg_;
+  const dp_options& opts_;
+  const std::vector<tensor_view>& views_;
+  bucket_memory<Allocator>& memory_;
+  Reducer& red_;
+  step_guard<Reducer>& guarded_;
+  const agreement& agree_;
+  shard_layout layout_;
+  void* grads_ = nullptr;  // the gradient shards, from the allocator
+  std::size_t grad_bytes_ = 0;
+  std::vector<std::size_t> grad_off_;  // bucket b's shard at grads_ + grad_off_[b]
+  std::vector<float> state_;           // k_ floats per element: bucket b's at k_ * offset, array j after j * per_rank
+  std::vector<float> master_;          // f16 and bf16 buckets' f32 weights (empty when every bucket is f32)
+  std::vector<float> scratch_;         // a narrow bucket's gradients widened
+  std::vector<float> kept_;            // the values and state of the parameters a step skips
+  std::vector<float> loaded_state_;    // load_state's, adopted by the next step
+  std::size_t loaded_k_ = 0;
+  std::size_t k_ = 0;
+  bool started_ = false;
+  std::uint64_t steps_ = 0;
+};
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp

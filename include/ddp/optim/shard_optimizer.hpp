@@ -1,0 +1,73 @@
+#pragma once
+/// \file optim/shard_optimizer.hpp
+/// What an optimizer of flat f32 shards sees (`ddp::shard_step`, `ddp::shard_piece`) and the
+/// concept it satisfies (`ddp::shard_optimizer`): the sharded wrapper (`dp_options::shard`)
+/// hands each rank's shard of each bucket to one, and the same optimizer steps a whole
+/// parameter when called on it directly. Ready-made: `ddp::sgd` (optim/sgd.hpp) and
+/// `ddp::adamw` (optim/adamw.hpp). See docs/sharded.md.
+///
+/// \code
+/// struct my_sgd {
+///   float lr = 0.1f;
+///   std::size_t state_per_element() const { return 0; }
+///   std::string signature() const { return "my_sgd"; }
+///   void step(const ddp::shard_step& s) {
+///     for (std::size_t k = 0; k < s.params.size(); ++k) s.params[k] -= lr * s.grads[k];
+///   }
+/// };
+/// static_assert(ddp::shard_optimizer<my_sgd>);
+/// \endcode
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include <ddp/version.hpp>
+
+namespace ddp {
+inline namespace v0 {
+
+/// Elements `[shard_offset, shard_offset + count)` of a shard are elements
+/// `[param_offset, param_offset + count)` of parameter `param` (an index into the parameter
+/// set): how an optimizer that treats parameters differently (no weight decay on biases) finds
+/// them in its flat shard.
+struct shard_piece {
+  std::size_t param = 0;
+  std::size_t param_offset = 0;
+  std::size_t shard_offset = 0;
+  std::size_t count = 0;
+  friend bool operator==(const shard_piece&, const shard_piece&) = default;
+};
+
+/// One call of a shard optimizer: this rank's shard of one bucket. Elements of the shard that
+/// no piece covers are padding (zero parameters and gradients): an update must leave a zero
+/// element with a zero gradient at zero, as SGD and AdamW do.
+struct shard_step {
+  std::size_t bucket = 0;        ///< the bucket this shard belongs to (plan order)
+  std::uint64_t step = 1;        ///< 1 at the first step, as PyTorch's `state["step"]` after its increment
+  std::span<float> params;       ///< the values to update (f32 master weights for f16 and bf16 parameters)
+  std::span<const float> grads;  ///< the average of the shard's gradients over the ranks
+  /// `state_per_element() * params.size()` floats, zero before the first step: array k is
+  /// `state[k * n, (k + 1) * n)` for n = `params.size()`. The wrapper keeps, checkpoints and
+  /// re-shards it (docs/sharded.md, "Checkpoints").
+  std::span<float> state;
+  std::span<const shard_piece> pieces;  ///< which parameters the shard covers, in shard order
+};
+
+/// An optimizer the sharded wrapper can step: `state_per_element()` f32 values of state per
+/// parameter element (0 for plain SGD, 1 for SGD with momentum, 2 for AdamW), a `signature()`
+/// that ranks compare before the first step (the name and every hyperparameter: ranks stepping
+/// different optimizers is an errc::mismatch), and `step(shard_step)`, which must compute each
+/// element from that element alone (so that a shard's result does not depend on where the
+/// shard starts).
+template <class O>
+concept shard_optimizer = requires(O& o, const O& co, const shard_step& s) {
+  { co.state_per_element() } -> std::convertible_to<std::size_t>;
+  { co.signature() } -> std::convertible_to<std::string>;
+  o.step(s);
+};
+
+}  // namespace v0
+}  // namespace ddp
