@@ -114,20 +114,29 @@ void rank_main(int rank, int n, int port, const model_spec& m, const std::string
   io.timeout = std::chrono::seconds(120);
   auto pg = ddp::init_process_group(io);
   engine e(m);
-  const bool sharded = variant == "ddp_sharded_adamw";
+  const bool sharded = variant == "ddp_sharded_adamw" || variant == "ddp_sharded_none";
+  // ddp_sharded_none: an optimizer that changes nothing, so that the step is the all-gather and its copies.
+  struct none_optimizer {
+    std::size_t state_per_element() const { return 0; }
+    std::string signature() const { return "none"; }
+    void step(const ddp::shard_step&) {}
+  } none;
   ddp::data_parallel dp(pg, e.views, {}, {.broadcast_parameters = false, .shard = sharded});
   ddp::adamw opt{{.lr = 1e-3, .weight_decay = 0.01}};
   std::vector<std::vector<float>> state;  // the unsharded AdamW's, whole
   if (!sharded)
     for (const auto& g : e.grads) state.emplace_back(2 * g.size(), 0.0f);
   std::uint64_t t = 0;
-  std::vector<double> ms;
+  std::vector<double> ms, opt_ms;
   for (int s = 0; s < warmup + steps; ++s) {
     pg.barrier();
     const auto t0 = clock_type::now();
     e.backward(dp, 1.0f / static_cast<float>(s + 1 + rank));
     dp.finish();
-    if (sharded) {
+    const auto t1 = clock_type::now();
+    if (variant == "ddp_sharded_none") {
+      dp.step(none);
+    } else if (sharded) {
       dp.step(opt);
     } else {
       ++t;
@@ -135,8 +144,14 @@ void rank_main(int rank, int n, int port, const model_spec& m, const std::string
         opt.step(ddp::shard_step{i, t, std::span<float>(e.values[i]), std::span<const float>(e.grads[i]),
                                  std::span<float>(state[i]), {}});
     }
-    if (s >= warmup) ms.push_back(std::chrono::duration<double, std::milli>(clock_type::now() - t0).count());
+    if (s >= warmup) {
+      ms.push_back(std::chrono::duration<double, std::milli>(clock_type::now() - t0).count());
+      opt_ms.push_back(std::chrono::duration<double, std::milli>(clock_type::now() - t1).count());
+    }
   }
+  if (rank == 0)  // where the step goes: backward + finish() against the optimizer (+ gather)
+    std::fprintf(stderr, "# %s %s %d ranks: optimizer%s median %.2f ms of %.2f\n", variant.c_str(), m.name.c_str(), n,
+                 sharded ? " + all-gather" : "", percentile(opt_ms, 0.5), percentile(ms, 0.5));
   pg.all_reduce(std::span<double>(ms), ddp::op::max);
   std::size_t state_bytes = dp.shard_state_bytes();
   if (!sharded)

@@ -6,6 +6,10 @@
 
 #include <doctest/doctest.h>
 
+#include <cmath>
+#include <span>
+#include <vector>
+
 #include "harness.hpp"
 #include "reducer_checks.hpp"
 
@@ -63,6 +67,55 @@ TEST_CASE("ring<shm>: async requests in flight, zero-copy buffers from the alloc
   });
   INFO(summary(outs));
   CHECK(all_ok(outs));
+}
+
+TEST_CASE("ring<shm>: reduce_scatter and allgather of buffers in the arena read peers in place, with the staged path's bits") {
+  for (int n : {2, 3, 4}) {
+    CAPTURE(n);
+    const int port = free_port();
+    auto outs = run_ranks(n, [&](int r) {
+      auto pg = ddp::init_process_group(opts(r, n, port));
+      ddp::ring<ddp::shm> ring{pg, ddp::shm_options{.segment_bytes = 32 << 20, .slot_bytes = 4096}, ddp::reducer_options{}};
+      ddp::shm_allocator alloc{ring.transport()};
+      const std::size_t per = 70001, all = per * static_cast<std::size_t>(n);
+      const auto value = [&](int rank, std::size_t i) {
+        return static_cast<float>((i * 2654435761u + static_cast<std::size_t>(rank) * 97) % 1009) * 0.37f - 150.0f;
+      };
+      auto* arena = static_cast<float*>(alloc.allocate(all * sizeof(float)));
+      std::vector<float> host(all);
+      for (std::size_t i = 0; i < all; ++i) arena[i] = host[i] = value(r, i);
+      for (auto o : {ddp::op::avg, ddp::op::sum, ddp::op::max}) {
+        std::vector<float> staged(per), direct(per), mixed(per);
+        ring.reduce_scatter(std::span<const float>(host), std::span<float>(staged), o);   // staged: not in the arena
+        ring.reduce_scatter(std::span<const float>(arena, all), std::span<float>(direct), o);  // every rank in the arena
+        // Rank 0's input not in the arena: every rank takes the staged path.
+        ring.reduce_scatter(std::span<const float>(r == 0 ? host.data() : arena, all), std::span<float>(mixed), o);
+        require(staged == direct && staged == mixed, "reduce_scatter: the arena path's bits differ");
+        if (o == ddp::op::sum)
+          for (std::size_t i = 0; i < per; i += 977) {
+            float want = 0;
+            for (int q = 0; q < n; ++q) want += value(q, static_cast<std::size_t>(r) * per + i);
+            require(std::fabs(direct[i] - want) <= 1e-3f * (1 + std::fabs(want)), "reduce_scatter sum value");
+          }
+      }
+      // In place in the arena: this rank's slice of its input is the output.
+      ring.reduce_scatter(std::span<const float>(arena, all), std::span<float>(arena + static_cast<std::size_t>(r) * per, per),
+                          ddp::op::sum);
+      // Allgather in place in the arena, against a staged one.
+      std::vector<float> mine(per), gathered(all);
+      for (std::size_t i = 0; i < per; ++i) mine[i] = arena[static_cast<std::size_t>(r) * per + i] = value(r + 7, i);
+      ring.allgather(std::span<const float>(arena + static_cast<std::size_t>(r) * per, per), std::span<float>(arena, all));
+      ring.allgather(std::span<const float>(mine), std::span<float>(gathered));
+      for (int q = 0; q < n; ++q)
+        for (std::size_t i = 0; i < per; i += 331)
+          require(arena[static_cast<std::size_t>(q) * per + i] == value(q + 7, i) &&
+                      gathered[static_cast<std::size_t>(q) * per + i] == value(q + 7, i),
+                  "allgather: rank " + std::to_string(q) + "'s slice");
+      alloc.deallocate(arena, all * sizeof(float));
+    });
+    INFO(summary(outs));
+    CHECK(all_ok(outs));
+  }
 }
 
 TEST_CASE("ring<shm>: a broadcast of the same bytes as another dtype is a mismatch on every rank") {

@@ -29,10 +29,10 @@
 namespace ddp {
 inline namespace v0 {
 
-/// Elements `[shard_offset, shard_offset + count)` of a shard are elements
+/// Elements `[shard_offset, shard_offset + count)` of a rank's shard of a bucket are elements
 /// `[param_offset, param_offset + count)` of parameter `param` (an index into the parameter
-/// set): how an optimizer that treats parameters differently (no weight decay on biases) finds
-/// them in its flat shard.
+/// set): how an optimizer that treats parameters differently (no weight decay on biases) knows
+/// which one it steps.
 struct shard_piece {
   std::size_t param = 0;
   std::size_t param_offset = 0;
@@ -41,9 +41,11 @@ struct shard_piece {
   friend bool operator==(const shard_piece&, const shard_piece&) = default;
 };
 
-/// One call of a shard optimizer: this rank's shard of one bucket. Elements of the shard that
-/// no piece covers are padding (zero parameters and gradients): an update must leave a zero
-/// element with a zero gradient at zero, as SGD and AdamW do.
+/// One call of a shard optimizer: the elements of one parameter that this rank's shard of a
+/// bucket holds (`pieces` names that parameter and where the elements lie). The sharded wrapper
+/// calls the optimizer once per such piece, with `params` pointing at the engine's own values
+/// (f32) or at the piece's f32 master weights (f16, bf16 parameters); an unsharded engine may
+/// call it on a whole parameter, `pieces` empty.
 struct shard_step {
   std::size_t bucket = 0;        ///< the bucket this shard belongs to (plan order)
   std::uint64_t step = 1;        ///< 1 at the first step, as PyTorch's `state["step"]` after its increment
@@ -53,7 +55,7 @@ struct shard_step {
   /// `state[k * n, (k + 1) * n)` for n = `params.size()`. The wrapper keeps, checkpoints and
   /// re-shards it (docs/sharded.md, "Checkpoints").
   std::span<float> state;
-  std::span<const shard_piece> pieces;  ///< which parameters the shard covers, in shard order
+  std::span<const shard_piece> pieces;  ///< the parameter piece this call steps (one; empty when called directly)
 };
 
 /// An optimizer the sharded wrapper can step: `state_per_element()` f32 values of state per

@@ -320,8 +320,20 @@ class shm {
     const std::size_t slice_bytes = count_per_rank * dtype_size(t);
     detail::check_overlap("reduce_scatter", rank_, in, slice_bytes * static_cast<std::size_t>(size_), out_slice,
                           slice_bytes);
-    auto& d = begin(detail::coll_kind::reduce_scatter, count_per_rank, t, o, 0, a, detail::shm_desc::no_offset);
+    auto& d = begin(detail::coll_kind::reduce_scatter, count_per_rank, t, o, 0, a,
+                    arena_offset(in, slice_bytes * static_cast<std::size_t>(size_)));
     guarded([&] {
+      if (all_in_arena(d, until, "reduce_scatter")) {
+        // Every rank's input lies in the arena: this rank's slice of each, combined straight
+        // into `out_slice`; nobody returns (and reuses its input) before every rank has read.
+        for (int j = 0; j < size_; ++j)
+          ins_[j] = map_.base() + peers_[j].arena_offset + static_cast<std::size_t>(rank_) * slice_bytes;
+        void* out = out_slice;
+        detail::combine(&out, 1, ins_.data(), size_, count_per_rank, t, o, detail::avg_step{size_, 0, true});
+        signal();
+        wait_all(count_, until, "reduce_scatter");
+        return;
+      }
       const std::size_t es = dtype_size(t);
       const std::size_t n = static_cast<std::size_t>(size_);
       const std::size_t c = layout_.slot_bytes / es / n;  // elements of each destination per chunk
@@ -353,7 +365,8 @@ class shm {
     const std::size_t slice_bytes = count_per_rank * dtype_size(t);
     detail::check_overlap("allgather", rank_, out, slice_bytes * static_cast<std::size_t>(size_), in_slice,
                           slice_bytes);
-    auto& d = begin(detail::coll_kind::allgather, count_per_rank, t, op::sum, 0, a, detail::shm_desc::no_offset);
+    auto& d = begin(detail::coll_kind::allgather, count_per_rank, t, op::sum, 0, a,
+                    arena_offset(out, slice_bytes * static_cast<std::size_t>(size_)));
     guarded([&] {
       const std::size_t es = dtype_size(t);
       const std::size_t c = layout_.slot_bytes / es;
@@ -361,6 +374,18 @@ class shm {
       auto* dst = static_cast<std::byte*>(out);
       auto* mine = dst + static_cast<std::size_t>(rank_) * count_per_rank * es;
       if (mine != src && count_per_rank > 0) std::memmove(mine, src, count_per_rank * es);  // may overlap
+      if (all_in_arena(d, until, "allgather")) {
+        // Every rank's output lies in the arena, its own slice in place: each peer's slice is
+        // read from the peer's output; nobody returns before every rank has read its slice.
+        for (int j = 0; j < size_; ++j)
+          if (j != rank_)
+            detail::copy_bytes(dst + static_cast<std::size_t>(j) * slice_bytes,
+                               map_.base() + peers_[j].arena_offset + static_cast<std::size_t>(j) * slice_bytes,
+                               slice_bytes);
+        signal();
+        wait_all(count_, until, "allgather");
+        return;
+      }
       staged_chunks(
           d, count_per_rank, c, -1, until, "allgather",
           [&](std::size_t s, std::size_t b, std::size_t len) {
@@ -654,6 +679,19 @@ class shm {
   }
 
   std::size_t take_slot() noexcept { return static_cast<std::size_t>(turn_++ % nslots); }
+
+  /// reduce_scatter and allgather: the ranks exchange their descriptors (a first step, which
+  /// also compares them); true when every rank's buffer lies in the arena, so that each reads
+  /// its peers' buffers in place. Every rank decides alike. The staged pipeline otherwise.
+  bool all_in_arena(const detail::shm_desc& d, deadline_t until, const char* what) {
+    signal();
+    wait_all(count_, until, what);
+    check_peers(d);
+    if (d.coll.count == 0) return false;
+    for (int j = 0; j < size_; ++j)
+      if (peers_[j].arena_offset == detail::shm_desc::no_offset) return false;
+    return true;
+  }
 
   // ---- synchronization -------------------------------------------------------------------
 

@@ -177,9 +177,7 @@ class shard_ops {
     const auto gathered = [&](std::size_t b) {
       guarded_(
           "step (the all-gather of the parameters)", -1, [&] { memory_.wait(b, patience, pg_.rank()); }, false);
-      for (const auto& e : memory_.plan().buckets[b].entries)
-        guarded_("step (copying the gathered parameters)", e.param,
-                 [&] { memory_.copy_out(e.param, views_[e.param].data, views_[e.param].bytes()); });
+      copy_gathered(b);
       memory_.unbind(b);
     };
     for (std::size_t b = 0; b < n; ++b) {
@@ -209,8 +207,7 @@ class shard_ops {
       const auto& mine = layout_.buckets[b];
       const std::size_t per = mine.per_rank;
       std::vector<float> in(width * per), out(width * per * static_cast<std::size_t>(world));
-      for (std::size_t j = 0; j < k; ++j)
-        std::copy_n(state.data() + k * mine.offset + j * per, per, in.data() + j * per);
+      std::copy_n(state.data() + k * mine.offset, k * per, in.data());
       if (m == 1) std::copy_n(master_.data() + mine.offset, per, in.data() + k * per);
       wait_collective(red_.allgather_async(in.data(), out.data(), width * per, dtype::f32), "gathering the state");
       if (pg_.rank() != 0) continue;
@@ -219,11 +216,12 @@ class shard_ops {
         for (const auto& pc : all[static_cast<std::size_t>(r)].buckets[b].pieces) {
           const std::size_t numel = views_[pc.param].numel;
           const bool narrow = mine.type != dtype::f32;
-          for (std::size_t j = 0; j < width; ++j) {
-            if (j == k && !narrow) continue;  // an f32 bucket has no master weights
-            std::copy_n(chunk + j * per + pc.shard_offset, pc.count,
+          for (std::size_t j = 0; j < k; ++j)
+            std::copy_n(chunk + k * pc.shard_offset + j * pc.count, pc.count,
                         full[pc.param].data() + j * numel + pc.param_offset);
-          }
+          if (m == 1 && narrow)  // an f32 bucket has no master weights
+            std::copy_n(chunk + k * per + pc.shard_offset, pc.count,
+                        full[pc.param].data() + k * numel + pc.param_offset);
         }
       }
     }
@@ -285,7 +283,7 @@ class shard_ops {
           std::memcpy(dst, blob.data() + start[pc.param] + (j * numel + pc.param_offset) * sizeof(float),
                       pc.count * sizeof(float));
         };
-        for (std::size_t j = 0; j < k; ++j) read(j, state.data() + k * b.offset + j * b.per_rank + pc.shard_offset);
+        for (std::size_t j = 0; j < k; ++j) read(j, state.data() + k * b.offset + k * pc.shard_offset + j * pc.count);
         if (m == 1 && b.type != dtype::f32 && !master_.empty()) read(k, master_.data() + b.offset + pc.shard_offset);
       }
     if (m == 0) refresh_master();
@@ -311,50 +309,53 @@ class shard_ops {
   void* grad_shard(std::size_t b) const noexcept { return static_cast<std::byte*>(grads_) + grad_off_[b]; }
 
  private:
+  /// Bucket b's shard: the optimizer once per piece, on the engine's own values (f32) or the
+  /// master weights (f16, bf16), each piece's state a block of `k` arrays; the updated values
+  /// go into this rank's slice of a pooled buffer, which is then all-gathered in place. Pieces
+  /// of parameters that `unused` names are not stepped; their current values are sent.
   template <class Optimizer, class Unused>
   void step_bucket(Optimizer& opt, std::size_t b, std::uint64_t wrapper_step, const Unused& unused) {
     const auto& L = layout_.buckets[b];
     memory_.bind(b, false, wait_patience(opts_, pg_), pg_.rank());
     const std::size_t esz = dtype_size(L.type);
+    const bool narrow = L.type != dtype::f32;
     std::byte* mine = static_cast<std::byte*>(memory_.buffer(b)) + L.first * esz;
-    float* params = nullptr;
-    if (L.type == dtype::f32) {
-      // f32: the engine's values are the weights; this rank's shard of them, padding zero.
-      params = reinterpret_cast<float*>(mine);
-      std::fill_n(params, L.per_rank, 0.0f);
-      for (const auto& pc : L.pieces)
-        std::memcpy(params + pc.shard_offset, static_cast<const float*>(views_[pc.param].data) + pc.param_offset,
-                    pc.count * sizeof(float));
-    } else {
-      params = master_.data() + L.offset;
-    }
     const float* grads = static_cast<const float*>(grad_shard(b));
-    if (L.type != dtype::f32) {
+    if (narrow) {
       widen_to_f32(scratch_.data(), grad_shard(b), L.per_rank, L.type);
       grads = scratch_.data();
     }
     float* state = state_.data() + k_ * L.offset;
-    // Skipped parameters: their elements' values and state, put back after the step.
-    kept_.clear();
-    for (const auto& pc : L.pieces)
-      if (unused(pc.param))
-        for (std::size_t j = 0; j <= k_; ++j) {
-          const float* from = j == 0 ? params + pc.shard_offset : state + (j - 1) * L.per_rank + pc.shard_offset;
-          kept_.insert(kept_.end(), from, from + pc.count);
-        }
-    opt.step(shard_step{b, steps_, std::span<float>(params, L.per_rank), std::span<const float>(grads, L.per_rank),
-                        std::span<float>(state, k_ * L.per_rank), std::span<const shard_piece>(L.pieces)});
-    if (!kept_.empty()) {
-      const float* from = kept_.data();
-      for (const auto& pc : L.pieces)
-        if (unused(pc.param))
-          for (std::size_t j = 0; j <= k_; ++j, from += pc.count)
-            std::copy_n(from, pc.count,
-                        j == 0 ? params + pc.shard_offset : state + (j - 1) * L.per_rank + pc.shard_offset);
+    for (const auto& pc : L.pieces) {
+      std::byte* engine = static_cast<std::byte*>(views_[pc.param].data) + pc.param_offset * esz;
+      float* values = narrow ? master_.data() + L.offset + pc.shard_offset : reinterpret_cast<float*>(engine);
+      if (!unused(pc.param)) {
+        opt.step(shard_step{
+            b, steps_, std::span<float>(values, pc.count), std::span<const float>(grads + pc.shard_offset, pc.count),
+            std::span<float>(state + k_ * pc.shard_offset, k_ * pc.count), std::span<const shard_piece>(&pc, 1)});
+        if (narrow) narrow_from_f32(engine, values, pc.count, L.type);
+      }
+      std::memcpy(mine + pc.shard_offset * esz, engine, pc.count * esz);
     }
-    if (L.type != dtype::f32) narrow_from_f32(mine, params, L.per_rank, L.type);
     const detail::flight_tag_scope tag(b, wrapper_step);
     memory_.track(b, red_.allgather_async(mine, memory_.buffer(b), L.per_rank, L.type));
+  }
+
+  /// After bucket b's all-gather: the other ranks' slices into the engine's parameters (this
+  /// rank's own are there already).
+  void copy_gathered(std::size_t b) {
+    const auto& L = layout_.buckets[b];
+    const std::size_t esz = dtype_size(L.type), lo = L.first, hi = L.first + L.per_rank;
+    const auto* buf = static_cast<const std::byte*>(memory_.buffer(b));
+    for (const auto& e : memory_.plan().buckets[b].entries) {
+      auto* dst = static_cast<std::byte*>(views_[e.param].data);
+      const std::size_t from = e.offset_elems, to = e.offset_elems + e.numel;
+      // [from, to) less [lo, hi): what lies before this rank's slice, and what lies after it.
+      if (from < std::min(to, lo)) std::memcpy(dst, buf + from * esz, (std::min(to, lo) - from) * esz);
+      if (std::max(from, hi) < to)
+        std::memcpy(dst + (std::max(from, hi) - from) * esz, buf + std::max(from, hi) * esz,
+                    (to - std::max(from, hi)) * esz);
+    }
   }
 
   void wait_collective(const request& r, const char* what) const {
@@ -377,11 +378,12 @@ class shard_ops {
   void* grads_ = nullptr;  // the gradient shards, from the allocator
   std::size_t grad_bytes_ = 0;
   std::vector<std::size_t> grad_off_;  // bucket b's shard at grads_ + grad_off_[b]
-  std::vector<float> state_;           // k_ floats per element: bucket b's at k_ * offset, array j after j * per_rank
-  std::vector<float> master_;          // f16 and bf16 buckets' f32 weights (empty when every bucket is f32)
-  std::vector<float> scratch_;         // a narrow bucket's gradients widened
-  std::vector<float> kept_;            // the values and state of the parameters a step skips
-  std::vector<float> loaded_state_;    // load_state's, adopted by the next step
+  // k_ floats per element: bucket b's at k_ * offset; in it, each piece's block of k_ arrays of
+  // its count at k_ * shard_offset (array j at k_ * shard_offset + j * count)
+  std::vector<float> state_;
+  std::vector<float> master_;        // f16 and bf16 buckets' f32 weights (empty when every bucket is f32)
+  std::vector<float> scratch_;       // a narrow bucket's gradients widened
+  std::vector<float> loaded_state_;  // load_state's, adopted by the next step
   std::size_t loaded_k_ = 0;
   std::size_t k_ = 0;
   bool started_ = false;
