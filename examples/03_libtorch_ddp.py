@@ -14,7 +14,9 @@ each tensor's largest magnitude: exit 0 when they do, 1 when they do not.
 times steps instead, as the C++ side's --bench does (no_sync and synchronized, interleaved):
 CSV system,ranks,width,elements,steps,step_median_ms,nosync_median_ms,sync_ms on stdout.
 --sharded trains with AdamW under torch.distributed.optim.ZeroRedundancyOptimizer, beside the
-C++ side's --sharded (ddp's sharded AdamW).
+C++ side's --sharded (ddp's sharded AdamW); --sharded --deepspeed under DeepSpeed's ZeRO stage 2
+instead (CPU, gloo; an interpreter with deepspeed installed, e.g. the venv of
+scripts/torch_current.sh).
 Debian's torch imports only under /usr/bin/python3.
 """
 
@@ -144,12 +146,24 @@ def worker(rank, args, port):
                 p.copy_(init[name])
         x, y = init["data.x"], init["data.y"]
     failed = False
-    ddp = DistributedDataParallel(model)
-    if args.sharded:
+    if args.deepspeed:
+        # DeepSpeed's ZeRO stage 2 with AdamW (torch's implementation), over this gloo group.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        deepspeed.init_distributed(dist_backend="gloo")
+        cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+               "zero_optimization": {"stage": 2},
+               "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": args.weight_decay,
+                                                         "torch_adam": True}}}
+        ddp, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    elif args.sharded:
         from torch.distributed.optim import ZeroRedundancyOptimizer
+        ddp = DistributedDataParallel(model)
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
                                       weight_decay=args.weight_decay)
     else:
+        ddp = DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
 
     def loss_at(step):
@@ -181,10 +195,14 @@ def worker(rank, args, port):
             print(f"pytorch_ddp_gloo,{world},{args.width},{elems},{args.bench},{s:.3f},{l:.3f},{s - l:.3f}", flush=True)
     else:
         for step in range(args.steps):
-            opt.zero_grad()
             loss = loss_at(step)
-            loss.backward()
-            opt.step()
+            if args.deepspeed:
+                ddp.backward(loss)
+                ddp.step()
+            else:
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             if rank == 0 and (step % 5 == 0 or step + 1 == args.steps):
@@ -230,6 +248,8 @@ def main():
     ap.add_argument("--sharded", action="store_true",
                     help="AdamW under ZeroRedundancyOptimizer (the C++ side's --sharded)")
     ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="AdamW under DeepSpeed's ZeRO stage 2 (CPU, gloo; where deepspeed is installed)")
     ap.add_argument("--bind-cores", action="store_true", help="rank r on the r-th usable core")
     args = ap.parse_args()
     if not args.bench and not args.init:

@@ -3,6 +3,7 @@
 #include <ddp/adapters/eigen.hpp>
 
 #include <ddp/data_parallel.hpp>
+#include <ddp/optim/sgd.hpp>
 #include <ddp/process_group.hpp>
 
 #include <doctest/doctest.h>
@@ -237,13 +238,16 @@ constexpr double full_batch_tolerance = 1e-6;
 
 // Trains on `world` processes; on every step: the weights hash the same on every rank, and they
 // match the references. Returns through exceptions (the harness reports them).
-void train(int rank, int world, int port, bool view_mode) {
+void train(int rank, int world, int port, bool view_mode, bool sharded = false) {
   auto pg = ddp::init_process_group(group_options(rank, world, port, 30s));
   mlp model(1234u + static_cast<unsigned>(rank));  // construction replaces it by rank 0's
   ddp::eigen_parameters params;
   model.register_with(params);
   ddp::data_parallel dp{pg, params, ddp::bucket_policy{.cap_bytes = 512, .first_cap_bytes = 128},
-                        ddp::dp_options{.gradient_as_bucket_view = view_mode}};
+                        ddp::dp_options{.gradient_as_bucket_view = view_mode, .shard = sharded}};
+  // The sharded mode steps each rank's shard with ddp::sgd, whose update (p + (-lr) * g) is
+  // bitwise the model's own (W -= lr * gW), so every check below holds unchanged.
+  ddp::sgd shard_sgd{{.lr = learning_rate}};
   require(dp.plan().buckets.size() > 1, "the plan has one bucket: nothing overlaps backward");
   if (view_mode) model.use_buckets(params, dp);
   full_batch_reference full;
@@ -257,7 +261,10 @@ void train(int rank, int world, int port, bool view_mode) {
     dp.finish();
     // Handing gradients over layer by layer lets the last layers' buckets go before finish().
     require(dp.last_step_stats().launched_before_finish >= 1, "no bucket was launched during backward");
-    model.sgd();
+    if (sharded)
+      dp.step(shard_sgd);
+    else
+      model.sgd();
     params.check();
     const auto hashes = pg.all_gather(model.hash());
     double mean = 0;
@@ -281,10 +288,10 @@ void train(int rank, int world, int port, bool view_mode) {
   const double late = (losses[steps - 1] + losses[steps - 2] + losses[steps - 3]) / 3;
   require(late < early / 2, "the loss did not fall: " + std::to_string(early) + " -> " + std::to_string(late));
   if (rank == 0)
-    std::printf("eigen MLP on %d processes (%s mode), %d steps, loss %.4f -> %.4f: the same weights on every rank "
+    std::printf("eigen MLP on %d processes (%s mode%s), %d steps, loss %.4f -> %.4f: the same weights on every rank "
                 "each step; max relative difference from one process on the full batch %.3g (tolerance %.0e), "
                 "from the per-shard average %.3g%s\n",
-                world, view_mode ? "view" : "copy", steps, early, late, worst_full, full_batch_tolerance, worst_shard,
+                world, view_mode ? "view" : "copy", sharded ? ", sharded SGD" : "", steps, early, late, worst_full, full_batch_tolerance, worst_shard,
                 world == 2 ? " (bitwise equal, checked)" : "");
 }
 
@@ -429,6 +436,15 @@ TEST_CASE("eigen: gradient as bucket view: backward writes through grad_view's M
     CAPTURE(world);
     const int port = free_port();
     const auto outs = run_ranks(world, [&](int r) { train(r, world, port, true); });
+    CHECK_MESSAGE(all_ok(outs), summary(outs));
+  }
+}
+
+TEST_CASE("eigen: sharded (dp_options::shard, ddp::sgd): the same training, bitwise on 2 ranks") {
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    const int port = free_port();
+    const auto outs = run_ranks(world, [&](int r) { train(r, world, port, false, true); });
     CHECK_MESSAGE(all_ok(outs), summary(outs));
   }
 }
