@@ -155,10 +155,9 @@ class basic_data_parallel {
     guarded_("grad_ready", i, [&] {
       const bool sync = state_.open(no_sync_depth_ == 0);
       if (!sync) state_.set_accumulated(i);
-      if (sync && !opts_.gradient_as_bucket_view) {
-        buckets_.bind_slot(i);
+      // The sharded mode copies a bucket's gradients when it launches (one buffer, docs/sharded.md).
+      if (sync && !opts_.gradient_as_bucket_view && !buckets_.deferred_copies())
         memory_.copy_in(i, views_[i].grad, views_[i].bytes());
-      }
       state_.complete(i, sync);
     });
   }

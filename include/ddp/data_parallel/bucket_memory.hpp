@@ -125,10 +125,10 @@ class bucket_memory {
   }
 
   /// The sharded mode's buffers: adopts `plan` with no bucket holding memory yet; `bind(b)`
-  /// lends bucket b one of a few buffers of the largest bucket's size, each bucket padded with
-  /// zeros to a multiple of `pad_to` elements (the world size), and `unbind(b)` takes it back.
-  /// A step then holds about as many buffers as buckets are filled or reduced at once (two or
-  /// three), not one per bucket. See docs/sharded.md, "Memory".
+  /// lends bucket b a buffer of the largest bucket's size, each bucket padded with zeros to a
+  /// multiple of `pad_to` elements (the world size), and `unbind(b)` takes it back. The pool
+  /// grows only when a bucket finds no buffer free and none it may wait for: the sharded mode
+  /// holds one, not one per bucket. See docs/sharded.md, "Memory".
   void allocate_pooled(bucket_plan plan, std::size_t pad_to) {
     release();
     plan_ = std::move(plan);

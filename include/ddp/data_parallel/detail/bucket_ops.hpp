@@ -90,14 +90,22 @@ class bucket_ops {
   }
 
   /// bucket_state's launch: bucket b's collective, in plan order, under bucket_state's lock.
+  /// The sharded mode copies a bucket's gradients only here, once the bucket is complete, into
+  /// the one pooled buffer (after the previous bucket's reduce-scatter has released it): see
+  /// docs/sharded.md, "Memory".
   void launch(std::size_t b) {
     const auto& bk = memory_.plan().buckets[b];
     const detail::flight_tag_scope tag(b, step_);  // the flight record names the bucket (docs/forensics.md)
-    if (bk.numel > 0)
+    if (bk.numel > 0) {
+      if (shards_ != nullptr) {
+        memory_.bind(b, true, wait_patience(opts_, pg_), pg_.rank());
+        for (const auto& e : bk.entries) fill_slot(e.param);
+      }
       memory_.track(b, shards_ != nullptr
                            ? shards_->reduce_scatter(b)
                            : red_.allreduce_async(memory_.buffer(b), bk.numel, bk.type,
                                                   detail::bucket_op(opts_.average, opts_.uneven_inputs, bk.type)));
+    }
     if (timeline_) timeline_->bucket_launched(b, steady_clock::now());
   }
 
@@ -110,12 +118,6 @@ class bucket_ops {
     const auto& req = memory_.in_flight(b);
     state_.set_reduced(b, req.valid() ? req.finished_at() : state_.launched_at(b));
     if (timeline_) timeline_->bucket_waited(b, t_wait, steady_clock::now());
-  }
-
-  /// The sharded mode: parameter i's bucket holds a buffer, so that its slot can be written
-  /// (during backward it may wait for the oldest reduce-scatter in flight to free one).
-  void bind_slot(std::size_t i) {
-    if (shards_ != nullptr) memory_.bind(memory_.plan().where[i].first, true, wait_patience(opts_, pg_), pg_.rank());
   }
 
   /// Copy mode: bucket b's averages back into the engine's gradients. The sharded mode: bucket
@@ -134,13 +136,11 @@ class bucket_ops {
   /// The bucket slot of a parameter that is not ready in a synchronized step: zero, or what
   /// no_sync() steps accumulated (PyTorch DDP keeps an accumulated gradient the same way).
   void fill_unused(std::size_t i) {
-    bind_slot(i);
-    if (!state_.accumulated(i))
-      memory_.zero(i, views_[i].bytes());
-    else if (!opts_.gradient_as_bucket_view)
-      memory_.copy_in(i, views_[i].grad, views_[i].bytes());
-    // View mode: the slot already holds the accumulated gradient.
+    if (shards_ == nullptr) fill_slot(i);  // the sharded mode fills slots at launch
   }
+
+  /// Whether copies into the bucket wait for its launch (the sharded mode).
+  bool deferred_copies() const noexcept { return shards_ != nullptr; }
 
   /// The timeline's record of the step finish() ends, before the plan can change (the rebuild).
   void record_timeline(steady_clock::time_point t_call, const std::vector<std::string>& names,
@@ -164,6 +164,15 @@ class bucket_ops {
   }
 
  private:
+  /// Parameter i's slot: its gradient, or zero when unused (and nothing accumulated for it;
+  /// PyTorch DDP keeps an accumulated gradient the same way). View mode: the slot already holds it.
+  void fill_slot(std::size_t i) {
+    if (state_.unused(i) && !state_.accumulated(i))
+      memory_.zero(i, views_[i].bytes());
+    else if (!opts_.gradient_as_bucket_view)
+      memory_.copy_in(i, views_[i].grad, views_[i].bytes());
+  }
+
   process_group& pg_;
   const dp_options& opts_;
   const std::vector<tensor_view>& views_;

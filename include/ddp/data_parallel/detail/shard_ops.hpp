@@ -145,7 +145,8 @@ class shard_ops {
   }
 
   /// One optimizer step on this rank's shards, then the all-gather of the updated parameters
-  /// into the engine's tensors; the gathers of two buckets overlap the later buckets' steps.
+  /// into the engine's tensors, through one pooled buffer: each bucket's gather overlaps the
+  /// next bucket's optimizer.
   /// Parameters for which `unused(i)` holds (no rank used them: find_unused_parameters) keep
   /// their values and state, as PyTorch's optimizers skip a parameter without a gradient.
   template <class Optimizer, class Unused>
@@ -173,18 +174,19 @@ class shard_ops {
     ++steps_;
     const auto patience = wait_patience(opts_, pg_);
     const std::size_t n = layout_.buckets.size();
-    constexpr std::size_t window = 2;  // gathers in flight while later buckets step
     const auto gathered = [&](std::size_t b) {
       guarded_(
           "step (the all-gather of the parameters)", -1, [&] { memory_.wait(b, patience, pg_.rank()); }, false);
       copy_gathered(b);
       memory_.unbind(b);
     };
+    // One buffer: bucket b's optimizer runs on the engine's values while bucket b - 1 gathers.
     for (std::size_t b = 0; b < n; ++b) {
-      if (b >= window) gathered(b - window);
-      guarded_("step (the shard optimizer)", -1, [&] { step_bucket(opt, b, wrapper_step, unused); });
+      guarded_("step (the shard optimizer)", -1, [&] { step_pieces(opt, b, unused); });
+      if (b > 0) gathered(b - 1);
+      guarded_("step (the all-gather of the parameters)", -1, [&] { send(b, wrapper_step); });
     }
-    for (std::size_t b = n > window ? n - window : 0; b < n; ++b) gathered(b);
+    if (n > 0) gathered(n - 1);
   }
 
   /// Every rank's shards of the optimizer state (and master weights), gathered into rank 0's
@@ -310,16 +312,13 @@ class shard_ops {
 
  private:
   /// Bucket b's shard: the optimizer once per piece, on the engine's own values (f32) or the
-  /// master weights (f16, bf16), each piece's state a block of `k` arrays; the updated values
-  /// go into this rank's slice of a pooled buffer, which is then all-gathered in place. Pieces
-  /// of parameters that `unused` names are not stepped; their current values are sent.
+  /// master weights (f16, bf16, then rounded into the engine's tensor), each piece's state a
+  /// block of `k` arrays. Pieces of parameters that `unused` names are not stepped.
   template <class Optimizer, class Unused>
-  void step_bucket(Optimizer& opt, std::size_t b, std::uint64_t wrapper_step, const Unused& unused) {
+  void step_pieces(Optimizer& opt, std::size_t b, const Unused& unused) {
     const auto& L = layout_.buckets[b];
-    memory_.bind(b, false, wait_patience(opts_, pg_), pg_.rank());
     const std::size_t esz = dtype_size(L.type);
     const bool narrow = L.type != dtype::f32;
-    std::byte* mine = static_cast<std::byte*>(memory_.buffer(b)) + L.first * esz;
     const float* grads = static_cast<const float*>(grad_shard(b));
     if (narrow) {
       widen_to_f32(scratch_.data(), grad_shard(b), L.per_rank, L.type);
@@ -327,16 +326,26 @@ class shard_ops {
     }
     float* state = state_.data() + k_ * L.offset;
     for (const auto& pc : L.pieces) {
+      if (unused(pc.param)) continue;
       std::byte* engine = static_cast<std::byte*>(views_[pc.param].data) + pc.param_offset * esz;
       float* values = narrow ? master_.data() + L.offset + pc.shard_offset : reinterpret_cast<float*>(engine);
-      if (!unused(pc.param)) {
-        opt.step(shard_step{
-            b, steps_, std::span<float>(values, pc.count), std::span<const float>(grads + pc.shard_offset, pc.count),
-            std::span<float>(state + k_ * pc.shard_offset, k_ * pc.count), std::span<const shard_piece>(&pc, 1)});
-        if (narrow) narrow_from_f32(engine, values, pc.count, L.type);
-      }
-      std::memcpy(mine + pc.shard_offset * esz, engine, pc.count * esz);
+      opt.step(shard_step{
+          b, steps_, std::span<float>(values, pc.count), std::span<const float>(grads + pc.shard_offset, pc.count),
+          std::span<float>(state + k_ * pc.shard_offset, k_ * pc.count), std::span<const shard_piece>(&pc, 1)});
+      if (narrow) narrow_from_f32(engine, values, pc.count, L.type);
     }
+  }
+
+  /// This rank's updated values of bucket b into its slice of the pooled buffer, and the
+  /// bucket's all-gather in place.
+  void send(std::size_t b, std::uint64_t wrapper_step) {
+    const auto& L = layout_.buckets[b];
+    memory_.bind(b, false, wait_patience(opts_, pg_), pg_.rank());
+    const std::size_t esz = dtype_size(L.type);
+    std::byte* mine = static_cast<std::byte*>(memory_.buffer(b)) + L.first * esz;
+    for (const auto& pc : L.pieces)
+      std::memcpy(mine + pc.shard_offset * esz,
+                  static_cast<const std::byte*>(views_[pc.param].data) + pc.param_offset * esz, pc.count * esz);
     const detail::flight_tag_scope tag(b, wrapper_step);
     memory_.track(b, red_.allgather_async(mine, memory_.buffer(b), L.per_rank, L.type));
   }
