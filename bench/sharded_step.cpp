@@ -12,11 +12,12 @@
 // dp.step(ddp::adamw)). Times are the slowest rank's per step, after a barrier; the median and
 // the 10th percentile over --steps steps. Memory per rank: the optimizer state this rank holds
 // (rank 0's and the largest), ddp's gradient memory (bucket buffers held, plus the averaged
-// gradient shards in the sharded mode) and the peak RSS of rank 0. Each (variant, model, ranks)
+// gradient shards in the sharded mode), the largest bucket (the "one bucket" a rank may hold beside
+// its shards: a parameter larger than the cap is a bucket of its own) and the peak RSS of rank 0. Each (variant, model, ranks)
 // runs in freshly forked processes, so that peak RSS is its own.
 //
 // Columns: system,model,ranks,params,steps,step_median_ms,step_p10_ms,opt_state_bytes_rank0,
-//          opt_state_bytes_max,peak_rss_bytes_rank0,ddp_grad_bytes_rank0
+//          opt_state_bytes_max,peak_rss_bytes_rank0,ddp_grad_bytes_rank0,largest_bucket_bytes
 #include <ddp/ddp.hpp>
 
 #include <sys/resource.h>
@@ -161,9 +162,12 @@ void rank_main(int rank, int n, int port, const model_spec& m, const std::string
   rusage ru{};
   ::getrusage(RUSAGE_SELF, &ru);
   const std::size_t grad_bytes = dp.bucket_bytes_held() + dp.shard_gradient_bytes();
+  std::size_t largest = 0;
+  for (const auto& b : dp.plan().buckets) largest = std::max(largest, b.bytes);
   if (rank == 0) {
-    std::printf("%s,%s,%d,%zu,%d,%.3f,%.3f,%zu,%.0f,%ld,%zu\n", variant.c_str(), m.name.c_str(), n, m.elems, steps,
-                percentile(ms, 0.5), percentile(ms, 0.1), state_bytes, st[0], ru.ru_maxrss * 1024L, grad_bytes);
+    std::printf("%s,%s,%d,%zu,%d,%.3f,%.3f,%zu,%.0f,%ld,%zu,%zu\n", variant.c_str(), m.name.c_str(), n, m.elems, steps,
+                percentile(ms, 0.5), percentile(ms, 0.1), state_bytes, st[0], ru.ru_maxrss * 1024L, grad_bytes,
+                largest);
     std::fflush(stdout);
   }
 }
@@ -196,7 +200,7 @@ int main(int argc, char** argv) try {
   }
   if (models.empty()) throw std::runtime_error("usage: sharded_step [--ranks 2,4] [--steps N] [--warmup N] FILE.params ...");
   std::printf("system,model,ranks,params,steps,step_median_ms,step_p10_ms,opt_state_bytes_rank0,opt_state_bytes_max,"
-              "peak_rss_bytes_rank0,ddp_grad_bytes_rank0\n");
+              "peak_rss_bytes_rank0,ddp_grad_bytes_rank0,largest_bucket_bytes\n");
   std::fflush(stdout);
   int failed = 0;
   for (const auto& m : models)
