@@ -10,11 +10,19 @@ gradient for every parameter, last registered first, and the step is dominated b
 adds. Each step is timed twice, interleaved: once under DDP and once under model.no_sync();
 the difference of the medians is the synchronization cost (bucket copies plus allreduce).
 
+--hook fp16 / powersgd registers PyTorch's fp16_compress_hook / powerSGD_hook (rank
+--powersgd-rank, warm-up --powersgd-warmup steps, as PyTorch's defaults otherwise); the
+system column then reads pytorch_ddp_gloo_fp16 / _powersgd. --env starts no processes: this
+process is one rank of a group that RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe (as
+torchrun sets them; rank 0 hosts the store), for groups across hosts (bench/across_hosts.sh);
+GLOO_SOCKET_IFNAME then names the interface (default: the one that routes to MASTER_ADDR).
+
 CSV on stdout: system,model,ranks,bucket_cap_mb,steps,step_median_ms,nosync_median_ms,sync_ms
 Parameter counts and bytes go to stderr as '#' lines.
 """
 
 import argparse
+import datetime
 import math
 import os
 import statistics
@@ -91,18 +99,38 @@ def check_gradients(model, rank, world):
     return int(flag.item()) == 0
 
 
+def register_hook(ddp, args):
+    """The communication hook --hook names, with its state; returns the system name's suffix."""
+    if args.hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return "_fp16"
+    if args.hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                            start_powerSGD_iter=args.powersgd_warmup)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return "_powersgd"
+    return ""
+
+
 def worker(rank, args, port, models):
     torch.set_num_threads(1)
-    # Loopback only: the host name may not resolve to an address peers can reach.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # The parent already listens on `port`, so no rank hits the store client's 1 s retry.
-    store = dist.TCPStore("127.0.0.1", port, args.ranks, False)
+    if args.env:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), args.ranks, rank == 0,
+                              timeout=datetime.timedelta(seconds=120))
+    else:
+        # Loopback only: the host name may not resolve to an address peers can reach.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # The parent already listens on `port`, so no rank hits the store client's 1 s retry.
+        store = dist.TCPStore("127.0.0.1", port, args.ranks, False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=args.ranks)
     ok = True
     for model_name, shapes in models:
         for cap in args.bucket_cap_mb:
             module = ShapeModel(shapes)
             ddp = DistributedDataParallel(module, bucket_cap_mb=cap)
+            system = SYSTEM + register_hook(ddp, args)
             sync, nosync = [], []
             for i in range(args.warmup + args.steps):
                 # Gradients accumulate across steps; both variants accumulate alike.
@@ -114,11 +142,13 @@ def worker(rank, args, port, models):
                     sync.append(t_sync)
                     nosync.append(t_nosync)
             sync, nosync = slowest(sync), slowest(nosync)
-            ok = check_gradients(ddp, rank, args.ranks) and ok
+            # Compression is approximate (PowerSGD: low-rank); only exact reductions are checked.
+            if args.hook == "none":
+                ok = check_gradients(ddp, rank, args.ranks) and ok
             if rank == 0:
                 step_ms = statistics.median(sync)
                 nosync_ms = statistics.median(nosync)
-                print(f"{SYSTEM},{model_name},{args.ranks},{cap:g},{args.steps},"
+                print(f"{system},{model_name},{args.ranks},{cap:g},{args.steps},"
                       f"{step_ms:.3f},{nosync_ms:.3f},{step_ms - nosync_ms:.3f}", flush=True)
             del ddp, module
     # Every rank is done with gloo before any tears it down; then leave without the interpreter's
@@ -138,6 +168,11 @@ def main():
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3,
                     help="untimed steps; DDP rebuilds its buckets after the first")
+    ap.add_argument("--hook", choices=["none", "fp16", "powersgd"], default="none")
+    ap.add_argument("--powersgd-rank", type=int, default=1, help="matrix_approximation_rank")
+    ap.add_argument("--powersgd-warmup", type=int, default=2,
+                    help="start_powerSGD_iter: plain allreduce before it (PyTorch requires >= 2 with error feedback)")
+    ap.add_argument("--env", action="store_true", help="one rank of a group from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT")
     args = ap.parse_args()
 
     models = []
@@ -149,6 +184,13 @@ def main():
               file=sys.stderr, flush=True)
         models.append((name, shapes))
 
+    if args.env:
+        args.ranks = int(os.environ["WORLD_SIZE"])
+        rank = int(os.environ["RANK"])
+        if rank == 0:
+            print(HEADER, flush=True)
+        worker(rank, args, None, models)
+        return
     # The parent hosts the store server on a free port before any rank starts.
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     print(HEADER, flush=True)
