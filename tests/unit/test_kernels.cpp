@@ -701,3 +701,104 @@ TEST_CASE("the finishing division clamps a quotient past the largest value on bo
   check(half{});
   check(bfloat16{});
 }
+
+#if DDP_DETAIL_F16C_DISPATCH
+// A build for the x86-64 baseline converts f16 with F16C at run time where the CPU has it:
+// every f16 entry point must give the software path's bits, for every input pattern, op, average
+// step, scale and length (tails included).
+TEST_CASE("f16 kernels: the run-time F16C path gives the software path's bits") {
+  namespace k = det::kern;
+  const bool cpu = k::f16c_enable(true);
+  k::f16c_enable(true);
+  if (!k::f16c_on()) {
+    MESSAGE("this CPU has no F16C (or the OS keeps no AVX state): only the software path runs here");
+    return;
+  }
+  CHECK(cpu);
+  struct restore {
+    ~restore() { det::kern::f16c_enable(true); }
+  } r;
+  std::mt19937 g(26);
+  std::uniform_int_distribution<int> bits(0, 0xffff);
+  auto random_halves = [&](std::size_t n) {
+    std::vector<half> v(n);
+    for (auto& h : v) h.bits = static_cast<std::uint16_t>(bits(g));  // NaN, inf, subnormals among them
+    return v;
+  };
+  // Both paths, the same call: f(on) runs it with F16C on or off.
+  auto both = [](auto&& f) {
+    det::kern::f16c_enable(true);
+    auto a = f();
+    det::kern::f16c_enable(false);
+    auto b = f();
+    return std::make_pair(a, b);
+  };
+  for (std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{9}, std::size_t{1023},
+                        std::size_t{4097}, std::size_t{70001}}) {
+    CAPTURE(n);
+    const auto a = random_halves(n), b = random_halves(n), c = random_halves(n), d = random_halves(n);
+    for (op o : {op::sum, op::avg, op::min, op::max, op::prod}) {
+      CAPTURE(o);
+      for (int nins = 1; nins <= 4; ++nins)
+        for (int world : {1, 2, 3, 4, 6})
+          for (int raw = 0; raw <= nins; ++raw)
+            for (bool fin : {false, true}) {
+              const half* ins[] = {a.data(), b.data(), c.data(), d.data()};
+              const auto [on, off] = both([&] {
+                std::vector<half> out(n), out2(n);
+                half* outs[] = {out.data(), out2.data()};
+                det::combine(outs, 2, ins, nins, n, o, det::avg_step{world, raw, fin});
+                CHECK(std::memcmp(out.data(), out2.data(), n * sizeof(half)) == 0);
+                return out;
+              });
+              CHECK_MESSAGE(std::memcmp(on.data(), off.data(), n * sizeof(half)) == 0,
+                            "combine nins ", nins, " world ", world, " raw_from ", raw, " finish ", fin);
+            }
+      const auto [on, off] = both([&] {
+        auto acc = a;
+        det::reduce_into(acc.data(), b.data(), n, o);
+        det::reduce_into(static_cast<void*>(acc.data()), c.data(), n, dtype::f16, o);
+        return acc;
+      });
+      CHECK(std::memcmp(on.data(), off.data(), n * sizeof(half)) == 0);
+    }
+    // In place, as the shared-memory reducer calls it: the output is an input.
+    const auto [on_ip, off_ip] = both([&] {
+      auto x = a, y = b;
+      const half* ins[] = {x.data(), y.data()};
+      half* outs[] = {x.data()};
+      det::combine(outs, 1, ins, 2, n, op::avg, det::avg_step{2, 0, true});
+      return x;
+    });
+    CHECK(std::memcmp(on_ip.data(), off_ip.data(), n * sizeof(half)) == 0);
+    // avg_prescale / avg_finish, and the compression hook's bulk conversions with a scale.
+    for (int world : {2, 3, 5}) {
+      const auto [on, off] = both([&] {
+        std::vector<half> x(n);
+        det::avg_prescale(x.data(), a.data(), n, world);
+        det::avg_finish(x.data(), n, world);
+        return x;
+      });
+      CHECK(std::memcmp(on.data(), off.data(), n * sizeof(half)) == 0);
+    }
+    std::vector<float> f(n);
+    std::uniform_int_distribution<std::uint32_t> fbits;
+    for (auto& x : f) x = std::bit_cast<float>(fbits(g));
+    for (float scale : {1.0f, 0.25f, 1024.0f, 1.0e-6f})
+      for (bool sat : {false, true}) {
+        const auto [on, off] = both([&] {
+          std::vector<half> h(n);
+          det::narrow_to_f16(h.data(), f.data(), n, scale, sat);
+          return h;
+        });
+        CHECK_MESSAGE(std::memcmp(on.data(), off.data(), n * sizeof(half)) == 0, "narrow scale ", scale, " sat ", sat);
+        const auto [won, woff] = both([&] {
+          std::vector<float> w(n);
+          det::widen_from_f16(w.data(), a.data(), n, scale);
+          return w;
+        });
+        CHECK_MESSAGE(std::memcmp(won.data(), woff.data(), n * sizeof(float)) == 0, "widen scale ", scale);
+      }
+  }
+}
+#endif
