@@ -4,13 +4,15 @@
 # For each layout (HOSTSxRANKS) and link rate, one set of namespaces; then ROUNDS times, per model,
 # alternating in one sitting:
 #   ddp        bench/ddp_step --env under one ddprun per host: the default wrapper in copy and view
-#              mode (ddp_default_copy, ddp_default_view) and with fp16_compress
-#              (ddp_default_fp16_copy); 25 MiB buckets, no simulated compute
+#              mode (ddp_default_copy, ddp_default_view), with fp16_compress
+#              (ddp_default_fp16_copy) and with powersgd at rank 1 (ddp_default_powersgd_copy);
+#              25 MiB buckets, no simulated compute
 #   PyTorch    bench/peers/torch_ddp.py --env, one process per rank: DDP (gloo) with no hook, with
 #              fp16_compress_hook, and with powerSGD_hook (rank 1 by default; one bucket, see below)
 # Each row is the gradient sync per step (step minus a no_sync step, medians of the slowest rank).
 # The table gives per layout, rate, model and system the median over rounds, the link bound, the
-# ratio to it, and PyTorch DDP (no hook) over ddp's default.
+# ratio to it, PyTorch DDP (no hook) over each row, and PyTorch with the same compression (none,
+# fp16, PowerSGD) over each row.
 #
 # The bound: every host sends and receives at least 2 (H - 1) / H of the gradient bytes B over its
 # link in an allreduce over H hosts (a ring between the hosts; ranks within a host meet in memory),
@@ -59,7 +61,7 @@ run_ddp() {
   for ((k = hosts - 1; k >= 0; --k)); do
     (netns_exec $k env -u DDP_BACKEND DDP_INSECURE=1 timeout 900 \
        "$ddprun" -n "$per" --nnodes "$hosts" --node-rank $k --master-addr "$(netns_addr 0)" --port $port --timeout 120 -- \
-       "$step" --env --reducers default,default_fp16 --caps 25 --modes copy,view --no-compute --no-flat \
+       "$step" --env --reducers default,default_fp16,default_powersgd --caps 25 --modes copy,view --no-compute --no-flat \
        --steps "$steps" --warmup "$warmup" "$model" >"$tmp/out.$k" 2>&1
      echo $? >"$tmp/rc.$k") &
   done
@@ -67,8 +69,8 @@ run_ddp() {
   for ((k = 0; k < hosts; ++k)); do
     [[ $(cat "$tmp/rc.$k") == 0 ]] || { echo "across_hosts: ddp on host $k failed:" >&2; tail -5 "$tmp/out.$k" >&2; return 1; }
   done
-  # default_fp16 in view mode is not a system of its own (the hook converts a copy either way).
-  sed -n 's/^\[0\] \(ddp_.*\)/\1/p' "$tmp/out.0" | grep -v '^ddp_default_fp16_view'
+  # The hooks in view mode are not systems of their own (they work on the bucket either way).
+  sed -n 's/^\[0\] \(ddp_.*\)/\1/p' "$tmp/out.0" | grep -v -e '^ddp_default_fp16_view' -e '^ddp_default_powersgd_view'
 }
 
 # run_torch HOSTS PER_HOST MODEL_FILE HOOK: PyTorch's row.
@@ -148,8 +150,8 @@ def rate_bps(r):
         if r.endswith(suf):
             return float(r[: -len(suf)]) * mul
     return float(r)
-print("| layout | link | model | system | sync ms | bound ms | / bound | PyTorch DDP / this |")
-print("|---|---|---|---|---|---|---|---|")
+print("| layout | link | model | system | sync ms | bound ms | / bound | PyTorch DDP / this | PyTorch, same compression / this |")
+print("|---|---|---|---|---|---|---|---|---|")
 for key in sorted(rows, key=lambda k: (k[0], -rate_bps(k[1]), k[2], k[3])):
     layout, rate, model, system = key
     hosts = int(layout.split("x")[0])
@@ -161,5 +163,8 @@ for key in sorted(rows, key=lambda k: (k[0], -rate_bps(k[1]), k[2], k[3])):
         bound, rel = float("nan"), "-"
     peer = rows.get((layout, rate, model, "pytorch_ddp_gloo"))
     ratio = f"{statistics.median(peer) / ms:.2f}" if peer else "-"
-    print(f"| {layout} | {rate} | {model} | {system} | {ms:.1f} | {bound:.1f} | {rel} | {ratio} |")
+    kind = "_fp16" if "fp16" in system else "_powersgd" if "powersgd" in system else ""
+    same = rows.get((layout, rate, model, "pytorch_ddp_gloo" + kind))
+    same_ratio = f"{statistics.median(same) / ms:.2f}" if same else "-"
+    print(f"| {layout} | {rate} | {model} | {system} | {ms:.1f} | {bound:.1f} | {rel} | {ratio} | {same_ratio} |")
 PY

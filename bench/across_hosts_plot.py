@@ -22,10 +22,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ORDER = ["ddp_default_copy", "ddp_default_view", "ddp_default_fp16_copy", "pytorch_ddp_gloo",
+ORDER = ["ddp_default_copy", "ddp_default_view", "ddp_default_fp16_copy", "ddp_default_powersgd_copy", "pytorch_ddp_gloo",
          "pytorch_ddp_gloo_fp16", "pytorch_ddp_gloo_powersgd"]
 LABEL = {"ddp_default_copy": "ddp default (copy)", "ddp_default_view": "ddp view",
-         "ddp_default_fp16_copy": "ddp fp16_compress", "pytorch_ddp_gloo": "PyTorch DDP",
+         "ddp_default_fp16_copy": "ddp fp16_compress",
+         "ddp_default_powersgd_copy": "ddp powersgd (rank 1)", "pytorch_ddp_gloo": "PyTorch DDP",
          "pytorch_ddp_gloo_fp16": "PyTorch fp16 hook", "pytorch_ddp_gloo_powersgd": "PyTorch PowerSGD (rank 1)"}
 
 

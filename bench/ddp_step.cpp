@@ -8,7 +8,8 @@
 // Reducers: ring_tcp, tree_tcp, ring_shm, tree_shm, and `default`: ddp::data_parallel's own
 // (whatever the library defaults to; chosen at run time where the default does that).
 // Compressed (ddp::hooked with ddp::fp16_compress / ddp::bf16_compress, docs/tuning.md):
-// ring_tcp_fp16, ring_tcp_bf16, tree_tcp_fp16, ring_shm_fp16, default_fp16.
+// ring_tcp_fp16, ring_tcp_bf16, tree_tcp_fp16, ring_shm_fp16, default_fp16. default_powersgd:
+// ddp::powersgd at rank 1, compressed from the first step (PyTorch's powerSGD_hook default rank).
 // --env: this process is one rank, started by a launcher (ddprun, mpirun, srun; several hosts
 // allowed): the group comes from the environment (ddp::init_options::from_env()) and --ranks is
 // ignored; only rank 0 prints rows. bench/netns_hier.sh runs it so across network namespaces.
@@ -49,6 +50,7 @@
 #include <ddp/data_parallel.hpp>
 #include <ddp/reducer/compress.hpp>
 #include <ddp/reducer/hooked.hpp>
+#include <ddp/reducer/powersgd.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/tree.hpp>
 #include <ddp/transport/tcp.hpp>
@@ -518,6 +520,9 @@ void rank_main(const ddp::init_options& io, const options& o) {
         run_reducer<ddp::hooked<ddp::tree<ddp::tcp>, ddp::fp16_compress>, ddp::host_allocator>(pg, m, e, o, red);
       } else if (red == "default_fp16") {
         run_reducer<ddp::hooked<ddp::auto_reducer, ddp::fp16_compress>, ddp::data_parallel::allocator_type>(pg, m, e, o, red);
+      } else if (red == "default_powersgd") {
+        run_reducer<ddp::hooked<ddp::auto_reducer, ddp::powersgd>, ddp::data_parallel::allocator_type>(
+            pg, m, e, o, red, ddp::powersgd{{.rank = 1, .start_iter = 0}});
 #ifdef DDP_BENCH_HAS_SHM
       } else if (red == "ring_shm" || red == "tree_shm" || red == "ring_shm_fp16") {
         // The arena must hold every rank's buckets; tmpfs only backs the pages touched.

@@ -125,6 +125,21 @@ void run(std::size_t bytes, int reps) {
   report("reduce_into<bfloat16> sum",
          median_seconds(reps, [&] { ddp::detail::reduce_into(bf(0), bf(1), nh, ddp::op::sum); }), 3 * b);
   std::printf("reduce_into<float> / plain loop: %.0f%% (target >= 80%%)\n", 100.0 * red / plain);
+  // The conversion work of fp16_compress and bf16_compress on one f32 bucket (max |x|, narrow with
+  // the scale, widen with its inverse; bf16 needs no max), as f32 bytes per second: K in
+  // docs/tuning.md's rule for when compression pays.
+  for (std::size_t i = 0; i < nf; ++i) f(0)[i] = 1e-3f * static_cast<float>(i % 1000) - 0.5f;
+  const double k16 = report("fp16_compress passes (f32 B)", median_seconds(reps, [&] {
+                              const float m = ddp::detail::max_abs_finite(f(0), nf);
+                              ddp::detail::narrow_to_f16(h(2), f(0), nf, 1.0f / (m > 0 ? m : 1.0f), true);
+                              ddp::detail::widen_from_f16(f(0), h(2), nf, m > 0 ? m : 1.0f);
+                            }), b);
+  const double kb = report("bf16_compress passes (f32 B)", median_seconds(reps, [&] {
+                             ddp::detail::narrow_to_bf16(bf(2), f(0), nf, 1.0f, true);
+                             ddp::detail::widen_from_bf16(f(0), bf(2), nf, 1.0f);
+                           }), b);
+  std::printf("compression pays across H hosts below a link of K (H-1)/H: fp16 %.1f Gbit/s, bf16 %.1f Gbit/s "
+              "(2 hosts: half)\n", k16 * 8, kb * 8);
 }
 
 }  // namespace

@@ -20,8 +20,14 @@
 // rank keeps the AdamW state of its shard, and dp.wrapper().step(ddp::adamw) replaces the
 // optimizer's step; the Python side then uses PyTorch's ZeroRedundancyOptimizer over AdamW
 // (--sharded there too), and the weights agree as they do for SGD.
+//
+// --powersgd R sends the gradients as rank-R PowerSGD factors (ddp::powersgd over the default
+// reducer, plain allreduce for the first --powersgd-warmup steps, 10 by default); tests/torch/
+// powersgd_loss.sh compares its final loss with the uncompressed run's (and with PyTorch's
+// powerSGD_hook through 03_libtorch_ddp.py --powersgd R).
 #include <ddp/adapters/libtorch.hpp>
 #include <ddp/optim/adamw.hpp>
+#include <ddp/reducer/powersgd.hpp>
 
 #include "tensor_file.hpp"
 
@@ -47,6 +53,8 @@ struct options {
   int warmup = 3;
   bool view = false;    // gradient as bucket view
   bool sharded = false;  // AdamW sharded over the ranks (ZeRO-2)
+  int powersgd = 0;      // PowerSGD's rank (0: uncompressed)
+  int powersgd_warmup = 10;
   double weight_decay = 0.01;  // AdamW's (PyTorch's default)
   std::string init, out;
 };
@@ -101,6 +109,8 @@ options parse(int argc, char** argv) {
     else if (a == "--warmup") o.warmup = std::stoi(next());
     else if (a == "--view") o.view = true;
     else if (a == "--sharded") o.sharded = true;
+    else if (a == "--powersgd") o.powersgd = std::stoi(next());
+    else if (a == "--powersgd-warmup") o.powersgd_warmup = std::stoi(next());
     else if (a == "--init") o.init = next();
     else if (a == "--out") o.out = next();
     else throw std::runtime_error("unknown argument " + a);
@@ -121,6 +131,9 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
+template <class DP>
+int run(const options& o, ddp::process_group& pg, Cnn& net, const torch::Tensor& x, const torch::Tensor& y, DP& dp);
+
 int main(int argc, char** argv) try {
   const options o = parse(argc, argv);
   torch::set_num_threads(1);  // one core per rank, as the PyTorch side
@@ -130,7 +143,26 @@ int main(int argc, char** argv) try {
   const auto [x, y] = make_dataset(static_cast<std::int64_t>(o.batch) * world * o.batches);
   torch::manual_seed(100 + rank);  // each rank its own initial weights: rank 0's must win
   Cnn net(o.width);
-  ddp::torch_data_parallel dp{pg, *net, ddp::bucket_policy{}, {.gradient_as_bucket_view = o.view, .shard = o.sharded}};
+  const ddp::dp_options dpo{.gradient_as_bucket_view = o.view, .shard = o.sharded};
+  const auto train = [&](auto& dp) { return run(o, pg, net, x, y, dp); };
+  if (o.powersgd > 0) {
+    const ddp::powersgd_options po{.rank = static_cast<std::size_t>(o.powersgd),
+                                   .start_iter = static_cast<std::uint64_t>(o.powersgd_warmup)};
+    ddp::basic_torch_data_parallel<ddp::size_planner, ddp::hooked<ddp::auto_reducer, ddp::powersgd>> dp{
+        pg, *net, ddp::bucket_policy{}, dpo, ddp::powersgd{po}};
+    return train(dp);
+  }
+  ddp::torch_data_parallel dp{pg, *net, ddp::bucket_policy{}, dpo};
+  return train(dp);
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "03_libtorch: %s\n", e.what());
+  return 1;
+}
+
+// Trains (or times, --bench) with the wrapper `dp`; returns the exit code.
+template <class DP>
+int run(const options& o, ddp::process_group& pg, Cnn& net, const torch::Tensor& x, const torch::Tensor& y, DP& dp) {
+  const int rank = pg.rank(), world = pg.size();
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(o.lr).momentum(o.momentum));
   ddp::adamw sharded_opt{{.lr = o.lr, .weight_decay = o.weight_decay}};
   if (rank == 0 && !o.init.empty()) {
@@ -182,7 +214,8 @@ int main(int argc, char** argv) try {
     return 0;
   }
 
-  double first_loss = 0, last_loss = 0;
+  double first_loss = 0, last_loss = 0, tail_loss = 0;  // tail: the mean over the last (up to) 10 steps
+  const int tail_steps = std::min(10, o.steps);
   for (int step = 0; step < o.steps; ++step) {
     opt.zero_grad();
     auto loss = loss_at(step);
@@ -192,9 +225,10 @@ int main(int argc, char** argv) try {
     else
       opt.step();
     // The mean loss over the ranks, for the log: a scalar allreduce from the group.
-    const double mean_loss = pg.all_reduce(loss.item<double>(), ddp::op::avg);
+    const double mean_loss = pg.all_reduce(loss.template item<double>(), ddp::op::avg);
     if (step == 0) first_loss = mean_loss;
     last_loss = mean_loss;
+    if (step >= o.steps - tail_steps) tail_loss += mean_loss / tail_steps;
     if (rank == 0 && (step % 5 == 0 || step + 1 == o.steps))
       std::printf("step %3d  loss %.4f  (%zu buckets)\n", step, mean_loss, dp.wrapper().plan().buckets.size());
   }
@@ -208,10 +242,7 @@ int main(int argc, char** argv) try {
   const bool same = std::all_of(all.begin(), all.end(), [&](const std::string& h) { return h == all[0]; });
   const bool learned = o.steps < 30 || last_loss < 0.5 * first_loss;  // 30 steps end near 0.15-0.3 of it
   if (rank == 0)
-    std::printf("loss %.4f -> %.4f; weights %s on all %d ranks\n", first_loss, last_loss,
-                same ? "bitwise equal" : "DIFFER", world);
+    std::printf("loss %.4f -> %.4f (mean of the last %d steps %.4f); weights %s on all %d ranks\n", first_loss,
+                last_loss, tail_steps, tail_loss, same ? "bitwise equal" : "DIFFER", world);
   return same && learned ? 0 : 1;
-} catch (const std::exception& e) {
-  std::fprintf(stderr, "03_libtorch: %s\n", e.what());
-  return 1;
 }

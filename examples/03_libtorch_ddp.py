@@ -16,7 +16,8 @@ CSV system,ranks,width,elements,steps,step_median_ms,nosync_median_ms,sync_ms on
 --sharded trains with AdamW under torch.distributed.optim.ZeroRedundancyOptimizer, beside the
 C++ side's --sharded (ddp's sharded AdamW); --sharded --deepspeed under DeepSpeed's ZeRO stage 2
 instead (CPU, gloo; an interpreter with deepspeed installed, e.g. the venv of
-scripts/torch_current.sh).
+scripts/torch_current.sh). --powersgd R registers PyTorch's powerSGD_hook (rank R, plain for
+the first --powersgd-warmup steps), beside the C++ side's --powersgd R (tests/torch/powersgd_loss.sh).
 Debian's torch imports only under /usr/bin/python3.
 """
 
@@ -165,6 +166,11 @@ def worker(rank, args, port):
     else:
         ddp = DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+        if args.powersgd:
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd,
+                                                start_powerSGD_iter=args.powersgd_warmup)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
     def loss_at(step):
         bx, by = batch_of(x, y, step, rank, world, args.batch, args.batches)
@@ -194,6 +200,7 @@ def worker(rank, args, port):
             elems = sum(p.numel() for p in model.parameters())
             print(f"pytorch_ddp_gloo,{world},{args.width},{elems},{args.bench},{s:.3f},{l:.3f},{s - l:.3f}", flush=True)
     else:
+        tail, tail_steps = 0.0, min(10, args.steps)  # the mean loss over the last (up to) 10 steps
         for step in range(args.steps):
             loss = loss_at(step)
             if args.deepspeed:
@@ -205,8 +212,12 @@ def worker(rank, args, port):
                 opt.step()
             mean = loss.detach().clone()
             dist.all_reduce(mean)
+            if step >= args.steps - tail_steps:
+                tail += mean.item() / world / tail_steps
             if rank == 0 and (step % 5 == 0 or step + 1 == args.steps):
                 print(f"step {step:3d}  loss {mean.item() / world:.4f}", flush=True)
+        if rank == 0:
+            print(f"mean loss of the last {tail_steps} steps {tail:.4f}", flush=True)
         if rank == 0 and args.out:
             write_tensors(args.out, list(model.named_parameters()))
         if rank == 0 and args.compare:
@@ -248,6 +259,9 @@ def main():
     ap.add_argument("--sharded", action="store_true",
                     help="AdamW under ZeroRedundancyOptimizer (the C++ side's --sharded)")
     ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--powersgd", type=int, default=0,
+                    help="rank of PyTorch's powerSGD_hook (the C++ side's --powersgd; 0: none)")
+    ap.add_argument("--powersgd-warmup", type=int, default=10, help="its start_powerSGD_iter")
     ap.add_argument("--deepspeed", action="store_true",
                     help="AdamW under DeepSpeed's ZeRO stage 2 (CPU, gloo; where deepspeed is installed)")
     ap.add_argument("--bind-cores", action="store_true", help="rank r on the r-th usable core")

@@ -57,13 +57,16 @@ class nccl_reducer;
 class hierarchical;
 class auto_reducer;
 // communication hooks: reducer/hooked.hpp (the decorator; its Hook defaults to plain_allreduce
-// there), reducer/compress.hpp
+// there), reducer/compress.hpp, reducer/powersgd.hpp
 struct comm_bucket;
+struct comm_tensor;
 struct plain_allreduce;
 template <class Inner, class Hook>
 class hooked;
 struct fp16_compress;
 struct bf16_compress;
+struct powersgd_options;
+class powersgd;
 
 // policies: planner/, memory/, parameter.hpp
 struct bucket_policy;

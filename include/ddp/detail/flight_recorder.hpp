@@ -38,6 +38,7 @@
 #include <ddp/detail/output_file.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
+#include <ddp/fwd.hpp>
 #include <ddp/version.hpp>
 
 namespace ddp {
@@ -63,10 +64,14 @@ inline const char* flight_state_name(flight_state s) noexcept {
 }
 
 /// What the issuing thread works on, as the wrapper knows it: bucket `bucket` of step `step`
-/// (data_parallel's launch sets it around each bucket's allreduce; -1: not a bucket).
+/// (data_parallel's launch sets it around each bucket's allreduce; -1: not a bucket), and the
+/// tensors packed in that bucket (`n_tensors` of them at `tensors`, for communication hooks:
+/// reducer/hooked.hpp's comm_bucket; none when the wrapper did not say).
 struct flight_tag {
   std::int32_t bucket = -1;
   std::int64_t step = -1;
+  const comm_tensor* tensors = nullptr;
+  std::size_t n_tensors = 0;
 };
 inline thread_local flight_tag current_flight_tag{};
 
@@ -75,8 +80,10 @@ inline thread_local flight_tag current_flight_tag{};
 class flight_tag_scope {
  public:
   explicit flight_tag_scope(flight_tag t) noexcept : saved_(current_flight_tag) { current_flight_tag = t; }
-  flight_tag_scope(std::size_t bucket, std::uint64_t step) noexcept
-      : flight_tag_scope(flight_tag{static_cast<std::int32_t>(bucket), static_cast<std::int64_t>(step)}) {}
+  flight_tag_scope(std::size_t bucket, std::uint64_t step, const comm_tensor* tensors = nullptr,
+                   std::size_t n_tensors = 0) noexcept
+      : flight_tag_scope(
+            flight_tag{static_cast<std::int32_t>(bucket), static_cast<std::int64_t>(step), tensors, n_tensors}) {}
   flight_tag_scope(const flight_tag_scope&) = delete;
   flight_tag_scope& operator=(const flight_tag_scope&) = delete;
   ~flight_tag_scope() { current_flight_tag = saved_; }

@@ -69,14 +69,7 @@ class compress_hook {
  public:
   template <class R>
   void operator()(const comm_bucket& b, R& inner) {
-    // The conversions run on the CPU: buckets in GPU memory (NCCL's) cannot be compressed here.
-    static_assert(!std::is_same_v<R, nccl_reducer>,
-                  "ddp: fp16_compress/bf16_compress convert on the CPU; nccl_reducer's buckets live in GPU memory");
-    if constexpr (requires { inner.nccl(); })
-      if (inner.nccl() != nullptr)
-        raise(errc::unsupported, b.rank,
-              "fp16_compress/bf16_compress convert buckets on the CPU, but the auto_reducer chose NCCL, whose buckets "
-              "live in GPU memory; compress with a host engine (DDP_BACKEND=shm, tcp, mpi) or reduce uncompressed");
+    require_host_buckets(b, inner, "fp16_compress/bf16_compress");
     if (b.type != dtype::f32 || b.size < 2 || b.count == 0 || (b.oper != op::sum && b.oper != op::avg)) {
       allreduce_now(inner, b.data, b.count, b.type, b.oper, b.deadline);
       return;

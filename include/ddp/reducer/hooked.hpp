@@ -49,6 +49,20 @@
 namespace ddp {
 inline namespace v0 {
 
+/// One tensor packed in a bucket, as the data-parallel wrapper hands it to a communication hook
+/// (comm_bucket::tensors below): the gradient of parameter `param` at elements
+/// [offset, offset + numel) of the bucket. `rows` is the
+/// parameter's first dimension (its numel when it has no shape), so the gradient is a
+/// rows x cols() matrix in row-major order, the view PyTorch's PowerSGD takes of it.
+struct comm_tensor {
+  std::size_t param = 0;
+  std::size_t offset = 0;
+  std::size_t numel = 0;
+  std::size_t rows = 0;
+  std::size_t cols() const noexcept { return rows == 0 ? 0 : numel / rows; }
+  friend bool operator==(const comm_tensor&, const comm_tensor&) = default;
+};
+
 /// One allreduce as a communication hook receives it. The hook reduces `count` elements of
 /// `type` at `data` with `oper` across the group, in place.
 struct comm_bucket {
@@ -66,6 +80,12 @@ struct comm_bucket {
   /// The hook's own waits (on requests it starts) should end by this: twice the group's
   /// timeout after the hook was called, as the reducers' blocking calls wait.
   steady_clock::time_point deadline{};
+  /// The wrapper's bucket index (its plan's launch order; the same on every rank), or -1 for
+  /// an allreduce a program issued itself.
+  std::int32_t bucket = -1;
+  /// The tensors packed in the bucket, in buffer order, back to back (empty for an allreduce
+  /// a program issued itself). Valid during the call.
+  std::span<const comm_tensor> tensors{};
 
   std::size_t bytes() const noexcept { return count * dtype_size(type); }
   /// The bucket as a span of `T`; errc::invalid_argument when `T` is not its dtype.
@@ -102,6 +122,20 @@ requires requires { typename R::transport_type; }
 struct transport_type_of<R> {
   using transport_type = typename R::transport_type;
 };
+
+/// A hook that computes on the CPU (compression) refuses buckets in GPU memory: at compile time
+/// for nccl_reducer, at run time when an auto_reducer chose NCCL.
+template <class R>
+void require_host_buckets(const comm_bucket& b, R& inner, const char* hook) {
+  static_assert(!std::is_same_v<R, nccl_reducer>,
+                "ddp: this communication hook computes on the CPU; nccl_reducer's buckets live in GPU memory");
+  if constexpr (requires { inner.nccl(); })
+    if (inner.nccl() != nullptr)
+      raise(errc::unsupported, b.rank,
+            std::string(hook) +
+                " computes on the CPU, but the auto_reducer chose NCCL, whose buckets live in GPU memory; use a host "
+                "engine (DDP_BACKEND=shm, tcp, mpi) or reduce uncompressed");
+}
 
 /// Runs an allreduce through `r` and returns when it is done: the blocking call where the
 /// reducer has one (it runs on the calling thread when nothing is queued), else async and wait.
@@ -275,7 +309,8 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
 
   void run_hook(void* data, std::size_t count, dtype t, op o) {
     check_usable();
-    comm_bucket b{data, count, t, o, seq_++, rank(), size(), deadline()};
+    const detail::flight_tag& tag = detail::current_flight_tag;  // the issuer's, restored on this thread
+    comm_bucket b{data, count, t, o, seq_++, rank(), size(), deadline(), tag.bucket, {tag.tensors, tag.n_tensors}};
     try {
       hook_(static_cast<const comm_bucket&>(b), inner_);
     } catch (const error& e) {

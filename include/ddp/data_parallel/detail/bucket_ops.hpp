@@ -28,6 +28,7 @@
 #include <ddp/parameter.hpp>
 #include <ddp/planner/bucket_plan.hpp>
 #include <ddp/process_group.hpp>
+#include <ddp/reducer/hooked.hpp>
 #include <ddp/request.hpp>
 
 namespace ddp {
@@ -95,7 +96,9 @@ class bucket_ops {
   /// docs/sharded.md, "Memory".
   void launch(std::size_t b) {
     const auto& bk = memory_.plan().buckets[b];
-    const detail::flight_tag_scope tag(b, step_);  // the flight record names the bucket (docs/forensics.md)
+    // The flight record names the bucket (docs/forensics.md); a communication hook sees its tensors.
+    const std::span<const comm_tensor> tensors = layout(b);
+    const detail::flight_tag_scope tag(b, step_, tensors.data(), tensors.size());
     if (bk.numel > 0) {
       if (shards_ != nullptr) {
         memory_.bind(b, true, wait_patience(opts_, pg_), pg_.rank());
@@ -164,6 +167,26 @@ class bucket_ops {
   }
 
  private:
+  /// Bucket b's tensors as a communication hook sees them (reducer/hooked.hpp's comm_tensor),
+  /// rebuilt at each launch (the plan may have changed; no allocation once each bucket's list
+  /// has grown). Only for a hooked reducer: nothing else reads them.
+  std::span<const comm_tensor> layout(std::size_t b) {
+    if constexpr (requires { typename Reducer::hook_type; }) {
+      const auto& bk = memory_.plan().buckets[b];
+      if (layouts_.size() <= b) layouts_.resize(memory_.plan().buckets.size());
+      auto& out = layouts_[b];
+      out.clear();
+      for (const auto& e : bk.entries) {
+        const auto& shape = views_[e.param].shape;
+        const std::size_t rows = shape.empty() ? e.numel : static_cast<std::size_t>(shape.front());
+        out.push_back(comm_tensor{e.param, e.offset_elems, e.numel, rows});
+      }
+      return out;
+    } else {
+      return {};
+    }
+  }
+
   /// Parameter i's slot: its gradient, or zero when unused (and nothing accumulated for it;
   /// PyTorch DDP keeps an accumulated gradient the same way). View mode: the slot already holds it.
   void fill_slot(std::size_t i) {
@@ -185,6 +208,7 @@ class bucket_ops {
   std::function<void(const reduced_bucket&)> hook_;  // on_bucket_reduced
   std::vector<std::size_t> hook_params_;             // the hook's current bucket
   shard_ops<Reducer, Allocator>* shards_;            // the sharded mode's, else null
+  std::vector<std::vector<comm_tensor>> layouts_;    // layout(): per bucket, for a hooked reducer
 };
 
 }  // namespace detail
