@@ -110,6 +110,34 @@ TEST_CASE("the default wrapper with DDP_BACKEND=nccl and no device: 'no CUDA dev
   }
 }
 
+TEST_CASE("the default wrapper on a host engine (shm) with device gradients: refused at construction on every rank") {
+  // A build with NCCL gives auto_allocator copy hooks; over the shm engine its buckets are host
+  // memory the CPU reduces, so device gradients must be refused as without NCCL, before the
+  // broadcast reads them. The memory here is host memory labelled device 0: the refusal must
+  // come before anything reads it.
+  const int port = ddp_test::free_port();
+  auto out = ddp_test::run_processes(
+      {0, 1},
+      [&](int r) {
+        auto o = world(r, 2, port);
+        o.backend = ddp::backend::shm;
+        auto pg = ddp::init_process_group(o);
+        host_model m(r);
+        for (auto& v : m.views) v.device = 0;
+        ddp::data_parallel dp{pg, m.views};
+        one_step(dp);
+      },
+      std::chrono::seconds(60));
+  for (auto& o : out) {
+    CHECK(o.exit_code == 1);
+    CHECK(o.errc == static_cast<int>(ddp::errc::unsupported));
+    CHECK_MESSAGE(o.message.find("parameter 0 ('w') lives on device 0 but the buckets are shared memory") !=
+                      std::string::npos,
+                  o.message);
+    CHECK(o.message.find("DDP_BACKEND=nccl") != std::string::npos);
+  }
+}
+
 TEST_CASE("ring<tcp> + pinned_allocator without a device: construction fails in cudaHostAlloc, on every rank") {
   if (device_count() > 0) return;
   const int port = ddp_test::free_port();

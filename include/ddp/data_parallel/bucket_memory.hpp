@@ -81,15 +81,28 @@ class bucket_memory {
         detail::raise(errc::unsupported, rank,
                       std::string("bucket memory of kind '") + memory_kind_name(alloc_.location()) +
                           "' needs an allocator with copy(dst, src, bytes) (ddp::allocator_with_copy)");
-      for (std::size_t i = 0; i < views.size(); ++i)
-        if (views[i].device >= 0)
-          detail::raise(errc::unsupported, rank,
-                        detail::parameter_label(i, views[i].name, noun) + " lives on device " +
-                            std::to_string(views[i].device) +
-                            " but the allocator policy cannot copy device memory (it has no copy(dst, src, "
-                            "bytes), ddp::allocator_with_copy; use cuda_allocator)",
-                        -1, std::is_same_v<View, tensor_view> ? static_cast<int>(i) : -1);
+      refuse_device_views(views, rank, noun,
+                          " but the allocator policy cannot copy device memory (it has no copy(dst, src, bytes), "
+                          "ddp::allocator_with_copy; use cuda_allocator)");
+    } else if constexpr (requires { bool(alloc_.copies_device_memory()); }) {
+      // An allocator whose hooks reach device memory only sometimes (auto_allocator: when the
+      // engine it serves is NCCL): the host engines read these buckets with the CPU.
+      if (!alloc_.copies_device_memory())
+        refuse_device_views(views, rank, noun,
+                            std::string(" but the buckets are ") + memory_kind_name(alloc_.location()) +
+                                " memory the CPU reduces (a host engine was chosen); reduce device gradients with "
+                                "a device engine (DDP_BACKEND=nccl, nccl_reducer) or move them to the host");
     }
+  }
+  template <class View>
+  static void refuse_device_views(std::span<const View> views, int rank, std::string_view noun,
+                                  const std::string& why) {
+    for (std::size_t i = 0; i < views.size(); ++i)
+      if (views[i].device >= 0)
+        detail::raise(errc::unsupported, rank,
+                      detail::parameter_label(i, views[i].name, noun) + " lives on device " +
+                          std::to_string(views[i].device) + why,
+                      -1, std::is_same_v<View, tensor_view> ? static_cast<int>(i) : -1);
   }
 
  public:

@@ -85,6 +85,10 @@ concept allocator_with_copy = requires(A& a, void* dst, const void* src, std::si
   a.copy(dst, src, bytes);
 };
 
+/// Optional with `copy`: `a.copies_device_memory()`, false when this allocator's copy cannot
+/// reach device memory (auto_allocator over a host engine); the wrapper then refuses device
+/// gradients at construction. Without it, `copy` is taken to reach every memory.
+
 /// Optional hook: `a.zero(dst, bytes)` clears bucket memory (the slot of an unused parameter).
 /// An allocator with `copy` must have it too: the wrapper could not clear such memory itself.
 template <class A>

@@ -76,6 +76,9 @@ class auto_allocator {
     if (on_device_) return cuda_.zero(dst, bytes);
     if (bytes > 0) std::memset(dst, 0, bytes);
   }
+  /// Whether copy() reaches device memory: only with buckets on the device. The wrapper refuses
+  /// device gradients otherwise (data_parallel/bucket_memory.hpp).
+  bool copies_device_memory() const noexcept { return on_device_; }
 #endif
   /// The segment blocks come from, or nullptr.
   shm* segment() const noexcept { return link_; }
