@@ -20,6 +20,8 @@
 #include <ddp/reducer/shm.hpp>
 #include <ddp/transport/tcp.hpp>
 
+#include "free_port.hpp"
+
 #include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -35,11 +37,6 @@
 
 namespace {
 
-int free_port() {
-  const auto ep = ddp::detail::resolve("127.0.0.1", 0, 0, true).front();
-  auto fd = ddp::detail::listen_on(ep, 0, 1);
-  return ddp::detail::port_of(ddp::detail::local_address(fd.get()));
-}
 
 // Collects per-iteration times from all ranks at rank 0 (after the timed loop, off the clock).
 std::vector<double> max_over_ranks(ddp::process_group& pg, const std::vector<double>& mine) {
@@ -185,7 +182,7 @@ int main(int argc, char** argv) {
       machine_rows(std::size_t{64} << 20, 9);
       continue;
     }
-    const int port = free_port();
+    const int port = bench::free_port();
     std::vector<pid_t> kids;
     for (int r = 0; r < o.ranks; ++r) {
       const pid_t pid = ::fork();

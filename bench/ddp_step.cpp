@@ -60,6 +60,8 @@
 #define DDP_BENCH_HAS_SHM 1
 #endif
 
+#include "free_port.hpp"
+
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -205,11 +207,6 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-int free_port() {
-  const auto ep = ddp::detail::resolve("127.0.0.1", 0, 0, true).front();
-  auto fd = ddp::detail::listen_on(ep, 0, 1);
-  return ddp::detail::port_of(ddp::detail::local_address(fd.get()));
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -575,7 +572,7 @@ int main(int argc, char** argv) {
   std::fflush(nullptr);
   int failed = 0;
   for (int n : o.ranks) {
-    const int port = free_port();
+    const int port = bench::free_port();
     std::vector<pid_t> kids;
     for (int r = 0; r < n; ++r) {
       const pid_t pid = ::fork();

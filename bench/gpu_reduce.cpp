@@ -25,9 +25,7 @@
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/nccl.hpp>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
+#include "free_port.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -49,18 +47,6 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-// An ephemeral port that was free a moment ago, for the world of 1's store.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -114,7 +100,7 @@ int bench_nccl(std::size_t min_bytes, std::size_t max_bytes, double budget) {
   ddp::init_options o;
   o.rank = 0;
   o.world_size = 1;
-  o.master_port = free_port();
+  o.master_port = bench::free_port();
   o.timeout = std::chrono::seconds(60);
   auto pg = ddp::init_process_group(o);
   ddp::nccl_reducer red{pg};

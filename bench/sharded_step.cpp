@@ -20,6 +20,8 @@
 //          opt_state_bytes_max,peak_rss_bytes_rank0,ddp_grad_bytes_rank0,largest_bucket_bytes
 #include <ddp/ddp.hpp>
 
+#include "free_port.hpp"
+
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -72,11 +74,6 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-int free_port() {
-  const auto ep = ddp::detail::resolve("127.0.0.1", 0, 0, true).front();
-  auto fd = ddp::detail::listen_on(ep, 0, 1);
-  return ddp::detail::port_of(ddp::detail::local_address(fd.get()));
-}
 
 double percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
@@ -206,7 +203,7 @@ int main(int argc, char** argv) try {
   for (const auto& m : models)
     for (int n : ranks)
       for (const auto& v : variants) {
-        const int port = free_port();
+        const int port = bench::free_port();
         std::vector<pid_t> pids;
         for (int r = 0; r < n; ++r) {
           const pid_t pid = ::fork();

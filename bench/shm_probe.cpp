@@ -12,8 +12,8 @@
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/shm.hpp>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
+#include "free_port.hpp"
+
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -29,17 +29,6 @@ namespace {
 
 using clk = std::chrono::steady_clock;
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 // `a += b` over 64 MiB arrays, single thread; bytes touched: read a, read b, write a.
 double add_bandwidth_gbs() {
@@ -145,7 +134,7 @@ int main(int argc, char** argv) {
   if (kib.empty()) kib = {4, 1024, 65536};
   const double bw = add_bandwidth_gbs();
   std::printf("a += b: %.1f GB/s touched; limit = 2 x ranks x bytes at that rate\n", bw);
-  const int port = free_port();
+  const int port = bench::free_port();
   std::fflush(stdout);  // children must not print the parent's buffered lines again
   std::vector<pid_t> kids;
   for (int r = 0; r < n; ++r) {
