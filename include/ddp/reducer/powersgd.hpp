@@ -89,11 +89,14 @@ inline void orthogonalize(float* x, std::size_t rows, std::size_t r, float eps) 
   }
 }
 
-/// p (rows x r) = m (rows x cols) q (cols x r).
-inline void times(const float* m, const float* q, float* p, std::size_t rows, std::size_t cols,
+/// p (rows x r) = m (rows x cols) q (cols x r), after adding `err` (rows x cols; null: none)
+/// into m row by row, so that the product reads each row while it is still in cache.
+inline void times(float* m, const float* err, const float* q, float* p, std::size_t rows, std::size_t cols,
                   std::size_t r) noexcept {
   for (std::size_t i = 0; i < rows; ++i) {
-    const float* row = m + i * cols;
+    float* row = m + i * cols;
+    if (err != nullptr)
+      for (std::size_t j = 0; j < cols; ++j) row[j] += err[i * cols + j];
     if (r == 1) {
       float acc[8] = {};  // eight lanes: the compiler vectorizes the dot product
       std::size_t j = 0;
@@ -285,9 +288,6 @@ class powersgd {
     namespace k = detail::psgd;
     float* x = static_cast<float*>(b.data);
     const float eps = o_.orthogonalization_epsilon;
-    if (o_.error_feedback)
-      for (const auto& m : s.mats)
-        for (std::size_t i = 0; i < m.rows * m.cols; ++i) x[m.offset + i] += s.error[m.e + i];
     if (!s.q_ready || !o_.warm_start) {
       std::uint64_t g = o_.seed ^ (0xD1B54A32D192ED03ull * (static_cast<std::uint64_t>(b.bucket) + 1)) ^ s.calls;
       for (float& v : s.q)  // uniform in [-1, 1): 24 random bits, exact in f32
@@ -296,7 +296,9 @@ class powersgd {
     }
     for (const auto& m : s.mats) {
       k::orthogonalize(s.q.data() + m.q, m.cols, m.r, eps);
-      k::times(x + m.offset, s.q.data() + m.q, s.pu.data() + m.p, m.rows, m.cols, m.r);
+      // Error feedback: this rank's error of the previous step joins the gradient first.
+      k::times(x + m.offset, o_.error_feedback ? s.error.data() + m.e : nullptr, s.q.data() + m.q, s.pu.data() + m.p,
+               m.rows, m.cols, m.r);
     }
     for (std::size_t at = 0; const auto& t : s.plain) {
       std::copy_n(x + t.offset, t.numel, s.pu.data() + at);
