@@ -187,13 +187,14 @@ declare -A limit_s=(  # seconds each program may run
   [tests/cuda/cuda_data_parallel]=120 [tests/cuda/cuda_shared_gpu]=180
   [tests/cuda/torch_libtorch_cuda]=180 [bench/gpu_reduce]=150
 )
+why_not() {  # why_not PART: why PART is left out (nothing: it runs)
+  if [[ -n $only && $1 != "$only" ]]; then echo "--only $only"
+  elif [[ $1 == bench && $skip_bench == 1 ]]; then echo "--skip-bench"
+  elif [[ $1 == torch && -z $torch_prefix ]]; then echo "no LibTorch"
+  fi
+}
 parts=()
-for p in "${parts_all[@]}"; do
-  [[ -n $only && $p != "$only" ]] && continue
-  [[ $p == bench && $skip_bench == 1 ]] && continue
-  [[ $p == torch && -z $torch_prefix ]] && continue
-  parts+=("$p")
-done
+for p in "${parts_all[@]}"; do [[ -z $(why_not "$p") ]] && parts+=("$p"); done
 targets=()
 for p in "${parts[@]}"; do read -ra t <<<"${part_targets[$p]}"; targets+=("${t[@]}"); done
 
@@ -230,12 +231,10 @@ print_plan() {
   echo "configure: meson setup $build ${setup_opts[*]}"
   echo "build: ${ninja_cmd[*]} ${targets[*]}"
   for p in "${parts_all[@]}"; do
-    local why=""
-    [[ -n $only && $p != "$only" ]] && why="not run (--only $only)"
-    [[ -z $why && $p == bench && $skip_bench == 1 ]] && why="not run (--skip-bench)"
-    [[ -z $why && $p == torch && -z $torch_prefix ]] && why="not run (no LibTorch)"
+    local why
+    why=$(why_not "$p")
     if [[ -n $why ]]; then
-      printf 'run: %-10s %s\n' "$p" "$why"
+      printf 'run: %-10s not run (%s)\n' "$p" "$why"
     else
       for t in ${part_targets[$p]}; do printf 'run: %-10s %s (limit %s s)\n' "$p" "$build/$t" "${limit_s[$t]}"; done
     fi
@@ -363,9 +362,13 @@ row build "${#targets[@]} targets" pass "$step_s"
 
 # ---- tests and benchmark --------------------------------------------------------------------
 for p in "${parts_all[@]}"; do
-  if [[ -n $only && $p != "$only" ]]; then continue; fi
-  if [[ $p == bench && $skip_bench == 1 ]]; then row bench "bench/gpu_reduce" skip 0 "--skip-bench"; continue; fi
-  if [[ $p == torch && -z $torch_prefix ]]; then row torch "LibTorch with CUDA tensors" skip 0 "no LibTorch: $torch_from"; continue; fi
+  why=$(why_not "$p")
+  if [[ $why == --only* ]]; then continue; fi
+  if [[ -n $why ]]; then
+    [[ $p == torch && -n $torch_from ]] && why+=": $torch_from"
+    row "$p" "${part_targets[$p]}" skip 0 "$why"
+    continue
+  fi
   for t in ${part_targets[$p]}; do
     name=$(basename "$t")
     log=$out/logs/$name.log
