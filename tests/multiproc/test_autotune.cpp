@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -54,7 +55,9 @@ struct engine {
 };
 
 // One backward: writes (or adds) step s's gradients, hooks in a per-rank shuffled order near
-// reverse registration order. `stall` sleeps in the middle of backward (a slow rank).
+// reverse registration order. `stall` sleeps after the last hook (a rank slow to reach
+// finish()): its own figure (first grad_ready to finish() return) holds the stall, while its
+// peers' do not, since the progress thread reduces its buckets meanwhile.
 template <class DP>
 void backward(DP& dp, engine& e, int r, int s, bool accumulate, std::chrono::milliseconds stall = 0ms) {
   std::vector<std::size_t> order(kParams);
@@ -68,9 +71,9 @@ void backward(DP& dp, engine& e, int r, int s, bool accumulate, std::chrono::mil
       const float v = grad_value(r, i, j, s);
       e.grad[i][j] = accumulate ? e.grad[i][j] + v : v;
     }
-    if (k == order.size() / 2 && stall.count() > 0) std::this_thread::sleep_for(stall);
     dp.grad_ready(i);
   }
+  if (stall.count() > 0) std::this_thread::sleep_for(stall);
 }
 
 // Every gradient is the average over the n ranks of the sum of steps `steps`' values.
@@ -107,15 +110,45 @@ ddp::bucket_policy tuned(std::size_t steps = 2) {
       .first_cap_bytes = 4_KiB, .autotune = true, .autotune_caps = kCaps, .autotune_steps = steps, .autotune_rounds = 1};
 }
 
+// This rank's figure of its last step, as the autotune takes it: first grad_ready to finish() return.
+template <class DP>
+double figure(const DP& dp) {
+  const auto& st = dp.last_step_stats();
+  return st.backward_ms + st.exposed_ms;
+}
+
+// The slow rank's stall, sized from what a step takes on this machine now: the slowest rank's
+// figure over a few untuned steps with the smallest candidate, the worst of them, times 5 (60 ms
+// at least; 2 s at most, which keeps the ten stalled steps within the group's timeout), so that
+// a busy machine's unstalled steps stay well below a stalled one. Every rank returns the same.
+template <class Reducer, class Allocator, class... Args>
+std::chrono::milliseconds measured_stall(ddp::process_group& pg, engine& e, int r, Args... reducer_args) {
+  ddp::basic_data_parallel<ddp::size_planner, Reducer, Allocator> dp{
+      pg, e.views, ddp::bucket_policy{.cap_bytes = kCaps.front(), .first_cap_bytes = 4_KiB}, {}, reducer_args...};
+  double worst = 0;
+  for (int s = 0; s < 5; ++s) {
+    backward(dp, e, r, s, false);
+    dp.finish();
+    worst = std::max(worst, pg.all_reduce(figure(dp), ddp::op::max));
+  }
+  const auto stall = std::clamp<std::chrono::milliseconds>(
+      std::chrono::milliseconds(static_cast<long>(std::ceil(5 * worst))), 60ms, 2000ms);
+  if (r == 0) std::fprintf(stderr, "slowest untuned step %.3f ms: the slow rank stalls %lld ms\n", worst,
+                           static_cast<long long>(stall.count()));
+  return stall;
+}
+
 // Tunes on n ranks and checks every step's averages, the schedule, and that every rank ends on
-// one plan and one choice, rank 0's. With `slow_rank` >= 0 that rank stalls 60 ms in every step
-// except with the 16 KiB cap: only the maximum over the ranks makes 16 KiB the winner.
+// one plan and one choice, rank 0's. With `slow_rank` >= 0 that rank stalls (measured_stall)
+// before finish() in every step except with the 16 KiB cap: only the maximum over the ranks
+// puts the stall in the other candidates' figures and makes 16 KiB the winner.
 template <class Reducer, class Allocator, class... Args>
 void tune_run(int n, int slow_rank, Args... reducer_args) {
   const int port = free_port();
   auto outs = run_ranks(n, [&](int r) {
     auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
     engine e;
+    const auto stall_ms = slow_rank >= 0 ? measured_stall<Reducer, Allocator>(pg, e, r, reducer_args...) : 0ms;
     ddp::basic_data_parallel<ddp::size_planner, Reducer, Allocator> dp{pg, e.views, tuned(), {}, reducer_args...};
     require(dp.autotune_report().enabled && !dp.autotune_report().done, "report: enabled, not done");
     require(dp.policy().cap_bytes == 8_KiB, "the first steps run with the smallest candidate");
@@ -125,7 +158,7 @@ void tune_run(int n, int slow_rank, Args... reducer_args) {
     for (int step = 0; step < tuning + 3; ++step, ++s) {
       const std::size_t cap = dp.policy().cap_bytes;
       caps_seen.push_back(cap);
-      const auto stall = r == slow_rank && cap != 16_KiB ? 60ms : 0ms;
+      const auto stall = r == slow_rank && cap != 16_KiB ? stall_ms : 0ms;
       std::vector<int> in_step{s};
       if (step == 5) {
         // An accumulation step in the middle of tuning: not a tuning step, and its gradients
@@ -156,7 +189,16 @@ void tune_run(int n, int slow_rank, Args... reducer_args) {
     require(caps_seen == want, "the caps the steps ran with");
     require(dp.policy().cap_bytes == rep.chosen_cap_bytes, "policy() shows the chosen cap");
     require(dp.generation() >= kDistinct - 1, "each tried layout bumps generation(): " + std::to_string(dp.generation()));
-    if (slow_rank >= 0) require(rep.chosen_cap_bytes == 16_KiB, "the slowest rank's figures decide: " + encode(rep));
+    if (slow_rank >= 0) {
+      // Every figure of a stalled candidate is the slow rank's, stall and all (this rank's own,
+      // where it is not the slow one, does not hold the stall); so 16 KiB wins.
+      const std::string why = " (stall " + std::to_string(stall_ms.count()) + " ms): " + encode(rep);
+      for (const auto& c : rep.candidates)
+        for (double ms : c.samples_ms)
+          if (c.cap_bytes != 16_KiB)
+            require(ms >= static_cast<double>(stall_ms.count()), "a figure without the slowest rank's stall" + why);
+      require(rep.chosen_cap_bytes == 16_KiB, "the slowest rank's figures decide" + why);
+    }
     // One plan, one report, everywhere.
     const auto fps = pg.all_gather(std::to_string(dp.plan().fingerprint()));
     for (auto& f : fps) require(f == fps[0], "plan fingerprints agree after tuning");

@@ -11,6 +11,7 @@
 #include <ddp/group/detail/heartbeat.hpp>
 
 #include <doctest/doctest.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -18,12 +19,16 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -38,16 +43,46 @@ using ddp_test::summary;
 
 namespace {
 
-// Rank `victim` stops itself (SIGSTOP) or dies (SIGKILL) before the step; the others run an
-// allreduce through `Reducer` and must fail. Each survivor then kills a stopped victim (its pid
-// is in `pid_file`), so that the run ends when they do. With `external_store` a process of its
-// own serves the group's store, as ddprun does (init_options::external_store), until its
-// clients are gone.
+// The survivors' timing quote, " [after 0.004 s]": the seconds from the moment the victim
+// stopped or died to the survivor's error. quote_elapsed writes it and quoted_elapsed reads it
+// back, so the text and its parser cannot drift apart.
+constexpr std::string_view elapsed_tag = " [after ";
+
+std::string quote_elapsed(double s) { return std::string(elapsed_tag) + std::to_string(s) + " s]"; }
+
+std::optional<double> quoted_elapsed(const std::string& msg) {
+  const auto at = msg.rfind(elapsed_tag);
+  if (at == std::string::npos) return std::nullopt;
+  const char* from = msg.c_str() + at + elapsed_tag.size();
+  char* end = nullptr;
+  const double s = std::strtod(from, &end);
+  if (end == from || std::string_view(end).rfind(" s]", 0) != 0) return std::nullopt;
+  return s;
+}
+
+std::int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Rank `victim` stops itself (SIGSTOP) or dies (SIGKILL) once every survivor is inside its timed
+// step; the others run an allreduce through `Reducer` and must fail, each quoting (quote_elapsed)
+// how long after the victim's stop or death it failed. The victim writes its pid and the time
+// of its end (steady_clock: one monotonic clock for every process on the machine) to
+// `pid_file`; each survivor then kills a stopped victim, so that the run ends when they do.
+// With `external_store` a process of its own serves the group's store, as ddprun does
+// (init_options::external_store), until its clients are gone.
+//
+// The victim waits for the survivors' word (a byte each on a pipe) before it goes: a survivor
+// still finishing the barrier before the step, descheduled on a busy machine, would otherwise
+// fail in the barrier, outside the timed step and with no quote.
 template <class Reducer>
 std::vector<ddp_test::outcome> lose_a_rank(int n, int victim, int sig, std::chrono::milliseconds lease,
                                            bool external_store = false) {
   const int port = free_port();
   const std::string pid_file = "/tmp/ddp-heartbeat-victim-" + std::to_string(port);
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
   constexpr int store_host = 100;
   std::vector<int> codes;
   for (int r = 0; r < n; ++r) codes.push_back(r);
@@ -74,35 +109,41 @@ std::vector<ddp_test::outcome> lose_a_rank(int n, int victim, int sig, std::chro
     red.allreduce(std::span<float>(g), ddp::op::sum);  // a first step that every rank takes
     pg.barrier();
     if (r == victim) {
-      std::ofstream(pid_file) << ::getpid() << "\n";
+      for (int words = 0; words < n - 1;) {  // every survivor is in its step (20 s at most)
+        pollfd p{ready[0], POLLIN, 0};
+        if (::poll(&p, 1, 20000) <= 0) throw std::runtime_error("the survivors never reached their step");
+        char c[8];
+        const auto k = ::read(ready[0], c, std::min<std::size_t>(sizeof c, static_cast<std::size_t>(n - 1 - words)));
+        if (k > 0) words += static_cast<int>(k);
+      }
+      std::ofstream(pid_file) << ::getpid() << " " << steady_ns() << "\n";
       ::raise(sig);
       return;
     }
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = steady_ns();
+    if (::write(ready[1], "r", 1) != 1) throw std::runtime_error("could not tell the victim");
     try {
       red.allreduce(std::span<float>(g), ddp::op::sum);
     } catch (const ddp::error& e) {
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const auto failed = steady_ns();
       std::ifstream in(pid_file);
       pid_t pid = 0;
-      if (in >> pid && pid > 0) ::kill(pid, SIGKILL);
-      throw ddp::error(e.condition(), e.rank(), std::string(e.what()) + " [after " + std::to_string(s) + " s]");
+      std::int64_t gone = t0;  // the victim's end; the step's start where its record is missing
+      if (in >> pid >> gone && pid > 0) ::kill(pid, SIGKILL);
+      throw ddp::error(e.condition(), e.rank(), std::string(e.what()) + quote_elapsed(1e-9 * double(failed - gone)));
     }
     throw std::runtime_error("the step completed without rank " + std::to_string(victim));
   }, 40s);
+  ::close(ready[0]);
+  ::close(ready[1]);
   std::remove(pid_file.c_str());
   return outs;
 }
 
-double seconds_quoted(const std::string& msg) {
-  const auto at = msg.rfind("[after ");
-  return at == std::string::npos ? 1e9 : std::stod(msg.substr(at + 7));
-}
-
 // Every survivor (each rank but `victim`) raised one of `codes`, with one of `texts` in its
-// message, within `bound` seconds of its step's start.
+// message, and quoted (quote_elapsed) failing within `bound` seconds of the victim's end.
 void check_survivors(const std::vector<ddp_test::outcome>& outs, int victim, std::vector<ddp::errc> codes,
-                     std::vector<std::string> texts, double bound) {
+                     std::vector<std::string> texts, std::chrono::duration<double> bound) {
   for (const auto& o : outs) {
     if (o.rank == victim || o.rank >= 100) continue;  // 100: the store's host
     CAPTURE(o.rank);
@@ -110,25 +151,32 @@ void check_survivors(const std::vector<ddp_test::outcome>& outs, int victim, std
     CHECK(std::any_of(codes.begin(), codes.end(), [&](ddp::errc c) { return o.errc == static_cast<int>(c); }));
     CHECK(std::any_of(texts.begin(), texts.end(),
                       [&](const std::string& t) { return o.message.find(t) != std::string::npos; }));
-    CHECK(seconds_quoted(o.message) < bound);
+    const auto s = quoted_elapsed(o.message);
+    CHECK_MESSAGE(s.has_value(), "the survivor failed outside its timed step");
+    if (s) CHECK(*s < bound.count());
   }
 }
+
+// The lease of the frozen-rank cases: a survivor fails once the victim has been silent for a
+// lease, then the aborts cascade; 3 leases bound both with room for a loaded machine, far below
+// the collective timeout (60 s) that would end the step without a heartbeat.
+constexpr std::chrono::milliseconds short_lease = 1000ms;
+constexpr auto frozen_bound = 3 * short_lease;
 
 }  // namespace
 
 TEST_CASE("heartbeat: a frozen rank fails every survivor within the lease, naming it, though the timeout is 60 s") {
   for (int n : {2, 4}) {
     CAPTURE(n);
-    // A lease of 1 s, and the cascade of aborts after it.
     SUBCASE("ring<tcp>") {
-      auto outs = lose_a_rank<ddp::ring<ddp::tcp>>(n, 1, SIGSTOP, 1000ms);
+      auto outs = lose_a_rank<ddp::ring<ddp::tcp>>(n, 1, SIGSTOP, short_lease);
       INFO(summary(outs));
-      check_survivors(outs, 1, {ddp::errc::timeout}, {"rank 1 stopped answering: no heartbeat for"}, 3.0);
+      check_survivors(outs, 1, {ddp::errc::timeout}, {"rank 1 stopped answering: no heartbeat for"}, frozen_bound);
     }
     SUBCASE("the default reducer (shared memory on one host)") {
-      auto outs = lose_a_rank<ddp::auto_reducer>(n, 1, SIGSTOP, 1000ms);
+      auto outs = lose_a_rank<ddp::auto_reducer>(n, 1, SIGSTOP, short_lease);
       INFO(summary(outs));
-      check_survivors(outs, 1, {ddp::errc::timeout}, {"rank 1 stopped answering: no heartbeat for"}, 3.0);
+      check_survivors(outs, 1, {ddp::errc::timeout}, {"rank 1 stopped answering: no heartbeat for"}, frozen_bound);
     }
   }
 }
@@ -137,28 +185,31 @@ TEST_CASE("heartbeat: rank 0, the store's host, frozen is found too") {
   // The group's store is on the frozen rank, so the watcher's verdict cannot be shared through
   // it: each survivor finds the store silent and names rank 0 lost, as soon as the watcher's
   // abort has woken it.
-  auto outs = lose_a_rank<ddp::ring<ddp::tcp>>(3, 0, SIGSTOP, 1000ms);
+  auto outs = lose_a_rank<ddp::ring<ddp::tcp>>(3, 0, SIGSTOP, short_lease);
   INFO(summary(outs));
   check_survivors(outs, 0, {ddp::errc::timeout, ddp::errc::peer_lost}, {"rank 0 stopped answering", "rank 0 is lost"},
-                  3.0);
+                  frozen_bound);
 }
 
 TEST_CASE("heartbeat: with the store served outside the ranks, a frozen rank 0's verdict reaches every survivor") {
   // As under ddprun, which serves the store itself: rank 0's loss leaves the failure record in
   // place, so every survivor raises the watcher's words, not "the store does not answer".
-  auto outs = lose_a_rank<ddp::ring<ddp::tcp>>(3, 0, SIGSTOP, 1000ms, true);
+  auto outs = lose_a_rank<ddp::ring<ddp::tcp>>(3, 0, SIGSTOP, short_lease, true);
   INFO(summary(outs));
-  check_survivors(outs, 0, {ddp::errc::timeout}, {"rank 0 stopped answering: no heartbeat for"}, 3.0);
+  check_survivors(outs, 0, {ddp::errc::timeout}, {"rank 0 stopped answering: no heartbeat for"}, frozen_bound);
   CHECK(outs[3].ok());  // the store's host
 }
 
 TEST_CASE("heartbeat: a killed rank fails every survivor at once") {
-  // The lease is long (20 s): only the death itself can end the step this soon.
+  // The lease is long (20 s) and the timeout longer (60 s): the step can end within a quarter
+  // of the lease only because the death itself was seen (measured from the death: 1-11 ms, with
+  // a busy loop on every core beside it; the quote in each message shows it).
+  constexpr std::chrono::milliseconds lease = 20000ms;
   for (int n : {2, 4}) {
     CAPTURE(n);
-    auto outs = lose_a_rank<ddp::auto_reducer>(n, 1, SIGKILL, 20000ms);
+    auto outs = lose_a_rank<ddp::auto_reducer>(n, 1, SIGKILL, lease);
     INFO(summary(outs));
-    check_survivors(outs, 1, {ddp::errc::peer_lost}, {"rank 1"}, 0.5);  // measured: 1-2 ms
+    check_survivors(outs, 1, {ddp::errc::peer_lost}, {"rank 1"}, lease / 4);
   }
 }
 

@@ -341,7 +341,35 @@ TEST_CASE("sharded errors: misuse is errc::usage, unsupported combinations errc:
     for (std::size_t i = m.views.size(); i-- > 0;) dp.grad_ready(i);
     dp.finish();
     ddp::adamw other{{.lr = r == 0 ? 1e-3 : 2e-3}};
-    expect(ddp::errc::mismatch, "lr=0.002000", [&] { dp.step(other); });
+    expect(ddp::errc::mismatch, "rank 1 has adamw lr=0.002 ", [&] { dp.step(other); });
+  }, 60s);
+  INFO(ddp_test::summary(outs));
+  CHECK(ddp_test::all_ok(outs));
+}
+
+TEST_CASE("sharded: hyperparameters that six decimals print alike (lr 1e-6, 1.4e-6) are a mismatch on every rank") {
+  // Compared as "0.000001" both, the ranks would step different learning rates in silence.
+  const int n = 2, port = free_port();
+  auto outs = run_ranks(n, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, n, port, 30s));
+    model<float> m;
+    ddp::data_parallel dp{pg, m.views, small, {.shard = true}};
+    m.grads(r, 0);
+    for (std::size_t i = m.views.size(); i-- > 0;) dp.grad_ready(i);
+    dp.finish();
+    ddp::sgd opt{{.lr = r == 0 ? 1e-6 : 1.4e-6}};
+    try {
+      dp.step(opt);
+    } catch (const ddp::error& e) {
+      // Both sides, each exactly and readably.
+      const std::string want = "ranks disagree on the shard optimizer (its signature()): rank 0 has sgd lr=1e-06 "
+                               "momentum=0 dampening=0 weight_decay=0 nesterov=0 state=0; rank 1 has sgd lr=1.4e-06 "
+                               "momentum=0 dampening=0 weight_decay=0 nesterov=0 state=0";
+      require(e.condition() == ddp::errc::mismatch && std::string(e.what()).find(want) != std::string::npos,
+              std::string("wrong error: ") + e.what());
+      return;
+    }
+    throw std::runtime_error("step() with lr 1e-6 on rank 0 and 1.4e-6 on rank 1 succeeded");
   }, 60s);
   INFO(ddp_test::summary(outs));
   CHECK(ddp_test::all_ok(outs));

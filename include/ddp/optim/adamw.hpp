@@ -47,8 +47,8 @@ struct adamw {
   std::size_t state_per_element() const noexcept { return 2; }
   std::string signature() const {
     const auto& o = options;
-    return "adamw lr=" + std::to_string(o.lr) + " betas=" + std::to_string(o.beta1) + "," + std::to_string(o.beta2) +
-           " eps=" + std::to_string(o.eps) + " weight_decay=" + std::to_string(o.weight_decay);
+    return "adamw lr=" + exact_text(o.lr) + " betas=" + exact_text(o.beta1) + "," + exact_text(o.beta2) +
+           " eps=" + exact_text(o.eps) + " weight_decay=" + exact_text(o.weight_decay);
   }
 
   void step(const shard_step& s) const {

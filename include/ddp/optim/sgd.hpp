@@ -43,8 +43,8 @@ struct sgd {
   std::size_t state_per_element() const noexcept { return options.momentum != 0 ? 1 : 0; }
   std::string signature() const {
     const auto& o = options;
-    return "sgd lr=" + std::to_string(o.lr) + " momentum=" + std::to_string(o.momentum) +
-           " dampening=" + std::to_string(o.dampening) + " weight_decay=" + std::to_string(o.weight_decay) +
+    return "sgd lr=" + exact_text(o.lr) + " momentum=" + exact_text(o.momentum) +
+           " dampening=" + exact_text(o.dampening) + " weight_decay=" + exact_text(o.weight_decay) +
            " nesterov=" + (o.nesterov ? "1" : "0");
   }
 

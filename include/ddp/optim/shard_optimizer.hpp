@@ -10,7 +10,7 @@
 /// struct my_sgd {
 ///   float lr = 0.1f;
 ///   std::size_t state_per_element() const { return 0; }
-///   std::string signature() const { return "my_sgd"; }
+///   std::string signature() const { return "my_sgd lr=" + ddp::exact_text(lr); }
 ///   void step(const ddp::shard_step& s) {
 ///     for (std::size_t k = 0; k < s.params.size(); ++k) s.params[k] -= lr * s.grads[k];
 ///   }
@@ -18,6 +18,9 @@
 /// static_assert(ddp::shard_optimizer<my_sgd>);
 /// \endcode
 
+#include <bit>
+#include <charconv>
+#include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -58,10 +61,29 @@ struct shard_step {
   std::span<const shard_piece> pieces;  ///< the parameter piece this call steps (one; empty when called directly)
 };
 
+/// A hyperparameter as `signature()` writes it: the shortest text that reads back as the same
+/// double (`std::to_chars`), so two values give the same text exactly when they have the same
+/// bits, and the text still reads as the number ("1e-06", "1.4e-06", "0.9"). Six fixed decimals
+/// (`std::to_string`) would make lr 1e-6 and 1.4e-6 agree. A NaN carries its bit pattern.
+/// \code
+/// std::string signature() const { return "my_sgd lr=" + ddp::exact_text(lr); }
+/// \endcode
+inline std::string exact_text(double v) {
+  char buf[64];  // the longest shortest form is 24 characters ("-2.2250738585072014e-308")
+  if (std::isnan(v)) {
+    const auto bits = std::bit_cast<std::uint64_t>(v);
+    const auto r = std::to_chars(buf, buf + sizeof buf, bits, 16);
+    return "nan(0x" + std::string(buf, r.ptr) + ")";
+  }
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
+
 /// An optimizer the sharded wrapper can step: `state_per_element()` f32 values of state per
 /// parameter element (0 for plain SGD, 1 for SGD with momentum, 2 for AdamW), a `signature()`
-/// that ranks compare before the first step (the name and every hyperparameter: ranks stepping
-/// different optimizers is an errc::mismatch), and `step(shard_step)`, which must compute each
+/// that ranks compare before the first step (the name and every hyperparameter, each written
+/// with `exact_text` so that values a digit apart differ: ranks stepping different optimizers
+/// is an errc::mismatch), and `step(shard_step)`, which must compute each
 /// element from that element alone (so that a shard's result does not depend on where the
 /// shard starts).
 template <class O>
