@@ -35,6 +35,17 @@
 // mpirun binds its ranks to cores: two ranks that hand a shared-memory step back and forth are
 // then never left queued on one core by the scheduler. Leave it off for programs that run
 // threads of their own in each rank.
+//
+// --elastic MIN:MAX (docs/elastic.md, "The launcher"): a rank that fails alone is started again,
+// a newcomer to the running group (DDP_RESTART_COUNT > 0), up to --max-restarts times in all.
+// Once the job is done (a rank ended normally, or the group said so in its store) a failure is
+// final: no replacement. When no rank holding the group's state is left (ddprun_elastic.hpp),
+// every rank starts again as the first generation of run k, as without --elastic, while
+// restarts are left; else the job ends.
+//
+// ddprun's death, even by SIGKILL, ends its ranks within a second or so: a keeper holds none of
+// ddprun's descriptors (no rank is left writing to a pipe that nobody reads), and the kernel
+// tells it that ddprun is gone (PR_SET_PDEATHSIG), whereupon it ends its rank's process group.
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <fcntl.h>
 #include <sched.h>
@@ -42,6 +53,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -68,6 +80,8 @@
 #include <ddp/auth/sodium.hpp>  // proves the group's secret at the store ddprun serves
 #endif
 
+#include "ddprun_elastic.hpp"  // whether an elastic group's state is gone
+
 namespace {
 
 volatile sig_atomic_t g_signal = 0;
@@ -81,7 +95,8 @@ void on_signal(int s) { g_signal = s; }
                "[--timeout SECONDS] [--] program [args...]\n"
                "       options: --bind-cores (pin local rank l to the l-th usable core), --max-restarts K "
                "(start every rank again when one fails, up to K times), --elastic MIN:MAX (the group shrinks "
-               "and grows in place: a failed rank alone is started again, up to --max-restarts times)\n",
+               "and grows in place: a failed rank alone is started again, up to --max-restarts times; every rank, when "
+               "the group's state is lost)\n",
                msg);
   std::exit(2);
 }
@@ -110,8 +125,10 @@ struct rank_proc {
   pid_t pid = -1;  // the keeper, leader of the rank's process group
   int out = -1;
   int note = -1;   // ddprun's end of the rank's DDP_LAUNCHER_FD socket
+  std::size_t life = 0;  // elastic: its entry in the run's lives
   std::string pending;
   std::string last_error;  // the last "[ddp.<errc>] ..." line it wrote: why it failed, when it says
+  bool said_lost = false;  // elastic: it wrote that every rank holding the group's state is gone
   bool exited = false;  // the keeper was reaped
   bool ended = false;   // the program's end is known: status and at_ns are set
   bool handled = false;  // elastic: its end was seen to (replaced, or noted as final)
@@ -121,13 +138,36 @@ struct rank_proc {
 
 int code_of(int st) { return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st); }
 
+// Closes the descriptors from `lo` to `hi`.
+void close_fds(unsigned lo, unsigned hi) {
+  if (lo > hi || ::close_range(lo, hi, 0) == 0) return;
+  const long most = ::sysconf(_SC_OPEN_MAX);
+  const long last = std::min<long>(hi, (most > 0 ? most : 65536) - 1);
+  for (long fd = lo; fd <= last; ++fd) ::close(static_cast<int>(fd));
+}
+
+// A keeper whose ddprun is gone ends its rank's process group as ddprun would have (SIGTERM,
+// then SIGKILL a second later), itself with it: nothing of the job outlives its launcher.
+[[noreturn]] void end_orphaned_rank(pid_t prog) {
+  ::kill(0, SIGTERM);  // the keeper ignores it
+  for (int i = 0; i < 100; ++i) {
+    int st;
+    if (::waitpid(prog, &st, WNOHANG) != 0) break;
+    ::usleep(10000);
+  }
+  ::kill(0, SIGKILL);
+  ::_exit(128 + SIGKILL);
+}
+
 // Prints the rank's complete lines (all with `flush_all`), noting the last ddp error among them.
-void emit(int rank, std::string& pending, std::string& last_error, bool flush_all) {
+void emit(int rank, rank_proc& p, bool flush_all) {
+  auto& pending = p.pending;
   auto line = [&](std::string_view l) {
     std::printf("[%d] %.*s\n", rank, static_cast<int>(l.size()), l.data());
     // (An elastic group's notes, "[ddp.elastic] ...", say what it survived, not why it failed.)
     if (const auto at = l.find("[ddp."); at != std::string_view::npos && l.substr(at, 13) != "[ddp.elastic]")
-      last_error = l.substr(at, 400);
+      p.last_error = l.substr(at, 400);
+    if (l.find(ddprun::state_lost_text) != std::string_view::npos) p.said_lost = true;
   };
   std::size_t pos;
   while ((pos = pending.find('\n')) != std::string::npos) {
@@ -279,6 +319,7 @@ int main(int argc, char** argv) {
                  env_is("DDP_EXTERNAL_STORE", "0") ? "DDP_EXTERNAL_STORE=0"
                  : secret ? no_auth.c_str()
                           : "beyond loopback without a secret or DDP_INSECURE=1");
+  int used = 0;  // elastic: replacements and whole restarts so far, against --max-restarts
   for (int restart = 0;; ++restart) {
     if (restart > 0 && !port_given) {
       try {
@@ -296,11 +337,16 @@ int main(int argc, char** argv) {
     for (int r = 0; r < n; ++r) new (&notes[r]) exit_note{};
 
     std::vector<rank_proc> procs(static_cast<std::size_t>(n));
-    // Starts local rank r (its keeper, then the program): run `restart` of the job, or in an
-    // elastic job the slot's `restart`-th replacement. False when a pipe or a socket failed.
-    auto spawn = [&](int r, int run_no) -> bool {
+    std::vector<ddprun::rank_life> lives;  // elastic: every process of this run, as started and ended
+    // Starts local rank r (its keeper, then the program) in run `restart` of the job, with
+    // DDP_RESTART_COUNT=count: the run's number, or in an elastic job 0 for the run's first
+    // generation and the replacement's number (of all, > 0: a newcomer) for a replacement. False
+    // when a pipe or a socket failed.
+    auto spawn = [&](int r, int count) -> bool {
       new (&notes[r]) exit_note{};
       procs[static_cast<std::size_t>(r)] = rank_proc{};
+      procs[static_cast<std::size_t>(r)].life = lives.size();
+      lives.push_back({.slot = r, .start_ns = now_ns(), .replacement = !elastic.empty() && count > 0});
       int p[2];
       if (::pipe2(p, O_CLOEXEC) != 0) { std::perror("ddprun: pipe"); return false; }
       // The rank's end of the launcher's note (DDP_LAUNCHER_FD, ddp/group/detail/launcher.hpp): before
@@ -311,6 +357,7 @@ int main(int argc, char** argv) {
         std::perror("ddprun: socketpair");
         return false;
       }
+      const pid_t launcher = ::getpid();
       const pid_t pid = ::fork();
       if (pid == 0) {
         // The keeper. Each rank leads its own process group, so ending a rank ends whatever it
@@ -319,6 +366,25 @@ int main(int argc, char** argv) {
         ::setpgid(0, 0);
         ::dup2(p[1], 1);
         ::dup2(p[1], 2);
+        // Of ddprun's descriptors it keeps the rank's own only: its output (1 and 2) and its end
+        // of the launcher's note. A read end of an output pipe kept here (its own rank's, or an
+        // earlier rank's) would leave a rank whose launcher died blocked in a write for ever;
+        // the store's sockets would keep its port.
+        if (sv[1] >= 0) {
+          close_fds(3, static_cast<unsigned>(sv[1]) - 1);
+          close_fds(static_cast<unsigned>(sv[1]) + 1, ~0U);
+        } else {
+          close_fds(3, ~0U);
+        }
+        // ddprun's death ends the rank: the kernel says so to the keeper (SIGHUP), which waits
+        // for it and for the program's end (SIGCHLD) alike, both held until it looks, so that
+        // neither is missed; ddprun's death before the ask shows in getppid().
+        sigset_t watch, before;
+        sigemptyset(&watch);
+        sigaddset(&watch, SIGCHLD);
+        sigaddset(&watch, SIGHUP);
+        ::sigprocmask(SIG_BLOCK, &watch, &before);
+        ::prctl(PR_SET_PDEATHSIG, SIGHUP);
         ::setenv("MASTER_ADDR", addr.c_str(), 1);
         ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
         ::setenv("RANK", std::to_string(base + r).c_str(), 1);
@@ -327,10 +393,10 @@ int main(int argc, char** argv) {
         ::setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
         // Run k > 0 of the job is "<job>+restart.k": a rank of a new run that finds the store of an
         // earlier one still on the port (another host's launcher has not ended it yet) waits for
-        // it to go (group/detail/rendezvous.hpp, job_run).
-        // An elastic job is one run: its replacements join it (DDP_RESTART_COUNT > 0).
-        ::setenv("DDP_JOB_ID", (elastic.empty() ? ddp::detail::job_run_id(job_id, run_no) : job_id).c_str(), 1);
-        ::setenv("DDP_RESTART_COUNT", std::to_string(run_no).c_str(), 1);
+        // it to go (group/detail/rendezvous.hpp, job_run). An elastic job's replacements join its
+        // run (DDP_RESTART_COUNT > 0); it has a new run only when its state was lost.
+        ::setenv("DDP_JOB_ID", ddp::detail::job_run_id(job_id, restart).c_str(), 1);
+        ::setenv("DDP_RESTART_COUNT", std::to_string(count).c_str(), 1);
         if (external_store) ::setenv("DDP_EXTERNAL_STORE", "1", 1);
         if (!elastic.empty()) ::setenv("DDP_ELASTIC", elastic.c_str(), 1);
         if (!timeout.empty()) ::setenv("DDP_TIMEOUT", timeout.c_str(), 1);
@@ -338,14 +404,19 @@ int main(int argc, char** argv) {
           ::fcntl(sv[1], F_SETFD, 0);  // kept across exec: the program's
           ::setenv("DDP_LAUNCHER_FD", std::to_string(sv[1]).c_str(), 1);
         }
-        struct sigaction ign{};
+        struct sigaction ign{}, dfl{};
         ign.sa_handler = SIG_IGN;
-        for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &ign, nullptr);
+        dfl.sa_handler = SIG_DFL;
+        for (int sig : {SIGINT, SIGTERM}) sigaction(sig, &ign, nullptr);
+        sigaction(SIGHUP, &dfl, nullptr);  // held, not ignored: it says that ddprun is gone
+        const pid_t keeper = ::getpid();
         const pid_t prog = ::fork();
         if (prog == 0) {
-          struct sigaction dfl{};
-          dfl.sa_handler = SIG_DFL;
           for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaction(sig, &dfl, nullptr);
+          ::sigprocmask(SIG_SETMASK, &before, nullptr);
+          // And the keeper's death ends the program (a keeper killed alone leaves no rank behind).
+          ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+          if (::getppid() != keeper) ::_exit(128 + SIGKILL);
           if (bind_cores) {
             cpu_set_t allowed, one;
             CPU_ZERO(&allowed);
@@ -366,9 +437,13 @@ int main(int argc, char** argv) {
           ::_exit(127);
         }
         int st = 127 << 8;
-        if (prog > 0)
-          while (::waitpid(prog, &st, 0) < 0 && errno == EINTR) {
-          }
+        while (prog > 0) {
+          const pid_t w = ::waitpid(prog, &st, WNOHANG);
+          if (w == prog || (w < 0 && errno != EINTR)) break;
+          if (::getppid() != launcher) end_orphaned_rank(prog);
+          siginfo_t si;
+          (void)::sigwaitinfo(&watch, &si);
+        }
         notes[r].at_ns = now_ns();
         notes[r].status = st;
         notes[r].done = 1;
@@ -386,7 +461,7 @@ int main(int argc, char** argv) {
       return true;
     };
     for (int r = 0; r < n; ++r)
-      if (!spawn(r, restart)) return 2;
+      if (!spawn(r, elastic.empty() ? restart : 0)) return 2;
 
     // Started once the ranks are forked (a fork while its thread runs could copy a held lock
     // into the keeper); the ranks retry until it answers, as they do for rank 0's.
@@ -460,8 +535,44 @@ int main(int argc, char** argv) {
       }
     };
     std::size_t running = procs.size();
-    int replacements = 0;                         // elastic: ranks started again so far
-    std::vector<int> final_status(procs.size());  // elastic: how each slot's last process ended
+    // Elastic: how each slot's last process ended, and when; the slots whose process ended with
+    // a failure in this pass; whether a rank finished normally (the job is done); and when the
+    // group's state was lost, the status to end with, and whether every rank starts again.
+    std::vector<int> final_status(procs.size());
+    std::vector<std::int64_t> final_at(procs.size());
+    std::vector<int> ended_now;
+    bool finished = false;
+    int lost_code = 0;
+    bool restart_all = false;
+    // Whether the elastic group said that its job is done: "el/done" in its store, which
+    // elastic_group::finish sets before its ranks end. Asked on a connection of its own, closed
+    // at once (a rank 0 that hosts the store waits for its clients before it ends); false where
+    // the store does not answer within a second, or where ddprun cannot prove the group's secret.
+    auto group_said_done = [&]() -> bool {
+      if (secret && !store_auth) return false;
+      try {
+        const auto until = ddp::steady_clock::now() + std::chrono::seconds(1);
+        ddp::store_client c(addr, port, 0, until, store_auth, external_store);
+        return c.check("el/done", until);
+      } catch (const std::exception&) {
+        return false;
+      }
+    };
+    // What the rank wrote before it ended, without waiting (a grandchild that still holds the
+    // pipe open must not keep the launcher waiting): all of it, and the pipe closed, with `close`.
+    auto drain = [&](std::size_t r, bool close) {
+      auto& p = procs[r];
+      if (p.out < 0) return;
+      ::fcntl(p.out, F_SETFL, O_NONBLOCK);
+      char buf[65536];
+      ssize_t k;
+      while ((k = ::read(p.out, buf, sizeof buf)) > 0) p.pending.append(buf, static_cast<std::size_t>(k));
+      emit(base + static_cast<int>(r), p, close);
+      if (close) {
+        ::close(p.out);
+        p.out = -1;
+      }
+    };
     while (running > 0) {
       std::vector<pollfd> pf;
       for (auto& p : procs)
@@ -477,9 +588,9 @@ int main(int argc, char** argv) {
           pollfd one{p.out, POLLIN, 0};
           if (::poll(&one, 1, 0) <= 0) break;
           const ssize_t k = ::read(p.out, buf, sizeof buf);
-          if (k <= 0) { ::close(p.out); p.out = -1; emit(base + static_cast<int>(r), p.pending, p.last_error, true); break; }
+          if (k <= 0) { ::close(p.out); p.out = -1; emit(base + static_cast<int>(r), p, true); break; }
           p.pending.append(buf, static_cast<std::size_t>(k));
-          emit(base + static_cast<int>(r), p.pending, p.last_error, false);
+          emit(base + static_cast<int>(r), p, false);
         }
       }
       for (std::size_t r = 0; r < procs.size(); ++r) {
@@ -502,38 +613,91 @@ int main(int argc, char** argv) {
           p.at_ns = notes[r].at_ns.load();
         }
         if (!elastic.empty()) {
-          // Elastic: the group goes on without a failed rank; a replacement takes its slot
-          // (and joins the group at its next step) while replacements are left.
+          // Elastic: the group goes on without a failed rank; what becomes of its slot is
+          // decided below, once every end seen in this pass is noted.
           if (!p.ended || !p.exited || p.handled) continue;
           p.handled = true;
+          drain(r, false);  // its last lines: what it said, and whether the state is gone
           final_status[r] = p.status;
-          if (code_of(p.status) == 0 || g_signal != 0) continue;
-          if (replacements >= max_restarts) {
-            std::fprintf(stderr, "ddprun: rank %d %s; no replacement left (--max-restarts %d): the group goes on without it\n",
-                         base + static_cast<int>(r), describe(static_cast<int>(r)).c_str(), max_restarts);
-            continue;
+          final_at[r] = p.at_ns;
+          auto& life = lives[p.life];
+          life.end_ns = p.at_ns;
+          life.code = code_of(p.status);
+          life.said_lost = p.said_lost;
+          if (life.code == 0) {
+            finished = true;
+          } else {
+            ended_now.push_back(static_cast<int>(r));
+            // Ranks fail together: decide once the others' ends are in too (the settle below).
+            if (settle_until == never) settle_until = std::chrono::steady_clock::now() + settle;
           }
-          if (p.out >= 0) {
-            ::fcntl(p.out, F_SETFL, O_NONBLOCK);
-            char buf[65536];
-            ssize_t k;
-            while ((k = ::read(p.out, buf, sizeof buf)) > 0) p.pending.append(buf, static_cast<std::size_t>(k));
-            emit(base + static_cast<int>(r), p.pending, p.last_error, true);
-            ::close(p.out);
-          }
-          if (p.note >= 0) ::close(p.note);
-          ++replacements;
-          std::fprintf(stderr, "ddprun: rank %d %s%s; the group goes on without it and a replacement joins it (%d of %d)\n",
-                       base + static_cast<int>(r), describe(static_cast<int>(r)).c_str(),
-                       p.last_error.empty() ? "" : (" (" + p.last_error + ")").c_str(), replacements, max_restarts);
-          if (!spawn(static_cast<int>(r), replacements)) return 2;
-          ++running;
           continue;
         }
         if (p.ended && code_of(p.status) != 0 && settle_until == never)
           settle_until = std::chrono::steady_clock::now() + settle;
       }
-      if (!terminating && settle_until != never && (std::chrono::steady_clock::now() >= settle_until || running == 0)) {
+      const bool settled = std::chrono::steady_clock::now() >= settle_until || running == 0;
+      if (!elastic.empty() && settled) settle_until = never;
+      if (!ended_now.empty() && settled && g_signal == 0 && !terminating) {
+        // The job is done once a rank finished normally or the group said so: a rank that
+        // fails then is not replaced (its replacement would find the job done and end normally,
+        // hiding the failure), and its failure is its slot's last word.
+        const bool done = finished || group_said_done();
+        const auto state = done ? ddprun::state_verdict{} : ddprun::elastic_state(lives, n, nnodes == 1);
+        if (state.lost) {
+          // No rank is left to take a newcomer in: the job starts over, as after a failure
+          // without --elastic, or ends.
+          lost_code = std::max(1, state.code);
+          // Replacements started once the state was gone never had a group to join: not counted.
+          for (const auto& l : lives)
+            if (l.replacement && l.start_ns >= state.gone_ns) --used;
+          restart_all = used < max_restarts;
+          if (restart_all) {
+            ++used;
+            std::fprintf(stderr, "ddprun: %s: restarting every rank (restart %d of %d)\n", state.why.c_str(), used,
+                         max_restarts);
+          } else {
+            const std::string none_left =
+                max_restarts > 0 ? " (no restart left of --max-restarts " + std::to_string(max_restarts) + ")" : "";
+            std::fprintf(stderr, "ddprun: %s: ending the job%s\n", state.why.c_str(), none_left.c_str());
+          }
+          terminating = true;
+          ended_at = now_ns();
+          end_all(SIGTERM);
+          kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        }
+        for (const int r : ended_now) {
+          if (state.lost) break;
+          auto& p = procs[static_cast<std::size_t>(r)];
+          const std::string said = p.last_error.empty() ? "" : " (" + p.last_error + ")";
+          if (done) {
+            std::fprintf(stderr, "ddprun: rank %d %s%s after the job was done: not replaced\n", base + r,
+                         describe(r).c_str(), said.c_str());
+            continue;
+          }
+          if (p.said_lost) {
+            std::fprintf(stderr,
+                         "ddprun: rank %d %s%s; not replaced: a newcomer would find nobody holding the group's state\n",
+                         base + r, describe(r).c_str(), said.c_str());
+            continue;
+          }
+          if (used >= max_restarts) {
+            std::fprintf(stderr, "ddprun: rank %d %s; no replacement left (--max-restarts %d): the group goes on without it\n",
+                         base + r, describe(r).c_str(), max_restarts);
+            continue;
+          }
+          // A replacement takes its slot, and joins the group at its next step.
+          drain(static_cast<std::size_t>(r), true);
+          if (p.note >= 0) ::close(p.note);
+          ++used;
+          std::fprintf(stderr, "ddprun: rank %d %s%s; the group goes on without it and a replacement joins it (%d of %d)\n",
+                       base + r, describe(r).c_str(), said.c_str(), used, max_restarts);
+          if (!spawn(r, used)) return 2;
+          ++running;
+        }
+      }
+      if (settled) ended_now.clear();
+      if (elastic.empty() && !terminating && settle_until != never && settled) {
         failed_rank = first_failure();
         if (failed_rank >= 0) {
           exit_code = code_of(procs[static_cast<std::size_t>(failed_rank)].status);
@@ -563,32 +727,31 @@ int main(int argc, char** argv) {
       }
       if (terminating && std::chrono::steady_clock::now() > kill_deadline) end_all(SIGKILL);
     }
-    for (std::size_t r = 0; r < procs.size(); ++r) {
-      if (procs[r].out >= 0) {
-        // What the rank wrote before it ended; a grandchild that still holds the pipe open must
-        // not keep the launcher waiting.
-        ::fcntl(procs[r].out, F_SETFL, O_NONBLOCK);
-        char buf[65536];
-        ssize_t k;
-        while ((k = ::read(procs[r].out, buf, sizeof buf)) > 0) procs[r].pending.append(buf, static_cast<std::size_t>(k));
-        emit(base + static_cast<int>(r), procs[r].pending, procs[r].last_error, true);
-        ::close(procs[r].out);
-      }
-    }
+    for (std::size_t r = 0; r < procs.size(); ++r) drain(r, true);
     ::munmap(shared, sizeof(exit_note) * static_cast<std::size_t>(n));
     for (auto& p : procs)
       if (p.note >= 0) ::close(p.note);
     if (!elastic.empty()) {
-      // A rank that exited with an error fails the job; ranks killed and not replaced were
-      // failures the group survived, as long as one rank finished normally.
       if (g_signal != 0) return 128 + g_signal;
-      int finished = 0, signalled = 0;
-      for (int st : final_status) {
-        if (WIFEXITED(st) && WEXITSTATUS(st) != 0) return WEXITSTATUS(st);
-        if (WIFEXITED(st)) ++finished;
-        else if (signalled == 0) signalled = code_of(st);
+      if (restart_all) continue;  // the group's state was lost: every rank starts again
+      if (lost_code != 0) return lost_code;
+      // A slot whose last process exited with an error fails the job (the first such by exit
+      // time gives the status): a replacement ends a slot's failure only when it was started
+      // while the job ran, and itself ended normally. Ranks killed and not replaced were
+      // failures the group survived, as long as one rank finished normally.
+      int first = -1, finished_slots = 0, signalled = 0;
+      for (int r = 0; r < n; ++r) {
+        const int st = final_status[static_cast<std::size_t>(r)];
+        if (WIFEXITED(st) && WEXITSTATUS(st) != 0) {
+          if (first < 0 || final_at[static_cast<std::size_t>(r)] < final_at[static_cast<std::size_t>(first)]) first = r;
+        } else if (WIFEXITED(st)) {
+          ++finished_slots;
+        } else if (signalled == 0) {
+          signalled = code_of(st);
+        }
       }
-      return finished > 0 ? 0 : signalled;
+      if (first >= 0) return WEXITSTATUS(final_status[static_cast<std::size_t>(first)]);
+      return finished_slots > 0 ? 0 : signalled;
     }
     // A rank failed, no signal came to ddprun, and a restart is left: every rank starts again.
     if (exit_code == 0 || g_signal != 0 || !restart_left || failed_rank < 0) return exit_code;

@@ -106,7 +106,10 @@ class basic_data_parallel {
             views_.size(), [this](std::size_t b) { buckets_.launch(b); },
             opts.uneven_inputs ? bucket_state::open_fn([this] { join_.issue_count(1); }) : bucket_state::open_fn{}) {
     detail::check_construction(agree_, memory_, views_, buffers_.buffers(), opts_, pg_.rank());
-    if (opts_.shard) shard_type::check(opts_, policy_, views_, memory_.allocator().location(), pg_.rank());
+    if (opts_.shard) {
+      shard_type::check(opts_, policy_, views_, memory_.allocator().location(), pg_.rank());
+      pg_.note_sharded_state();  // an elastic group must not re-form without a shard (docs/elastic.md)
+    }
     tune_.set_up(agree_, policy_, opts_, pg_.rank());
     if (opts_.broadcast_parameters && pg.size() > 1) {
       agreement::broadcast_values(red_, std::span<const tensor_view>(views_), pg_.timeout());

@@ -55,6 +55,12 @@ struct plan {
   bool misfit_late = false;  // a newcomer with other shapes and no signature tries to
   int churn = 0;             // newcomers that each join, commit 3 steps and are killed, in turn
   std::chrono::milliseconds step_pause{0};
+  std::vector<std::pair<int, int>> kills;  // more ranks SIGKILLed: (rank, as this step begins)
+  int thaw_at_gen = -1;      // the store's host thaws the frozen victim once this generation formed
+  bool members_die_in_grow = false;  // every first-generation rank dies as the newcomer's generation forms
+  bool sharded = false;      // dp_options::shard, stepped with SGD + momentum inside commit's apply
+  bool die_in_apply = false;  // the victim dies inside apply, as the others all-gather the step
+  std::chrono::milliseconds timeout{30s};
 };
 
 constexpr auto churn_gap = 1500ms;  // between two churners' starts
@@ -65,10 +71,13 @@ bool is_churner(int code) { return code >= churner && code < churner + 20; }
 // are gone or 40 s passed. With `watch`, it then reports what it held: "store peak <connections>
 // gens <g>:<bytes> ...", the most bytes held while each generation was the current one (read by
 // a client of its own, which is no member and so not counted among the clients).
-void serve_store(int port, bool watch) {
+void serve_store(int port, bool watch, int thaw_at_gen = -1, const std::string& pid_file = {}) {
   ddp::store_server server(ddp::endpoint{"127.0.0.1", port}, 0, nullptr, ddp::store_limits{}, "pg/rank/", 0);
   std::optional<ddp::store_client> probe;
-  if (watch) probe.emplace("127.0.0.1", port, store_host, ddp::detail::clock::now() + 5s);
+  if (watch || thaw_at_gen >= 0) probe.emplace("127.0.0.1", port, store_host, ddp::detail::clock::now() + 5s);
+  // A seat of its own, as an elastic process claims one: a connection that holds none may read,
+  // not write.
+  if (thaw_at_gen >= 0) (void)probe->compare_set("pg/rank/el.thawer", "", "1", ddp::detail::clock::now() + 5s);
   std::vector<std::size_t> held;  // by generation
   int peak = 0;
   bool seen = false;
@@ -82,6 +91,21 @@ void serve_store(int port, bool watch) {
         const auto g = static_cast<std::size_t>(std::stoi(probe->get("el/gen", until)));
         if (held.size() <= g) held.resize(g + 1, 0);
         held[g] = std::max(held[g], server.stored_bytes());
+      }
+    }
+    if (thaw_at_gen >= 0) {
+      // Thaws the frozen victim once the group went on for `thaw_at_gen` generations without
+      // it, and says when in the store (the victim measures how long it took to rejoin).
+      const auto until = ddp::detail::clock::now() + 5s;
+      std::ifstream in(pid_file);
+      pid_t pid = 0;
+      if (probe->check("el/gen", until) && std::stoi(probe->get("el/gen", until)) >= thaw_at_gen && in >> pid &&
+          pid > 0) {
+        const auto now = std::chrono::steady_clock::now().time_since_epoch();
+        probe->set("test/thawed_at", std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(now).count()),
+                   until);
+        ::kill(pid, SIGCONT);
+        thaw_at_gen = -1;
       }
     }
     if (c > 0) seen = true;
@@ -107,7 +131,7 @@ std::uint64_t hash_of(const std::vector<float>& w) {
 // checks, with the group it ends in, what every rank must agree on. The victim fails itself.
 void member(const plan& p, int code, int port, const std::string& pid_file) {
   const bool is_newcomer = code == newcomer || code == stranger || code == misfit || is_churner(code);
-  auto o = group_options(is_newcomer ? 0 : code, p.n, port, 30s, p.backend);
+  auto o = group_options(is_newcomer ? 0 : code, p.n, port, p.timeout, p.backend);
   o.elastic_min = p.min;
   o.elastic_max = p.max;
   o.heartbeat = 500ms;
@@ -120,15 +144,23 @@ void member(const plan& p, int code, int port, const std::string& pid_file) {
   if (code != misfit) eg.signature(code == stranger ? "w[8192]" : "w[4096]");
   std::optional<ddp::data_parallel> dp;
   eg.on_form([&](ddp::process_group& pg) {
+    // Every rank that holds the group's state dies as the newcomer's generation forms: the
+    // newcomer alone must not go on from its own weights and step 0.
+    if (p.members_die_in_grow && !is_newcomer && eg.generation() > 0) ::raise(SIGKILL);
     dp.reset();
-    dp.emplace(pg, params);
+    if (p.sharded)
+      dp.emplace(pg, params, ddp::bucket_policy{}, ddp::dp_options{.shard = true});
+    else
+      dp.emplace(pg, params);
   });
+  ddp::sgd opt{{.lr = 0.01, .momentum = 0.9}};
   int applied = 0;  // steps this process applied, or received with the state
   eg.on_state([&] { return std::to_string(applied); },
               [&](std::string_view s) { applied = std::stoi(std::string(s)); });
   if (!eg.start()) throw std::runtime_error("the job finished before this process got a seat");
   require(eg.generation() > 0 || !is_newcomer, "a newcomer formed the first generation");
   bool failed_once = false;
+  long long rejoined_ms = -1;  // the thawed victim: from its thaw until it is back in the group
   const auto joined_at = eg.step();
   // With churners, the members stop at the first tenth step once the last churner is gone
   // (the same step on each: the counts are rank 0's), or at p.steps.
@@ -138,17 +170,28 @@ void member(const plan& p, int code, int port, const std::string& pid_file) {
   };
   while (!done()) try {
       if (is_churner(code) && eg.step() >= joined_at + 3) ::raise(SIGKILL);
-      if (code == p.victim && !failed_once && eg.step() == static_cast<std::uint64_t>(p.fail_at)) {
+      if (code == p.victim && !failed_once && !p.die_in_apply && eg.step() == static_cast<std::uint64_t>(p.fail_at)) {
         failed_once = true;
         std::ofstream(pid_file) << ::getpid() << "\n";
         ::raise(p.sig);
       }
+      for (const auto& [who, at] : p.kills)
+        if (code == who && eg.step() == static_cast<std::uint64_t>(at)) ::raise(SIGKILL);
       if (p.step_pause.count() > 0) std::this_thread::sleep_for(p.step_pause);
       std::fill(g.begin(), g.end(), static_cast<float>(eg.rank() + 1));
       dp->grad_ready(0);
       dp->finish();
       const int world = eg.size();
       eg.commit([&] {
+        if (p.sharded) {
+          // The step on the shards and the all-gather of the parameters: a collective inside
+          // apply, which the victim leaves half done.
+          if (code == p.victim && p.die_in_apply && eg.step() == static_cast<std::uint64_t>(p.fail_at) + 1)
+            ::raise(SIGKILL);
+          dp->step(opt);
+          ++applied;
+          return;
+        }
         // avg(rank + 1) over ranks 0..world-1 is (world + 1) / 2, exactly.
         require(g[0] == static_cast<float>(world + 1) / 2.0f, "step " + std::to_string(eg.step()) + " averaged " +
                                                                   std::to_string(g[0]) + " in a world of " +
@@ -158,6 +201,15 @@ void member(const plan& p, int code, int port, const std::string& pid_file) {
       });
     } catch (const ddp::error& e) {
       if (!eg.recover(e)) throw std::runtime_error("the job finished without this rank");
+      if (code == p.victim && p.thaw_at_gen >= 0 && rejoined_ms < 0) {
+        // The thawed victim is back in the group: how long after the thaw.
+        ddp::store_client probe("127.0.0.1", port, code, ddp::detail::clock::now() + 5s, nullptr, true);
+        const auto at = std::stoll(probe.get("test/thawed_at", ddp::detail::clock::now() + 5s));
+        const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count();
+        rejoined_ms = now - at;
+      }
     }
   // Every rank: the same step count as steps applied, the same bits.
   require(applied == static_cast<int>(eg.step()),
@@ -172,7 +224,7 @@ void member(const plan& p, int code, int port, const std::string& pid_file) {
   throw ddp::error(ddp::errc::aborted, eg.rank(),
                    "report " + std::to_string(eg.rank()) + " " + std::to_string(eg.size()) + " " +
                        std::to_string(eg.generation()) + " " + std::to_string(eg.failures()) + " w0 " +
-                       std::to_string(w[0]));
+                       std::to_string(w[0]) + " rejoined_ms " + std::to_string(rejoined_ms));
 }
 
 std::vector<ddp_test::outcome> run(const plan& p) {
@@ -187,12 +239,12 @@ std::vector<ddp_test::outcome> run(const plan& p) {
   auto outs = ddp_test::run_processes(
       codes,
       [&](int code) {
-        if (code == store_host) return serve_store(port, p.churn > 0);
+        if (code == store_host) return serve_store(port, p.churn > 0, p.thaw_at_gen, pid_file);
         try {
           member(p, code, port, pid_file);
         } catch (...) {
           // A frozen victim is ended once a survivor is done with it.
-          if (code != p.victim && p.sig == SIGSTOP) {
+          if (code != p.victim && p.sig == SIGSTOP && p.thaw_at_gen < 0) {
             std::ifstream in(pid_file);
             pid_t pid = 0;
             if (in >> pid && pid > 0) ::kill(pid, SIGKILL);
@@ -208,13 +260,14 @@ std::vector<ddp_test::outcome> run(const plan& p) {
 struct report {
   int rank = -1, size = 0, generation = -1, failures = -1;
   float w0 = 0;
+  long long rejoined_ms = -1;
 };
 report report_of(const ddp_test::outcome& o) {
   report r;
   const auto at = o.message.find("report ");
   if (at != std::string::npos)
-    std::sscanf(o.message.c_str() + at, "report %d %d %d %d w0 %f", &r.rank, &r.size, &r.generation, &r.failures,
-                &r.w0);
+    std::sscanf(o.message.c_str() + at, "report %d %d %d %d w0 %f rejoined_ms %lld", &r.rank, &r.size, &r.generation,
+                &r.failures, &r.w0, &r.rejoined_ms);
   return r;
 }
 
@@ -420,4 +473,109 @@ TEST_CASE("elastic: mpi cannot shrink, and says so at once; nccl is not refused"
   // nccl shrinks the last generation's communicator, or builds one (tests/cuda/test_nccl.cpp).
   o.backend = ddp::backend::nccl;
   CHECK_NOTHROW(ddp::elastic_group{o});
+}
+
+TEST_CASE("elastic: when every rank holding the state dies as a generation forms, the newcomer says so, never "
+          "starting over") {
+  // Ranks 0 and 1 train; a newcomer comes, and both die as the generation that takes it in
+  // forms. The newcomer holds no state (it never received any): it must not form a group of
+  // its own from its weights and step 0 (min 1 would allow the size), but end with an error
+  // that says the state is gone, within the timeout.
+  plan p;
+  p.n = 2;
+  p.min = 1;
+  p.max = 3;
+  p.steps = 400;
+  p.late = true;
+  p.members_die_in_grow = true;
+  p.step_pause = 20ms;
+  p.timeout = 6s;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto outs = run(p);
+  INFO(summary(outs));
+  bool seen = false;
+  for (const auto& o : outs) {
+    if (o.rank != newcomer) continue;
+    seen = true;
+    CAPTURE(o.message);
+    CHECK(o.errc == static_cast<int>(ddp::errc::aborted));
+    CHECK(o.message.find("every rank holding the state of step") != std::string::npos);
+    CHECK(o.message.find("report") == std::string::npos);
+  }
+  CHECK(seen);
+  // The newcomer came after 1.5 s; the error within its timeout after that (and the test's own
+  // bound, far above, says it never hangs).
+  CHECK(std::chrono::steady_clock::now() - t0 < 1500ms + 2 * p.timeout + 5s);
+}
+
+TEST_CASE("elastic: a rank frozen across three re-formations comes back as a newcomer and rejoins") {
+  // Rank 3 freezes at step 5; rank 2 is killed at step 15 and a newcomer joins: generations 1,
+  // 2, 3 form without it, and the keys of its own generation's round are swept. Thawed then, it
+  // finds the current generation and joins it as a newcomer at the next step boundary (the
+  // minimum of 2 keeps it from closing its old round alone); the group ends with it, every rank
+  // holding the same bits.
+  plan p;
+  p.n = 4;
+  p.min = 2;
+  p.max = 4;
+  p.victim = 3;
+  p.sig = SIGSTOP;
+  p.fail_at = 5;
+  p.kills = {{2, 15}};
+  p.late = true;
+  p.thaw_at_gen = 3;
+  p.steps = 200;
+  p.step_pause = 20ms;
+  const auto outs = run(p);
+  INFO(summary(outs));
+  std::vector<report> rs;
+  report thawed;
+  for (const auto& o : outs) {
+    if (o.rank == store_host || o.rank == 2) continue;
+    rs.push_back(report_of(o));
+    if (o.rank == 3) thawed = rs.back();
+  }
+  REQUIRE(rs.size() == 4);
+  for (const auto& r : rs) {
+    CHECK(r.size == 4);
+    CHECK(r.generation == 4);
+    CHECK(r.w0 == rs[0].w0);
+  }
+  MESSAGE("the thawed rank was back in the group " << thawed.rejoined_ms << " ms after its thaw");
+  CHECK(thawed.rejoined_ms >= 0);
+  // Finding the generation takes its heartbeat's lease (0.5 s) at most, joining one step.
+  CHECK(thawed.rejoined_ms < 2000);
+}
+
+TEST_CASE("elastic: a sharded group that loses a rank mid-step ends loudly on every survivor, and never grows") {
+  // Each rank alone holds its shard's momentum: a re-formed group would go on with the lost
+  // rank's shard reset, or with a step applied to two thirds of the model. Every survivor
+  // raises instead, saying why; the newcomer that came meanwhile was never taken in.
+  plan p;
+  p.n = 3;
+  p.min = 1;
+  p.max = 4;
+  p.victim = 2;
+  p.fail_at = 100;  // after the newcomer came (1.5 s): the group commits on without growing
+  p.die_in_apply = true;
+  p.sharded = true;
+  p.late = true;
+  p.steps = 400;
+  p.step_pause = 20ms;
+  p.timeout = 8s;
+  const auto outs = run(p);
+  INFO(summary(outs));
+  int loud = 0;
+  for (const auto& o : outs) {
+    if (o.rank == store_host || o.rank == p.victim) continue;
+    CAPTURE(o.rank);
+    CAPTURE(o.message);
+    CHECK(o.message.find("report") == std::string::npos);
+    if (o.rank == newcomer) continue;  // it waits for a seat the group never offers
+    CHECK(o.errc == static_cast<int>(ddp::errc::aborted));
+    CHECK(o.message.find("sharded") != std::string::npos);
+    CHECK(o.message.find("every rank holding the state") != std::string::npos);
+    ++loud;
+  }
+  CHECK(loud == 2);
 }

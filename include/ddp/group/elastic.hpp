@@ -45,6 +45,7 @@
 #include <ddp/clock.hpp>
 #include <ddp/detail/bytes.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/detail/elastic_rules.hpp>
 #include <ddp/group/detail/group_state.hpp>
 #include <ddp/group/process_group.hpp>
 #include <ddp/group/store_client.hpp>
@@ -164,6 +165,7 @@ class elastic_group {
     if (!signature_.empty() && !gen.empty()) check_signature(until);
     round_ = gen.empty() ? 0 : std::stoi(gen) + 1;
     prev_size_ = 0;
+    holds_ = detail::elastic::holds_nothing;  // the running job's state comes from its rank 0
     return form(joiner_prio, /*member=*/false, opts_.timeout, "joined");
   }
 
@@ -192,9 +194,23 @@ class elastic_group {
     const std::string base = step_key(gen_, step_);
     const int n = pg_.size();
     std::string d;
-    if (st.add(base + "v", 1, until) == n) {
-      const bool grow = n < opts_.elastic_max && st.add(round_key(gen_ + 1) + "n", 0, until) > 0;
-      d = st.compare_set(base + "d", "", grow ? "grow" : "commit", until);
+    namespace rules = detail::elastic;
+    rules::step_view sv;
+    sv.votes = st.add(base + "v", 1, until);
+    sv.world = n;
+    sv.max = opts_.elastic_max;
+    if (sv.votes >= n) {
+      if (n < opts_.elastic_max) sv.waiting = st.add(round_key(gen_ + 1) + "n", 0, until);
+      // The first step this generation commits makes it the live one: from then on only its
+      // members (and generations formed from them) are sources of the state, never a rank that
+      // was frozen while it committed. Said before the decision, so that no step is committed
+      // while the store still names an older live generation.
+      sv.sharded = pg_.has_sharded_state();
+      if (!live_said_) {
+        st.set("el/live", detail::elastic::encode(detail::elastic::live_mark{gen_, step_ + 1, sv.sharded}), until);
+        live_said_ = true;
+      }
+      d = st.compare_set(base + "d", "", rules::name(rules::decide_step(sv)), until);
       // A newcomer waiting for a seat sees the job alive: noted once a second at most, off the
       // per-step path.
       if (const auto now = steady_clock::now(); now - progress_noted_ >= std::chrono::seconds(1)) {
@@ -213,14 +229,22 @@ class elastic_group {
       }
       if (steady_clock::now() >= until)
         detail::raise(errc::timeout, pg_.rank(), "elastic: step " + std::to_string(step_) + " was never decided");
-      if (group_failed()) d = st.compare_set(base + "d", "", "abort", until);
+      sv.group_failed = group_failed();
+      if (rules::decide_step(sv) == rules::step_outcome::abort) d = st.compare_set(base + "d", "", "abort", until);
     }
     if (d == "abort")
       detail::raise(errc::aborted, pg_.rank(),
                     "elastic: step " + std::to_string(step_) + " dropped on every rank: the group of generation " +
                         std::to_string(gen_) + " failed (" + failure_text() + ")");
     ++step_;
-    if (apply) apply();
+    // An apply that throws (a collective inside it failed, say) leaves this rank's state torn
+    // between two steps: it is no source of the state from now on (a newcomer's standing).
+    if (apply) try {
+        apply();
+      } catch (...) {
+        holds_ = detail::elastic::holds_nothing;
+        throw;
+      }
     if (d == "grow" && !reform(pg_.rank(), "grow"))
       detail::raise(errc::aborted, opts_.rank, "elastic: the job finished while this rank re-formed");
   }
@@ -238,8 +262,24 @@ class elastic_group {
     // Wake every peer still blocked on this rank, say whom this rank's heartbeat found dead (the
     // next round need not wait for it), and drop the step in flight for all.
     pg_.s_->fail_all(pg_.s_->verdict.as_recorded(de->condition(), detail::message_of(e)));
+    const auto until = steady_clock::now() + opts_.timeout;
+    const int current = current_gen(until);
+    if (detail::elastic::stale(gen_, current)) {
+      // Frozen (or cut off) while the group re-formed without it: its generation's keys may be
+      // swept, and its state is behind. It comes back as a newcomer of the group as it is now.
+      leave_heartbeat();
+      if (eo_.verbose)
+        std::fprintf(stderr,
+                     "[ddp.elastic] rank %d of generation %d: generation %d formed without it; it joins "
+                     "again as a newcomer\n",
+                     old_rank, gen_, current);
+      round_ = current + 1;
+      prev_size_ = 0;
+      return form(joiner_prio, /*member=*/false, opts_.timeout,
+                  "a rank of generation " + std::to_string(gen_) + " came back");
+    }
     note_dead(gen_);
-    (void)coord_->compare_set(step_key(gen_, step_) + "d", "", "abort", steady_clock::now() + opts_.timeout);
+    (void)coord_->compare_set(step_key(gen_, step_) + "d", "", "abort", until);
     ++failures_;
     return reform(old_rank, detail::message_of(e));
   }
@@ -253,7 +293,7 @@ class elastic_group {
   }
 
  private:
-  static constexpr int joiner_prio = 1 << 30;
+  static constexpr std::int64_t joiner_prio = detail::elastic::newcomer_place;
 
   static std::string make_uid() {
     char host[64] = {};
@@ -328,23 +368,40 @@ class elastic_group {
   /// the last generation (or of the first) may close the round; a newcomer waits for the
   /// members to take it in. A round that fails to form (a rank lost during it) is followed by
   /// the next. Returns false when the job is done.
-  bool form(int prio, bool member, std::chrono::milliseconds wait_for, const std::string& why) {
+  bool form(std::int64_t prio, bool member, std::chrono::milliseconds wait_for, std::string why) {
+    namespace rules = detail::elastic;
     auto& st = *coord_;
     const auto t0 = steady_clock::now();
     auto until = t0 + std::max(wait_for, opts_.timeout);
     std::string progress;  // a newcomer waits for as long as the job commits steps
+    auto seen_progress = steady_clock::now();
     for (;;) {
       if (steady_clock::now() >= until)
         detail::raise(errc::timeout, opts_.rank,
                       "elastic: no generation formed within " +
                           std::to_string(std::max(wait_for, opts_.timeout).count()) + " ms (round " +
                           std::to_string(round_) + ")");
+      // A round that formed without this process (it was frozen, or came late): it holds old
+      // state, or none, and registers as a newcomer of the round after the newest generation.
+      if (const int current = current_gen(until); current >= round_) {
+        round_ = current + 1;
+        member = false;
+        prio = joiner_prio;
+      }
       const std::string rk = round_key(round_);
       const auto idx = st.add(rk + "n", 1, until);
-      st.set(rk + "m/" + std::to_string(idx), std::to_string(prio) + " " + uid_, until);
+      rules::registrant me{.idx = idx, .place = prio, .uid = uid_, .holds = holds_, .step = step_};
+      st.set(rk + "m/" + std::to_string(idx), rules::encode(me), until);
       if (member && prio < prev_size_) st.set(rk + "old/" + std::to_string(prio), "1", until);
       const auto opened = steady_clock::now();
-      std::int64_t closed = 0;
+      // Each round a rank may close gets the whole timeout: its decision (lost, when no source
+      // came) is due by then, before this loop's own deadline.
+      if (member)
+        until = std::max(until, opened + std::max(wait_for, opts_.timeout) + 4 * detail::timing::elastic_poll);
+      std::optional<rules::round_decision> closed;
+      rules::round_view view;
+      view.round = round_;
+      view.prev_size = prev_size_;
       for (;;) {
         if (steady_clock::now() + detail::timing::elastic_poll >= until)
           detail::raise(
@@ -352,62 +409,66 @@ class elastic_group {
               "elastic: round " + std::to_string(round_) + " never closed" +
                   (member ? std::string() : " (this newcomer waited for a seat while the group committed no step)"));
         if (st.wait({rk + "closed"}, detail::timing::elastic_poll, until).empty()) {
-          closed = std::stoll(st.get(rk + "closed", until));
+          const auto text = st.get(rk + "closed", until);
+          closed = rules::decode_round(text);
+          if (!closed)
+            detail::raise(
+                errc::protocol, opts_.rank,
+                "elastic: round " + std::to_string(round_) + " closed with a malformed record '" + text + "'");
           break;
         }
-        if (st.check("el/done", until)) return false;
-        if (!member) {  // newcomers never close a round
+        if (!member) {  // newcomers never close a round: they wait for the group to take them in
+          rules::seat_view sv;
+          sv.round = round_;
+          sv.done = st.check("el/done", until);
           std::string now_at;
-          if (st.check("el/step", until)) now_at = st.get("el/step", until);
-          if (now_at != progress) {
-            progress = now_at;
-            until = steady_clock::now() + std::max(wait_for, opts_.timeout);
-            // A round that formed without this newcomer, and was swept since (sweep()): it
-            // would never see it close, so it registers in the round after the current one.
-            if (const int g = std::stoi(st.get("el/gen", until)); g >= round_ && !st.check(rk + "closed", until)) {
-              round_ = g;
-              break;  // closed stays 0: the next round
+          if (!sv.done) {
+            if (st.check("el/step", until)) now_at = st.get("el/step", until);
+            sv.progress = now_at != progress;
+            if (sv.progress) {
+              progress = now_at;
+              seen_progress = steady_clock::now();
+              until = steady_clock::now() + std::max(wait_for, opts_.timeout);
+              sv.current = current_gen(until);
+              sv.round_closed = st.check(rk + "closed", until);
             }
+          }
+          sv.idle = std::chrono::duration_cast<std::chrono::milliseconds>(steady_clock::now() - seen_progress);
+          const auto seat = rules::decide_seat(sv, std::max(wait_for, opts_.timeout));
+          if (seat.what == rules::seat_decision::leave) return false;
+          if (seat.what == rules::seat_decision::timeout)
+            detail::raise(errc::timeout, opts_.rank, "elastic: this newcomer " + seat.why);
+          if (seat.what == rules::seat_decision::move) {
+            round_ = seat.round;
+            break;  // closed stays empty: the next round
           }
           continue;
         }
-        const auto n = st.add(rk + "n", 0, until);
-        // Closed at the maximum; at the minimum or above once every member of the last
-        // generation is back or found dead, or after the wait; below the minimum only when
-        // every member is back or found dead (after the wait: a newcomer may still come), or
-        // after the timeout (members that neither came nor were found dead may be slow, not
-        // gone), and then the formation says so.
-        const auto wait_more = prev_size_ > 0 && round_ > 0 ? eo_.settle : wait_for;
-        const bool waited = steady_clock::now() - opened >= wait_more;
-        const bool close =
-            n >= opts_.elastic_max || (n >= opts_.elastic_min && (waited || all_accounted(rk))) ||
-            (n < opts_.elastic_min && (steady_clock::now() - opened >= opts_.timeout || (waited && all_accounted(rk))));
-        if (close) {
-          closed = std::stoll(
-              st.compare_set(rk + "closed", "", std::to_string(std::min<std::int64_t>(n, opts_.elastic_max)), until));
-          break;
-        }
+        if (st.check("el/done", until)) return false;
+        gather(view, rk, until);
+        view.open_for = std::chrono::duration_cast<std::chrono::milliseconds>(steady_clock::now() - opened);
+        const auto d = rules::decide_round(view, round_rules(wait_for));
+        if (d.what == rules::round_decision::wait) continue;
+        const auto text = st.compare_set(rk + "closed", "", rules::encode(d), until);
+        closed = rules::decode_round(text);
+        if (!closed)
+          detail::raise(errc::protocol, opts_.rank,
+                        "elastic: round " + std::to_string(round_) + " closed with a malformed record '" + text + "'");
+        break;
       }
-      if (idx > closed) {
-        // Came after the round closed: a newcomer of the next one.
+      if (!closed) continue;
+      if (closed->what == rules::round_decision::lost)
+        detail::raise(errc::aborted, opts_.rank, "elastic: " + closed->why);
+      const auto at = std::find(closed->members.begin(), closed->members.end(), idx);
+      if (at == closed->members.end()) {
+        // Not taken in (it came after the round closed): a newcomer of the next one.
         ++round_;
         member = false;
         prio = joiner_prio;
         continue;
       }
-      // The members, in their order: the last generation's ranks first, then newcomers.
-      std::vector<std::pair<std::pair<std::int64_t, std::int64_t>, std::string>> who;
-      for (std::int64_t i = 1; i <= closed; ++i) {
-        const auto rec = st.get(rk + "m/" + std::to_string(i), until);
-        const auto sp = rec.find(' ');
-        who.push_back({{std::stoll(rec.substr(0, sp)), i}, rec.substr(sp + 1)});
-      }
-      std::sort(who.begin(), who.end());
-      int new_rank = -1;
-      for (std::size_t i = 0; i < who.size(); ++i)
-        if (who[i].second == uid_) new_rank = static_cast<int>(i);
-      if (new_rank < 0) detail::raise(errc::protocol, opts_.rank, "elastic: this process is missing from its round");
-      const int world = static_cast<int>(closed);
+      const int new_rank = static_cast<int>(at - closed->members.begin());
+      const int world = static_cast<int>(closed->members.size());
       if (world < opts_.elastic_min)
         detail::raise(errc::aborted, opts_.rank,
                       "elastic: the group fell to " + std::to_string(world) + " ranks, below its minimum of " +
@@ -419,7 +480,8 @@ class elastic_group {
         // A rank lost while the generation formed: the next round, with the ones still here.
         // A newcomer that does not match the group (its wrappers' construction raised
         // errc::mismatch on every rank, naming what differs) leaves with that error, and the
-        // members form the next round without it.
+        // members form the next round without it. What each process holds is unchanged: a
+        // newcomer that took part holds nothing still (its state transfer did not finish).
         if (!group_lost(e.condition()) && (e.condition() != errc::mismatch || !proven_)) throw;
         if (pg_.s_) pg_.s_->fail_all({e.condition(), detail::message_of(e)});
         if (gen_ == round_) note_dead(round_);
@@ -429,8 +491,61 @@ class elastic_group {
         prio = new_rank;
         member = true;
         ++round_;
+        why = detail::message_of(e);  // the next formation's own cause
       }
     }
+  }
+
+  /// The newest generation that formed (el/gen), -1 when none has.
+  int current_gen(deadline_t until) {
+    const auto g = coord_->try_get("el/gen", std::chrono::milliseconds(0), until);
+    return g && !g->empty() ? std::stoi(*g) : -1;
+  }
+
+  detail::elastic::round_rules round_rules(std::chrono::milliseconds wait_for) const {
+    return {.min = opts_.elastic_min,
+            .max = opts_.elastic_max,
+            .settle = eo_.settle,
+            .first = wait_for,
+            .timeout = std::max(wait_for, opts_.timeout)};
+  }
+
+  /// Reads round `rk` into `v`: the registrations so far (each read once: they never change),
+  /// which ranks of the last generation are back or found dead, and the live generation.
+  void gather(detail::elastic::round_view& v, const std::string& rk, deadline_t until) {
+    namespace rules = detail::elastic;
+    auto& st = *coord_;
+    const auto n = st.add(rk + "n", 0, until);
+    for (auto i = static_cast<std::int64_t>(v.registered.size()) + 1; i <= n; ++i) {
+      // A process that died between its count and its record never writes it: it is left out,
+      // and those after it wait for the next look.
+      const auto rec = st.try_get(rk + "m/" + std::to_string(i), std::chrono::milliseconds(0), until);
+      if (!rec) break;
+      auto r = rules::decode_registrant(i, *rec);
+      if (!r) detail::raise(errc::protocol, opts_.rank, "elastic: a malformed registration '" + *rec + "' in " + rk);
+      v.registered.push_back(std::move(*r));
+    }
+    v.back.assign(static_cast<std::size_t>(prev_size_), false);
+    v.dead.assign(static_cast<std::size_t>(prev_size_), false);
+    std::vector<std::string> keys;
+    for (int q = 0; q < prev_size_; ++q) keys.push_back(rk + "old/" + std::to_string(q));
+    for (int q = 0; q < prev_size_; ++q) keys.push_back(ns(prev_gen_) + "hb/dead/" + std::to_string(q));
+    std::vector<bool> missing(keys.size(), false);
+    if (!keys.empty())
+      for (const auto& k : st.wait(keys, std::chrono::milliseconds(0), until))
+        missing[static_cast<std::size_t>(std::find(keys.begin(), keys.end(), k) - keys.begin())] = true;
+    for (int q = 0; q < prev_size_; ++q) {
+      v.back[static_cast<std::size_t>(q)] = !missing[static_cast<std::size_t>(q)];
+      v.dead[static_cast<std::size_t>(q)] = !missing[static_cast<std::size_t>(prev_size_ + q)];
+    }
+    v.live = {};
+    if (const auto live = st.try_get("el/live", std::chrono::milliseconds(0), until)) {
+      const auto m = rules::decode_live(*live);
+      if (!m) detail::raise(errc::protocol, opts_.rank, "elastic: a malformed live mark '" + *live + "'");
+      v.live = *m;
+    }
+    if (const auto at = st.try_get("el/step", std::chrono::milliseconds(0), until))
+      v.live.step = std::max<std::uint64_t>(v.live.step, std::stoull(*at));
   }
 
   /// Writes el<g>/hb/dead/<rank> for the rank this rank's heartbeat found frozen or dead in
@@ -442,21 +557,6 @@ class elastic_group {
   void mark_dead(int g, int dead, std::chrono::milliseconds budget) {
     coord_->set(ns(g) + "hb/dead/" + std::to_string(dead), "1", steady_clock::now() + budget);
   }
-  /// True when every rank of the last generation registered in round `rk` or was found dead
-  /// there (its heartbeat watcher wrote el<g>/hb/dead/<rank>, in note_dead).
-  bool all_accounted(const std::string& rk) {
-    auto& st = *coord_;
-    const auto until = steady_clock::now() + opts_.timeout;
-    std::vector<std::string> keys;
-    for (int q = 0; q < prev_size_; ++q) keys.push_back(rk + "old/" + std::to_string(q));
-    auto missing = st.wait(keys, std::chrono::milliseconds(0), until);
-    if (missing.empty()) return true;
-    if (round_ == 0) return false;
-    std::vector<std::string> dead;
-    for (const auto& k : missing) dead.push_back(ns(prev_gen_) + "hb/dead/" + k.substr(k.rfind('/') + 1));
-    return st.wait(dead, std::chrono::milliseconds(0), until).empty();
-  }
-
   /// Joins generation round_ as `rank` of `world`, rebuilds the program's wrappers, hands out
   /// rank 0's state.
   void join(int rank, int world, const std::string& why) {
@@ -504,6 +604,11 @@ class elastic_group {
       if (b.size() < 8 * (i + 1)) detail::raise(errc::protocol, rank, "elastic: rank 0's state is truncated");
       return detail::decode_i64(b.substr(8 * i, 8));
     };
+    if (const auto got = static_cast<std::uint64_t>(at(0)); got < step_)
+      detail::raise(errc::protocol, rank,
+                    "elastic: generation " + std::to_string(gen_) + "'s rank 0 holds the state of step " +
+                        std::to_string(got) + ", behind this rank's " + std::to_string(step_) +
+                        ": the committed step would go backwards");
     step_ = static_cast<std::uint64_t>(at(0));
     failures_ = static_cast<int>(at(1));
     const auto nsizes = static_cast<std::size_t>(at(2));
@@ -511,25 +616,37 @@ class elastic_group {
     sizes_.clear();
     for (std::size_t i = 0; i < nsizes; ++i) sizes_.push_back(static_cast<int>(at(3 + i)));
     if (rank != 0 && load_) load_(b.substr(8 * (3 + nsizes)));
+    holds_ = gen_;
+    live_said_ = false;
     if (rank == 0) sweep();
   }
 
   /// Erases the keys of generations two or more behind this one (their rendezvous, heartbeat
-  /// and mesh keys, their round's registrations, their last step's votes), so that the store
-  /// holds at most three generations however often the group re-forms. The last one stays for
-  /// a rank of it that wakes late; the one before, for a newcomer that read it as current.
-  /// Best effort: a store that fails here fails the next step too.
+  /// and mesh keys, their round's registrations), so that the store holds at most three
+  /// generations however often the group re-forms. The last one stays for a rank of it that
+  /// wakes late; the one before, for a newcomer that read it as current. A generation's step
+  /// decisions stay until a later generation commits a step (el/live): a rank frozen while its
+  /// step was decided reads that decision when it thaws, whatever formed since, so that it
+  /// never holds the live state one step behind. Best effort: a store that fails here fails the
+  /// next step too.
   void sweep() {
     auto& st = *coord_;
     const auto until = steady_clock::now() + opts_.timeout;
     try {
-      int from = 0;
+      int from = 0, steps_from = 0;
       if (st.check("el/swept", until)) from = std::stoi(st.get("el/swept", until)) + 1;
+      if (st.check("el/swept_steps", until)) steps_from = std::stoi(st.get("el/swept_steps", until)) + 1;
       for (int g = from; g <= gen_ - 2; ++g) {
         (void)st.erase_prefix(ns(g), until);
         (void)st.erase_prefix(round_key(g), until);
-        (void)st.erase_prefix(steps_key(g), until);
         st.set("el/swept", std::to_string(g), until);
+      }
+      const auto live = st.try_get("el/live", std::chrono::milliseconds(0), until);
+      const auto mark = live ? detail::elastic::decode_live(*live) : std::nullopt;
+      const int live_gen = mark ? mark->gen : -1;
+      for (int g = steps_from; g < std::min(live_gen, gen_ - 1); ++g) {
+        (void)st.erase_prefix(steps_key(g), until);
+        st.set("el/swept_steps", std::to_string(g), until);
       }
     } catch (const std::exception&) {
     }
@@ -552,7 +669,12 @@ class elastic_group {
   int prev_size_ = 0;
   int failures_ = 0;
   steady_clock::time_point progress_noted_{};  // when this rank last wrote el/step
-  bool proven_ = false;  // a generation's wrappers were built here (a mismatch since is a newcomer's)
+  bool proven_ = false;
+  /// The state this process holds (detail::elastic::holds_*, or the generation it joined): only
+  /// a holder of the live generation's state may be a new generation's rank 0.
+  int holds_ = joiner_by_env() ? detail::elastic::holds_nothing : detail::elastic::holds_initial;
+  bool live_said_ = false;  // this generation's first committed step was said in the store  // a generation's wrappers
+                            // were built here (a mismatch since is a newcomer's)
   std::uint64_t step_ = 0;
   std::vector<int> sizes_;
 };

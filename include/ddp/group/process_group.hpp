@@ -151,6 +151,14 @@ class process_group {
   /// True once abort() was called on this rank's group.
   bool aborted() const noexcept;
 
+  /// Says that a wrapper keeps state sharded over this group's ranks (`dp_options::shard`: each
+  /// rank alone holds its shard's optimizer state). An elastic group of such generations ends
+  /// with an error rather than re-form without a shard, or with every shard's state reset
+  /// (docs/elastic.md, "Sharded"). The sharded wrapper calls it; so may an engine's own.
+  void note_sharded_state() noexcept;
+  /// True once note_sharded_state() was called on this group.
+  bool has_sharded_state() const noexcept;
+
   /// Lets go of this handle (it becomes empty). The group closes when no handle is left: the
   /// last one closes the connections, and on rank 0 waits (bounded) for the others to leave
   /// its store first.

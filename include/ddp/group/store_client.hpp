@@ -49,7 +49,11 @@ class store_client {
 
   store_client(const std::string& host, int port, int rank, deadline_t until,
                std::shared_ptr<const authenticator> auth = nullptr, bool external = false)
-      : rank_(rank), auth_(std::move(auth)), store_(external ? "the group's store" : "the store of rank 0") {
+      : rank_(rank),
+        auth_(std::move(auth)),
+        store_(external ? "the group's store" : "the store of rank 0"),
+        where_(host + ":" + std::to_string(port) +
+               (external ? " (served outside the ranks: ddprun or ddpstore)" : "")) {
     const auto eps = detail::resolve(host, port, rank);
     const std::string where = host + ":" + std::to_string(port);
     auto backoff = detail::timing::connect_backoff;
@@ -245,15 +249,17 @@ class store_client {
     turn_guard lock(*turn_, until);
     if (!lock.held)
       detail::raise(errc::timeout, rank_,
-                    "store request timed out waiting for its turn on the connection to rank 0 (another thread's "
-                    "request held it)");
+                    "store request timed out waiting for its turn on the connection to " + store_ + " at " + where_ +
+                        " (another thread's request held it)");
     if (!broken_.empty())
-      detail::raise(broken_code_, rank_, "store connection to rank 0 is unusable after an earlier failure: " + broken_);
+      detail::raise(
+          broken_code_, rank_,
+          "the connection to " + store_ + " at " + where_ + " is unusable after an earlier failure: " + broken_);
     const auto start = steady_clock::now();
     if (start >= until)
       detail::raise(errc::timeout, rank_,
-                    "store request timed out waiting for its turn on the connection to rank 0 (another thread's "
-                    "request held it)");
+                    "store request timed out waiting for its turn on the connection to " + store_ + " at " + where_ +
+                        " (another thread's request held it)");
     // Once sent, the answer is read for a moment at least, whatever is left of `until`: an
     // answer abandoned half-way would make the connection unusable for every later call.
     until = std::max(until, start + min_answer);
@@ -311,7 +317,7 @@ class store_client {
   [[noreturn]] void fail(const std::error_code& ec) {
     // A reply may still be on its way: later calls would read it as theirs, so none may follow.
     broken(detail::to_errc(ec) == errc::timeout ? errc::timeout : errc::peer_lost,
-           "store connection to rank 0: " + detail::describe(ec));
+           "the connection to " + store_ + " at " + where_ + " failed: " + detail::describe(ec));
   }
   /// The byte stream can no longer be trusted to be in step with our requests (a reply still on
   /// its way, or one we could not frame): every later call fails at once, naming this cause.
@@ -326,6 +332,7 @@ class store_client {
   std::string prefix_;  ///< put before every key (set_prefix)
   std::shared_ptr<const authenticator> auth_;
   std::string store_;  // who serves the store, as errors name it
+  std::string where_;  // its address (and who serves it), for messages
   detail::fd_handle fd_;
   std::atomic<bool> unusable_{false};
   /// One request at a time on the connection, waited for until the caller's deadline. (A mutex

@@ -131,9 +131,10 @@ struct group_state {
   std::uint64_t group_id = 0;
   int next_channel = 1;  // the next transport's channel; every rank builds its transports in the same order
   std::atomic<bool> aborted{false};
-  std::atomic<bool> failed{false};  // a failure was posted: close() does not wait for the others
-  std::atomic<int> found_dead{-1};  // the predecessor this rank's heartbeat found frozen or dead
-  std::mutex found_mu;              // guards on_found_dead
+  std::atomic<bool> failed{false};         // a failure was posted: close() does not wait for the others
+  std::atomic<bool> sharded_state{false};  // a wrapper keeps state sharded over the ranks (note_sharded_state)
+  std::atomic<int> found_dead{-1};         // the predecessor this rank's heartbeat found frozen or dead
+  std::mutex found_mu;                     // guards on_found_dead
   /// Told (on the heartbeat's thread) which rank the heartbeat found frozen or dead, before the
   /// group fails: an elastic group says so in its store (group/elastic.hpp).
   std::function<void(int)> on_found_dead;

@@ -241,6 +241,10 @@ DDP_DECL void process_group::abort(const std::string& why) noexcept {
   s_->post_failure({errc::aborted, "group aborted by rank " + std::to_string(s_->rank) + ": " + why});
 }
 DDP_DECL bool process_group::aborted() const noexcept { return s_ && s_->aborted.load(); }
+DDP_DECL void process_group::note_sharded_state() noexcept {
+  if (s_) s_->sharded_state.store(true);
+}
+DDP_DECL bool process_group::has_sharded_state() const noexcept { return s_ && s_->sharded_state.load(); }
 DDP_DECL void process_group::abort(const std::exception& e) noexcept {
   if (!s_ || s_->owner.forked()) return;
   try {
