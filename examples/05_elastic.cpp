@@ -15,14 +15,16 @@
 //    each committed step's average is over exactly the ranks that committed it;
 //  - the final weights are bitwise equal on every rank (a hash, gathered from all);
 //  - the final loss over the whole dataset is within 25% (+0.002) of an uninterrupted run of
-//    as many steps at the full size (computed on rank 0; of 3000 steps at most: training longer
-//    only lowers the loss), and below a quarter of the first.
+//    as many steps at the smallest size the group had (computed on rank 0; of 3000 steps at most:
+//    training longer only lowers the loss), and below a quarter of the first.
 // The last line of the final rank 0 is `elastic: OK steps=<n> failures=<k> sizes=<a,b,...>
 // generations=<g>`: the committed steps, the failures survived, the world sizes seen (each once).
 //
 // --min-seconds S: train at least S seconds (and at least --steps N steps, 300 by default), so
 // that a punisher has time; --stop-file F: and until F exists (the punisher's "done"). Rank 0
-// decides when to stop, through the contributors' last slot.
+// decides when to stop, through the contributors' last slot. --ready-file F: rank 0 creates F
+// once the first step is committed (a punisher that strikes before it would only test the
+// first formation).
 //
 // Built with libsodium, it proves the group's secret when DDP_AUTH_TOKEN is set
 // (docs/security.md).
@@ -43,6 +45,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -128,7 +131,7 @@ double uninterrupted_loss(const dataset& d, int world, std::uint64_t steps) {
 int main(int argc, char** argv) try {
   double min_seconds = 0;
   std::uint64_t min_steps = 300;
-  std::string stop_file;
+  std::string stop_file, ready_file;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--min-seconds" && i + 1 < argc) {
@@ -137,8 +140,10 @@ int main(int argc, char** argv) try {
       min_steps = static_cast<std::uint64_t>(std::atoll(argv[++i]));
     } else if (a == "--stop-file" && i + 1 < argc) {
       stop_file = argv[++i];
+    } else if (a == "--ready-file" && i + 1 < argc) {
+      ready_file = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: 05_elastic [--min-seconds S] [--steps N] [--stop-file F]\n");
+      std::fprintf(stderr, "usage: 05_elastic [--min-seconds S] [--steps N] [--stop-file F] [--ready-file F]\n");
       return 2;
     }
   }
@@ -257,6 +262,7 @@ int main(int argc, char** argv) try {
         ++k;
         if (first_loss < 0) first_loss = loss;
       });
+      if (!ready_file.empty() && eg.rank() == 0 && eg.step() == 1) std::ofstream(ready_file) << "ready\n";
     } catch (const ddp::error& e) {
       std::fprintf(stderr, "[ddp.elastic] rank %d: %s\n", eg.rank(), e.what());
       if (!eg.recover(e)) return finished_without_me();
@@ -276,15 +282,19 @@ int main(int argc, char** argv) try {
       if (eg.rank() == 0) {
         const double final_loss = full_loss(model, data);
         // Training longer only lowers the loss: a long run is held to the uninterrupted run of
-        // its first reference_steps steps (which rank 0 computes in a few seconds).
+        // its first reference_steps steps (which rank 0 computes in a few seconds), at the
+        // smallest size the group had: each step of it averaged at least that many batches
+        // (held to the full size, a run that spent most of its steps shrunk fails for seeing
+        // fewer samples, not for losing any state).
         const std::uint64_t ref_steps = std::min<std::uint64_t>(eg.step(), reference_steps);
-        const double ref = uninterrupted_loss(data, max_world, ref_steps);
+        const int ref_world = *std::min_element(eg.sizes().begin(), eg.sizes().end());
+        const double ref = uninterrupted_loss(data, ref_world, ref_steps);
         const bool close = final_loss <= 1.25 * ref + 0.002 && final_loss < first_loss / 4;
         std::printf("final weights bitwise equal on all %d ranks: %s\n", eg.size(), equal ? "OK" : "FAILED");
         std::printf("every committed step averaged over exactly its generation's ranks: %s%s%s\n",
                     counted ? "OK" : "FAILED", bad_count.empty() ? "" : ": ", bad_count.c_str());
         std::printf("final loss %.6f, uninterrupted run of %llu steps at %d ranks %.6f, first step %.6f: %s\n",
-                    final_loss, static_cast<unsigned long long>(ref_steps), max_world, ref, first_loss,
+                    final_loss, static_cast<unsigned long long>(ref_steps), ref_world, ref, first_loss,
                     close ? "OK" : "FAILED");
         if (!close) code = 1;
         // The world sizes seen, each once, in the order first seen; and how many generations.

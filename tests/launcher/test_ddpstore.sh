@@ -42,10 +42,13 @@ start_store --elastic --until-idle 3
 pids=()
 for r in 0 1 2; do
   RANK=$r WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port DDP_EXTERNAL_STORE=1 DDP_ELASTIC=2:3 \
-    "$elastic_example" --min-seconds 4 >"$tmp/el.$r" 2>&1 &
+    "$elastic_example" --min-seconds 4 --ready-file "$tmp/ready" >"$tmp/el.$r" 2>&1 &
   pids+=($!)
 done
-sleep 2
+# Rank 0 dies once the group trains (before it, the group would start from another rank's
+# initial weights, and the final loss be held to a run it did not make).
+for _ in $(seq 300); do [[ -f "$tmp/ready" ]] && break; sleep 0.1; done
+sleep 1
 kill -KILL "${pids[0]}"; wait "${pids[0]}" 2>/dev/null
 rcs=""
 for r in 1 2; do wait "${pids[$r]}"; rcs+="$? "; done
@@ -53,6 +56,24 @@ check "the elastic group goes on without its rank 0, the store outside it (exit 
 last=$(cat "$tmp/el.1" "$tmp/el.2" | grep "elastic: OK" | tail -1)
 check "the new rank 0 says elastic: OK with one failure ($last)" '[[ "$last" == *"failures=1 sizes=3,2"* ]]'
 wait $store_pid 2>/dev/null
+
+# The store's process killed under a running elastic group: every rank ends with an error that
+# names the store and its address, not rank 0 (which is alive).
+start_store --elastic
+pids=()
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port DDP_EXTERNAL_STORE=1 DDP_ELASTIC=2:2 DDP_TIMEOUT=10 \
+    "$elastic_example" --min-seconds 30 --ready-file "$tmp/ready2" >"$tmp/gone.$r" 2>&1 &
+  pids+=($!)
+done
+for _ in $(seq 300); do [[ -f "$tmp/ready2" ]] && break; sleep 0.1; done
+kill -KILL $store_pid; wait $store_pid 2>/dev/null
+rcs=""
+for r in 0 1; do wait "${pids[$r]}"; rcs+="$? "; done
+named=$(grep -h "the group's store at 127.0.0.1:$port" "$tmp/gone.0" "$tmp/gone.1" | head -1)
+check "a killed store ends every rank (exit codes: $rcs)" '[[ $rcs != *"0 "* ]]'
+check "their error names the store and its address, not rank 0 ($named)" \
+  '[[ -n "$named" ]] && ! grep -q "connection to rank 0" "$tmp/gone.0" "$tmp/gone.1"'
 
 if [[ ${DDP_TEST_SODIUM:-0} == 1 ]]; then
   # With a secret: a process without it is refused, naming the store as the group's.
