@@ -246,8 +246,17 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
       if (e.condition() != errc::timeout) throw;
       // No time was left for a later chunk of claims: ask once more, briefly, who is missing.
     }
-  } else if (st.wait({"pg/complete"}, until).empty()) {
-    return static_cast<std::uint64_t>(decode_i64(st.get("pg/id", until)));
+  } else {
+    bool complete = false;
+    try {
+      complete = st.wait({"pg/complete"}, until).empty();
+    } catch (const error& e) {
+      // The deadline passed while the store's answer was on its way (a store busy with thousands
+      // of ranks timing out at once, on a loaded machine): still the rendezvous' timeout, said
+      // as such below, not a failure of the store.
+      if (e.condition() != errc::timeout) throw;
+    }
+    if (complete) return static_cast<std::uint64_t>(decode_i64(st.get("pg/id", until)));
   }
   // Name the missing ranks: rank 0 scans the claims and posts what it found; in worlds that fit
   // one request the others scan them too, in larger ones they quote rank 0's list.
