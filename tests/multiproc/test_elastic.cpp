@@ -220,9 +220,15 @@ void member(const plan& p, int code, int port, const std::string& pid_file) {
   for (const auto& h : all) require(h == all[0], "weights differ across ranks: " + h + " and " + all[0]);
   eg.group().barrier();
   eg.finish();
+  // Leave the group before the report is thrown: an exception in flight while the group is
+  // still open leaves it "on its error", and a peer still finishing the barrier (a loaded
+  // machine) would take that for a failure.
+  dp.reset();
+  const int my_rank = eg.rank(), my_size = eg.size();
+  eg.group().close();
   // What this process saw, for the test to check: "<rank> <size> <generation> <failures>".
-  throw ddp::error(ddp::errc::aborted, eg.rank(),
-                   "report " + std::to_string(eg.rank()) + " " + std::to_string(eg.size()) + " " +
+  throw ddp::error(ddp::errc::aborted, my_rank,
+                   "report " + std::to_string(my_rank) + " " + std::to_string(my_size) + " " +
                        std::to_string(eg.generation()) + " " + std::to_string(eg.failures()) + " w0 " +
                        std::to_string(w[0]) + " rejoined_ms " + std::to_string(rejoined_ms));
 }
