@@ -93,9 +93,14 @@ void check_one_frame(std::string_view bytes) {
     default: ddp_fuzz::require(false, "unknown command accepted");
   }
   // The server's membership check and its parked requests rely on these.
+  // A claim is a compare_set from the empty value of a key under the prefix, or, for a store
+  // without numbered seats, under the prefix inside a namespace ("el3/pg/rank/0").
   const bool claim = is_claim(f, "pg/rank/");
-  ddp_fuzz::require(!claim || (is_write(f.code) && f.fields[0].starts_with("pg/rank/") && f.fields[1].empty()),
+  const bool under = f.fields[0].starts_with("pg/rank/") || f.fields[0].find("/pg/rank/") != std::string::npos;
+  ddp_fuzz::require(!claim || (is_write(f.code) && under && f.fields[1].empty()),
                     "a claim that is not a compare_set from the empty value under the prefix");
+  ddp_fuzz::require(!is_claim(f, "pg/rank/", 4) || f.fields[0].starts_with("pg/rank/"),
+                    "a seat claimed outside the prefix of a store with members");
   ddp_fuzz::require(!is_claim(f, ""), "a claim without a prefix");
   ddp_fuzz::require(is_write(f.code) == (f.code == 1 || f.code == 3 || f.code == 4 || f.code == 5), "write set");
   if (f.code == static_cast<std::uint8_t>(store_cmd::get) || f.code == static_cast<std::uint8_t>(store_cmd::wait))
