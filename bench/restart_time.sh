@@ -19,17 +19,33 @@
 # out where namespaces cannot be made).
 # TORCH_MONITOR_INTERVAL=S sets the agent's monitor interval (torchrun's default, 5 s, otherwise):
 # it polls its workers that often, so a death waits up to S seconds to be seen.
+# ROWS=kill runs only the in-place SIGKILL row, ROWS=in-place only the in-place rows (SIGKILL,
+# SIGSTOP, link cut); ROWS=all (the default) every row. ROWS=kill with BUILD_DIR a list of build
+# directories separated by ':' (`bench/restart_time.sh 9 /tmp/before:build`) runs the SIGKILL row
+# of each in turn, round by round (an A/B in one sitting), and gives one row per build.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 rounds=${1:-5}
 build=${2:-$root/build}
+rows=${ROWS:-all}
+case $rows in all | in-place | kill) ;; *) echo "restart_time: ROWS=$rows: say all, in-place or kill"; exit 2 ;; esac
+if [[ $build == *:* ]]; then
+  [[ $rows == kill ]] || { echo "restart_time: several build directories need ROWS=kill"; exit 2; }
+  IFS=: read -r -a builds <<< "$build"
+  build=${builds[0]}
+else
+  builds=("$build")
+fi
 params=${3:-$root/tests/data/resnet50.params}
 ranks=4 steps=12 kill_at=7 victim=1 every=5
 tmp=$(mktemp -d)
 source "$root/scripts/netns.sh"
 trap 'netns_teardown; rm -rf "$tmp"' EXIT
+for b in "${builds[@]}"; do
+  [[ -x $b/bench/restart_probe && -x $b/tools/ddprun ]] ||
+    { echo "restart_time: build $b/bench/restart_probe and $b/tools/ddprun first (ninja -C $b)"; exit 2; }
+done
 probe=$build/bench/restart_probe ddprun=$build/tools/ddprun
-[[ -x $probe && -x $ddprun ]] || { echo "restart_time: build $probe and $ddprun first (ninja -C $build)"; exit 2; }
 free_port() { /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 # measure LOG: "<kill -> next step ms> <steady step ms>" from a run's output (the steady step:
@@ -88,13 +104,47 @@ link_cut() {
   wait
 }
 cut_ok=1
-netns_check 2>/dev/null || { echo "restart_time: network namespaces cannot be made here: the link-cut row is left out" >&2; cut_ok=""; }
+if [[ $rows == kill ]]; then
+  cut_ok=""
+elif ! netns_check 2>/dev/null; then
+  echo "restart_time: network namespaces cannot be made here: the link-cut row is left out" >&2
+  cut_ok=""
+fi
 
 ddp_res=() torch_res=() cut_res=() ddp_step=() torch_step=() kill_res=() kill_step=() stop_res=() tft_res=() tft_step=()
 # torchft (PyPI, with the current torch) where it is installed: TORCHFT_PYTHON, else the venv of
 # scripts/torch_current.sh with torchft added (`/opt/ddp-torch-venv/bin/pip install torchft`).
 tft=${TORCHFT_PYTHON:-/opt/ddp-torch-venv/bin/python}
-"$tft" -c 'import torchft' 2>/dev/null || { echo "restart_time: no torchft at $tft: its row is left out" >&2; tft=""; }
+if [[ $rows == all ]]; then
+  "$tft" -c 'import torchft' 2>/dev/null || { echo "restart_time: no torchft at $tft: its row is left out" >&2; tft=""; }
+else
+  tft=""
+fi
+median() { printf '%s\n' "$@" | grep -v failed | sort -n | awk '{a[NR] = $1} END {print NR ? (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) : "failed"}'; }
+if [[ $rows == kill ]]; then
+  # The SIGKILL row alone, for each build directory in turn, round by round.
+  declare -A res steady
+  for ((r = 1; r <= rounds; ++r)); do
+    line="round $r:"
+    for ((i = 0; i < ${#builds[@]}; ++i)); do
+      probe=${builds[i]}/bench/restart_probe ddprun=${builds[i]}/tools/ddprun
+      in_place "$tmp/kill.$i.$r" KILL
+      read -r a b < <(measure "$tmp/kill.$i.$r")
+      res[$i]+="$a " steady[$i]+="$b "
+      line+=" ${builds[i]} $a ms (step $b ms);"
+    done
+    echo "$line" >&2
+  done
+  echo "restart_time: $(basename "$params" .params), $ranks ranks, kill at step $kill_at, $rounds rounds, $(nproc) cores, SIGKILL row only"
+  echo
+  echo '| build | kill -> next completed step (median ms) | steady step (ms) | runs (ms) |'
+  echo '|---|---|---|---|'
+  for ((i = 0; i < ${#builds[@]}; ++i)); do
+    # shellcheck disable=SC2086
+    echo "| ${builds[i]} | $(median ${res[$i]}) | $(median ${steady[$i]}) | ${res[$i]% } |"
+  done
+  exit 0
+fi
 for ((r = 1; r <= rounds; ++r)); do
   in_place "$tmp/kill.$r" KILL
   read -r a b < <(measure "$tmp/kill.$r"); kill_res+=("$a"); kill_step+=("$b")
@@ -104,6 +154,10 @@ for ((r = 1; r <= rounds; ++r)); do
     link_cut "$tmp/cut.$r"
     read -r a b < <(measure "$tmp/cut.$r"); cut_res+=("$a")
     echo "round $r: ddp in place, link cut ${cut_res[-1]} ms (step across namespaces $b ms)" >&2
+  fi
+  if [[ $rows == in-place ]]; then
+    echo "round $r: ddp in place ${kill_res[-1]} ms (SIGKILL), ${stop_res[-1]} ms (SIGSTOP; elastic step ${kill_step[-1]} ms)" >&2
+    continue
   fi
   if [[ -n $tft ]]; then
     timeout 300 "$tft" "$root/bench/peers/torchft_recovery.py" "$params" --ranks $ranks --steps 14 --kill-at $kill_at \
@@ -121,7 +175,6 @@ for ((r = 1; r <= rounds; ++r)); do
   read -r a b < <(measure "$tmp/torch.$r"); torch_res+=("$a"); torch_step+=("$b")
   echo "round $r: ddp in place ${kill_res[-1]} ms (SIGKILL), ${stop_res[-1]} ms (SIGSTOP; elastic step ${kill_step[-1]} ms); ddp restart ${ddp_res[-1]} ms (step ${ddp_step[-1]} ms), torchrun ${torch_res[-1]} ms (step ${torch_step[-1]} ms)" >&2
 done
-median() { printf '%s\n' "$@" | grep -v failed | sort -n | awk '{a[NR] = $1} END {print NR ? (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) : "failed"}'; }
 dm=$(median "${ddp_res[@]}") tm=$(median "${torch_res[@]}")
 repeated=$((kill_at % every))
 echo "restart_time: $(basename "$params" .params), $ranks ranks, kill at step $kill_at, checkpoint every $every, $rounds rounds, $(nproc) cores"
@@ -132,6 +185,7 @@ km=$(median "${kill_res[@]}") sm=$(median "${stop_res[@]}")
 echo "| ddp in place (elastic_group, ddprun --elastic 2:4), SIGKILL | $km | 0 | $(median "${kill_step[@]}") | ${kill_res[*]} |"
 echo "| ddp in place, SIGSTOP (heartbeat lease 1 s) | $sm | 0 | | ${stop_res[*]} |"
 [[ -n $cut_ok ]] && echo "| ddp in place, link cut (4 namespaces at 10 Gbit/s, lease 1 s) | $(median "${cut_res[@]}") | 0 | | ${cut_res[*]} |"
+[[ $rows == in-place ]] && exit 0
 echo "| ddprun --max-restarts 1, ddp default | $dm | $repeated | $(median "${ddp_step[@]}") | ${ddp_res[*]} |"
 [[ -n $tft ]] && echo "| torchft 0.2 in place (Manager, gloo, lighthouse heartbeat timeout 1 s) | $(median "${tft_res[@]}") | 0 | $(median "${tft_step[@]}") | ${tft_res[*]} |"
 echo "| torchrun agent (max_restarts 1, c10d, monitor ${TORCH_MONITOR_INTERVAL:-5} s), PyTorch DDP gloo | $tm | $repeated | $(median "${torch_step[@]}") | ${torch_res[*]} |"
