@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <span>
@@ -81,7 +82,9 @@ class basic_data_parallel {
   using no_sync_guard = detail::depth_guard;
 
   /// Wraps `params` (any `ddp::parameter_set`): checks that ranks agree on the parameters
-  /// (count, shapes, dtypes), copies rank 0's values everywhere, plans and allocates the buckets.
+  /// (count, shapes, dtypes), copies rank 0's values everywhere (on a group that expects equal
+  /// state, an elastic group's survivors, only where their hashes differ: `construction()`),
+  /// plans and allocates the buckets.
   /// `reducer_args` go to `Reducer{pg, reducer_args...}`. Throws `ddp::error`: mismatch (naming
   /// the first differing parameter and the ranks), unsupported (memory the allocator cannot
   /// copy), and whatever the reducer or the group throw (timeout, peer_lost).
@@ -111,10 +114,7 @@ class basic_data_parallel {
       pg_.note_sharded_state();  // an elastic group must not re-form without a shard (docs/elastic.md)
     }
     tune_.set_up(agree_, policy_, opts_, pg_.rank());
-    if (opts_.broadcast_parameters && pg.size() > 1) {
-      agreement::broadcast_values(red_, std::span<const tensor_view>(views_), pg_.timeout());
-      agreement::broadcast_values(red_, std::span<const buffer_view>(buffers_.buffers()), pg_.timeout());
-    }
+    if (opts_.broadcast_parameters && pg.size() > 1) start_from_rank0();
     bucket_plan plan = plans_.first_plan(opts_);
     if (shards_) shards_->lay_out(plan);
     // Every rank learns whether every other rank's buckets fit (a full /dev/shm, device memory):
@@ -430,6 +430,9 @@ class basic_data_parallel {
   const ddp::autotune_report& autotune_report() const noexcept { return tune_.report(); }
   /// Statistics of the step the last `finish()` ended.
   const step_stats& last_step_stats() const noexcept { return last_stats_; }
+  /// How the construction made every rank start from rank 0's values: the bytes it broadcast,
+  /// or the hashes it compared instead (docs/elastic.md, "Re-forming without a broadcast").
+  const construction_stats& construction() const noexcept { return built_; }
   /// Number of `finish()` calls so far.
   std::uint64_t steps() const noexcept { return step_; }
   const bucket_plan& plan() const noexcept { return memory_.plan(); }
@@ -448,6 +451,39 @@ class basic_data_parallel {
   void check_healthy() const {
     owner_.check(pg_.rank(), "data_parallel wrapper");
     guarded_.check(pg_.rank());
+  }
+
+  /// Every rank starts from rank 0's parameters and buffers. On a group whose ranks hold equal
+  /// state by the elastic protocol (process_group::expects_equal_state), each rank hashes its
+  /// values and the ranks compare the hashes: equal, nothing moves; different, rank 0's values
+  /// are broadcast after all, and rank 0 says on stderr that the promise did not hold. Any other
+  /// group (or values on a device, which the CPU cannot hash) broadcasts them.
+  void start_from_rank0() {
+    const std::span<const tensor_view> params(views_);
+    const std::span<const buffer_view> buffers(buffers_.buffers());
+    detail::xxh64 h;
+    // Every rank decides alike whether to hash: the signatures, which every rank checked equal,
+    // say where each value lives.
+    if (pg_.expects_equal_state() && agreement::hash_values(h, params) && agreement::hash_values(h, buffers)) {
+      built_.hashes_compared = true;
+      built_.differing = agree_.ranks_differing(h.digest());
+      if (built_.differing.empty()) return;
+      built_.hashes_differed = true;
+      if (pg_.rank() == 0) {
+        std::string ranks;
+        for (int r : built_.differing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+        std::fprintf(stderr,
+                     "[ddp.warning] rank 0: the group expected every rank to hold the same parameters and buffers (an "
+                     "elastic group re-formed from ranks that hold the state of one step), but the values of rank(s) "
+                     "%s differ from rank 0's: rank 0's are broadcast. The elastic protocol's promise did not hold: a "
+                     "step applied on some ranks only, or values changed outside a committed step (docs/elastic.md)\n",
+                     ranks.c_str());
+      }
+    }
+    agreement::broadcast_values(red_, params, pg_.timeout());
+    agreement::broadcast_values(red_, buffers, pg_.timeout());
+    for (const auto& v : params) built_.bytes_broadcast += v.bytes();
+    for (const auto& v : buffers) built_.bytes_broadcast += v.bytes();
   }
 
   void check_index(std::size_t i, const char* what) const {
@@ -488,6 +524,7 @@ class basic_data_parallel {
   int no_sync_depth_ = 0;
   std::uint64_t step_ = 0;
   step_stats last_stats_;
+  construction_stats built_;
   detail::step_guard<Reducer> guarded_{names_, step_, red_, pg_};  // the first failure: every later call raises it
   detail::step_sync<Reducer, Allocator> sync_{pg_, opts_, views_.size(), buffers_, memory_, state_, red_, guarded_};
   using shard_type = detail::shard_ops<Reducer, Allocator>;

@@ -83,6 +83,7 @@ struct tensor_view;
 // and checks its arguments against the policy concepts in its body.
 struct dp_options;
 struct step_stats;
+struct construction_stats;
 struct autotune_report;
 class bucket_autotuner;
 class timeline;

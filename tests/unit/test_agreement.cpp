@@ -3,6 +3,7 @@
 
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -222,6 +223,38 @@ TEST_CASE("agreement: buffers are compared like parameters, frozen ones told apa
   const auto n = error_of([&] { agree.check_buffer_signatures(mine); });
   CHECK(std::string(n.what()).find("ranks disagree on the number of buffers: rank 0 has 3, rank 1 has 2; the first "
                                    "differing is buffer 2 ('bn.count')") != std::string::npos);
+}
+
+TEST_CASE("agreement: values hash by their bytes (XXH64 over the views in order); ranks_differing names the others") {
+  std::vector<float> a{1.0f, 2.0f, 3.0f}, b{4.0f, 5.0f}, ga(3), gb(2);
+  const std::vector<ddp::tensor_view> vs{ddp::make_tensor_view(a, ga, "a"), ddp::make_tensor_view(b, gb, "b")};
+  ddp::detail::xxh64 h;
+  REQUIRE(ddp::agreement::hash_values(h, std::span<const ddp::tensor_view>(vs)));
+  // The concatenation of the values' bytes, streamed.
+  std::vector<float> all{1.0f, 2.0f, 3.0f, 4.0f, 5.0f};
+  const auto digest = h.digest();
+  CHECK(digest == ddp::detail::xxh64::of(all.data(), all.size() * sizeof(float)));
+  // One bit of one value changes it.
+  b[1] = std::nextafter(b[1], 10.0f);
+  ddp::detail::xxh64 h2;
+  REQUIRE(ddp::agreement::hash_values(h2, std::span<const ddp::tensor_view>(vs)));
+  CHECK(h2.digest() != digest);
+  // Values on a device: nothing is hashed, and the caller broadcasts.
+  auto dev = vs;
+  dev[1].device = 0;
+  ddp::detail::xxh64 h3;
+  CHECK_FALSE(ddp::agreement::hash_values(h3, std::span<const ddp::tensor_view>(dev)));
+  CHECK(h3.digest() == ddp::detail::xxh64{}.digest());
+
+  fake_pair f;
+  ddp::agreement agree{f.channel()};
+  std::string theirs;
+  ddp::detail::byte_writer(theirs).u64(digest);
+  f.theirs = theirs;
+  CHECK(agree.ranks_differing(digest).empty());
+  CHECK(agree.ranks_differing(digest + 1) == std::vector<int>{1});
+  CHECK(f.gathers == 2);
+  CHECK(f.broadcasts == 0);
 }
 
 TEST_CASE("buffer_layout: each-step buffers grouped by dtype, 64-byte aligned groups; frozen ones left out") {

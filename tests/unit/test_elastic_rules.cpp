@@ -70,6 +70,63 @@ TEST_CASE("rules: a registration and a closed round read back as written") {
   CHECK(dl->why == d.why);
   CHECK_FALSE(el::decode_round(""));
   CHECK_FALSE(el::decode_round("1 x"));
+  // The members' equal state travels with the round.
+  d.what = el::round_decision::form;
+  d.members = {2, 1};
+  d.equal_state = true;
+  CHECK(el::encode(d) == "2 1 equal");
+  const auto de = el::decode_round(el::encode(d));
+  REQUIRE(de);
+  CHECK(de->members == d.members);
+  CHECK(de->equal_state);
+  d.equal_state = false;
+  CHECK_FALSE(el::decode_round(el::encode(d))->equal_state);
+  CHECK_FALSE(el::decode_round("equal"));
+  CHECK_FALSE(el::decode_round("1 equal 2"));
+}
+
+TEST_CASE("rules: a round of sources that all hold one step's state holds equal state; any other does not") {
+  const el::live_mark live{4, 100};
+  const auto r = rules_of(2, 4);
+  // Three survivors of generation 4, each holding its state as of step 120; rank 2 found dead.
+  auto v = view_of(5, 4, live, {reg(1, 3, 4, 120), reg(2, 0, 4, 120), reg(3, 1, 4, 120)}, {2});
+  auto d = el::decide_round(v, r);
+  REQUIRE(d.what == el::round_decision::form);
+  CHECK(d.equal_state);
+  // A source formed from the live generation later (it holds generation 5's state) is as good.
+  v = view_of(6, 4, live, {reg(1, 0, 5, 120), reg(2, 1, 4, 120)}, {2, 3});
+  d = el::decide_round(v, r);
+  REQUIRE(d.what == el::round_decision::form);
+  CHECK(d.equal_state);
+  // A newcomer among them: it holds nothing, rank 0's state must reach it.
+  v = view_of(5, 4, live, {reg(1, 3, 4, 120), reg(2, 0, 4, 120), reg(3, el::newcomer_place, el::holds_nothing, 0)},
+              {1, 2});
+  d = el::decide_round(v, r);
+  REQUIRE(d.what == el::round_decision::form);
+  CHECK(d.members.size() == 3);
+  CHECK_FALSE(d.equal_state);
+  // A rank left behind (it holds generation 2's state, before the live one): no source.
+  v = view_of(5, 4, live, {reg(1, 3, 4, 120), reg(2, 0, 4, 120), reg(3, el::newcomer_place, 2, 40)}, {1, 2});
+  d = el::decide_round(v, r);
+  REQUIRE(d.what == el::round_decision::form);
+  CHECK_FALSE(d.equal_state);
+  // Sources one step apart.
+  v = view_of(5, 4, live, {reg(1, 3, 4, 120), reg(2, 0, 4, 121)}, {1, 2});
+  d = el::decide_round(v, r);
+  REQUIRE(d.what == el::round_decision::form);
+  CHECK_FALSE(d.equal_state);
+  // The launcher's ranks before any step: each holds its own initial state, which only the
+  // first construction's broadcast makes equal.
+  v = view_of(0, 3, el::live_mark{}, {reg(1, 0, el::holds_initial, 0), reg(2, 1, el::holds_initial, 0),
+                                      reg(3, 2, el::holds_initial, 0)});
+  d = el::decide_round(v, rules_of(2, 3));
+  REQUIRE(d.what == el::round_decision::form);
+  CHECK_FALSE(d.equal_state);
+  // Survivors of the first generation before it committed a step: they hold its state.
+  v = view_of(1, 3, el::live_mark{}, {reg(1, 0, 0, 0), reg(2, 2, 0, 0)}, {1});
+  d = el::decide_round(v, r);
+  REQUIRE(d.what == el::round_decision::form);
+  CHECK(d.equal_state);
 }
 
 TEST_CASE("rules: the survivors close at once when every rank is back or found dead, sources first") {
@@ -298,6 +355,7 @@ struct sim {
   std::vector<std::uint64_t> truth{1};  // weights after s committed steps
   std::string violation;
   bool lost_said = false;
+  int equal_formations = 0;  // generations formed with equal state (no broadcast)
 
   explicit sim(std::uint64_t seed) : rng(seed) {
     for (int i = 0; i < 4; ++i) {
@@ -477,6 +535,15 @@ struct sim {
                                            std::to_string(zero->step) + " while " + std::to_string(committed()) +
                                            " were committed");
         if (zero->step <= committed() && zero->weights != truth[zero->step]) bad("rank 0's weights are not its step's");
+        // A round that says its members hold equal state: their wrappers compare hashes and
+        // broadcast nothing, so every member must already hold rank 0's weights.
+        if (r.closed->equal_state) {
+          ++equal_formations;
+          for (auto* q : mem)
+            if (q->weights != zero->weights || q->step != zero->step)
+              bad("generation " + std::to_string(p.round) + " formed as holding equal state, but a member's weights "
+                  "differ from rank 0's");
+        }
         for (auto* q : mem) {
           if (el::is_source({q->idx, q->place, "", q->holds, q->step}, live) &&
               (q->step != zero->step || q->weights != zero->weights))
@@ -587,6 +654,7 @@ struct sim {
         p.member = false;
         p.place = el::newcomer_place;
         p.holds = el::holds_nothing;
+        p.weights = 0xbad0000u + static_cast<std::uint64_t>(p.id);  // its own values, never the job's
         p.round = el_gen + 1;
         p.ph = phase::registering;
         ps.push_back(p);
@@ -643,7 +711,7 @@ TEST_CASE("rules: a simulation of the protocol keeps the invariants under random
   const char* seed_env = std::getenv("DDP_SIM_SEED");
   const std::uint64_t first = seed_env ? std::strtoull(seed_env, nullptr, 10) : 1;
   const int schedules = seed_env ? 1 : 3000;
-  int ended_lost = 0, finished = 0;
+  int ended_lost = 0, finished = 0, equal = 0;
   for (int i = 0; i < schedules; ++i) {
     const auto seed = first + static_cast<std::uint64_t>(i);
     sim s(seed);
@@ -654,16 +722,19 @@ TEST_CASE("rules: a simulation of the protocol keeps the invariants under random
       break;
     }
     ended_lost += s.lost_said ? 1 : 0;
+    equal += s.equal_formations;
     for (const auto& p : s.ps)
       if (p.ph == sim::phase::done) {
         ++finished;
         break;
       }
   }
-  MESSAGE(schedules << " schedules: " << finished << " finished the job, " << ended_lost << " ended with the state lost");
+  MESSAGE(schedules << " schedules: " << finished << " finished the job, " << ended_lost
+                    << " ended with the state lost; " << equal << " generations formed holding equal state");
   // The schedules reach both ends: a test whose punisher never wins proves little.
   if (!seed_env) {
     CHECK(finished > schedules / 10);
     CHECK(ended_lost > 0);
+    CHECK(equal > schedules / 10);
   }
 }

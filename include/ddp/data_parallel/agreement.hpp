@@ -23,6 +23,7 @@
 #include <ddp/concepts.hpp>
 #include <ddp/detail/bytes.hpp>
 #include <ddp/data_parallel/detail/parameters.hpp>
+#include <ddp/data_parallel/detail/xxh64.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/parameter.hpp>
@@ -252,6 +253,31 @@ class agreement {
     if (ch_.size == 1) return value;
     ch_.broadcast(std::span<std::uint64_t>(&value, 1), 0);
     return value;
+  }
+
+  /// Adds the bytes of every view's values, in order, to `h` (XXH64): what ranks compare to
+  /// learn whether they already hold the same values. Host memory only: returns false, having
+  /// hashed nothing, when a view lives on a device.
+  template <class View>
+  static bool hash_values(detail::xxh64& h, std::span<const View> views) {
+    for (const auto& v : views)
+      if (v.device >= 0) return false;
+    for (const auto& v : views)
+      if (v.numel > 0) h.update(v.data, v.bytes());
+    return true;
+  }
+
+  /// The ranks whose `hash` differs from rank 0's, ascending (a collective; empty when every
+  /// rank has rank 0's).
+  std::vector<int> ranks_differing(std::uint64_t hash) const {
+    if (ch_.size == 1) return {};
+    std::string mine;
+    detail::byte_writer(mine).u64(hash);
+    const auto all = ch_.all_gather(mine);
+    std::vector<int> out;
+    for (std::size_t r = 1; r < all.size(); ++r)
+      if (all[r] != all[0]) out.push_back(static_cast<int>(r));
+    return out;
   }
 
   /// Copies rank 0's parameter (or buffer) values to every rank through `red` (a collective), so

@@ -125,6 +125,24 @@ struct step_stats {
   std::vector<bucket_timing> buckets;      ///< in plan (launch) order; empty for unsynchronized steps
 };
 
+/// How a wrapper's construction made every rank start from rank 0's parameters and buffers
+/// (`construction()`): a broadcast, or, on a group that expects every rank to hold the same
+/// state already (an elastic group re-formed from ranks that all hold the state of one step,
+/// `process_group::expects_equal_state`), a comparison of hashes, with a broadcast only where
+/// they differ. The same on every rank. See docs/elastic.md, "Re-forming without a broadcast".
+/// \code
+/// if (dp.construction().bytes_broadcast == 0) std::puts("the survivors' parameters were already equal");
+/// \endcode
+struct construction_stats {
+  bool hashes_compared = false;  ///< every rank hashed its values (XXH64) and the ranks compared the hashes
+  /// Some rank's hash differed from rank 0's although the group expected equal values: the
+  /// elastic protocol's promise did not hold (rank 0 says so on stderr), and rank 0's values
+  /// were broadcast.
+  bool hashes_differed = false;
+  std::vector<int> differing;       ///< the ranks whose hash differed, ascending
+  std::size_t bytes_broadcast = 0;  ///< bytes of parameters and buffers copied from rank 0; 0: none
+};
+
 /// One candidate cap of the bucket-cap autotune (`bucket_policy::autotune`) and what it measured.
 struct autotune_candidate {
   std::size_t cap_bytes = 0;

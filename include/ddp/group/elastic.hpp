@@ -84,8 +84,10 @@ struct elastic_options {
 /// be given). Per re-formation: the survivors and any waiting newcomers register in the next
 /// round; the round closes once every member of the last generation has come back or been
 /// found dead (or after `settle`), with ranks in the old order, newcomers last; `on_form`
-/// rebuilds the wrappers on the new group (their construction broadcasts rank 0's parameters),
-/// and rank 0's step count and registered state (`on_state`) reach every rank.
+/// rebuilds the wrappers on the new group (their construction broadcasts rank 0's parameters,
+/// or, when every member holds the state of the same step, only compares hashes of them:
+/// process_group::expects_equal_state), and rank 0's step count and registered state
+/// (`on_state`) reach every rank.
 class elastic_group {
  public:
   /// Joins the elastic group that `opts` names (its `elastic_min` / `elastic_max`, from
@@ -474,7 +476,7 @@ class elastic_group {
                       "elastic: the group fell to " + std::to_string(world) + " ranks, below its minimum of " +
                           std::to_string(opts_.elastic_min) + " (" + why + ")");
       try {
-        join(new_rank, world, why);
+        join(new_rank, world, why, closed->equal_state);
         return true;
       } catch (const error& e) {
         // A rank lost while the generation formed: the next round, with the ones still here.
@@ -558,8 +560,10 @@ class elastic_group {
     coord_->set(ns(g) + "hb/dead/" + std::to_string(dead), "1", steady_clock::now() + budget);
   }
   /// Joins generation round_ as `rank` of `world`, rebuilds the program's wrappers, hands out
-  /// rank 0's state.
-  void join(int rank, int world, const std::string& why) {
+  /// rank 0's state. `equal_state`: every member holds the live state as of one step (the
+  /// round's decision), which the group tells the wrappers built on it
+  /// (process_group::expects_equal_state).
+  void join(int rank, int world, const std::string& why, bool equal_state) {
     init_options o = opts_;
     o.rank = rank;
     o.world_size = world;
@@ -570,6 +574,7 @@ class elastic_group {
     o.rendezvous_timeout = eo_.reform_timeout;
     pg_.close();
     pg_ = init_process_group(o);
+    pg_.s_->equal_state = equal_state;
     gen_ = round_;
     {
       // The rank this generation's heartbeat finds dead is said in the store at once, from the
@@ -582,7 +587,8 @@ class elastic_group {
     if (!signature_.empty() && gen_ == 0 && rank == 0)
       coord_->set("el/signature", signature_, steady_clock::now() + opts_.timeout);
     if (rank == 0 && eo_.verbose)
-      std::fprintf(stderr, "[ddp.elastic] generation %d: %d ranks (%s)\n", gen_, world, why.c_str());
+      std::fprintf(stderr, "[ddp.elastic] generation %d: %d ranks (%s)%s\n", gen_, world, why.c_str(),
+                   equal_state ? "; every rank holds the state of the same step" : "");
     if (on_form_) on_form_(pg_);
     proven_ = true;  // this process's wrappers matched a generation's
     // Rank 0's counts (steps, failures, the sizes so far) and the program's state reach every

@@ -158,6 +158,13 @@ class process_group {
   void note_sharded_state() noexcept;
   /// True once note_sharded_state() was called on this group.
   bool has_sharded_state() const noexcept;
+  /// True when the group was formed by an `elastic_group` from ranks that all hold the
+  /// group's state as of one committed step, and nothing else (no newcomer, no rank left behind):
+  /// by the elastic protocol their parameters are then bitwise equal. A wrapper's construction
+  /// then compares a hash of each rank's values instead of broadcasting rank 0's, and
+  /// broadcasts only where they differ (docs/elastic.md, "Re-forming without a broadcast").
+  /// False for every other group.
+  bool expects_equal_state() const noexcept;
 
   /// Lets go of this handle (it becomes empty). The group closes when no handle is left: the
   /// last one closes the connections, and on rank 0 waits (bounded) for the others to leave

@@ -131,6 +131,9 @@ struct round_decision {
   enum kind { wait, form, lost } what = wait;
   std::vector<std::int64_t> members;  ///< form: the registrations (idx) in rank order
   std::string why;                    ///< form: why now; lost: what happened
+  /// form: every member holds the live state as of one step (equal_state), so their parameters
+  /// are bitwise equal and the new generation's wrappers need not broadcast them.
+  bool equal_state = false;
 };
 
 /// Every rank of the last generation has come back or was found dead (round 0: came).
@@ -160,6 +163,25 @@ inline std::vector<std::int64_t> member_order(const round_view& v, int max) {
   for (const auto* r : rest) out.push_back(r->idx);
   if (static_cast<int>(out.size()) > max) out.resize(static_cast<std::size_t>(max));
   return out;
+}
+
+/// Whether the members of a round that closes hold the same state, bit for bit: each is a
+/// source that holds a generation's state (it joined one: the launcher's initial state is each
+/// rank's own, which the first construction makes equal), all as of the same committed step. By
+/// the protocol every member of a generation applied every step it committed, so such members
+/// hold what rank 0 holds; a newcomer, a rank left behind (frozen while a later generation
+/// committed) or one whose apply was torn is no source, and a source one step behind differs.
+inline bool equal_state(const round_view& v, const std::vector<std::int64_t>& members) {
+  if (members.empty()) return false;
+  std::uint64_t step = 0;
+  for (std::size_t k = 0; k < members.size(); ++k) {
+    const auto r = std::find_if(v.registered.begin(), v.registered.end(),
+                                [&](const registrant& x) { return x.idx == members[k]; });
+    if (r == v.registered.end() || !is_source(*r, v.live) || r->holds < 0) return false;
+    if (k == 0) step = r->step;
+    if (r->step != step) return false;
+  }
+  return true;
 }
 
 /// The words every "the state is gone" error holds: ddprun (tools/ddprun_elastic.hpp) restarts
@@ -229,15 +251,18 @@ inline round_decision decide_round(const round_view& v, const round_rules& r) {
   }
   d.what = round_decision::form;
   d.members = member_order(v, r.max);
+  d.equal_state = equal_state(v, d.members);
   return d;
 }
 
-/// The store's form of a closed round: the members' idx in rank order ("3 1 4 2"), or
-/// "lost <why>".
+/// The store's form of a closed round: the members' idx in rank order ("3 1 4 2"), followed by
+/// " equal" when they hold equal state, or "lost <why>".
+inline constexpr std::string_view equal_word = "equal";
 inline std::string encode(const round_decision& d) {
   if (d.what == round_decision::lost) return "lost " + d.why;
   std::string s;
   for (auto i : d.members) s += (s.empty() ? "" : " ") + std::to_string(i);
+  if (d.equal_state) s += " " + std::string(equal_word);
   return s;
 }
 inline std::optional<round_decision> decode_round(std::string_view s) {
@@ -252,6 +277,10 @@ inline std::optional<round_decision> decode_round(std::string_view s) {
   while (at < s.size()) {
     auto sp = s.find(' ', at);
     if (sp == std::string_view::npos) sp = s.size();
+    if (s.substr(at, sp - at) == equal_word && sp == s.size() && at > 0) {
+      d.equal_state = true;
+      break;
+    }
     try {
       d.members.push_back(std::stoll(std::string(s.substr(at, sp - at))));
     } catch (const std::exception&) {

@@ -133,8 +133,12 @@ struct group_state {
   std::atomic<bool> aborted{false};
   std::atomic<bool> failed{false};         // a failure was posted: close() does not wait for the others
   std::atomic<bool> sharded_state{false};  // a wrapper keeps state sharded over the ranks (note_sharded_state)
-  std::atomic<int> found_dead{-1};         // the predecessor this rank's heartbeat found frozen or dead
-  std::mutex found_mu;                     // guards on_found_dead
+  /// Set by an elastic group that forms this group from ranks which all hold the live state of
+  /// one step (group/elastic.hpp): every rank's parameters are then bitwise equal, and a
+  /// wrapper's construction compares hashes instead of broadcasting (expects_equal_state).
+  bool equal_state = false;
+  std::atomic<int> found_dead{-1};  // the predecessor this rank's heartbeat found frozen or dead
+  std::mutex found_mu;              // guards on_found_dead
   /// Told (on the heartbeat's thread) which rank the heartbeat found frozen or dead, before the
   /// group fails: an elastic group says so in its store (group/elastic.hpp).
   std::function<void(int)> on_found_dead;
