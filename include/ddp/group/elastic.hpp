@@ -404,13 +404,17 @@ class elastic_group {
       rules::round_view view;
       view.round = round_;
       view.prev_size = prev_size_;
+      // A member looks at the round at once after it registered, before it waits: the last of
+      // the members to come closes the round then, without a poll's wait.
+      auto wait_closed = member ? std::chrono::milliseconds(0) : detail::timing::elastic_poll;
       for (;;) {
         if (steady_clock::now() + detail::timing::elastic_poll >= until)
           detail::raise(
               errc::timeout, opts_.rank,
               "elastic: round " + std::to_string(round_) + " never closed" +
                   (member ? std::string() : " (this newcomer waited for a seat while the group committed no step)"));
-        if (st.wait({rk + "closed"}, detail::timing::elastic_poll, until).empty()) {
+        const auto waited = std::exchange(wait_closed, detail::timing::elastic_poll);
+        if (st.wait({rk + "closed"}, waited, until).empty()) {
           const auto text = st.get(rk + "closed", until);
           closed = rules::decode_round(text);
           if (!closed)
@@ -517,6 +521,10 @@ class elastic_group {
   void gather(detail::elastic::round_view& v, const std::string& rk, deadline_t until) {
     namespace rules = detail::elastic;
     auto& st = *coord_;
+    // Who is back is read before the registrations: a rank writes its registration before its
+    // "old/<rank>" mark, so every rank seen back here is among the registrations read below,
+    // and a round never closes as "every rank back" without one of them.
+    gather_back(v, rk, until);
     const auto n = st.add(rk + "n", 0, until);
     for (auto i = static_cast<std::int64_t>(v.registered.size()) + 1; i <= n; ++i) {
       // A process that died between its count and its record never writes it: it is left out,
@@ -527,6 +535,12 @@ class elastic_group {
       if (!r) detail::raise(errc::protocol, opts_.rank, "elastic: a malformed registration '" + *rec + "' in " + rk);
       v.registered.push_back(std::move(*r));
     }
+  }
+  /// Which ranks of the last generation are back in round `rk` or were found dead, and the
+  /// live generation (gather's first part).
+  void gather_back(detail::elastic::round_view& v, const std::string& rk, deadline_t until) {
+    namespace rules = detail::elastic;
+    auto& st = *coord_;
     v.back.assign(static_cast<std::size_t>(prev_size_), false);
     v.dead.assign(static_cast<std::size_t>(prev_size_), false);
     std::vector<std::string> keys;
