@@ -44,6 +44,7 @@
 #include <ddp/auth.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/bytes.hpp>
+#include <ddp/detail/parked.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/detail/elastic_rules.hpp>
 #include <ddp/group/detail/group_state.hpp>
@@ -125,6 +126,7 @@ class elastic_group {
       pg_.s_->on_found_dead = nullptr;
     }
     pg_.close();
+    detail::drop_parked();
     coord_.reset();
     if (server_) {
       // The launcher's rank 0 hosts the store: keep it up (bounded) while others still use it.
@@ -589,6 +591,7 @@ class elastic_group {
     pg_.close();
     pg_ = init_process_group(o);
     pg_.s_->equal_state = equal_state;
+    pg_.s_->elastic = true;
     gen_ = round_;
     {
       // The rank this generation's heartbeat finds dead is said in the store at once, from the
@@ -604,6 +607,8 @@ class elastic_group {
       std::fprintf(stderr, "[ddp.elastic] generation %d: %d ranks (%s)%s\n", gen_, world, why.c_str(),
                    equal_state ? "; every rank holds the state of the same step" : "");
     if (on_form_) on_form_(pg_);
+    // What the last generation's transports left for this one and nobody took (detail/parked.hpp).
+    detail::drop_parked();
     proven_ = true;  // this process's wrappers matched a generation's
     // Rank 0's counts (steps, failures, the sizes so far) and the program's state reach every
     // rank.

@@ -91,6 +91,11 @@ class transport_context {
   /// itself there with the group's failure, so that its collectives blocked on a silent peer
   /// end at once. Keep the returned handle for as long as the transport lives.
   group_watch watch(std::function<void(const group_failure&)> on_failure);
+  /// True when the group is a generation of an `elastic_group`: once it fails or grows, the
+  /// next generation forms on the same hosts, mostly from the same processes, and a transport
+  /// may leave what it built for that one to take over (`ddp::shm` keeps its segment mapped;
+  /// docs/elastic.md, "Re-forming in the same memory").
+  bool elastic() const noexcept;
 
  private:
   process_group pg_;

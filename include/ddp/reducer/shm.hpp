@@ -33,6 +33,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -46,6 +47,7 @@
 #include <ddp/detail/fork.hpp>
 #include <ddp/reducer/detail/futex.hpp>
 #include <ddp/detail/kernels.hpp>
+#include <ddp/detail/parked.hpp>
 #include <ddp/detail/random.hpp>
 #include <ddp/reducer/detail/schedule.hpp>
 #include <ddp/reducer/detail/shm_segment.hpp>
@@ -140,6 +142,7 @@ class shm {
       rank_ = static_cast<int>(me - members_.begin());
       size_ = static_cast<int>(members_.size());
     }
+    part_ = rank_;
 
     // 1. Same host, sane options: agreed through the process group before touching /dev/shm,
     //    so every rank raises the same error.
@@ -147,24 +150,36 @@ class shm {
     if (opts_.slot_bytes < 4096) bad = "shm_options::slot_bytes must be at least 4096";
     if (opts_.spin < 0) bad = "shm_options::spin must not be negative";
     const std::string host = opts_.host_id.empty() ? host_identity() : opts_.host_id;
+    // A segment the last generation of an elastic group left mapped in this process (its
+    // engine parked it: detail/parked.hpp). Taken now: reused below when every rank of this
+    // segment holds the same one, else released before a new one is made.
+    std::unique_ptr<detail::parked_object> taken = detail::take_parked();
+    auto* parked = dynamic_cast<parked_segment*>(taken.get());
     // Each rank's draw of the segment name's random part leads its entry (16 hex digits); the
     // segment's rank 0's is used. It travels over the group's connections, never through the
     // store, so no other local user can know the name before the segment exists and create it
-    // first (docs/security.md).
+    // first (docs/security.md). Then the host, this process's pid, the name of the segment it
+    // holds parked (if any) and its part of that segment's arena, and what is wrong with its
+    // options: "<drawn><host>\n<pid>[ <parked name> <part>]\n<bad>".
     char drawn[17];
     std::snprintf(drawn, sizeof drawn, "%016llx", static_cast<unsigned long long>(detail::random_u64()));
-    auto hosts = pg.all_gather(std::string(drawn) + host + '\n' + bad);
+    auto hosts =
+        pg.all_gather(std::string(drawn) + host + '\n' + std::to_string(::getpid()) +
+                      (parked ? " " + parked->name + " " + std::to_string(parked->part) : std::string()) + '\n' + bad);
     std::string secret_part;
+    std::vector<std::string> held(static_cast<std::size_t>(ctx.size()));  // by rank: "<pid>[ <name> <part>]"
     for (int r = 0; r < ctx.size(); ++r) {
       auto& h = hosts[static_cast<std::size_t>(r)];
-      if (h.size() < 16) raise_here(errc::protocol, "rank " + std::to_string(r) + " sent a malformed shm setup entry");
-      if (r == members_[0]) secret_part = h.substr(0, 16);
-      h.erase(0, 16);
-    }
-    for (int r = 0; r < ctx.size(); ++r) {
-      const auto& h = hosts[static_cast<std::size_t>(r)];
       const auto nl = h.find('\n');
-      if (nl + 1 < h.size()) raise_here(errc::invalid_argument, "rank " + std::to_string(r) + ": " + h.substr(nl + 1));
+      const auto nl2 = nl == std::string::npos ? nl : h.find('\n', nl + 1);
+      if (h.size() < 16 || nl2 == std::string::npos)
+        raise_here(errc::protocol, "rank " + std::to_string(r) + " sent a malformed shm setup entry");
+      if (r == members_[0]) secret_part = h.substr(0, 16);
+      held[static_cast<std::size_t>(r)] = h.substr(nl + 1, nl2 - nl - 1);
+      if (nl2 + 1 < h.size())
+        raise_here(errc::invalid_argument, "rank " + std::to_string(r) + ": " + h.substr(nl2 + 1));
+      h.erase(nl);  // the host
+      h.erase(0, 16);
     }
     for (int r = 1; r < size_; ++r) {
       const auto& a = hosts[static_cast<std::size_t>(members_[0])];
@@ -196,41 +211,82 @@ class shm {
         if (name != nullptr) ::shm_unlink(name->c_str());
       }
     } guard{&name_};
+    std::size_t kept_reserved = 0;  // a segment taken over: this rank's part has pages up to here
     if (rank_ == 0) {
       const std::size_t before = detail::make_shm_layout(size_, opts_.slot_bytes, nslots, 0).arena;
       const auto arena = detail::shm_arena(size_, opts_.segment_bytes, before);
       layout_ = detail::make_shm_layout(size_, opts_.slot_bytes, nslots, arena.bytes);
-      // Header, control blocks and slots are reserved now; the arena as it is handed out.
-      why = map_.create(name_, layout_.total, layout_.arena);
-      if (why.rfind("mmap(", 0) == 0)
-        why = "mapping its " + detail::shm_mib(layout_.total) + " of address space (an arena sized by " + arena.bound +
-              "; pass shm_options::segment_bytes to map less): " + why;
-      else if (!why.empty() && why.rfind("another process holds", 0) != 0)
-        why = "header and staging slots (" + detail::shm_mib(layout_.arena) + "): " + why;
       arena_bound_ = arena.bound;
-      if (why.empty()) init_segment();
-      ctx.store().set(key,
-                      why.empty()
-                          ? "ok " + std::to_string(layout_.slot_bytes) + " " + std::to_string(layout_.arena_bytes)
-                          : "error " + why,
-                      until);
+      std::vector<int> parts;  // reuse: each rank's part of the arena, its part in the last generation
+      reused_ = parked != nullptr && can_reuse(*parked, held, parts);
+      std::string geometry = std::to_string(layout_.slot_bytes) + " " + std::to_string(layout_.arena_bytes);
+      if (reused_) {
+        // The last generation's segment, which every rank here holds mapped and nobody else
+        // can touch any more. Its geometry stays (its slots and arena parts were laid out for
+        // as many ranks as it had, at least as many as now), each rank keeps the part of the
+        // arena it had, whose pages are still in its page tables, and only the header and the
+        // control blocks start anew.
+        layout_ = parked->layout;
+        part_ = parts[0];
+        kept_reserved = parked->reserved_end;
+        map_ = std::move(parked->map);
+        init_segment();
+        geometry = std::to_string(layout_.slot_bytes) + " " + std::to_string(layout_.arena_bytes) + " " +
+                   std::to_string(layout_.world);
+        for (int q : parts) geometry += " " + std::to_string(q);
+      } else {
+        taken.reset();  // released before a new segment takes its room
+        parked = nullptr;
+        // Header, control blocks and slots are reserved now; the arena as it is handed out.
+        why = map_.create(name_, layout_.total, layout_.arena);
+        if (why.rfind("mmap(", 0) == 0)
+          why = "mapping its " + detail::shm_mib(layout_.total) + " of address space (an arena sized by " +
+                arena.bound + "; pass shm_options::segment_bytes to map less): " + why;
+        else if (!why.empty() && why.rfind("another process holds", 0) != 0)
+          why = "header and staging slots (" + detail::shm_mib(layout_.arena) + "): " + why;
+        if (why.empty()) init_segment();
+      }
+      // "ok <slot bytes> <arena bytes>", or "reuse <slot bytes> <arena bytes> <parts> <part of
+      // rank 0> <part of rank 1> ...".
+      ctx.store().set(key, why.empty() ? std::string(reused_ ? "reuse " : "ok ") + geometry : "error " + why, until);
     } else {
       const std::string v = ctx.store().get(key, until);
-      unsigned long long slot = 0, arena = 0;
+      std::istringstream in(v);
+      std::string how;
+      std::size_t slot = 0, arena = 0;
+      int parts = size_;
+      in >> how >> slot >> arena;
+      if (how == "reuse") in >> parts;
+      std::vector<int> part_of(static_cast<std::size_t>(size_), -1);
+      for (int r = 0; how == "reuse" && r < size_; ++r) in >> part_of[static_cast<std::size_t>(r)];
+      const bool parts_ok = parts >= size_ && std::all_of(part_of.begin(), part_of.end(), [&](int q) {
+                              return how != "reuse" || (q >= 0 && q < parts);
+                            });
       if (v.rfind("error ", 0) == 0) {
         why = "rank 0 could not create the segment: " + v.substr(6);
-      } else if (std::sscanf(v.c_str(), "ok %llu %llu", &slot, &arena) != 2) {
+      } else if (in.fail() || (how != "ok" && how != "reuse") || !parts_ok) {
         why = "malformed segment geometry '" + v + "' in the store";
       } else {
-        layout_ = detail::make_shm_layout(size_, slot, nslots, arena);
+        layout_ = detail::make_shm_layout(parts, slot, nslots, arena);
         arena_bound_ = detail::shm_arena(size_, opts_.segment_bytes, layout_.arena).bound;
-        why = map_.open(name_, layout_.total);
+        reused_ = how == "reuse";
+        if (!reused_) {
+          taken.reset();
+          why = map_.open(name_, layout_.total);
+        } else if (parked != nullptr && parked->map.size() >= layout_.total) {
+          map_ = std::move(parked->map);  // the one rank 0 found every rank holding
+          part_ = part_of[static_cast<std::size_t>(rank_)];
+          if (part_ == parked->part) kept_reserved = parked->reserved_end;
+        } else {
+          why = "rank 0 reuses the last generation's segment, which this process no longer holds";
+        }
         if (why.empty() &&
             (header()->magic != detail::shm_magic || header()->version != detail::shm_version ||
              header()->world != static_cast<std::uint32_t>(size_) || header()->total_bytes != layout_.total))
           why = "segment " + name_ + " has an unexpected header";
       }
     }
+    taken.reset();
     if (why.empty()) block(rank_).pid.store(static_cast<std::int32_t>(::getpid()), std::memory_order_release);
     // 3. Once everyone has it mapped (or failed), the name goes: the mapping keeps the memory.
     // Every rank removes it (a second removal finds nothing): a rank returns from all_gather
@@ -244,8 +300,8 @@ class shm {
       raise_here(errc::system, "shared-memory segment " + name_ + " could not be set up on rank " +
                                    std::to_string(failed.rank) + ": " + failed.what.message);
 
-    heap_ = std::make_unique<detail::arena_heap>(layout_.part_begin(rank_), layout_.part_end(rank_));
-    reserved_end_ = layout_.part_begin(rank_);
+    heap_ = std::make_unique<detail::arena_heap>(layout_.part_begin(part_), layout_.part_end(part_));
+    reserved_end_ = std::clamp(kept_reserved, layout_.part_begin(part_), layout_.part_end(part_));
     ins_.resize(static_cast<std::size_t>(size_));
     outs_.resize(static_cast<std::size_t>(size_));
     peers_.resize(static_cast<std::size_t>(size_));
@@ -271,7 +327,25 @@ class shm {
     auto& me = block(rank_);
     me.closed.store(1, std::memory_order_seq_cst);
     detail::futex_wake_all(&me.counter);
+    // A generation of an elastic group: the next one, formed on this host from the same
+    // processes, may take the segment over (the constructor's can_reuse), instead of every
+    // rank freeing its pages now and the next segment allocating, zeroing and faulting in as
+    // many again. The elastic group drops it when nobody took it (detail/parked.hpp).
+    if (ctx_.elastic()) try {
+        auto p = std::make_unique<parked_segment>();
+        p->name = name_;
+        p->layout = layout_;
+        p->part = part_;
+        p->reserved_end = reserved_end_;
+        p->map = std::move(map_);
+        detail::park(std::move(p));
+      } catch (...) {  // no memory for the note: the segment goes now, as without an elastic group
+      }
   }
+
+  /// True when this transport took over the segment of the last generation of its elastic
+  /// group (docs/elastic.md, "Re-forming in the same memory") instead of making a new one.
+  bool reused_segment() const noexcept { return reused_; }
 
   /// This rank's index among the segment's ranks (its rank in the group unless
   /// shm_options::members was given).
@@ -472,7 +546,7 @@ class shm {
                                    detail::shm_mib(heap_->capacity()) + ", sized by " + arena_bound_ + "); " +
                                    detail::shm_space());
     }
-    const std::size_t end = std::min(detail::round_up(off + bytes, detail::shm_page), layout_.part_end(rank_));
+    const std::size_t end = std::min(detail::round_up(off + bytes, detail::shm_page), layout_.part_end(part_));
     if (end > reserved_end_) {
       const std::string why = map_.reserve(reserved_end_, end - reserved_end_);
       if (!why.empty()) {
@@ -481,6 +555,7 @@ class shm {
       }
       reserved_end_ = end;
     }
+    populate(off, bytes);
     return map_.base() + off;
   }
   /// Returns a block from allocate(); nullptr is ignored.
@@ -536,6 +611,64 @@ class shm {
   }
   std::byte* slot(int r, std::size_t s) const noexcept { return map_.base() + layout_.slot(r, s); }
 
+  /// Maps the pages of a block this rank hands out into its page tables now, in one call
+  /// (MADV_POPULATE_WRITE, Linux 5.14), rather than one fault per 4 KiB page at the first
+  /// step that writes them. Best effort: an older kernel says EINVAL and the faults come later.
+  void populate(std::size_t off, std::size_t bytes) noexcept {
+#if defined(MADV_POPULATE_WRITE)
+    const std::size_t begin = off / detail::shm_page * detail::shm_page;
+    const std::size_t end = std::min(detail::round_up(off + bytes, detail::shm_page), map_.size());
+    if (end > begin) (void)::madvise(map_.base() + begin, end - begin, MADV_POPULATE_WRITE);
+#else
+    (void)off;
+    (void)bytes;
+#endif
+  }
+
+  /// A segment the last generation parked (detail/parked.hpp) and its name.
+  struct parked_segment : detail::parked_object {
+    detail::shm_mapping map;
+    std::string name;
+    detail::shm_layout layout;     ///< its geometry (its parts: as many as it was laid out for)
+    int part = 0;                  ///< this rank's part of its arena
+    std::size_t reserved_end = 0;  ///< that part has pages up to here (posix_fallocate)
+  };
+
+  /// Whether rank 0 may take over `p` for this segment's ranks, whose setup entries are `held`
+  /// ("<pid>[ <parked name> <part>]", by group rank): every one of them holds the same parked
+  /// segment (so each one's engine on it is gone), in parts of its own, the slots and parts it
+  /// was laid out for are as many as this segment's ranks at least, and every process that had
+  /// a seat in it is one of them or has exited (a frozen rank of the last generation could wake
+  /// and write into it: then a new segment is made, as always). `parts` receives each rank's
+  /// part.
+  bool can_reuse(const parked_segment& p, const std::vector<std::string>& held, std::vector<int>& parts) const {
+    if (p.map.base() == nullptr || p.layout.world < size_ || p.map.size() < p.layout.total) return false;
+    if (p.layout.slot_bytes != detail::round_up(opts_.slot_bytes, detail::shm_page) || p.layout.nslots != nslots)
+      return false;
+    std::vector<int> pids;
+    parts.clear();
+    for (int m : members_) {
+      std::istringstream in(held[static_cast<std::size_t>(m)]);
+      int pid = 0, part = -1;
+      std::string name;
+      if (!(in >> pid >> name >> part) || name != p.name || part < 0 || part >= p.layout.world ||
+          std::find(parts.begin(), parts.end(), part) != parts.end())
+        return false;
+      pids.push_back(pid);
+      parts.push_back(part);
+    }
+    const auto* h = reinterpret_cast<const detail::shm_header*>(p.map.base());
+    if (h->magic != detail::shm_magic || h->version != detail::shm_version) return false;
+    const std::size_t blocks = detail::make_shm_layout(1, 4096, nslots, 0).blocks;
+    if (blocks + h->world * sizeof(detail::shm_rank_block) > p.map.size()) return false;
+    const auto* b = reinterpret_cast<const detail::shm_rank_block*>(p.map.base() + blocks);
+    for (std::uint32_t q = 0; q < h->world; ++q) {
+      const int pid = b[q].pid.load(std::memory_order_acquire);
+      if (pid > 0 && std::find(pids.begin(), pids.end(), pid) == pids.end() && detail::process_alive(pid)) return false;
+    }
+    return true;
+  }
+
   void init_segment() {
     auto* h = new (map_.base()) detail::shm_header{};
     h->magic = detail::shm_magic;
@@ -569,7 +702,7 @@ class shm {
 
   std::string no_room(std::size_t bytes) const {
     return "shared-memory segment " + name_ + ": no room for a block of " + detail::shm_mib(bytes) +
-           " in this rank's part of the arena (" + detail::shm_mib(reserved_end_ - layout_.part_begin(rank_)) +
+           " in this rank's part of the arena (" + detail::shm_mib(reserved_end_ - layout_.part_begin(part_)) +
            " reserved so far): ";
   }
 
@@ -935,6 +1068,8 @@ class shm {
   int spin_ = 0;                 ///< most polls per wait
   int budget_ = 0;               ///< polls of the next wait, adapted between 32 and spin_
   std::string name_;
+  bool reused_ = false;  ///< the last generation's segment, taken over
+  int part_ = 0;         ///< this rank's part of the arena: its rank, or in a segment taken over its part there
   detail::shm_mapping map_;
   detail::shm_layout layout_{};
   std::unique_ptr<detail::arena_heap> heap_;

@@ -137,6 +137,9 @@ struct group_state {
   /// one step (group/elastic.hpp): every rank's parameters are then bitwise equal, and a
   /// wrapper's construction compares hashes instead of broadcasting (expects_equal_state).
   bool equal_state = false;
+  /// A generation of an elastic group (group/elastic.hpp): its transports may leave what they
+  /// built for the next generation to take over (transport_context::elastic).
+  bool elastic = false;
   std::atomic<int> found_dead{-1};  // the predecessor this rank's heartbeat found frozen or dead
   std::mutex found_mu;              // guards on_found_dead
   /// Told (on the heartbeat's thread) which rank the heartbeat found frozen or dead, before the
