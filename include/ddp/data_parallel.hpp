@@ -165,6 +165,28 @@ class basic_data_parallel {
     });
   }
 
+  /// `grad_ready(i)` after checking, at the cost of a few pointer compares, that `params` (the
+  /// set this wrapper was built from, as the engine describes it now) still holds parameter `i`
+  /// where the wrapper captured it at construction: the same parameter count, element count,
+  /// values and gradient (in view mode the gradient may also be `bucket_grad(i)`). The form for
+  /// an engine that may reallocate its tensors (an engine without an adapter, dlib): a gradient
+  /// that moved is `errc::usage` naming the parameter and both addresses, not a silent read of
+  /// memory the engine no longer uses. That failure, like any inside `grad_ready`, fails the
+  /// wrapper for good and tells the peers, whose `finish()` fails naming this rank.
+  /// \code
+  /// engine.backward([&](std::size_t i) { dp.grad_ready(params, i); });
+  /// \endcode
+  template <parameter_set ParamSet>
+  void grad_ready(const ParamSet& params, std::size_t i) {
+    check_index(i, "grad_ready");
+    check_healthy();
+    guarded_("grad_ready", static_cast<std::ptrdiff_t>(i), [&] {
+      const void* slot = opts_.gradient_as_bucket_view ? memory_.slot(i) : nullptr;
+      detail::check_unmoved(params, i, views_[i], slot, views_.size(), pg_.rank());
+    });
+    grad_ready(i);
+  }
+
   /// Parameter `i` produced no gradient in this step: a zero gradient, or what `no_sync()` steps
   /// accumulated for it since the last synchronized step (as in PyTorch DDP). Errors as `grad_ready`.
   /// \code

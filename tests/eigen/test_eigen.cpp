@@ -507,6 +507,57 @@ TEST_CASE("eigen: a rank whose gradient was resized mid-training fails naming it
                 bad.message);
   const auto& peer = outs[0];
   CHECK_MESSAGE((!peer.ok() && !peer.timed_out && peer.seconds < 20), summary(outs));
+  // Told at once (params.grad_ready goes through the wrapper's check, which fails the wrapper
+  // and tells the peers), quoting the parameter, not at its 10 s deadline.
+  CHECK_MESSAGE(peer.seconds < 8, summary(outs));
+  CHECK_MESSAGE(peer.message.find("rank 1 reports: data_parallel failed in grad_ready for parameter 0 ('fc1.weight')") !=
+                    std::string::npos,
+                peer.message);
+}
+
+// No silent no-op (issue 45): an engine wrapped before it registered anything (as dlib's net
+// before its first forward) is refused on every rank, and the message says when to wrap.
+TEST_CASE("eigen: an eigen_parameters with nothing registered is errc::invalid_argument on every rank") {
+  const int port = free_port();
+  const auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, 2, port, 10s));
+    mlp model(7u);
+    ddp::eigen_parameters params;  // model.register_with(params) not called yet
+    ddp::data_parallel dp{pg, params};
+    dp.finish();
+  });
+  for (const auto& o : outs) {
+    CAPTURE(o.message);
+    CHECK(o.exit_code == 1);
+    CHECK(o.errc == static_cast<int>(ddp::errc::invalid_argument));
+    CHECK(o.message.find("the parameter set is empty") != std::string::npos);
+    CHECK(o.message.find("wrap it after it has allocated them") != std::string::npos);
+  }
+}
+
+// A registered parameter whose gradient backward never hands over (the engine's hook loop
+// misses it): finish() names it, by index and name, on every rank.
+TEST_CASE("eigen: a gradient the engine never hands over is errc::usage naming it on every rank") {
+  const int port = free_port();
+  const auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(group_options(r, 2, port, 10s));
+    mlp model(1234u);
+    ddp::eigen_parameters params;
+    model.register_with(params);
+    ddp::data_parallel dp{pg, params};
+    const step_data d = make_step(0, 2);
+    model.forward_backward(d.X.middleCols(r * batch, batch), d.y.segment(r * batch, batch), [&](std::size_t i) {
+      if (i != 3) params.grad_ready(dp, i);
+    });
+    dp.finish();
+  });
+  for (const auto& o : outs) {
+    CAPTURE(o.message);
+    CHECK(o.exit_code == 1);
+    CHECK(!o.timed_out);
+    CHECK(o.errc == static_cast<int>(ddp::errc::usage));
+    CHECK(o.message.find("1 parameter never became ready this step: parameter 3 ('fc2.bias')") != std::string::npos);
+  }
 }
 
 TEST_CASE("eigen: ranks holding a matrix in different storage orders disagree at construction (errc::mismatch)") {

@@ -236,9 +236,10 @@ TEST_CASE("torch: the module trains alone after its view-mode wrapper is destroy
   check_all_ok(outs);
 }
 
-// f64 parameters, and a module with nothing to train (every parameter frozen): no crash, the
-// wrapper is inert and backward() of an unrelated graph is untouched.
-TEST_CASE("torch: f64 modules average; a module with no trainable parameter is inert") {
+// f64 parameters, and a module with nothing to train (every parameter frozen): refused on every
+// rank (errc::invalid_argument), as PyTorch's DistributedDataParallel refuses a module with no
+// parameter that requires a gradient; it used to be an inert wrapper, a silent no-op (issue 45).
+TEST_CASE("torch: f64 modules average; a module with no trainable parameter is refused") {
   const int world = 2, port = ddp_test::free_port();
   auto outs = run_processes({0, 1}, [&](int rank) {
     torch::set_num_threads(1);
@@ -255,8 +256,15 @@ TEST_CASE("torch: f64 modules average; a module with no trainable parameter is i
 
     Small frozen;
     for (auto& p : frozen->parameters()) p.set_requires_grad(false);
-    ddp::torch_data_parallel none{pg, *frozen};
-    if (none.parameters().size() != 0) throw std::runtime_error("frozen parameters were wrapped");
+    try {
+      ddp::torch_data_parallel none{pg, *frozen};
+      throw std::runtime_error("a wrapper over no trainable parameter was built");
+    } catch (const ddp::error& e) {
+      const std::string what = e.what();
+      if (e.condition() != ddp::errc::invalid_argument || what.find("the parameter set is empty") == std::string::npos ||
+          what.find("(4 buffers and frozen parameters came with this set)") == std::string::npos)
+        throw;
+    }
     auto x = torch::ones({2}, torch::requires_grad());
     (x * 3).sum().backward();
     if (x.grad().sum().item<float>() != 6.0f) throw std::runtime_error("unrelated backward changed");
@@ -434,4 +442,61 @@ TEST_CASE("torch: overlap_optimizer steps inside backward() as one optimizer aft
     if (da.wrapper().plan().buckets.size() < 2) throw std::runtime_error("the test needs several buckets");
   });
   check_all_ok(outs);
+}
+
+// No silent no-op (issue 45), with LibTorch.
+// A parameter whose gradient one rank never produces (its layer unused there, without
+// find_unused_parameters): that rank's backward() names it; the rank that reduced everything
+// fails too, naming that rank, and none hangs or succeeds.
+TEST_CASE("torch: a gradient one rank never produces fails that rank naming it, and its peer within the deadline") {
+  const int world = 2, port = ddp_test::free_port();
+  auto outs = run_processes({0, 1}, [&](int rank) {
+    torch::set_num_threads(1);
+    Small net;
+    auto pg = ddp::init_process_group(group_options(rank, world, port, 5s));
+    ddp::torch_data_parallel dp{pg, *net};
+    auto x = input_of(rank, 0, 3);
+    auto loss = rank == 0 ? net->forward(x).square().sum() : torch::tanh(net->l1(x)).square().sum();
+    loss.backward();
+    throw std::runtime_error("backward() returned although rank 1 never produced l2's gradients");
+  });
+  INFO(outs[0].message);
+  INFO(outs[1].message);
+  for (const auto& o : outs) {
+    CHECK(o.exit_code == 1);  // a ddp::error, not the runtime_error of a step that went through
+    CHECK(!o.timed_out);
+    CHECK(o.seconds < 15);
+  }
+  CHECK(outs[1].errc == static_cast<int>(ddp::errc::usage));
+  CHECK(outs[1].message.find("parameter 2 ('l2.weight'), parameter 3 ('l2.bias')") != std::string::npos);
+  CHECK(outs[0].message.find("rank 1") != std::string::npos);
+}
+
+// The engine replaced a gradient tensor with a new one (other storage) between steps: the
+// adapter follows it (autograd accumulates into the new tensor; the hook hands that gradient
+// over and puts the tensor ddp reduces back), so every rank holds the average, in copy and view
+// mode, never a stale buffer's values.
+TEST_CASE("torch: a gradient replaced by a new tensor between steps still receives the average") {
+  for (const bool view : {false, true}) {
+    CAPTURE(view);
+    const int world = 2, port = ddp_test::free_port();
+    auto outs = run_processes({0, 1}, [&](int rank) {
+      torch::set_num_threads(1);
+      Small net, copy;
+      auto pg = ddp::init_process_group(group_options(rank, world, port, 10s));
+      ddp::torch_data_parallel dp{pg, *net, {}, {.gradient_as_bucket_view = view}};
+      auto loss = [&](Small& m, int r) { return m->forward(input_of(r, 5, 3)).square().sum(); };
+      for (int s = 0; s < 3; ++s) {
+        auto want = average_grads(net, copy, world, loss);
+        for (auto& p : net->parameters()) {
+          const void* before = p.grad().defined() ? p.grad().data_ptr() : nullptr;
+          p.mutable_grad() = torch::zeros_like(p);  // new storage, as an engine that reallocates
+          if (p.grad().data_ptr() == before) throw std::runtime_error("the test needs new storage");
+        }
+        loss(net, rank).backward();
+        require_grads(net, want, rank, "replaced gradient");
+      }
+    });
+    check_all_ok(outs);
+  }
 }

@@ -246,17 +246,24 @@ class eigen_parameters {
     for (std::size_t i = 0; i < entries_.size(); ++i) check_at(i, -1);
   }
 
-  /// `check(i)`, then `dp.grad_ready(i)`: the way an engine hands over gradient `i` during
-  /// backward, so that a gradient matrix that moved is an error naming it, not a read of
-  /// freed memory by the wrapper.
+  /// `check(i)`, then `dp.grad_ready(i)` (through `dp.grad_ready(params, i)`, which checks and
+  /// tells the peers): the way an engine hands over gradient `i` during backward, so that a
+  /// gradient matrix that moved is an error naming it on every rank, not a read of freed memory
+  /// by the wrapper.
   /// \code
   /// gW = delta * input.transpose();
   /// params.grad_ready(dp, 0);
   /// \endcode
   template <class DataParallel>
   void grad_ready(DataParallel& dp, std::size_t i) const {
-    check_at(i, dp.rank());
-    dp.grad_ready(i);
+    // Through the wrapper's own check where it has one: a refusal then fails the wrapper and
+    // reaches the peers, whose finish() quotes it instead of waiting for this rank.
+    if constexpr (requires { dp.grad_ready(*this, i); }) {
+      dp.grad_ready(*this, i);
+    } else {
+      check_at(i, dp.rank());
+      dp.grad_ready(i);
+    }
   }
 
   /// View mode (`dp_options::gradient_as_bucket_view`): gradient `i` lives in bucket memory at

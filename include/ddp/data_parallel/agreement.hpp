@@ -322,9 +322,18 @@ class agreement {
       if (sigs[r].size() != sigs[0].size() || r == 0)
         counts +=
             (counts.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " has " + std::to_string(sigs[r].size()));
+    // A rank with none wrapped its engine before the engine allocated them (dlib before its
+    // first forward): say so, or the count alone reads like a different model.
+    std::string none;
+    for (std::size_t r = 0; r < sigs.size(); ++r)
+      if (std::is_same_v<View, tensor_view> && sigs[r].empty()) none += (none.empty() ? "" : ", ") + std::to_string(r);
+    if (!none.empty())
+      none = "; rank(s) " + none + " have no " + noun +
+             "s at all: wrapped before the engine allocated them? Wrap after it has (after the first forward; "
+             "docs/engines.md, \"When to wrap\")";
     detail::raise(errc::mismatch, ch_.rank,
                   std::string("ranks disagree on the number of ") + noun + "s: " + counts +
-                      "; the first differing is " + label(common),
+                      "; the first differing is " + label(common) + none,
                   -1, index_of(common));
   }
 

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -80,6 +81,74 @@ inline std::vector<param_info> infos_of(const std::vector<tensor_view>& views) {
             "every parameter not ready at finish()): its gradient is then zero, or what no_sync() steps accumulated",
         -1, static_cast<int>(missing.front()));
 }
+/// A wrapper over no parameters averages nothing: each rank would train alone, and `finish()`
+/// would return as if all were well. Raised on every rank, once the ranks agreed on the count
+/// (a count that differs is the signature check's mismatch). `buffers`: how many buffers and
+/// frozen parameters came with the empty set.
+[[noreturn]] inline void raise_empty(int rank, std::size_t buffers) {
+  raise(errc::invalid_argument, rank,
+        "the parameter set is empty: a data_parallel wrapper over no parameters averages nothing, and each rank "
+        "would train alone. An engine that allocates its parameters lazily (dlib before its first forward, a layer "
+        "whose shape comes from its first input) has none yet when wrapped too early: wrap it after it has "
+        "allocated them (after the first forward). A model whose every parameter is frozen" +
+            (buffers > 0 ? " (" + std::to_string(buffers) + " buffers and frozen parameters came with this set)"
+                         : std::string()) +
+            " has nothing to average: it needs no data_parallel wrapper (docs/engines.md, \"When to wrap\")");
+}
+
+/// "0x7f...": an address in an error message.
+inline std::string address_text(const void* p) {
+  char buf[2 + 2 * sizeof(void*) + 1];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
+
+/// What `grad_ready(params, i)` checks before it hands gradient `i` over: `params`, as the engine
+/// describes it now, still holds parameter `i` where the wrapper captured it at construction
+/// (`captured`): the same parameter count (`count`), element count, values and gradient
+/// (`slot`: in view mode the bucket memory the engine may have been pointed at; else null). An
+/// engine that reallocated a gradient after wrapping would otherwise have the wrapper read (and
+/// write the average into) memory the engine no longer uses, silently: errc::usage naming it.
+template <parameter_set C>
+void check_unmoved(const C& params, std::size_t i, const tensor_view& captured, const void* slot, std::size_t count,
+                   int rank) {
+  using traits = traits_of<C>;
+  const std::string who = "grad_ready(params, " + std::to_string(i) + "): " + parameter_label(i, captured.name);
+  const auto fail = [&](const std::string& what) {
+    raise(errc::usage, rank,
+          who + ": " + what +
+              "; the wrapper would read the gradient from (and write the average into) memory the engine no longer "
+              "uses. Wrap after the engine has allocated its parameters and gradients for good, and keep them in "
+              "place while the wrapper lives (zero a gradient instead of reallocating it), or build a new wrapper",
+          -1, static_cast<int>(i));
+  };
+  std::size_t n = 0, numel = 0;
+  const void *data = nullptr, *grad = nullptr;
+  try {
+    n = static_cast<std::size_t>(traits::size(params));
+    if (n == count) {
+      numel = static_cast<std::size_t>(traits::numel(params, i));
+      data = static_cast<const void*>(traits::data(params, i));
+      grad = static_cast<const void*>(traits::grad(params, i));
+    }
+  } catch (const error& e) {
+    // A set that checks itself (eigen_parameters: a matrix resized) raised without a rank.
+    if (e.rank() >= 0) throw;
+    raise(e.condition(), rank, std::string(e.message()), e.bucket(), e.parameter());
+  }
+  if (n != count)
+    fail("the parameter set now holds " + std::to_string(n) + " parameters, the wrapper was built over " +
+         std::to_string(count) + " (parameters added or removed after wrapping, or not the set it was built from)");
+  if (numel != captured.numel)
+    fail("it now has " + std::to_string(numel) + " elements, the wrapper captured " + std::to_string(captured.numel));
+  if (data != captured.data)
+    fail("its values moved: the wrapper captured them at " + address_text(captured.data) +
+         ", the engine now has them at " + address_text(data) + " (reallocated after wrapping)");
+  if (grad != captured.grad && (slot == nullptr || grad != slot))
+    fail("its gradient moved: the wrapper captured it at " + address_text(captured.grad) +
+         ", the engine now has it at " + address_text(grad) + " (reallocated after wrapping)");
+}
+
 /// A synchronized `finish()` with no hook since the previous `finish()` (which ended step
 /// `previous`): the loop calls `finish()` twice. Not a step of missing parameters: marking them
 /// unused (or `find_unused_parameters`) would average zeros into every gradient.

@@ -11,6 +11,7 @@
 
 #include <ddp/data_parallel/agreement.hpp>
 #include <ddp/data_parallel/bucket_memory.hpp>
+#include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/parameter.hpp>
 
@@ -19,7 +20,8 @@ inline namespace v0 {
 namespace detail {
 
 /// At construction, on every rank: the parameters and buffers are memory the buckets can take
-/// from, and ranks agree on them and on the options every rank must share.
+/// from, ranks agree on them and on the options every rank must share, and there is at least
+/// one parameter (an empty set is errc::invalid_argument on every rank, never a silent no-op).
 template <class Allocator>
 void check_construction(const agreement& agree, const bucket_memory<Allocator>& memory,
                         const std::vector<tensor_view>& views, const std::vector<buffer_view>& buffers,
@@ -27,6 +29,8 @@ void check_construction(const agreement& agree, const bucket_memory<Allocator>& 
   memory.check_reachable(views, rank);
   memory.check_reachable(std::span<const buffer_view>(buffers), rank);
   agree.check_signatures(views);
+  // Every rank has the same count now: an empty set fails on every rank alike.
+  if (views.empty()) raise_empty(rank, buffers.size());
   agree.check_buffer_signatures(buffers);
   agree.check_same("dp_options::uneven_inputs", opts.uneven_inputs ? 1 : 0);
   agree.check_same("dp_options::shard", opts.shard ? 1 : 0);

@@ -3,7 +3,8 @@
 /// \file data_parallel/detail/step_guard.hpp
 /// `step_guard`: runs the parts of the wrapper's calls that change step state, keeps the first
 /// failure (`failure_latch`) and, for a cause on this rank, fails the reducer's transport and the
-/// group with it, so that peers blocked on this rank fail now, naming it, not at a deadline.
+/// group with it, so that peers blocked on this rank fail now, naming it and quoting the cause
+/// where the reducer can carry it, not at a deadline.
 // IWYU pragma: private
 
 #include <cstddef>
@@ -54,7 +55,13 @@ class step_guard {
                    body, [this](const std::string& msg) noexcept {
                      if constexpr (reducer_with_failable_transport<Reducer>)
                        detail::exception_of([&] { red_.transport().fail(errc::aborted, msg); });  // tcp: to the peers
-                     abort_reducer();
+                     if constexpr (requires {
+                                     { red_.abort(errc::aborted, msg) }
+                                     noexcept;
+                                   })
+                       red_.abort(errc::aborted, msg);  // the reducer carries the cause (auto_reducer's shm)
+                     else
+                       abort_reducer();
                      pg_.abort(msg);
                    });
   }
