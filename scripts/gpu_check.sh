@@ -200,7 +200,7 @@ for p in "${parts[@]}"; do read -ra t <<<"${part_targets[$p]}"; targets+=("${t[@
 
 setup_opts=(--wrap-mode=nodownload --buildtype=release -Dcudatoolkit="$prefix" -Dcuda=enabled -Dnccl=enabled
             -Dcmake_prefix_path="$doctest_prefix" -Dtests=enabled -Dbench=enabled -Dexamples=disabled
-            -Ddocs=disabled -Dtbb=disabled -Dmpi=disabled -Deigen=disabled -Dauth=disabled
+            -Ddocs=disabled -Dtbb=disabled -Dmpi=disabled -Deigen=disabled -Ddlib=disabled -Dauth=disabled
             -Dbench_optimization=build)
 if [[ -n $torch_prefix ]]; then
   setup_opts+=(-Dtorch=enabled -Dtorch_prefix="${torch_prefix#/usr}")  # /usr: Meson's default, ""

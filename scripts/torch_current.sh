@@ -48,7 +48,7 @@ echo "torch_current.sh: torch $version at $prefix (_GLIBCXX_USE_CXX11_ABI=$abi)"
 took "installing or finding torch"
 
 opts=(-Dtorch=enabled -Dtorch_prefix="$prefix" -Dcuda=disabled -Dnccl=disabled
-      -Dmpi=disabled -Dauth=disabled -Deigen=disabled -Dbench=disabled)
+      -Dmpi=disabled -Dauth=disabled -Deigen=disabled -Ddlib=disabled -Dbench=disabled)
 if [[ -f "$build/build.ninja" ]]; then
   meson configure "$build" "${opts[@]}" >/dev/null
 else
