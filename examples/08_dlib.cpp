@@ -120,10 +120,11 @@ int main() try {
   std::size_t count = 0;
   for (std::size_t i = 0; i < params.size(); ++i) count += params.numel(i);
   if (rank == 0)
-    std::printf("ddp + dlib: %d ranks, %zu parameters in %zu layers (%s first), %zu buckets, %d samples per rank, "
-                "batch %d per rank, dlib::sgd with momentum\n",
-                world, count, params.size(), std::string(params.name(0)).c_str(), dp.plan().buckets.size(),
-                samples_per_rank, batch);
+    std::printf(
+        "ddp + dlib: %d ranks, %zu parameters in %zu layers (%s first), %zu buckets, %d samples per rank, "
+        "batch %d per rank, dlib::sgd with momentum\n",
+        world, count, params.size(), std::string(params.name(0)).c_str(), dp.plan().buckets.size(), samples_per_rank,
+        batch);
 
   // Rank 0's reference: the same net and solvers from the same start, trained in one process.
   net_type ref;
@@ -197,9 +198,10 @@ int main() try {
                 same ? "bitwise equal, OK" : "FAILED", max_diff);
     ok = ok && same;
     if (ok)
-      std::printf("dlib: OK %d ranks, %zu parameters, %d steps of dlib::sgd, loss %.4f -> %.4f, weights bitwise equal "
-                  "on every rank and to the one-process hand-averaged run (hash %s)\n",
-                  world, count, epochs * steps_per_epoch, first_loss, last_loss, mine);
+      std::printf(
+          "dlib: OK %d ranks, %zu parameters, %d steps of dlib::sgd, loss %.4f -> %.4f, weights bitwise equal "
+          "on every rank and to the one-process hand-averaged run (hash %s)\n",
+          world, count, epochs * steps_per_epoch, first_loss, last_loss, mine);
     else
       std::printf("dlib: FAILED (see above)\n");
   }
