@@ -7,7 +7,7 @@ engine, ...), with its #include lines moved to the top. Nothing hides a missing 
 with #include lines compiles with those alone (the context declares ddp's classes without
 defining them, and `dp` only when the block includes the wrapper); a block without any is a
 fragment of a program that includes <ddp/ddp.hpp>, and gets just that. Blocks that include an
-optional SDK's header (MPI, NCCL/CUDA, libsodium, oneTBB, LibTorch, Eigen) are compiled when that SDK's headers are found,
+optional SDK's header (MPI, NCCL/CUDA, libsodium, oneTBB, LibTorch, Eigen, dlib) are compiled when that SDK's headers are found,
 else reported as skipped. Blocks that need the same lines above them share a translation unit
 (each in its own function); a unit that fails is split, so every failure names its block.
 
@@ -47,6 +47,8 @@ def sdk_flags():
         flags["torch"] = ["-isystem", torch_api]
     if os.path.exists("/usr/include/eigen3/Eigen/Core"):
         flags["eigen"] = ["-isystem", "/usr/include/eigen3"]
+    if os.path.exists("/usr/include/dlib/dnn.h"):
+        flags["dlib"] = []
     return flags
 
 
@@ -64,6 +66,8 @@ def needs(block):
         out.add("torch")
     if re.search(r"ddp/adapters/eigen\.hpp|<Eigen/", block):
         out.add("eigen")
+    if re.search(r"ddp/adapters/dlib\.hpp|<dlib/", block):
+        out.add("dlib")
     return out
 
 
@@ -162,7 +166,7 @@ print(f"doc snippets: {passed} compile, {failed} fail, {skipped} skipped")
 # headers (README says which), so they are not expected from the umbrella.
 OPTIONAL = {"nccl_reducer", "mpi_reducer", "cuda_allocator", "pinned_allocator", "sodium_authenticator",
             "use_tbb", "set_kernel_threads", "detail", "torch_parameters", "torch_data_parallel",
-            "eigen_parameters",
+            "eigen_parameters", "dlib_parameters",
             "ddp"}  # the CMake target ddp::ddp
 readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
 names = sorted(set(re.findall(r"\bddp::(\w+)", readme)) - OPTIONAL)
