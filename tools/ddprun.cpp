@@ -485,13 +485,13 @@ int main(int argc, char** argv) {
     };
     // The rank that failed first among those that ended before ddprun began ending them.
     auto first_failure = [&]() -> int {
-      int first = -1;
+      std::vector<ddprun::failed_rank> failed;
       for (int r = 0; r < n; ++r) {
         const auto& p = procs[static_cast<std::size_t>(r)];
         if (!p.ended || code_of(p.status) == 0 || p.at_ns >= ended_at) continue;
-        if (first < 0 || p.at_ns < procs[static_cast<std::size_t>(first)].at_ns) first = r;
+        failed.push_back(ddprun::failed_rank{r, p.at_ns, p.last_error});
       }
-      return first;
+      return ddprun::first_cause(failed);
     };
     // Ranks fail together (the survivors of a lost rank fail because of it), and their keepers
     // may be scheduled late on a loaded machine: after the first failure is seen, wait a moment

@@ -1,4 +1,5 @@
-// ddprun --elastic: whether the group's state is gone, decided from what the launcher saw of its
+// ddprun's decisions, pure functions of what the launcher saw of its ranks: which rank caused a
+// failed job (first_cause), and under --elastic whether the group's state is gone, from their
 // ranks' lives (tools/ddprun.cpp; tests/unit/test_ddprun_elastic.cpp; docs/elastic.md, "The
 // launcher"). A pure function: no process, clock or store of its own.
 //
@@ -22,6 +23,7 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace ddprun {
@@ -46,6 +48,42 @@ struct state_verdict {
   int code = 0;
   std::int64_t gone_ns = 0;
 };
+
+/// A rank that ended with a failure, as ddprun saw it: when its keeper noted the end, and the
+/// last error line it wrote (empty when it wrote none: killed, crashed).
+struct failed_rank {
+  int rank = -1;
+  std::int64_t at_ns = 0;
+  std::string_view last_error;
+};
+
+/// True when `said` is a ddp error that reports a failure of the group, not one of the rank's
+/// own: a peer lost, an abort, a collective's deadline (`[ddp.peer_lost]`, `[ddp.aborted]`,
+/// `[ddp.timeout]`).
+inline bool failed_because_of_the_group(std::string_view said) {
+  for (const std::string_view tag : {"[ddp.peer_lost]", "[ddp.aborted]", "[ddp.timeout]"})
+    if (said.find(tag) != std::string_view::npos) return true;
+  return false;
+}
+
+/// The rank to blame for a job's failure: the first to end that failed on its own (killed,
+/// crashed, an error of its own), else the first to end. Ranks fail together, and on a loaded
+/// machine a killed rank's keeper may note its end after a survivor has already exited
+/// reporting it lost: the order of the notes alone would blame that survivor. -1 when none.
+inline int first_cause(const std::vector<failed_rank>& failed) {
+  int pick = -1;
+  bool pick_own = false;
+  std::int64_t pick_at = 0;
+  for (const auto& f : failed) {
+    const bool own = !failed_because_of_the_group(f.last_error);
+    if (pick < 0 || (own && !pick_own) || (own == pick_own && f.at_ns < pick_at)) {
+      pick = f.rank;
+      pick_own = own;
+      pick_at = f.at_ns;
+    }
+  }
+  return pick;
+}
 
 /// What a rank writes when, as a newcomer, it finds no member left to take it in.
 inline constexpr std::string_view state_lost_text = ddp::detail::elastic::state_lost_words;

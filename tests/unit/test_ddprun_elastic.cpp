@@ -101,3 +101,22 @@ TEST_CASE("ddprun elastic: on several hosts, only the ranks' own word counts") {
   lives.push_back(newcomer(0, 17 * s));
   CHECK_FALSE(elastic_state(lives, 2, false).lost);
 }
+
+TEST_CASE("ddprun: the cause of a failed job is the first rank that failed on its own") {
+  using ddprun::failed_rank;
+  const std::string lost = "[ddp.peer_lost] rank 0: allreduce: rank 1 (pid 4733) died while this rank waited for it";
+  const std::string aborted = "[ddp.aborted] rank 2: group aborted by rank 3: ...";
+  const std::string timeout = "[ddp.timeout] rank 3: allreduce: rank 1 did not arrive before the deadline";
+  const std::string own = "[ddp.invalid_argument] rank 2: the parameter set is empty";
+  // A loaded machine: the killed rank's keeper noted its end after a survivor's exit.
+  CHECK(ddprun::first_cause({failed_rank{0, 100, lost}, failed_rank{1, 180, ""}, failed_rank{2, 120, lost}}) == 1);
+  // Several ranks failed on their own: the first of them.
+  CHECK(ddprun::first_cause({failed_rank{0, 100, lost}, failed_rank{1, 180, ""}, failed_rank{2, 150, own}}) == 2);
+  // Every rank reports the group's failure (the cause is on another host): the first.
+  CHECK(ddprun::first_cause({failed_rank{0, 300, lost}, failed_rank{2, 200, aborted}, failed_rank{3, 250, timeout}}) ==
+        2);
+  CHECK(ddprun::first_cause({}) == -1);
+  CHECK(ddprun::failed_because_of_the_group(lost));
+  CHECK_FALSE(ddprun::failed_because_of_the_group(own));
+  CHECK_FALSE(ddprun::failed_because_of_the_group(""));
+}
