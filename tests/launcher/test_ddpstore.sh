@@ -53,6 +53,7 @@ kill -KILL "${pids[0]}"; wait "${pids[0]}" 2>/dev/null
 rcs=""
 for r in 1 2; do wait "${pids[$r]}"; rcs+="$? "; done
 check "the elastic group goes on without its rank 0, the store outside it (exit codes: $rcs)" '[[ $rcs == "0 0 " ]]'
+[[ $rcs == "0 0 " ]] || for r in 1 2; do echo "--- rank $r:"; tail -n 8 "$tmp/el.$r"; done
 last=$(cat "$tmp/el.1" "$tmp/el.2" | grep "elastic: OK" | tail -1)
 check "the new rank 0 says elastic: OK with one failure ($last)" '[[ "$last" == *"failures=1 sizes=3,2"* ]]'
 wait $store_pid 2>/dev/null
