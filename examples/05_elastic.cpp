@@ -14,9 +14,11 @@
 //    r and 0 elsewhere; averaged, slot q is 1 for every rank q of the generation and 0 beyond:
 //    each committed step's average is over exactly the ranks that committed it;
 //  - the final weights are bitwise equal on every rank (a hash, gathered from all);
-//  - the final loss over the whole dataset is within 25% (+0.002) of an uninterrupted run of
-//    as many steps at the smallest size the group had (computed on rank 0; of 3000 steps at most:
-//    training longer only lowers the loss), and below a quarter of the first.
+//  - the final loss over the whole dataset is the loss of the group's run replayed in one
+//    process (the same steps, each at the size the group had then, the data dealt as the ranks
+//    dealt it): bitwise where the reducer adds in rank order, within 0.1% otherwise; a run of
+//    more than 3000 steps within 25% (+0.002) of the replay of its first 3000 (training longer
+//    only lowers the loss); and below a quarter of the first step's.
 // The last line of the final rank 0 is `elastic: OK steps=<n> failures=<k> sizes=<a,b,...>
 // generations=<g>`: the committed steps, the failures survived, the world sizes seen (each once).
 //
@@ -85,43 +87,55 @@ double full_loss(mlp& m, const dataset& d) {
   return sum / d.n;
 }
 
-// The same number of steps without failures, at `world` ranks, in one process.
-double uninterrupted_loss(const dataset& d, int world, std::uint64_t steps) {
+// The run the group made, replayed in one process: the same steps, each at the size the group
+// had then (`history`: the step at which each generation began and its size, in order), the
+// data dealt as the ranks dealt it (each generation resumes the epoch where the last left it,
+// distributed_sampler::resume), the gradients averaged in rank order as the default reducer
+// does. Nothing lost or applied twice, it ends bitwise where the group ended.
+double replayed_loss(const dataset& d, const std::vector<std::uint64_t>& history, std::uint64_t steps) {
   mlp ref(dims, 1234u);
   ddp::distributed_sampler all{static_cast<std::uint64_t>(d.n), 0, 1, {.shuffle = true, .seed = 7}};
-  std::uint64_t epoch = 0, at = 0;
   all.set_epoch(0);
+  std::uint64_t epoch = 0, consumed = 0, from = 0, k = 0;  // from: where the current share began
+  std::size_t next = 0;
+  int world = 1;
   std::vector<float> x(static_cast<std::size_t>(batch) * input_dim), y(batch);
   auto& L = ref.layers();
   std::vector<std::vector<float>> sw(L.size()), sb(L.size());
   for (std::uint64_t s = 0; s < steps; ++s) {
-    if (at + static_cast<std::uint64_t>(world * batch) > all.size()) {
+    for (; next + 1 < history.size() && history[next] <= s; next += 2) {  // a generation began
+      world = static_cast<int>(history[next + 1]);
+      from = consumed;
+      k = 0;
+    }
+    const auto w = static_cast<std::uint64_t>(world);
+    if ((k + 1) * batch > (static_cast<std::uint64_t>(d.n) - from) / w) {  // the epoch is done
       all.set_epoch(++epoch);
-      at = 0;
+      consumed = from = k = 0;
     }
     for (std::size_t l = 0; l < L.size(); ++l) {
       sw[l].assign(L[l].gw.size(), 0.0f);
       sb[l].assign(L[l].gb.size(), 0.0f);
     }
-    // Rank q of `world` takes positions q, q + world, ... of the rest of the epoch.
-    for (int q = 0; q < world; ++q) {
+    for (std::uint64_t q = 0; q < w; ++q) {
       for (int i = 0; i < batch; ++i) {
-        const auto idx = all[at + static_cast<std::uint64_t>(q + i * world)];
+        const auto idx = all[from + q + (k * batch + static_cast<std::uint64_t>(i)) * w];
         std::memcpy(&x[static_cast<std::size_t>(i) * input_dim], &d.x[idx * input_dim], input_dim * sizeof(float));
         y[static_cast<std::size_t>(i)] = d.y[idx];
       }
       ref.forward_backward(x.data(), y.data(), batch, [](std::size_t) {});
       for (std::size_t l = 0; l < L.size(); ++l) {
-        for (std::size_t k = 0; k < sw[l].size(); ++k) sw[l][k] += L[l].gw[k];
-        for (std::size_t k = 0; k < sb[l].size(); ++k) sb[l][k] += L[l].gb[k];
+        for (std::size_t j = 0; j < sw[l].size(); ++j) sw[l][j] += L[l].gw[j];
+        for (std::size_t j = 0; j < sb[l].size(); ++j) sb[l][j] += L[l].gb[j];
       }
     }
     for (std::size_t l = 0; l < L.size(); ++l) {
-      for (std::size_t k = 0; k < sw[l].size(); ++k) L[l].gw[k] = sw[l][k] / static_cast<float>(world);
-      for (std::size_t k = 0; k < sb[l].size(); ++k) L[l].gb[k] = sb[l][k] / static_cast<float>(world);
+      for (std::size_t j = 0; j < sw[l].size(); ++j) L[l].gw[j] = sw[l][j] / static_cast<float>(world);
+      for (std::size_t j = 0; j < sb[l].size(); ++j) L[l].gb[j] = sb[l][j] / static_cast<float>(world);
     }
     ref.step();
-    at += static_cast<std::uint64_t>(world * batch);
+    consumed += w * batch;
+    ++k;
   }
   return full_loss(ref, d);
 }
@@ -176,6 +190,7 @@ int main(int argc, char** argv) try {
   // What a replacement needs besides the weights: the epoch, the data position, whether the
   // group is done training, the momentum and the first loss.
   std::uint64_t epoch = 0, consumed = 0;
+  std::vector<std::uint64_t> history;  // the step at which each generation began, and its size
   double first_loss = -1;
   bool stop = false, counts_ok = true;
   eg.on_state(
@@ -183,6 +198,8 @@ int main(int argc, char** argv) try {
         std::string s;
         put(s, std::vector<std::uint64_t>{epoch, consumed, stop ? 1u : 0u});
         put(s, std::vector<double>{first_loss});
+        put(s, std::vector<std::uint64_t>{history.size()});
+        put(s, history);
         for (auto& L : model.layers()) {
           put(s, L.vw);
           put(s, L.vb);
@@ -195,6 +212,10 @@ int main(int argc, char** argv) try {
         std::vector<double> fl(1);
         get(s, at, pos);
         get(s, at, fl);
+        std::vector<std::uint64_t> hn(1);
+        get(s, at, hn);
+        history.assign(hn[0], 0);
+        get(s, at, history);
         for (auto& L : model.layers()) {
           get(s, at, L.vw);
           get(s, at, L.vb);
@@ -223,6 +244,8 @@ int main(int argc, char** argv) try {
   while (!stop) try {
       const int rank = eg.rank(), world = eg.size();
       if (sampler_gen != eg.generation()) {  // a new generation: deal the rest of the epoch over it
+        history.push_back(eg.step());
+        history.push_back(static_cast<std::uint64_t>(world));
         sampler.emplace(static_cast<std::uint64_t>(data.n), rank, world,
                         ddp::sampler_options{.shuffle = true, .seed = 7, .drop_last = true});
         sampler->resume(epoch, consumed);
@@ -281,21 +304,27 @@ int main(int argc, char** argv) try {
       int code = equal && counted ? 0 : 1;
       if (eg.rank() == 0) {
         const double final_loss = full_loss(model, data);
-        // Training longer only lowers the loss: a long run is held to the uninterrupted run of
-        // its first reference_steps steps (which rank 0 computes in a few seconds), at the
-        // smallest size the group had: each step of it averaged at least that many batches
-        // (held to the full size, a run that spent most of its steps shrunk fails for seeing
-        // fewer samples, not for losing any state).
+        // The group's run replayed in one process (replayed_loss): nothing lost, applied twice or
+        // averaged over the wrong ranks, it ends where the group ended, bitwise where the reducer
+        // adds in rank order (the default on one host), within 0.1% where it adds in another order
+        // (a ring over TCP). A run longer than reference_steps is held to the replay of its first
+        // reference_steps steps (which rank 0 computes in a few seconds): training longer only
+        // lowers the loss. (Held instead to an uninterrupted run at one size, a run whose size
+        // changed early was once 1.3-3x off after 700-2000 steps with every step accounted for:
+        // this toy problem's trajectory depends on how the data was dealt.)
         const std::uint64_t ref_steps = std::min<std::uint64_t>(eg.step(), reference_steps);
-        const int ref_world = *std::min_element(eg.sizes().begin(), eg.sizes().end());
-        const double ref = uninterrupted_loss(data, ref_world, ref_steps);
-        const bool close = final_loss <= 1.25 * ref + 0.002 && final_loss < first_loss / 4;
+        const double ref = replayed_loss(data, history, ref_steps);
+        const bool whole = ref_steps == eg.step();
+        const bool bitwise = whole && ref == final_loss;
+        const bool close = (whole ? std::abs(final_loss - ref) <= 1e-3 * ref : final_loss <= 1.25 * ref + 0.002) &&
+                           final_loss < first_loss / 4;
         std::printf("final weights bitwise equal on all %d ranks: %s\n", eg.size(), equal ? "OK" : "FAILED");
         std::printf("every committed step averaged over exactly its generation's ranks: %s%s%s\n",
                     counted ? "OK" : "FAILED", bad_count.empty() ? "" : ": ", bad_count.c_str());
-        std::printf("final loss %.6f, uninterrupted run of %llu steps at %d ranks %.6f, first step %.6f: %s\n",
-                    final_loss, static_cast<unsigned long long>(ref_steps), ref_world, ref, first_loss,
-                    close ? "OK" : "FAILED");
+        std::printf("final loss %.9g, the same %llu steps replayed in one process (%zu generations) %.9g%s, first step "
+                    "%.6f: %s\n",
+                    final_loss, static_cast<unsigned long long>(ref_steps), history.size() / 2, ref,
+                    bitwise ? " (bitwise)" : "", first_loss, close ? "OK" : "FAILED");
         if (!close) code = 1;
         // The world sizes seen, each once, in the order first seen; and how many generations.
         std::string sizes;
