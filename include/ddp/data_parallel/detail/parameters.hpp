@@ -113,10 +113,10 @@ template <parameter_set C>
 void check_unmoved(const C& params, std::size_t i, const tensor_view& captured, const void* slot, std::size_t count,
                    int rank) {
   using traits = traits_of<C>;
-  const std::string who = "grad_ready(params, " + std::to_string(i) + "): " + parameter_label(i, captured.name);
+  // Called per gradient per step: the message is built only when a check fails.
   const auto fail = [&](const std::string& what) {
     raise(errc::usage, rank,
-          who + ": " + what +
+          "grad_ready(params, " + std::to_string(i) + "): " + parameter_label(i, captured.name) + ": " + what +
               "; the wrapper would read the gradient from (and write the average into) memory the engine no longer "
               "uses. Wrap after the engine has allocated its parameters and gradients for good, and keep them in "
               "place while the wrapper lives (zero a gradient instead of reallocating it), or build a new wrapper",
