@@ -253,6 +253,34 @@ TEST_CASE("rank 0 never arrives: the others fail within the timeout naming rank 
   }
 }
 
+TEST_CASE("rank 0 freezes after another rank claimed its place: that rank names rank 0, not 'not every rank'") {
+  // Rank 0's process serves the store: frozen (SIGSTOP), it answers nothing, so rank 1 cannot
+  // even ask which ranks are missing. Its error must still say who stopped the group.
+  const int port = free_port();
+  auto outs = run_processes(
+      {0, 1},
+      [&](int r) {
+        std::thread freezer;
+        if (r == 0)
+          freezer = std::thread([&] {
+            // A stranger's connection may read: once rank 1's claim is in, rank 0 freezes.
+            const auto until = std::chrono::steady_clock::now() + 10s;
+            ddp::store_client watch("127.0.0.1", port, 0, until);
+            (void)watch.wait({"pg/rank/1"}, until);
+            ::kill(::getpid(), SIGSTOP);
+          });
+        (void)ddp::init_process_group(opts(r, 3, port, 2s));  // rank 2 never starts
+        if (freezer.joinable()) freezer.join();
+      },
+      8s);
+  INFO(ddp_test::summary(outs));
+  REQUIRE(outs.size() == 2);
+  CHECK(outs[0].timed_out);  // frozen until the harness killed it
+  CHECK(outs[1].errc == static_cast<int>(ddp::errc::timeout));
+  CHECK(outs[1].message.find("rank 0, whose process serves the group's store") != std::string::npos);
+  CHECK(outs[1].seconds < 2.0 + 2.0 + 1.0);
+}
+
 TEST_CASE("ranks started before rank 0 keep retrying and join") {
   const int port = free_port();
   auto outs = run_ranks(3, [&](int r) {

@@ -328,7 +328,8 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
                                   opts.job_id,
                                   opts.master_addr + ":" + std::to_string(opts.master_port),
                                   static_cast<long long>(joining.count()),
-                                  static_cast<long long>(opts.heartbeat.count())};
+                                  static_cast<long long>(opts.heartbeat.count()),
+                                  !opts.external_store};
   for (;;) {
     pg.store =
         std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth, opts.external_store);

@@ -95,6 +95,7 @@ struct join_request {
   std::string where;
   long long timeout_ms = 0;
   long long heartbeat_ms = 0;  // init_options::heartbeat: every rank must run the same
+  bool store_in_rank0 = true;  // rank 0's process serves the store (no launcher's, no external one)
 };
 
 /// A job's runs under a launcher that restarts it (`ddprun --max-restarts`): run k > 0 of job
@@ -279,7 +280,13 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
     }
     if (rank == 0) st.set("pg/missing", what, budget);
   } catch (const error&) {
-    if (what.empty()) what = "not every rank of " + std::to_string(req.world) + " arrived";
+    // The store stopped answering: where rank 0's process serves it, rank 0 stopped or froze.
+    if (what.empty() && req.store_in_rank0 && rank != 0)
+      what = "rank 0, whose process serves the group's store at " + req.where +
+             ", stopped answering (it stopped, froze or lost its network while the group formed)";
+    else if (what.empty())
+      what = "not every rank of " + std::to_string(req.world) + " arrived (the store at " + req.where +
+             " stopped answering)";
   }
   raise(errc::timeout, rank, "rendezvous timed out after " + std::to_string(req.timeout_ms) + " ms: " + what);
 }
