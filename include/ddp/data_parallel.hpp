@@ -6,6 +6,7 @@
 /// backward was still running. The parts it is built from live in `ddp/data_parallel/`.
 /// See docs/data-parallel.md.
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -372,21 +374,33 @@ class basic_data_parallel {
   /// \endcode
   template <shard_optimizer Optimizer>
   void step(Optimizer& opt) {
-    check_healthy();
-    if (!shards_)
-      detail::raise(errc::usage, pg_.rank(),
-                    "step(optimizer) needs the sharded mode (dp_options::shard); without it every rank holds the "
-                    "averaged gradients after finish(): step the engine's optimizer");
-    if (state_.is_open())
-      detail::raise(errc::usage, pg_.rank(), "step(optimizer) in the middle of a step; call it after finish()");
-    if (!shard_fresh_)
-      detail::raise(errc::usage, pg_.rank(),
-                    "step(optimizer) with no synchronized finish() since the last step (its gradient shards were "
-                    "already applied)");
-    shard_fresh_ = false;
+    begin_shard_step("step(optimizer)", false);
     guarded_("step", -1,
              [&] { shards_->step(opt, step_, [this](std::size_t i) { return sync_.unused_everywhere(i); }); });
   }
+
+  /// The sharded mode with the engine's own optimizer: after a synchronized `finish()`,
+  /// `update()` steps this rank's slice of each parameter (`shard_slices()`: the engine's values
+  /// and the averaged gradients there) through views the engine made of them, e.g. a
+  /// `torch::optim` optimizer built over them (the LibTorch adapter's `shard_of` and `step`);
+  /// then the wrapper all-gathers the updated parameters into the engine's tensors. An
+  /// optimizer whose update of an element reads only that element (SGD, Adam, AdamW) gives the
+  /// unsharded run's results. Its state is the engine's: `sharded_state()` refuses
+  /// (errc::usage), and mixing it with `step(optimizer)` is errc::usage. Preconditions and
+  /// failures as `step(optimizer)`; an exception from `update()` fails the wrapper for good.
+  /// \code
+  /// dp.finish();
+  /// dp.step([&] { my_engine_optimizer.step(); });  // over views of dp.shard_slices()
+  /// \endcode
+  template <class Update>
+  requires(std::invocable<Update&> && !shard_optimizer<std::remove_cvref_t<Update>>) void step(Update&& update) {
+    begin_shard_step("step(update)", true);
+    guarded_("step", -1, [&] { shards_->step_engine(update, step_); });
+  }
+
+  /// This rank's slice of each parameter in the sharded mode, in parameter order (see
+  /// `ddp::shard_slice`; empty without the option). The pointers stay valid for the wrapper's life.
+  std::vector<shard_slice> shard_slices() const { return shards_ ? shards_->slices() : std::vector<shard_slice>{}; }
 
   /// The sharded mode's optimizer state (and f32 master weights of f16 and bf16 parameters),
   /// gathered on rank 0 in parameter order: a blob to pass to `save_checkpoint` as its extra
@@ -397,6 +411,10 @@ class basic_data_parallel {
   /// \endcode
   std::vector<std::byte> sharded_state() {
     check_sharded("sharded_state()");
+    if (shards_->engine_steps())
+      detail::raise(errc::usage, pg_.rank(),
+                    "sharded_state(): the engine's optimizer steps the shards (step(update)) and holds their state; "
+                    "save it with the engine on every rank (each rank's is of its own shard, at this world size)");
     std::vector<std::byte> out;
     guarded_("sharded_state", -1, [&] { out = shards_->gather_state(); });
     return out;
@@ -511,6 +529,24 @@ class basic_data_parallel {
   void check_index(std::size_t i, const char* what) const {
     owner_.check(pg_.rank(), "data_parallel wrapper");
     if (i >= views_.size()) detail::raise_bad_index(pg_.rank(), what, i, views_.size());
+  }
+
+  void begin_shard_step(const char* what, bool engine) {
+    check_healthy();
+    if (!shards_)
+      detail::raise(errc::usage, pg_.rank(),
+                    std::string(what) +
+                        " needs the sharded mode (dp_options::shard); without it every rank holds the averaged "
+                        "gradients after finish(): step the engine's optimizer");
+    if (state_.is_open())
+      detail::raise(errc::usage, pg_.rank(), std::string(what) + " in the middle of a step; call it after finish()");
+    if (!shard_fresh_)
+      detail::raise(errc::usage, pg_.rank(),
+                    std::string(what) +
+                        " with no synchronized finish() since the last step (its gradient shards were already "
+                        "applied)");
+    shards_->check_kind(engine);
+    shard_fresh_ = false;
   }
 
   void check_sharded(const char* what) const {

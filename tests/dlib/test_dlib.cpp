@@ -300,3 +300,59 @@ TEST_CASE("dlib: a gradient dlib reallocated after wrapping is errc::usage namin
           std::string::npos,
       peer.message);
 }
+
+namespace {
+
+// Trains `steps` steps with copies of `proto`, unsharded (dlib's update_parameters on the
+// averaged gradients) or sharded (params.step: dlib's solvers on this rank's slices); returns
+// the weights.
+template <class Solver>
+std::vector<std::vector<float>> train_with(ddp::process_group& pg, bool sharded, const Solver& proto) {
+  net_type net;
+  allocate(net, 77u + static_cast<unsigned>(pg.rank()));
+  ddp::dlib_parameters params{net};
+  ddp::bucket_policy buckets;  // one bucket per layer, so shards cut layers and their biases
+  buckets.cap_bytes = 256;
+  buckets.first_cap_bytes = 64;
+  ddp::dp_options o;
+  o.shard = sharded;
+  ddp::data_parallel dp{pg, params, buckets, o};
+  std::vector<Solver> solvers(net_type::num_computational_layers, proto);
+  dlib::resizable_tensor x;
+  for (int s = 0; s < steps; ++s) {
+    const step_data d = make_step(s, pg.size());
+    net.compute_parameter_gradients(x, load(net, d, pg.rank(), x));
+    params.average(dp);
+    if (sharded)
+      params.step(dp, solvers, learning_rate);
+    else
+      net.update_parameters(solvers, learning_rate);
+  }
+  std::vector<std::vector<float>> out;
+  for (std::size_t i = 0; i < params.size(); ++i) out.emplace_back(params.data(i), params.data(i) + params.numel(i));
+  return out;
+}
+
+void sharded_solvers(int rank, int world, int port) {
+  auto pg = ddp::init_process_group(group_options(rank, world, port, 30s));
+  const auto same = [&](const char* what, const auto& u, const auto& s) {
+    for (std::size_t i = 0; i < u.size(); ++i)
+      require(std::memcmp(u[i].data(), s[i].data(), u[i].size() * sizeof(float)) == 0,
+              std::string(what) + ": layer " + std::to_string(i) + " differs from update_parameters' on rank " +
+                  std::to_string(rank));
+  };
+  same("dlib::sgd", train_with(pg, false, dlib::sgd(0.0005f, 0.9f)), train_with(pg, true, dlib::sgd(0.0005f, 0.9f)));
+  same("dlib::adam", train_with(pg, false, dlib::adam(0.0005f, 0.9f, 0.999f)),
+       train_with(pg, true, dlib::adam(0.0005f, 0.9f, 0.999f)));
+}
+
+}  // namespace
+
+TEST_CASE("dlib sharded: dlib::sgd and dlib::adam step each rank's slices, bitwise update_parameters' result") {
+  for (const int world : {2, 3}) {
+    CAPTURE(world);
+    const int port = free_port();
+    const auto outs = run_ranks(world, [&](int r) { sharded_solvers(r, world, port); });
+    CHECK_MESSAGE(all_ok(outs), summary(outs));
+  }
+}

@@ -6,11 +6,14 @@
 
 #include "torch_doctest.hpp"
 
+#include <ddp/optim/sgd.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/shm.hpp>
 #include <ddp/transport/tcp.hpp>
 
 #include "multiproc/harness.hpp"
+
+#include <numeric>
 
 using namespace std::chrono_literals;
 using ddp_test::group_options;
@@ -314,4 +317,147 @@ TEST_CASE("torch_data_parallel: what a LibTorch user can get wrong is a clear er
       CHECK_MESSAGE(o.message.find("weight") != std::string::npos, o.message);
     }
   }
+}
+
+namespace {
+
+// Two parameter groups (conv and fc1; fc2 and spare) with their own learning rate and weight
+// decay, and a StepLR scheduler over them: the optimizer a LibTorch user brings.
+enum class optim_kind { sgd_momentum, adam, adamw };
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(optim_kind kind, std::vector<torch::Tensor> a,
+                                                        std::vector<torch::Tensor> b) {
+  using namespace torch::optim;
+  std::vector<OptimizerParamGroup> groups;
+  switch (kind) {
+    case optim_kind::sgd_momentum: {
+      groups.emplace_back(std::move(a), std::make_unique<SGDOptions>(SGDOptions(0.05).momentum(0.9).weight_decay(1e-3)));
+      groups.emplace_back(std::move(b), std::make_unique<SGDOptions>(SGDOptions(0.02).momentum(0.9).nesterov(true)));
+      return std::make_unique<SGD>(std::move(groups), SGDOptions(0.1));
+    }
+    case optim_kind::adam:
+      groups.emplace_back(std::move(a), std::make_unique<AdamOptions>(AdamOptions(1e-2).weight_decay(1e-3)));
+      groups.emplace_back(std::move(b), std::make_unique<AdamOptions>(AdamOptions(3e-3).amsgrad(true)));
+      return std::make_unique<Adam>(std::move(groups), AdamOptions(1e-3));
+    case optim_kind::adamw:
+      groups.emplace_back(std::move(a), std::make_unique<AdamWOptions>(AdamWOptions(1e-2).weight_decay(0.05)));
+      groups.emplace_back(std::move(b), std::make_unique<AdamWOptions>(AdamWOptions(3e-3).weight_decay(0.0)));
+      return std::make_unique<AdamW>(std::move(groups), AdamWOptions(1e-3));
+  }
+  return nullptr;
+}
+
+std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> groups_of(Net& net) {
+  std::vector<torch::Tensor> a, b;
+  for (auto& p : net->conv->parameters()) a.push_back(p);
+  for (auto& p : net->fc1->parameters()) a.push_back(p);
+  for (auto& p : net->fc2->parameters()) b.push_back(p);
+  for (auto& p : net->spare->parameters()) b.push_back(p);
+  return {a, b};
+}
+
+// Trains `steps` steps, unsharded (the optimizer over the module) or sharded (over shard_of),
+// with a StepLR scheduler; the spare layer unused on every rank when `unused`.
+std::vector<torch::Tensor> train_torch_optim(ddp::process_group& pg, optim_kind kind, bool sharded, bool unused,
+                                             int steps, std::int64_t* state_numel) {
+  torch::manual_seed(100 + pg.rank());  // rank 0's weights win in both runs
+  Net net;
+  ddp::dp_options o;
+  o.shard = sharded;
+  o.find_unused_parameters = unused;
+  ddp::torch_data_parallel dp{pg, *net, ddp::bucket_policy{.cap_bytes = 4096, .first_cap_bytes = 4096}, o};
+  auto [a, b] = groups_of(net);
+  auto opt = sharded ? make_optimizer(kind, dp.shard_of(a), dp.shard_of(b)) : make_optimizer(kind, a, b);
+  torch::optim::StepLR sched(*opt, 2, 0.5);
+  for (int s = 0; s < steps; ++s) {
+    opt->zero_grad();
+    loss_of(net, pg.rank(), s, !unused).backward();
+    if (sharded)
+      dp.step(*opt);
+    else
+      opt->step();
+    sched.step();
+  }
+  *state_numel = 0;
+  for (const auto& [key, st] : opt->state()) {
+    (void)key;
+    if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(st.get())) *state_numel += s->exp_avg().numel();
+    if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(st.get())) *state_numel += s->exp_avg().numel();
+    if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(st.get())) *state_numel += s->momentum_buffer().numel();
+  }
+  if (sharded && dp.wrapper().plan().buckets.size() < 2) throw std::runtime_error("expected several buckets");
+  std::vector<torch::Tensor> out;
+  for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("sharded torch_data_parallel: torch::optim with parameter groups and a scheduler steps the shards, "
+          "bitwise the unsharded run") {
+  for (const int world : {2, 3}) {
+    CAPTURE(world);
+    const int port = ddp_test::free_port();
+    std::vector<int> ranks(static_cast<std::size_t>(world));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    auto outs = run_processes(ranks, [&](int rank) {
+      torch::set_num_threads(1);
+      auto pg = ddp::init_process_group(group_options(rank, world, port, 20s));
+      for (const auto kind : {optim_kind::sgd_momentum, optim_kind::adam, optim_kind::adamw})
+        for (const bool unused : {false, true}) {
+          const std::string what = "optimizer " + std::to_string(static_cast<int>(kind)) +
+                                   (unused ? " (spare layer unused)" : "") + " on rank " + std::to_string(rank);
+          std::int64_t whole = 0, mine = 0;
+          const auto u = train_torch_optim(pg, kind, false, unused, 5, &whole);
+          const auto s = train_torch_optim(pg, kind, true, unused, 5, &mine);
+          for (std::size_t i = 0; i < u.size(); ++i)
+            if (!torch::equal(u[i], s[i]))
+              throw std::runtime_error(what + ": parameter " + std::to_string(i) + " differs from the unsharded run by " +
+                                       std::to_string((u[i] - s[i]).abs().max().item<double>()));
+          // Each rank keeps the state of its slices only: about 1/world of the whole.
+          std::vector<std::int64_t> all{mine};
+          pg.all_reduce(std::span<std::int64_t>(all), ddp::op::sum);
+          if (mine * world > whole + 64 * world || all[0] != whole)
+            throw std::runtime_error(what + ": optimizer state of " + std::to_string(mine) + " elements here, " +
+                                     std::to_string(all[0]) + " over the ranks, " + std::to_string(whole) +
+                                     " unsharded");
+        }
+    });
+    check_all_ok(outs);
+  }
+}
+
+TEST_CASE("sharded torch_data_parallel: an optimizer over the module itself, a foreign tensor, the state it holds") {
+  const int world = 2, port = ddp_test::free_port();
+  auto outs = run_processes({0, 1}, [&](int rank) {
+    torch::set_num_threads(1);
+    auto pg = ddp::init_process_group(group_options(rank, world, port, 20s));
+    Net net;
+    ddp::torch_data_parallel dp{pg, *net, {}, {.shard = true}};
+    const auto raises = [&](ddp::errc code, const std::string& text, auto&& fn) {
+      try {
+        fn();
+      } catch (const ddp::error& e) {
+        if (e.condition() != code || std::string(e.what()).find(text) == std::string::npos)
+          throw std::runtime_error("wrong error: " + std::string(e.what()));
+        return;
+      }
+      throw std::runtime_error("no error where one names '" + text + "'");
+    };
+    raises(ddp::errc::invalid_argument, "not a trained parameter of this wrapper",
+           [&] { (void)dp.shard_of(torch::zeros({3})); });
+    // The module's own parameters hold this rank's local gradients in the sharded mode.
+    torch::optim::SGD whole(net->parameters(), 0.1);
+    loss_of(net, rank, 0).backward();
+    raises(ddp::errc::usage, "parameter 'conv.weight' itself", [&] { dp.step(whole); });
+    torch::optim::SGD mine(dp.shard_of(net->parameters()), 0.1);
+    dp.step(mine);  // the refusal above stepped nothing: this step's shards are still fresh
+    raises(ddp::errc::usage, "with no synchronized finish() since the last step", [&] { dp.step(mine); });
+    raises(ddp::errc::usage, "the engine's optimizer steps the shards",
+           [&] { (void)dp.wrapper().sharded_state(); });
+    ddp::sgd own{{.lr = 0.1}};
+    loss_of(net, rank, 1).backward();
+    raises(ddp::errc::usage, "use one kind of optimizer throughout", [&] { dp.wrapper().step(own); });
+  });
+  check_all_ok(outs);
 }

@@ -27,9 +27,14 @@
 
 #include <dlib/dnn.h>
 
+#include <any>
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <deque>
+#include <optional>
+#include <type_traits>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -41,6 +46,55 @@
 
 namespace ddp {
 inline namespace v0 {
+namespace detail {
+
+/// Where a dlib layer's biases start in its parameter tensor, and their multipliers, as dlib's
+/// solvers (dnn/solvers.h) split a layer: fc (with bias), con and cont at size minus outputs,
+/// bn_ at half; other layers have no split (`offset` = the size).
+struct dlib_bias {
+  std::size_t offset = 0;
+  double lr_mult = 1, wd_mult = 1;
+};
+template <class T>
+dlib_bias dlib_bias_of(const T&, std::size_t n) {
+  return {n, 1, 1};
+}
+template <unsigned long N>
+dlib_bias dlib_bias_of(const dlib::fc_<N, dlib::FC_HAS_BIAS>& l, std::size_t n) {
+  return {n - l.get_num_outputs(), l.get_bias_learning_rate_multiplier(), l.get_bias_weight_decay_multiplier()};
+}
+template <long F, long R, long C, int SY, int SX, int PY, int PX>
+dlib_bias dlib_bias_of(const dlib::con_<F, R, C, SY, SX, PY, PX>& l, std::size_t n) {
+  return {n - static_cast<std::size_t>(l.num_filters()), l.get_bias_learning_rate_multiplier(),
+          l.get_bias_weight_decay_multiplier()};
+}
+template <long F, long R, long C, int SY, int SX, int PY, int PX>
+dlib_bias dlib_bias_of(const dlib::cont_<F, R, C, SY, SX, PY, PX>& l, std::size_t n) {
+  return {n - static_cast<std::size_t>(l.num_filters()), l.get_bias_learning_rate_multiplier(),
+          l.get_bias_weight_decay_multiplier()};
+}
+template <dlib::layer_mode M>
+dlib_bias dlib_bias_of(const dlib::bn_<M>& l, std::size_t n) {
+  return {n / 2, l.get_bias_learning_rate_multiplier(), l.get_bias_weight_decay_multiplier()};
+}
+
+/// What a dlib solver reads of a layer, for a part of one layer's parameters (dlib's generic
+/// solver path: no bias split of its own).
+struct dlib_part_layer {
+  const dlib::tensor* params;
+  double lr_mult, wd_mult;
+  const dlib::tensor& get_layer_params() const { return *params; }
+  double get_learning_rate_multiplier() const { return lr_mult; }
+  double get_weight_decay_multiplier() const { return wd_mult; }
+};
+
+/// A fresh solver with `s`'s settings (its state starts empty, sized by its first call).
+inline dlib::sgd dlib_fresh_solver(const dlib::sgd& s) { return dlib::sgd(s.get_weight_decay(), s.get_momentum()); }
+inline dlib::adam dlib_fresh_solver(const dlib::adam& s) {
+  return dlib::adam(s.get_weight_decay(), s.get_momentum1(), s.get_momentum2());
+}
+
+}  // namespace detail
 
 /// The parameters of a dlib network, a `ddp::parameter_set`: one parameter per computational
 /// layer that has any (a `fc`'s weights and bias are one dlib tensor, so one parameter), f32.
@@ -91,7 +145,9 @@ class dlib_parameters {
   /// (`errc::invalid_argument`, naming the layer) when a gradient has a size other than its
   /// parameter's and is not empty.
   explicit dlib_parameters(Net& net) : net_(&net) {
-    dlib::visit_layers(net, [this]<class T, class U, class E>(std::size_t k, dlib::add_layer<T, U, E>& layer) {
+    std::size_t comp = 0;  // the layer's index among the computational layers: its solver's
+    dlib::visit_layers(net, [this, &comp]<class T, class U, class E>(std::size_t k, dlib::add_layer<T, U, E>& layer) {
+      ++comp;
       dlib::tensor& values = layer.layer_details().get_layer_params();
       if (values.size() == 0) return;  // no parameters (relu, dropout), or not allocated yet
       entry e;
@@ -118,6 +174,10 @@ class dlib_parameters {
                       "dlib_parameters: " + e.name + ": the gradient holds " + std::to_string(e.grad->size()) +
                           " elements but the parameters " + std::to_string(values.size()) +
                           "; build dlib_parameters after the net's first forward (or forward and backward)");
+      e.comp = comp - 1;
+      e.lr_mult = dlib::get_learning_rate_multiplier(layer.layer_details());
+      e.wd_mult = dlib::get_weight_decay_multiplier(layer.layer_details());
+      e.bias = detail::dlib_bias_of(layer.layer_details(), static_cast<std::size_t>(values.size()));
       const bool frozen = dlib::get_learning_rate_multiplier(layer.layer_details()) == 0;
       // visit_layers goes output first; ddp wants forward order, input layer first.
       (frozen ? frozen_ : entries_).push_front(std::move(e));
@@ -197,6 +257,66 @@ class dlib_parameters {
     dp.finish();
   }
 
+  /// The sharded mode (`dp_options::shard`) with dlib's own solvers (`dlib::sgd`, `dlib::adam`),
+  /// in place of `net.update_parameters(solvers, learning_rate)`, after `average(dp)`: each rank
+  /// steps only its slice of each layer, with solvers of `solvers`' settings that keep the state
+  /// of that slice alone (made at the first call; `solvers` themselves keep no state then), and
+  /// the wrapper all-gathers the updated weights (`data_parallel::step(update)`). The results
+  /// are those of `update_parameters` on the averaged gradients: bitwise, dlib's solvers being
+  /// elementwise, where the layers' learning rate and weight decay multipliers keep their
+  /// defaults (other multipliers are multiplied in another order: within a rounding of the
+  /// rate). A layer's bias multipliers are read when this object is built. Collective.
+  /// Throws `errc::invalid_argument` when `solvers` has fewer than the net's computational
+  /// layers, `errc::usage` for another solver type than the first call's, and as `step(update)`.
+  /// \code
+  /// ddp::data_parallel dp{pg, params, {}, {.shard = true}};
+  /// net.compute_parameter_gradients(x, labels.begin());
+  /// params.average(dp);                      // this rank's shard of the averaged gradients
+  /// params.step(dp, solvers, learning_rate);  // instead of net.update_parameters(...)
+  /// \endcode
+  template <class DataParallel, class Solver>
+  void step(DataParallel& dp, const std::vector<Solver>& solvers, double learning_rate) {
+    static_assert(std::is_same_v<Solver, dlib::sgd> || std::is_same_v<Solver, dlib::adam>,
+                  "dlib_parameters::step: dlib::sgd or dlib::adam (a solver whose update of an element reads only "
+                  "that element)");
+    using parts = std::vector<std::array<std::optional<Solver>, 2>>;
+    if (solvers.size() < Net::num_computational_layers)
+      detail::raise(errc::invalid_argument, dp.rank(),
+                    "dlib_parameters::step: " + std::to_string(solvers.size()) + " solvers for a net of " +
+                        std::to_string(Net::num_computational_layers) + " computational layers");
+    if (!shard_solvers_.has_value()) shard_solvers_ = parts(entries_.size());
+    auto* mine = std::any_cast<parts>(&shard_solvers_);
+    if (mine == nullptr)
+      detail::raise(errc::usage, dp.rank(), "dlib_parameters::step: another solver type than at the first step");
+    const auto slices = dp.shard_slices();
+    dp.step([&] {
+      for (std::size_t i = 0; i < entries_.size() && i < slices.size(); ++i) {
+        const auto& sl = slices[i];
+        const entry& e = entries_[i];
+        if (sl.count == 0) continue;
+        // The averaged slice into dlib's own gradient tensor (this rank's local one is spent).
+        std::memcpy(e.grad->host() + sl.offset, sl.grads, sl.count * sizeof(float));
+        // dlib's solvers treat a layer's biases apart unless both bias multipliers are 1.
+        const bool split = e.bias.offset < numel(i) && !(e.bias.lr_mult == 1 && e.bias.wd_mult == 1);
+        const std::size_t lo = sl.offset, hi = sl.offset + sl.count;
+        const std::size_t cut = split ? std::clamp(e.bias.offset, lo, hi) : hi;
+        for (int part = 0; part < 2; ++part) {
+          const std::size_t a = part == 0 ? lo : cut, b = part == 0 ? cut : hi;
+          if (a == b) continue;
+          auto& solver = (*mine)[i][static_cast<std::size_t>(part)];
+          if (!solver) solver.emplace(detail::dlib_fresh_solver(solvers[e.comp]));
+          const dlib::alias_tensor piece(static_cast<long long>(b - a));
+          auto values = piece(*e.values, a);
+          auto grads = piece(*e.grad, a);
+          const detail::dlib_part_layer layer{&values, part == 0 ? e.lr_mult : e.lr_mult * e.bias.lr_mult,
+                                              part == 0 ? e.wd_mult : e.wd_mult * e.bias.wd_mult};
+          const dlib::tensor& update = (*solver)(static_cast<float>(learning_rate), layer, grads);
+          dlib::tt::add(values, values, update);
+        }
+      }
+    });
+  }
+
  private:
   struct entry {
     std::string name;
@@ -204,6 +324,9 @@ class dlib_parameters {
     dlib::tensor* values = nullptr;
     dlib::tensor* grad = nullptr;
     std::vector<std::int64_t> shape;
+    std::size_t comp = 0;  // among the computational layers, output first: its solver's index
+    double lr_mult = 1, wd_mult = 1;
+    detail::dlib_bias bias;
   };
 
   const entry& at(std::size_t i) const {
@@ -218,6 +341,7 @@ class dlib_parameters {
   Net* net_;
   std::deque<entry> entries_;  // forward order; a deque: the names stay put
   std::deque<entry> frozen_;   // learning rate multiplier 0
+  std::any shard_solvers_;     // step(): per parameter, the solvers of its slice's parts
 };
 
 /// `dlib_parameters` as a `ddp::parameter_set` (include/ddp/parameter.hpp).

@@ -262,6 +262,20 @@ class basic_torch_data_parallel {
         grads_[i] = t.grad();
       t.mutable_grad() = grads_[i];
     }
+    if (opts.shard) {
+      // This rank's slice of each parameter: a 1-D view of the parameter's own memory, and its
+      // averaged gradient shard in the wrapper's memory (step() hands it over each time).
+      for (const auto& sl : dp_.shard_slices()) {
+        const auto& t = params_.tensor(sl.param);
+        const auto off = static_cast<std::int64_t>(sl.offset), n = static_cast<std::int64_t>(sl.count);
+        shard_views_.push_back(t.detach().view(-1).narrow(0, off, n));
+        shard_grads_.push_back(
+            n == 0 ? torch::zeros({0}, t.options().requires_grad(false))
+                   : torch::from_blob(const_cast<void*>(sl.grads), {n}, t.options().requires_grad(false)));
+        shard_impls_.insert(shard_views_.back().unsafeGetTensorImpl());
+        shard_offset_.push_back(off);
+      }
+    }
     try {
       for (std::size_t i = 0; i < params_.size(); ++i) {
         const auto& t = params_.tensor(i);
@@ -285,6 +299,8 @@ class basic_torch_data_parallel {
   /// module outlives the wrapper with gradients it owns.
   ~basic_torch_data_parallel() {
     remove_hooks();
+    // The slices' gradients are the wrapper's memory: an optimizer that outlives it finds none.
+    for (auto& v : shard_views_) v.mutable_grad() = torch::Tensor();
     if (dp_.options().gradient_as_bucket_view) {
       torch::NoGradGuard no_grad;
       for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -330,6 +346,90 @@ class basic_torch_data_parallel {
   }
   /// The per-parameter optimizers of `overlap_optimizer`, in parameter order.
   const std::vector<std::unique_ptr<torch::optim::Optimizer>>& optimizers() const noexcept { return optimizers_; }
+
+  /// The sharded mode (`dp_options::shard`) with a `torch::optim` optimizer: this rank's slice
+  /// of each of `params` (the module's parameters, in any grouping), as 1-D tensors over the
+  /// parameter's own memory. Build the optimizer, its parameter groups and scheduler over these,
+  /// then call `step(optimizer)` after each backward: each rank keeps the optimizer state of its
+  /// slices only, and the results are the unsharded run's for optimizers whose update of an
+  /// element reads only that element (SGD, Adam, AdamW, with momentum, weight decay, groups).
+  /// Throws `errc::invalid_argument` for a tensor that is not a parameter of this wrapper,
+  /// `errc::usage` without the option.
+  /// \code
+  /// ddp::torch_data_parallel dp{pg, *net, {}, {.shard = true}};
+  /// torch::optim::AdamW opt(dp.shard_of(net->parameters()), torch::optim::AdamWOptions(1e-3));
+  /// loss.backward();  // this rank's shard of the averaged gradients
+  /// dp.step(opt);     // opt steps this rank's slices, then every rank holds the whole update
+  /// \endcode
+  std::vector<torch::Tensor> shard_of(const std::vector<torch::Tensor>& params) const {
+    std::vector<torch::Tensor> out;
+    out.reserve(params.size());
+    for (const auto& p : params) out.push_back(shard_of(p));
+    return out;
+  }
+  torch::Tensor shard_of(const torch::Tensor& param) const {
+    if (!dp_.options().shard)
+      detail::raise(errc::usage, dp_.rank(),
+                    "shard_of() needs the sharded mode (dp_options::shard); without it build the optimizer over the "
+                    "module's parameters");
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      if (params_.tensor(i).unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return shard_views_[i];
+    detail::raise(errc::invalid_argument, dp_.rank(),
+                  "shard_of(): a tensor of shape " + shape_text(param) +
+                      " that is not a trained parameter of this wrapper (a frozen parameter, a buffer, or another "
+                      "module's)");
+  }
+
+  /// The sharded mode's step with a `torch::optim` optimizer built over `shard_of(...)`: sets
+  /// each slice's `.grad()` to this rank's shard of the averaged gradient (for a parameter no
+  /// rank used, with `find_unused_parameters`, the slice of the gradient it kept, or none, as
+  /// the unsharded wrapper leaves it), runs `opt.step()` and all-gathers the updated parameters into the module,
+  /// then zeroes the module's own gradients (this rank's local ones, now spent), so the next
+  /// backward starts afresh whether or not the user's loop calls `opt.zero_grad()`.
+  /// Collective, once per synchronized backward. `errc::usage` when the optimizer holds a
+  /// tensor that is not a slice of this wrapper (the module's own parameter would be stepped
+  /// with this rank's local gradient), and as `basic_data_parallel::step(update)`.
+  void step(torch::optim::Optimizer& opt) {
+    if (!dp_.options().shard)
+      detail::raise(errc::usage, dp_.rank(),
+                    "step(optimizer) needs the sharded mode (dp_options::shard); without it call the optimizer's "
+                    "own step() after backward()");
+    for (const auto& group : opt.param_groups())
+      for (const auto& p : group.params())
+        if (!shard_impls_.contains(p.unsafeGetTensorImpl())) {
+          std::string what = "a tensor of shape " + shape_text(p) + " that is not a slice of this wrapper";
+          for (std::size_t i = 0; i < params_.size(); ++i)
+            if (params_.tensor(i).unsafeGetTensorImpl() == p.unsafeGetTensorImpl())
+              what = "parameter '" + params_.name(i) + "' itself, whose .grad() is this rank's local gradient";
+          detail::raise(errc::usage, dp_.rank(),
+                        "step(optimizer): the optimizer holds " + what +
+                            "; build it over dp.shard_of(parameters) in the sharded mode");
+        }
+    dp_.step([&] {
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        // A parameter no rank used keeps the gradient it had, as unsharded (settle_grad): the
+        // optimizer sees the slice of it (over its memory, not an autograd view, which an
+        // optimizer's zero_grad() could not detach), or none when it is None.
+        const auto& g = params_.tensor(i).grad();
+        if (dp_.options().find_unused_parameters && dp_.unused_on_every_rank(i))
+          shard_views_[i].mutable_grad() =
+              g.defined()
+                  ? torch::from_blob(static_cast<std::byte*>(g.data_ptr()) + shard_offset_[i] * g.element_size(),
+                                     {shard_views_[i].numel()}, g.options().requires_grad(false))
+                  : torch::Tensor();
+        else
+          shard_views_[i].mutable_grad() = shard_grads_[i];
+      }
+      opt.step();
+    });
+    // The module's gradients (this rank's local ones) are spent: zeroed, so that the next
+    // backward starts afresh, as the unsharded optimizer's zero_grad() makes it (the user's
+    // zero_grad() now clears the slices' gradients, not these).
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      if (const auto& g = params_.tensor(i).grad(); g.defined()) params_.tensor(i).mutable_grad().zero_();
+  }
 
   /// The `basic_data_parallel` underneath (statistics, plan, reducer).
   wrapper_type& wrapper() noexcept { return dp_; }
@@ -516,8 +616,19 @@ class basic_torch_data_parallel {
     hooks_.clear();
   }
 
+  static std::string shape_text(const torch::Tensor& t) {
+    std::string s = "[";
+    for (std::size_t d = 0; d < static_cast<std::size_t>(t.dim()); ++d)
+      s += (d ? ", " : "") + std::to_string(t.size(static_cast<std::int64_t>(d)));
+    return s + "]";
+  }
+
   torch_parameters params_;
   wrapper_type dp_;
+  std::vector<torch::Tensor> shard_views_;  // the sharded mode: this rank's slice of each parameter
+  std::vector<torch::Tensor> shard_grads_;  // and its averaged gradient shard
+  std::vector<std::int64_t> shard_offset_;  // where each slice starts in its parameter
+  std::unordered_set<const c10::TensorImpl*> shard_impls_;
   std::vector<torch::Tensor> grads_;  // the gradient tensor ddp reduces, per parameter
   std::vector<void*> data_;           // each parameter's storage at wrapping
   std::vector<registration> hooks_;

@@ -24,6 +24,21 @@
 namespace ddp {
 inline namespace v0 {
 
+/// This rank's slice of one parameter in the sharded mode (`data_parallel::shard_slices()`):
+/// elements `[offset, offset + count)` of parameter `param` lie in this rank's shard; `values`
+/// points at them in the engine's own tensor, `grads` at their average over the ranks after a
+/// synchronized `finish()` (both of the parameter's dtype). An engine's own optimizer steps a
+/// shard through views of these (the LibTorch adapter's `shard_of`). `count` is 0 for a
+/// parameter whose elements all lie in other ranks' shards.
+struct shard_slice {
+  std::size_t param = 0;
+  std::size_t offset = 0;
+  std::size_t count = 0;
+  void* values = nullptr;
+  const void* grads = nullptr;
+  dtype type = dtype::f32;
+};
+
 struct shard_layout {
   /// One bucket's shards.
   struct bucket {

@@ -172,6 +172,61 @@ class shard_ops {
                         std::to_string(k_) + " (pass the same optimizer every step)");
     }
     ++steps_;
+    gather_updated(wrapper_step, [&](std::size_t b) {
+      guarded_("step (the shard optimizer)", -1, [&] { step_pieces(opt, b, unused); });
+    });
+  }
+
+  /// The engine's own optimizer instead (`data_parallel::step(update)`): `update()` steps this
+  /// rank's slices (`slices()`) through the engine's views of them, then each bucket's updated
+  /// parameters are all-gathered. The optimizer's state is the engine's: ddp keeps none.
+  template <class Update>
+  void step_engine(Update& update, std::uint64_t wrapper_step) {
+    engine_ = true;
+    ++steps_;
+    guarded_("step (the engine's optimizer on this rank's shard)", -1, [&] { update(); });
+    gather_updated(wrapper_step, [](std::size_t) {});
+  }
+
+  /// Refuses a step of the other kind than the earlier ones (before anything of the step runs).
+  void check_kind(bool engine) const {
+    if (engine && (started_ || !loaded_state_.empty()))
+      detail::raise(errc::usage, pg_.rank(),
+                    "step(update): this wrapper's shards were stepped by a ddp optimizer (step(optimizer)) or given "
+                    "its state (load_sharded_state); use one kind of optimizer throughout");
+    if (!engine && engine_)
+      detail::raise(errc::usage, pg_.rank(),
+                    "step(optimizer): this wrapper's shards were stepped by the engine's optimizer (step(update)); use "
+                    "one kind of optimizer throughout");
+  }
+
+  /// Whether the engine's optimizer steps the shards (`step_engine` ran).
+  bool engine_steps() const noexcept { return engine_; }
+
+  /// This rank's slice of each parameter, in parameter order (a parameter lies in one bucket,
+  /// so in one piece of a rank's shard at most).
+  std::vector<shard_slice> slices() const {
+    std::vector<shard_slice> out(views_.size());
+    for (std::size_t i = 0; i < views_.size(); ++i) out[i] = {i, 0, 0, views_[i].data, nullptr, views_[i].type};
+    for (std::size_t b = 0; b < layout_.buckets.size(); ++b) {
+      const auto& L = layout_.buckets[b];
+      const std::size_t esz = dtype_size(L.type);
+      for (const auto& pc : L.pieces)
+        out[pc.param] = {pc.param,
+                         pc.param_offset,
+                         pc.count,
+                         static_cast<std::byte*>(views_[pc.param].data) + pc.param_offset * esz,
+                         static_cast<const std::byte*>(grad_shard(b)) + pc.shard_offset * esz,
+                         L.type};
+    }
+    return out;
+  }
+
+  /// Bucket by bucket, `before(b)` (the optimizer's work on bucket b), then this rank's slice of
+  /// it into the pooled buffer and its all-gather into the engine's tensors: one buffer, so
+  /// bucket b's optimizer runs on the engine's values while bucket b - 1 gathers.
+  template <class Before>
+  void gather_updated(std::uint64_t wrapper_step, const Before& before) {
     const auto patience = wait_patience(opts_, pg_);
     const std::size_t n = layout_.buckets.size();
     const auto gathered = [&](std::size_t b) {
@@ -180,9 +235,8 @@ class shard_ops {
       copy_gathered(b);
       memory_.unbind(b);
     };
-    // One buffer: bucket b's optimizer runs on the engine's values while bucket b - 1 gathers.
     for (std::size_t b = 0; b < n; ++b) {
-      guarded_("step (the shard optimizer)", -1, [&] { step_pieces(opt, b, unused); });
+      before(b);
       if (b > 0) gathered(b - 1);
       guarded_("step (the all-gather of the parameters)", -1, [&] { send(b, wrapper_step); });
     }
@@ -396,6 +450,7 @@ class shard_ops {
   std::size_t loaded_k_ = 0;
   std::size_t k_ = 0;
   bool started_ = false;
+  bool engine_ = false;  // the engine's optimizer steps the shards (step_engine)
   std::uint64_t steps_ = 0;
 };
 
