@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <span>
@@ -140,6 +141,16 @@ class basic_data_parallel {
       if (where != memory_kind::host && where != memory_kind::shared) memory_.leak();
       return;
     }
+    // Destroyed by an exception in the middle of a step, whose collectives the peers wait for
+    // and can no longer complete: they learn why before the reducer's transports close.
+    if (state_.is_open() && std::uncaught_exceptions() > 0) try {
+        errc code{};
+        std::string msg;
+        if (detail::latest_live_error(code, msg))
+          guarded_.fail_peers("left step " + std::to_string(step_) + " unfinished on its error (" +
+                              std::string(detail::errc_name(code)) + "): " + msg);
+      } catch (...) {  // no memory for the message: the transports close as they would
+      }
     // A collective that does not end may still write into a bucket: leaking it is the safe choice.
     if (!memory_.drain(pg_.timeout(), [this] { guarded_.abort_reducer(); })) {
       memory_.leak();

@@ -52,18 +52,21 @@ class step_guard {
   void operator()(const char* what, std::ptrdiff_t param, F&& body, bool tell_peers = true) {
     const auto i = static_cast<std::size_t>(param);
     failure_.guard(what, param, param >= 0 && i < names_.size() ? std::string_view(names_[i]) : "", step_, tell_peers,
-                   body, [this](const std::string& msg) noexcept {
-                     if constexpr (reducer_with_failable_transport<Reducer>)
-                       detail::exception_of([&] { red_.transport().fail(errc::aborted, msg); });  // tcp: to the peers
-                     if constexpr (requires {
-                                     { red_.abort(errc::aborted, msg) }
-                                     noexcept;
-                                   })
-                       red_.abort(errc::aborted, msg);  // the reducer carries the cause (auto_reducer's shm)
-                     else
-                       abort_reducer();
-                     pg_.abort(msg);
-                   });
+                   body, [this](const std::string& msg) noexcept { fail_peers(msg); });
+  }
+
+  /// Fails the reducer's transport and the group with `msg`, which the peers' errors quote.
+  void fail_peers(const std::string& msg) noexcept {
+    if constexpr (reducer_with_failable_transport<Reducer>)
+      detail::exception_of([&] { red_.transport().fail(errc::aborted, msg); });  // tcp: to the peers
+    if constexpr (requires {
+                    { red_.abort(errc::aborted, msg) }
+                    noexcept;
+                  })
+      red_.abort(errc::aborted, msg);  // the reducer carries the cause (auto_reducer's shm)
+    else
+      abort_reducer();
+    pg_.abort(msg);
   }
 
   void abort_reducer() noexcept {
