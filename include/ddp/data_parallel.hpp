@@ -237,7 +237,19 @@ class basic_data_parallel {
     if (sync) {
       contributors = opts_.uneven_inputs ? static_cast<int>(join_.wait_count("finish")) : pg_.size();
       const auto missing = state_.missing();
-      if (!missing.empty() && !opts_.find_unused_parameters) detail::raise_missing(pg_.rank(), missing, names_);
+      if (!missing.empty() && !opts_.find_unused_parameters) {
+        // The peers wait for this rank's buckets: should it not repair the step, their timeout
+        // quotes why.
+        try {
+          detail::raise_missing(pg_.rank(), missing, names_);
+        } catch (const error& e) {
+          pg_.note_error("step " + std::to_string(step_) + ": " + std::string(e.message()));
+          noted_error_ = true;
+          throw;
+        }
+      }
+      if (noted_error_) pg_.note_error({});  // repaired
+      noted_error_ = false;
       buckets_.launch_rest(missing);
       const auto& plan = memory_.plan();
       // Without the unused-parameter record, each bucket's hook runs as soon as its average is
@@ -600,6 +612,7 @@ class basic_data_parallel {
   std::unique_ptr<shard_type> shards_ =  // dp_options::shard only
       opts_.shard ? std::make_unique<shard_type>(pg_, opts_, views_, memory_, red_, guarded_, agree_) : nullptr;
   bool shard_fresh_ = false;  // a synchronized finish() since the last step()
+  bool noted_error_ = false;  // finish() left its error for the peers (process_group::note_error)
   shard_layout empty_layout_;
   detail::bucket_ops<Reducer, Allocator> buckets_{pg_,  opts_,    views_,    memory_, state_,
                                                   red_, guarded_, timeline_, step_,   shards_.get()};

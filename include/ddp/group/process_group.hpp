@@ -156,6 +156,11 @@ class process_group {
   /// with an error rather than re-form without a shard, or with every shard's state reset
   /// (docs/elastic.md, "Sharded"). The sharded wrapper calls it; so may an engine's own.
   void note_sharded_state() noexcept;
+  /// Leaves `e`'s message where a peer's timeout while waiting for this rank quotes it ("...
+  /// (its last error: ...)"): for an error that does not fail the group, a misuse this rank may
+  /// still repair (the wrapper's finish() with a parameter that never became ready). Empty
+  /// `text`: withdraws it. Best effort.
+  void note_error(const std::string& text) noexcept;
   /// True once note_sharded_state() was called on this group.
   bool has_sharded_state() const noexcept;
   /// True when the group was formed by an `elastic_group` from ranks that all hold the

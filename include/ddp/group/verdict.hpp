@@ -126,6 +126,31 @@ class failure_verdict {
     }
   }
 
+  /// Leaves `text` (empty: removes it) where the peers' timeouts quote it: this rank's error
+  /// that did not fail the group (a misuse the rank may still repair, such as finish() with a
+  /// parameter missing), so that a peer left waiting for this rank says why. Best effort.
+  void note_error(const std::string& text) noexcept {
+    if (!store_ || owner_.forked()) return;
+    try {
+      if (text.empty())
+        (void)store_->erase(note_key(rank_), store_budget());
+      else
+        store_->set(note_key(rank_), text, store_budget());
+    } catch (...) {
+    }
+  }
+  /// " (its last error: ...)" when rank `peer` left one (note_error), else "". Best effort.
+  std::string noted_error(int peer) noexcept {
+    if (!store_ || owner_.forked()) return {};
+    try {
+      const auto until = store_budget();
+      if (!store_->check(note_key(peer), until)) return {};
+      return " (its last error: " + store_->get(note_key(peer), until) + ")";
+    } catch (...) {
+      return {};
+    }
+  }
+
   /// What to report for an error met while connecting to peers (a peer that never connected,
   /// a connection refused or lost): the group's first failure when a rank recorded one; "rank 0
   /// is lost" when its store does not answer either (the peer that never connected may have
@@ -281,7 +306,8 @@ class failure_verdict {
       for (std::size_t i = 0; i + 1 < chain.size(); ++i) ring += (ring.empty() ? "" : ", ") + std::to_string(chain[i]);
       return "ranks " + ring + " wait for each other and none of them stopped (" + via + "): their calls do not match";
     }
-    return "rank " + std::to_string(chain.back()) + " stopped answering within the deadline (" + via + ")";
+    return "rank " + std::to_string(chain.back()) + " stopped answering within the deadline (" + via + ")" +
+           noted_error(chain.back());
   }
 
  private:
@@ -295,6 +321,8 @@ class failure_verdict {
   }
   /// The store key of rank `r`'s "waits for" record under `prefix`.
   static std::string waiting_key(const std::string& prefix, int r) { return prefix + "/waiting/" + std::to_string(r); }
+  /// The store key of rank `r`'s last error (note_error).
+  static std::string note_key(int r) { return "pg/note/" + std::to_string(r); }
 
   store_client* store_ = nullptr;
   int rank_ = 0;

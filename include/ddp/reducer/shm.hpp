@@ -860,7 +860,8 @@ class shm {
                                       ") died while this rank waited for it");
     raise_here(errc::timeout, std::string(what) + ": " + who(j) +
                                   " did not arrive before the deadline (waited for its step " + std::to_string(want) +
-                                  ", it is at " + std::to_string(b.counter.load()) + ")");
+                                  ", it is at " + std::to_string(b.counter.load()) + ")" +
+                                  ctx_.verdict().noted_error(members_[static_cast<std::size_t>(j)]));
   }
 
   /// Waits until rank j has sent `want` signals: poll, then sleep on its counter in slices.
@@ -1086,8 +1087,8 @@ class shm {
   detail::first_failure failure_;
   detail::owner_process owner_;           ///< a forked child's copy only unmaps
   std::chrono::milliseconds note_after_;  ///< a wait this long records whom it waits for
-  transport_context ctx_;                 ///< the group's verdict (the "waits for" records); the group stays open
-  group_watch watch_;                     ///< last: unregistered first, before what its call uses goes
+  mutable transport_context ctx_;  ///< the group's verdict ("waits for" records, notes: even a const check reads them)
+  group_watch watch_;              ///< last: unregistered first, before what its call uses goes
 };
 
 /// The engine of `ring<shm>` and `tree<shm>`: the reducer's group handle and one `ddp::shm`,

@@ -244,6 +244,9 @@ DDP_DECL bool process_group::aborted() const noexcept { return s_ && s_->aborted
 DDP_DECL void process_group::note_sharded_state() noexcept {
   if (s_) s_->sharded_state.store(true);
 }
+DDP_DECL void process_group::note_error(const std::string& text) noexcept {
+  if (s_ && !s_->owner.forked()) s_->verdict.note_error(text);
+}
 DDP_DECL bool process_group::has_sharded_state() const noexcept { return s_ && s_->sharded_state.load(); }
 DDP_DECL bool process_group::expects_equal_state() const noexcept { return s_ && s_->equal_state; }
 DDP_DECL void process_group::abort(const std::exception& e) noexcept {
