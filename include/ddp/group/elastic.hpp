@@ -46,8 +46,8 @@
 #include <ddp/detail/bytes.hpp>
 #include <ddp/detail/parked.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/detail/elastic_env.hpp>
 #include <ddp/group/detail/elastic_rules.hpp>
-#include <ddp/group/detail/group_state.hpp>
 #include <ddp/group/process_group.hpp>
 #include <ddp/group/store_client.hpp>
 #include <ddp/group/store_server.hpp>
@@ -89,12 +89,19 @@ struct elastic_options {
 /// or, when every member holds the state of the same step, only compares hashes of them:
 /// process_group::expects_equal_state), and rank 0's step count and registered state
 /// (`on_state`) reach every rank.
-class elastic_group {
+///
+/// `basic_elastic_group<Env>` runs it in the world `Env` gives (group/detail/elastic_env.hpp);
+/// `elastic_group` is the real one.
+template <class Env>
+class basic_elastic_group {
  public:
+  using group_type = typename Env::group;
+
   /// Joins the elastic group that `opts` names (its `elastic_min` / `elastic_max`, from
   /// `DDP_ELASTIC`; a non-elastic `opts` is a group of fixed size, min = max = world_size). The
   /// group forms in `start()`, after the callbacks are set.
-  explicit elastic_group(init_options opts, elastic_options eo = {}) : opts_(std::move(opts)), eo_(eo) {
+  explicit basic_elastic_group(init_options opts, elastic_options eo = {}, Env env = {})
+      : opts_(std::move(opts)), eo_(eo), env_(std::move(env)) {
     if (opts_.elastic_max == 0) opts_.elastic_min = opts_.elastic_max = opts_.world_size;
     if (auto why = opts_.validate(); !why.empty()) detail::raise(errc::invalid_argument, opts_.rank, why);
     detail::refuse_elastic_backend(opts_);
@@ -104,42 +111,24 @@ class elastic_group {
     if (eo_.reform_timeout.count() == 0)
       eo_.reform_timeout = std::max<std::chrono::milliseconds>(2 * opts_.heartbeat, std::chrono::seconds(2));
     job_ = opts_.job_id.empty() ? std::string("elastic") : opts_.job_id;
-    uid_ = make_uid();
-    const auto until = steady_clock::now() + opts_.timeout;
-    // With a secret every connection to the store and between ranks proves it (docs/security.md):
-    // a stranger can neither register, nor vote, nor mark a rank dead.
-    std::shared_ptr<const authenticator> auth;
-    if (!opts_.auth_token.empty()) auth = make_authenticator(opts_.auth_token, opts_.rank);
-    if (!opts_.external_store && opts_.rank == 0 && !joiner_by_env())
-      server_ = std::make_unique<store_server>(endpoint{opts_.master_addr, opts_.master_port}, 0, auth, store_limits{},
-                                               "pg/rank/", 0);
-    coord_ = std::make_unique<store_client>(opts_.master_addr, opts_.master_port, opts_.rank, until, auth,
-                                            opts_.external_store);
+    uid_ = env_.uid();
+    holds_ = env_.restarted() ? detail::elastic::holds_nothing : detail::elastic::holds_initial;
+    const auto until = env_.now() + opts_.timeout;
+    coord_ = env_.open_store(opts_, !opts_.external_store && opts_.rank == 0 && !env_.restarted(), until);
     if (coord_->compare_set("pg/rank/el." + uid_, "", "1", until) != "1")
       detail::raise(errc::protocol, opts_.rank, "elastic group: could not claim this process's seat in the store");
   }
-  elastic_group(const elastic_group&) = delete;
-  elastic_group& operator=(const elastic_group&) = delete;
-  ~elastic_group() {
-    if (pg_.s_) {
-      std::lock_guard lock(pg_.s_->found_mu);
-      pg_.s_->on_found_dead = nullptr;
-    }
-    pg_.close();
-    detail::drop_parked();
-    coord_.reset();
-    if (server_) {
-      // The launcher's rank 0 hosts the store: keep it up (bounded) while others still use it.
-      const auto until =
-          steady_clock::now() + std::min<std::chrono::milliseconds>(opts_.timeout, std::chrono::seconds(5));
-      while (server_->clients() > 0 && steady_clock::now() < until)
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+  basic_elastic_group(const basic_elastic_group&) = delete;
+  basic_elastic_group& operator=(const basic_elastic_group&) = delete;
+  ~basic_elastic_group() {
+    env_.close(pg_);
+    env_.drop_parked();
+    coord_.reset();  // a store this process hosts stays up (bounded) while others use it
   }
 
   /// Called on every rank each time a generation forms (the first one too), before the state
   /// transfer: build the wrappers and reducers on `pg` there (dropping the old ones first).
-  void on_form(std::function<void(process_group&)> fn) { on_form_ = std::move(fn); }
+  void on_form(std::function<void(group_type&)> fn) { on_form_ = std::move(fn); }
   /// The state a new member needs besides the parameters (optimizer state, sampler position,
   /// anything the program keeps): `save` runs on the new rank 0, `load` on every other rank.
   void on_state(std::function<std::string()> save, std::function<void(std::string_view)> load) {
@@ -157,10 +146,10 @@ class elastic_group {
   /// new member at its next step boundary. Returns false when the job finished before this
   /// process got a seat (a newcomer that came too late: it should exit normally).
   bool start() {
-    const auto until = steady_clock::now() + opts_.timeout;
+    const auto until = env_.now() + opts_.timeout;
     std::string gen;
     if (coord_->check("el/gen", until)) gen = coord_->get("el/gen", until);
-    if (gen.empty() && !joiner_by_env()) {
+    if (gen.empty() && !env_.restarted()) {
       // The first generation: the launcher's ranks, in their order.
       round_ = 0;
       prev_size_ = opts_.world_size;
@@ -173,7 +162,7 @@ class elastic_group {
     return form(joiner_prio, /*member=*/false, opts_.timeout, "joined");
   }
 
-  process_group& group() noexcept { return pg_; }
+  group_type& group() noexcept { return pg_; }
   int rank() const noexcept { return pg_.rank(); }
   int size() const noexcept { return pg_.size(); }
   /// The current generation (0 for the first; each re-formation takes the next number).
@@ -194,7 +183,7 @@ class elastic_group {
   /// is below its maximum, the group re-forms with them right after `apply`.
   void commit(const std::function<void()>& apply) {
     auto& st = *coord_;
-    const auto until = steady_clock::now() + opts_.timeout;
+    const auto until = env_.now() + opts_.timeout;
     const std::string base = step_key(gen_, step_);
     const int n = pg_.size();
     std::string d;
@@ -211,13 +200,25 @@ class elastic_group {
       // while the store still names an older live generation.
       sv.sharded = pg_.has_sharded_state();
       if (!live_said_) {
-        st.set("el/live", detail::elastic::encode(detail::elastic::live_mark{gen_, step_ + 1, sv.sharded}), until);
+        say_live(sv.sharded, until);
         live_said_ = true;
       }
-      d = st.compare_set(base + "d", "", rules::name(rules::decide_step(sv)), until);
+      const auto proposal = rules::name(rules::decide_step(sv));
+      d = st.compare_set(base + "d", "", proposal, until);
+      // A rank stopped (SIGSTOP) before its vote may thaw, vote last, and decide a step that the
+      // group dropped long ago and whose keys it has swept since, its decision making the key
+      // afresh. The sweep marks a generation before its keys go, so a decision made after the
+      // sweep sees the mark (one request, on the deciding rank only).
+      if (d == proposal && d != "abort")
+        if (const auto sw = st.try_get("el/swept_steps", std::chrono::milliseconds(0), until);
+            sw && std::stoi(*sw) >= gen_)
+          detail::raise(errc::aborted, pg_.rank(),
+                        "elastic: step " + std::to_string(step_) +
+                            " dropped: this rank was stopped while the group went on without generation " +
+                            std::to_string(gen_));
       // A newcomer waiting for a seat sees the job alive: noted once a second at most, off the
       // per-step path.
-      if (const auto now = steady_clock::now(); now - progress_noted_ >= std::chrono::seconds(1)) {
+      if (const auto now = env_.now(); now - progress_noted_ >= std::chrono::seconds(1)) {
         st.set("el/step", std::to_string(step_ + 1), until);
         progress_noted_ = now;
       }
@@ -231,15 +232,15 @@ class elastic_group {
         d = std::move(*got);
         break;
       }
-      if (steady_clock::now() >= until)
+      if (env_.now() >= until)
         detail::raise(errc::timeout, pg_.rank(), "elastic: step " + std::to_string(step_) + " was never decided");
-      sv.group_failed = group_failed();
+      sv.group_failed = env_.failed(pg_);
       if (rules::decide_step(sv) == rules::step_outcome::abort) d = st.compare_set(base + "d", "", "abort", until);
     }
     if (d == "abort")
       detail::raise(errc::aborted, pg_.rank(),
                     "elastic: step " + std::to_string(step_) + " dropped on every rank: the group of generation " +
-                        std::to_string(gen_) + " failed (" + failure_text() + ")");
+                        std::to_string(gen_) + " failed (" + env_.failure_text(pg_) + ")");
     ++step_;
     // An apply that throws (a collective inside it failed, say) leaves this rank's state torn
     // between two steps: it is no source of the state from now on (a newcomer's standing).
@@ -261,17 +262,18 @@ class elastic_group {
   /// or cut off while the others went on): the process should then end normally.
   bool recover(const std::exception& e) {
     const auto* de = dynamic_cast<const error*>(&e);
-    if (de == nullptr || !group_lost(de->condition()) || !pg_.s_) std::rethrow_exception(std::current_exception());
+    if (de == nullptr || !group_lost(de->condition()) || !env_.exists(pg_))
+      std::rethrow_exception(std::current_exception());
     const int old_rank = pg_.rank();
     // Wake every peer still blocked on this rank, say whom this rank's heartbeat found dead (the
     // next round need not wait for it), and drop the step in flight for all.
-    pg_.s_->fail_all(pg_.s_->verdict.as_recorded(de->condition(), detail::message_of(e)));
-    const auto until = steady_clock::now() + opts_.timeout;
+    env_.fail_all(pg_, de->condition(), detail::message_of(e), true);
+    const auto until = env_.now() + opts_.timeout;
     const int current = current_gen(until);
     if (detail::elastic::stale(gen_, current)) {
       // Frozen (or cut off) while the group re-formed without it: its generation's keys may be
       // swept, and its state is behind. It comes back as a newcomer of the group as it is now.
-      leave_heartbeat();
+      env_.leave_heartbeat(pg_);
       if (eo_.verbose)
         std::fprintf(stderr,
                      "[ddp.elastic] rank %d of generation %d: generation %d formed without it; it joins "
@@ -291,7 +293,7 @@ class elastic_group {
   /// Says that the job is done: a newcomer that arrives later leaves (start() returns false).
   void finish() {
     try {
-      coord_->set("el/done", "1", steady_clock::now() + opts_.timeout);
+      coord_->set("el/done", "1", env_.now() + opts_.timeout);
     } catch (const error&) {
     }
   }
@@ -299,17 +301,6 @@ class elastic_group {
  private:
   static constexpr std::int64_t joiner_prio = detail::elastic::newcomer_place;
 
-  static std::string make_uid() {
-    char host[64] = {};
-    (void)::gethostname(host, sizeof host - 1);
-    std::random_device rd;
-    return std::string(host) + "." + std::to_string(::getpid()) + "." + std::to_string(rd());
-  }
-  /// A process that ddprun restarted (DDP_RESTART_COUNT > 0) joins a running job.
-  static bool joiner_by_env() {
-    const char* r = std::getenv("DDP_RESTART_COUNT");
-    return r != nullptr && std::atoi(r) > 0;
-  }
   /// A newcomer's signature against the group's: errc::mismatch naming where they part.
   void check_signature(deadline_t until) {
     if (!coord_->check("el/signature", until)) return;
@@ -335,37 +326,35 @@ class elastic_group {
   }
   static std::string ns(int g) { return "el" + std::to_string(g) + "/"; }
 
-  bool group_failed() {
-    if (!pg_.s_) return true;
-    if (pg_.s_->failed.load() || pg_.s_->aborted.load()) return true;
-    return pg_.s_->verdict.recorded();
-  }
-  std::string failure_text() {
-    if (!pg_.s_) return "no group";
-    const auto f = pg_.s_->verdict.first();
-    return f.empty() ? std::string("a rank failed") : f.text;
-  }
-
   /// Failures of the group as a whole (a rank lost, silent, or the group aborted), after which
   /// the next round forms: anything else is the program's or a newcomer's own error.
   static bool group_lost(errc c) { return c == errc::peer_lost || c == errc::timeout || c == errc::aborted; }
 
-  /// Stops this rank's heartbeat in the current group: a goodbye (this rank is leaving, not
-  /// dead), and the predecessor's word (its goodbye or its death) before it goes.
-  void leave_heartbeat() {
-    if (!pg_.s_ || !pg_.s_->heartbeat) return;
-    pg_.s_->heartbeat->leave(detail::timing::elastic_leave_wait);
-    pg_.s_->heartbeat.reset();
-  }
-
   /// Leaves the current generation and forms the next with `prio` (this rank's place). False
   /// when the job finished meanwhile.
   bool reform(int prio, const std::string& why) {
-    leave_heartbeat();
+    env_.leave_heartbeat(pg_);
     prev_size_ = pg_.size();
     prev_gen_ = gen_;
     round_ = gen_ + 1;
     return form(prio, /*member=*/true, opts_.timeout, why);
+  }
+
+  /// Marks this generation live (its first committed step), never over a later one: a rank that
+  /// stopped before its generation's first decision and thawed after a later generation went
+  /// live finds its step dropped instead.
+  void say_live(bool sharded, deadline_t until) {
+    auto& st = *coord_;
+    const auto mine = detail::elastic::encode(detail::elastic::live_mark{gen_, step_ + 1, sharded});
+    for (;;) {
+      const auto now_live = st.try_get("el/live", std::chrono::milliseconds(0), until);
+      const auto mark = now_live ? detail::elastic::decode_live(*now_live) : std::nullopt;
+      if (mark && mark->gen > gen_)
+        detail::raise(errc::aborted, pg_.rank(),
+                      "elastic: step " + std::to_string(step_) + " dropped: generation " + std::to_string(mark->gen) +
+                          " went live while this rank of generation " + std::to_string(gen_) + " was stopped");
+      if (st.compare_set("el/live", now_live.value_or(""), mine, until) == mine) return;
+    }
   }
 
   /// Registers in round `round_` and waits for it to close; then joins its group. A member of
@@ -375,12 +364,12 @@ class elastic_group {
   bool form(std::int64_t prio, bool member, std::chrono::milliseconds wait_for, std::string why) {
     namespace rules = detail::elastic;
     auto& st = *coord_;
-    const auto t0 = steady_clock::now();
+    const auto t0 = env_.now();
     auto until = t0 + std::max(wait_for, opts_.timeout);
     std::string progress;  // a newcomer waits for as long as the job commits steps
-    auto seen_progress = steady_clock::now();
+    auto seen_progress = env_.now();
     for (;;) {
-      if (steady_clock::now() >= until)
+      if (env_.now() >= until)
         detail::raise(errc::timeout, opts_.rank,
                       "elastic: no generation formed within " +
                           std::to_string(std::max(wait_for, opts_.timeout).count()) + " ms (round " +
@@ -389,6 +378,7 @@ class elastic_group {
       // state, or none, and registers as a newcomer of the round after the newest generation.
       if (const int current = current_gen(until); current >= round_) {
         round_ = current + 1;
+        if (member) seen_progress = env_.now();  // a newcomer from now: its patience starts now
         member = false;
         prio = joiner_prio;
       }
@@ -397,11 +387,12 @@ class elastic_group {
       rules::registrant me{.idx = idx, .place = prio, .uid = uid_, .holds = holds_, .step = step_};
       st.set(rk + "m/" + std::to_string(idx), rules::encode(me), until);
       if (member && prio < prev_size_) st.set(rk + "old/" + std::to_string(prio), "1", until);
-      const auto opened = steady_clock::now();
+      const auto opened = env_.now();
       // Each round a rank may close gets the whole timeout: its decision (lost, when no source
       // came) is due by then, before this loop's own deadline.
-      if (member)
-        until = std::max(until, opened + std::max(wait_for, opts_.timeout) + 4 * detail::timing::elastic_poll);
+      // A newcomer's requests outlive its seat decision's timeout (idle for a whole timeout).
+      until = std::max(until, (member ? opened : seen_progress) + std::max(wait_for, opts_.timeout) +
+                                  4 * detail::timing::elastic_poll);
       std::optional<rules::round_decision> closed;
       rules::round_view view;
       view.round = round_;
@@ -410,11 +401,9 @@ class elastic_group {
       // the members to come closes the round then, without a poll's wait.
       auto wait_closed = member ? std::chrono::milliseconds(0) : detail::timing::elastic_poll;
       for (;;) {
-        if (steady_clock::now() + detail::timing::elastic_poll >= until)
-          detail::raise(
-              errc::timeout, opts_.rank,
-              "elastic: round " + std::to_string(round_) + " never closed" +
-                  (member ? std::string() : " (this newcomer waited for a seat while the group committed no step)"));
+        // A newcomer's wait ends by its seat decision below (a timeout there says why).
+        if (member && env_.now() + detail::timing::elastic_poll >= until)
+          detail::raise(errc::timeout, opts_.rank, "elastic: round " + std::to_string(round_) + " never closed");
         const auto waited = std::exchange(wait_closed, detail::timing::elastic_poll);
         if (st.wait({rk + "closed"}, waited, until).empty()) {
           const auto text = st.get(rk + "closed", until);
@@ -431,17 +420,23 @@ class elastic_group {
           sv.done = st.check("el/done", until);
           std::string now_at;
           if (!sv.done) {
+            // Progress: a step committed, or a generation formed (a group re-forming is alive).
             if (st.check("el/step", until)) now_at = st.get("el/step", until);
+            const int current = current_gen(until);
+            now_at += ":" + std::to_string(current);
             sv.progress = now_at != progress;
             if (sv.progress) {
               progress = now_at;
-              seen_progress = steady_clock::now();
-              until = steady_clock::now() + std::max(wait_for, opts_.timeout);
-              sv.current = current_gen(until);
+              seen_progress = env_.now();
+              until = env_.now() + std::max(wait_for, opts_.timeout) + 4 * detail::timing::elastic_poll;
+              sv.current = current;
               sv.round_closed = st.check(rk + "closed", until);
             }
           }
-          sv.idle = std::chrono::duration_cast<std::chrono::milliseconds>(steady_clock::now() - seen_progress);
+          sv.idle = std::chrono::duration_cast<std::chrono::milliseconds>(env_.now() - seen_progress);
+          if (sv.idle >= std::max(wait_for, opts_.timeout))
+            if (const auto live = st.try_get("el/live", std::chrono::milliseconds(0), until))
+              if (const auto m = rules::decode_live(*live)) sv.live = *m;
           const auto seat = rules::decide_seat(sv, std::max(wait_for, opts_.timeout));
           if (seat.what == rules::seat_decision::leave) return false;
           if (seat.what == rules::seat_decision::timeout)
@@ -454,7 +449,7 @@ class elastic_group {
         }
         if (st.check("el/done", until)) return false;
         gather(view, rk, until);
-        view.open_for = std::chrono::duration_cast<std::chrono::milliseconds>(steady_clock::now() - opened);
+        view.open_for = std::chrono::duration_cast<std::chrono::milliseconds>(env_.now() - opened);
         const auto d = rules::decide_round(view, round_rules(wait_for));
         if (d.what == rules::round_decision::wait) continue;
         const auto text = st.compare_set(rk + "closed", "", rules::encode(d), until);
@@ -471,6 +466,7 @@ class elastic_group {
       if (at == closed->members.end()) {
         // Not taken in (it came after the round closed): a newcomer of the next one.
         ++round_;
+        if (member) seen_progress = env_.now();  // a newcomer from now: its patience starts now
         member = false;
         prio = joiner_prio;
         continue;
@@ -491,15 +487,19 @@ class elastic_group {
         // members form the next round without it. What each process holds is unchanged: a
         // newcomer that took part holds nothing still (its state transfer did not finish).
         if (!group_lost(e.condition()) && (e.condition() != errc::mismatch || !proven_)) throw;
-        if (pg_.s_) pg_.s_->fail_all({e.condition(), detail::message_of(e)});
+        env_.fail_all(pg_, e.condition(), detail::message_of(e), false);
         if (gen_ == round_) note_dead(round_);
-        leave_heartbeat();
+        env_.leave_heartbeat(pg_);
         prev_size_ = world;
         prev_gen_ = round_;
         prio = new_rank;
         member = true;
         ++round_;
         why = detail::message_of(e);  // the next formation's own cause
+        // The formation failed by a loss, not for lack of time: the next round gets its own
+        // (a first generation that waited its whole first_wait for a missing rank, then lost
+        // one while joining, must still form without it).
+        until = std::max(until, env_.now() + std::max(wait_for, opts_.timeout));
       }
     }
   }
@@ -528,11 +528,16 @@ class elastic_group {
     // and a round never closes as "every rank back" without one of them.
     gather_back(v, rk, until);
     const auto n = st.add(rk + "n", 0, until);
-    for (auto i = static_cast<std::int64_t>(v.registered.size()) + 1; i <= n; ++i) {
-      // A process that died between its count and its record never writes it: it is left out,
-      // and those after it wait for the next look.
+    std::vector<bool> read(static_cast<std::size_t>(std::max<std::int64_t>(n, 0)) + 1, false);
+    for (const auto& r : v.registered)
+      if (r.idx >= 1 && r.idx <= n) read[static_cast<std::size_t>(r.idx)] = true;
+    for (std::int64_t i = 1; i <= n; ++i) {
+      if (read[static_cast<std::size_t>(i)]) continue;
+      // A process that died (or stopped) between its count and its record leaves a hole: it is
+      // passed over, never the registrations after it (a rank holding the state among them).
+      // One that writes its record after the round closed is a late registrant, as any other.
       const auto rec = st.try_get(rk + "m/" + std::to_string(i), std::chrono::milliseconds(0), until);
-      if (!rec) break;
+      if (!rec) continue;
       auto r = rules::decode_registrant(i, *rec);
       if (!r) detail::raise(errc::protocol, opts_.rank, "elastic: a malformed registration '" + *rec + "' in " + rk);
       v.registered.push_back(std::move(*r));
@@ -569,11 +574,10 @@ class elastic_group {
   /// Writes el<g>/hb/dead/<rank> for the rank this rank's heartbeat found frozen or dead in
   /// generation `g` (the current group), if it found one.
   void note_dead(int g) {
-    if (!pg_.s_) return;
-    if (const int dead = pg_.s_->found_dead.load(); dead >= 0) mark_dead(g, dead, opts_.timeout);
+    if (const int dead = env_.found_dead(pg_); dead >= 0) mark_dead(g, dead, opts_.timeout);
   }
   void mark_dead(int g, int dead, std::chrono::milliseconds budget) {
-    coord_->set(ns(g) + "hb/dead/" + std::to_string(dead), "1", steady_clock::now() + budget);
+    coord_->set(ns(g) + "hb/dead/" + std::to_string(dead), "1", env_.now() + budget);
   }
   /// Joins generation round_ as `rank` of `world`, rebuilds the program's wrappers, hands out
   /// rank 0's state. `equal_state`: every member holds the live state as of one step (the
@@ -588,27 +592,22 @@ class elastic_group {
     o.external_store = true;  // the store outlives every generation
     o.job_id = job_ + "+el." + std::to_string(round_);
     o.rendezvous_timeout = eo_.reform_timeout;
-    pg_.close();
-    pg_ = init_process_group(o);
-    pg_.s_->equal_state = equal_state;
-    pg_.s_->elastic = true;
+    env_.close(pg_);
+    pg_ = env_.form(o, equal_state);
     gen_ = round_;
-    {
-      // The rank this generation's heartbeat finds dead is said in the store at once, from the
-      // heartbeat's thread, so that the next round need not wait for this rank's recover().
-      std::lock_guard lock(pg_.s_->found_mu);
-      pg_.s_->on_found_dead = [this, g = gen_](int dead) { mark_dead(g, dead, opts_.heartbeat); };
-      if (pg_.s_->found_dead.load() >= 0) note_dead(gen_);
-    }
-    coord_->set("el/gen", std::to_string(gen_), steady_clock::now() + opts_.timeout);
+    // The rank this generation's heartbeat finds dead is said in the store at once, from the
+    // heartbeat's thread, so that the next round need not wait for this rank's recover().
+    env_.on_found_dead(pg_, [this, g = gen_](int dead) { mark_dead(g, dead, opts_.heartbeat); });
+    if (env_.found_dead(pg_) >= 0) note_dead(gen_);
+    coord_->set("el/gen", std::to_string(gen_), env_.now() + opts_.timeout);
     if (!signature_.empty() && gen_ == 0 && rank == 0)
-      coord_->set("el/signature", signature_, steady_clock::now() + opts_.timeout);
+      coord_->set("el/signature", signature_, env_.now() + opts_.timeout);
     if (rank == 0 && eo_.verbose)
       std::fprintf(stderr, "[ddp.elastic] generation %d: %d ranks (%s)%s\n", gen_, world, why.c_str(),
                    equal_state ? "; every rank holds the state of the same step" : "");
     if (on_form_) on_form_(pg_);
     // What the last generation's transports left for this one and nobody took (detail/parked.hpp).
-    detail::drop_parked();
+    env_.drop_parked();
     proven_ = true;  // this process's wrappers matched a generation's
     // Rank 0's counts (steps, failures, the sizes so far) and the program's state reach every
     // rank.
@@ -656,7 +655,7 @@ class elastic_group {
   /// next step too.
   void sweep() {
     auto& st = *coord_;
-    const auto until = steady_clock::now() + opts_.timeout;
+    const auto until = env_.now() + opts_.timeout;
     try {
       int from = 0, steps_from = 0;
       if (st.check("el/swept", until)) from = std::stoi(st.get("el/swept", until)) + 1;
@@ -670,8 +669,9 @@ class elastic_group {
       const auto mark = live ? detail::elastic::decode_live(*live) : std::nullopt;
       const int live_gen = mark ? mark->gen : -1;
       for (int g = steps_from; g < std::min(live_gen, gen_ - 1); ++g) {
-        (void)st.erase_prefix(steps_key(g), until);
+        // Said before the keys go: a rank of g that decides a step after it finds the mark.
         st.set("el/swept_steps", std::to_string(g), until);
+        (void)st.erase_prefix(steps_key(g), until);
       }
     } catch (const std::exception&) {
     }
@@ -679,13 +679,13 @@ class elastic_group {
 
   init_options opts_;
   elastic_options eo_;
+  Env env_;
   std::string job_;
   std::string uid_;
   std::string signature_;
-  std::unique_ptr<store_server> server_;
-  std::unique_ptr<store_client> coord_;
-  process_group pg_{nullptr};
-  std::function<void(process_group&)> on_form_;
+  std::unique_ptr<typename Env::store> coord_;
+  group_type pg_ = Env::no_group();
+  std::function<void(group_type&)> on_form_;
   std::function<std::string()> save_;
   std::function<void(std::string_view)> load_;
   int gen_ = -1;
@@ -693,16 +693,18 @@ class elastic_group {
   int round_ = 0;
   int prev_size_ = 0;
   int failures_ = 0;
-  steady_clock::time_point progress_noted_{};  // when this rank last wrote el/step
-  bool proven_ = false;
+  deadline_t progress_noted_{};  // when this rank last wrote el/step
+  bool proven_ = false;          // a generation's wrappers were built here (a mismatch since is a newcomer's)
   /// The state this process holds (detail::elastic::holds_*, or the generation it joined): only
   /// a holder of the live generation's state may be a new generation's rank 0.
-  int holds_ = joiner_by_env() ? detail::elastic::holds_nothing : detail::elastic::holds_initial;
-  bool live_said_ = false;  // this generation's first committed step was said in the store  // a generation's wrappers
-                            // were built here (a mismatch since is a newcomer's)
+  int holds_ = detail::elastic::holds_initial;
+  bool live_said_ = false;  // this generation's first committed step was said in the store
   std::uint64_t step_ = 0;
   std::vector<int> sizes_;
 };
+
+/// The elastic group of real processes (group/detail/elastic_env.hpp).
+using elastic_group = basic_elastic_group<detail::elastic_env>;
 
 }  // namespace v0
 }  // namespace ddp

@@ -331,6 +331,7 @@ struct seat_view {
   bool round_closed = false;
   bool progress = false;              ///< the group committed steps since this process last looked
   std::chrono::milliseconds idle{0};  ///< since it last saw progress
+  live_mark live;                     ///< the live generation ("el/live"), read once it idled a timeout
 };
 struct seat_decision {
   enum kind { wait, leave, move, timeout } what = wait;
@@ -348,8 +349,15 @@ inline seat_decision decide_seat(const seat_view& v, std::chrono::milliseconds t
     d.round = v.current + 1;
     d.why = "generation " + std::to_string(v.current) + " formed without it";
   } else if (!v.progress && v.idle >= timeout) {
+    // Nothing for a whole timeout: no step committed, no generation took it in. The ranks
+    // holding the state would have done one or the other: they are gone (all at once, with no
+    // survivor to say so), or stopped.
     d.what = seat_decision::timeout;
-    d.why = "waited " + std::to_string(v.idle.count()) + " ms for a seat while the group committed no step";
+    d.why = "waited " + std::to_string(v.idle.count()) +
+            " ms for a seat while the group committed no step: " + std::string(state_lost_words) + " of step " +
+            std::to_string(v.live.step) +
+            (v.live.gen >= 0 ? " (generation " + std::to_string(v.live.gen) + ")" : std::string()) +
+            " left or stopped, and no survivor is there to take newcomers in";
   }
   return d;
 }

@@ -1,0 +1,151 @@
+#pragma once
+#include <ddp/detail/private_check.hpp>  // a private header: include a public one of ddp
+// IWYU pragma: private
+// What `ddp::basic_elastic_group` asks of the world, and the real world's answer: the store it
+// coordinates through (the launcher's, or one this process hosts), the groups it forms (real
+// process groups over sockets and shared memory), the clock, and who this process is. The
+// group touches nothing else of the world: a simulation gives it another environment (in-process
+// store, simulated groups, fake time; tests/unit/test_elastic_sim.cpp) and runs the same code.
+//
+// An environment `Env` provides:
+//   Env::store          set/get/check/add/compare_set/try_get/wait/erase_prefix as store_client's
+//   Env::group          rank(), size(), has_sharded_state(), broadcast(span<u64>|span<byte>, 0)
+//   open_store(opts, host, until)   the coordination store (host: serve it here, this is rank 0)
+//   no_group()          an empty group;  exists(g): whether g is one
+//   form(opts, equal_state)         joins a generation's group (init_process_group)
+//   close(g), leave_heartbeat(g), failed(g), failure_text(g), fail_all(g, code, text),
+//   found_dead(g), on_found_dead(g, fn)
+//   now(), restarted(), uid(), drop_parked()
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include <ddp/auth.hpp>
+#include <ddp/clock.hpp>
+#include <ddp/detail/parked.hpp>
+#include <ddp/error.hpp>
+#include <ddp/group/detail/group_state.hpp>
+#include <ddp/group/process_group.hpp>
+#include <ddp/group/store_client.hpp>
+#include <ddp/group/store_server.hpp>
+
+namespace ddp {
+inline namespace v0 {
+namespace detail {
+
+/// The real world: the group's store over TCP, process groups, the steady clock.
+struct elastic_env {
+  using group = process_group;
+
+  /// The store this process hosts, if any: kept up (bounded) while others still use it when it
+  /// closes, after the process's own connection (a base of `store` declared before the client,
+  /// so destroyed after it).
+  struct hosted {
+    std::unique_ptr<store_server> server;
+    std::chrono::milliseconds linger{0};
+    hosted(std::unique_ptr<store_server> s, std::chrono::milliseconds l) : server(std::move(s)), linger(l) {}
+    hosted(const hosted&) = delete;
+    hosted& operator=(const hosted&) = delete;
+    ~hosted() {
+      if (!server) return;
+      const auto until = steady_clock::now() + linger;
+      while (server->clients() > 0 && steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  };
+
+  /// The coordination store: a client of the launcher's store, or of the one this process
+  /// hosts (the launcher's rank 0 without a launcher's store).
+  class store : private hosted, public store_client {
+   public:
+    store(std::unique_ptr<store_server> server, const init_options& o, std::shared_ptr<const authenticator> auth,
+          deadline_t until)
+        : hosted(std::move(server), std::min<std::chrono::milliseconds>(o.timeout, std::chrono::seconds(5))),
+          store_client(o.master_addr, o.master_port, o.rank, until, std::move(auth), o.external_store) {}
+  };
+
+  std::unique_ptr<store> open_store(const init_options& o, bool host, deadline_t until) {
+    // With a secret every connection to the store and between ranks proves it (docs/security.md):
+    // a stranger can neither register, nor vote, nor mark a rank dead.
+    std::shared_ptr<const authenticator> auth;
+    if (!o.auth_token.empty()) auth = make_authenticator(o.auth_token, o.rank);
+    std::unique_ptr<store_server> server;
+    if (host)
+      server = std::make_unique<store_server>(::ddp::endpoint{o.master_addr, o.master_port}, 0, auth, store_limits{},
+                                              "pg/rank/", 0);
+    return std::make_unique<store>(std::move(server), o, auth, until);
+  }
+
+  static group no_group() { return group(nullptr); }
+  static bool exists(const group& g) noexcept { return g.s_ != nullptr; }
+  static group form(const init_options& o, bool equal_state) {
+    auto g = init_process_group(o);
+    g.s_->equal_state = equal_state;
+    g.s_->elastic = true;
+    return g;
+  }
+  static void close(group& g) {
+    if (g.s_) {
+      std::lock_guard lock(g.s_->found_mu);
+      g.s_->on_found_dead = nullptr;
+    }
+    g.close();
+  }
+  /// Stops this rank's heartbeat in `g`: a goodbye (this rank is leaving, not dead), and the
+  /// predecessor's word (its goodbye or its death) before it goes.
+  static void leave_heartbeat(group& g) {
+    if (!g.s_ || !g.s_->heartbeat) return;
+    g.s_->heartbeat->leave(timing::elastic_leave_wait);
+    g.s_->heartbeat.reset();
+  }
+  static bool failed(group& g) {
+    if (!g.s_) return true;
+    if (g.s_->failed.load() || g.s_->aborted.load()) return true;
+    return g.s_->verdict.recorded();
+  }
+  static std::string failure_text(group& g) {
+    if (!g.s_) return "no group";
+    const auto f = g.s_->verdict.first();
+    return f.empty() ? std::string("a rank failed") : f.text;
+  }
+  /// Wakes every peer still blocked on this rank with `text` (as the group records it when
+  /// `as_recorded`: a relayed verdict keeps its origin).
+  static void fail_all(group& g, errc code, const std::string& text, bool as_recorded) {
+    if (!g.s_) return;
+    g.s_->fail_all(as_recorded ? g.s_->verdict.as_recorded(code, text) : group_failure{code, text});
+  }
+  /// The rank this rank's heartbeat found frozen or dead in `g`, or -1.
+  static int found_dead(const group& g) noexcept { return g.s_ ? g.s_->found_dead.load() : -1; }
+  /// `fn` is told (on the heartbeat's thread) the rank the heartbeat finds frozen or dead.
+  static void on_found_dead(group& g, std::function<void(int)> fn) {
+    std::lock_guard lock(g.s_->found_mu);
+    g.s_->on_found_dead = std::move(fn);
+  }
+
+  static deadline_t now() noexcept { return steady_clock::now(); }
+  /// A process that ddprun restarted (DDP_RESTART_COUNT > 0) joins a running job.
+  static bool restarted() {
+    const char* r = std::getenv("DDP_RESTART_COUNT");
+    return r != nullptr && std::atoi(r) > 0;
+  }
+  static std::string uid() {
+    char host[64] = {};
+    (void)::gethostname(host, sizeof host - 1);
+    std::random_device rd;
+    return std::string(host) + "." + std::to_string(::getpid()) + "." + std::to_string(rd());
+  }
+  static void drop_parked() { detail::drop_parked(); }
+};
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace ddp
