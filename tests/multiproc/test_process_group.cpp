@@ -272,7 +272,7 @@ TEST_CASE("rank 0 freezes after another rank claimed its place: that rank names 
         (void)ddp::init_process_group(opts(r, 3, port, 2s));  // rank 2 never starts
         if (freezer.joinable()) freezer.join();
       },
-      8s);
+      6s);
   INFO(ddp_test::summary(outs));
   REQUIRE(outs.size() == 2);
   CHECK(outs[0].timed_out);  // frozen until the harness killed it
