@@ -240,13 +240,9 @@ class basic_data_parallel {
       if (!missing.empty() && !opts_.find_unused_parameters) {
         // The peers wait for this rank's buckets: should it not repair the step, their timeout
         // quotes why.
-        try {
-          detail::raise_missing(pg_.rank(), missing, names_);
-        } catch (const error& e) {
-          pg_.note_error("step " + std::to_string(step_) + ": " + std::string(e.message()));
-          noted_error_ = true;
-          throw;
-        }
+        pg_.note_error("step " + std::to_string(step_) + ": " + detail::missing_text(missing, names_));
+        noted_error_ = true;
+        detail::raise_missing(pg_.rank(), missing, names_);
       }
       if (noted_error_) pg_.note_error({});  // repaired
       noted_error_ = false;

@@ -372,10 +372,9 @@ class basic_torch_data_parallel {
       detail::raise(errc::usage, dp_.rank(),
                     "shard_of() needs the sharded mode (dp_options::shard); without it build the optimizer over the "
                     "module's parameters");
-    for (std::size_t i = 0; i < params_.size(); ++i)
-      if (params_.tensor(i).unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return shard_views_[i];
+    if (const int i = index_of(param); i >= 0) return shard_views_[static_cast<std::size_t>(i)];
     detail::raise(errc::invalid_argument, dp_.rank(),
-                  "shard_of(): a tensor of shape " + shape_text(param) +
+                  "shard_of(): a tensor of shape " + c10::str(param.sizes()) +
                       " that is not a trained parameter of this wrapper (a frozen parameter, a buffer, or another "
                       "module's)");
   }
@@ -397,10 +396,11 @@ class basic_torch_data_parallel {
     for (const auto& group : opt.param_groups())
       for (const auto& p : group.params())
         if (!shard_impls_.contains(p.unsafeGetTensorImpl())) {
-          std::string what = "a tensor of shape " + shape_text(p) + " that is not a slice of this wrapper";
-          for (std::size_t i = 0; i < params_.size(); ++i)
-            if (params_.tensor(i).unsafeGetTensorImpl() == p.unsafeGetTensorImpl())
-              what = "parameter '" + params_.name(i) + "' itself, whose .grad() is this rank's local gradient";
+          const int i = index_of(p);
+          const std::string what =
+              i >= 0 ? "parameter '" + params_.name(static_cast<std::size_t>(i)) +
+                           "' itself, whose .grad() is this rank's local gradient"
+                     : "a tensor of shape " + c10::str(p.sizes()) + " that is not a slice of this wrapper";
           detail::raise(errc::usage, dp_.rank(),
                         "step(optimizer): the optimizer holds " + what +
                             "; build it over dp.shard_of(parameters) in the sharded mode");
@@ -616,11 +616,11 @@ class basic_torch_data_parallel {
     hooks_.clear();
   }
 
-  static std::string shape_text(const torch::Tensor& t) {
-    std::string s = "[";
-    for (std::size_t d = 0; d < static_cast<std::size_t>(t.dim()); ++d)
-      s += (d ? ", " : "") + std::to_string(t.size(static_cast<std::int64_t>(d)));
-    return s + "]";
+  /// The index of parameter `t` in the wrapper's set, -1 when it is none of them.
+  int index_of(const torch::Tensor& t) const {
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      if (params_.tensor(i).unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return static_cast<int>(i);
+    return -1;
   }
 
   torch_parameters params_;

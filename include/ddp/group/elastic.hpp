@@ -368,6 +368,12 @@ class basic_elastic_group {
     auto until = t0 + std::max(wait_for, opts_.timeout);
     std::string progress;  // a newcomer waits for as long as the job commits steps
     auto seen_progress = env_.now();
+    // It holds old state, or none, from now on: a newcomer, whose patience starts now.
+    const auto become_newcomer = [&] {
+      if (member) seen_progress = env_.now();
+      member = false;
+      prio = joiner_prio;
+    };
     for (;;) {
       if (env_.now() >= until)
         detail::raise(errc::timeout, opts_.rank,
@@ -378,9 +384,7 @@ class basic_elastic_group {
       // state, or none, and registers as a newcomer of the round after the newest generation.
       if (const int current = current_gen(until); current >= round_) {
         round_ = current + 1;
-        if (member) seen_progress = env_.now();  // a newcomer from now: its patience starts now
-        member = false;
-        prio = joiner_prio;
+        become_newcomer();
       }
       const std::string rk = round_key(round_);
       const auto idx = st.add(rk + "n", 1, until);
@@ -466,9 +470,7 @@ class basic_elastic_group {
       if (at == closed->members.end()) {
         // Not taken in (it came after the round closed): a newcomer of the next one.
         ++round_;
-        if (member) seen_progress = env_.now();  // a newcomer from now: its patience starts now
-        member = false;
-        prio = joiner_prio;
+        become_newcomer();
         continue;
       }
       const int new_rank = static_cast<int>(at - closed->members.begin());

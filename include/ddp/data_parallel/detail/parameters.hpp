@@ -71,15 +71,17 @@ inline std::vector<param_info> infos_of(const std::vector<tensor_view>& views) {
             ", and finish() ends the step",
         static_cast<int>(bucket), static_cast<int>(i));
 }
+/// What finish() says when parameters never became ready (raise_missing raises it).
+inline std::string missing_text(const std::vector<std::size_t>& missing, const std::vector<std::string>& names) {
+  return "finish() while " + std::to_string(missing.size()) + " parameter" + (missing.size() > 1 ? "s" : "") +
+         " never became ready this step: " + parameter_list(missing, names) +
+         "; call grad_ready(i) for each one backward produced a gradient for. Only a parameter that took no part "
+         "in this step's loss may be marked unused (mark_unused(i), or dp_options::find_unused_parameters for "
+         "every parameter not ready at finish()): its gradient is then zero, or what no_sync() steps accumulated";
+}
 [[noreturn]] inline void raise_missing(int rank, const std::vector<std::size_t>& missing,
                                        const std::vector<std::string>& names) {
-  raise(errc::usage, rank,
-        "finish() while " + std::to_string(missing.size()) + " parameter" + (missing.size() > 1 ? "s" : "") +
-            " never became ready this step: " + parameter_list(missing, names) +
-            "; call grad_ready(i) for each one backward produced a gradient for. Only a parameter that took no part "
-            "in this step's loss may be marked unused (mark_unused(i), or dp_options::find_unused_parameters for "
-            "every parameter not ready at finish()): its gradient is then zero, or what no_sync() steps accumulated",
-        -1, static_cast<int>(missing.front()));
+  raise(errc::usage, rank, missing_text(missing, names), -1, static_cast<int>(missing.front()));
 }
 /// A wrapper over no parameters averages nothing: each rank would train alone, and `finish()`
 /// would return as if all were well. Raised on every rank, once the ranks agreed on the count
