@@ -17,6 +17,8 @@
 // A failing schedule prints its seed; DDP_SIM_SEED=<seed> replays it alone.
 #define DDP_ALLOW_DETAIL_HEADERS
 #include <ddp/group/elastic.hpp>
+#define DDP_ALLOW_DETAIL_HEADERS  // the store's table (group/detail/store_table.hpp), as the server holds it
+#include <ddp/group/detail/store_table.hpp>
 
 #include <doctest/doctest.h>
 
@@ -125,7 +127,7 @@ class world {
   int current = -1;  // the process holding the baton; -1: the scheduler
   deadline_t now = deadline_t{} + std::chrono::hours(1);
   std::vector<std::unique_ptr<proc>> procs;
-  std::map<std::string, std::string> data;  // the store
+  ddp::detail::store_table data{0, std::size_t{1} << 30};  // the store: the real server's table
   deadline_t stall_until{};
   std::map<std::string, std::unique_ptr<group_rec>> groups;
   std::map<std::uint64_t, std::uint64_t> truth{{0, initial_value}};  // step -> value after it
@@ -416,59 +418,51 @@ class sim_store {
   void set(std::string_view k, std::string_view v, deadline_t until) {
     if (!op(until)) return;
     note("set " + std::string(k) + " '" + std::string(v) + "'");
-    w_.data[std::string(k)] = std::string(v);
+    run(ddp::detail::store_cmd::set, {std::string(k), std::string(v)});
   }
   std::string get(std::string_view k, deadline_t until) {
     if (!op(until)) return {};
-    if (!w_.in_callback() && !w_.data.count(std::string(k))) {
+    if (!w_.in_callback() && !has(k)) {
       adopted a(w_.mu);
-      w_.block(a.lock, self(), [&] { return w_.data.count(std::string(k)) > 0; }, until);
+      w_.block(a.lock, self(), [&] { return has(k); }, until);
     }
-    auto it = w_.data.find(std::string(k));
-    if (it == w_.data.end()) ddp::detail::raise(errc::timeout, pid_, "sim: store key '" + std::string(k) + "' never appeared");
-    return it->second;
+    const auto* v = w_.data.find(k);
+    if (v == nullptr) ddp::detail::raise(errc::timeout, pid_, "sim: store key '" + std::string(k) + "' never appeared");
+    return *v;
   }
   std::optional<std::string> try_get(std::string_view k, ms wait, deadline_t until) {
     if (!op(until)) return std::nullopt;
     note("try_get " + std::string(k));
-    if (!w_.in_callback() && !w_.data.count(std::string(k)) && wait.count() > 0) {
+    if (!w_.in_callback() && !has(k) && wait.count() > 0) {
       adopted a(w_.mu);
-      w_.block(a.lock, self(), [&] { return w_.data.count(std::string(k)) > 0; }, std::min(until, w_.now + wait));
+      w_.block(a.lock, self(), [&] { return has(k); }, std::min(until, w_.now + wait));
     }
-    auto it = w_.data.find(std::string(k));
-    if (it == w_.data.end()) return std::nullopt;
-    return it->second;
+    const auto* v = w_.data.find(k);
+    if (v == nullptr) return std::nullopt;
+    return *v;
   }
   bool check(std::string_view k, deadline_t until) {
     if (!op(until)) return false;
-    return w_.data.count(std::string(k)) > 0;
+    return has(k);
   }
   std::int64_t add(std::string_view k, std::int64_t d, deadline_t until) {
     if (!op(until)) return 0;
     note("add " + std::string(k) + " " + std::to_string(d));
-    auto& v = w_.data[std::string(k)];
-    const std::int64_t now = (v.empty() ? 0 : std::stoll(v)) + d;
-    v = std::to_string(now);
-    return now;
+    return ddp::detail::decode_i64(run(ddp::detail::store_cmd::add, {std::string(k), ddp::detail::encode_i64(d)}));
   }
   std::string compare_set(std::string_view k, std::string_view expected, std::string_view desired, deadline_t until) {
     if (!op(until)) return {};
+    const auto* now = w_.data.find(k);
     note("cas " + std::string(k) + " '" + std::string(expected) + "' -> '" + std::string(desired) + "' (now '" +
-         (w_.data.count(std::string(k)) ? w_.data[std::string(k)] : std::string("<none>")) + "')");
-    auto it = w_.data.find(std::string(k));
-    if (it == w_.data.end()) {
-      if (expected.empty()) return w_.data[std::string(k)] = std::string(desired);
-      return {};
-    }
-    if (it->second == expected) it->second = std::string(desired);
-    return it->second;
+         (now ? *now : std::string("<none>")) + "')");
+    return run(ddp::detail::store_cmd::cas, {std::string(k), std::string(expected), std::string(desired)});
   }
   std::vector<std::string> wait(const std::vector<std::string>& keys, ms wait, deadline_t until) {
     if (!op(until)) return keys;
     const auto missing = [&] {
       std::vector<std::string> m;
       for (const auto& k : keys)
-        if (!w_.data.count(k)) m.push_back(k);
+        if (!has(k)) m.push_back(k);
       return m;
     };
     if (!w_.in_callback() && !missing().empty() && wait.count() > 0) {
@@ -481,15 +475,32 @@ class sim_store {
     if (!op(until)) return 0;
     note("erase_prefix " + std::string(prefix));
     std::size_t n = 0;
-    for (auto it = w_.data.lower_bound(std::string(prefix)); it != w_.data.end() && it->first.starts_with(prefix);) {
-      it = w_.data.erase(it);
-      ++n;
+    for (;;) {  // as store_client does: the server erases a bounded number a request
+      const auto k = std::stoul(run(ddp::detail::store_cmd::del, {std::string(prefix), "*"}));
+      n += k;
+      if (k < ddp::detail::store_max_fields) return n;
     }
-    return n;
   }
 
  private:
   proc& self() { return *w_.procs[static_cast<std::size_t>(pid_)]; }
+  bool has(std::string_view k) const { return w_.data.find(k) != nullptr; }
+  /// One request to the table that the real server holds (set, add, cas, del: answered at
+  /// once); its first field, or "" (a request of a member: every process claims its seat).
+  std::string run(ddp::detail::store_cmd code, std::vector<std::string> fields) {
+    std::string first;
+    ddp::detail::store_status status = ddp::detail::store_status::ok;
+    const auto o = w_.data.execute(
+        static_cast<std::uint64_t>(pid_), true, ddp::detail::frame{static_cast<std::uint8_t>(code), std::move(fields)},
+        w_.now, [&](std::uint64_t, ddp::detail::store_status st, const std::vector<std::string_view>& f) {
+          status = st;
+          if (!f.empty()) first = f[0];
+        });
+    if (o == ddp::detail::store_table::outcome::parked || o == ddp::detail::store_table::outcome::overflow ||
+        status != ddp::detail::store_status::ok)
+      ddp::detail::raise(errc::protocol, pid_, "sim: the store refused a request: " + first);
+    return first;
+  }
   /// Every request: a scheduling point and op_cost of time (and a stall's wait), from the
   /// process's own thread; none when the scheduler runs a heartbeat's callback. False: a
   /// killed process, unwinding, whose requests the world ignores.

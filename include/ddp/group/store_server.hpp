@@ -28,6 +28,7 @@
 #include <ddp/group/detail/handshake.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/group/detail/store_protocol.hpp>
+#include <ddp/group/detail/store_table.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/endpoint.hpp>
 #include <ddp/error.hpp>
@@ -62,9 +63,11 @@ struct store_limits {
   std::size_t max_buffered = std::size_t{128} << 20;  ///< buffers, parked requests and connection_overhead
   std::size_t max_connections = 65536;                ///< open connections, handshakes included
 
-  static constexpr std::size_t entry_overhead = 160;       ///< per key held (a map node, its strings)
+  static constexpr std::size_t entry_overhead =
+      detail::store_table::entry_overhead;                 ///< per key held (a map node, its strings)
   static constexpr std::size_t connection_overhead = 512;  ///< per open connection
-  static constexpr std::size_t waiter_overhead = 256;      ///< per parked get/wait, plus 32 per key
+  static constexpr std::size_t waiter_overhead =
+      detail::store_table::waiter_overhead;  ///< per parked get/wait, plus its keys and 64 bytes each
 };
 
 /// Serves the store on one listening socket from a background thread (the group's listener loop,
@@ -96,7 +99,8 @@ class store_server {
         limits_(limits),
         member_prefix_(std::move(member_prefix)),
         members_(members),
-        admission_(rules_for(limits)) {
+        admission_(rules_for(limits)),
+        st_(std::make_unique<serving>(rank, limits.max_bytes, member_prefix_, members)) {
     raise_descriptor_limit();
     listen_ = detail::listen_on(detail::resolve(ep.host, ep.port, rank, true).front(), rank, 4096);
     const auto bound = detail::local_address(listen_.get());
@@ -135,7 +139,7 @@ class store_server {
   int evicted() const noexcept { return evicted_.load(); }
 
   /// Bytes counted against store_limits::max_bytes now: keys, values and entry_overhead each.
-  std::size_t stored_bytes() const noexcept { return stored_.load(); }
+  std::size_t stored_bytes() const noexcept { return table_.stored_bytes(); }
 
   /// Bytes counted against store_limits::max_buffered now.
   std::size_t buffered_bytes() const noexcept { return buffered_.load(); }
@@ -156,7 +160,6 @@ class store_server {
 
  private:
   using timer_map = std::multimap<deadline_t, std::uint64_t>;
-  using watch_map = std::multimap<std::string, std::uint64_t, std::less<>>;
 
   using standing = detail::standing;
 
@@ -189,9 +192,7 @@ class store_server {
     deadline_t accepted{};
     deadline_t limit{};                        // end of the refused linger, or of the hung-up one
     std::optional<timer_map::iterator> timer;  // in timers_ while `limit` is due
-    std::vector<std::uint64_t> parked;         // ids of its parked requests
-    std::size_t parked_bytes = 0;
-    std::size_t held = 0;  // counted in buffered_
+    std::size_t held = 0;                      // counted in buffered_
     // Bookkeeping of the loop: counted by clients(), queued in touched_, queued in backlog_.
     bool counted = false;
     bool touched = false;
@@ -201,15 +202,6 @@ class store_server {
     bool gone() const noexcept { return at == phase::closed; }
     bool member() const noexcept { return shown == trust::member; }
   };
-  struct waiter {
-    std::uint64_t owner;  // the client's seq
-    detail::frame req;
-    std::size_t cursor = 0;  // the key it is registered on
-    std::size_t bytes = 0;
-    watch_map::iterator watch;
-    timer_map::iterator timer;
-  };
-
   static void raise_descriptor_limit() noexcept {
     rlimit rl{};
     if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
@@ -249,7 +241,7 @@ class store_server {
   /// policy's (a handshake's end, the listener's rest).
   deadline_t next_due(deadline_t now) const {
     auto next = admission_.next_due(now, clients_.size());
-    if (!deadlines_.empty()) next = std::min(next, deadlines_.begin()->first);
+    if (const auto parked = table_.next_deadline()) next = std::min(next, *parked);
     if (!timers_.empty()) next = std::min(next, timers_.begin()->first);
     return next;
   }
@@ -332,7 +324,7 @@ class store_server {
       // A client that shut its side goes once it has every answer it is owed, or after
       // eof_linger: a closed socket looks the same as a half-closed one, and requests parked
       // by a client that is gone must not hold a descriptor for as long as they asked to wait.
-      if (c.at == phase::hung_up && ((c.out.empty() && c.parked.empty()) || now >= c.limit)) {
+      if (c.at == phase::hung_up && ((c.out.empty() && table_.parked(c.seq) == 0) || now >= c.limit)) {
         kill(c);
         continue;
       }
@@ -357,18 +349,12 @@ class store_server {
 
   /// Parked requests and connections whose time is up.
   void expire(deadline_t now) {
-    while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
-      const auto id = deadlines_.begin()->second;
-      auto& w = waiters_.at(id);
-      auto& c = *clients_.at(w.owner);
-      // Timed out: say which keys are still missing, so callers can name absent ranks.
-      std::vector<std::string_view> missing;
-      for (std::size_t i = 0; i < detail::waited_keys(w.req); ++i)
-        if (!data_.count(w.req.fields[i])) missing.push_back(w.req.fields[i]);
-      reply(c, detail::store_status::timeout, missing);
-      unpark(id);
+    // Timed out: the answer says which keys are still missing, so callers can name absent ranks.
+    table_.expire(now, [this](std::uint64_t owner, detail::store_status st, const std::vector<std::string_view>& f) {
+      auto& c = *clients_.at(owner);
+      reply(c, st, f);
       touch(c);
-    }
+    });
     while (!timers_.empty() && timers_.begin()->first <= now) {
       auto& c = *clients_.at(timers_.begin()->second);
       timers_.erase(*c.timer);
@@ -414,7 +400,7 @@ class store_server {
     // waiting for the job record), each by its last request answered (a rank whose wait was
     // just answered is about to claim: idle strangers go before it).
     const std::uint64_t order =
-        s == standing::not_member ? c.active + (c.parked.empty() ? 0 : std::uint64_t{1} << 62) : c.seq;
+        s == standing::not_member ? c.active + (table_.parked(c.seq) == 0 ? 0 : std::uint64_t{1} << 62) : c.seq;
     admission_.place(c.seq, s, order, c.accepted);  // a no-op when neither changed
   }
   void recount(client& c) {
@@ -425,7 +411,8 @@ class store_server {
     c.counted = should;
   }
   void account(client& c) {
-    const std::size_t held = limits_.connection_overhead + c.in.capacity() + c.out.capacity() + c.parked_bytes;
+    const std::size_t held =
+        limits_.connection_overhead + c.in.capacity() + c.out.capacity() + table_.parked_bytes(c.seq);
     total_held_ = total_held_ - c.held + held;
     c.held = held;
     buffered_ = total_held_;
@@ -441,7 +428,7 @@ class store_server {
     auto it = clients_.find(seq);
     if (it == clients_.end()) return;
     auto& c = *it->second;
-    while (!c.parked.empty()) unpark(c.parked.back());
+    table_.forget(c.seq);
     if (c.timer) timers_.erase(*c.timer);
     admission_.forget(c.seq);
     if (c.counted) --nclients_;
@@ -645,12 +632,13 @@ class store_server {
       budget -= std::min(budget, sweep ? std::size_t{detail::store_max_fields} : 1 + f.fields.size());
       if (c.shown == trust::unknown) c.shown = trust::confirmed;
       c.active = ++activity_;
-      if (!execute(c, f)) {
-        // Our client parks at most one request at a time; many more is a misbehaving peer.
-        if (c.parked.size() >= detail::store_max_waiting) return false;
-        park(c, std::move(f));
-      }
-      wake_pending();
+      const auto done = table_.execute(c.seq, c.member(), std::move(f), steady_clock::now(),
+                                       [&](std::uint64_t, detail::store_status st,
+                                           const std::vector<std::string_view>& fields) { reply(c, st, fields); });
+      // Our client parks at most one request at a time; many more is a misbehaving peer.
+      if (done == detail::store_table::outcome::overflow) return false;
+      if (done == detail::store_table::outcome::claimed) c.shown = trust::member;
+      wake();
     }
   }
 
@@ -678,194 +666,15 @@ class store_server {
     c.out += detail::encode_frame(static_cast<std::uint8_t>(st), fields);
   }
 
-  /// Executes a request; returns false when it must wait (get/wait on missing keys).
-  bool execute(client& c, const detail::frame& f) {
-    using detail::store_cmd;
-    const auto& k = f.fields[0];
-    const bool claim = detail::is_claim(f, member_prefix_, members_);
-    if (!member_prefix_.empty() && !c.member() && detail::is_write(f.code) && !claim) {
-      static constexpr const char* names[] = {"", "set", "get", "add", "compare_set", "erase", "check", "wait"};
-      reply(
-          c, detail::store_status::forbidden,
-          {"the store of rank " + std::to_string(rank_) + " refused to " + names[f.code] + " key '" + k.substr(0, 64) +
-           "': this connection has not joined the group (only a connection that claimed a rank, with "
-           "compare_set of '" +
-           member_prefix_ + "<rank>', may write)"});
-      return true;
-    }
-    switch (static_cast<store_cmd>(f.code)) {
-      case store_cmd::set:
-        if (!store_value(c, k, f.fields[1])) return true;
-        reply(c, detail::store_status::ok);
-        return true;
-      case store_cmd::get: {
-        auto it = data_.find(k);
-        if (it == data_.end()) return false;
-        reply(c, detail::store_status::ok, {it->second});
-        return true;
-      }
-      case store_cmd::add: {
-        auto it = data_.find(k);
-        const std::string& old = it == data_.end() ? std::string() : it->second;
-        // Two's-complement wrap-around, as the counter's users expect; no signed overflow.
-        const auto nv =
-            static_cast<std::int64_t>(static_cast<std::uint64_t>(old.size() == 8 ? detail::decode_i64(old) : 0) +
-                                      static_cast<std::uint64_t>(detail::decode_i64(f.fields[1])));
-        if (!store_value(c, k, detail::encode_i64(nv))) return true;
-        reply(c, detail::store_status::ok, {data_.find(k)->second});
-        return true;
-      }
-      case store_cmd::cas: {
-        auto it = data_.find(k);
-        bool stored = false;
-        if (it == data_.end()) {
-          if (f.fields[1].empty()) {
-            if (!store_value(c, k, f.fields[2])) return true;
-            stored = true;
-          }
-        } else if (it->second == f.fields[1]) {
-          if (!store_value(c, k, f.fields[2])) return true;
-          stored = true;
-        }
-        if (stored && claim) c.shown = trust::member;
-        it = data_.find(k);
-        reply(c, detail::store_status::ok, {it == data_.end() ? std::string_view() : std::string_view(it->second)});
-        return true;
-      }
-      case store_cmd::del: {
-        if (f.fields.size() == 2) {  // every key under the prefix k, a bounded number at a time
-          std::size_t n = 0;
-          for (auto it = data_.lower_bound(k);
-               it != data_.end() && it->first.starts_with(k) && n < detail::store_max_fields; ++n) {
-            stored_ -= it->first.size() + it->second.size() + store_limits::entry_overhead;
-            it = data_.erase(it);
-          }
-          reply(c, detail::store_status::ok, {std::to_string(n)});
-          return true;
-        }
-        auto it = data_.find(k);
-        const bool erased = it != data_.end();
-        if (erased) {
-          stored_ -= it->first.size() + it->second.size() + store_limits::entry_overhead;
-          data_.erase(it);
-        }
-        reply(c, detail::store_status::ok, {erased ? "1" : "0"});
-        return true;
-      }
-      case store_cmd::check:
-        reply(c, detail::store_status::ok, {data_.count(k) ? "1" : "0"});
-        return true;
-      case store_cmd::wait: {
-        for (std::size_t i = 0; i + 1 < f.fields.size(); ++i)
-          if (!data_.count(f.fields[i])) return false;
-        reply(c, detail::store_status::ok);
-        return true;
-      }
-    }
-    return true;
-  }
-
-  /// data_[key] = value within limits_.max_bytes; otherwise answers `full` and returns false.
-  bool store_value(client& c, const std::string& key, std::string_view value) {
-    auto it = data_.find(key);
-    constexpr std::size_t overhead = store_limits::entry_overhead;
-    const std::size_t old = it == data_.end() ? 0 : key.size() + it->second.size() + overhead;
-    const std::size_t now = stored_.load() - old;
-    const std::size_t need = key.size() + value.size() + overhead;
-    if (need > limits_.max_bytes) {
-      // Could never fit, however empty the store: a bad argument, not a full store.
-      const std::string why = "store value for key '" + key.substr(0, 64) + "' is too large: " + std::to_string(need) +
-                              " bytes with its key and entry overhead, and the store of rank " + std::to_string(rank_) +
-                              " holds at most " + std::to_string(limits_.max_bytes) + " (store_limits::max_bytes)";
-      reply(c, detail::store_status::too_large, {why});
-      return false;
-    }
-    if (now + need > limits_.max_bytes) {
-      const std::string why = "the store of rank " + std::to_string(rank_) + " is full: writing '" + key.substr(0, 64) +
-                              "' (" + std::to_string(value.size()) + " bytes) would pass its limit of " +
-                              std::to_string(limits_.max_bytes) + " bytes (store_limits::max_bytes; " +
-                              std::to_string(now) + " held)";
-      reply(c, detail::store_status::full, {why});
-      return false;
-    }
-    if (it == data_.end())
-      data_.emplace(key, std::string(value));
-    else
-      it->second.assign(value);
-    stored_ = now + need;
-    if (watch_.find(key) != watch_.end()) pending_wakes_.push_back(key);
-    return true;
-  }
-
-  /// Parks a get/wait until its keys exist or its time is up, registered on its first missing key.
-  void park(client& c, detail::frame f) {
-    const auto ms = detail::decode_i64(f.fields.back());
-    // The wait comes from the client: clamp it (a year) before it meets the clock's range.
-    const std::int64_t bounded = std::clamp<std::int64_t>(ms, 0, max_wait_ms);
-    const auto id = ++waiter_seq_;
-    std::size_t bytes = store_limits::waiter_overhead;
-    // Each key is a std::string (32 bytes) with its own heap block past 15 bytes (its length
-    // rounded up to malloc's 16, plus 16): count 64 bytes besides its length.
-    for (const auto& field : f.fields) bytes += field.size() + 64;
-    auto& w = waiters_.emplace(id, waiter{c.seq, std::move(f), 0, 0, {}, {}}).first->second;
-    w.bytes = bytes;
-    w.timer = deadlines_.emplace(steady_clock::now() + std::chrono::milliseconds(bounded), id);
-    w.cursor = first_missing(w.req, 0);
-    w.watch = watch_.emplace(w.req.fields[w.cursor], id);
-    c.parked.push_back(id);
-    c.parked_bytes += bytes;
-  }
-
-  /// Index of the first key of `f` from `from` on that is missing (wrapping around); the number
-  /// of keys when all exist.
-  std::size_t first_missing(const detail::frame& f, std::size_t from) const {
-    const std::size_t n = detail::waited_keys(f);
-    for (std::size_t i = 0; i < n; ++i) {
-      const std::size_t k = (from + i) % n;
-      if (!data_.count(f.fields[k])) return k;
-    }
-    return n;
-  }
-
-  void unpark(std::uint64_t id) {
-    auto it = waiters_.find(id);
-    auto& c = *clients_.at(it->second.owner);
-    watch_.erase(it->second.watch);
-    deadlines_.erase(it->second.timer);
-    c.parked_bytes -= it->second.bytes;
-    std::erase(c.parked, id);
-    waiters_.erase(it);
-  }
-
-  /// Serves the requests parked on the keys written since the last call: each either completes
-  /// or moves on to its next missing key.
-  void wake_pending() {
-    for (std::size_t i = 0; i < pending_wakes_.size(); ++i) {
-      auto [b, e] = watch_.equal_range(pending_wakes_[i]);
-      std::vector<std::uint64_t> ids;
-      for (auto it = b; it != e; ++it) ids.push_back(it->second);
-      // Members first: when answers are large and memory is short, strangers go without.
-      std::stable_partition(ids.begin(), ids.end(),
-                            [this](std::uint64_t id) { return clients_.at(waiters_.at(id).owner)->member(); });
-      for (auto id : ids) {
-        auto& w = waiters_.at(id);
-        auto& c = *clients_.at(w.owner);
-        const std::size_t next = first_missing(w.req, w.cursor);
-        if (next < detail::waited_keys(w.req)) {
-          if (next != w.cursor) {
-            watch_.erase(w.watch);
-            w.cursor = next;
-            w.watch = watch_.emplace(w.req.fields[next], id);
-          }
-          continue;
-        }
-        [[maybe_unused]] const bool done = execute(c, w.req);
-        c.active = ++activity_;
-        unpark(id);
-        touch(c);
-      }
-    }
-    pending_wakes_.clear();
+  /// Serves the requests parked on the keys written since the last call (the table's wake).
+  void wake() {
+    table_.wake([this](std::uint64_t owner) { return clients_.at(owner)->member(); },
+                [this](std::uint64_t owner, detail::store_status st, const std::vector<std::string_view>& fields) {
+                  auto& c = *clients_.at(owner);
+                  reply(c, st, fields);
+                  c.active = ++activity_;
+                  touch(c);
+                });
   }
 
   static constexpr auto eof_linger = detail::timing::store_eof_linger;
@@ -874,7 +683,6 @@ class store_server {
   static constexpr std::size_t backpressure = std::size_t{1} << 20;
   /// Work a client gets per round of the loop, in keys looked up (a request costs 1 + its fields).
   static constexpr std::size_t work_per_round = 16384;
-  static constexpr std::int64_t max_wait_ms = detail::timing::store_max_wait_ms;
   int rank_;
   std::shared_ptr<const authenticator> auth_;
   store_limits limits_;
@@ -888,35 +696,27 @@ class store_server {
   std::atomic<int> refused_{0};
   std::atomic<int> shed_{0};
   std::atomic<int> evicted_{0};
-  std::atomic<std::size_t> stored_{0};
   std::atomic<std::size_t> buffered_{0};
   std::size_t replies_ = 0;             ///< answer bytes made this round, not yet counted in `held`
   std::vector<std::uint64_t> backlog_;  ///< clients with frames left for the next round
   // What the serving thread works on, on the heap: a forked child abandons it (the parent's
   // thread may have been changing it at the fork) instead of destroying it.
   struct serving {
-    std::map<std::string, std::string, std::less<>> data;
+    serving(int rank, std::size_t max_bytes, std::string member_prefix, std::uint32_t members)
+        : table(rank, max_bytes, std::move(member_prefix), members) {}
+    detail::store_table table;  // the keys, their values and the parked requests
     std::unordered_map<std::uint64_t, std::unique_ptr<client>> clients;  // by seq
-    std::unordered_map<std::uint64_t, waiter> waiters;
-    watch_map watch;      // key -> parked requests waiting for it
-    timer_map deadlines;  // when each parked request times out
-    timer_map timers;     // when each connection's handshake, linger or eof linger ends (by seq)
-    std::vector<std::string> pending_wakes;
+    timer_map timers;  // when each connection's handshake, linger or eof linger ends (by seq)
     std::vector<std::uint64_t> touched;
     std::vector<std::uint64_t> dead;
   };
-  std::unique_ptr<serving> st_ = std::make_unique<serving>();
-  std::map<std::string, std::string, std::less<>>& data_ = st_->data;
+  std::unique_ptr<serving> st_;
+  detail::store_table& table_ = st_->table;
   std::unordered_map<std::uint64_t, std::unique_ptr<client>>& clients_ = st_->clients;
-  std::unordered_map<std::uint64_t, waiter>& waiters_ = st_->waiters;
-  watch_map& watch_ = st_->watch;
-  timer_map& deadlines_ = st_->deadlines;
   timer_map& timers_ = st_->timers;
-  std::vector<std::string>& pending_wakes_ = st_->pending_wakes;
   std::vector<std::uint64_t>& touched_ = st_->touched;
   std::vector<std::uint64_t>& dead_ = st_->dead;
   std::uint64_t seq_ = 0;
-  std::uint64_t waiter_seq_ = 0;
   std::uint64_t activity_ = 0;
   std::size_t total_held_ = 0;
   loop_handler handler_;
