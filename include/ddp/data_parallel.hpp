@@ -265,7 +265,7 @@ class basic_data_parallel {
       state_.clear_accumulated();  // they are in this step's average now
       shard_fresh_ = shards_ != nullptr;
     }
-    buckets_.record_timeline(t_call, names_, plans_.generation());
+    buckets_.record_timeline(t_call, names_, plans_.layout_version());
     last_stats_ = state_.stats(step_, t_call, steady_clock::now());
     last_stats_.contributors = contributors;
     if (!plans_.settled() && last_stats_.synchronized)
@@ -316,7 +316,7 @@ class basic_data_parallel {
   /// Where the engine must write gradient `i` in view mode (in copy mode: where ddp stages it).
   /// In view mode the address never changes; in copy mode it moves at the rebuild after the
   /// first synchronized step, and with `bucket_policy::autotune` at each cap the tuning tries
-  /// and at its choice (`generation()` changes then).
+  /// and at its choice (`layout_version()` changes then).
   /// \code
   /// float* g = static_cast<float*>(dp.bucket_grad(i));  // view mode: backward writes here, every step
   /// \endcode
@@ -480,7 +480,7 @@ class basic_data_parallel {
 
   /// Bumped when the bucket layout changes: once in copy mode (the rebuild), plus once per
   /// layout the bucket-cap autotune moves to; never in view mode.
-  std::uint64_t generation() const noexcept { return plans_.generation(); }
+  std::uint64_t layout_version() const noexcept { return plans_.layout_version(); }
   /// What the bucket-cap autotune (`bucket_policy::autotune`) measured and chose; the same on
   /// every rank. `enabled` is false without the option, `done` false while it still tunes.
   /// \code

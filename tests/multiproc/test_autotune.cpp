@@ -188,7 +188,7 @@ void tune_run(int n, int slow_rank, Args... reducer_args) {
     want.insert(want.end(), 3, rep.chosen_cap_bytes);
     require(caps_seen == want, "the caps the steps ran with");
     require(dp.policy().cap_bytes == rep.chosen_cap_bytes, "policy() shows the chosen cap");
-    require(dp.generation() >= kDistinct - 1, "each tried layout bumps generation(): " + std::to_string(dp.generation()));
+    require(dp.layout_version() >= kDistinct - 1, "each tried layout bumps layout_version(): " + std::to_string(dp.layout_version()));
     if (slow_rank >= 0) {
       // Every figure of a stalled candidate is the slow rank's, stall and all (this rank's own,
       // where it is not the slow one, does not hold the stall); so 16 KiB wins.

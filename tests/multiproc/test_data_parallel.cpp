@@ -512,7 +512,7 @@ TEST_CASE("rebuild from the ready order (copy mode): rank 0's order wins, plans 
       dp.grad_ready(i);
     }
     dp.finish();
-    require(dp.generation() == 1, "the plan was rebuilt once");
+    require(dp.layout_version() == 1, "the plan was rebuilt once");
     std::vector<ddp::param_info> infos;
     for (std::size_t i = 0; i < m.size(); ++i) infos.push_back({m.numel[i], m.types[i], -1});
     std::vector<std::size_t> order(m.size());
@@ -522,7 +522,7 @@ TEST_CASE("rebuild from the ready order (copy mode): rank 0's order wins, plans 
     check_average(dp, m, n, {0}, false, none, "step 0");
     backward(dp, m, r, 1, false, false, static_cast<std::uint64_t>(r));
     dp.finish();
-    require(dp.generation() == 1, "rebuilt only once");
+    require(dp.layout_version() == 1, "rebuilt only once");
     check_average(dp, m, n, {1}, false, none, "second step");
   }, 60s);
   INFO(summary(outs));
@@ -787,7 +787,7 @@ void cached_view_run(int n, int steps) {
                       " is " + std::to_string(got) + ", expected " + std::to_string(expect));
         }
       }
-      require(dp.generation() == 0, "view mode never moves its layout");
+      require(dp.layout_version() == 0, "view mode never moves its layout");
     }
   }, 60s);
   INFO(summary(outs));
@@ -908,7 +908,7 @@ TEST_CASE("one device per rank (device = rank): plans agree, averages exact, cop
         dp.finish();
         check_average(dp, m, n, {s}, view, none, "device step " + std::to_string(s));
       }
-      require(view ? dp.generation() == 0 : dp.generation() == 1, "rebuilt in copy mode only");
+      require(view ? dp.layout_version() == 0 : dp.layout_version() == 1, "rebuilt in copy mode only");
       for (const auto& bk : dp.plan().buckets) require(bk.device == r, "buckets on this rank's device after the rebuild");
     }, 60s);
     INFO(summary(outs));

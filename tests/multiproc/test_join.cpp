@@ -135,7 +135,7 @@ void uneven_run(int n, const std::vector<std::vector<int>>& batches, bool view, 
     auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
     model m;
     DP dp{pg, m.views, small_buckets, {.gradient_as_bucket_view = view, .uneven_inputs = true, .divide_by = divide_by}};
-    require(dp.generation() == 0, "the layout is settled at construction");
+    require(dp.layout_version() == 0, "the layout is settled at construction");
     std::uint64_t joined = 0;
     for (std::size_t e = 0; e < batches.size(); ++e) {
       const auto& b = batches[e];

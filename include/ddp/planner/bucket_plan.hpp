@@ -35,7 +35,7 @@ struct bucket_policy {
   /// Let the wrapper pick `cap_bytes` by measuring: during the first synchronized steps it
   /// re-plans with each candidate cap in turn, times every step on every rank, and adopts the
   /// cap whose median slowest-rank step time is lowest, as rank 0 decides (every rank the same).
-  /// Copy mode only; `caps` must be empty. Bucket memory moves during tuning (`generation()`).
+  /// Copy mode only; `caps` must be empty. Bucket memory moves during tuning (`layout_version()`).
   /// See docs/tuning.md, "Autotune".
   bool autotune = false;
   /// Candidate caps for `autotune`, in bytes; empty: 1, 2, 4, 8, 16, 25, 50 and 100 MiB. A

@@ -3,7 +3,7 @@
 /// \file data_parallel/detail/plan_keeper.hpp
 /// `plan_keeper`: the life of a wrapper's bucket plan: the first plan, whether the layout may
 /// still move, the rebuild from rank 0's ready order and each new plan put in place (with its
-/// generation), every one confirmed by every rank.
+/// layout version), every one confirmed by every rank.
 // IWYU pragma: private
 
 #include <cstddef>
@@ -45,7 +45,7 @@ class plan_keeper {
   /// The bucket layout can no longer change (view mode, or after the rebuild).
   bool settled() const noexcept { return settled_; }
   /// Bumped at each new layout put in place.
-  std::uint64_t generation() const noexcept { return generation_; }
+  std::uint64_t layout_version() const noexcept { return layout_version_; }
 
   /// Re-plan once from rank 0's observed ready order (`order`, this rank's; rank 0's goes to
   /// `agreed`). Runs inside finish(), with no collective in flight, only in copy mode (slots hold
@@ -57,13 +57,13 @@ class plan_keeper {
     install(agree_.rebuilt_plan(planner_, infos_, policy_, order, agreed), "after the rebuild");
   }
 
-  /// Puts `fresh` in place when it differs from the plan in use (new buckets, a new generation),
+  /// Puts `fresh` in place when it differs from the plan in use (new buckets, a new layout version),
   /// then every rank confirms one plan. Copy mode only, with no collective in flight: nothing
   /// lives in the buckets between steps and no pointer into them was handed out.
   void install(bucket_plan fresh, const char* when) {
     if (!(fresh == memory_.plan())) {
       memory_.allocate(std::move(fresh));
-      ++generation_;
+      ++layout_version_;
     }
     agree_.check_plan(memory_.plan(), settled_, when);
   }
@@ -75,7 +75,7 @@ class plan_keeper {
   const std::vector<param_info>& infos_;
   const bucket_policy& policy_;
   bool settled_ = true;
-  std::uint64_t generation_ = 0;
+  std::uint64_t layout_version_ = 0;
 };
 
 }  // namespace detail
