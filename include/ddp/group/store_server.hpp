@@ -97,10 +97,9 @@ class store_server {
       : rank_(rank),
         auth_(std::move(auth)),
         limits_(limits),
-        member_prefix_(std::move(member_prefix)),
-        members_(members),
+        with_members_(!member_prefix.empty()),
         admission_(rules_for(limits)),
-        st_(std::make_unique<serving>(rank, limits.max_bytes, member_prefix_, members)) {
+        st_(std::make_unique<serving>(rank, limits.max_bytes, std::move(member_prefix), members)) {
     raise_descriptor_limit();
     listen_ = detail::listen_on(detail::resolve(ep.host, ep.port, rank, true).front(), rank, 4096);
     const auto bound = detail::local_address(listen_.get());
@@ -391,7 +390,7 @@ class store_server {
     // stranger, parked requests or not (a parked request costs a stranger nothing); idle ones go
     // first, then the least recently answered (retier), so a rank that waits for the job record
     // or just read it stays as long as any other stranger can make room.
-    if (!member_prefix_.empty() && !c.member() && !auth_) return standing::not_member;
+    if (with_members_ && !c.member() && !auth_) return standing::not_member;
     return standing::trusted;
   }
   void retier(client& c) {
@@ -406,7 +405,7 @@ class store_server {
   void recount(client& c) {
     // Only clients that got in count: a stranger stalled mid-handshake (or one that never
     // claimed a rank, in a store with members) must not keep rank 0 waiting for it to leave.
-    const bool should = c.at == phase::serving && (member_prefix_.empty() || c.member());
+    const bool should = c.at == phase::serving && (!with_members_ || c.member());
     if (should != c.counted) nclients_ += should ? 1 : -1;
     c.counted = should;
   }
@@ -686,8 +685,7 @@ class store_server {
   int rank_;
   std::shared_ptr<const authenticator> auth_;
   store_limits limits_;
-  std::string member_prefix_;
-  std::uint32_t members_ = 0;    ///< seats that can be claimed (0: any key under member_prefix_)
+  bool with_members_;            ///< a member_prefix was given: the table knows the seats, the loop who holds one
   detail::admission admission_;  // whom the listener lets in, whom it closes for room
   int port_ = 0;
   detail::fd_handle listen_;
