@@ -17,6 +17,7 @@
 #include <functional>
 #include <random>
 #include <span>
+#include <thread>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -189,14 +190,17 @@ std::vector<outcome> run_invalid_arguments(const local_group& opts, int n) {
 /// i32 and the others f32 (the same bytes): a mismatch on every rank naming both, never data
 /// read as another type, within 12 s. Where the root sends and is done before a receiver can see
 /// the difference, `then_barrier` runs a barrier after it, which brings the detecting rank's
-/// verdict to the others. Each rank's outcome, for the caller to CHECK with
-/// broadcast_dtype_mismatch_seen().
+/// verdict to the others. With `late`, rank 1 (neither the root nor `odd`) comes to the
+/// broadcast that much later than the others, which have failed and left by then. Each rank's
+/// outcome, for the caller to CHECK with broadcast_dtype_mismatch_seen().
 template <class Reducer>
-std::vector<outcome> run_broadcast_dtype_mismatch(const local_group& opts, int n, int odd, bool then_barrier) {
+std::vector<outcome> run_broadcast_dtype_mismatch(const local_group& opts, int n, int odd, bool then_barrier,
+                                                  std::chrono::milliseconds late = {}) {
   const int port = free_port();
   return run_ranks(n, [&](int r) {
     auto pg = ddp::init_process_group(opts(r, n, port, std::chrono::seconds(10)));
     Reducer red{pg};
+    if (r == 1 && odd != 1) std::this_thread::sleep_for(late);
     std::vector<float> f(256, 1.5f);
     std::vector<std::int32_t> i(256, 7);
     if (r == odd)

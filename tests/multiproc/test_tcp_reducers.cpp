@@ -136,6 +136,19 @@ TEST_CASE("a broadcast of the same bytes as another dtype is a mismatch on every
   for (auto& o : outs) CHECK(broadcast_dtype_mismatch_seen(o) == "");
 }
 
+TEST_CASE("a rank that comes late to a failed group still reports the failure, not 'rank 0 is lost'") {
+  // Ranks 0 and 2 fail and leave while rank 1 sleeps (a loaded machine's slow rank, made
+  // certain): rank 0 keeps its store up until rank 1 has read why, so rank 1 reports the
+  // mismatch too, not the store that was gone when it came.
+  auto outs = run_broadcast_dtype_mismatch<ddp::tree<ddp::tcp>>(opts, 3, 2, true, std::chrono::milliseconds(1500));
+  INFO(summary(outs));
+  for (auto& o : outs) CHECK(broadcast_dtype_mismatch_seen(o) == "");
+  // Rank 0 left once rank 1 had read it, not at its bound: min(5 s, 10 s / 4) = 2.5 s from its
+  // own failure, which comes about when rank 1 begins its 1.5 s sleep, so a rank 0 that waited
+  // the bound out would end about 1 s after rank 1.
+  CHECK(outs[0].seconds < outs[1].seconds + 0.8);
+}
+
 TEST_CASE("a rank that dies mid-collective: peer_lost on every survivor, fast") {
   const int port = free_port();
   auto outs = run_ranks(4, [&](int r) {

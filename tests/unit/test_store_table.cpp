@@ -1,7 +1,9 @@
 // The store's table without a socket (group/detail/store_table.hpp): every request, the limit on
 // what entries hold, who may write, parked get/wait requests (woken, moved on, timed out,
-// forgotten), the bounded erase of a prefix. Time is made up: every deadline is a value here.
+// forgotten), the bounded erase of a prefix; and when the store's host may close it (close_rules).
+// Time is made up: every deadline is a value here.
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
+#include <ddp/group/detail/close_rules.hpp>
 #include <ddp/group/detail/store_table.hpp>
 
 #include <doctest/doctest.h>
@@ -256,4 +258,42 @@ TEST_CASE("store table: with members, only a connection that claimed a seat writ
     CHECK(t.find("pg/rank/2") == nullptr);
     CHECK(t.execute(1, false, req(store_cmd::cas, {"pg/rank/1", "", "1"}), t0, b.to()) == done::claimed);
   }
+}
+
+// ---- When the store's host may close it (group/detail/close_rules.hpp) ----------------------
+
+TEST_CASE("close rules: a failed group's store stays until every rank has read why, or left, or the bound passed") {
+  const auto bound = close_bound(true, 10s, 5s);
+  CHECK(bound == 2500ms);  // min(cap, timeout / 4)
+  CHECK(close_bound(true, 60s, 5s) == 5s);
+  CHECK(close_bound(false, 60s, 5s) == 60s);  // a normal close waits a whole timeout
+  close_view v{.failing = true, .others = 2, .read_failure = 2, .size = 3, .waited = 600ms, .bound = bound};
+  // Past the old 500 ms: a slow rank still connected that has not read the failure keeps it up.
+  auto d = decide_close(v);
+  CHECK_FALSE(d.close);
+  CHECK(std::string(d.reason).find("not read") != std::string::npos);
+  v.read_failure = 3;  // it read it, and has not left yet: nothing more it needs
+  d = decide_close(v);
+  CHECK(d.close);
+  CHECK(std::string(d.reason).find("every rank has read") != std::string::npos);
+  v.read_failure = 1;  // nobody else read it, but they all left
+  v.others = 0;
+  CHECK(decide_close(v).close);
+  v.others = 1;  // a frozen rank: connected, never reads; the bound ends the wait
+  v.waited = bound - 1ms;
+  CHECK_FALSE(decide_close(v).close);
+  v.waited = bound;
+  d = decide_close(v);
+  CHECK(d.close);
+  CHECK(std::string(d.reason).find("bound") != std::string::npos);
+}
+
+TEST_CASE("close rules: after a normal close, readers of a failure count for nothing; only leaving does") {
+  close_view v{.failing = false, .others = 1, .read_failure = 5, .size = 2, .waited = 1s, .bound = 60s};
+  CHECK_FALSE(decide_close(v).close);
+  v.others = 0;
+  CHECK(decide_close(v).close);
+  v.others = 1;
+  v.waited = 60s;
+  CHECK(decide_close(v).close);
 }

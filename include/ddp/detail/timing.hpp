@@ -42,11 +42,15 @@ inline constexpr std::chrono::milliseconds shm_note_waiting = 1000ms;
 
 // ---- Closing the group (group/detail/group_state.hpp) ------------------------------------
 
-/// Cap of rank 0's wait for the others to leave its store when the group failed (min with
-/// timeout / 4): long enough for the peers to read the posted reason, short enough that a
-/// frozen peer, which never leaves, does not hold this rank's error up by a whole timeout.
-inline constexpr std::chrono::milliseconds close_failing_wait = 500ms;
-/// Between two looks at the store's client count while rank 0 waits for the others to leave.
+/// Cap of rank 0's wait for the others to read the group's failure from its store (min with
+/// timeout / 4; group/detail/close_rules.hpp): it ends as soon as every rank has read it or
+/// left, so only a rank that stopped (frozen, or busy outside ddp) makes rank 0 wait it out.
+/// Long enough for a rank slowed by a loaded machine to reach its next collective and read
+/// why (500 ms was not: such a rank found the store gone and blamed rank 0), short enough
+/// that a frozen peer does not hold rank 0's error up by a whole timeout.
+inline constexpr std::chrono::milliseconds close_failing_wait = 5000ms;
+/// Between two looks at the store's client count (and the failure's readers) while rank 0
+/// waits for the others.
 inline constexpr std::chrono::milliseconds close_poll = 2ms;
 
 // ---- Connections between ranks (group/detail/mesh.hpp, detail/socket.hpp) ---------------------

@@ -12,6 +12,7 @@
 /// \endcode
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <string>
@@ -79,7 +80,9 @@ class failure_verdict {
     if (owner_.forked()) return f;
     try {
       if (!store_) return f;
-      return group_failure::decode(store_->compare_set(failure_key, "", f.encode(), store_budget()));
+      auto held = group_failure::decode(store_->compare_set(failure_key, "", f.encode(), store_budget()));
+      note_read();
+      return held;
     } catch (...) {
       return f;
     }
@@ -97,7 +100,11 @@ class failure_verdict {
     try {
       for (;;) {
         const auto until = store_budget();
-        if (store_ && store_->check(failure_key, until)) return group_failure::decode(store_->get(failure_key, until));
+        if (store_ && store_->check(failure_key, until)) {
+          auto f = group_failure::decode(store_->get(failure_key, until));
+          note_read();
+          return f;
+        }
         if (!store_ || steady_clock::now() >= end) break;
         std::this_thread::sleep_for(detail::timing::failure_poll);
       }
@@ -109,6 +116,18 @@ class failure_verdict {
       if (store_gone != nullptr) *store_gone = true;
     }
     return {};
+  }
+
+  /// How many ranks have read (or recorded) the group's failure: the store's host waits for
+  /// all of them before it closes (group/detail/close_rules.hpp), so that none of them finds
+  /// the store gone and blames rank 0 instead of the failure. -1 when the store does not answer.
+  int readers() noexcept {
+    if (!store_ || owner_.forked()) return -1;
+    try {
+      return static_cast<int>(store_->add(readers_key, 0, store_budget()));
+    } catch (...) {
+      return -1;
+    }
   }
 
   /// True when a rank recorded a failure, or the store does not answer (a quick check, for
@@ -312,6 +331,17 @@ class failure_verdict {
 
  private:
   static constexpr const char* failure_key = "pg/failure";
+  static constexpr const char* readers_key = "pg/failure_readers";
+
+  /// Counts this rank once among the failure's readers (readers()). Not for a launcher's store:
+  /// it outlives every rank, and nobody waits for the count.
+  void note_read() noexcept {
+    if (launcher_store_ || read_.exchange(true)) return;
+    try {
+      (void)store_->add(readers_key, 1, store_budget());
+    } catch (...) {
+    }
+  }
 
   /// The sentence for a store that does not answer: rank 0 lost when it hosts the store.
   std::string store_lost(const std::string& how) const {
@@ -329,6 +359,18 @@ class failure_verdict {
   int size_ = 1;
   std::chrono::milliseconds timeout_{0};
   bool launcher_store_ = false;  // the launcher serves the store, not rank 0
+  /// Whether this rank counted itself among the failure's readers; a flag that moves with the
+  /// verdict (a group assigns its verdict once the store is open).
+  struct counted {
+    std::atomic<bool> v{false};
+    counted() = default;
+    counted(const counted& o) noexcept : v(o.v.load()) {}
+    counted& operator=(const counted& o) noexcept {
+      v.store(o.v.load());
+      return *this;
+    }
+    bool exchange(bool b) noexcept { return v.exchange(b); }
+  } read_;
   detail::owner_process owner_;  // the process that joined: a forked child's copy records nothing
 };
 

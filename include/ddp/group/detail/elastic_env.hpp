@@ -32,7 +32,9 @@
 #include <ddp/auth.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/parked.hpp>
+#include <ddp/detail/timing.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/detail/close_rules.hpp>
 #include <ddp/group/detail/group_state.hpp>
 #include <ddp/group/process_group.hpp>
 #include <ddp/group/store_client.hpp>
@@ -57,9 +59,13 @@ struct elastic_env {
     hosted& operator=(const hosted&) = delete;
     ~hosted() {
       if (!server) return;
-      const auto until = steady_clock::now() + linger;
-      while (server->clients() > 0 && steady_clock::now() < until)
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      const auto start = steady_clock::now();
+      for (close_view v{.bound = linger};;) {
+        v.others = server->clients();
+        v.waited = std::chrono::duration_cast<std::chrono::milliseconds>(steady_clock::now() - start);
+        if (decide_close(v).close) return;
+        std::this_thread::sleep_for(detail::timing::close_poll);
+      }
     }
   };
 

@@ -20,6 +20,7 @@
 
 #include <ddp/clock.hpp>
 #include <ddp/detail/fork.hpp>
+#include <ddp/group/detail/close_rules.hpp>
 #include <ddp/group/detail/heartbeat.hpp>
 #include <ddp/group/detail/launcher.hpp>
 #include <ddp/group/detail/mesh.hpp>
@@ -81,10 +82,10 @@ struct group_state {
 
   /// Closes connections; rank 0 waits (bounded by the timeout) for the others to leave its
   /// store first. When the group failed (an error posted or raised here, abort(), an
-  /// exception on its way out, or a failure any rank recorded) it waits at most
-  /// min(500 ms, timeout / 4): long enough for the peers to read the posted reason, short
-  /// enough that a frozen peer, which never leaves, does not hold this rank's error up by a
-  /// whole timeout.
+  /// exception on its way out, or a failure any rank recorded) it waits until every rank has
+  /// read the failure or left, at most min(close_failing_wait, timeout / 4): a frozen peer,
+  /// which never reads it, does not hold this rank's error up by a whole timeout
+  /// (group/detail/close_rules.hpp).
   void close() noexcept {
     const bool unwinding = std::uncaught_exceptions() > 0;
     // Leaving because of an exception: tell the peers why (the latest ddp::error alive here,
@@ -113,15 +114,27 @@ struct group_state {
     heartbeat_links.reset();
     launcher.reset();  // its thread records through the verdict: stopped before the store goes
     links.reset();
+    if (server) linger(failing);
     verdict.detach();
     store.reset();
-    if (server) {
-      const auto until = steady_clock::now() + (failing ? std::min<std::chrono::milliseconds>(
-                                                              detail::timing::close_failing_wait, opts.timeout / 4)
-                                                        : opts.timeout);
-      while (server->clients() > 0 && steady_clock::now() < until)
-        std::this_thread::sleep_for(detail::timing::close_poll);
-      server.reset();
+    server.reset();
+  }
+
+  /// Rank 0 keeps its store up while the others still need it (detail::decide_close): after a
+  /// failure until every rank has read why, else until they have left, within the bound.
+  void linger(bool failing) noexcept {
+    const auto start = steady_clock::now();
+    if (failing) (void)verdict.first();  // counts this rank among the readers
+    close_view v{.failing = failing,
+                 .size = size,
+                 .bound = close_bound(failing, opts.timeout, detail::timing::close_failing_wait)};
+    for (;;) {
+      // This rank's own connection is open unless it broke.
+      v.others = server->clients() - (store && !store->unusable() ? 1 : 0);
+      v.read_failure = failing && v.others > 0 ? verdict.readers() : 0;
+      v.waited = std::chrono::duration_cast<std::chrono::milliseconds>(steady_clock::now() - start);
+      if (decide_close(v).close) return;
+      std::this_thread::sleep_for(detail::timing::close_poll);
     }
   }
 
