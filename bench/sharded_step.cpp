@@ -14,7 +14,8 @@
 // (rank 0's and the largest), ddp's gradient memory (bucket buffers held, plus the averaged
 // gradient shards in the sharded mode), the largest bucket (the "one bucket" a rank may hold beside
 // its shards: a parameter larger than the cap is a bucket of its own) and the peak RSS of rank 0. Each (variant, model, ranks)
-// runs in freshly forked processes, so that peak RSS is its own.
+// runs in freshly forked processes, so that peak RSS is its own. DDP_BACKEND (shm, tcp, ...)
+// picks the reducer as for any group.
 //
 // Columns: system,model,ranks,params,steps,step_median_ms,step_p10_ms,opt_state_bytes_rank0,
 //          opt_state_bytes_max,peak_rss_bytes_rank0,ddp_grad_bytes_rank0,largest_bucket_bytes
@@ -110,6 +111,9 @@ void rank_main(int rank, int n, int port, const model_spec& m, const std::string
   io.world_size = n;
   io.master_port = port;
   io.timeout = std::chrono::seconds(120);
+  // DDP_BACKEND=tcp measures the sharded step over the ring on tcp (the default is shm on one host).
+  if (const char* b = std::getenv("DDP_BACKEND"))
+    if (auto v = ddp::parse_backend(b)) io.backend = *v;
   auto pg = ddp::init_process_group(io);
   engine e(m);
   const bool sharded = variant == "ddp_sharded_adamw" || variant == "ddp_sharded_none";

@@ -111,49 +111,63 @@ void recv_checked(T& t, const coll_desc& d, int from, void* data, std::size_t n,
   if (n) t.recv(from, data, n, until);
 }
 
-/// Reduce-scatter phase of the ring over `count` elements at `data`: afterwards this rank holds
-/// the reduction of chunk (rank + 1) mod n, finished (an average is divided). Received segments
-/// are reduced as they land.
+/// Reduce-scatter phase of the ring over `count` elements of `in`, chunk c being partition
+/// (count, n, (c + shift) mod n): afterwards the reduction of this rank's chunk (rank + 1) mod n,
+/// finished (an average is divided), is at `out`. Received segments are reduced as they land.
+/// With `in_place` (the allreduce: `in` is writable, and `out` is its finished chunk) the
+/// partial sums are kept in `in` itself; else `in` is only read and they travel through two
+/// chunks of scratch, so that a reduce-scatter from a const input needs no work copy of it.
 template <class T>
-void ring_reduce_scatter(T& t, const coll_desc& d, char* data, std::size_t count, dtype ty, op o,
-                         std::size_t segment_bytes, deadline_t until) {
+void ring_reduce_scatter(T& t, const coll_desc& d, const char* in, char* in_place, char* out, std::size_t count,
+                         dtype ty, op o, std::size_t segment_bytes, int shift, deadline_t until) {
   const int n = t.size(), r = t.rank();
   const std::size_t es = checked_size(ty);
   const std::size_t seg = std::max<std::size_t>(es, segment_bytes / es * es);
-  char* const tmp = scratch(partition(count, n, 0).size() * es);
+  auto chunk = [&](int c) { return partition(count, n, (c + shift) % n); };
+  const std::size_t most = partition(count, n, 0).size() * es;  // the first chunk is the largest
+  char* recv = scratch((in_place ? 1 : 2) * most);
+  char* held = in_place ? nullptr : recv + most;  // the partial sum this rank sends next
   for (int step = 0; step < n - 1; ++step) {
     const ring_step st = ring_schedule(r, n, step);
-    const range sc = partition(count, n, st.send_chunk), rc = partition(count, n, st.recv_chunk);
-    char* dst = data + rc.begin * es;
+    const range sc = chunk(st.send_chunk), rc = chunk(st.recv_chunk);
+    const bool last = step == n - 2;
+    // Step 0 sends this rank's own data; later steps the partial sum formed in the step before.
+    const char* send = step == 0 || in_place ? in + sc.begin * es : held;
+    char* dst = last ? out : in_place ? in_place + rc.begin * es : recv;
+    const char* mine = in + rc.begin * es;
     const std::size_t rbytes = rc.size() * es;
     std::size_t reduced = 0;
     // mine = received op mine keeps the order of operands fixed by the ring: the chunk's
     // partial sum travels in rank order and each rank adds its own contribution on the right.
     // An average scales each rank's data as it enters (the first step receives a rank's own
     // data too) and is divided in the last step, by the chunk's owner, before its one rounding.
-    const avg_step avg{n, step == 0 ? 0 : 1, step == n - 2};
+    const avg_step avg{n, step == 0 ? 0 : 1, last};
     auto reduce_upto = [&](std::size_t avail) {
       while (reduced < rbytes && (avail - reduced >= seg || avail == rbytes)) {
         const std::size_t len = std::min(seg, avail - reduced);
         if (len == 0) break;
         void* outs[1] = {dst + reduced};
-        const void* ins[2] = {tmp + reduced, dst + reduced};
+        const void* ins[2] = {recv + reduced, mine + reduced};
         combine(outs, 1, ins, 2, len / es, ty, o, avg);
         reduced += len;
       }
     };
-    exchange(t, d, st.send_to, data + sc.begin * es, sc.size() * es, st.recv_from, tmp, rbytes, until, reduce_upto);
+    exchange(t, d, st.send_to, send, sc.size() * es, st.recv_from, recv, rbytes, until, reduce_upto);
     reduce_upto(rbytes);
+    if (!in_place && !last) std::swap(recv, held);  // the partial just formed goes out next
   }
 }
 
-/// Allgather phase of the ring: the finished chunks travel around until everyone has all.
+/// Allgather phase of the ring (chunks numbered as in ring_reduce_scatter, by `shift`): the
+/// finished chunks travel around until everyone has all.
 template <class T>
-void ring_allgather(T& t, const coll_desc& d, char* data, std::size_t count, std::size_t es, deadline_t until) {
+void ring_allgather(T& t, const coll_desc& d, char* data, std::size_t count, std::size_t es, int shift,
+                    deadline_t until) {
   const int n = t.size(), r = t.rank();
+  auto chunk = [&](int c) { return partition(count, n, (c + shift) % n); };
   for (int step = n - 1; step < 2 * (n - 1); ++step) {
     const ring_step st = ring_schedule(r, n, step);
-    const range sc = partition(count, n, st.send_chunk), rc = partition(count, n, st.recv_chunk);
+    const range sc = chunk(st.send_chunk), rc = chunk(st.recv_chunk);
     exchange(t, d, st.send_to, data + sc.begin * es, sc.size() * es, st.recv_from, data + rc.begin * es, rc.size() * es,
              until);
   }
@@ -256,8 +270,10 @@ void p2p_allreduce(T& t, const coll_desc& d, deadline_t until, void* data, std::
   if constexpr (std::same_as<Algorithm, tree_algorithm>) {
     tree_allreduce(t, d, p, count, ty, o, opts, until);
   } else {
-    ring_reduce_scatter(t, d, p, count, ty, o, opts.segment_bytes, until);
-    ring_allgather(t, d, p, count, es, until);
+    // Rank r finishes chunk (r + 1) mod n of the reduce-scatter, in place.
+    char* const finished = p + partition(count, n, (t.rank() + 1) % n).begin * es;
+    ring_reduce_scatter(t, d, p, p, finished, count, ty, o, opts.segment_bytes, 0, until);
+    ring_allgather(t, d, p, count, es, 0, until);
   }
 }
 
@@ -310,32 +326,28 @@ class p2p_engine {
   void allreduce(const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype ty, op o) {
     p2p_allreduce<Algorithm>(transport_, d, until, data, count, ty, o, opts_);
   }
+  // The ring finishes chunk (r + 1) mod n on rank r; numbering the chunks from n - 1 on makes
+  // that slice r, where the caller wants it: no work buffer, no rotated copies, the input only
+  // read (the partial sums travel through two slices of scratch).
   void reduce_scatter(const coll_desc& d, deadline_t until, const void* in, void* out, std::size_t per_rank, dtype ty,
                       op o) {
-    // Ring reduce-scatter leaves chunk (r+1) mod n on rank r; rotate the input by one chunk so
-    // that rank r ends with slice r, as the caller asked.
     Transport& t = transport_;
-    const int n = t.size(), r = t.rank();
-    const std::size_t es = checked_size(ty), slice = per_rank * es;
-    std::vector<char> work(slice * static_cast<std::size_t>(n));
-    for (int c = 0; c < n; ++c)
-      copy_bytes(work.data() + static_cast<std::size_t>((c + 1) % n) * slice,
-                 static_cast<const char*>(in) + static_cast<std::size_t>(c) * slice, slice);
-    if (n > 1)
-      ring_reduce_scatter(t, d, work.data(), per_rank * static_cast<std::size_t>(n), ty, o, opts_.segment_bytes, until);
-    copy_bytes(out, work.data() + static_cast<std::size_t>((r + 1) % n) * slice, slice);
+    const int n = t.size();
+    const std::size_t slice = per_rank * checked_size(ty);
+    if (n == 1) {
+      if (out != in) copy_bytes(out, in, slice);
+      return;
+    }
+    ring_reduce_scatter(t, d, static_cast<const char*>(in), nullptr, static_cast<char*>(out),
+                        per_rank * static_cast<std::size_t>(n), ty, o, opts_.segment_bytes, n - 1, until);
   }
   void allgather(const coll_desc& d, deadline_t until, const void* in, void* out, std::size_t per_rank, dtype ty) {
     Transport& t = transport_;
     const int n = t.size(), r = t.rank();
     const std::size_t es = checked_size(ty), slice = per_rank * es;
-    // Place our slice where the ring's allgather expects chunk (r+1) mod n, then rotate back.
-    std::vector<char> work(slice * static_cast<std::size_t>(n));
-    copy_bytes(work.data() + static_cast<std::size_t>((r + 1) % n) * slice, in, slice);
-    if (n > 1) ring_allgather(t, d, work.data(), per_rank * static_cast<std::size_t>(n), es, until);
-    for (int c = 0; c < n; ++c)
-      copy_bytes(static_cast<char*>(out) + static_cast<std::size_t>(c) * slice,
-                 work.data() + static_cast<std::size_t>((c + 1) % n) * slice, slice);
+    char* const mine = static_cast<char*>(out) + static_cast<std::size_t>(r) * slice;
+    if (mine != in) copy_bytes(mine, in, slice);  // in place: the input is this rank's slice already
+    if (n > 1) ring_allgather(t, d, static_cast<char*>(out), per_rank * static_cast<std::size_t>(n), es, n - 1, until);
   }
   void broadcast(const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype ty, int root) {
     tree_broadcast(transport_, d, data, count * dtype_size(ty), root, until);
