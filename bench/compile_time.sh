@@ -9,6 +9,7 @@
 #   - `#include` alone, -fsyntax-only: ddp's umbrella, fmt, nlohmann/json, Asio, Eigen, and the
 #     standard headers that ddp's umbrella pulls in (the floor of any header-only ddp);
 #   - one instantiated `ddp::data_parallel` (a wrapper over a parameter list, one step):
+#     with <ddp/ddp.hpp>, and in compiled mode with <ddp/core.hpp> (the default path alone) too;
 #     -fsyntax-only, -O0 and -O2 to an object file; with DDP_SEPARATE_COMPILATION too (the
 #     compiled mode: the group's and the default reducer's code compiles once, in src/ddp.cpp,
 #     whose own time is a row of its own);
@@ -36,6 +37,21 @@ fi
 
 cat > "$tmp/ddp.cpp" << 'EOF'
 #include <ddp/ddp.hpp>
+EOF
+printf '#include <ddp/core.hpp>\n' > "$tmp/core.cpp"
+sed 's|<ddp/ddp.hpp>|<ddp/core.hpp>|' > "$tmp/wrapper_core.cpp" << 'EOF'
+// One data-parallel wrapper over a parameter list, one step, from the default path's header.
+#include <ddp/ddp.hpp>
+#include <vector>
+int main() {
+  auto pg = ddp::init_process_group(ddp::init_options::from_env());
+  std::vector<float> w(1000), g(1000);
+  std::vector<ddp::tensor_view> params{ddp::make_tensor_view(w, g, "w")};
+  ddp::data_parallel dp{pg, params};
+  dp.grad_ready(0);
+  dp.finish();
+  return static_cast<int>(dp.size());
+}
 EOF
 cat > "$tmp/json.cpp" << 'EOF'
 #include <nlohmann/json.hpp>
@@ -128,6 +144,11 @@ if [[ -f $root/src/ddp.cpp ]]; then
     -fsyntax-only
   row 'ddp compiled mode: one data_parallel, -O0 -c' "$tmp/wrapper.cpp" "${inc[@]}" -DDDP_SEPARATE_COMPILATION -O0 -c
   row 'ddp compiled mode: one data_parallel, -O2 -c' "$tmp/wrapper.cpp" "${inc[@]}" -DDDP_SEPARATE_COMPILATION -O2 -c
+  # <ddp/core.hpp>: the default path alone (ddp.hpp has every name in both modes).
+  row 'ddp compiled mode: #include <ddp/core.hpp>, -fsyntax-only' "$tmp/core.cpp" "${inc[@]}" \
+    -DDDP_SEPARATE_COMPILATION -fsyntax-only
+  row 'ddp compiled mode: core.hpp, one data_parallel, -O2 -c' "$tmp/wrapper_core.cpp" "${inc[@]}" \
+    -DDDP_SEPARATE_COMPILATION -O2 -c
   row 'ddp compiled mode: src/ddp.cpp (once), -O2 -c' "$root/src/ddp.cpp" "${inc[@]}" -DDDP_SEPARATE_COMPILATION -O2 -c
 fi
 if [[ -f /usr/include/torch/csrc/api/include/torch/torch.h ]]; then

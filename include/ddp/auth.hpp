@@ -27,7 +27,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Message authentication under one shared secret. Implementations must be usable from
 /// several threads at once (the store server and the mesh may handshake concurrently).
@@ -95,5 +95,5 @@ inline std::shared_ptr<const authenticator> make_authenticator(std::string_view 
   return a;
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -41,7 +41,7 @@
 #include <ddp/process_group.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Saves the values of `params` (names, dtypes, shapes and bytes; gradients are not saved), its
 /// buffers and frozen parameters when it has them (`ddp::has_buffers`, e.g. `torch_parameters`), and
@@ -326,5 +326,5 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
   return load_checkpoint(pg, path, params, pg.deadline());
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -14,7 +14,7 @@
 #include <ddp/version.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The steady clock all of ddp's deadlines are read on (named `steady_clock`, not `clock`, so that
 /// `using namespace ddp;` never hides `clock()` from <ctime>).
@@ -22,5 +22,5 @@ using steady_clock = std::chrono::steady_clock;
 /// A deadline: the point on `ddp::steady_clock` past which a blocking call gives up.
 using deadline_t = steady_clock::time_point;
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

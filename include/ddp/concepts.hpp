@@ -32,7 +32,7 @@
 #include <ddp/transport/concept.hpp>  // IWYU pragma: export
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// `R{pg}` builds a reducer over a joined process group (a collective call on every rank).
 template <class R>
@@ -148,5 +148,5 @@ A allocator_for(R& r) {
     return A{};
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -49,7 +49,7 @@
 #include <ddp/reducer/auto.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The data-parallel wrapper: one flat buffer per bucket from `Allocator`, one collective per
 /// bucket through `Reducer`, buckets chosen by `Planner`. It joins three parts, each tested on
@@ -617,5 +617,5 @@ class basic_data_parallel {
   detail::autotune_driver tune_;  // with bucket_policy::autotune
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -11,7 +11,7 @@
 #include <ddp/version.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Element type of a buffer on the wire and in buckets.
 enum class dtype : std::uint8_t { f32 = 0, f64 = 1, f16 = 2, bf16 = 3, i32 = 4, i64 = 5 };
@@ -151,5 +151,5 @@ constexpr const char* op_name(op o) noexcept {
   return "?";
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

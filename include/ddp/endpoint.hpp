@@ -19,7 +19,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// A host (name, IPv4 or IPv6 address; empty: every interface) and a port (0: any free one).
 struct endpoint {
@@ -65,5 +65,5 @@ struct endpoint {
   friend bool operator==(const endpoint&, const endpoint&) = default;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

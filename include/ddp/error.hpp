@@ -15,7 +15,7 @@
 #include <ddp/version.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Error conditions; each has a short name used in the message prefix `[ddp.NAME]`.
 enum class errc {
@@ -197,7 +197,7 @@ inline bool latest_live_error(errc& code, std::string& message) {
 }
 }  // namespace detail
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp
 
 template <>

@@ -20,7 +20,7 @@
 #include <ddp/version.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 // ground: error.hpp, dtype.hpp, auth.hpp
 class error;
@@ -94,5 +94,5 @@ class basic_data_parallel;
 /// where that engine reads them fastest.
 using data_parallel = basic_data_parallel<>;
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

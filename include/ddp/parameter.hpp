@@ -25,7 +25,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// One trainable parameter: its values, its gradient and what they look like.
 ///
@@ -450,5 +450,5 @@ std::vector<tensor_view> to_state_views(const C& c) {
   return out;
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

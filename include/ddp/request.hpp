@@ -22,7 +22,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 namespace detail {
 /// Timelines alive in this process (ddp/data_parallel/timeline.hpp). Workers note when and on
@@ -136,5 +136,5 @@ class request {
   std::shared_ptr<detail::request_state> state_;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -27,7 +27,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// SplitMix64 (Steele, Lea, Flood 2014; Vigna's reference `splitmix64.c`): adds
 /// 0x9e3779b97f4a7c15 to its state, then mixes. Used to seed `xoshiro256ss`.
@@ -308,5 +308,5 @@ class distributed_sampler {
   std::vector<std::uint64_t> mine_;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

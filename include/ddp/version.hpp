@@ -25,3 +25,30 @@
 
 /// Set once a public header of ddp is included; the private headers check it.
 #define DDP_PUBLIC_HEADER_INCLUDED 1
+
+// The ABI tag: ddp's inline namespace names how this unit was compiled, header-only or compiled
+// (DDP_SEPARATE_COMPILATION, detail/compiled.hpp), and with which optional engines compiled in
+// (DDP_WITH_MPI, DDP_WITH_NCCL), all of which change what ddp's types and functions are. Two
+// units of one program that disagree see different names for the same ddp::process_group, so a
+// call from one into the other fails to link, naming the function, instead of the one-definition
+// rule breaking in silence (tests/compile_fail/mixed_modes.sh). `ddp::` names stay as written:
+// the namespace is inline. For example `v0_h_m0_n0`: version 0, header-only, no MPI, no NCCL.
+#if defined(DDP_SEPARATE_COMPILATION)
+#define DDP_ABI_MODE_ c
+#else
+#define DDP_ABI_MODE_ h
+#endif
+#if defined(DDP_WITH_MPI)
+#define DDP_ABI_MPI_ m1
+#else
+#define DDP_ABI_MPI_ m0
+#endif
+#if defined(DDP_WITH_NCCL)
+#define DDP_ABI_NCCL_ n1
+#else
+#define DDP_ABI_NCCL_ n0
+#endif
+#define DDP_ABI_JOIN2_(v, m, p, n) v##_##m##_##p##_##n
+#define DDP_ABI_JOIN_(v, m, p, n) DDP_ABI_JOIN2_(v, m, p, n)
+/// The name of ddp's inline namespace in this unit (`namespace ddp { inline namespace DDP_ABI {`).
+#define DDP_ABI DDP_ABI_JOIN_(v0, DDP_ABI_MODE_, DDP_ABI_MPI_, DDP_ABI_NCCL_)

@@ -18,11 +18,11 @@
 #include <vector>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 class process_group;
 struct init_options;
 struct tensor_view;
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp
 
 namespace doc_context {

@@ -45,7 +45,7 @@
 #include <ddp/parameter.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Where a dlib layer's biases start in its parameter tensor, and their multipliers, as dlib's
@@ -359,5 +359,5 @@ struct parameter_traits<dlib_parameters<Net>> {
   static buffer_view buffer(const self& p, std::size_t i) { return p.buffer(i); }
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

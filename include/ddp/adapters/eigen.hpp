@@ -39,7 +39,7 @@
 #include <ddp/parameter.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The `ddp::dtype` of an Eigen scalar type; no `value` for a type ddp does not reduce.
 template <class Scalar>
@@ -491,5 +491,5 @@ struct parameter_traits<eigen_parameters> {
 
 static_assert(parameter_set<eigen_parameters>);
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -42,7 +42,7 @@
 #include <ddp/parameter.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The `ddp::dtype` of a LibTorch scalar type; `errc::unsupported` naming the type otherwise.
 inline dtype torch_dtype(c10::ScalarType t, std::string_view what = "a tensor") {
@@ -643,5 +643,5 @@ class basic_torch_data_parallel {
 /// The LibTorch wrapper with ddp's defaults (`size_planner`, `auto_reducer`, `auto_allocator`).
 using torch_data_parallel = basic_torch_data_parallel<>;
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -26,7 +26,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// `ddp::authenticator` over libsodium.
 ///
@@ -81,5 +81,5 @@ class sodium_authenticator final : public authenticator {
   unsigned char key_[crypto_auth_hmacsha512256_KEYBYTES];
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

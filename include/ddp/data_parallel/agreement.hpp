@@ -33,7 +33,7 @@
 #include <ddp/detail/timing.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// What the agreement needs from a group: this rank, the world size, an all-gather of byte
 /// strings and a broadcast of 64-bit words. `basic_data_parallel` fills it from its
@@ -340,5 +340,5 @@ class agreement {
   agreement_channel ch_;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

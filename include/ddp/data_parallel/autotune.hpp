@@ -22,7 +22,7 @@
 #include <ddp/planner/planner_concept.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The candidates tried when `bucket_policy::autotune_caps` is empty: 1, 2, 4, 8, 16, 25, 50
 /// and 100 MiB (PyTorch DDP's default, 25 MiB, among them).
@@ -254,5 +254,5 @@ class bucket_autotuner {
   autotune_report report_;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

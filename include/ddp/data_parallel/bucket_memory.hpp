@@ -29,7 +29,7 @@
 #include <ddp/request.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// One flat buffer per bucket of a plan, from `Allocator`, and the requests of the collectives
 /// that use them. Copies and zeroing go through the allocator's hooks when it has them
@@ -374,5 +374,5 @@ class bucket_memory {
   std::mutex pool_mu_;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

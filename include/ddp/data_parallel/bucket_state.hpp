@@ -21,7 +21,7 @@
 #include <ddp/planner/bucket_plan.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Per parameter: ready (or unused) in this step; per bucket: how many of its gradients are
 /// still pending. A bucket whose count reaches zero is handed to `launch` as soon as every
@@ -236,5 +236,5 @@ class bucket_state {
   bool open_ = false, sync_ = true, finishing_ = false, record_order_ = false;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -20,7 +20,7 @@
 #include <ddp/parameter.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The staging layout of the buffers that are made alike after each synchronized step: every
 /// `buffer_kind::buffer` with elements, grouped by dtype (each group 64-byte aligned), in
@@ -98,5 +98,5 @@ struct step_record {
   static std::size_t bytes(std::size_t parameters) noexcept { return (parameters + 1) * sizeof(std::int64_t); }
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -13,7 +13,7 @@
 #include <ddp/version.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// How the wrapper keeps a model's buffers (`buffer_kind::buffer`: BatchNorm statistics and the
 /// like) alike across ranks after construction, where every buffer and frozen parameter becomes
@@ -165,5 +165,5 @@ struct autotune_report {
   std::vector<autotune_candidate> candidates;  ///< in the order they were tried (ascending caps)
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -22,7 +22,7 @@
 #include <ddp/planner/bucket_plan.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// This rank's slice of one parameter in the sharded mode (`data_parallel::shard_slices()`):
 /// elements `[offset, offset + count)` of parameter `param` lie in this rank's shard; `values`
@@ -91,5 +91,5 @@ struct shard_layout {
   }
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

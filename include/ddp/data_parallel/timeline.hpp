@@ -41,7 +41,7 @@
 #include <ddp/request.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The file rank `rank` records into, for the path `base` given in `DDP_TIMELINE` or
 /// `dp_options::timeline`: `{rank}` in `base` is replaced by the rank; a `base` without it gets
@@ -522,5 +522,5 @@ class timeline {
   bool names_cached_ = false;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -24,7 +24,7 @@
 #include <string_view>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Appends `v` to `out` as 4 little-endian bytes.
@@ -196,5 +196,5 @@ class byte_reader {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -25,7 +25,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 enum class coll_kind : std::uint8_t { allreduce = 1, broadcast, reduce_scatter, allgather, barrier };
@@ -177,5 +177,5 @@ inline void check_overlap(const char* what, int rank, const void* large, std::si
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -26,7 +26,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// What a rank's part of a step came to: empty `message` when it succeeded.
@@ -143,5 +143,5 @@ void settle(Group& pg, const outcome& mine, deadline_t until) {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -11,7 +11,7 @@
 #endif
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Copies `n` bytes with plain vector loads and stores. glibc's memcpy uses `rep movsb` for
@@ -72,5 +72,5 @@ inline void copy_bytes_streaming(void* dst, const void* src, std::size_t n) noex
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

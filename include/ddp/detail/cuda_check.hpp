@@ -11,7 +11,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 [[noreturn]] inline void raise_cuda(cudaError_t e, const char* expr, const char* file, int line) {
@@ -48,7 +48,7 @@ class cuda_device_guard {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp
 
 /// Evaluates a CUDA runtime call; on failure clears the last error and throws `ddp::error`

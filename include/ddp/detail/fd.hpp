@@ -12,7 +12,7 @@
 #include <utility>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// An errno as a message: its text and its number ("No such file or directory (errno 2)").
@@ -57,5 +57,5 @@ class fd_handle {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

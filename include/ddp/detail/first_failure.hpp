@@ -13,7 +13,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Whether `c` is a verdict about the group (a peer lost, a deadline passed, the group
@@ -69,5 +69,5 @@ class first_failure {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -42,7 +42,7 @@
 #include <ddp/version.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 enum class flight_state : std::uint8_t { empty = 0, queued, started, finished, failed };
@@ -492,5 +492,5 @@ inline void flight_ring::install_signal(flight_registry& reg, int sig, int rank)
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -22,7 +22,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// How many fork()s lie between this process and the first one that used ddp: a
@@ -73,5 +73,5 @@ void abandon(std::unique_ptr<T> p) noexcept {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -11,7 +11,7 @@
 #include <string_view>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Length of the well-formed UTF-8 sequence at s[i] (1 to 4), or 0 when the bytes there are not
@@ -116,5 +116,5 @@ inline void append_int(std::string& out, long long v) {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

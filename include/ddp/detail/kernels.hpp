@@ -88,7 +88,7 @@
 #endif
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 namespace kern {
@@ -895,7 +895,7 @@ inline float max_abs_finite(const float* src, std::size_t n) noexcept {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp
 
 // The bulk f16/bf16 conversions, and F16C at run time.

@@ -21,7 +21,7 @@
 #endif
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 // ---- bulk conversions between f32 and a 16-bit wire type (compression hooks) ----------------
@@ -312,5 +312,5 @@ inline void widen_from_bf16(float* dst, const bfloat16* src, std::size_t n, floa
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

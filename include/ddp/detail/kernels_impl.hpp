@@ -11,7 +11,7 @@
 #include <ddp/detail/kernels.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 DDP_DECL void reduce_into(void* dst, const void* src, std::size_t n, dtype t, op o) {
@@ -75,5 +75,5 @@ DDP_DECL void avg_finish(void* p, std::size_t n, dtype t, int world) {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -17,7 +17,7 @@
 #include <string_view>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// The file of rank `rank` for the setting `base`: `{rank}` in `base` is replaced by the rank; a
@@ -146,5 +146,5 @@ inline int replace_file(const std::string& path, std::string_view text) noexcept
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

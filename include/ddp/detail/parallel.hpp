@@ -9,7 +9,7 @@
 #include <cstddef>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Runs body(begin, end, ctx) over [0, n) in pieces of at least `grain`, possibly in parallel.
@@ -25,5 +25,5 @@ inline std::atomic<parallel_for_fn>& parallel_hook() noexcept {
 inline constexpr std::size_t parallel_min_bytes = std::size_t{4} << 20;
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

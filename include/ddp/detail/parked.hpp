@@ -20,7 +20,7 @@
 #include <utility>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Something parked: its destructor releases it.
@@ -66,5 +66,5 @@ inline std::unique_ptr<parked_object> take_parked() noexcept {
 inline void drop_parked() noexcept { take_parked().reset(); }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

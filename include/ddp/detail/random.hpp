@@ -11,7 +11,7 @@
 #include <random>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// 64 bits from the kernel's random source (getrandom(2)); std::random_device where that call
@@ -33,5 +33,5 @@ inline std::uint64_t random_u64() noexcept {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -31,7 +31,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 using clock = ddp::steady_clock;
@@ -284,5 +284,5 @@ inline errc to_errc(const std::error_code& ec) {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -12,7 +12,7 @@
 #include <ddp/detail/fork.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 inline long os_thread_id() noexcept {
@@ -30,5 +30,5 @@ inline long os_thread_id() noexcept {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

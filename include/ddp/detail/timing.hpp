@@ -12,7 +12,7 @@
 #include <cstdint>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail::timing {
 
 using namespace std::chrono_literals;
@@ -170,5 +170,5 @@ std::chrono::steady_clock::time_point collective_deadline(std::chrono::duration<
 inline constexpr std::chrono::milliseconds hier_follow_grace = 1500ms;
 
 }  // namespace detail::timing
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

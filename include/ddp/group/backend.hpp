@@ -16,7 +16,7 @@
 #include <ddp/version.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Which collectives engine the default reducer (`ddp::auto_reducer`, reducer/auto.hpp) uses;
 /// by name in `DDP_BACKEND`, as PyTorch's `init_process_group("gloo")`. See docs/cluster.md.
@@ -55,5 +55,5 @@ inline std::optional<backend> parse_backend(std::string_view name) noexcept {
   return std::nullopt;
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -54,7 +54,7 @@
 #include <ddp/group/verdict.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// How an elastic group re-forms (docs/elastic.md).
 struct elastic_options {
@@ -708,5 +708,5 @@ class basic_elastic_group {
 /// The elastic group of real processes (group/detail/elastic_env.hpp).
 using elastic_group = basic_elastic_group<detail::elastic_env>;
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -10,7 +10,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// A failure as the group records it: its condition and a sentence that names the rank it
 /// happened on ("rank 2 reports: lost connection to rank 3 (...)"), so that any rank can
@@ -28,5 +28,5 @@ struct group_failure {
   }
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -15,7 +15,7 @@
 #include <ddp/group/detail/env.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// How a process joins its group. See docs/process-group.md.
 ///
@@ -149,7 +149,7 @@ inline void refuse_elastic_backend(const init_options& o) {
 }
 }  // namespace detail
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp
 
 #if !defined(DDP_SEPARATE_COMPILATION)

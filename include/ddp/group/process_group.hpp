@@ -28,7 +28,7 @@
 #include <ddp/group/init_options.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 class store_client;  // group/store_client.hpp
 namespace detail {
 struct group_state;  // group/detail/group_state.hpp
@@ -219,7 +219,7 @@ requires(!std::is_const_v<T>) void process_group::all_reduce(std::span<T, Extent
 /// \endcode
 process_group init_process_group(const init_options& opts);
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp
 
 #if !defined(DDP_SEPARATE_COMPILATION)

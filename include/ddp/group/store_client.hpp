@@ -29,7 +29,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// A connection to the store. Calls take turns on it (each waits for its turn until its own
 /// deadline); each takes a deadline.
@@ -369,5 +369,5 @@ class store_client {
   detail::owner_process owner_;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

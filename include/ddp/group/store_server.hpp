@@ -34,7 +34,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Memory the store may hold, so that no client (or crowd of clients) can grow rank 0 without
 /// bound (docs/security.md). By default the store's growth is bounded by 256 MiB in all: 128 MiB
@@ -721,5 +721,5 @@ class store_server {
   std::optional<detail::event_loop> loop_;  // last: its thread stops before the rest goes
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -24,7 +24,7 @@
 #include <ddp/version.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 namespace detail {
 /// The first line of the file at `path` (empty when it cannot be read).
@@ -117,5 +117,5 @@ struct topology {
   }
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

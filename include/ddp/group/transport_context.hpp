@@ -15,7 +15,7 @@
 #include <ddp/group/process_group.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 class failure_verdict;  // group/verdict.hpp
 struct group_failure;   // group/failure.hpp
 namespace detail {
@@ -103,7 +103,7 @@ class transport_context {
   failure_verdict* verdict_ = nullptr;  // the group's; lives as long as pg_ does
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp
 
 #if !defined(DDP_SEPARATE_COMPILATION)

@@ -31,7 +31,7 @@
 #include <ddp/group/store_client.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The group's failure record and the judgement on a failed link, for one rank. One per group,
 /// shared by the group and every transport on it (through `transport_context::verdict()`).
@@ -374,5 +374,5 @@ class failure_verdict {
   detail::owner_process owner_;  // the process that joined: a forked child's copy records nothing
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

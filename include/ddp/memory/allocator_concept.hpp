@@ -11,7 +11,7 @@
 #include <ddp/version.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Where an allocator's memory lives; the wrapper and reducers pick their copy path from it.
 enum class memory_kind {
@@ -120,5 +120,5 @@ constexpr bool allocates_device_memory() noexcept {
     return false;
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -21,7 +21,7 @@
 #endif
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Segment memory when the reducer has a segment, device memory for NCCL, host memory
 /// otherwise. A block the segment cannot hold (a small /dev/shm, as containers have by
@@ -100,7 +100,7 @@ class auto_allocator {
 
 static_assert(device_allocator<auto_allocator>);
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp
 
 #if !defined(DDP_SEPARATE_COMPILATION)

@@ -14,7 +14,7 @@
 #include <ddp/memory/detail/cuda_release.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Device memory on one GPU, allocated and freed in the order of `stream`.
 ///
@@ -117,5 +117,5 @@ struct cuda_allocator {
 
 static_assert(copying_allocator<cuda_allocator>);
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

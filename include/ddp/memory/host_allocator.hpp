@@ -12,7 +12,7 @@
 #include <ddp/memory/allocator_concept.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Host memory from `std::aligned_alloc`: 64-byte (cache-line) alignment, and page alignment
 /// from `page_threshold` bytes up, so that large buckets start on a page and can be registered
@@ -59,5 +59,5 @@ struct host_allocator {
 
 static_assert(device_allocator<host_allocator>);
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -13,7 +13,7 @@
 #include <ddp/memory/detail/cuda_release.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Page-locked host memory: the CPU reads it like any host buffer, and GPUs and NICs reach it by
 /// DMA without a staging copy. Pinning is slow and limited, so it suits long-lived bucket
@@ -52,5 +52,5 @@ struct pinned_allocator {
 
 static_assert(device_allocator<pinned_allocator>);
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -10,7 +10,7 @@
 #include <ddp/memory/allocator_concept.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Allocates from this rank's part of a `ddp::shm` arena. A cheap handle: copies share the
 /// transport, which must outlive them and every block they handed out.
@@ -45,5 +45,5 @@ class shm_allocator {
 
 static_assert(device_allocator<shm_allocator>);
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -20,7 +20,7 @@
 #include <ddp/optim/shard_optimizer.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The hyperparameters of `ddp::adamw`, named and defaulted as `torch.optim.AdamW`'s.
 struct adamw_options {
@@ -79,5 +79,5 @@ struct adamw {
   }
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -19,7 +19,7 @@
 #include <ddp/optim/shard_optimizer.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The hyperparameters of `ddp::sgd`, named and defaulted as `torch.optim.SGD`'s.
 struct sgd_options {
@@ -82,5 +82,5 @@ struct sgd {
   }
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -30,7 +30,7 @@
 #include <ddp/version.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Elements `[shard_offset, shard_offset + count)` of a rank's shard of a bucket are elements
 /// `[param_offset, param_offset + count)` of parameter `param` (an index into the parameter
@@ -93,5 +93,5 @@ concept shard_optimizer = requires(O& o, const O& co, const shard_step& s) {
   o.step(s);
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -29,7 +29,7 @@
 #include <ddp/detail/parallel.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 inline int default_kernel_threads() {
@@ -103,5 +103,5 @@ inline void set_kernel_threads(int threads) {
   use_tbb();
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -13,7 +13,7 @@
 #include <ddp/dtype.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Run-time bucketing knobs; a value, never a template argument.
 ///
@@ -130,5 +130,5 @@ struct bucket_plan {
   friend bool operator==(const bucket_plan&, const bucket_plan&) = default;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -10,7 +10,7 @@
 #include <ddp/planner/bucket_plan.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// `p.plan(params, policy, order)` returns a `bucket_plan`.
 ///
@@ -30,5 +30,5 @@ concept has_plan_function = requires(const P& p, std::span<const param_info> par
 template <class P>
 concept bucket_planner = std::default_initializable<P> && std::copy_constructible<P> && has_plan_function<P>;
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

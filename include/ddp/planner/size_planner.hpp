@@ -17,7 +17,7 @@
 #include <ddp/planner/planner_concept.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Greedy size-capped bucketing, the rule of PyTorch's `compute_bucket_assignment_by_size`.
 ///
@@ -139,5 +139,5 @@ struct size_planner {
 
 static_assert(bucket_planner<size_planner>);
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

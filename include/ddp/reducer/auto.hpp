@@ -59,7 +59,7 @@
 #endif
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 class solo_reducer;  // reducer/detail/auto_impl.hpp: the engine of a group of one rank
 }  // namespace detail
@@ -153,7 +153,7 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
   std::chrono::milliseconds timeout_{0};
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp
 
 #if !defined(DDP_SEPARATE_COMPILATION)

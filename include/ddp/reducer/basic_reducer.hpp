@@ -24,7 +24,7 @@
 #include <ddp/transport/concept.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Run-time tunables of ring and tree reducers. See docs/reducers.md.
 struct reducer_options {
@@ -85,5 +85,5 @@ using ring = basic_reducer<ring_algorithm, Transport>;
 template <class Transport>
 using tree = basic_reducer<tree_algorithm, Transport>;
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

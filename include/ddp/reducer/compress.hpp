@@ -49,7 +49,7 @@
 #include <ddp/reducer/hooked.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 namespace detail {
 
@@ -132,5 +132,5 @@ struct fp16_compress : detail::compress_hook<half> {};
 /// \endcode
 struct bf16_compress : detail::compress_hook<bfloat16> {};
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

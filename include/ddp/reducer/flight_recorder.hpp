@@ -28,7 +28,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The flight record of this process: every live reducer's ring, as one JSON document.
 struct flight_recorder {
@@ -60,5 +60,5 @@ struct flight_recorder {
   }
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -55,7 +55,7 @@
 #endif
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Tunables of `ddp::hierarchical`.
 struct hierarchical_options {
@@ -381,5 +381,5 @@ class hierarchical : public detail::reducer_front_end<detail::hier_engine> {
   ddp::backend between() const noexcept { return this->engine().between(); }
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -47,7 +47,7 @@
 #include <ddp/detail/timing.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// One tensor packed in a bucket, as the data-parallel wrapper hands it to a communication hook
 /// (comm_bucket::tensors below): the gradient of parameter `param` at elements
@@ -375,5 +375,5 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   detail::progress_of<Inner> progress_;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

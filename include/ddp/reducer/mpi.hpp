@@ -47,7 +47,7 @@
 #include <ddp/request.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The engine of `mpi_reducer`: the MPI handles, and one MPI call per collective, made on the
 /// reducer's progress thread (reducer/detail/front_end.hpp calls it; use `mpi_reducer`).
@@ -341,5 +341,5 @@ class mpi_reducer : public detail::reducer_front_end<mpi_engine> {
   std::chrono::milliseconds timeout() const noexcept { return engine().timeout(); }
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

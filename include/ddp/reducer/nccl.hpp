@@ -58,7 +58,7 @@
 #endif
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The ddp condition of an NCCL result: `ncclInvalidArgument` is the caller's argument,
 /// `ncclInvalidUsage` a misuse, `ncclRemoteError` a peer that failed or vanished; CUDA, system
@@ -81,7 +81,7 @@ inline errc nccl_condition(ncclResult_t r) noexcept {
   }
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp
 
 /// Evaluates an NCCL call; any result but `ncclSuccess` throws `ddp::error` naming the NCCL
@@ -97,7 +97,7 @@ inline errc nccl_condition(ncclResult_t r) noexcept {
   } while (false)
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The engine of `nccl_reducer`: the communicator, its stream and device. A collective is
 /// enqueued on the caller's thread (NCCL orders it on the stream) and completed on the reducer's
@@ -583,5 +583,5 @@ class nccl_reducer : public detail::reducer_front_end<nccl_engine> {
   std::chrono::milliseconds timeout() const noexcept { return engine().timeout(); }
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -56,7 +56,7 @@
 #include <ddp/reducer/hooked.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// PowerSGD's settings, named and defaulted as PyTorch's `PowerSGDState`.
 struct powersgd_options {
@@ -330,5 +330,5 @@ class powersgd {
   std::uint64_t in_ = 0, wire_ = 0;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -39,7 +39,7 @@
 #include <ddp/transport/concept.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 namespace detail {
 
@@ -362,5 +362,5 @@ class p2p_engine {
 
 }  // namespace detail
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

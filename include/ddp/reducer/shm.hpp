@@ -28,12 +28,9 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <new>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -47,61 +44,22 @@
 #include <ddp/detail/fork.hpp>
 #include <ddp/reducer/detail/futex.hpp>
 #include <ddp/detail/kernels.hpp>
-#include <ddp/detail/parked.hpp>
-#include <ddp/detail/random.hpp>
 #include <ddp/reducer/detail/schedule.hpp>
 #include <ddp/reducer/detail/shm_segment.hpp>
+#include <ddp/reducer/detail/shm_session.hpp>
+#include <ddp/reducer/shm_options.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/store_client.hpp>
-#include <ddp/group/topology.hpp>
 #include <ddp/group/verdict.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/basic_reducer.hpp>
 #include <ddp/reducer/detail/front_end.hpp>
 
 namespace ddp {
-inline namespace v0 {
-
-/// Allreduce algorithm of `ddp::shm`.
-enum class shm_algo : std::uint8_t {
-  /// Reduce-scatter + allgather: rank r reduces slice r of every rank's input and writes it to
-  /// every rank's output. Reads and writes each byte once per rank: the bandwidth path.
-  ring,
-  /// Every rank reduces the whole message from all ranks' staging slots into its own buffer:
-  /// one synchronization less per chunk, n times the reads. The latency path for small messages.
-  tree,
-};
-
-constexpr const char* shm_algo_name(shm_algo a) noexcept { return a == shm_algo::tree ? "tree" : "ring"; }
-
-/// Tunables of `ddp::shm`; see docs/reducers.md. Geometry (segment and slot sizes) is taken
-/// from rank 0; `spin` and `host_id` are per rank.
-struct shm_options {
-  /// Bytes of the zero-copy arena that `ddp::shm_allocator` hands out; each rank owns
-  /// segment_bytes / world of it. 0 (the default): each rank's part is as large as /dev/shm, so
-  /// the arena holds whatever fits in /dev/shm. Either way pages are reserved only as blocks are
-  /// handed out. See "Shared-memory sizing" in docs/reducers.md.
-  std::size_t segment_bytes = 0;
-  /// Staging bytes per rank per pipeline slot (two slots). Cache-sized, so staged chunks stay
-  /// in L2/L3 between the copy-in, the reduction and the copy-out.
-  std::size_t slot_bytes = std::size_t{1} << 20;
-  /// Polls of a peer's counter before sleeping on it. When there are more ranks than cores a
-  /// spinning waiter steals the core its peer needs, so the engine spins less then.
-  int spin = 2000;
-  /// Overrides the host identity compared across ranks (empty: `DDP_HOST_ID` when set, else the
-  /// host name, boot id, network namespace and /dev/shm's device). Lets tests pretend ranks
-  /// live on different hosts.
-  std::string host_id{};
-  /// The group's ranks that share this segment, ascending (empty: every rank of the group).
-  /// Every rank of the group constructs its `shm` at the same time, each naming its own host's
-  /// ranks (`ddp::topology`): one segment per host, as `ddp::hierarchical` builds them.
-  /// `rank()` and `size()` are then this host's; errors name the group's ranks.
-  std::vector<int> members{};
-  friend bool operator==(const shm_options&, const shm_options&) = default;
-};
+inline namespace DDP_ABI {
 
 /// Shared-memory collectives engine for ranks on one host (the engine of `ring<shm>` and `tree<shm>`,
 /// and usable on its own).
@@ -119,189 +77,15 @@ class shm {
  public:
   /// Built from the group (`ddp::shm s{pg}`), collectively.
   explicit shm(transport_context ctx, shm_options o = {})
-      : rank_(ctx.rank()),
-        size_(ctx.size()),
-        grank_(ctx.rank()),
+      : grank_(ctx.rank()),
         opts_(std::move(o)),
         note_after_(std::min<std::chrono::milliseconds>(detail::timing::shm_note_waiting, ctx.timeout() / 4)),
         ctx_(ctx) {
-    const auto until = ctx.deadline();
-    const int channel = ctx.channel();
-    auto& pg = ctx.group();
-    if (opts_.members.empty()) {
-      for (int r = 0; r < ctx.size(); ++r) members_.push_back(r);
-    } else {
-      members_ = opts_.members;
-      const auto me = std::find(members_.begin(), members_.end(), grank_);
-      if (!std::is_sorted(members_.begin(), members_.end()) ||
-          std::adjacent_find(members_.begin(), members_.end()) != members_.end() || me == members_.end() ||
-          members_.front() < 0 || members_.back() >= ctx.size())
-        raise_here(errc::invalid_argument,
-                   "shm_options::members must list distinct ranks of the group in ascending order, this rank among "
-                   "them");
-      rank_ = static_cast<int>(me - members_.begin());
-      size_ = static_cast<int>(members_.size());
-    }
-    part_ = rank_;
-
-    // 1. Same host, sane options: agreed through the process group before touching /dev/shm,
-    //    so every rank raises the same error.
-    std::string bad;
-    if (opts_.slot_bytes < 4096) bad = "shm_options::slot_bytes must be at least 4096";
-    if (opts_.spin < 0) bad = "shm_options::spin must not be negative";
-    const std::string host = opts_.host_id.empty() ? host_identity() : opts_.host_id;
-    // A segment the last generation of an elastic group left mapped in this process (its
-    // engine parked it: detail/parked.hpp). Taken now: reused below when every rank of this
-    // segment holds the same one, else released before a new one is made.
-    std::unique_ptr<detail::parked_object> taken = detail::take_parked();
-    auto* parked = dynamic_cast<parked_segment*>(taken.get());
-    // Each rank's draw of the segment name's random part leads its entry (16 hex digits); the
-    // segment's rank 0's is used. It travels over the group's connections, never through the
-    // store, so no other local user can know the name before the segment exists and create it
-    // first (docs/security.md). Then the host, this process's pid, the name of the segment it
-    // holds parked (if any) and its part of that segment's arena, and what is wrong with its
-    // options: "<drawn><host>\n<pid>[ <parked name> <part>]\n<bad>".
-    char drawn[17];
-    std::snprintf(drawn, sizeof drawn, "%016llx", static_cast<unsigned long long>(detail::random_u64()));
-    auto hosts =
-        pg.all_gather(std::string(drawn) + host + '\n' + std::to_string(::getpid()) +
-                      (parked ? " " + parked->name + " " + std::to_string(parked->part) : std::string()) + '\n' + bad);
-    std::string secret_part;
-    std::vector<std::string> held(static_cast<std::size_t>(ctx.size()));  // by rank: "<pid>[ <name> <part>]"
-    for (int r = 0; r < ctx.size(); ++r) {
-      auto& h = hosts[static_cast<std::size_t>(r)];
-      const auto nl = h.find('\n');
-      const auto nl2 = nl == std::string::npos ? nl : h.find('\n', nl + 1);
-      if (h.size() < 16 || nl2 == std::string::npos)
-        raise_here(errc::protocol, "rank " + std::to_string(r) + " sent a malformed shm setup entry");
-      if (r == members_[0]) secret_part = h.substr(0, 16);
-      held[static_cast<std::size_t>(r)] = h.substr(nl + 1, nl2 - nl - 1);
-      if (nl2 + 1 < h.size())
-        raise_here(errc::invalid_argument, "rank " + std::to_string(r) + ": " + h.substr(nl2 + 1));
-      h.erase(nl);  // the host
-      h.erase(0, 16);
-    }
-    for (int r = 1; r < size_; ++r) {
-      const auto& a = hosts[static_cast<std::size_t>(members_[0])];
-      const auto& b = hosts[static_cast<std::size_t>(members_[static_cast<std::size_t>(r)])];
-      if (a.substr(0, a.find('\n')) != b.substr(0, b.find('\n')))
-        raise_here(errc::unsupported, "shm needs all its ranks on one host; ranks " + std::to_string(members_[0]) +
-                                          " and " + std::to_string(members_[static_cast<std::size_t>(r)]) +
-                                          " are on different hosts (" + a.substr(0, a.find('\n')) + " vs " +
-                                          b.substr(0, b.find('\n')) +
-                                          "); use ddp::tcp or ddp::hierarchical across hosts");
-    }
-
-    // 2. Rank 0 creates the segment and publishes its geometry; the others map it.
-    char idhex[17];
-    std::snprintf(idhex, sizeof idhex, "%016llx", static_cast<unsigned long long>(ctx.group_id()));
-    name_ = "/ddp-" + std::string(idhex) + "-" + std::to_string(channel);
-    if (!opts_.members.empty()) name_ += "-" + std::to_string(members_[0]);  // one segment per host
-    name_ += "-" + secret_part;
-    const std::string key = "ddp/shm" + name_;
-    std::string why;
-    // The name must go even when this constructor throws (a peer lost during setup), or it
-    // would stay in /dev/shm after every process has ended. Every rank removes it on failure:
-    // rank 0 may be the one lost, killed between creating the segment and unlinking it. The
-    // name is this group's own (its id and a random part only its members know), so nothing
-    // else can be removed by it.
-    struct unlink_guard {
-      const std::string* name = nullptr;
-      ~unlink_guard() {
-        if (name != nullptr) ::shm_unlink(name->c_str());
-      }
-    } guard{&name_};
-    std::size_t kept_reserved = 0;  // a segment taken over: this rank's part has pages up to here
-    if (rank_ == 0) {
-      const std::size_t before = detail::make_shm_layout(size_, opts_.slot_bytes, nslots, 0).arena;
-      const auto arena = detail::shm_arena(size_, opts_.segment_bytes, before);
-      layout_ = detail::make_shm_layout(size_, opts_.slot_bytes, nslots, arena.bytes);
-      arena_bound_ = arena.bound;
-      std::vector<int> parts;  // reuse: each rank's part of the arena, its part in the last generation
-      reused_ = parked != nullptr && can_reuse(*parked, held, parts);
-      std::string geometry = std::to_string(layout_.slot_bytes) + " " + std::to_string(layout_.arena_bytes);
-      if (reused_) {
-        // The last generation's segment, which every rank here holds mapped and nobody else
-        // can touch any more. Its geometry stays (its slots and arena parts were laid out for
-        // as many ranks as it had, at least as many as now), each rank keeps the part of the
-        // arena it had, whose pages are still in its page tables, and only the header and the
-        // control blocks start anew.
-        layout_ = parked->layout;
-        part_ = parts[0];
-        kept_reserved = parked->reserved_end;
-        map_ = std::move(parked->map);
-        init_segment();
-        geometry = std::to_string(layout_.slot_bytes) + " " + std::to_string(layout_.arena_bytes) + " " +
-                   std::to_string(layout_.world);
-        for (int q : parts) geometry += " " + std::to_string(q);
-      } else {
-        taken.reset();  // released before a new segment takes its room
-        parked = nullptr;
-        // Header, control blocks and slots are reserved now; the arena as it is handed out.
-        why = map_.create(name_, layout_.total, layout_.arena);
-        if (why.rfind("mmap(", 0) == 0)
-          why = "mapping its " + detail::shm_mib(layout_.total) + " of address space (an arena sized by " +
-                arena.bound + "; pass shm_options::segment_bytes to map less): " + why;
-        else if (!why.empty() && why.rfind("another process holds", 0) != 0)
-          why = "header and staging slots (" + detail::shm_mib(layout_.arena) + "): " + why;
-        if (why.empty()) init_segment();
-      }
-      // "ok <slot bytes> <arena bytes>", or "reuse <slot bytes> <arena bytes> <parts> <part of
-      // rank 0> <part of rank 1> ...".
-      ctx.store().set(key, why.empty() ? std::string(reused_ ? "reuse " : "ok ") + geometry : "error " + why, until);
-    } else {
-      const std::string v = ctx.store().get(key, until);
-      std::istringstream in(v);
-      std::string how;
-      std::size_t slot = 0, arena = 0;
-      int parts = size_;
-      in >> how >> slot >> arena;
-      if (how == "reuse") in >> parts;
-      std::vector<int> part_of(static_cast<std::size_t>(size_), -1);
-      for (int r = 0; how == "reuse" && r < size_; ++r) in >> part_of[static_cast<std::size_t>(r)];
-      const bool parts_ok = parts >= size_ && std::all_of(part_of.begin(), part_of.end(), [&](int q) {
-                              return how != "reuse" || (q >= 0 && q < parts);
-                            });
-      if (v.rfind("error ", 0) == 0) {
-        why = "rank 0 could not create the segment: " + v.substr(6);
-      } else if (in.fail() || (how != "ok" && how != "reuse") || !parts_ok) {
-        why = "malformed segment geometry '" + v + "' in the store";
-      } else {
-        layout_ = detail::make_shm_layout(parts, slot, nslots, arena);
-        arena_bound_ = detail::shm_arena(size_, opts_.segment_bytes, layout_.arena).bound;
-        reused_ = how == "reuse";
-        if (!reused_) {
-          taken.reset();
-          why = map_.open(name_, layout_.total);
-        } else if (parked != nullptr && parked->map.size() >= layout_.total) {
-          map_ = std::move(parked->map);  // the one rank 0 found every rank holding
-          part_ = part_of[static_cast<std::size_t>(rank_)];
-          if (part_ == parked->part) kept_reserved = parked->reserved_end;
-        } else {
-          why = "rank 0 reuses the last generation's segment, which this process no longer holds";
-        }
-        if (why.empty() &&
-            (header()->magic != detail::shm_magic || header()->version != detail::shm_version ||
-             header()->world != static_cast<std::uint32_t>(size_) || header()->total_bytes != layout_.total))
-          why = "segment " + name_ + " has an unexpected header";
-      }
-    }
-    taken.reset();
-    if (why.empty()) block(rank_).pid.store(static_cast<std::int32_t>(::getpid()), std::memory_order_release);
-    // 3. Once everyone has it mapped (or failed), the name goes: the mapping keeps the memory.
-    // Every rank removes it (a second removal finds nothing): a rank returns from all_gather
-    // only after every rank had mapped the segment, and rank 0 may be killed right after it
-    // sent its part, before it could remove the name itself.
-    const auto failed = detail::first_failed([&](const std::string& m) { return pg.all_gather(m); },
-                                             detail::outcome{errc::system, -1, why});
-    ::shm_unlink(name_.c_str());
-    guard.name = nullptr;
-    if (failed.rank >= 0)
-      raise_here(errc::system, "shared-memory segment " + name_ + " could not be set up on rank " +
-                                   std::to_string(failed.rank) + ": " + failed.what.message);
-
-    heap_ = std::make_unique<detail::arena_heap>(layout_.part_begin(part_), layout_.part_end(part_));
-    reserved_end_ = std::clamp(kept_reserved, layout_.part_begin(part_), layout_.part_end(part_));
+    seg_ = detail::open_shm_session(ctx, opts_);
+    rank_ = seg_.rank;
+    size_ = seg_.size;
+    heap_ = std::make_unique<detail::arena_heap>(seg_.layout.part_begin(seg_.part), seg_.layout.part_end(seg_.part));
+    reserved_end_ = std::clamp(seg_.kept_reserved, seg_.layout.part_begin(seg_.part), seg_.layout.part_end(seg_.part));
     ins_.resize(static_cast<std::size_t>(size_));
     outs_.resize(static_cast<std::size_t>(size_));
     peers_.resize(static_cast<std::size_t>(size_));
@@ -323,29 +107,20 @@ class shm {
     watch_.reset();  // no call from the group's failure while this goes
     // A forked child's copy maps the parent's segment: marking it closed would fail the
     // parent's peers. Only the child's mapping goes (with the members).
-    if (map_.base() == nullptr || owner_.forked()) return;
+    if (seg_.map.base() == nullptr || owner_.forked()) return;
     auto& me = block(rank_);
     me.closed.store(1, std::memory_order_seq_cst);
     detail::futex_wake_all(&me.counter);
     // A generation of an elastic group: the next one, formed on this host from the same
-    // processes, may take the segment over (the constructor's can_reuse), instead of every
+    // processes, may take the segment over (shm_session::can_reuse), instead of every
     // rank freeing its pages now and the next segment allocating, zeroing and faulting in as
     // many again. The elastic group drops it when nobody took it (detail/parked.hpp).
-    if (ctx_.elastic()) try {
-        auto p = std::make_unique<parked_segment>();
-        p->name = name_;
-        p->layout = layout_;
-        p->part = part_;
-        p->reserved_end = reserved_end_;
-        p->map = std::move(map_);
-        detail::park(std::move(p));
-      } catch (...) {  // no memory for the note: the segment goes now, as without an elastic group
-      }
+    if (ctx_.elastic()) seg_.park(reserved_end_);
   }
 
   /// True when this transport took over the segment of the last generation of its elastic
   /// group (docs/elastic.md, "Re-forming in the same memory") instead of making a new one.
-  bool reused_segment() const noexcept { return reused_; }
+  bool reused_segment() const noexcept { return seg_.reused; }
 
   /// This rank's index among the segment's ranks (its rank in the group unless
   /// shm_options::members was given).
@@ -353,10 +128,10 @@ class shm {
   /// How many ranks share the segment.
   int size() const noexcept { return size_; }
   /// The group's ranks that share the segment, ascending.
-  const std::vector<int>& members() const noexcept { return members_; }
+  const std::vector<int>& members() const noexcept { return seg_.members; }
   const shm_options& options() const noexcept { return opts_; }
   /// Name the segment had in /dev/shm; already unlinked once the constructor returned.
-  const std::string& name() const noexcept { return name_; }
+  const std::string& name() const noexcept { return seg_.name; }
 
   /// In-place allreduce of `count` elements at `data`; every rank ends with the same bits.
   /// Buffers from `allocate()` on every rank take the zero-copy path.
@@ -401,7 +176,7 @@ class shm {
         // Every rank's input lies in the arena: this rank's slice of each, combined straight
         // into `out_slice`; nobody returns (and reuses its input) before every rank has read.
         for (int j = 0; j < size_; ++j)
-          ins_[j] = map_.base() + peers_[j].arena_offset + static_cast<std::size_t>(rank_) * slice_bytes;
+          ins_[j] = seg_.map.base() + peers_[j].arena_offset + static_cast<std::size_t>(rank_) * slice_bytes;
         void* out = out_slice;
         detail::combine(&out, 1, ins_.data(), size_, count_per_rank, t, o, detail::avg_step{size_, 0, true});
         signal();
@@ -410,7 +185,7 @@ class shm {
       }
       const std::size_t es = dtype_size(t);
       const std::size_t n = static_cast<std::size_t>(size_);
-      const std::size_t c = layout_.slot_bytes / es / n;  // elements of each destination per chunk
+      const std::size_t c = seg_.layout.slot_bytes / es / n;  // elements of each destination per chunk
       const auto* src = static_cast<const std::byte*>(in);
       auto* dst = static_cast<std::byte*>(out_slice);
       staged_chunks(
@@ -443,7 +218,7 @@ class shm {
                     arena_offset(out, slice_bytes * static_cast<std::size_t>(size_)));
     guarded([&] {
       const std::size_t es = dtype_size(t);
-      const std::size_t c = layout_.slot_bytes / es;
+      const std::size_t c = seg_.layout.slot_bytes / es;
       const auto* src = static_cast<const std::byte*>(in_slice);
       auto* dst = static_cast<std::byte*>(out);
       auto* mine = dst + static_cast<std::size_t>(rank_) * count_per_rank * es;
@@ -454,7 +229,7 @@ class shm {
         for (int j = 0; j < size_; ++j)
           if (j != rank_)
             detail::copy_bytes(dst + static_cast<std::size_t>(j) * slice_bytes,
-                               map_.base() + peers_[j].arena_offset + static_cast<std::size_t>(j) * slice_bytes,
+                               seg_.map.base() + peers_[j].arena_offset + static_cast<std::size_t>(j) * slice_bytes,
                                slice_bytes);
         signal();
         wait_all(count_, until, "allgather");
@@ -496,7 +271,7 @@ class shm {
     auto& d = begin(detail::coll_kind::broadcast, count, t, op::sum, root, a, detail::shm_desc::no_offset);
     d.coll.bytes = raw ? 1 : 0;
     guarded([&] {
-      const std::size_t c = layout_.slot_bytes;
+      const std::size_t c = seg_.layout.slot_bytes;
       auto* p = static_cast<std::byte*>(data);
       staged_chunks(
           d, bytes, c, root, until, "broadcast",
@@ -543,12 +318,12 @@ class shm {
                                      " of this rank's " + std::to_string(heap_->capacity()) +
                                      " (each rank owns shm_options::segment_bytes / world; 0 sizes it from /dev/shm)");
       raise_here(errc::system, no_room(bytes) + "with it this rank's blocks would outgrow its part of the arena (" +
-                                   detail::shm_mib(heap_->capacity()) + ", sized by " + arena_bound_ + "); " +
+                                   detail::shm_mib(heap_->capacity()) + ", sized by " + seg_.arena_bound + "); " +
                                    detail::shm_space());
     }
-    const std::size_t end = std::min(detail::round_up(off + bytes, detail::shm_page), layout_.part_end(part_));
+    const std::size_t end = std::min(detail::round_up(off + bytes, detail::shm_page), seg_.layout.part_end(seg_.part));
     if (end > reserved_end_) {
-      const std::string why = map_.reserve(reserved_end_, end - reserved_end_);
+      const std::string why = seg_.map.reserve(reserved_end_, end - reserved_end_);
       if (!why.empty()) {
         heap_->deallocate(off, bytes);
         raise_here(errc::system, no_room(bytes) + why);
@@ -556,17 +331,18 @@ class shm {
       reserved_end_ = end;
     }
     populate(off, bytes);
-    return map_.base() + off;
+    return seg_.map.base() + off;
   }
   /// Returns a block from allocate(); nullptr is ignored.
   void deallocate(void* p, std::size_t bytes) noexcept {
     if (p == nullptr) return;
-    heap_->deallocate(static_cast<std::size_t>(static_cast<std::byte*>(p) - map_.base()), bytes);
+    heap_->deallocate(static_cast<std::size_t>(static_cast<std::byte*>(p) - seg_.map.base()), bytes);
   }
   /// True when `p` points into the arena (of any rank).
   bool contains(const void* p) const noexcept {
     const auto* b = static_cast<const std::byte*>(p);
-    return map_.base() != nullptr && b >= map_.base() + layout_.arena && b < map_.base() + layout_.total;
+    return seg_.map.base() != nullptr && b >= seg_.map.base() + seg_.layout.arena &&
+           b < seg_.map.base() + seg_.layout.total;
   }
 
   /// Makes every current and future wait on every rank fail with errc::aborted. Safe to call
@@ -589,27 +365,25 @@ class shm {
   /// The reason the segment was aborted with, as the group records failures, and the group's
   /// rank that gave it (-1 and an empty failure: not aborted, or aborted without a reason).
   std::pair<group_failure, int> abort_reason() const {
-    if (map_.base() == nullptr) return {{}, -1};
+    if (seg_.map.base() == nullptr) return {{}, -1};
     const auto* h = header();
     const int by = h->aborted_by.load(std::memory_order_acquire);
     if (by < 0 || h->reason_len == 0) return {{}, -1};
     return {{static_cast<errc>(h->reason_code),
              std::string(h->reason, std::min<std::size_t>(h->reason_len, sizeof h->reason))},
-            members_[static_cast<std::size_t>(by)]};
+            seg_.members[static_cast<std::size_t>(by)]};
   }
 
  private:
-  static constexpr std::size_t nslots = 2;
+  static constexpr std::size_t nslots = detail::shm_nslots;
   /// Allreduces of at most this many bytes take the tree path whatever the caller's algorithm
   /// (measured: 4 ranks on 2 cores, 4-16 KiB: the tree in 55-65 % of the ring's time).
   static constexpr std::size_t tree_bytes = 16 << 10;
   static constexpr auto slice = detail::timing::shm_wait_slice;
 
-  detail::shm_header* header() const noexcept { return reinterpret_cast<detail::shm_header*>(map_.base()); }
-  detail::shm_rank_block& block(int r) const noexcept {
-    return reinterpret_cast<detail::shm_rank_block*>(map_.base() + layout_.blocks)[r];
-  }
-  std::byte* slot(int r, std::size_t s) const noexcept { return map_.base() + layout_.slot(r, s); }
+  detail::shm_header* header() const noexcept { return seg_.header(); }
+  detail::shm_rank_block& block(int r) const noexcept { return seg_.block(r); }
+  std::byte* slot(int r, std::size_t s) const noexcept { return seg_.map.base() + seg_.layout.slot(r, s); }
 
   /// Maps the pages of a block this rank hands out into its page tables now, in one call
   /// (MADV_POPULATE_WRITE, Linux 5.14), rather than one fault per 4 KiB page at the first
@@ -617,92 +391,25 @@ class shm {
   void populate(std::size_t off, std::size_t bytes) noexcept {
 #if defined(MADV_POPULATE_WRITE)
     const std::size_t begin = off / detail::shm_page * detail::shm_page;
-    const std::size_t end = std::min(detail::round_up(off + bytes, detail::shm_page), map_.size());
-    if (end > begin) (void)::madvise(map_.base() + begin, end - begin, MADV_POPULATE_WRITE);
+    const std::size_t end = std::min(detail::round_up(off + bytes, detail::shm_page), seg_.map.size());
+    if (end > begin) (void)::madvise(seg_.map.base() + begin, end - begin, MADV_POPULATE_WRITE);
 #else
     (void)off;
     (void)bytes;
 #endif
   }
 
-  /// A segment the last generation parked (detail/parked.hpp) and its name.
-  struct parked_segment : detail::parked_object {
-    detail::shm_mapping map;
-    std::string name;
-    detail::shm_layout layout;     ///< its geometry (its parts: as many as it was laid out for)
-    int part = 0;                  ///< this rank's part of its arena
-    std::size_t reserved_end = 0;  ///< that part has pages up to here (posix_fallocate)
-  };
-
-  /// Whether rank 0 may take over `p` for this segment's ranks, whose setup entries are `held`
-  /// ("<pid>[ <parked name> <part>]", by group rank): every one of them holds the same parked
-  /// segment (so each one's engine on it is gone), in parts of its own, the slots and parts it
-  /// was laid out for are as many as this segment's ranks at least, and every process that had
-  /// a seat in it is one of them or has exited (a frozen rank of the last generation could wake
-  /// and write into it: then a new segment is made, as always). `parts` receives each rank's
-  /// part.
-  bool can_reuse(const parked_segment& p, const std::vector<std::string>& held, std::vector<int>& parts) const {
-    if (p.map.base() == nullptr || p.layout.world < size_ || p.map.size() < p.layout.total) return false;
-    if (p.layout.slot_bytes != detail::round_up(opts_.slot_bytes, detail::shm_page) || p.layout.nslots != nslots)
-      return false;
-    std::vector<int> pids;
-    parts.clear();
-    for (int m : members_) {
-      std::istringstream in(held[static_cast<std::size_t>(m)]);
-      int pid = 0, part = -1;
-      std::string name;
-      if (!(in >> pid >> name >> part) || name != p.name || part < 0 || part >= p.layout.world ||
-          std::find(parts.begin(), parts.end(), part) != parts.end())
-        return false;
-      pids.push_back(pid);
-      parts.push_back(part);
-    }
-    const auto* h = reinterpret_cast<const detail::shm_header*>(p.map.base());
-    if (h->magic != detail::shm_magic || h->version != detail::shm_version) return false;
-    const std::size_t blocks = detail::make_shm_layout(1, 4096, nslots, 0).blocks;
-    if (blocks + h->world * sizeof(detail::shm_rank_block) > p.map.size()) return false;
-    const auto* b = reinterpret_cast<const detail::shm_rank_block*>(p.map.base() + blocks);
-    for (std::uint32_t q = 0; q < h->world; ++q) {
-      const int pid = b[q].pid.load(std::memory_order_acquire);
-      if (pid > 0 && std::find(pids.begin(), pids.end(), pid) == pids.end() && detail::process_alive(pid)) return false;
-    }
-    return true;
-  }
-
-  void init_segment() {
-    auto* h = new (map_.base()) detail::shm_header{};
-    h->magic = detail::shm_magic;
-    h->version = detail::shm_version;
-    h->world = static_cast<std::uint32_t>(size_);
-    h->slot_bytes = layout_.slot_bytes;
-    h->nslots = layout_.nslots;
-    h->arena_offset = layout_.arena;
-    h->arena_bytes = layout_.arena_bytes;
-    h->total_bytes = layout_.total;
-    h->aborted_by.store(-1, std::memory_order_relaxed);
-    h->abort_claim.store(-1, std::memory_order_relaxed);
-    h->reason_code = 0;
-    h->reason_len = 0;
-    for (int r = 0; r < size_; ++r) {
-      auto* b = new (&block(r)) detail::shm_rank_block{};
-      b->counter.store(0, std::memory_order_relaxed);
-      b->waiters.store(0, std::memory_order_relaxed);
-      b->closed.store(0, std::memory_order_relaxed);
-      b->pid.store(0, std::memory_order_relaxed);
-    }
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-  }
-
   [[noreturn]] void raise_here(errc e, const std::string& msg) const { detail::raise(e, grank_, msg); }
   /// "rank R": the group's rank of the segment's rank `j`, for messages.
   std::string who(int j) const {
-    return "rank " +
-           std::to_string(j >= 0 && j < static_cast<int>(members_.size()) ? members_[static_cast<std::size_t>(j)] : j);
+    return "rank " + std::to_string(j >= 0 && j < static_cast<int>(seg_.members.size())
+                                        ? seg_.members[static_cast<std::size_t>(j)]
+                                        : j);
   }
 
   std::string no_room(std::size_t bytes) const {
-    return "shared-memory segment " + name_ + ": no room for a block of " + detail::shm_mib(bytes) +
-           " in this rank's part of the arena (" + detail::shm_mib(reserved_end_ - layout_.part_begin(part_)) +
+    return "shared-memory segment " + seg_.name + ": no room for a block of " + detail::shm_mib(bytes) +
+           " in this rank's part of the arena (" + detail::shm_mib(reserved_end_ - seg_.layout.part_begin(seg_.part)) +
            " reserved so far): ";
   }
 
@@ -730,7 +437,7 @@ class shm {
   /// abort() and abort(code, why): the first rank to claim the segment writes its reason, then
   /// publishes itself in `aborted_by`, so a waiter that sees it sees the reason too.
   void abort_with(errc code, const std::string& why) noexcept {
-    if (map_.base() == nullptr || owner_.forked()) return;  // a forked child must not fail the parent's group
+    if (seg_.map.base() == nullptr || owner_.forked()) return;  // a forked child must not fail the parent's group
     auto* h = header();
     std::int32_t none = -1;
     if (h->abort_claim.compare_exchange_strong(none, rank_, std::memory_order_seq_cst)) {
@@ -798,8 +505,8 @@ class shm {
     peers_[rank_] = mine;
     // The one check of every engine (detail/collective.hpp), against rank 0's descriptor.
     for (int j = 1; j < size_; ++j)
-      if (auto why =
-              detail::mismatch(peers_[0].coll, members_[0], peers_[j].coll, members_[static_cast<std::size_t>(j)]);
+      if (auto why = detail::mismatch(peers_[0].coll, seg_.members[0], peers_[j].coll,
+                                      seg_.members[static_cast<std::size_t>(j)]);
           !why.empty())
         raise_here(errc::mismatch, why);
   }
@@ -807,8 +514,9 @@ class shm {
   /// Offset of [p, p + bytes) in the segment when it lies wholly in the arena.
   std::uint64_t arena_offset(const void* p, std::size_t bytes) const noexcept {
     const auto* b = static_cast<const std::byte*>(p);
-    if (bytes == 0 || !contains(p) || b + bytes > map_.base() + layout_.total) return detail::shm_desc::no_offset;
-    return static_cast<std::uint64_t>(b - map_.base());
+    if (bytes == 0 || !contains(p) || b + bytes > seg_.map.base() + seg_.layout.total)
+      return detail::shm_desc::no_offset;
+    return static_cast<std::uint64_t>(b - seg_.map.base());
   }
 
   std::size_t take_slot() noexcept { return static_cast<std::size_t>(turn_++ % nslots); }
@@ -861,7 +569,7 @@ class shm {
     raise_here(errc::timeout, std::string(what) + ": " + who(j) +
                                   " did not arrive before the deadline (waited for its step " + std::to_string(want) +
                                   ", it is at " + std::to_string(b.counter.load()) + ")" +
-                                  ctx_.verdict().noted_error(members_[static_cast<std::size_t>(j)]));
+                                  ctx_.verdict().noted_error(seg_.members[static_cast<std::size_t>(j)]));
   }
 
   /// Waits until rank j has sent `want` signals: poll, then sleep on its counter in slices.
@@ -900,7 +608,7 @@ class shm {
     for (;;) {
       check_peer(j, want, until, what);
       if (!noted && steady_clock::now() >= note_at) {
-        ctx_.verdict().note_waiting(members_[static_cast<std::size_t>(j)]);
+        ctx_.verdict().note_waiting(seg_.members[static_cast<std::size_t>(j)]);
         noted = true;
       }
       b.waiters.fetch_add(1, std::memory_order_seq_cst);
@@ -987,7 +695,7 @@ class shm {
   void allreduce_ring(std::byte* data, std::size_t count, dtype t, op o, deadline_t until, const detail::shm_desc& d) {
     const std::size_t es = dtype_size(t);
     const bool staged = d.arena_offset == detail::shm_desc::no_offset;
-    std::size_t chunk = layout_.slot_bytes / es;
+    std::size_t chunk = seg_.layout.slot_bytes / es;
     std::size_t s = take_slot();
     if (staged && count > 0) {
       wait_slot_free(s, until, "allreduce");
@@ -1020,7 +728,7 @@ class shm {
       const auto part = detail::partition_aligned(len, size_, rank_, align);
       for (int j = 0; j < size_; ++j) {
         const auto off = peers_[j].arena_offset;
-        std::byte* src = off != detail::shm_desc::no_offset ? map_.base() + off + b * es : slot(j, s);
+        std::byte* src = off != detail::shm_desc::no_offset ? seg_.map.base() + off + b * es : slot(j, s);
         ins_[j] = src + part.begin * es;
       }
       reduce_slice(part, t, o);
@@ -1045,7 +753,7 @@ class shm {
   void allreduce_tree(void* data, std::size_t count, dtype t, op o, deadline_t until, const detail::shm_desc& d) {
     guarded([&] {
       const std::size_t es = dtype_size(t);
-      const std::size_t chunk = layout_.slot_bytes / es;
+      const std::size_t chunk = seg_.layout.slot_bytes / es;
       auto* p = static_cast<std::byte*>(data);
       staged_chunks(
           d, count, chunk, -1, until, "allreduce",
@@ -1064,19 +772,13 @@ class shm {
   int size_ = 1;   // ranks sharing the segment
   int grank_ = 0;  // in the group (errors name it)
   shm_options opts_;
-  std::vector<int> members_;     // the group's ranks of the segment's ranks
   bool oversubscribed_ = false;  ///< more ranks than cores on this host
   int spin_ = 0;                 ///< most polls per wait
   int budget_ = 0;               ///< polls of the next wait, adapted between 32 and spin_
-  std::string name_;
-  bool reused_ = false;  ///< the last generation's segment, taken over
-  int part_ = 0;         ///< this rank's part of the arena: its rank, or in a segment taken over its part there
-  detail::shm_mapping map_;
-  detail::shm_layout layout_{};
+  detail::shm_session seg_;      ///< the segment: its name, mapping, layout, this rank's part of the arena
   std::unique_ptr<detail::arena_heap> heap_;
   std::mutex reserve_mu_;         ///< guards reserved_end_
   std::size_t reserved_end_ = 0;  ///< this rank's part has pages up to here (segment offset)
-  const char* arena_bound_ = "";  ///< what sized each rank's part of the arena (for messages)
   std::uint64_t count_ = 0;       ///< signals sent; equal on all ranks between collectives
   std::uint64_t seq_ = 0;         ///< collectives started
   std::uint64_t turn_ = 0;        ///< slot rotation, advanced identically on every rank
@@ -1150,5 +852,5 @@ struct engine_for<Algorithm, shm> {
   using type = shm_engine<Algorithm>;
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -25,7 +25,7 @@
 #include <ddp/process_group.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// The stand-in for the callable the algorithms pass to `sendrecv` as `on_recv`: a lambda of
 /// their own, with captures, called after each read with the bytes received so far (descriptor
@@ -100,5 +100,5 @@ template <class T>
 concept transport = transport_constructible_from_group<T> && transport_has_rank_and_size<T> && transport_has_send<T> &&
     transport_has_recv<T> && transport_has_sendrecv<T> && transport_has_fail<T> && transport_has_abort<T>;
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -36,7 +36,7 @@
 #include <ddp/group/transport_context.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 /// Tunables of the TCP transport. See docs/reducers.md.
 struct tcp_options {
@@ -270,5 +270,5 @@ class tcp {
   group_watch watch_;  // last: unregistered first, before what its call uses goes
 };
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

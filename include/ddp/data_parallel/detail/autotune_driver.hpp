@@ -21,7 +21,7 @@
 #include <ddp/process_group.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Every rank runs the same schedule: the first synchronized step with the smallest candidate
@@ -124,5 +124,5 @@ class autotune_driver {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

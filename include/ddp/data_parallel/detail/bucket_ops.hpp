@@ -32,7 +32,7 @@
 #include <ddp/request.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// The per-bucket and per-slot work of one wrapper's steps. Holds references to the wrapper's
@@ -212,5 +212,5 @@ class bucket_ops {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

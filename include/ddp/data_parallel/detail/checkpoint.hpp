@@ -52,7 +52,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 namespace ckpt {
 
@@ -271,5 +271,5 @@ inline int write_all(int fd, const void* p, std::size_t n) noexcept {
 
 }  // namespace ckpt
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -28,7 +28,7 @@
 #include <ddp/process_group.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// The uneven-inputs protocol of one wrapper. Every synchronized step of an active rank, and
@@ -180,5 +180,5 @@ class join_protocol {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -16,7 +16,7 @@
 #include <ddp/planner/bucket_plan.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 inline std::string parameter_label(std::size_t i, std::string_view name, std::string_view noun = "parameter") {
@@ -165,5 +165,5 @@ void check_unmoved(const C& params, std::size_t i, const tensor_view& captured, 
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -17,7 +17,7 @@
 #include <ddp/planner/bucket_plan.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Holds references to the wrapper's agreement, bucket memory, planner, parameters and policy
@@ -79,5 +79,5 @@ class plan_keeper {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -16,7 +16,7 @@
 #include <ddp/parameter.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// At construction, on every rank: the parameters and buffers are memory the buckets can take
@@ -40,5 +40,5 @@ void check_construction(const agreement& agree, const bucket_memory<Allocator>& 
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

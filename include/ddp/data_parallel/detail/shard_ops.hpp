@@ -35,7 +35,7 @@
 #include <ddp/request.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// f32 values of `n` elements of `t` (f32, f16, bf16) at `src`, into `dst`, and back.
@@ -455,5 +455,5 @@ class shard_ops {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -19,7 +19,7 @@
 #include <ddp/process_group.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// The collectives of the step record and the buffers bypass a communication hook
@@ -82,5 +82,5 @@ class step_guard {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -24,7 +24,7 @@
 #include <ddp/process_group.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// How long the wrapper waits for one of its collectives: `dp_options::timeout`, or the group's.
@@ -177,5 +177,5 @@ class step_sync {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

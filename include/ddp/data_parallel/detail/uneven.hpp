@@ -12,7 +12,7 @@
 #include <ddp/dtype.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// The op a bucket of `t` reduces with. Floating averages stay `op::avg`, whose scaled
@@ -73,5 +73,5 @@ inline void uneven_finish(void* p, std::size_t n, dtype t, int world, int count)
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -18,7 +18,7 @@
 #include <ddp/detail/bytes.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 class xxh64 {
@@ -114,5 +114,5 @@ class xxh64 {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -43,7 +43,7 @@
 #include <ddp/group/detail/handshake.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Standing of a connection at a listener: lower is closed first to make room.
@@ -213,5 +213,5 @@ class admission {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -16,7 +16,7 @@
 #include <chrono>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// What the store's host sees while it closes.
@@ -55,5 +55,5 @@ inline std::chrono::milliseconds close_bound(bool failing, std::chrono::millisec
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -41,7 +41,7 @@
 #include <ddp/group/store_server.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// The real world: the group's store over TCP, process groups, the steady clock.
@@ -153,5 +153,5 @@ struct elastic_env {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -25,7 +25,7 @@
 #include <vector>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail::elastic {
 
 /// What a process holds when it registers: a generation's state, the job's initial state (a
@@ -367,5 +367,5 @@ inline seat_decision decide_seat(const seat_view& v, std::chrono::milliseconds t
 inline bool stale(int gen, int current) { return current > gen; }
 
 }  // namespace detail::elastic
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

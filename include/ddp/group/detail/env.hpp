@@ -23,7 +23,7 @@
 #include <ddp/group/backend.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// init_options::note_world_of_one: says once per process that no launcher set a rank.
@@ -189,5 +189,5 @@ void read_env(Options& o, Getenv& get) {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

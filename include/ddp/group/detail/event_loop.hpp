@@ -38,7 +38,7 @@
 #include <ddp/detail/timing.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 template <class H>
@@ -152,5 +152,5 @@ class event_loop {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -32,7 +32,7 @@
 #include <ddp/group/store_server.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// A group's state; shared by its handles, destroyed (closing the group) with the last one.
@@ -180,5 +180,5 @@ struct group_state {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

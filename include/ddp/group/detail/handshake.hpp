@@ -32,7 +32,7 @@
 #include <ddp/group/detail/store_protocol.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 inline constexpr std::uint32_t auth_magic = 0x41504444u;  // "DDPA"
@@ -257,5 +257,5 @@ inline void auth_initiate(int fd, const authenticator& auth, auth_hello h, deadl
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -36,7 +36,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Watches the predecessor's heartbeats and sends this rank's to the successor, from a thread.
@@ -209,5 +209,5 @@ class heartbeat_watch {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -11,11 +11,11 @@
 #include <ddp/group/init_options.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 DDP_DECL init_options init_options::from_env() {
   return from_env([](const char* n) { return std::getenv(n); });
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -25,7 +25,7 @@
 #include <ddp/detail/fork.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// The descriptor named by DDP_LAUNCHER_FD, or -1 when unset, malformed or not open.
@@ -98,5 +98,5 @@ class launcher_watch {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

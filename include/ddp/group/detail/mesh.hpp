@@ -46,7 +46,7 @@
 #include <ddp/detail/timing.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 inline constexpr std::uint32_t mesh_magic = 0x30504444u;  // "DDP0"
@@ -506,5 +506,5 @@ class peer_links {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

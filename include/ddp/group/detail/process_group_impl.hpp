@@ -31,7 +31,7 @@
 #include <ddp/group/store_server.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 DDP_DECL detail::group_state& process_group::live(const char* what) const {
   if (!s_)
@@ -390,5 +390,5 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
   return handle;
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

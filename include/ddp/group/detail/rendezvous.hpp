@@ -44,7 +44,7 @@
 #include <ddp/detail/timing.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// The group's store as the directory where ranks announce their listening address (mesh.hpp).
@@ -292,5 +292,5 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -14,7 +14,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// A node list's first host, and whether it names more than one.
@@ -115,5 +115,5 @@ constexpr int slurm_port(std::uint64_t job_id, std::uint64_t step_id) noexcept {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

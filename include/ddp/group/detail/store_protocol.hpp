@@ -17,7 +17,7 @@
 #include <ddp/detail/bytes.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 enum class store_cmd : std::uint8_t { set = 1, get = 2, add = 3, cas = 4, del = 5, check = 6, wait = 7 };
@@ -154,5 +154,5 @@ inline std::size_t waited_keys(const frame& f) {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -33,7 +33,7 @@
 #include <ddp/group/detail/store_protocol.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 class store_table {
@@ -330,5 +330,5 @@ class store_table {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -11,7 +11,7 @@
 #include <ddp/group/verdict.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 DDP_DECL transport_context::transport_context(process_group& pg) : pg_(pg) {
   auto& g = pg_.live("transport_context");
@@ -35,5 +35,5 @@ DDP_DECL void group_watch::reset() noexcept {
   id_ = 0;
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

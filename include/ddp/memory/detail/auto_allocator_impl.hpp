@@ -13,7 +13,7 @@
 #include <ddp/reducer/shm.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 
 DDP_DECL void* auto_allocator::from_segment(shm* segment, std::size_t bytes) {
   try {
@@ -30,5 +30,5 @@ DDP_DECL bool auto_allocator::to_segment(shm* segment, void* p, std::size_t byte
   return true;
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

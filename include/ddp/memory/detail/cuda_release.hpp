@@ -10,7 +10,7 @@
 #include <atomic>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 inline std::atomic<int>& cuda_release_error_slot() noexcept {
@@ -33,5 +33,5 @@ inline cudaError_t take_cuda_release_error() noexcept {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

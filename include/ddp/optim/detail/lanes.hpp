@@ -20,7 +20,7 @@
 #endif
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 #if defined(__AVX__)
@@ -68,5 +68,5 @@ void for_lanes(std::size_t n, F&& f, T*... arrays) {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

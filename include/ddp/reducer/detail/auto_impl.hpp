@@ -27,7 +27,7 @@
 #endif
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// The engine of a group of one rank: every collective is already done.
@@ -241,5 +241,5 @@ DDP_DECL void auto_reducer::build(process_group& pg, ddp::backend wanted) {
   }
 }
 
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -57,7 +57,7 @@
 #include <ddp/detail/timing.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Every rank must run the same algorithm with the same schedule-changing options, or the
@@ -297,5 +297,5 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

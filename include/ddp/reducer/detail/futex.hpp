@@ -24,7 +24,7 @@
 #endif
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free && sizeof(std::atomic<std::uint32_t>) == 4,
@@ -57,5 +57,5 @@ inline void futex_wake_all(std::atomic<std::uint32_t>* word) noexcept {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

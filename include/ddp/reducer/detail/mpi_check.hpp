@@ -22,7 +22,7 @@
 #include <ddp/error.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// "MPI_THREAD_SINGLE" for MPI_THREAD_SINGLE, and so on: the name a user finds in the MPI
@@ -83,7 +83,7 @@ inline int mpi_world_rank() noexcept {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp
 
 /// Evaluates an MPI call; on failure throws `ddp::error` naming the MPI error, the expression,

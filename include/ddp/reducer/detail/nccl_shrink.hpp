@@ -22,7 +22,7 @@
 #include <vector>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// What a rank holds from the last generation; encoded as an offer.
@@ -72,5 +72,5 @@ inline std::optional<std::vector<int>> nccl_shrink_plan(const std::vector<std::s
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -23,7 +23,7 @@
 #include <span>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 /// Half-open element range [begin, end).
@@ -277,5 +277,5 @@ constexpr binomial_tree tree_for(int rank, int n, int root) noexcept {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

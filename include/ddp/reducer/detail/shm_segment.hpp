@@ -45,7 +45,7 @@
 #include <ddp/detail/fd.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 inline constexpr std::uint64_t shm_magic = 0x316d68732d706464ull;  // "ddp-shm1", little endian
@@ -424,5 +424,5 @@ inline bool process_alive(int pid) noexcept {
 }
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

@@ -25,7 +25,7 @@
 #include <ddp/request.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 template <class Derived>
@@ -79,5 +79,5 @@ class typed_collectives {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp

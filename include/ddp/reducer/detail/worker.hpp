@@ -24,7 +24,7 @@
 #include <ddp/detail/fork.hpp>
 
 namespace ddp {
-inline namespace v0 {
+inline namespace DDP_ABI {
 namespace detail {
 
 class worker {
@@ -224,5 +224,5 @@ class progress_of<R> {
 };
 
 }  // namespace detail
-}  // namespace v0
+}  // namespace DDP_ABI
 }  // namespace ddp
