@@ -259,12 +259,8 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
 
   // 2. Every rank gets the table and compares it with its own parameters; rank 0 reads the
   // data and checks the checksum.
-  std::uint64_t len = meta.size();
-  pg.broadcast(std::as_writable_bytes(std::span(&len, 1)), 0, until);
-  if (len < 8 + ck::header_bytes || len > 8 + ck::header_bytes + ck::max_table_bytes)
-    detail::raise(errc::protocol, rank, "load_checkpoint: rank 0 announced a " + std::to_string(len) + "-byte table");
-  meta.resize(static_cast<std::size_t>(len));
-  pg.broadcast(std::as_writable_bytes(std::span(meta.data(), meta.size())), 0, until);
+  detail::broadcast_blob([&](std::span<std::byte> b) { pg.broadcast(b, 0, until); }, meta, rank, 0,
+                         8 + ck::header_bytes, 8 + ck::header_bytes + ck::max_table_bytes, "load_checkpoint's table");
   ck::header h;
   std::vector<ck::entry> in_file;
   std::string why =

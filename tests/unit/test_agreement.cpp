@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -332,4 +333,39 @@ TEST_CASE("consensus: outcomes travel as strings; the lowest failing rank is the
   CHECK(f.rank == 1);
   CHECK(f.what.code == ddp::errc::timeout);
   CHECK(f.what.message == "late");
+}
+
+TEST_CASE("consensus: a blob from one rank to all; a length outside its bounds is refused before it sizes memory") {
+  using ddp::detail::broadcast_blob;
+  // The root keeps its blob (a one-process broadcast changes nothing).
+  std::string blob = "state";
+  int calls = 0;
+  auto echo = [&](std::span<std::byte>) { ++calls; };
+  broadcast_blob(echo, blob, 0, 0, 1, 100, "test blob");
+  CHECK(blob == "state");
+  CHECK(calls == 2);
+  // A receiver told of a length past the bound raises naming the root and the blob, and never
+  // asks for the bytes (nothing was allocated for them).
+  calls = 0;
+  std::string got;
+  auto liar = [&](std::span<std::byte> b) {
+    ++calls;
+    const std::uint64_t huge = std::uint64_t{1} << 60;
+    REQUIRE(b.size() == sizeof huge);
+    std::memcpy(b.data(), &huge, sizeof huge);
+  };
+  try {
+    broadcast_blob(liar, got, 1, 0, 1, 100, "test blob");
+    FAIL("an announced length past the bound was accepted");
+  } catch (const ddp::error& e) {
+    CHECK(e.condition() == ddp::errc::protocol);
+    CHECK(std::string(e.what()).find("test blob: rank 0 announced 1152921504606846976 bytes") != std::string::npos);
+  }
+  CHECK(calls == 1);
+  CHECK(got.empty());
+  // The root's own blob out of bounds fails there too, as on the others.
+  std::string big(101, 'x');
+  CHECK_THROWS_AS(broadcast_blob(echo, big, 0, 0, 1, 100, "test blob"), ddp::error);
+  std::string none;
+  CHECK_THROWS_AS(broadcast_blob(echo, none, 0, 0, 1, 100, "test blob"), ddp::error);
 }

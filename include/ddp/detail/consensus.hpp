@@ -7,7 +7,8 @@
 //   errc::mismatch (agree, differing_ranks);
 // - one rank's failure, every rank's error: settling a step each rank took alone (setting up a
 //   segment, a device, buckets, a checkpoint file), so that every rank raises the same first
-//   cause instead of some ranks going on (first_failed, settle).
+//   cause instead of some ranks going on (first_failed, settle);
+// - a blob from one rank to all: its length, bounded, then its bytes (broadcast_blob).
 // Generic over the group: any `all_gather` of strings, or a group with all_reduce and broadcast
 // (settle).
 
@@ -116,6 +117,24 @@ failed_rank first_failed(AllGather&& all_gather, const outcome& mine) {
 /// the error of the lowest failing rank (its condition, parameter and message, under each
 /// rank's own prefix). Collective over `pg` (a process_group): a scalar all_reduce, then one
 /// broadcast from the failing rank; no string is gathered when every rank succeeded.
+/// Sends `blob` from rank `root` to every rank: its length first, then its bytes; afterwards
+/// every rank's `blob` holds root's. `bcast(std::span<std::byte>)` broadcasts from `root` (the
+/// group's broadcast with its deadline). A length outside [`min_bytes`, `max_bytes`] is refused
+/// on every rank, root included, with errc::protocol naming `what`, before anything is
+/// allocated with it: a length from the wire never sizes memory unchecked.
+template <class Broadcast>
+void broadcast_blob(Broadcast&& bcast, std::string& blob, int rank, int root, std::size_t min_bytes,
+                    std::size_t max_bytes, std::string_view what) {
+  std::uint64_t len = rank == root ? blob.size() : 0;
+  bcast(std::as_writable_bytes(std::span(&len, 1)));
+  if (len < min_bytes || len > max_bytes)
+    raise(errc::protocol, rank,
+          std::string(what) + ": rank " + std::to_string(root) + " announced " + std::to_string(len) +
+              " bytes, outside the " + std::to_string(min_bytes) + " to " + std::to_string(max_bytes) + " it may send");
+  blob.resize(static_cast<std::size_t>(len));
+  bcast(std::as_writable_bytes(std::span(blob.data(), blob.size())));
+}
+
 template <class Group>
 void settle(Group& pg, const outcome& mine, deadline_t until) {
   constexpr std::int32_t none = std::numeric_limits<std::int32_t>::max();
@@ -128,13 +147,8 @@ void settle(Group& pg, const outcome& mine, deadline_t until) {
         .u32(static_cast<std::uint32_t>(mine.code))
         .u32(static_cast<std::uint32_t>(mine.parameter))
         .raw(mine.message);
-  std::uint64_t len = frame.size();
-  pg.broadcast(std::as_writable_bytes(std::span(&len, 1)), first, until);
-  if (len > (std::uint64_t{1} << 20))
-    raise(errc::protocol, pg.rank(),
-          "rank " + std::to_string(first) + " announced a " + std::to_string(len) + "-byte error");
-  frame.resize(static_cast<std::size_t>(len));
-  pg.broadcast(std::as_writable_bytes(std::span(frame.data(), frame.size())), first, until);
+  broadcast_blob([&](std::span<std::byte> b) { pg.broadcast(b, first, until); }, frame, pg.rank(), first, 8,
+                 std::size_t{1} << 20, "an error of a step each rank took alone");
   byte_reader r(frame);
   const auto code = static_cast<errc>(r.u32());
   const auto parameter = static_cast<int>(r.u32());

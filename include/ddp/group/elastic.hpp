@@ -44,6 +44,7 @@
 #include <ddp/auth.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/bytes.hpp>
+#include <ddp/detail/consensus.hpp>
 #include <ddp/detail/parked.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/detail/elastic_env.hpp>
@@ -131,6 +132,8 @@ class basic_elastic_group {
   void on_form(std::function<void(group_type&)> fn) { on_form_ = std::move(fn); }
   /// The state a new member needs besides the parameters (optimizer state, sampler position,
   /// anything the program keeps): `save` runs on the new rank 0, `load` on every other rank.
+  /// What `save` returns travels to every rank at each formation, at most max_state_bytes
+  /// (more fails the formation with errc::protocol on every rank).
   void on_state(std::function<std::string()> save, std::function<void(std::string_view)> load) {
     save_ = std::move(save);
     load_ = std::move(load);
@@ -621,10 +624,8 @@ class basic_elastic_group {
       for (int s : sizes_) blob += detail::encode_i64(s);
       if (save_) blob += save_();
     }
-    std::uint64_t len = blob.size();
-    pg_.broadcast(std::span<std::uint64_t>(&len, 1), 0);
-    blob.resize(len);
-    pg_.broadcast(std::as_writable_bytes(std::span(blob.data(), blob.size())), 0);
+    detail::broadcast_blob([&](std::span<std::byte> b) { pg_.broadcast(b, 0); }, blob, rank, 0, 24, max_state_bytes,
+                           "elastic: the group's counts and the program's state (on_state's save)");
     const std::string_view b(blob);
     const auto at = [&](std::size_t i) {
       if (b.size() < 8 * (i + 1)) detail::raise(errc::protocol, rank, "elastic: rank 0's state is truncated");
@@ -690,6 +691,13 @@ class basic_elastic_group {
   std::function<void(group_type&)> on_form_;
   std::function<std::string()> save_;
   std::function<void(std::string_view)> load_;
+
+ public:
+  /// The most the group's counts and on_state's state may be, as sent at a formation: a length
+  /// a peer announces is checked against it before anything is allocated.
+  static constexpr std::size_t max_state_bytes = std::size_t{1} << 30;
+
+ private:
   int gen_ = -1;
   int prev_gen_ = -1;
   int round_ = 0;

@@ -20,6 +20,7 @@
 #include <ddp/auth.hpp>
 #include <ddp/detail/bytes.hpp>
 #include <ddp/detail/compiled.hpp>
+#include <ddp/detail/consensus.hpp>
 #include <ddp/detail/kernels.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/group/detail/group_state.hpp>
@@ -135,12 +136,9 @@ DDP_DECL std::vector<std::string> process_group::all_gather_until(const std::str
     packed.resize(at + n);
     recv(child, packed.data() + at, n, until, "all_gather");
   }
-  std::uint64_t len = packed.size();
-  broadcast(std::as_writable_bytes(std::span(&len, 1)), 0, until);
-  if (len > static_cast<std::uint64_t>(g.size) * (8 + max_gather_blob))
-    detail::raise(errc::protocol, g.rank, "all_gather: rank 0 announced " + std::to_string(len) + " bytes");
-  packed.resize(len);
-  broadcast(std::as_writable_bytes(std::span(packed.data(), packed.size())), 0, until);
+  detail::broadcast_blob([&](std::span<std::byte> b) { broadcast(b, 0, until); }, packed, g.rank, 0,
+                         8 * static_cast<std::size_t>(g.size), static_cast<std::size_t>(g.size) * (8 + max_gather_blob),
+                         "all_gather");
   std::vector<std::string> all(static_cast<std::size_t>(g.size));
   std::size_t pos = 0;
   for (auto& s : all) {
