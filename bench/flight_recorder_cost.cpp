@@ -44,8 +44,9 @@ int main(int argc, char** argv) {
     std::sort(x.begin(), x.end());
     return x[x.size() / 2];
   };
-  std::printf("blocking allreduce, 1 rank, %ld calls x %d rounds: off %.1f ns, on %.1f ns, recording %.1f ns per call\n",
-              calls, rounds, median(a), median(b), median(b) - median(a));
+  std::printf(
+      "blocking allreduce, 1 rank, %ld calls x %d rounds: off %.1f ns, on %.1f ns, recording %.1f ns per call\n", calls,
+      rounds, median(a), median(b), median(b) - median(a));
   // What an async collective writes: issued on one thread, started and ended on the progress
   // thread (here all on one): the entry alone, three coarse clock reads.
   auto ring = ddp::detail::flight_ring::make(0, 1, "bench");
@@ -53,7 +54,7 @@ int main(int argc, char** argv) {
   for (int k = 0; k < rounds; ++k) {
     const auto t0 = std::chrono::steady_clock::now();
     for (long i = 0; i < calls; ++i) {
-      const auto n = ring->issue(ddp::detail::coll_kind::allreduce, ddp::dtype::f32, ddp::op::sum, 0, 1, false);
+      const auto n = ring->issue(ddp::detail::coll_kind::allreduce, ddp::dtype::f32, ddp::op::sum, 0, 1, false, 0, 0);
       ring->started(n);
       ring->finished(n);
     }

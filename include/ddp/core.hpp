@@ -17,6 +17,7 @@
 
 #include <ddp/version.hpp>                     // IWYU pragma: export
 #include <ddp/auth.hpp>                        // IWYU pragma: export
+#include <ddp/bucket_tag.hpp>                  // IWYU pragma: export
 #include <ddp/checkpoint.hpp>                  // IWYU pragma: export
 #include <ddp/clock.hpp>                       // IWYU pragma: export
 #include <ddp/concepts.hpp>                    // IWYU pragma: export

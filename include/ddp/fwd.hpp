@@ -59,7 +59,9 @@ class auto_reducer;
 // communication hooks: reducer/hooked.hpp (the decorator; its Hook defaults to plain_allreduce
 // there), reducer/compress.hpp, reducer/powersgd.hpp
 struct comm_bucket;
+// the bucket a collective serves, passed with the call: bucket_tag.hpp
 struct comm_tensor;
+struct bucket_tag;
 struct plain_allreduce;
 template <class Inner, class Hook>
 class hooked;

@@ -89,7 +89,7 @@ void stuck_rank_verdict(ddp::backend backend) {
   INFO(which);
   const std::string dir = temp_dir();
   const int n = 3, port = ddp_test::free_port();
-  constexpr int stuck = 1;        // the rank that stops
+  constexpr int stuck = 1;         // the rank that stops
   constexpr std::size_t stop = 3;  // before this gradient, in its third step
   auto outs = ddp_test::run_ranks(
       n,
@@ -103,7 +103,8 @@ void stuck_rank_verdict(ddp::backend backend) {
         // parameter 5 - b becomes ready.
         std::vector<std::vector<float>> data(6, std::vector<float>(1024, 1.0f)), grad = data;
         std::vector<ddp::tensor_view> views;
-        for (std::size_t i = 0; i < 6; ++i) views.push_back(ddp::make_tensor_view(std::span{data[i]}, std::span{grad[i]}));
+        for (std::size_t i = 0; i < 6; ++i)
+          views.push_back(ddp::make_tensor_view(std::span{data[i]}, std::span{grad[i]}));
         ddp::data_parallel dp{pg, views, ddp::bucket_policy{.cap_bytes = 4_KiB, .first_cap_bytes = 4_KiB}};
         try {
           for (int step = 0; step < 3; ++step) {
@@ -156,7 +157,7 @@ void stuck_rank_verdict(ddp::backend backend) {
 
   int status = 0;
   const std::string out = forensics("'" + dir + "/fr-0.json' '" + dir + "/fr-1.json' '" + dir + "/fr-2.json'", status);
-  MESSAGE(out);  // the verdict, in the test's log
+  MESSAGE(out);        // the verdict, in the test's log
   CHECK(status == 1);  // a collective is stuck
   // "ranks 0, 2 wait in allreduce #K (bucket B, step 2); rank 1 never entered it; its last was
   // #K-1 (bucket B-1, step 2, finished)"
@@ -198,10 +199,9 @@ TEST_CASE("forensics: one process's record: entries, the bucket tag, states, the
     ddp::auto_reducer red{pg};
     std::vector<float> v(100, 1.0f);
     red.allreduce(std::span<float>{v}, ddp::op::sum);
-    {
-      const ddp::detail::flight_tag_scope tag(7, 3);
-      red.allreduce_async(std::span<float>{v}, ddp::op::avg).wait_for(5s);
-    }
+    // The bucket travels in the call (ddp/bucket_tag.hpp).
+    red.allreduce_async(v.data(), v.size(), ddp::dtype::f32, ddp::op::avg, ddp::bucket_tag{.bucket = 7, .step = 3})
+        .wait_for(5s);
     red.barrier();
     const std::string t = ddp::flight_recorder::text("checked");
     require(t.find("\"reason\":\"checked\"") != std::string::npos, t);
@@ -215,13 +215,11 @@ TEST_CASE("forensics: one process's record: entries, the bucket tag, states, the
     require(t.find("\"issued\":3,\"capacity\":2048") != std::string::npos, t);
     require(ddp::flight_recorder::file().empty(), "a file without DDP_FLIGHT_RECORDER");
     {
-      // A hooked reducer's hook runs as a job on the inner reducer's progress thread: the inner
-      // collective keeps the issuer's tag.
+      // A hooked reducer's hook runs as a job on the inner reducer's progress thread: the hook
+      // receives the issuer's tag and passes it to the inner collective.
       ddp::hooked<ddp::auto_reducer> hk{pg};
-      {
-        const ddp::detail::flight_tag_scope tag(5, 9);
-        hk.allreduce_async(std::span<float>{v}, ddp::op::sum).wait_for(5s);
-      }
+      hk.allreduce_async(v.data(), v.size(), ddp::dtype::f32, ddp::op::sum, ddp::bucket_tag{.bucket = 5, .step = 9})
+          .wait_for(5s);
       const std::string h = ddp::flight_recorder::text();
       require(h.find("{\"seq\":1,\"kind\":\"allreduce\",\"state\":\"finished\",\"error\":null,\"bucket\":5,"
                      "\"step\":9,") != std::string::npos,
@@ -241,7 +239,8 @@ TEST_CASE("forensics: one process's record: entries, the bucket tag, states, the
     try {
       ddp::flight_recorder::write(dir + "/no/such/dir/x.json");
     } catch (const ddp::error& e) {
-      threw = e.condition() == ddp::errc::system && std::string(e.what()).find(dir + "/no/such/dir/x.json") != std::string::npos;
+      threw = e.condition() == ddp::errc::system &&
+              std::string(e.what()).find(dir + "/no/such/dir/x.json") != std::string::npos;
     }
     require(threw, "an unwritable record raises errc::system naming the file");
 

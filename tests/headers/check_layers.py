@@ -26,7 +26,7 @@ LAYERS = [
     ("detail", ["detail"], []),
     ("group", ["group", "auth", "parallel"], ["process_group.hpp", "store.hpp"]),
     ("transport", ["transport"], []),
-    ("reducer", ["reducer"], ["request.hpp"]),
+    ("reducer", ["reducer"], ["request.hpp", "bucket_tag.hpp"]),
     ("policy", ["planner", "memory", "optim"], ["concepts.hpp", "parameter.hpp", "sampler.hpp"]),
     ("wrapper", ["data_parallel", "adapters"], ["data_parallel.hpp", "checkpoint.hpp", "core.hpp", "ddp.hpp"]),
 ]

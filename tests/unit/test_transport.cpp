@@ -19,6 +19,8 @@
 #include <vector>
 
 #include "ddp/concepts.hpp"
+#include "ddp/bucket_tag.hpp"
+#include "ddp/reducer/hooked.hpp"
 #include "ddp/reducer/ring.hpp"
 #include "ddp/reducer/shm.hpp"
 #include "ddp/reducer/tree.hpp"
@@ -94,7 +96,20 @@ static_assert(!ddp::transport<int> && !ddp::transport<ddp::shm>);  // shm is an 
 
 // The reducers over the archetype are reducers; mpi_reducer has no abort(), ring<T> does.
 static_assert(ddp::reducer<ddp::ring<transport_archetype>> && ddp::reducer<ddp::tree<transport_archetype>>);
-static_assert(requires(ddp::ring<transport_archetype>& r) { r.abort(); });
+static_assert(requires(ddp::ring<transport_archetype> & r) { r.abort(); });
+
+// Every reducer of ddp takes the bucket's tag with the call (ddp/bucket_tag.hpp); a reducer that
+// hides those overloads behind its own four-argument allreduce_async is still a reducer, and the
+// wrapper calls it without the tag (tests/multiproc's flaky_ring runs that path).
+struct untagged_ring : ddp::ring<transport_archetype> {
+  ddp::request allreduce_async(void* d, std::size_t n, ddp::dtype t, ddp::op o) {
+    return ddp::ring<transport_archetype>::allreduce_async(d, n, t, o);
+  }
+};
+static_assert(ddp::reducer_with_bucket_tag<ddp::ring<transport_archetype>> &&
+              ddp::reducer_with_bucket_tag<ddp::tree<transport_archetype>> &&
+              ddp::reducer_with_bucket_tag<ddp::hooked<ddp::ring<transport_archetype>>>);
+static_assert(!ddp::reducer_with_bucket_tag<untagged_ring> && ddp::has_allreduce_async<untagged_ring>);
 
 }  // namespace
 
@@ -190,11 +205,12 @@ std::vector<outcome> allreduce_on_threads(int n, std::size_t count, ddp::reducer
       d.kind = ddp::detail::coll_kind::allreduce;
       d.count = mine;
       d.seq = 1;
-      d.algo = std::same_as<Algorithm, ddp::tree_algorithm> ? ddp::detail::coll_algo::tree : ddp::detail::coll_algo::ring;
+      d.algo =
+          std::same_as<Algorithm, ddp::tree_algorithm> ? ddp::detail::coll_algo::tree : ddp::detail::coll_algo::ring;
       d.variant = ddp::detail::p2p_engine<Algorithm, mailbox>::variant(d.kind, mine * 4, opts);
       try {
-        ddp::detail::p2p_allreduce<Algorithm>(t, d, ddp::steady_clock::now() + std::chrono::seconds(10), o.data.data(), mine,
-                                              ddp::dtype::f32, ddp::op::sum, opts);
+        ddp::detail::p2p_allreduce<Algorithm>(t, d, ddp::steady_clock::now() + std::chrono::seconds(10), o.data.data(),
+                                              mine, ddp::dtype::f32, ddp::op::sum, opts);
       } catch (const ddp::error& e) {
         o.code = e.condition();
         o.message = e.what();
@@ -213,13 +229,15 @@ TEST_CASE("ring and tree allreduce over a transport written against ddp::transpo
     for (std::size_t count : {std::size_t{1}, std::size_t{10}, std::size_t{1000}}) {
       CAPTURE(n);
       CAPTURE(count);
-      for (const auto& outs : {allreduce_on_threads<ddp::ring_algorithm>(n, count, opts),
-                               allreduce_on_threads<ddp::tree_algorithm>(n, count, opts),
-                               allreduce_on_threads<ddp::tree_algorithm>(n, count, ddp::reducer_options{.small_bytes = 0})}) {
+      for (const auto& outs :
+           {allreduce_on_threads<ddp::ring_algorithm>(n, count, opts),
+            allreduce_on_threads<ddp::tree_algorithm>(n, count, opts),
+            allreduce_on_threads<ddp::tree_algorithm>(n, count, ddp::reducer_options{.small_bytes = 0})}) {
         for (const auto& o : outs) {
           REQUIRE(o.message.empty());
           for (std::size_t i = 0; i < count; ++i) {
-            const float expect = static_cast<float>(n * (n + 1) / 2) + static_cast<float>(n) * static_cast<float>(i % 7);
+            const float expect =
+                static_cast<float>(n * (n + 1) / 2) + static_cast<float>(n) * static_cast<float>(i % 7);
             REQUIRE(o.data[i] == expect);
           }
         }

@@ -38,7 +38,6 @@
 #include <ddp/detail/output_file.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
-#include <ddp/fwd.hpp>
 #include <ddp/version.hpp>
 
 namespace ddp {
@@ -62,35 +61,6 @@ inline const char* flight_state_name(flight_state s) noexcept {
   }
   return "?";
 }
-
-/// What the issuing thread works on, as the wrapper knows it: bucket `bucket` of step `step`
-/// (data_parallel's launch sets it around each bucket's allreduce; -1: not a bucket), and the
-/// tensors packed in that bucket (`n_tensors` of them at `tensors`, for communication hooks:
-/// reducer/hooked.hpp's comm_bucket; none when the wrapper did not say).
-struct flight_tag {
-  std::int32_t bucket = -1;
-  std::int64_t step = -1;
-  const comm_tensor* tensors = nullptr;
-  std::size_t n_tensors = 0;
-};
-inline thread_local flight_tag current_flight_tag{};
-
-/// Sets the issuing thread's tag for its lifetime (a decorator's progress thread carries the
-/// tag of the call it runs, reducer/hooked.hpp).
-class flight_tag_scope {
- public:
-  explicit flight_tag_scope(flight_tag t) noexcept : saved_(current_flight_tag) { current_flight_tag = t; }
-  flight_tag_scope(std::size_t bucket, std::uint64_t step, const comm_tensor* tensors = nullptr,
-                   std::size_t n_tensors = 0) noexcept
-      : flight_tag_scope(
-            flight_tag{static_cast<std::int32_t>(bucket), static_cast<std::int64_t>(step), tensors, n_tensors}) {}
-  flight_tag_scope(const flight_tag_scope&) = delete;
-  flight_tag_scope& operator=(const flight_tag_scope&) = delete;
-  ~flight_tag_scope() { current_flight_tag = saved_; }
-
- private:
-  flight_tag saved_;
-};
 
 /// One collective. `seq` is written last (release) and cleared first, so a reader that sees
 /// the same nonzero `seq` before and after reading the rest has a whole entry.
@@ -193,20 +163,21 @@ class flight_ring {
   }
 
   /// A collective issued now by this thread; its sequence number (1, 2, ...). `started`: it
-  /// starts at once, on this thread.
-  std::uint64_t issue(coll_kind k, dtype t, op o, int root, std::uint64_t count, bool started) noexcept {
+  /// starts at once, on this thread. `bucket` and `step`: the wrapper's bucket it serves, from
+  /// the call's ddp::bucket_tag (-1: none).
+  std::uint64_t issue(coll_kind k, dtype t, op o, int root, std::uint64_t count, bool started, std::int32_t bucket,
+                      std::int64_t step) noexcept {
     const std::uint64_t n = issued_.fetch_add(1, std::memory_order_relaxed) + 1;
     flight_entry& e = slot(n);
     const std::int64_t now = flight_now();
-    const flight_tag tag = current_flight_tag;
     e.seq.store(0, std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_release);
     e.count.store(count, std::memory_order_relaxed);
-    e.step.store(tag.step, std::memory_order_relaxed);
+    e.step.store(step, std::memory_order_relaxed);
     e.t_issue.store(now, std::memory_order_relaxed);
     e.t_start.store(started ? now : 0, std::memory_order_relaxed);
     e.t_end.store(0, std::memory_order_relaxed);
-    e.bucket.store(tag.bucket, std::memory_order_relaxed);
+    e.bucket.store(bucket, std::memory_order_relaxed);
     e.root.store(root, std::memory_order_relaxed);
     e.kind.store(static_cast<std::uint8_t>(k), std::memory_order_relaxed);
     e.type.store(static_cast<std::uint8_t>(t), std::memory_order_relaxed);

@@ -33,6 +33,7 @@
 #include <variant>
 
 #include <ddp/version.hpp>
+#include <ddp/bucket_tag.hpp>
 #include <ddp/detail/compiled.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/dtype.hpp>
@@ -123,12 +124,13 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
   int rank() const noexcept;
   int size() const noexcept;
 
-  request allreduce_async(void* data, std::size_t count, dtype t, op o);
+  request allreduce_async(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag = {});
   request broadcast_async(void* data, std::size_t count, dtype t, int root);
-  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o);
-  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t);
+  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o,
+                               const bucket_tag& tag = {});
+  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t, const bucket_tag& tag = {});
   request barrier_async();
-  void allreduce(void* data, std::size_t count, dtype t, op o);
+  void allreduce(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag = {});
   void barrier();
   /// The engine's progress thread, lent to a decorator (`ddp::hooked` runs its hook on it):
   /// see reducer/detail/front_end.hpp.

@@ -71,14 +71,14 @@ class compress_hook {
   void operator()(const comm_bucket& b, R& inner) {
     require_host_buckets(b, inner, "fp16_compress/bf16_compress");
     if (b.type != dtype::f32 || b.size < 2 || b.count == 0 || (b.oper != op::sum && b.oper != op::avg)) {
-      allreduce_now(inner, b.data, b.count, b.type, b.oper, b.deadline);
+      allreduce_now(inner, b.data, b.count, b.type, b.oper, b.deadline, b.tag());
       return;
     }
     auto* x = static_cast<float*>(b.data);
     float scale = 1.0f, unscale = 1.0f;
     if constexpr (std::is_same_v<Wire, half>) {
       float m = max_abs_finite(x, b.count);
-      allreduce_now(inner, &m, 1, dtype::f32, op::max, b.deadline);  // the same M on every rank
+      allreduce_now(inner, &m, 1, dtype::f32, op::max, b.deadline, b.tag());  // the same M on every rank
       const int e = compress_exponent(m, b.oper == op::sum ? static_cast<double>(b.size) : 1.0);
       scale = std::ldexp(1.0f, e);
       unscale = std::ldexp(1.0f, -e);
@@ -88,7 +88,7 @@ class compress_hook {
       narrow_to_f16(w, x, b.count, scale, true);
     else
       narrow_to_bf16(w, x, b.count, scale, true);
-    allreduce_now(inner, w, b.count, dtype_of_v<Wire>, b.oper, b.deadline);
+    allreduce_now(inner, w, b.count, dtype_of_v<Wire>, b.oper, b.deadline, b.tag());
     if constexpr (std::is_same_v<Wire, half>)
       widen_from_f16(x, w, b.count, unscale);
     else

@@ -15,7 +15,7 @@
 ///   template <class Inner>
 ///   void operator()(const ddp::comm_bucket& b, Inner& inner) {
 ///     ++calls;                                           // one call per allreduce, in issue order
-///     inner.allreduce(b.data, b.count, b.type, b.oper);  // the result must be in b.data on return
+///     inner.allreduce(b.data, b.count, b.type, b.oper, b.tag());  // the result in b.data on return
 ///   }
 /// };
 /// ddp::basic_data_parallel<ddp::size_planner, ddp::hooked<ddp::ring<ddp::tcp>, count_calls>> dp{pg, params};
@@ -34,12 +34,14 @@
 #include <utility>
 
 #include <ddp/version.hpp>
+#include <ddp/bucket_tag.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/detail/collective.hpp>
-#include <ddp/detail/flight_recorder.hpp>
 #include <ddp/error.hpp>
+#include <ddp/fwd.hpp>
 #include <ddp/process_group.hpp>
+#include <ddp/reducer/detail/tagged.hpp>
 #include <ddp/reducer/detail/typed_collectives.hpp>
 #include <ddp/detail/first_failure.hpp>
 #include <ddp/reducer/detail/worker.hpp>
@@ -48,20 +50,6 @@
 
 namespace ddp {
 inline namespace DDP_ABI {
-
-/// One tensor packed in a bucket, as the data-parallel wrapper hands it to a communication hook
-/// (comm_bucket::tensors below): the gradient of parameter `param` at elements
-/// [offset, offset + numel) of the bucket. `rows` is the
-/// parameter's first dimension (its numel when it has no shape), so the gradient is a
-/// rows x cols() matrix in row-major order, the view PyTorch's PowerSGD takes of it.
-struct comm_tensor {
-  std::size_t param = 0;
-  std::size_t offset = 0;
-  std::size_t numel = 0;
-  std::size_t rows = 0;
-  std::size_t cols() const noexcept { return rows == 0 ? 0 : numel / rows; }
-  friend bool operator==(const comm_tensor&, const comm_tensor&) = default;
-};
 
 /// One allreduce as a communication hook receives it. The hook reduces `count` elements of
 /// `type` at `data` with `oper` across the group, in place.
@@ -86,6 +74,12 @@ struct comm_bucket {
   /// The tensors packed in the bucket, in buffer order, back to back (empty for an allreduce
   /// a program issued itself). Valid during the call.
   std::span<const comm_tensor> tensors{};
+  /// The wrapper's step (-1 for an allreduce a program issued itself).
+  std::int64_t step = -1;
+
+  /// What the collective was issued with: pass it on to the inner reducer's calls
+  /// (`inner.allreduce(p, n, t, o, b.tag())`) so that its flight record names the bucket.
+  bucket_tag tag() const noexcept { return {bucket, step, tensors}; }
 
   std::size_t bytes() const noexcept { return count * dtype_size(type); }
   /// The bucket as a span of `T`; errc::invalid_argument when `T` is not its dtype.
@@ -110,7 +104,7 @@ concept comm_hook = requires(H& h, const comm_bucket& b, R& r) {
 struct plain_allreduce {
   template <class R>
   void operator()(const comm_bucket& b, R& inner) {
-    inner.allreduce(b.data, b.count, b.type, b.oper);
+    detail::allreduce_now(inner, b.data, b.count, b.type, b.oper, b.deadline, b.tag());
   }
 };
 
@@ -137,15 +131,6 @@ void require_host_buckets(const comm_bucket& b, R& inner, const char* hook) {
                 "engine (DDP_BACKEND=shm, tcp, mpi) or reduce uncompressed");
 }
 
-/// Runs an allreduce through `r` and returns when it is done: the blocking call where the
-/// reducer has one (it runs on the calling thread when nothing is queued), else async and wait.
-template <class R>
-void allreduce_now(R& r, void* data, std::size_t count, dtype t, op o, steady_clock::time_point deadline) {
-  if constexpr (requires { r.allreduce(data, count, t, o); })
-    r.allreduce(data, count, t, o);
-  else
-    r.allreduce_async(data, count, t, o).wait(deadline);
-}
 }  // namespace detail
 
 /// A reducer that runs each allreduce through `Hook` on top of the reducer `Inner`.
@@ -163,7 +148,9 @@ void allreduce_now(R& r, void* data, std::size_t count, dtype t, op o, steady_cl
 /// - it receives the bucket and the inner reducer, and must leave the reduced result in the
 ///   bucket's memory before it returns. It may run any number of collectives on the inner
 ///   reducer, provided every rank runs the same sequence for the same bucket (decide from
-///   values every rank shares: the descriptor, or the result of a collective).
+///   values every rank shares: the descriptor, or the result of a collective). Passing the
+///   bucket's `b.tag()` to them (every reducer of ddp takes it as the last argument) makes the
+///   flight record name the bucket and step of each (docs/forensics.md).
 /// - an exception from it becomes the error of the allreduce's request (a `ddp::error` as it
 ///   is; any other exception as errc::aborted naming the hook, the bucket and what()). The
 ///   ranks' sequences of collectives may then differ, so the inner reducer is aborted on this
@@ -221,39 +208,40 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   /// The reducer's own handle on its group.
   process_group& group() noexcept { return pg_; }
 
-  /// Starts an allreduce: the hook runs it, after every collective issued before it.
-  request allreduce_async(void* data, std::size_t count, dtype t, op o) {
+  /// Starts an allreduce: the hook runs it, after every collective issued before it. `tag`: the
+  /// bucket it serves (the hook receives it in its comm_bucket).
+  request allreduce_async(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag = {}) {
     check(t, o, "allreduce");
-    // The inner collectives carry the issuer's flight-record tag (the wrapper's bucket and step).
-    return progress_.submit([=, this, tag = detail::current_flight_tag] {
-      const detail::flight_tag_scope on(tag);
-      run_hook(data, count, t, o);
-    });
+    return progress_.submit([=, this] { run_hook(data, count, t, o, tag); });
   }
   /// Blocking allreduce through the hook; on the calling thread when nothing is queued.
-  void allreduce(void* data, std::size_t count, dtype t, op o) {
+  void allreduce(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag = {}) {
     check(t, o, "allreduce");
-    if (!progress_.try_run_inline([&] { run_hook(data, count, t, o); })) wait(allreduce_async(data, count, t, o));
+    if (!progress_.try_run_inline([&] { run_hook(data, count, t, o, tag); }))
+      wait(allreduce_async(data, count, t, o, tag));
   }
   request broadcast_async(void* data, std::size_t count, dtype t, int root) {
     check(t, op::sum, "broadcast");
     return progress_.submit([=, this] { pass([&] { return inner_.broadcast_async(data, count, t, root); }); });
   }
-  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) requires
-      requires(Inner& r) {
+  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o,
+                               const bucket_tag& tag = {}) requires requires(Inner& r) {
     r.reduce_scatter_async(in, out, count_per_rank, t, o);
   }
   {
     check(t, o, "reduce_scatter");
-    return progress_.submit(
-        [=, this] { pass([&] { return inner_.reduce_scatter_async(in, out, count_per_rank, t, o); }); });
+    return progress_.submit([=, this] {
+      pass([&] { return detail::reduce_scatter_async_tagged(inner_, in, out, count_per_rank, t, o, tag); });
+    });
   }
-  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) requires requires(Inner& r) {
+  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t,
+                          const bucket_tag& tag = {}) requires requires(Inner& r) {
     r.allgather_async(in, out, count_per_rank, t);
   }
   {
     check(t, op::sum, "allgather");
-    return progress_.submit([=, this] { pass([&] { return inner_.allgather_async(in, out, count_per_rank, t); }); });
+    return progress_.submit(
+        [=, this] { pass([&] { return detail::allgather_async_tagged(inner_, in, out, count_per_rank, t, tag); }); });
   }
   request barrier_async() {
     return progress_.submit([this] { pass([&] { return barrier_request(); }); });
@@ -307,10 +295,9 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
     start().wait(deadline());
   }
 
-  void run_hook(void* data, std::size_t count, dtype t, op o) {
+  void run_hook(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag) {
     check_usable();
-    const detail::flight_tag& tag = detail::current_flight_tag;  // the issuer's, restored on this thread
-    comm_bucket b{data, count, t, o, seq_++, rank(), size(), deadline(), tag.bucket, {tag.tensors, tag.n_tensors}};
+    comm_bucket b{data, count, t, o, seq_++, rank(), size(), deadline(), tag.bucket, tag.tensors, tag.step};
     try {
       hook_(static_cast<const comm_bucket&>(b), inner_);
     } catch (const error& e) {

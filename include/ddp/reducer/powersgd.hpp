@@ -190,13 +190,13 @@ class powersgd {
     detail::require_host_buckets(b, inner, "powersgd");
     if (b.type != dtype::f32 || b.size < 2 || b.count == 0 || (b.oper != op::sum && b.oper != op::avg) ||
         b.bucket < 0 || b.tensors.empty()) {
-      detail::allreduce_now(inner, b.data, b.count, b.type, b.oper, b.deadline);
+      detail::allreduce_now(inner, b.data, b.count, b.type, b.oper, b.deadline, b.tag());
       return;
     }
     state& s = state_of(b);
     if (!s.agreed) agree(b, inner, s);
     if (s.calls++ < o_.start_iter || s.mats.empty()) {
-      detail::allreduce_now(inner, b.data, b.count, b.type, b.oper, b.deadline);
+      detail::allreduce_now(inner, b.data, b.count, b.type, b.oper, b.deadline, b.tag());
       return;
     }
     compress(b, inner, s);
@@ -274,7 +274,7 @@ class powersgd {
     }
     const auto mine = static_cast<std::int64_t>(h >> 2);
     std::int64_t both[2] = {mine, -mine};
-    detail::allreduce_now(inner, both, 2, dtype::i64, op::max, b.deadline);
+    detail::allreduce_now(inner, both, 2, dtype::i64, op::max, b.deadline, b.tag());
     if (both[0] != mine || both[1] != -mine)
       detail::raise(errc::mismatch, b.rank,
                     "powersgd: the ranks' options (rank, start_iter, min_compression_rate, error_feedback, warm_start, "
@@ -304,7 +304,7 @@ class powersgd {
       std::copy_n(x + t.offset, t.numel, s.pu.data() + at);
       at += t.numel;
     }
-    detail::allreduce_now(inner, s.pu.data(), s.pu.size(), dtype::f32, op::sum, b.deadline);
+    detail::allreduce_now(inner, s.pu.data(), s.pu.size(), dtype::f32, op::sum, b.deadline, b.tag());
     const bool avg = b.oper == op::avg;
     const float n = static_cast<float>(b.size);
     for (std::size_t at = 0; const auto& t : s.plain) {
@@ -315,7 +315,7 @@ class powersgd {
       k::orthogonalize(s.pu.data() + m.p, m.rows, m.r, eps);
       k::times_transposed(x + m.offset, s.pu.data() + m.p, s.q.data() + m.q, m.rows, m.cols, m.r);
     }
-    detail::allreduce_now(inner, s.q.data(), s.q.size(), dtype::f32, op::sum, b.deadline);
+    detail::allreduce_now(inner, s.q.data(), s.q.size(), dtype::f32, op::sum, b.deadline, b.tag());
     if (avg)
       for (float& v : s.q) v /= n;
     for (const auto& m : s.mats)

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/bucket_tag.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/data_parallel/bucket_memory.hpp>
 #include <ddp/data_parallel/bucket_state.hpp>
@@ -24,10 +25,10 @@
 #include <ddp/data_parallel/detail/uneven.hpp>
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/data_parallel/timeline.hpp>
-#include <ddp/detail/flight_recorder.hpp>
 #include <ddp/parameter.hpp>
 #include <ddp/planner/bucket_plan.hpp>
 #include <ddp/process_group.hpp>
+#include <ddp/reducer/detail/tagged.hpp>
 #include <ddp/reducer/hooked.hpp>
 #include <ddp/request.hpp>
 
@@ -97,17 +98,16 @@ class bucket_ops {
   void launch(std::size_t b) {
     const auto& bk = memory_.plan().buckets[b];
     // The flight record names the bucket (docs/forensics.md); a communication hook sees its tensors.
-    const std::span<const comm_tensor> tensors = layout(b);
-    const detail::flight_tag_scope tag(b, step_, tensors.data(), tensors.size());
+    const bucket_tag tag{static_cast<std::int32_t>(b), static_cast<std::int64_t>(step_), layout(b)};
     if (bk.numel > 0) {
       if (shards_ != nullptr) {
         memory_.bind(b, true, wait_patience(opts_, pg_), pg_.rank());
         for (const auto& e : bk.entries) fill_slot(e.param);
       }
       memory_.track(b, shards_ != nullptr
-                           ? shards_->reduce_scatter(b)
-                           : red_.allreduce_async(memory_.buffer(b), bk.numel, bk.type,
-                                                  detail::bucket_op(opts_.average, opts_.uneven_inputs, bk.type)));
+                           ? shards_->reduce_scatter(b, tag)
+                           : allreduce_async_tagged(red_, memory_.buffer(b), bk.numel, bk.type,
+                                                    bucket_op(opts_.average, opts_.uneven_inputs, bk.type), tag));
     }
     if (timeline_) timeline_->bucket_launched(b, steady_clock::now());
   }

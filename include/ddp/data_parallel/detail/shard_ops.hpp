@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/bucket_tag.hpp>
 #include <ddp/data_parallel/agreement.hpp>
 #include <ddp/data_parallel/bucket_memory.hpp>
 #include <ddp/data_parallel/detail/parameters.hpp>
@@ -26,12 +27,12 @@
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/data_parallel/shard_layout.hpp>
 #include <ddp/detail/bytes.hpp>
-#include <ddp/detail/flight_recorder.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/optim/shard_optimizer.hpp>
 #include <ddp/parameter.hpp>
 #include <ddp/process_group.hpp>
+#include <ddp/reducer/detail/tagged.hpp>
 #include <ddp/request.hpp>
 
 namespace ddp {
@@ -125,10 +126,10 @@ class shard_ops {
   }
 
   /// bucket_ops' launch in the sharded mode: bucket b's reduce-scatter into its gradient shard.
-  request reduce_scatter(std::size_t b) {
+  request reduce_scatter(std::size_t b, const bucket_tag& tag) {
     const auto& bk = layout_.buckets[b];
-    return red_.reduce_scatter_async(memory_.buffer(b), grad_shard(b), bk.per_rank, bk.type,
-                                     bucket_op(opts_.average, false, bk.type));
+    return reduce_scatter_async_tagged(red_, memory_.buffer(b), grad_shard(b), bk.per_rank, bk.type,
+                                       bucket_op(opts_.average, false, bk.type), tag);
   }
 
   /// The master weights of f16 and bf16 buckets from the engine's parameters (at set-up, and
@@ -400,8 +401,8 @@ class shard_ops {
     for (const auto& pc : L.pieces)
       std::memcpy(mine + pc.shard_offset * esz,
                   static_cast<const std::byte*>(views_[pc.param].data) + pc.param_offset * esz, pc.count * esz);
-    const detail::flight_tag_scope tag(b, wrapper_step);
-    memory_.track(b, red_.allgather_async(mine, memory_.buffer(b), L.per_rank, L.type));
+    const bucket_tag tag{static_cast<std::int32_t>(b), static_cast<std::int64_t>(wrapper_step), {}};
+    memory_.track(b, allgather_async_tagged(red_, mine, memory_.buffer(b), L.per_rank, L.type, tag));
   }
 
   /// After bucket b's all-gather: the other ranks' slices into the engine's parameters (this

@@ -131,24 +131,25 @@ DDP_DECL int auto_reducer::size() const noexcept {
   return visit([](auto& r) { return r.size(); });
 }
 
-DDP_DECL request auto_reducer::allreduce_async(void* data, std::size_t count, dtype t, op o) {
-  return visit([&](auto& r) { return r.allreduce_async(data, count, t, o); });
+DDP_DECL request auto_reducer::allreduce_async(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag) {
+  return visit([&](auto& r) { return r.allreduce_async(data, count, t, o, tag); });
 }
 DDP_DECL request auto_reducer::broadcast_async(void* data, std::size_t count, dtype t, int root) {
   return visit([&](auto& r) { return r.broadcast_async(data, count, t, root); });
 }
 DDP_DECL request auto_reducer::reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t,
-                                                    op o) {
-  return visit([&](auto& r) { return r.reduce_scatter_async(in, out, count_per_rank, t, o); });
+                                                    op o, const bucket_tag& tag) {
+  return visit([&](auto& r) { return r.reduce_scatter_async(in, out, count_per_rank, t, o, tag); });
 }
-DDP_DECL request auto_reducer::allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) {
-  return visit([&](auto& r) { return r.allgather_async(in, out, count_per_rank, t); });
+DDP_DECL request auto_reducer::allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t,
+                                               const bucket_tag& tag) {
+  return visit([&](auto& r) { return r.allgather_async(in, out, count_per_rank, t, tag); });
 }
 DDP_DECL request auto_reducer::barrier_async() {
   return visit([&](auto& r) { return r.barrier_async(); });
 }
-DDP_DECL void auto_reducer::allreduce(void* data, std::size_t count, dtype t, op o) {
-  visit([&](auto& r) { r.allreduce(data, count, t, o); });
+DDP_DECL void auto_reducer::allreduce(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag) {
+  visit([&](auto& r) { r.allreduce(data, count, t, o, tag); });
 }
 DDP_DECL void auto_reducer::barrier() {
   visit([&](auto& r) { r.barrier(); });

@@ -43,6 +43,7 @@
 #include <type_traits>
 #include <utility>
 
+#include <ddp/bucket_tag.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/consensus.hpp>
@@ -113,46 +114,49 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
   // dtype or op, a root that is not a rank, or overlapping buffers raise errc::invalid_argument
   // at the call.
 
-  /// Starts an allreduce of `count` elements of `t` at `data`, in place.
-  request allreduce_async(void* data, std::size_t count, dtype t, op o) {
-    return submit(describe(coll_kind::allreduce, t, o, 0, count),
+  /// Starts an allreduce of `count` elements of `t` at `data`, in place. `tag`: the bucket it
+  /// serves (ddp/bucket_tag.hpp), for the flight record.
+  request allreduce_async(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag = {}) {
+    return submit(describe(coll_kind::allreduce, t, o, 0, count), tag,
                   [=, this](auto... ctx) { return engine_.allreduce(ctx..., data, count, t, o); });
   }
   /// Copies `root`'s `count` elements into every rank's `data`.
   request broadcast_async(void* data, std::size_t count, dtype t, int root) {
     check_root(root);
-    return submit(describe(coll_kind::broadcast, t, op::sum, root, count),
+    return submit(describe(coll_kind::broadcast, t, op::sum, root, count), {},
                   [=, this](auto... ctx) { return engine_.broadcast(ctx..., data, count, t, root); });
   }
   /// `in` holds size() * count_per_rank elements; rank r receives the reduction of slice r.
   /// `out` must not overlap `in`, except as exactly this rank's slice of it (in place).
-  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o) {
+  request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o,
+                               const bucket_tag& tag = {}) {
     const auto d = describe(coll_kind::reduce_scatter, t, o, 0, count_per_rank);
     const std::size_t slice = count_per_rank * dtype_size(t);
     check_overlap("reduce_scatter", rank(), in, slice * static_cast<std::size_t>(size()), out, slice);
-    return submit(d, [=, this](auto... ctx) { return engine_.reduce_scatter(ctx..., in, out, count_per_rank, t, o); });
+    return submit(d, tag,
+                  [=, this](auto... ctx) { return engine_.reduce_scatter(ctx..., in, out, count_per_rank, t, o); });
   }
   /// Every rank's `count_per_rank` elements, concatenated in rank order into `out`. `in` must
   /// not overlap `out`, except as exactly this rank's slice of it (in place).
-  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t) {
+  request allgather_async(const void* in, void* out, std::size_t count_per_rank, dtype t, const bucket_tag& tag = {}) {
     const auto d = describe(coll_kind::allgather, t, op::sum, 0, count_per_rank);
     const std::size_t slice = count_per_rank * dtype_size(t);
     check_overlap("allgather", rank(), out, slice * static_cast<std::size_t>(size()), in, slice);
-    return submit(d, [=, this](auto... ctx) { return engine_.allgather(ctx..., in, out, count_per_rank, t); });
+    return submit(d, tag, [=, this](auto... ctx) { return engine_.allgather(ctx..., in, out, count_per_rank, t); });
   }
   request barrier_async() {
-    return submit(describe(coll_kind::barrier, dtype::i32, op::sum, 0, 0),
+    return submit(describe(coll_kind::barrier, dtype::i32, op::sum, 0, 0), {},
                   [this](auto... ctx) { return engine_.barrier(ctx...); });
   }
 
   /// Blocking allreduce; runs on the calling thread when no async work is pending (host
   /// engines), else waits for its request.
-  void allreduce(void* data, std::size_t count, dtype t, op o) {
-    run(describe(coll_kind::allreduce, t, o, 0, count),
+  void allreduce(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag = {}) {
+    run(describe(coll_kind::allreduce, t, o, 0, count), tag,
         [=, this](auto... ctx) { return engine_.allreduce(ctx..., data, count, t, o); });
   }
   void barrier() {
-    run(describe(coll_kind::barrier, dtype::i32, op::sum, 0, 0),
+    run(describe(coll_kind::barrier, dtype::i32, op::sum, 0, 0), {},
         [this](auto... ctx) { return engine_.barrier(ctx...); });
   }
 
@@ -239,8 +243,8 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
   // `record` notes a collective as it is issued (0 when recording is off); `recorded` runs a
   // part of it and notes its end: finished, or failed with its errc, which for a timeout, a
   // lost peer or an abort also dumps the record (before the error reaches any waiter).
-  std::uint64_t record(const coll_desc& d, bool started) noexcept {
-    return rec_ ? rec_->issue(d.kind, d.type, d.oper, d.root, d.count, started) : 0;
+  std::uint64_t record(const coll_desc& d, const bucket_tag& tag, bool started) noexcept {
+    return rec_ ? rec_->issue(d.kind, d.type, d.oper, d.root, d.count, started, tag.bucket, tag.step) : 0;
   }
   template <class F>
   decltype(auto) recorded(std::uint64_t n, bool last, F&& f) {
@@ -265,15 +269,15 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
   }
 
   template <class Job>
-  request submit(const coll_desc& d, Job job) {
+  request submit(const coll_desc& d, const bucket_tag& tag, Job job) {
     if constexpr (Engine::launches_at_call) {
       // Started here (on the stream); it ends when the progress thread has seen it complete.
-      const std::uint64_t n = record(d, true);
+      const std::uint64_t n = record(d, tag, true);
       auto done = recorded(n, false, job);
       if (n == 0) return worker_.submit(std::move(done));
       return worker_.submit([this, n, done = std::move(done)]() mutable { recorded(n, true, done); });
     } else {
-      const std::uint64_t n = record(d, false);
+      const std::uint64_t n = record(d, tag, false);
       return worker_.submit([this, d, job, n]() mutable {
         if (n != 0) rec_->started(n);
         recorded(n, true, [&] { start(d, job); });
@@ -281,12 +285,12 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
     }
   }
   template <class Job>
-  void run(const coll_desc& d, Job job) {
+  void run(const coll_desc& d, const bucket_tag& tag, Job job) {
     if constexpr (Engine::launches_at_call) {
-      wait(submit(d, std::move(job)));
+      wait(submit(d, tag, std::move(job)));
     } else {
-      if (!worker_.try_run_inline([&] { recorded(record(d, true), true, [&] { start(d, job); }); }))
-        wait(submit(d, std::move(job)));
+      if (!worker_.try_run_inline([&] { recorded(record(d, tag, true), true, [&] { start(d, job); }); }))
+        wait(submit(d, tag, std::move(job)));
     }
   }
 
