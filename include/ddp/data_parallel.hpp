@@ -6,16 +6,13 @@
 /// backward was still running. The parts it is built from live in `ddp/data_parallel/`.
 /// See docs/data-parallel.md.
 
-#include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <span>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -36,10 +33,13 @@
 #include <ddp/data_parallel/detail/plan_keeper.hpp>
 #include <ddp/data_parallel/detail/setup_checks.hpp>
 #include <ddp/data_parallel/detail/shard_ops.hpp>
+#include <ddp/data_parallel/detail/step_context.hpp>
+#include <ddp/data_parallel/join_mode.hpp>
 #include <ddp/data_parallel/detail/step_guard.hpp>
 #include <ddp/data_parallel/detail/step_sync.hpp>
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/data_parallel/shard_layout.hpp>
+#include <ddp/data_parallel/sharded_mode.hpp>
 #include <ddp/data_parallel/timeline.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/memory/auto_allocator.hpp>
@@ -66,7 +66,10 @@ inline namespace DDP_ABI {
 /// \endcode
 /// The defaults (`size_planner`, `auto_reducer`, `auto_allocator`) are given once, in fwd.hpp.
 template <class Planner, class Reducer, class Allocator>
-class basic_data_parallel {
+class basic_data_parallel : public sharded_mode<basic_data_parallel<Planner, Reducer, Allocator>>,
+                            public join_mode<basic_data_parallel<Planner, Reducer, Allocator>> {
+  friend class sharded_mode<basic_data_parallel>;  // the modes' calls reach its parts
+  friend class join_mode<basic_data_parallel>;
   static_assert(bucket_planner<Planner>, "ddp: Planner must satisfy ddp::bucket_planner (concepts.hpp)");
   static_assert(reducer<Reducer>, "ddp: Reducer must satisfy ddp::reducer (concepts.hpp)");
   static_assert(device_allocator<Allocator>, "ddp: Allocator must satisfy ddp::device_allocator (concepts.hpp)");
@@ -112,20 +115,15 @@ class basic_data_parallel {
             views_.size(), [this](std::size_t b) { buckets_.launch(b); },
             opts.uneven_inputs ? bucket_state::open_fn([this] { join_.issue_count(1); }) : bucket_state::open_fn{}) {
     detail::check_construction(agree_, memory_, views_, buffers_.buffers(), opts_, pg_.rank());
-    if (opts_.shard) {
-      shard_type::check(opts_, policy_, views_, memory_.allocator().location(), pg_.rank());
-      pg_.note_sharded_state();  // an elastic group must not re-form without a shard (docs/elastic.md)
-    }
+    if (shards_) shards_->check(policy_);
     tune_.set_up(agree_, policy_, opts_, pg_.rank());
-    if (opts_.broadcast_parameters && pg.size() > 1) start_from_rank0();
+    if (opts_.broadcast_parameters && pg.size() > 1)
+      built_ = detail::start_from_rank0(agree_, red_, pg_, views_, buffers_.buffers());
     bucket_plan plan = plans_.first_plan(opts_);
     if (shards_) shards_->lay_out(plan);
     // Every rank learns whether every other rank's buckets fit (a full /dev/shm, device memory):
     // if not, all fail here; a failed rank's buckets are freed with memory_ as construction unwinds.
-    agree_.share_setup(detail::exception_of([&] {
-      buckets_.set_up(std::move(plan), sync_);
-      if (shards_) shards_->allocate();
-    }));
+    agree_.share_setup(detail::exception_of([&] { buckets_.set_up(std::move(plan), sync_); }));
     buckets_.reset_step(plans_.settled());
   }
 
@@ -134,29 +132,7 @@ class basic_data_parallel {
 
   /// Waits (bounded) for collectives a failed step left in flight, then frees the buckets. In a
   /// forked child it waits for nothing and aborts nothing (the collectives are the parent's).
-  ~basic_data_parallel() {
-    if (owner_.forked()) {
-      // The child frees its copy of host memory; CUDA memory is the parent's driver's.
-      const auto where = memory_.allocator().location();
-      if (where != memory_kind::host && where != memory_kind::shared) memory_.leak();
-      return;
-    }
-    // Destroyed by an exception in the middle of a step, whose collectives the peers wait for
-    // and can no longer complete: they learn why before the reducer's transports close.
-    if (state_.is_open() && std::uncaught_exceptions() > 0) try {
-        errc code{};
-        std::string msg;
-        if (detail::latest_live_error(code, msg))
-          guarded_.fail_peers("left step " + std::to_string(step_) + " unfinished on its error (" +
-                              std::string(detail::errc_name(code)) + "): " + msg);
-      } catch (...) {  // no memory for the message: the transports close as they would
-      }
-    // A collective that does not end may still write into a bucket: leaking it is the safe choice.
-    if (!memory_.drain(pg_.timeout(), [this] { guarded_.abort_reducer(); })) {
-      memory_.leak();
-      if (shards_) shards_->leak();
-    }
-  }
+  ~basic_data_parallel() { buckets_.release(owner_.forked(), std::uncaught_exceptions() > 0); }
 
   /// Gradient `i` is complete for this step: copied into its bucket now (copy mode) or already
   /// at `bucket_grad(i)` (view mode); a complete bucket launches after every earlier one.
@@ -171,21 +147,17 @@ class basic_data_parallel {
     guarded_("grad_ready", i, [&] {
       const bool sync = state_.open(no_sync_depth_ == 0);
       if (!sync) state_.set_accumulated(i);
-      // The sharded mode copies a bucket's gradients when it launches (one buffer, docs/sharded.md).
-      if (sync && !opts_.gradient_as_bucket_view && !buckets_.deferred_copies())
-        memory_.copy_in(i, views_[i].grad, views_[i].bytes());
+      if (sync) buckets_.copy_in(i);
       state_.complete(i, sync);
     });
   }
 
-  /// `grad_ready(i)` after checking, at the cost of a few pointer compares, that `params` (the
-  /// set this wrapper was built from, as the engine describes it now) still holds parameter `i`
-  /// where the wrapper captured it at construction: the same parameter count, element count,
-  /// values and gradient (in view mode the gradient may also be `bucket_grad(i)`). The form for
-  /// an engine that may reallocate its tensors (an engine without an adapter, dlib): a gradient
-  /// that moved is `errc::usage` naming the parameter and both addresses, not a silent read of
-  /// memory the engine no longer uses. That failure, like any inside `grad_ready`, fails the
-  /// wrapper for good and tells the peers, whose `finish()` fails naming this rank.
+  /// `grad_ready(i)` after checking, for a few pointer compares, that `params` (the set this
+  /// wrapper was built from, as the engine describes it now) holds parameter `i` where the
+  /// wrapper captured it: the same parameter count, element count, values and gradient (in view
+  /// mode also `bucket_grad(i)`). For an engine that may reallocate its tensors (dlib): a moved
+  /// gradient is `errc::usage` naming the parameter and both addresses, not a silent read of
+  /// memory the engine no longer uses; it fails the wrapper for good, as in `grad_ready`.
   /// \code
   /// engine.backward([&](std::size_t i) { dp.grad_ready(params, i); });
   /// \endcode
@@ -237,33 +209,16 @@ class basic_data_parallel {
     if (sync) {
       contributors = opts_.uneven_inputs ? static_cast<int>(join_.wait_count("finish")) : pg_.size();
       const auto missing = state_.missing();
-      if (!missing.empty() && !opts_.find_unused_parameters) {
-        // The peers wait for this rank's buckets: should it not repair the step, their timeout
-        // quotes why.
-        pg_.note_error("step " + std::to_string(step_) + ": " + detail::missing_text(missing, names_));
-        noted_error_ = true;
-        detail::raise_missing(pg_.rank(), missing, names_);
-      }
-      if (noted_error_) pg_.note_error({});  // repaired
-      noted_error_ = false;
+      sync_.check_missing(missing, names_);
       buckets_.launch_rest(missing);
-      const auto& plan = memory_.plan();
-      // Without the unused-parameter record, each bucket's hook runs as soon as its average is
-      // in place, while later buckets still reduce; with it, once the record says which
-      // parameters no rank used (docs/data-parallel.md, "Optimizer overlap").
-      const bool hook_early = buckets_.has_hook() && !opts_.find_unused_parameters;
-      for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
-        buckets_.wait(b);
-        if (opts_.uneven_inputs) join_.finish_bucket(b, contributors);
-        buckets_.copy_back(b);  // bucket by bucket: later buckets keep reducing meanwhile
-        if (hook_early) buckets_.call_hook(b);
-      }
-      const int source = sync_.exchange_record(false, "finish");
-      if (buckets_.has_hook() && !hook_early)
-        for (std::size_t b = 0; b < plan.buckets.size(); ++b) buckets_.call_hook(b);
+      const int source = buckets_.complete(
+          [&](std::size_t b) {
+            if (opts_.uneven_inputs) join_.finish_bucket(b, contributors);
+          },
+          [&] { return sync_.exchange_record(false, "finish"); });
       sync_.sync_buffer_values(source, sync_.step_buffer_mode(contributors), "finish (the buffers after the step)");
       state_.clear_accumulated();  // they are in this step's average now
-      shard_fresh_ = shards_ != nullptr;
+      this->gradients_reduced(shards_ != nullptr);
     }
     buckets_.record_timeline(t_call, names_, plans_.layout_version());
     last_stats_ = state_.stats(step_, t_call, steady_clock::now());
@@ -282,36 +237,9 @@ class basic_data_parallel {
   /// micro_step(1); dp.finish();                                // averages both micro-steps
   /// \endcode
   no_sync_guard no_sync() {
-    check_healthy();
-    join_.check_not_joining("no_sync()");
-    if (state_.is_open())
-      detail::raise(errc::usage, pg_.rank(), "no_sync() in the middle of a step; call it before the first grad_ready");
+    between_steps("no_sync()", "call it before the first grad_ready");
     return no_sync_guard(no_sync_depth_);
   }
-
-  /// This rank has no batch left in the epoch (`dp_options::uneven_inputs`): until every rank has
-  /// joined, answers each synchronized step of the others with zero gradients, so that their
-  /// collectives complete and their averages count only the ranks that contributed; returns
-  /// when every rank has joined (all ranks leave together). The wrapper can then start the next
-  /// epoch. Every wait is bounded by the timeout, including the one for the next step of the
-  /// ranks still training (a `no_sync()` window longer than the timeout fails the joined ranks).
-  /// In copy mode this rank's gradients are left as they were; in view mode they are bucket
-  /// memory, which the answers are made in: they are zero when `join()` returns. Gradients that
-  /// `no_sync()` steps accumulated and no synchronized step averaged are dropped.
-  /// Throws `errc::usage` without the option, in the middle of a step, or while this rank's
-  /// `join()` already runs; a failure inside (timeout, peer_lost) fails the wrapper for good.
-  /// \code
-  /// for (const auto& batch : my_shard) { train_step(batch); dp.finish(); }
-  /// dp.join();  // the other ranks may still have batches
-  /// \endcode
-  void join() {
-    check_healthy();
-    join_.run(buckets_);
-  }
-
-  /// Steps of other ranks that this rank answered with zero gradients inside `join()`, summed
-  /// over every `join()` so far.
-  std::uint64_t joined_steps() const noexcept { return join_.joined_steps(); }
 
   /// Where the engine must write gradient `i` in view mode (in copy mode: where ddp stages it).
   /// In view mode the address never changes; in copy mode it moves at the rebuild after the
@@ -349,13 +277,7 @@ class basic_data_parallel {
   /// });
   /// \endcode
   void on_bucket_reduced(std::function<void(const reduced_bucket&)> fn) {
-    check_healthy();
-    if (opts_.shard)
-      detail::raise(errc::unsupported, pg_.rank(),
-                    "on_bucket_reduced() in the sharded mode (dp_options::shard): the engine's gradients are not "
-                    "averaged; step(optimizer) steps the shards");
-    if (state_.is_open())
-      detail::raise(errc::usage, pg_.rank(), "on_bucket_reduced() in the middle of a step; set it between steps");
+    between_steps("on_bucket_reduced()", "set it between steps");
     buckets_.set_hook(std::move(fn));
   }
 
@@ -368,104 +290,12 @@ class basic_data_parallel {
   /// dp.sync_buffers();  // every rank now holds rank 0's BatchNorm statistics
   /// \endcode
   void sync_buffers(buffer_sync how = buffer_sync::broadcast) {
-    check_healthy();
-    join_.check_not_joining("sync_buffers()");
-    if (state_.is_open())
-      detail::raise(errc::usage, pg_.rank(),
-                    "sync_buffers() in the middle of a step; call it before the first grad_ready or after finish()");
+    between_steps("sync_buffers()", "call it before the first grad_ready or after finish()");
     sync_.sync_buffer_values(0, how, "sync_buffers");
   }
 
-  /// The sharded mode (`dp_options::shard`): after a synchronized `finish()`, steps this rank's
-  /// shard of every bucket with `opt` (a `ddp::shard_optimizer`: `ddp::sgd`, `ddp::adamw`, the
-  /// engine's own) and all-gathers the updated parameters into the engine's tensors, bucket by
-  /// bucket, the gathers of earlier buckets overlapping the steps of later ones. Collective:
-  /// every rank calls it once per synchronized step, with an optimizer of the same `signature()`
-  /// (compared at the first call: errc::mismatch naming both). Throws `errc::usage` without the
-  /// option, inside a step, or without a synchronized `finish()` since the last `step()`; a
-  /// failure inside (timeout, peer_lost) fails the wrapper for good, as in `finish()`. With
-  /// `find_unused_parameters`, a parameter no rank used keeps its value and optimizer state (as
-  /// PyTorch's optimizers skip a parameter whose gradient is None).
-  /// \code
-  /// ddp::adamw opt{{.lr = 1e-3}};
-  /// dp.finish();
-  /// dp.step(opt);  // every rank now holds the same updated parameters
-  /// \endcode
-  template <shard_optimizer Optimizer>
-  void step(Optimizer& opt) {
-    begin_shard_step("step(optimizer)", false);
-    guarded_("step", -1,
-             [&] { shards_->step(opt, step_, [this](std::size_t i) { return sync_.unused_everywhere(i); }); });
-  }
-
-  /// The sharded mode with the engine's own optimizer: after a synchronized `finish()`,
-  /// `update()` steps this rank's slice of each parameter (`shard_slices()`: the engine's values
-  /// and the averaged gradients there) through views the engine made of them, e.g. a
-  /// `torch::optim` optimizer built over them (the LibTorch adapter's `shard_of` and `step`);
-  /// then the wrapper all-gathers the updated parameters into the engine's tensors. An
-  /// optimizer whose update of an element reads only that element (SGD, Adam, AdamW) gives the
-  /// unsharded run's results. Its state is the engine's: `sharded_state()` refuses
-  /// (errc::usage), and mixing it with `step(optimizer)` is errc::usage. Preconditions and
-  /// failures as `step(optimizer)`; an exception from `update()` fails the wrapper for good.
-  /// \code
-  /// dp.finish();
-  /// dp.step([&] { my_engine_optimizer.step(); });  // over views of dp.shard_slices()
-  /// \endcode
-  template <class Update>
-  requires(std::invocable<Update&> && !shard_optimizer<std::remove_cvref_t<Update>>) void step(Update&& update) {
-    begin_shard_step("step(update)", true);
-    guarded_("step", -1, [&] { shards_->step_engine(update, step_); });
-  }
-
-  /// This rank's slice of each parameter in the sharded mode, in parameter order (see
-  /// `ddp::shard_slice`; empty without the option). The pointers stay valid for the wrapper's life.
-  std::vector<shard_slice> shard_slices() const { return shards_ ? shards_->slices() : std::vector<shard_slice>{}; }
-
-  /// The sharded mode's optimizer state (and f32 master weights of f16 and bf16 parameters),
-  /// gathered on rank 0 in parameter order: a blob to pass to `save_checkpoint` as its extra
-  /// bytes, which `load_sharded_state` takes back on any world size. Empty on the other ranks.
-  /// Collective, between steps. `errc::usage` without the option.
-  /// \code
-  /// ddp::save_checkpoint(pg, "ckpt.ddp", params, dp.sharded_state());
-  /// \endcode
-  std::vector<std::byte> sharded_state() {
-    check_sharded("sharded_state()");
-    if (shards_->engine_steps())
-      detail::raise(errc::usage, pg_.rank(),
-                    "sharded_state(): the engine's optimizer steps the shards (step(update)) and holds their state; "
-                    "save it with the engine on every rank (each rank's is of its own shard, at this world size)");
-    std::vector<std::byte> out;
-    guarded_("sharded_state", -1, [&] { out = shards_->gather_state(); });
-    return out;
-  }
-
-  /// Takes this rank's shards of a `sharded_state()` blob (written at any world size), after the
-  /// parameters were loaded: the next `step()` continues from it. Local; every rank calls it
-  /// with the same blob (`load_checkpoint` hands rank 0's extra bytes to every rank). Throws
-  /// `errc::invalid_argument` for a blob that is not one, `errc::mismatch` for one of other
-  /// parameters, `errc::usage` without the option or inside a step.
-  /// \code
-  /// dp.load_sharded_state(ddp::load_checkpoint(pg, "ckpt.ddp", params));
-  /// \endcode
-  void load_sharded_state(std::span<const std::byte> blob) {
-    check_sharded("load_sharded_state()");
-    shards_->load_state(blob);
-  }
-
-  /// The sharded mode's layout: each bucket's shard on this rank (empty without the option).
-  const shard_layout& shards() const noexcept { return shards_ ? shards_->layout() : empty_layout_; }
-  /// Bytes of optimizer state (and master weights) this rank holds for its shards, and of its
-  /// averaged-gradient shards; 0 without the option.
-  std::size_t shard_state_bytes() const noexcept { return shards_ ? shards_->state_bytes() : 0; }
-  std::size_t shard_gradient_bytes() const noexcept { return shards_ ? shards_->gradient_bytes() : 0; }
-  /// The sharded mode's optimizer steps so far (continued from a loaded state).
-  std::uint64_t sharded_steps() const noexcept { return shards_ ? shards_->steps() : 0; }
   /// Bytes of bucket buffers held now: one per bucket, or in the sharded mode the pool's few.
   std::size_t bucket_bytes_held() const noexcept { return memory_.held_bytes(); }
-  /// This rank's averaged gradient shard of bucket `b` after a synchronized `finish()` (the
-  /// bucket's dtype, `shards().buckets[b].per_rank` elements): for a gradient norm, say.
-  const void* grad_shard(std::size_t b) const { return shards_ ? shards_->grad_shard(b) : nullptr; }
-
   /// The buffers and frozen parameters the wrapper keeps alike (from `ddp::has_buffers`).
   const std::vector<buffer_view>& buffers() const noexcept { return buffers_.buffers(); }
 
@@ -512,68 +342,18 @@ class basic_data_parallel {
     guarded_.check(pg_.rank());
   }
 
-  /// Every rank starts from rank 0's parameters and buffers. On a group whose ranks hold equal
-  /// state by the elastic protocol (process_group::expects_equal_state), each rank hashes its
-  /// values and the ranks compare the hashes: equal, nothing moves; different, rank 0's values
-  /// are broadcast after all, and rank 0 says on stderr that the promise did not hold. Any other
-  /// group (or values on a device, which the CPU cannot hash) broadcasts them.
-  void start_from_rank0() {
-    const std::span<const tensor_view> params(views_);
-    const std::span<const buffer_view> buffers(buffers_.buffers());
-    detail::xxh64 h;
-    // Every rank decides alike whether to hash: the signatures, which every rank checked equal,
-    // say where each value lives.
-    if (pg_.expects_equal_state() && agreement::hash_values(h, params) && agreement::hash_values(h, buffers)) {
-      built_.hashes_compared = true;
-      built_.differing = agree_.ranks_differing(h.digest());
-      if (built_.differing.empty()) return;
-      built_.hashes_differed = true;
-      if (pg_.rank() == 0) {
-        std::string ranks;
-        for (int r : built_.differing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-        std::fprintf(stderr,
-                     "[ddp.warning] rank 0: the group expected every rank to hold the same parameters and buffers (an "
-                     "elastic group re-formed from ranks that hold the state of one step), but the values of rank(s) "
-                     "%s differ from rank 0's: rank 0's are broadcast. The elastic protocol's promise did not hold: a "
-                     "step applied on some ranks only, or values changed outside a committed step (docs/elastic.md)\n",
-                     ranks.c_str());
-      }
-    }
-    agreement::broadcast_values(red_, params, pg_.timeout());
-    agreement::broadcast_values(red_, buffers, pg_.timeout());
-    for (const auto& v : params) built_.bytes_broadcast += v.bytes();
-    for (const auto& v : buffers) built_.bytes_broadcast += v.bytes();
+  /// The checks of a call made between steps (`what`): healthy, not inside join(), no step open
+  /// (else errc::usage with `when`, the advice).
+  void between_steps(const char* what, const char* when) {
+    check_healthy();
+    join_.check_not_joining(what);
+    if (state_.is_open())
+      detail::raise(errc::usage, pg_.rank(), std::string(what) + " in the middle of a step; " + when);
   }
 
   void check_index(std::size_t i, const char* what) const {
     owner_.check(pg_.rank(), "data_parallel wrapper");
     if (i >= views_.size()) detail::raise_bad_index(pg_.rank(), what, i, views_.size());
-  }
-
-  void begin_shard_step(const char* what, bool engine) {
-    check_healthy();
-    if (!shards_)
-      detail::raise(errc::usage, pg_.rank(),
-                    std::string(what) +
-                        " needs the sharded mode (dp_options::shard); without it every rank holds the averaged "
-                        "gradients after finish(): step the engine's optimizer");
-    if (state_.is_open())
-      detail::raise(errc::usage, pg_.rank(), std::string(what) + " in the middle of a step; call it after finish()");
-    if (!shard_fresh_)
-      detail::raise(errc::usage, pg_.rank(),
-                    std::string(what) +
-                        " with no synchronized finish() since the last step (its gradient shards were already "
-                        "applied)");
-    shards_->check_kind(engine);
-    shard_fresh_ = false;
-  }
-
-  void check_sharded(const char* what) const {
-    check_healthy();
-    if (!shards_)
-      detail::raise(errc::usage, pg_.rank(), std::string(what) + " needs the sharded mode (dp_options::shard)");
-    if (state_.is_open())
-      detail::raise(errc::usage, pg_.rank(), std::string(what) + " in the middle of a step; call it between steps");
   }
 
   void claim(std::size_t i, const char* what) {
@@ -603,16 +383,14 @@ class basic_data_parallel {
   step_stats last_stats_;
   construction_stats built_;
   detail::step_guard<Reducer> guarded_{names_, step_, red_, pg_};  // the first failure: every later call raises it
-  detail::step_sync<Reducer, Allocator> sync_{pg_, opts_, views_.size(), buffers_, memory_, state_, red_, guarded_};
+  // What every step's part works on, given to each once.
+  detail::step_context<Reducer, Allocator> ctx_{pg_, opts_, views_, buffers_, memory_, state_, red_, guarded_, step_};
+  detail::step_sync<Reducer, Allocator> sync_{ctx_};
   using shard_type = detail::shard_ops<Reducer, Allocator>;
   std::unique_ptr<shard_type> shards_ =  // dp_options::shard only
-      opts_.shard ? std::make_unique<shard_type>(pg_, opts_, views_, memory_, red_, guarded_, agree_) : nullptr;
-  bool shard_fresh_ = false;  // a synchronized finish() since the last step()
-  bool noted_error_ = false;  // finish() left its error for the peers (process_group::note_error)
-  shard_layout empty_layout_;
-  detail::bucket_ops<Reducer, Allocator> buckets_{pg_,  opts_,    views_,    memory_, state_,
-                                                  red_, guarded_, timeline_, step_,   shards_.get()};
-  detail::join_protocol<Reducer, Allocator> join_{pg_, opts_, views_, buffers_, memory_, state_, red_, guarded_, sync_};
+      opts_.shard ? std::make_unique<shard_type>(ctx_, agree_) : nullptr;
+  detail::bucket_ops<Reducer, Allocator> buckets_{ctx_, timeline_, shards_.get()};
+  detail::join_protocol<Reducer, Allocator> join_{ctx_, sync_};
   detail::plan_keeper<Planner, Allocator> plans_{agree_, memory_, planner_, infos_, policy_};
   detail::autotune_driver tune_;  // with bucket_policy::autotune
 };

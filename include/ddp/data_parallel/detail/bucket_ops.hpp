@@ -20,6 +20,7 @@
 #include <ddp/data_parallel/bucket_memory.hpp>
 #include <ddp/data_parallel/bucket_state.hpp>
 #include <ddp/data_parallel/detail/shard_ops.hpp>
+#include <ddp/data_parallel/detail/step_context.hpp>
 #include <ddp/data_parallel/detail/step_guard.hpp>
 #include <ddp/data_parallel/detail/step_sync.hpp>
 #include <ddp/data_parallel/detail/uneven.hpp>
@@ -41,54 +42,70 @@ namespace detail {
 template <class Reducer, class Allocator>
 class bucket_ops {
  public:
-  bucket_ops(process_group& pg, const dp_options& opts, const std::vector<tensor_view>& views,
-             bucket_memory<Allocator>& memory, bucket_state& state, Reducer& red, step_guard<Reducer>& guarded,
-             std::unique_ptr<timeline>& tl, const std::uint64_t& step, shard_ops<Reducer, Allocator>* shards) noexcept
-      : pg_(pg),
-        opts_(opts),
-        views_(views),
-        memory_(memory),
-        state_(state),
-        red_(red),
-        guarded_(guarded),
-        timeline_(tl),
-        step_(step),
-        shards_(shards) {}
+  bucket_ops(const step_context<Reducer, Allocator>& c, std::unique_ptr<timeline>& tl,
+             shard_ops<Reducer, Allocator>* shards) noexcept
+      : c_(c), timeline_(tl), shards_(shards) {}
 
   /// Allocates the buckets of `plan` and the side buffer (in view mode holding the engine's current
   /// gradients, so nothing accumulated is lost), after opening the timeline: a rank that cannot
   /// open its file fails construction on every rank (docs/tuning.md, "See a step: the timeline").
   void set_up(bucket_plan plan, const step_sync<Reducer, Allocator>& sync) {
-    timeline_ = timeline::open(opts_, pg_.rank(), pg_.size());
-    if (timeline_) state_.on_ready([t = timeline_.get()](std::size_t b) { t->bucket_ready(b); });
+    timeline_ = timeline::open(c_.opts, c_.pg.rank(), c_.pg.size());
+    if (timeline_) c_.state.on_ready([t = timeline_.get()](std::size_t b) { t->bucket_ready(b); });
     if (shards_ != nullptr)
-      memory_.allocate_pooled(std::move(plan), static_cast<std::size_t>(pg_.size()));
+      c_.memory.allocate_pooled(std::move(plan), static_cast<std::size_t>(c_.pg.size()));
     else
-      memory_.allocate(std::move(plan));
-    if (const std::size_t side = sync.side_bytes(); side > 0) memory_.allocate_side(side);
-    if (opts_.gradient_as_bucket_view)
-      for (std::size_t i = 0; i < views_.size(); ++i) memory_.copy_in(i, views_[i].grad, views_[i].bytes());
+      c_.memory.allocate(std::move(plan));
+    if (const std::size_t side = sync.side_bytes(); side > 0) c_.memory.allocate_side(side);
+    if (c_.opts.gradient_as_bucket_view)
+      for (std::size_t i = 0; i < c_.views.size(); ++i) c_.memory.copy_in(i, c_.views[i].grad, c_.views[i].bytes());
+    if (shards_ != nullptr) shards_->allocate();
+  }
+
+  /// The wrapper's destructor: in a forked child, frees its copy of host memory only (CUDA
+  /// memory is the parent's driver's) and waits for nothing; after an exception in the middle
+  /// of a step (`unwinding`), tells the peers why; then waits (bounded) for collectives in
+  /// flight and frees the buckets, or leaks them where a collective does not end (it may still
+  /// write into them).
+  void release(bool forked, bool unwinding) noexcept {
+    if (forked) {
+      const auto where = c_.memory.allocator().location();
+      if (where != memory_kind::host && where != memory_kind::shared) c_.memory.leak();
+      return;
+    }
+    if (c_.state.is_open() && unwinding) c_.guarded.leave_unfinished();
+    if (!c_.memory.drain(c_.pg.timeout(), [this] { c_.guarded.abort_reducer(); })) {
+      c_.memory.leak();
+      if (shards_ != nullptr) shards_->leak();
+    }
+  }
+
+  /// grad_ready's gradient i into its bucket now, in copy mode (the sharded mode copies a
+  /// bucket's gradients when it launches, into one pooled buffer: docs/sharded.md).
+  void copy_in(std::size_t i) {
+    if (shards_ == nullptr && !c_.opts.gradient_as_bucket_view)
+      c_.memory.copy_in(i, c_.views[i].grad, c_.views[i].bytes());
   }
 
   /// In finish(): the parameters never ready (`missing`) count as unused, then every bucket not
   /// launched yet is, in plan order.
   void launch_rest(const std::vector<std::size_t>& missing) {
-    guarded_("finish", -1, [&] {
-      state_.begin_finish();
+    c_.guarded("finish", -1, [&] {
+      c_.state.begin_finish();
       for (std::size_t i : missing) {
-        state_.claim(i);
-        state_.set_unused(i);
-        guarded_("finish (a parameter never ready)", i, [&] { fill_unused(i); });
-        state_.complete(i, true, false);  // not backward's work: the statistics ignore it
+        c_.state.claim(i);
+        c_.state.set_unused(i);
+        c_.guarded("finish (a parameter never ready)", i, [&] { fill_unused(i); });
+        c_.state.complete(i, true, false);  // not backward's work: the statistics ignore it
       }
-      state_.launch_ready();
+      c_.state.launch_ready();
     });
   }
 
   /// Readies the step state and the buckets for the next step (`settled`: the layout is final).
   void reset_step(bool settled) {
-    state_.reset(memory_.plan(), !settled);
-    memory_.clear_requests();
+    c_.state.reset(c_.memory.plan(), !settled);
+    c_.memory.clear_requests();
   }
 
   /// bucket_state's launch: bucket b's collective, in plan order, under bucket_state's lock.
@@ -96,18 +113,18 @@ class bucket_ops {
   /// the one pooled buffer (after the previous bucket's reduce-scatter has released it): see
   /// docs/sharded.md, "Memory".
   void launch(std::size_t b) {
-    const auto& bk = memory_.plan().buckets[b];
+    const auto& bk = c_.memory.plan().buckets[b];
     // The flight record names the bucket (docs/forensics.md); a communication hook sees its tensors.
-    const bucket_tag tag{static_cast<std::int32_t>(b), static_cast<std::int64_t>(step_), layout(b)};
+    const bucket_tag tag{static_cast<std::int32_t>(b), static_cast<std::int64_t>(c_.step), layout(b)};
     if (bk.numel > 0) {
       if (shards_ != nullptr) {
-        memory_.bind(b, true, wait_patience(opts_, pg_), pg_.rank());
+        c_.memory.bind(b, true, wait_patience(c_.opts, c_.pg), c_.pg.rank());
         for (const auto& e : bk.entries) fill_slot(e.param);
       }
-      memory_.track(b, shards_ != nullptr
-                           ? shards_->reduce_scatter(b, tag)
-                           : allreduce_async_tagged(red_, memory_.buffer(b), bk.numel, bk.type,
-                                                    bucket_op(opts_.average, opts_.uneven_inputs, bk.type), tag));
+      c_.memory.track(b, shards_ != nullptr
+                             ? shards_->reduce_scatter(b, tag)
+                             : allreduce_async_tagged(c_.red, c_.memory.buffer(b), bk.numel, bk.type,
+                                                      bucket_op(c_.opts.average, c_.opts.uneven_inputs, bk.type), tag));
     }
     if (timeline_) timeline_->bucket_launched(b, steady_clock::now());
   }
@@ -116,10 +133,10 @@ class bucket_ops {
   /// the reducer already posted to every rank: it is recorded without blaming this rank.
   void wait(std::size_t b, const char* what = "finish") {
     const auto t_wait = timeline_ ? steady_clock::now() : steady_clock::time_point{};
-    guarded_(
-        what, -1, [&] { memory_.wait(b, wait_patience(opts_, pg_), pg_.rank()); }, false);
-    const auto& req = memory_.in_flight(b);
-    state_.set_reduced(b, req.valid() ? req.finished_at() : state_.launched_at(b));
+    c_.guarded(
+        what, -1, [&] { c_.memory.wait(b, wait_patience(c_.opts, c_.pg), c_.pg.rank()); }, false);
+    const auto& req = c_.memory.in_flight(b);
+    c_.state.set_reduced(b, req.valid() ? req.finished_at() : c_.state.launched_at(b));
     if (timeline_) timeline_->bucket_waited(b, t_wait, steady_clock::now());
   }
 
@@ -127,13 +144,13 @@ class bucket_ops {
   /// b's buffer goes back to the pool (its average is in this rank's gradient shard).
   void copy_back(std::size_t b) {
     if (shards_ != nullptr) {
-      memory_.unbind(b);
+      c_.memory.unbind(b);
       return;
     }
-    if (opts_.gradient_as_bucket_view) return;
-    for (const auto& e : memory_.plan().buckets[b].entries)
-      guarded_("finish (copying the average back)", e.param,
-               [&] { memory_.copy_out(e.param, views_[e.param].grad, views_[e.param].bytes()); });
+    if (c_.opts.gradient_as_bucket_view) return;
+    for (const auto& e : c_.memory.plan().buckets[b].entries)
+      c_.guarded("finish (copying the average back)", e.param,
+                 [&] { c_.memory.copy_out(e.param, c_.views[e.param].grad, c_.views[e.param].bytes()); });
   }
 
   /// The bucket slot of a parameter that is not ready in a synchronized step: zero, or what
@@ -142,27 +159,52 @@ class bucket_ops {
     if (shards_ == nullptr) fill_slot(i);  // the sharded mode fills slots at launch
   }
 
-  /// Whether copies into the bucket wait for its launch (the sharded mode).
-  bool deferred_copies() const noexcept { return shards_ != nullptr; }
-
   /// The timeline's record of the step finish() ends, before the plan can change (the rebuild).
   void record_timeline(steady_clock::time_point t_call, const std::vector<std::string>& names,
                        std::uint64_t generation) noexcept {
     if (!timeline_) return;
-    timeline_->end_step(step_, state_, memory_.plan(), names, generation, t_call, !opts_.gradient_as_bucket_view,
-                        [this](std::size_t b) -> const request& { return memory_.in_flight(b); });
+    timeline_->end_step(c_.step, c_.state, c_.memory.plan(), names, generation, t_call,
+                        !c_.opts.gradient_as_bucket_view,
+                        [this](std::size_t b) -> const request& { return c_.memory.in_flight(b); });
   }
 
-  /// The `on_bucket_reduced` hook (empty: none).
-  void set_hook(std::function<void(const reduced_bucket&)> fn) { hook_ = std::move(fn); }
+  /// The `on_bucket_reduced` hook (empty: none); the sharded mode refuses one.
+  void set_hook(std::function<void(const reduced_bucket&)> fn) {
+    if (shards_ != nullptr && fn)
+      raise(errc::unsupported, c_.pg.rank(),
+            "on_bucket_reduced() in the sharded mode (dp_options::shard): the engine's gradients are not averaged; "
+            "step(optimizer) steps the shards");
+    hook_ = std::move(fn);
+  }
   bool has_hook() const noexcept { return static_cast<bool>(hook_); }
+
+  /// In a synchronized finish(), bucket by bucket in plan order (later buckets keep reducing
+  /// meanwhile): waits for it, `counted(b)` (uneven inputs), copies its average back and, without
+  /// the unused-parameter record, calls the on_bucket_reduced hook at once; with it, once
+  /// `exchange()` (the record) has said which parameters no rank used (docs/data-parallel.md,
+  /// "Optimizer overlap"). Returns what `exchange()` returned.
+  template <class Counted, class Exchange>
+  auto complete(Counted&& counted, Exchange&& exchange) {
+    const std::size_t n = c_.memory.plan().buckets.size();
+    const bool hook_early = has_hook() && !c_.opts.find_unused_parameters;
+    for (std::size_t b = 0; b < n; ++b) {
+      wait(b);
+      counted(b);
+      copy_back(b);
+      if (hook_early) call_hook(b);
+    }
+    auto out = exchange();
+    if (has_hook() && !hook_early)
+      for (std::size_t b = 0; b < n; ++b) call_hook(b);
+    return out;
+  }
 
   /// The bucket hook for bucket b (its parameters in plan order).
   void call_hook(std::size_t b) {
     hook_params_.clear();
-    for (const auto& e : memory_.plan().buckets[b].entries) hook_params_.push_back(e.param);
-    guarded_("finish (the bucket hook, on_bucket_reduced)", -1, [&] {
-      hook_(reduced_bucket{b, std::span<const std::size_t>(hook_params_), step_});
+    for (const auto& e : c_.memory.plan().buckets[b].entries) hook_params_.push_back(e.param);
+    c_.guarded("finish (the bucket hook, on_bucket_reduced)", -1, [&] {
+      hook_(reduced_bucket{b, std::span<const std::size_t>(hook_params_), c_.step});
     });
   }
 
@@ -172,12 +214,12 @@ class bucket_ops {
   /// has grown). Only for a hooked reducer: nothing else reads them.
   std::span<const comm_tensor> layout(std::size_t b) {
     if constexpr (requires { typename Reducer::hook_type; }) {
-      const auto& bk = memory_.plan().buckets[b];
-      if (layouts_.size() <= b) layouts_.resize(memory_.plan().buckets.size());
+      const auto& bk = c_.memory.plan().buckets[b];
+      if (layouts_.size() <= b) layouts_.resize(c_.memory.plan().buckets.size());
       auto& out = layouts_[b];
       out.clear();
       for (const auto& e : bk.entries) {
-        const auto& shape = views_[e.param].shape;
+        const auto& shape = c_.views[e.param].shape;
         const std::size_t rows = shape.empty() ? e.numel : static_cast<std::size_t>(shape.front());
         out.push_back(comm_tensor{e.param, e.offset_elems, e.numel, rows});
       }
@@ -190,21 +232,14 @@ class bucket_ops {
   /// Parameter i's slot: its gradient, or zero when unused (and nothing accumulated for it;
   /// PyTorch DDP keeps an accumulated gradient the same way). View mode: the slot already holds it.
   void fill_slot(std::size_t i) {
-    if (state_.unused(i) && !state_.accumulated(i))
-      memory_.zero(i, views_[i].bytes());
-    else if (!opts_.gradient_as_bucket_view)
-      memory_.copy_in(i, views_[i].grad, views_[i].bytes());
+    if (c_.state.unused(i) && !c_.state.accumulated(i))
+      c_.memory.zero(i, c_.views[i].bytes());
+    else if (!c_.opts.gradient_as_bucket_view)
+      c_.memory.copy_in(i, c_.views[i].grad, c_.views[i].bytes());
   }
 
-  process_group& pg_;
-  const dp_options& opts_;
-  const std::vector<tensor_view>& views_;
-  bucket_memory<Allocator>& memory_;
-  bucket_state& state_;
-  Reducer& red_;
-  step_guard<Reducer>& guarded_;
-  std::unique_ptr<timeline>& timeline_;  // null unless DDP_TIMELINE or dp_options::timeline
-  const std::uint64_t& step_;
+  step_context<Reducer, Allocator> c_;
+  std::unique_ptr<timeline>& timeline_;              // null unless DDP_TIMELINE or dp_options::timeline
   std::function<void(const reduced_bucket&)> hook_;  // on_bucket_reduced
   std::vector<std::size_t> hook_params_;             // the hook's current bucket
   shard_ops<Reducer, Allocator>* shards_;            // the sharded mode's, else null

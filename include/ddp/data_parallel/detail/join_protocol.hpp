@@ -18,6 +18,7 @@
 #include <ddp/data_parallel/bucket_state.hpp>
 #include <ddp/data_parallel/buffers.hpp>
 #include <ddp/data_parallel/detail/bucket_ops.hpp>
+#include <ddp/data_parallel/detail/step_context.hpp>
 #include <ddp/data_parallel/detail/step_guard.hpp>
 #include <ddp/data_parallel/detail/step_sync.hpp>
 #include <ddp/data_parallel/detail/uneven.hpp>
@@ -39,42 +40,32 @@ namespace detail {
 template <class Reducer, class Allocator>
 class join_protocol {
  public:
-  join_protocol(process_group& pg, const dp_options& opts, const std::vector<tensor_view>& views,
-                const buffer_layout& buffers, bucket_memory<Allocator>& memory, bucket_state& state, Reducer& red,
-                step_guard<Reducer>& guarded, step_sync<Reducer, Allocator>& sync) noexcept
-      : pg_(pg),
-        opts_(opts),
-        views_(views),
-        buffers_(buffers),
-        memory_(memory),
-        state_(state),
-        red_(red),
-        guarded_(guarded),
-        sync_(sync) {}
+  join_protocol(const step_context<Reducer, Allocator>& c, step_sync<Reducer, Allocator>& sync) noexcept
+      : c_(c), sync_(sync) {}
 
   /// Starts the count's allreduce with this rank's `contribution` (under bucket_state's lock
   /// when a step opens, so before any of its buckets).
   void issue_count(std::int64_t contribution) {
-    memory_.put_side(&contribution, sizeof contribution);
-    memory_.track_side(red_.allreduce_async(memory_.side(), 1, dtype::i64, op::sum));
+    c_.memory.put_side(&contribution, sizeof contribution);
+    c_.memory.track_side(c_.red.allreduce_async(c_.memory.side(), 1, dtype::i64, op::sum));
   }
 
   /// Waits (bounded) for the count and returns it.
   std::int64_t wait_count(const char* what) {
     std::int64_t count = 0;
-    guarded_(
+    c_.guarded(
         what, -1,
         [&] {
-          memory_.wait_side(wait_patience(opts_, pg_), pg_.rank(),
-                            "the count of ranks contributing to the step was not reduced");
-          memory_.get_side(&count, sizeof count);
+          c_.memory.wait_side(wait_patience(c_.opts, c_.pg), c_.pg.rank(),
+                              "the count of ranks contributing to the step was not reduced");
+          c_.memory.get_side(&count, sizeof count);
         },
         false);
-    if (count < 0 || count > pg_.size())
-      guarded_(what, -1, [&] {
-        detail::raise(errc::protocol, pg_.rank(),
+    if (count < 0 || count > c_.pg.size())
+      c_.guarded(what, -1, [&] {
+        detail::raise(errc::protocol, c_.pg.rank(),
                       "the count of ranks contributing to the step is " + std::to_string(count) + " of " +
-                          std::to_string(pg_.size()) + " (a rank without dp_options::uneven_inputs?)");
+                          std::to_string(c_.pg.size()) + " (a rank without dp_options::uneven_inputs?)");
       });
     return count;
   }
@@ -83,12 +74,12 @@ class join_protocol {
   /// it the average over the `count` contributors (floats: scaled by world / count unless they
   /// are all; integers: their sum divided by count).
   void finish_bucket(std::size_t b, int contributors) {
-    const auto& bk = memory_.plan().buckets[b];
-    if (!opts_.average || bk.numel == 0) return;
-    const int count = opts_.divide_by == join_divisor::world_size ? pg_.size() : contributors;
-    if (count == pg_.size() && detail::avg_scales(bk.type)) return;
-    guarded_("finish (averaging over the contributing ranks)", -1, [&] {
-      memory_.on_host(b, [&](void* p) { detail::uneven_finish(p, bk.numel, bk.type, pg_.size(), count); });
+    const auto& bk = c_.memory.plan().buckets[b];
+    if (!c_.opts.average || bk.numel == 0) return;
+    const int count = c_.opts.divide_by == join_divisor::world_size ? c_.pg.size() : contributors;
+    if (count == c_.pg.size() && detail::avg_scales(bk.type)) return;
+    c_.guarded("finish (averaging over the contributing ranks)", -1, [&] {
+      c_.memory.on_host(b, [&](void* p) { detail::uneven_finish(p, bk.numel, bk.type, c_.pg.size(), count); });
     });
   }
 
@@ -96,7 +87,7 @@ class join_protocol {
   /// would be collectives the peers never match.
   void check_not_joining(const char* what) const {
     if (joining_.load(std::memory_order_acquire))
-      detail::raise(errc::usage, pg_.rank(),
+      detail::raise(errc::usage, c_.pg.rank(),
                     std::string(what) +
                         " while this rank's join() is running (join() returns once every rank "
                         "has joined; the next epoch's steps may start then)");
@@ -108,30 +99,30 @@ class join_protocol {
   /// The wrapper's join() after its health check: answers the steps of the ranks still training
   /// with zeros in every bucket (`buckets`: the wrapper's, as in a step) until every rank has joined.
   void run(bucket_ops<Reducer, Allocator>& buckets) {
-    if (!opts_.uneven_inputs)
-      detail::raise(errc::usage, pg_.rank(),
+    if (!c_.opts.uneven_inputs)
+      detail::raise(errc::usage, c_.pg.rank(),
                     "join() needs dp_options::uneven_inputs = true (on every rank) when the wrapper is built");
-    if (state_.is_open())
-      detail::raise(errc::usage, pg_.rank(),
+    if (c_.state.is_open())
+      detail::raise(errc::usage, c_.pg.rank(),
                     "join() in the middle of a step (after grad_ready or mark_unused, before finish()); finish the "
                     "step first");
     if (joining_.exchange(true, std::memory_order_acq_rel))
-      detail::raise(errc::usage, pg_.rank(), "join() while this rank's join() is already running");
+      detail::raise(errc::usage, c_.pg.rank(), "join() while this rank's join() is already running");
     struct clear_on_exit {
       std::atomic<bool>& flag;
       ~clear_on_exit() { flag.store(false, std::memory_order_release); }
     } clear{joining_};
-    state_.clear_accumulated();  // never averaged: dropped (documented)
-    const auto& plan = memory_.plan();
+    c_.state.clear_accumulated();  // never averaged: dropped (documented)
+    const auto& plan = c_.memory.plan();
     std::uint64_t answered = 0;  // steps of others answered in this join()
     for (;;) {
-      guarded_("join", -1, [&] { issue_count(0); });
+      c_.guarded("join", -1, [&] { issue_count(0); });
       const std::int64_t count = wait_count("join");
       if (count > 0) {
         // One step of the ranks still training: every bucket, in plan order, zeros in.
-        guarded_("join", -1, [&] {
+        c_.guarded("join", -1, [&] {
           for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
-            memory_.zero_bucket(b);
+            c_.memory.zero_bucket(b);
             buckets.launch(b);
           }
         });
@@ -142,38 +133,32 @@ class join_protocol {
                                  "join (the buffers after the step)");
         ++joined_steps_;
       }
-      memory_.clear_requests();
+      c_.memory.clear_requests();
       if (count == 0) break;  // every rank has joined, and all of them saw it in this round
       ++answered;
     }
     // Ranks that joined early took no optimizer steps since: the last rank to join holds the
     // model every rank continues from (PyTorch's Join ends the same way, _sync_final_model).
-    if (pg_.size() > 1)
-      guarded_("join (the model of the last rank to join)", -1, [&] {
+    if (c_.pg.size() > 1)
+      c_.guarded("join (the model of the last rank to join)", -1, [&] {
         const auto last =
-            static_cast<int>(pg_.all_reduce(static_cast<std::int64_t>(answered == 0 ? pg_.rank() : -1), op::max));
-        if (last < 0 || last >= pg_.size())
-          detail::raise(errc::protocol, pg_.rank(),
+            static_cast<int>(c_.pg.all_reduce(static_cast<std::int64_t>(answered == 0 ? c_.pg.rank() : -1), op::max));
+        if (last < 0 || last >= c_.pg.size())
+          detail::raise(errc::protocol, c_.pg.rank(),
                         "join(): no rank says it joined last (" + std::to_string(last) + ")");
-        agreement::broadcast_values(plain_reducer(red_), std::span<const tensor_view>(views_), pg_.timeout(), last);
-        agreement::broadcast_values(plain_reducer(red_), std::span<const buffer_view>(buffers_.buffers()),
-                                    pg_.timeout(), last);
+        agreement::broadcast_values(plain_reducer(c_.red), std::span<const tensor_view>(c_.views), c_.pg.timeout(),
+                                    last);
+        agreement::broadcast_values(plain_reducer(c_.red), std::span<const buffer_view>(c_.buffers.buffers()),
+                                    c_.pg.timeout(), last);
       });
-    if (opts_.gradient_as_bucket_view)
-      guarded_("join", -1, [&] {
-        for (std::size_t b = 0; b < plan.buckets.size(); ++b) memory_.zero_bucket(b);
+    if (c_.opts.gradient_as_bucket_view)
+      c_.guarded("join", -1, [&] {
+        for (std::size_t b = 0; b < plan.buckets.size(); ++b) c_.memory.zero_bucket(b);
       });
   }
 
  private:
-  process_group& pg_;
-  const dp_options& opts_;
-  const std::vector<tensor_view>& views_;
-  const buffer_layout& buffers_;
-  bucket_memory<Allocator>& memory_;
-  bucket_state& state_;
-  Reducer& red_;
-  step_guard<Reducer>& guarded_;
+  step_context<Reducer, Allocator> c_;
   step_sync<Reducer, Allocator>& sync_;
   std::atomic<bool> joining_{false};  // join() runs (on some thread)
   std::uint64_t joined_steps_ = 0;

@@ -21,6 +21,7 @@
 #include <ddp/data_parallel/agreement.hpp>
 #include <ddp/data_parallel/bucket_memory.hpp>
 #include <ddp/data_parallel/detail/parameters.hpp>
+#include <ddp/data_parallel/detail/step_context.hpp>
 #include <ddp/data_parallel/detail/step_guard.hpp>
 #include <ddp/data_parallel/detail/step_sync.hpp>
 #include <ddp/data_parallel/detail/uneven.hpp>
@@ -63,20 +64,23 @@ inline void narrow_from_f32(void* dst, const float* src, std::size_t n, dtype t)
 template <class Reducer, class Allocator>
 class shard_ops {
  public:
-  shard_ops(process_group& pg, const dp_options& opts, const std::vector<tensor_view>& views,
-            bucket_memory<Allocator>& memory, Reducer& red, step_guard<Reducer>& guarded, const agreement& agree)
-      : pg_(pg), opts_(opts), views_(views), memory_(memory), red_(red), guarded_(guarded), agree_(agree) {}
+  shard_ops(const step_context<Reducer, Allocator>& c, const agreement& agree) : c_(c), agree_(agree) {}
   shard_ops(const shard_ops&) = delete;
   shard_ops& operator=(const shard_ops&) = delete;
   ~shard_ops() {
-    if (grads_ != nullptr) memory_.allocator().deallocate(grads_, grad_bytes_);
+    if (grads_ != nullptr) c_.memory.allocator().deallocate(grads_, grad_bytes_);
   }
 
-  /// Refuses what the sharded mode cannot do (on this rank; construction shares the outcome):
-  /// errc::unsupported for options it does not combine with, parameters that are not f32, f16
-  /// or bf16, and bucket memory the CPU cannot reach (the optimizers step on the host).
-  static void check(const dp_options& opts, const bucket_policy& policy, const std::vector<tensor_view>& views,
-                    memory_kind where, int rank) {
+  /// Refuses what the sharded mode cannot do (after the construction's agreement, so alike on
+  /// every rank): errc::unsupported for options it does not combine with, parameters that are
+  /// not f32, f16 or bf16, and bucket memory the CPU cannot reach (the optimizers step on the
+  /// host). Then tells the group that it holds a shard: an elastic group must not re-form
+  /// without it (docs/elastic.md).
+  void check(const bucket_policy& policy) {
+    const dp_options& opts = c_.opts;
+    const std::vector<tensor_view>& views = c_.views;
+    const memory_kind where = c_.memory.allocator().location();
+    const int rank = c_.pg.rank();
     const auto refuse = [&](const std::string& why, int param = -1) {
       detail::raise(errc::unsupported, rank, "dp_options::shard: " + why, -1, param);
     };
@@ -92,12 +96,13 @@ class shard_ops {
         refuse(parameter_label(i, views[i].name) + " is " + dtype_name(views[i].type) +
                    "; the shard optimizers step f32, f16 and bf16 parameters",
                static_cast<int>(i));
+    c_.pg.note_sharded_state();
   }
 
   /// After the plan is fixed: this rank's layout, compared across ranks (collective; a mismatch
   /// names both layouts).
   void lay_out(const bucket_plan& plan) {
-    layout_ = shard_layout::of(plan, pg_.rank(), pg_.size());
+    layout_ = shard_layout::of(plan, c_.pg.rank(), c_.pg.size());
     agree_.check_same_text("the shard layout (dp_options::shard)", layout_.describe());
   }
 
@@ -111,7 +116,7 @@ class shard_ops {
       bytes += (b.per_rank * dtype_size(b.type) + 63) / 64 * 64;
     }
     grad_bytes_ = std::max<std::size_t>(bytes, 64);
-    grads_ = memory_.allocator().allocate(grad_bytes_);
+    grads_ = c_.memory.allocator().allocate(grad_bytes_);
     std::size_t widest = 0;
     bool narrow = false;
     for (const auto& b : layout_.buckets) {
@@ -128,8 +133,8 @@ class shard_ops {
   /// bucket_ops' launch in the sharded mode: bucket b's reduce-scatter into its gradient shard.
   request reduce_scatter(std::size_t b, const bucket_tag& tag) {
     const auto& bk = layout_.buckets[b];
-    return reduce_scatter_async_tagged(red_, memory_.buffer(b), grad_shard(b), bk.per_rank, bk.type,
-                                       bucket_op(opts_.average, false, bk.type), tag);
+    return reduce_scatter_async_tagged(c_.red, c_.memory.buffer(b), grad_shard(b), bk.per_rank, bk.type,
+                                       bucket_op(c_.opts.average, false, bk.type), tag);
   }
 
   /// The master weights of f16 and bf16 buckets from the engine's parameters (at set-up, and
@@ -140,7 +145,7 @@ class shard_ops {
       if (b.type == dtype::f32) continue;
       for (const auto& pc : b.pieces)
         widen_to_f32(master_.data() + b.offset + pc.shard_offset,
-                     static_cast<const std::byte*>(views_[pc.param].data) + pc.param_offset * dtype_size(b.type),
+                     static_cast<const std::byte*>(c_.views[pc.param].data) + pc.param_offset * dtype_size(b.type),
                      pc.count, b.type);
     }
   }
@@ -160,7 +165,7 @@ class shard_ops {
         state_.assign(k * layout_.elements, 0.0f);
       } else {
         if (loaded_k_ != k)
-          detail::raise(errc::mismatch, pg_.rank(),
+          detail::raise(errc::mismatch, c_.pg.rank(),
                         "step(): the loaded shard state holds " + std::to_string(loaded_k_) +
                             " floats per element but the optimizer keeps " + std::to_string(k));
         state_ = std::move(loaded_state_);
@@ -168,13 +173,13 @@ class shard_ops {
       k_ = k;
       started_ = true;
     } else if (k != k_) {
-      detail::raise(errc::usage, pg_.rank(),
+      detail::raise(errc::usage, c_.pg.rank(),
                     "step(): the optimizer keeps " + std::to_string(k) + " floats per element but the shards hold " +
                         std::to_string(k_) + " (pass the same optimizer every step)");
     }
     ++steps_;
     gather_updated(wrapper_step, [&](std::size_t b) {
-      guarded_("step (the shard optimizer)", -1, [&] { step_pieces(opt, b, unused); });
+      c_.guarded("step (the shard optimizer)", -1, [&] { step_pieces(opt, b, unused); });
     });
   }
 
@@ -185,18 +190,18 @@ class shard_ops {
   void step_engine(Update& update, std::uint64_t wrapper_step) {
     engine_ = true;
     ++steps_;
-    guarded_("step (the engine's optimizer on this rank's shard)", -1, [&] { update(); });
+    c_.guarded("step (the engine's optimizer on this rank's shard)", -1, [&] { update(); });
     gather_updated(wrapper_step, [](std::size_t) {});
   }
 
   /// Refuses a step of the other kind than the earlier ones (before anything of the step runs).
   void check_kind(bool engine) const {
     if (engine && (started_ || !loaded_state_.empty()))
-      detail::raise(errc::usage, pg_.rank(),
+      detail::raise(errc::usage, c_.pg.rank(),
                     "step(update): this wrapper's shards were stepped by a ddp optimizer (step(optimizer)) or given "
                     "its state (load_sharded_state); use one kind of optimizer throughout");
     if (!engine && engine_)
-      detail::raise(errc::usage, pg_.rank(),
+      detail::raise(errc::usage, c_.pg.rank(),
                     "step(optimizer): this wrapper's shards were stepped by the engine's optimizer (step(update)); use "
                     "one kind of optimizer throughout");
   }
@@ -207,8 +212,8 @@ class shard_ops {
   /// This rank's slice of each parameter, in parameter order (a parameter lies in one bucket,
   /// so in one piece of a rank's shard at most).
   std::vector<shard_slice> slices() const {
-    std::vector<shard_slice> out(views_.size());
-    for (std::size_t i = 0; i < views_.size(); ++i) out[i] = {i, 0, 0, views_[i].data, nullptr, views_[i].type};
+    std::vector<shard_slice> out(c_.views.size());
+    for (std::size_t i = 0; i < c_.views.size(); ++i) out[i] = {i, 0, 0, c_.views[i].data, nullptr, c_.views[i].type};
     for (std::size_t b = 0; b < layout_.buckets.size(); ++b) {
       const auto& L = layout_.buckets[b];
       const std::size_t esz = dtype_size(L.type);
@@ -216,7 +221,7 @@ class shard_ops {
         out[pc.param] = {pc.param,
                          pc.param_offset,
                          pc.count,
-                         static_cast<std::byte*>(views_[pc.param].data) + pc.param_offset * esz,
+                         static_cast<std::byte*>(c_.views[pc.param].data) + pc.param_offset * esz,
                          static_cast<const std::byte*>(grad_shard(b)) + pc.shard_offset * esz,
                          L.type};
     }
@@ -228,18 +233,18 @@ class shard_ops {
   /// bucket b's optimizer runs on the engine's values while bucket b - 1 gathers.
   template <class Before>
   void gather_updated(std::uint64_t wrapper_step, const Before& before) {
-    const auto patience = wait_patience(opts_, pg_);
+    const auto patience = wait_patience(c_.opts, c_.pg);
     const std::size_t n = layout_.buckets.size();
     const auto gathered = [&](std::size_t b) {
-      guarded_(
-          "step (the all-gather of the parameters)", -1, [&] { memory_.wait(b, patience, pg_.rank()); }, false);
+      c_.guarded(
+          "step (the all-gather of the parameters)", -1, [&] { c_.memory.wait(b, patience, c_.pg.rank()); }, false);
       copy_gathered(b);
-      memory_.unbind(b);
+      c_.memory.unbind(b);
     };
     for (std::size_t b = 0; b < n; ++b) {
       before(b);
       if (b > 0) gathered(b - 1);
-      guarded_("step (the all-gather of the parameters)", -1, [&] { send(b, wrapper_step); });
+      c_.guarded("step (the all-gather of the parameters)", -1, [&] { send(b, wrapper_step); });
     }
     if (n > 0) gathered(n - 1);
   }
@@ -252,26 +257,26 @@ class shard_ops {
     const std::vector<float>& state = loaded ? loaded_state_ : state_;
     const std::size_t k = loaded ? loaded_k_ : (started_ ? k_ : 0), m = master_.empty() ? 0 : 1, width = k + m;
     std::vector<std::vector<float>> full;  // rank 0: per parameter, width arrays of numel
-    if (pg_.rank() == 0) {
-      full.resize(views_.size());
-      for (std::size_t i = 0; i < views_.size(); ++i) full[i].assign(width * views_[i].numel, 0.0f);
+    if (c_.pg.rank() == 0) {
+      full.resize(c_.views.size());
+      for (std::size_t i = 0; i < c_.views.size(); ++i) full[i].assign(width * c_.views[i].numel, 0.0f);
     }
-    const int world = pg_.size();
+    const int world = c_.pg.size();
     std::vector<shard_layout> all;
-    if (pg_.rank() == 0)
-      for (int r = 0; r < world; ++r) all.push_back(shard_layout::of(memory_.plan(), r, world));
+    if (c_.pg.rank() == 0)
+      for (int r = 0; r < world; ++r) all.push_back(shard_layout::of(c_.memory.plan(), r, world));
     for (std::size_t b = 0; b < layout_.buckets.size() && width > 0; ++b) {
       const auto& mine = layout_.buckets[b];
       const std::size_t per = mine.per_rank;
       std::vector<float> in(width * per), out(width * per * static_cast<std::size_t>(world));
       std::copy_n(state.data() + k * mine.offset, k * per, in.data());
       if (m == 1) std::copy_n(master_.data() + mine.offset, per, in.data() + k * per);
-      wait_collective(red_.allgather_async(in.data(), out.data(), width * per, dtype::f32), "gathering the state");
-      if (pg_.rank() != 0) continue;
+      wait_collective(c_.red.allgather_async(in.data(), out.data(), width * per, dtype::f32), "gathering the state");
+      if (c_.pg.rank() != 0) continue;
       for (int r = 0; r < world; ++r) {
         const float* chunk = out.data() + static_cast<std::size_t>(r) * width * per;
         for (const auto& pc : all[static_cast<std::size_t>(r)].buckets[b].pieces) {
-          const std::size_t numel = views_[pc.param].numel;
+          const std::size_t numel = c_.views[pc.param].numel;
           const bool narrow = mine.type != dtype::f32;
           for (std::size_t j = 0; j < k; ++j)
             std::copy_n(chunk + k * pc.shard_offset + j * pc.count, pc.count,
@@ -282,14 +287,14 @@ class shard_ops {
         }
       }
     }
-    if (pg_.rank() != 0) return {};
+    if (c_.pg.rank() != 0) return {};
     std::string out = "ddpshard";
     put_u64(out, 1);  // format version
     put_u64(out, k);
     put_u64(out, m);
     put_u64(out, steps_);
-    put_u64(out, views_.size());
-    for (std::size_t i = 0; i < views_.size(); ++i) put_u64(out, views_[i].numel);
+    put_u64(out, c_.views.size());
+    for (std::size_t i = 0; i < c_.views.size(); ++i) put_u64(out, c_.views[i].numel);
     for (const auto& f : full) out.append(reinterpret_cast<const char*>(f.data()), f.size() * sizeof(float));
     std::vector<std::byte> blob(out.size());
     std::memcpy(blob.data(), out.data(), out.size());
@@ -300,7 +305,7 @@ class shard_ops {
   /// optimizer's first `step` after it checks that it keeps as many floats per element.
   void load_state(std::span<const std::byte> blob) {
     const auto bad = [&](const std::string& why) {
-      detail::raise(errc::invalid_argument, pg_.rank(), "load_sharded_state: " + why);
+      detail::raise(errc::invalid_argument, c_.pg.rank(), "load_sharded_state: " + why);
     };
     std::size_t at = 8;
     const auto u64 = [&]() -> std::uint64_t {
@@ -315,18 +320,18 @@ class shard_ops {
     if (const auto version = u64(); version != 1) bad("format version " + std::to_string(version) + ", expected 1");
     const std::uint64_t k = u64(), m = u64(), steps = u64(), count = u64();
     if (k > 64 || m > 1) bad("a header that no sharded_state() writes");
-    if (count != views_.size())
-      detail::raise(errc::mismatch, pg_.rank(),
+    if (count != c_.views.size())
+      detail::raise(errc::mismatch, c_.pg.rank(),
                     "load_sharded_state: the state is of " + std::to_string(count) + " parameters, the wrapper has " +
-                        std::to_string(views_.size()));
-    std::vector<std::size_t> start(views_.size());
+                        std::to_string(c_.views.size()));
+    std::vector<std::size_t> start(c_.views.size());
     std::size_t data = at + 8 * count;
-    for (std::size_t i = 0; i < views_.size(); ++i) {
+    for (std::size_t i = 0; i < c_.views.size(); ++i) {
       const std::uint64_t numel = u64();
-      if (numel != views_[i].numel)
-        detail::raise(errc::mismatch, pg_.rank(),
-                      "load_sharded_state: " + parameter_label(i, views_[i].name) + " has " +
-                          std::to_string(views_[i].numel) + " elements, the state " + std::to_string(numel),
+      if (numel != c_.views[i].numel)
+        detail::raise(errc::mismatch, c_.pg.rank(),
+                      "load_sharded_state: " + parameter_label(i, c_.views[i].name) + " has " +
+                          std::to_string(c_.views[i].numel) + " elements, the state " + std::to_string(numel),
                       -1, static_cast<int>(i));
       start[i] = data;
       data += (k + m) * numel * sizeof(float);
@@ -335,7 +340,7 @@ class shard_ops {
     std::vector<float> state(k * layout_.elements, 0.0f);
     for (const auto& b : layout_.buckets)
       for (const auto& pc : b.pieces) {
-        const std::size_t numel = views_[pc.param].numel;
+        const std::size_t numel = c_.views[pc.param].numel;
         const auto read = [&](std::size_t j, float* dst) {
           std::memcpy(dst, blob.data() + start[pc.param] + (j * numel + pc.param_offset) * sizeof(float),
                       pc.count * sizeof(float));
@@ -382,7 +387,7 @@ class shard_ops {
     float* state = state_.data() + k_ * L.offset;
     for (const auto& pc : L.pieces) {
       if (unused(pc.param)) continue;
-      std::byte* engine = static_cast<std::byte*>(views_[pc.param].data) + pc.param_offset * esz;
+      std::byte* engine = static_cast<std::byte*>(c_.views[pc.param].data) + pc.param_offset * esz;
       float* values = narrow ? master_.data() + L.offset + pc.shard_offset : reinterpret_cast<float*>(engine);
       opt.step(shard_step{
           b, steps_, std::span<float>(values, pc.count), std::span<const float>(grads + pc.shard_offset, pc.count),
@@ -395,14 +400,14 @@ class shard_ops {
   /// bucket's all-gather in place.
   void send(std::size_t b, std::uint64_t wrapper_step) {
     const auto& L = layout_.buckets[b];
-    memory_.bind(b, false, wait_patience(opts_, pg_), pg_.rank());
+    c_.memory.bind(b, false, wait_patience(c_.opts, c_.pg), c_.pg.rank());
     const std::size_t esz = dtype_size(L.type);
-    std::byte* mine = static_cast<std::byte*>(memory_.buffer(b)) + L.first * esz;
+    std::byte* mine = static_cast<std::byte*>(c_.memory.buffer(b)) + L.first * esz;
     for (const auto& pc : L.pieces)
       std::memcpy(mine + pc.shard_offset * esz,
-                  static_cast<const std::byte*>(views_[pc.param].data) + pc.param_offset * esz, pc.count * esz);
+                  static_cast<const std::byte*>(c_.views[pc.param].data) + pc.param_offset * esz, pc.count * esz);
     const bucket_tag tag{static_cast<std::int32_t>(b), static_cast<std::int64_t>(wrapper_step), {}};
-    memory_.track(b, allgather_async_tagged(red_, mine, memory_.buffer(b), L.per_rank, L.type, tag));
+    c_.memory.track(b, allgather_async_tagged(c_.red, mine, c_.memory.buffer(b), L.per_rank, L.type, tag));
   }
 
   /// After bucket b's all-gather: the other ranks' slices into the engine's parameters (this
@@ -410,9 +415,9 @@ class shard_ops {
   void copy_gathered(std::size_t b) {
     const auto& L = layout_.buckets[b];
     const std::size_t esz = dtype_size(L.type), lo = L.first, hi = L.first + L.per_rank;
-    const auto* buf = static_cast<const std::byte*>(memory_.buffer(b));
-    for (const auto& e : memory_.plan().buckets[b].entries) {
-      auto* dst = static_cast<std::byte*>(views_[e.param].data);
+    const auto* buf = static_cast<const std::byte*>(c_.memory.buffer(b));
+    for (const auto& e : c_.memory.plan().buckets[b].entries) {
+      auto* dst = static_cast<std::byte*>(c_.views[e.param].data);
       const std::size_t from = e.offset_elems, to = e.offset_elems + e.numel;
       // [from, to) less [lo, hi): what lies before this rank's slice, and what lies after it.
       if (from < std::min(to, lo)) std::memcpy(dst, buf + from * esz, (std::min(to, lo) - from) * esz);
@@ -424,19 +429,14 @@ class shard_ops {
 
   void wait_collective(const request& r, const char* what) const {
     try {
-      r.wait(steady_clock::now() + wait_patience(opts_, pg_) + std::chrono::seconds(2));
+      r.wait(steady_clock::now() + wait_patience(c_.opts, c_.pg) + std::chrono::seconds(2));
     } catch (const error& e) {
       if (e.rank() >= 0) throw;
-      detail::raise(e.condition(), pg_.rank(), std::string("sharded_state: ") + what + ": " + e.what());
+      detail::raise(e.condition(), c_.pg.rank(), std::string("sharded_state: ") + what + ": " + e.what());
     }
   }
 
-  process_group& pg_;
-  const dp_options& opts_;
-  const std::vector<tensor_view>& views_;
-  bucket_memory<Allocator>& memory_;
-  Reducer& red_;
-  step_guard<Reducer>& guarded_;
+  step_context<Reducer, Allocator> c_;
   const agreement& agree_;
   shard_layout layout_;
   void* grads_ = nullptr;  // the gradient shards, from the allocator

@@ -69,6 +69,20 @@ class step_guard {
     pg_.abort(msg);
   }
 
+  /// The wrapper's destructor, unwinding in the middle of a step: the peers, which wait for
+  /// this rank's collectives and can no longer complete them, learn why before the reducer's
+  /// transports close.
+  void leave_unfinished() noexcept {
+    try {
+      errc code{};
+      std::string msg;
+      if (latest_live_error(code, msg))
+        fail_peers("left step " + std::to_string(step_) + " unfinished on its error (" + std::string(errc_name(code)) +
+                   "): " + msg);
+    } catch (...) {  // no memory for the message: the transports close as they would
+    }
+  }
+
   void abort_reducer() noexcept {
     if constexpr (reducer_with_abort<Reducer>) red_.abort();
   }

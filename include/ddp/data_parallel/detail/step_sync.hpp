@@ -16,6 +16,8 @@
 #include <ddp/data_parallel/bucket_memory.hpp>
 #include <ddp/data_parallel/bucket_state.hpp>
 #include <ddp/data_parallel/buffers.hpp>
+#include <ddp/data_parallel/detail/parameters.hpp>
+#include <ddp/data_parallel/detail/step_context.hpp>
 #include <ddp/data_parallel/detail/step_guard.hpp>
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/detail/kernels.hpp>
@@ -39,65 +41,69 @@ inline std::chrono::milliseconds wait_patience(const dp_options& opts, const pro
 template <class Reducer, class Allocator>
 class step_sync {
  public:
-  step_sync(process_group& pg, const dp_options& opts, std::size_t params, const buffer_layout& buffers,
-            bucket_memory<Allocator>& memory, const bucket_state& state, Reducer& red,
-            step_guard<Reducer>& guarded) noexcept
-      : pg_(pg),
-        opts_(opts),
-        params_(params),
-        buffers_(buffers),
-        memory_(memory),
-        state_(state),
-        red_(red),
-        guarded_(guarded) {}
+  explicit step_sync(const step_context<Reducer, Allocator>& c) noexcept : c_(c) {}
+
+  /// finish()'s parameters never ready, without find_unused_parameters: errc::usage naming
+  /// them, left for the peers as well (process_group::note_error), which wait for this rank's
+  /// buckets: should it not repair the step, their timeout quotes why. A later whole step
+  /// clears it.
+  void check_missing(const std::vector<std::size_t>& missing, const std::vector<std::string>& names) {
+    if (!missing.empty() && !c_.opts.find_unused_parameters) {
+      c_.pg.note_error("step " + std::to_string(c_.step) + ": " + missing_text(missing, names));
+      noted_error_ = true;
+      raise_missing(c_.pg.rank(), missing, names);
+    }
+    if (noted_error_) c_.pg.note_error({});  // repaired
+    noted_error_ = false;
+  }
 
   /// The side buffer's size: the largest of what it holds in turn.
   std::size_t side_bytes() const {
-    std::size_t bytes = opts_.uneven_inputs ? sizeof(std::int64_t) : 0;
-    if (record_needed()) bytes = std::max(bytes, step_record::bytes(params_));
-    return std::max(bytes, buffers_.bytes());  // also with buffer_sync::none, for sync_buffers()
+    std::size_t bytes = c_.opts.uneven_inputs ? sizeof(std::int64_t) : 0;
+    if (record_needed()) bytes = std::max(bytes, step_record::bytes(c_.views.size()));
+    return std::max(bytes, c_.buffers.bytes());  // also with buffer_sync::none, for sync_buffers()
   }
 
   /// The step record is reduced when some rank may not use a parameter (which ones no rank used)
   /// or when ranks may join and buffers follow one rank (which rank that is).
   bool record_needed() const noexcept {
-    return pg_.size() > 1 &&
-           (opts_.find_unused_parameters ||
-            (opts_.uneven_inputs && opts_.buffers != buffer_sync::none && !buffers_.groups().empty()));
+    return c_.pg.size() > 1 &&
+           (c_.opts.find_unused_parameters ||
+            (c_.opts.uneven_inputs && c_.opts.buffers != buffer_sync::none && !c_.buffers.groups().empty()));
   }
 
   /// After this step's buckets (or a joined rank's zeros), under the guard.
   void issue_record(bool joined) {
-    std::vector<bool> used(params_, false);
+    std::vector<bool> used(c_.views.size(), false);
     if (!joined)
-      for (std::size_t i = 0; i < params_; ++i) used[i] = !state_.unused(i) || state_.accumulated(i);
-    const auto words = step_record::encode(used, joined ? -1 : pg_.rank());
-    memory_.put_side(words.data(), words.size() * sizeof(std::int64_t));
-    memory_.track_side(plain_reducer(red_).allreduce_async(memory_.side(), words.size(), dtype::i64, op::max));
+      for (std::size_t i = 0; i < c_.views.size(); ++i) used[i] = !c_.state.unused(i) || c_.state.accumulated(i);
+    const auto words = step_record::encode(used, joined ? -1 : c_.pg.rank());
+    c_.memory.put_side(words.data(), words.size() * sizeof(std::int64_t));
+    c_.memory.track_side(plain_reducer(c_.red).allreduce_async(c_.memory.side(), words.size(), dtype::i64, op::max));
   }
 
   /// Waits (bounded) for the record; keeps which parameters no rank used and returns the source
   /// of the buffers (the highest rank that took part in the step).
   int wait_record(const char* what) {
-    std::vector<std::int64_t> words(params_ + 1, 0);
-    guarded_(
+    std::vector<std::int64_t> words(c_.views.size() + 1, 0);
+    c_.guarded(
         what, -1,
         [&] {
-          memory_.wait_side(wait_patience(opts_, pg_), pg_.rank(),
-                            "the step record (parameters used, the buffers' source) was not reduced");
-          memory_.get_side(words.data(), words.size() * sizeof(std::int64_t));
+          c_.memory.wait_side(wait_patience(c_.opts, c_.pg), c_.pg.rank(),
+                              "the step record (parameters used, the buffers' source) was not reduced");
+          c_.memory.get_side(words.data(), words.size() * sizeof(std::int64_t));
         },
         false);
-    unused_everywhere_.assign(params_, 0);
-    if (opts_.find_unused_parameters)
-      for (std::size_t i = 0; i < params_; ++i) unused_everywhere_[i] = words[i] == 0 ? 1 : 0;
+    unused_everywhere_.assign(c_.views.size(), 0);
+    if (c_.opts.find_unused_parameters)
+      for (std::size_t i = 0; i < c_.views.size(); ++i) unused_everywhere_[i] = words[i] == 0 ? 1 : 0;
     // The buffers' source: the highest rank in the step with uneven inputs (PyTorch's Join picks
     // it so too), rank 0 otherwise.
-    const std::int64_t source = opts_.uneven_inputs ? words.back() : 0;
-    if (source < 0 || source >= pg_.size())
-      guarded_(what, -1, [&] {
-        detail::raise(errc::protocol, pg_.rank(),
-                      "the step record names rank " + std::to_string(source) + " of " + std::to_string(pg_.size()) +
+    const std::int64_t source = c_.opts.uneven_inputs ? words.back() : 0;
+    if (source < 0 || source >= c_.pg.size())
+      c_.guarded(what, -1, [&] {
+        detail::raise(errc::protocol, c_.pg.rank(),
+                      "the step record names rank " + std::to_string(source) + " of " + std::to_string(c_.pg.size()) +
                           " as the buffers' source");
       });
     return static_cast<int>(source);
@@ -106,17 +112,17 @@ class step_sync {
   /// The step record after the step's buckets (`joined`: a joined rank's zeros): issued when
   /// needed, awaited, kept; returns the buffers' source (rank 0 without a record).
   int exchange_record(bool joined, const char* what) {
-    if (record_needed()) guarded_(what, -1, [&] { issue_record(joined); });
+    if (record_needed()) c_.guarded(what, -1, [&] { issue_record(joined); });
     const int source = record_needed() ? wait_record(what) : 0;
-    if (!joined && opts_.find_unused_parameters && pg_.size() == 1) note_unused_alone();
+    if (!joined && c_.opts.find_unused_parameters && c_.pg.size() == 1) note_unused_alone();
     return source;
   }
 
   /// With find_unused_parameters on a world of one: the record is this rank's own.
   void note_unused_alone() {
-    unused_everywhere_.assign(params_, 0);
-    for (std::size_t i = 0; i < params_; ++i)
-      unused_everywhere_[i] = state_.unused(i) && !state_.accumulated(i) ? 1 : 0;
+    unused_everywhere_.assign(c_.views.size(), 0);
+    for (std::size_t i = 0; i < c_.views.size(); ++i)
+      unused_everywhere_[i] = c_.state.unused(i) && !c_.state.accumulated(i) ? 1 : 0;
   }
 
   /// True when the last record said no rank used parameter `i`.
@@ -127,52 +133,46 @@ class step_sync {
   /// How this step's buffers are made alike: dp_options::buffers, except that averaging while
   /// ranks have joined would mix in their stale buffers: the highest training rank's then.
   buffer_sync step_buffer_mode(int contributors) const noexcept {
-    if (opts_.buffers == buffer_sync::average && opts_.uneven_inputs && contributors < pg_.size())
+    if (c_.opts.buffers == buffer_sync::average && c_.opts.uneven_inputs && contributors < c_.pg.size())
       return buffer_sync::broadcast;
-    return opts_.buffers;
+    return c_.opts.buffers;
   }
 
   /// Makes the buffers alike: rank `source`'s everywhere, or the floating-point ones averaged.
   /// One collective per dtype over the side buffer, each awaited before the next is put there.
   void sync_buffer_values(int source, buffer_sync how, const char* what) {
-    if (how == buffer_sync::none || buffers_.groups().empty() || pg_.size() == 1) return;
-    const auto& bufs = buffers_.buffers();
-    guarded_(what, -1, [&] {
-      for (const auto& sl : buffers_.slots())
-        memory_.put_side(sl.offset, bufs[sl.buffer].data, bufs[sl.buffer].bytes());
+    if (how == buffer_sync::none || c_.buffers.groups().empty() || c_.pg.size() == 1) return;
+    const auto& bufs = c_.buffers.buffers();
+    c_.guarded(what, -1, [&] {
+      for (const auto& sl : c_.buffers.slots())
+        c_.memory.put_side(sl.offset, bufs[sl.buffer].data, bufs[sl.buffer].bytes());
     });
-    for (const auto& g : buffers_.groups()) {
-      void* p = static_cast<std::byte*>(memory_.side()) + g.offset;
-      guarded_(what, -1, [&] {
-        auto& red = plain_reducer(red_);
-        memory_.track_side(how == buffer_sync::average && detail::avg_scales(g.type)
-                               ? red.allreduce_async(p, g.numel, g.type, op::avg)
-                               : red.broadcast_async(p, g.numel, g.type, source));
+    for (const auto& g : c_.buffers.groups()) {
+      void* p = static_cast<std::byte*>(c_.memory.side()) + g.offset;
+      c_.guarded(what, -1, [&] {
+        auto& red = plain_reducer(c_.red);
+        c_.memory.track_side(how == buffer_sync::average && detail::avg_scales(g.type)
+                                 ? red.allreduce_async(p, g.numel, g.type, op::avg)
+                                 : red.broadcast_async(p, g.numel, g.type, source));
       });
-      guarded_(
+      c_.guarded(
           what, -1,
           [&] {
-            memory_.wait_side(wait_patience(opts_, pg_), pg_.rank(),
-                              std::string("the ") + dtype_name(g.type) + " buffers were not " +
-                                  (how == buffer_sync::average ? "averaged" : "broadcast"));
+            c_.memory.wait_side(wait_patience(c_.opts, c_.pg), c_.pg.rank(),
+                                std::string("the ") + dtype_name(g.type) + " buffers were not " +
+                                    (how == buffer_sync::average ? "averaged" : "broadcast"));
           },
           false);
     }
-    guarded_(what, -1, [&] {
-      for (const auto& sl : buffers_.slots())
-        memory_.get_side(sl.offset, bufs[sl.buffer].data, bufs[sl.buffer].bytes());
+    c_.guarded(what, -1, [&] {
+      for (const auto& sl : c_.buffers.slots())
+        c_.memory.get_side(sl.offset, bufs[sl.buffer].data, bufs[sl.buffer].bytes());
     });
   }
 
  private:
-  process_group& pg_;
-  const dp_options& opts_;
-  std::size_t params_;
-  const buffer_layout& buffers_;
-  bucket_memory<Allocator>& memory_;
-  const bucket_state& state_;
-  Reducer& red_;
-  step_guard<Reducer>& guarded_;
+  step_context<Reducer, Allocator> c_;
+  bool noted_error_ = false;                     // check_missing left its error for the peers
   std::vector<std::uint8_t> unused_everywhere_;  // per parameter, after a synchronized step (the record)
 };
 
