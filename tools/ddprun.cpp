@@ -74,6 +74,7 @@
 
 #include <ddp/detail/socket.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/detail/keys.hpp>
 #include <ddp/group/detail/rendezvous.hpp>  // job_run_id: the ids of a restarted job's runs
 #include <ddp/store.hpp>
 #if DDP_TOOLS_SODIUM
@@ -470,7 +471,7 @@ int main(int argc, char** argv) {
       try {
         // An elastic group's generations claim their seats in namespaces of their own: no count.
         store = std::make_unique<ddp::store_server>(ddp::endpoint{addr, port}, 0, store_auth, ddp::store_limits{},
-                                                    "pg/rank/", elastic.empty() ? static_cast<std::uint32_t>(world) : 0u);
+                                                    std::string(ddp::detail::keys::seat_prefix), elastic.empty() ? static_cast<std::uint32_t>(world) : 0u);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "ddprun: cannot serve the group's store: %s\n", e.what());
       }
@@ -553,7 +554,7 @@ int main(int argc, char** argv) {
       try {
         const auto until = ddp::steady_clock::now() + std::chrono::seconds(1);
         ddp::store_client c(addr, port, 0, until, store_auth, external_store);
-        return c.check("el/done", until);
+        return c.check(ddp::detail::keys::done, until);
       } catch (const std::exception&) {
         return false;
       }

@@ -24,6 +24,7 @@
 #include <thread>
 
 #include <ddp/detail/socket.hpp>
+#include <ddp/group/detail/keys.hpp>
 #include <ddp/store.hpp>
 #if DDP_TOOLS_SODIUM
 #include <ddp/auth/sodium.hpp>
@@ -96,7 +97,7 @@ int main(int argc, char** argv) try {
   sigaction(SIGTERM, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
   // Only connections that claimed a rank may write: a fixed group's seats are its ranks.
-  ddp::store_server server(ddp::endpoint{host, port}, 0, auth, ddp::store_limits{}, "pg/rank/",
+  ddp::store_server server(ddp::endpoint{host, port}, 0, auth, ddp::store_limits{}, std::string(ddp::detail::keys::seat_prefix),
                            static_cast<std::uint32_t>(elastic ? 0 : world));
   std::printf("ddpstore: serving on %s:%d\n", host.c_str(), server.port());
   std::fflush(stdout);

@@ -67,6 +67,12 @@ constexpr auto churn_gap = 1500ms;  // between two churners' starts
 
 bool is_churner(int code) { return code >= churner && code < churner + 20; }
 
+// The newest generation that formed, as the group stores it (ddp/group/detail/keys.hpp).
+int generation_of(ddp::store_client& st, ddp::deadline_t until) {
+  return static_cast<int>(
+      ddp::detail::keys::int_of(st.get(ddp::detail::keys::generation, until), -1, ddp::detail::keys::generation));
+}
+
 // Serves the group's store (no numbered seats, as ddprun's elastic store) until its clients
 // are gone or 40 s passed. With `watch`, it then reports what it held: "store peak <connections>
 // gens <g>:<bytes> ...", the most bytes held while each generation was the current one (read by
@@ -89,8 +95,8 @@ void serve_store(int port, bool watch, int thaw_at_gen = -1, const std::string& 
     peak = std::max(peak, c);
     if (probe) {
       const auto until = ddp::detail::clock::now() + 5s;
-      if (probe->check("el/gen", until)) {
-        const auto g = static_cast<std::size_t>(std::stoi(probe->get("el/gen", until)));
+      if (probe->check(ddp::detail::keys::generation, until)) {
+        const auto g = static_cast<std::size_t>(generation_of(*probe, until));
         if (held.size() <= g) held.resize(g + 1, 0);
         held[g] = std::max(held[g], server.stored_bytes());
       }
@@ -101,7 +107,8 @@ void serve_store(int port, bool watch, int thaw_at_gen = -1, const std::string& 
       const auto until = ddp::detail::clock::now() + 5s;
       std::ifstream in(pid_file);
       pid_t pid = 0;
-      if (probe->check("el/gen", until) && std::stoi(probe->get("el/gen", until)) >= thaw_at_gen && in >> pid &&
+      if (probe->check(ddp::detail::keys::generation, until) && generation_of(*probe, until) >= thaw_at_gen &&
+          in >> pid &&
           pid > 0) {
         const auto now = std::chrono::steady_clock::now().time_since_epoch();
         probe->set("test/thawed_at", std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(now).count()),

@@ -54,6 +54,15 @@ class first_failure {
     return what_;
   }
 
+  /// Forgets the failure, for a part made afresh (a store client's new connection). Only while
+  /// no other thread uses the part.
+  void reset() {
+    std::lock_guard lock(mu_);
+    code_ = errc::aborted;
+    what_.clear();
+    failed_.store(false, std::memory_order_release);
+  }
+
   /// Raises the kept code on `rank` with `prefix` and the kept message, once failed.
   void check(int rank, std::string_view prefix) const {
     if (!failed()) return;

@@ -53,6 +53,7 @@
 #include <ddp/group/store_client.hpp>
 #include <ddp/group/store_server.hpp>
 #include <ddp/group/verdict.hpp>
+#include <ddp/group/detail/keys.hpp>
 
 namespace ddp {
 inline namespace DDP_ABI {
@@ -116,7 +117,7 @@ class basic_elastic_group {
     holds_ = env_.restarted() ? detail::elastic::holds_nothing : detail::elastic::holds_initial;
     const auto until = env_.now() + opts_.timeout;
     coord_ = env_.open_store(opts_, !opts_.external_store && opts_.rank == 0 && !env_.restarted(), until);
-    if (coord_->compare_set("pg/rank/el." + uid_, "", "1", until) != "1")
+    if (coord_->compare_set(detail::keys::elastic_seat(uid_), "", "1", until) != "1")
       detail::raise(errc::protocol, opts_.rank, "elastic group: could not claim this process's seat in the store");
   }
   basic_elastic_group(const basic_elastic_group&) = delete;
@@ -151,7 +152,7 @@ class basic_elastic_group {
   bool start() {
     const auto until = env_.now() + opts_.timeout;
     std::string gen;
-    if (coord_->check("el/gen", until)) gen = coord_->get("el/gen", until);
+    if (coord_->check(detail::keys::generation, until)) gen = coord_->get(detail::keys::generation, until);
     if (gen.empty() && !env_.restarted()) {
       // The first generation: the launcher's ranks, in their order.
       round_ = 0;
@@ -159,7 +160,7 @@ class basic_elastic_group {
       return form(opts_.rank, /*member=*/true, eo_.first_wait, "first generation");
     }
     if (!signature_.empty() && !gen.empty()) check_signature(until);
-    round_ = gen.empty() ? 0 : std::stoi(gen) + 1;
+    round_ = gen.empty() ? 0 : static_cast<int>(detail::keys::int_of(gen, opts_.rank, detail::keys::generation)) + 1;
     prev_size_ = 0;
     holds_ = detail::elastic::holds_nothing;  // the running job's state comes from its rank 0
     return form(joiner_prio, /*member=*/false, opts_.timeout, "joined");
@@ -187,16 +188,16 @@ class basic_elastic_group {
   void commit(const std::function<void()>& apply) {
     auto& st = *coord_;
     const auto until = env_.now() + opts_.timeout;
-    const std::string base = step_key(gen_, step_);
+    const std::string base = detail::keys::step(gen_, step_);
     const int n = pg_.size();
     std::string d;
     namespace rules = detail::elastic;
     rules::step_view sv;
-    sv.votes = st.add(base + "v", 1, until);
+    sv.votes = st.add(detail::keys::votes(base), 1, until);
     sv.world = n;
     sv.max = opts_.elastic_max;
     if (sv.votes >= n) {
-      if (n < opts_.elastic_max) sv.waiting = st.add(round_key(gen_ + 1) + "n", 0, until);
+      if (n < opts_.elastic_max) sv.waiting = st.add(detail::keys::arrivals(detail::keys::round(gen_ + 1)), 0, until);
       // The first step this generation commits makes it the live one: from then on only its
       // members (and generations formed from them) are sources of the state, never a rank that
       // was frozen while it committed. Said before the decision, so that no step is committed
@@ -207,14 +208,14 @@ class basic_elastic_group {
         live_said_ = true;
       }
       const auto proposal = rules::name(rules::decide_step(sv));
-      d = st.compare_set(base + "d", "", proposal, until);
+      d = st.compare_set(detail::keys::decision(base), "", proposal, until);
       // A rank stopped (SIGSTOP) before its vote may thaw, vote last, and decide a step that the
       // group dropped long ago and whose keys it has swept since, its decision making the key
       // afresh. The sweep marks a generation before its keys go, so a decision made after the
       // sweep sees the mark (one request, on the deciding rank only).
       if (d == proposal && d != "abort")
-        if (const auto sw = st.try_get("el/swept_steps", std::chrono::milliseconds(0), until);
-            sw && std::stoi(*sw) >= gen_)
+        if (const auto sw = st.try_get(detail::keys::swept_steps, std::chrono::milliseconds(0), until);
+            sw && detail::keys::int_of(*sw, pg_.rank(), detail::keys::swept_steps) >= gen_)
           detail::raise(errc::aborted, pg_.rank(),
                         "elastic: step " + std::to_string(step_) +
                             " dropped: this rank was stopped while the group went on without generation " +
@@ -222,23 +223,25 @@ class basic_elastic_group {
       // A newcomer waiting for a seat sees the job alive: noted once a second at most, off the
       // per-step path.
       if (const auto now = env_.now(); now - progress_noted_ >= std::chrono::seconds(1)) {
-        st.set("el/step", std::to_string(step_ + 1), until);
+        st.set(detail::keys::progress, detail::keys::int_value(static_cast<std::int64_t>(step_ + 1)), until);
         progress_noted_ = now;
       }
       // Every rank voted in this step, so each has read the decisions of the steps before it:
       // the last block's keys go in one request, once a block (off the per-step path).
-      if (step_ % step_block == 0 && step_ > 0) (void)st.erase_prefix(block_key(gen_, step_ / step_block - 1), until);
+      if (step_ % detail::keys::step_block == 0 && step_ > 0)
+        (void)st.erase_prefix(detail::keys::step_block_of(gen_, step_ / detail::keys::step_block - 1), until);
     }
     while (d.empty()) {
       // The decision in one round trip once it is there; a look at the group's health every poll.
-      if (auto got = st.try_get(base + "d", detail::timing::elastic_poll, until)) {
+      if (auto got = st.try_get(detail::keys::decision(base), detail::timing::elastic_poll, until)) {
         d = std::move(*got);
         break;
       }
       if (env_.now() >= until)
         detail::raise(errc::timeout, pg_.rank(), "elastic: step " + std::to_string(step_) + " was never decided");
       sv.group_failed = env_.failed(pg_);
-      if (rules::decide_step(sv) == rules::step_outcome::abort) d = st.compare_set(base + "d", "", "abort", until);
+      if (rules::decide_step(sv) == rules::step_outcome::abort)
+        d = st.compare_set(detail::keys::decision(base), "", "abort", until);
     }
     if (d == "abort")
       detail::raise(errc::aborted, pg_.rank(),
@@ -288,7 +291,7 @@ class basic_elastic_group {
                   "a rank of generation " + std::to_string(gen_) + " came back");
     }
     note_dead(gen_);
-    (void)coord_->compare_set(step_key(gen_, step_) + "d", "", "abort", until);
+    (void)coord_->compare_set(detail::keys::decision(detail::keys::step(gen_, step_)), "", "abort", until);
     ++failures_;
     return reform(old_rank, detail::message_of(e));
   }
@@ -296,7 +299,7 @@ class basic_elastic_group {
   /// Says that the job is done: a newcomer that arrives later leaves (start() returns false).
   void finish() {
     try {
-      coord_->set("el/done", "1", env_.now() + opts_.timeout);
+      coord_->set(detail::keys::done, "1", env_.now() + opts_.timeout);
     } catch (const error&) {
     }
   }
@@ -306,8 +309,8 @@ class basic_elastic_group {
 
   /// A newcomer's signature against the group's: errc::mismatch naming where they part.
   void check_signature(deadline_t until) {
-    if (!coord_->check("el/signature", until)) return;
-    const auto theirs = coord_->get("el/signature", until);
+    if (!coord_->check(detail::keys::signature, until)) return;
+    const auto theirs = coord_->get(detail::keys::signature, until);
     if (theirs == signature_) return;
     std::size_t at = 0;
     while (at < theirs.size() && at < signature_.size() && theirs[at] == signature_[at]) ++at;
@@ -318,16 +321,6 @@ class basic_elastic_group {
                       theirs.substr(from, 80) + "', this process's '..." + signature_.substr(from, 80) +
                       "' (from byte " + std::to_string(at) + " on)");
   }
-  static std::string round_key(int g) { return "el/r" + std::to_string(g) + "/"; }
-  static std::string steps_key(int g) { return "el/g" + std::to_string(g) + "/"; }
-  /// A step's keys (its votes "v" and its decision "d") live in blocks of step_block steps, so
-  /// that the last voter erases a whole block in one request once a block.
-  static constexpr std::uint64_t step_block = 64;
-  static std::string block_key(int g, std::uint64_t b) { return steps_key(g) + "b" + std::to_string(b) + "/"; }
-  static std::string step_key(int g, std::uint64_t s) {
-    return block_key(g, s / step_block) + "s" + std::to_string(s) + "/";
-  }
-  static std::string ns(int g) { return "el" + std::to_string(g) + "/"; }
 
   /// Failures of the group as a whole (a rank lost, silent, or the group aborted), after which
   /// the next round forms: anything else is the program's or a newcomer's own error.
@@ -350,13 +343,13 @@ class basic_elastic_group {
     auto& st = *coord_;
     const auto mine = detail::elastic::encode(detail::elastic::live_mark{gen_, step_ + 1, sharded});
     for (;;) {
-      const auto now_live = st.try_get("el/live", std::chrono::milliseconds(0), until);
+      const auto now_live = st.try_get(detail::keys::live, std::chrono::milliseconds(0), until);
       const auto mark = now_live ? detail::elastic::decode_live(*now_live) : std::nullopt;
       if (mark && mark->gen > gen_)
         detail::raise(errc::aborted, pg_.rank(),
                       "elastic: step " + std::to_string(step_) + " dropped: generation " + std::to_string(mark->gen) +
                           " went live while this rank of generation " + std::to_string(gen_) + " was stopped");
-      if (st.compare_set("el/live", now_live.value_or(""), mine, until) == mine) return;
+      if (st.compare_set(detail::keys::live, now_live.value_or(""), mine, until) == mine) return;
     }
   }
 
@@ -389,11 +382,11 @@ class basic_elastic_group {
         round_ = current + 1;
         become_newcomer();
       }
-      const std::string rk = round_key(round_);
-      const auto idx = st.add(rk + "n", 1, until);
+      const std::string rk = detail::keys::round(round_);
+      const auto idx = st.add(detail::keys::arrivals(rk), 1, until);
       rules::registrant me{.idx = idx, .place = prio, .uid = uid_, .holds = holds_, .step = step_};
-      st.set(rk + "m/" + std::to_string(idx), rules::encode(me), until);
-      if (member && prio < prev_size_) st.set(rk + "old/" + std::to_string(prio), "1", until);
+      st.set(detail::keys::member(rk, idx), rules::encode(me), until);
+      if (member && prio < prev_size_) st.set(detail::keys::old_member(rk, prio), "1", until);
       const auto opened = env_.now();
       // Each round a rank may close gets the whole timeout: its decision (lost, when no source
       // came) is due by then, before this loop's own deadline.
@@ -412,8 +405,8 @@ class basic_elastic_group {
         if (member && env_.now() + detail::timing::elastic_poll >= until)
           detail::raise(errc::timeout, opts_.rank, "elastic: round " + std::to_string(round_) + " never closed");
         const auto waited = std::exchange(wait_closed, detail::timing::elastic_poll);
-        if (st.wait({rk + "closed"}, waited, until).empty()) {
-          const auto text = st.get(rk + "closed", until);
+        if (st.wait({detail::keys::closed(rk)}, waited, until).empty()) {
+          const auto text = st.get(detail::keys::closed(rk), until);
           closed = rules::decode_round(text);
           if (!closed)
             detail::raise(
@@ -424,11 +417,11 @@ class basic_elastic_group {
         if (!member) {  // newcomers never close a round: they wait for the group to take them in
           rules::seat_view sv;
           sv.round = round_;
-          sv.done = st.check("el/done", until);
+          sv.done = st.check(detail::keys::done, until);
           std::string now_at;
           if (!sv.done) {
             // Progress: a step committed, or a generation formed (a group re-forming is alive).
-            if (st.check("el/step", until)) now_at = st.get("el/step", until);
+            if (st.check(detail::keys::progress, until)) now_at = st.get(detail::keys::progress, until);
             const int current = current_gen(until);
             now_at += ":" + std::to_string(current);
             sv.progress = now_at != progress;
@@ -437,12 +430,12 @@ class basic_elastic_group {
               seen_progress = env_.now();
               until = env_.now() + std::max(wait_for, opts_.timeout) + 4 * detail::timing::elastic_poll;
               sv.current = current;
-              sv.round_closed = st.check(rk + "closed", until);
+              sv.round_closed = st.check(detail::keys::closed(rk), until);
             }
           }
           sv.idle = std::chrono::duration_cast<std::chrono::milliseconds>(env_.now() - seen_progress);
           if (sv.idle >= std::max(wait_for, opts_.timeout))
-            if (const auto live = st.try_get("el/live", std::chrono::milliseconds(0), until))
+            if (const auto live = st.try_get(detail::keys::live, std::chrono::milliseconds(0), until))
               if (const auto m = rules::decode_live(*live)) sv.live = *m;
           const auto seat = rules::decide_seat(sv, std::max(wait_for, opts_.timeout));
           if (seat.what == rules::seat_decision::leave) return false;
@@ -454,12 +447,12 @@ class basic_elastic_group {
           }
           continue;
         }
-        if (st.check("el/done", until)) return false;
+        if (st.check(detail::keys::done, until)) return false;
         gather(view, rk, until);
         view.open_for = std::chrono::duration_cast<std::chrono::milliseconds>(env_.now() - opened);
         const auto d = rules::decide_round(view, round_rules(wait_for));
         if (d.what == rules::round_decision::wait) continue;
-        const auto text = st.compare_set(rk + "closed", "", rules::encode(d), until);
+        const auto text = st.compare_set(detail::keys::closed(rk), "", rules::encode(d), until);
         closed = rules::decode_round(text);
         if (!closed)
           detail::raise(errc::protocol, opts_.rank,
@@ -511,8 +504,8 @@ class basic_elastic_group {
 
   /// The newest generation that formed (el/gen), -1 when none has.
   int current_gen(deadline_t until) {
-    const auto g = coord_->try_get("el/gen", std::chrono::milliseconds(0), until);
-    return g && !g->empty() ? std::stoi(*g) : -1;
+    const auto g = coord_->try_get(detail::keys::generation, std::chrono::milliseconds(0), until);
+    return g && !g->empty() ? static_cast<int>(detail::keys::int_of(*g, opts_.rank, detail::keys::generation)) : -1;
   }
 
   detail::elastic::round_rules round_rules(std::chrono::milliseconds wait_for) const {
@@ -532,7 +525,7 @@ class basic_elastic_group {
     // "old/<rank>" mark, so every rank seen back here is among the registrations read below,
     // and a round never closes as "every rank back" without one of them.
     gather_back(v, rk, until);
-    const auto n = st.add(rk + "n", 0, until);
+    const auto n = st.add(detail::keys::arrivals(rk), 0, until);
     std::vector<bool> read(static_cast<std::size_t>(std::max<std::int64_t>(n, 0)) + 1, false);
     for (const auto& r : v.registered)
       if (r.idx >= 1 && r.idx <= n) read[static_cast<std::size_t>(r.idx)] = true;
@@ -541,7 +534,7 @@ class basic_elastic_group {
       // A process that died (or stopped) between its count and its record leaves a hole: it is
       // passed over, never the registrations after it (a rank holding the state among them).
       // One that writes its record after the round closed is a late registrant, as any other.
-      const auto rec = st.try_get(rk + "m/" + std::to_string(i), std::chrono::milliseconds(0), until);
+      const auto rec = st.try_get(detail::keys::member(rk, i), std::chrono::milliseconds(0), until);
       if (!rec) continue;
       auto r = rules::decode_registrant(i, *rec);
       if (!r) detail::raise(errc::protocol, opts_.rank, "elastic: a malformed registration '" + *rec + "' in " + rk);
@@ -556,8 +549,8 @@ class basic_elastic_group {
     v.back.assign(static_cast<std::size_t>(prev_size_), false);
     v.dead.assign(static_cast<std::size_t>(prev_size_), false);
     std::vector<std::string> keys;
-    for (int q = 0; q < prev_size_; ++q) keys.push_back(rk + "old/" + std::to_string(q));
-    for (int q = 0; q < prev_size_; ++q) keys.push_back(ns(prev_gen_) + "hb/dead/" + std::to_string(q));
+    for (int q = 0; q < prev_size_; ++q) keys.push_back(detail::keys::old_member(rk, q));
+    for (int q = 0; q < prev_size_; ++q) keys.push_back(detail::keys::dead(prev_gen_, q));
     std::vector<bool> missing(keys.size(), false);
     if (!keys.empty())
       for (const auto& k : st.wait(keys, std::chrono::milliseconds(0), until))
@@ -567,13 +560,14 @@ class basic_elastic_group {
       v.dead[static_cast<std::size_t>(q)] = !missing[static_cast<std::size_t>(prev_size_ + q)];
     }
     v.live = {};
-    if (const auto live = st.try_get("el/live", std::chrono::milliseconds(0), until)) {
+    if (const auto live = st.try_get(detail::keys::live, std::chrono::milliseconds(0), until)) {
       const auto m = rules::decode_live(*live);
       if (!m) detail::raise(errc::protocol, opts_.rank, "elastic: a malformed live mark '" + *live + "'");
       v.live = *m;
     }
-    if (const auto at = st.try_get("el/step", std::chrono::milliseconds(0), until))
-      v.live.step = std::max<std::uint64_t>(v.live.step, std::stoull(*at));
+    if (const auto at = st.try_get(detail::keys::progress, std::chrono::milliseconds(0), until))
+      v.live.step = std::max<std::uint64_t>(
+          v.live.step, static_cast<std::uint64_t>(detail::keys::int_of(*at, opts_.rank, detail::keys::progress)));
   }
 
   /// Writes el<g>/hb/dead/<rank> for the rank this rank's heartbeat found frozen or dead in
@@ -582,7 +576,7 @@ class basic_elastic_group {
     if (const int dead = env_.found_dead(pg_); dead >= 0) mark_dead(g, dead, opts_.timeout);
   }
   void mark_dead(int g, int dead, std::chrono::milliseconds budget) {
-    coord_->set(ns(g) + "hb/dead/" + std::to_string(dead), "1", env_.now() + budget);
+    coord_->set(detail::keys::dead(g, dead), "1", env_.now() + budget);
   }
   /// Joins generation round_ as `rank` of `world`, rebuilds the program's wrappers, hands out
   /// rank 0's state. `equal_state`: every member holds the live state as of one step (the
@@ -593,7 +587,7 @@ class basic_elastic_group {
     o.rank = rank;
     o.world_size = world;
     o.local_rank = -1;
-    o.key_prefix = ns(round_);
+    o.key_prefix = detail::keys::generation_keys(round_);
     o.external_store = true;  // the store outlives every generation
     o.job_id = job_ + "+el." + std::to_string(round_);
     o.rendezvous_timeout = eo_.reform_timeout;
@@ -604,9 +598,9 @@ class basic_elastic_group {
     // heartbeat's thread, so that the next round need not wait for this rank's recover().
     env_.on_found_dead(pg_, [this, g = gen_](int dead) { mark_dead(g, dead, opts_.heartbeat); });
     if (env_.found_dead(pg_) >= 0) note_dead(gen_);
-    coord_->set("el/gen", std::to_string(gen_), env_.now() + opts_.timeout);
+    coord_->set(detail::keys::generation, detail::keys::int_value(gen_), env_.now() + opts_.timeout);
     if (!signature_.empty() && gen_ == 0 && rank == 0)
-      coord_->set("el/signature", signature_, env_.now() + opts_.timeout);
+      coord_->set(detail::keys::signature, signature_, env_.now() + opts_.timeout);
     if (rank == 0 && eo_.verbose)
       std::fprintf(stderr, "[ddp.elastic] generation %d: %d ranks (%s)%s\n", gen_, world, why.c_str(),
                    equal_state ? "; every rank holds the state of the same step" : "");
@@ -661,20 +655,26 @@ class basic_elastic_group {
     const auto until = env_.now() + opts_.timeout;
     try {
       int from = 0, steps_from = 0;
-      if (st.check("el/swept", until)) from = std::stoi(st.get("el/swept", until)) + 1;
-      if (st.check("el/swept_steps", until)) steps_from = std::stoi(st.get("el/swept_steps", until)) + 1;
+      if (st.check(detail::keys::swept, until))
+        from = static_cast<int>(
+                   detail::keys::int_of(st.get(detail::keys::swept, until), opts_.rank, detail::keys::swept)) +
+               1;
+      if (st.check(detail::keys::swept_steps, until))
+        steps_from = static_cast<int>(detail::keys::int_of(st.get(detail::keys::swept_steps, until), opts_.rank,
+                                                           detail::keys::swept_steps)) +
+                     1;
       for (int g = from; g <= gen_ - 2; ++g) {
-        (void)st.erase_prefix(ns(g), until);
-        (void)st.erase_prefix(round_key(g), until);
-        st.set("el/swept", std::to_string(g), until);
+        (void)st.erase_prefix(detail::keys::generation_keys(g), until);
+        (void)st.erase_prefix(detail::keys::round(g), until);
+        st.set(detail::keys::swept, detail::keys::int_value(g), until);
       }
-      const auto live = st.try_get("el/live", std::chrono::milliseconds(0), until);
+      const auto live = st.try_get(detail::keys::live, std::chrono::milliseconds(0), until);
       const auto mark = live ? detail::elastic::decode_live(*live) : std::nullopt;
       const int live_gen = mark ? mark->gen : -1;
       for (int g = steps_from; g < std::min(live_gen, gen_ - 1); ++g) {
         // Said before the keys go: a rank of g that decides a step after it finds the mark.
-        st.set("el/swept_steps", std::to_string(g), until);
-        (void)st.erase_prefix(steps_key(g), until);
+        st.set(detail::keys::swept_steps, detail::keys::int_value(g), until);
+        (void)st.erase_prefix(detail::keys::steps(g), until);
       }
     } catch (const std::exception&) {
     }

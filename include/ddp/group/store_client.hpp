@@ -27,6 +27,8 @@
 #include <ddp/group/detail/store_protocol.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/error.hpp>
+#include <ddp/group/detail/keys.hpp>
+#include <ddp/detail/first_failure.hpp>
 
 namespace ddp {
 inline namespace DDP_ABI {
@@ -83,7 +85,7 @@ class store_client {
           h.from = static_cast<std::uint32_t>(rank);
           detail::auth_initiate(fd_.get(), *auth_, h, until, rank, store_ + " at " + where);
         } else {
-          (void)check("store/hello", until);
+          (void)check(detail::keys::hello, until);
         }
         return;
       } catch (const error& e) {
@@ -95,8 +97,7 @@ class store_client {
       }
       // A fresh connection: nothing of the closed one's failure carries over.
       fd_.reset();
-      broken_.clear();
-      unusable_ = false;
+      broken_.reset();
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, detail::timing::connect_backoff_max);
     }
@@ -188,7 +189,7 @@ class store_client {
   int native_handle() const noexcept { return fd_.get(); }
 
   /// True once a failure made the connection unusable (every later call fails at once).
-  bool unusable() const noexcept { return unusable_.load(); }
+  bool unusable() const noexcept { return broken_.failed(); }
 
   /// The authenticator this connection was opened with (null without a secret); the mesh
   /// connections opened through this store use it too.
@@ -251,10 +252,7 @@ class store_client {
       detail::raise(errc::timeout, rank_,
                     "store request timed out waiting for its turn on the connection to " + store_ + " at " + where_ +
                         " (another thread's request held it)");
-    if (!broken_.empty())
-      detail::raise(
-          broken_code_, rank_,
-          "the connection to " + store_ + " at " + where_ + " is unusable after an earlier failure: " + broken_);
+    broken_.check(rank_, "the connection to " + store_ + " at " + where_ + " is unusable after an earlier failure: ");
     const auto start = steady_clock::now();
     if (start >= until)
       detail::raise(errc::timeout, rank_,
@@ -322,9 +320,7 @@ class store_client {
   /// The byte stream can no longer be trusted to be in step with our requests (a reply still on
   /// its way, or one we could not frame): every later call fails at once, naming this cause.
   [[noreturn]] void broken(errc code, const std::string& why) {
-    broken_ = why;
-    broken_code_ = code;
-    unusable_ = true;
+    broken_.set(code, why);
     detail::raise(code, rank_, why);
   }
 
@@ -334,7 +330,6 @@ class store_client {
   std::string store_;  // who serves the store, as errors name it
   std::string where_;  // its address (and who serves it), for messages
   detail::fd_handle fd_;
-  std::atomic<bool> unusable_{false};
   /// One request at a time on the connection, waited for until the caller's deadline. (A mutex
   /// and a flag rather than std::timed_mutex, whose timed lock ThreadSanitizer cannot follow.)
   /// On the heap: a forked child abandons it, since a parent thread may have been waiting on it.
@@ -363,9 +358,8 @@ class store_client {
     turn_guard& operator=(const turn_guard&) = delete;
   };
   std::unique_ptr<turn> turn_ =
-      std::make_unique<turn>();  ///< one request at a time on the connection; waited for until the deadline
-  std::string broken_;           ///< why the connection is unusable (written during a turn); empty while it is fine
-  errc broken_code_ = errc::peer_lost;
+      std::make_unique<turn>();   ///< one request at a time on the connection; waited for until the deadline
+  detail::first_failure broken_;  ///< why the connection is unusable (set during a turn)
   detail::owner_process owner_;
 };
 

@@ -29,6 +29,7 @@
 #include <ddp/error.hpp>
 #include <ddp/group/failure.hpp>
 #include <ddp/group/store_client.hpp>
+#include <ddp/group/detail/keys.hpp>
 
 namespace ddp {
 inline namespace DDP_ABI {
@@ -330,8 +331,8 @@ class failure_verdict {
   }
 
  private:
-  static constexpr const char* failure_key = "pg/failure";
-  static constexpr const char* readers_key = "pg/failure_readers";
+  static constexpr const char* failure_key = detail::keys::failure;
+  static constexpr const char* readers_key = detail::keys::failure_readers;
 
   /// Counts this rank once among the failure's readers (readers()). Not for a launcher's store:
   /// it outlives every rank, and nobody waits for the count.
@@ -350,9 +351,9 @@ class failure_verdict {
                : "rank 0 is lost (its store does not answer; " + how + ")";
   }
   /// The store key of rank `r`'s "waits for" record under `prefix`.
-  static std::string waiting_key(const std::string& prefix, int r) { return prefix + "/waiting/" + std::to_string(r); }
+  static std::string waiting_key(const std::string& prefix, int r) { return detail::keys::waiting(prefix, r); }
   /// The store key of rank `r`'s last error (note_error).
-  static std::string note_key(int r) { return "pg/note/" + std::to_string(r); }
+  static std::string note_key(int r) { return detail::keys::note(r); }
 
   store_client* store_ = nullptr;
   int rank_ = 0;

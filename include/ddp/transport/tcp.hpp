@@ -34,6 +34,8 @@
 #include <ddp/group/verdict.hpp>
 #include <ddp/group/failure.hpp>
 #include <ddp/group/transport_context.hpp>
+#include <ddp/group/detail/keys.hpp>
+#include <ddp/detail/first_failure.hpp>
 
 namespace ddp {
 inline namespace DDP_ABI {
@@ -52,7 +54,7 @@ class tcp {
   /// Built from the group (`ddp::tcp t{pg}`): keeps a handle on it of its own, so the group
   /// (its store) stays open while the transport lives.
   explicit tcp(transport_context ctx, tcp_options o = {}) : ctx_(std::move(ctx)), opts_(o) {
-    channel_ = "tcp/" + std::to_string(ctx_.channel());
+    channel_ = detail::keys::tcp_channel(ctx_.channel());
     // Connections are made on first use: a ring touches two peers, a tree three.
     links_ = detail::open_links(ctx_, channel_, o.socket_buffer);
     // The group failed as a whole (its heartbeat found a rank frozen or dead): end the
@@ -213,26 +215,11 @@ class tcp {
     }
   }
 
-  void check_usable() const {
-    if (!broken_.load(std::memory_order_acquire)) return;
-    std::string why;
-    {
-      std::lock_guard lock(reason_mu_);
-      why = broken_reason_;
-    }
-    detail::raise(errc::aborted, rank(), "tcp transport is unusable after an earlier failure: " + why);
-  }
+  void check_usable() const { broken_.check(rank(), "tcp transport is unusable after an earlier failure: "); }
 
   /// Marks this transport unusable with `msg`; false when it was marked already (the first
-  /// reason wins). abort() (any thread) and the progress thread may race here, so the reason is
-  /// written under a lock, before the flag that makes readers look at it.
-  bool mark_broken(const std::string& msg) {
-    std::lock_guard lock(reason_mu_);
-    if (broken_.load(std::memory_order_relaxed)) return false;
-    broken_reason_ = msg;
-    broken_.store(true, std::memory_order_release);
-    return true;
-  }
+  /// reason wins; abort() on any thread and the progress thread may race here).
+  bool mark_broken(const std::string& msg) { return broken_.set(errc::aborted, msg); }
 
   /// Marks this transport unusable and shuts its connections, which wakes peers blocked on us.
   void break_links(const std::string& msg) {
@@ -263,9 +250,7 @@ class tcp {
   tcp_options opts_;
   std::string channel_;
   std::unique_ptr<detail::peer_links> links_;
-  std::atomic<bool> broken_{false};
-  mutable std::mutex reason_mu_;
-  std::string broken_reason_;  ///< guarded by reason_mu_; set once, before broken_
+  detail::first_failure broken_;  // why this transport is unusable (the first reason)
   detail::owner_process owner_;
   group_watch watch_;  // last: unregistered first, before what its call uses goes
 };

@@ -39,6 +39,7 @@
 #include <ddp/group/process_group.hpp>
 #include <ddp/group/store_client.hpp>
 #include <ddp/group/store_server.hpp>
+#include <ddp/group/detail/keys.hpp>
 
 namespace ddp {
 inline namespace DDP_ABI {
@@ -87,7 +88,7 @@ struct elastic_env {
     std::unique_ptr<store_server> server;
     if (host)
       server = std::make_unique<store_server>(::ddp::endpoint{o.master_addr, o.master_port}, 0, auth, store_limits{},
-                                              "pg/rank/", 0);
+                                              std::string(keys::seat_prefix), 0);
     return std::make_unique<store>(std::move(server), o, auth, until);
   }
 

@@ -44,6 +44,7 @@
 #include <ddp/group/detail/handshake.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/timing.hpp>
+#include <ddp/group/detail/keys.hpp>
 
 namespace ddp {
 inline namespace DDP_ABI {
@@ -103,7 +104,7 @@ class peer_links {
     loop_.emplace(listen_.get(), rank_, "mesh acceptor");
     loop_->start(*acceptor_);
     try {
-      dir_.publish(prefix_ + "/addr/" + std::to_string(rank_), to_string(me) + " " + std::to_string(port_of(me)));
+      dir_.publish(keys::address(prefix_, rank_), to_string(me) + " " + std::to_string(port_of(me)));
     } catch (...) {
       stop();
       throw;
@@ -281,7 +282,7 @@ class peer_links {
 
   /// One connection attempt to `peer`, through the handshake, up to the acceptor's verdict.
   attempt_result attempt(int peer, deadline_t until) {
-    const std::string key = prefix_ + "/addr/" + std::to_string(peer);
+    const std::string key = keys::address(prefix_, peer);
     std::string v;
     {
       std::lock_guard lk(mu_);

@@ -30,6 +30,7 @@
 #include <ddp/group/process_group.hpp>
 #include <ddp/group/store_client.hpp>
 #include <ddp/group/store_server.hpp>
+#include <ddp/group/detail/keys.hpp>
 
 namespace ddp {
 inline namespace DDP_ABI {
@@ -323,7 +324,8 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
   // neither plant a failure, an address or a record, nor hold rank 0's exit (docs/security.md).
   if (rank == 0 && !opts.external_store)
     pg.server = std::make_unique<store_server>(endpoint{opts.master_addr, opts.master_port}, 0, auth, store_limits{},
-                                               "pg/rank/", static_cast<std::uint32_t>(opts.world_size));
+                                               std::string(detail::keys::seat_prefix),
+                                               static_cast<std::uint32_t>(opts.world_size));
   const detail::join_request join{rank,
                                   opts.world_size,
                                   opts.job_id,
@@ -353,7 +355,7 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
   }
   auto& st = *pg.store;
   pg.verdict = failure_verdict(pg.store.get(), rank, opts.world_size, opts.timeout, opts.external_store);
-  pg.links = detail::open_links(st, pg.group_id, rank, opts.world_size, opts.timeout, "pg/mesh", 0,
+  pg.links = detail::open_links(st, pg.group_id, rank, opts.world_size, opts.timeout, detail::keys::mesh, 0,
                                 [v = &pg.verdict] { return v->recorded(); });
   // The first barrier makes each rank's first connections (log2(size) peers) and proves the
   // group can talk; a failure there is reported like any other.
@@ -363,8 +365,8 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
     // The heartbeat's ring, on connections of its own: each rank beats to its successor and
     // watches its predecessor (group/detail/heartbeat.hpp).
     const int succ = (rank + 1) % opts.world_size, pred = (rank + opts.world_size - 1) % opts.world_size;
-    pg.heartbeat_links = detail::open_links(st, pg.group_id, rank, opts.world_size, opts.timeout, "pg/hb", 0,
-                                            [v = &pg.verdict] { return v->recorded(); });
+    pg.heartbeat_links = detail::open_links(st, pg.group_id, rank, opts.world_size, opts.timeout,
+                                            detail::keys::heartbeat, 0, [v = &pg.verdict] { return v->recorded(); });
     const int succ_fd = pg.heartbeat_links->get(succ, until);
     const int pred_fd = pg.heartbeat_links->get(pred, until);
     pg.heartbeat = std::make_unique<detail::heartbeat_watch>(

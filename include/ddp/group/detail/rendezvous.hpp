@@ -42,6 +42,7 @@
 #include <ddp/detail/socket.hpp>
 #include <ddp/group/detail/store_protocol.hpp>
 #include <ddp/detail/timing.hpp>
+#include <ddp/group/detail/keys.hpp>
 
 namespace ddp {
 inline namespace DDP_ABI {
@@ -141,7 +142,7 @@ std::vector<int> missing_ranks(Store& st, int world, deadline_t until, bool pati
   const int chunk = static_cast<int>(store_max_fields) - 2;
   for (int lo = 0; lo < world; lo += chunk) {
     std::vector<std::string> keys;
-    for (int r = lo; r < std::min(world, lo + chunk); ++r) keys.push_back("pg/rank/" + std::to_string(r));
+    for (int r = lo; r < std::min(world, lo + chunk); ++r) keys.push_back(keys::seat(r));
     if (clock::now() >= until) raise(errc::timeout, -1, "no time left to list the missing ranks");
     for (auto& k : patient ? st.wait(keys, until) : st.wait(keys, timing::missing_ranks_wait, until))
       missing.push_back(std::atoi(k.c_str() + k.rfind('/') + 1));
@@ -175,7 +176,7 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
   char hostname[256] = {};
   ::gethostname(hostname, sizeof hostname - 1);
   const std::string token = std::string(hostname) + ":" + std::to_string(::getpid()) + ":" + std::to_string(nonce);
-  const std::string rk = "pg/rank/" + std::to_string(rank);
+  const std::string rk = keys::seat(rank);
   auto claim = [&] {
     const auto owner = st.compare_set(rk, "", token, until);
     if (owner != token)
@@ -195,17 +196,17 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
     // checks that the store on this port is its own job's before it claims a rank: another
     // job's store answering here means the port is taken, not that two processes want a rank.
     claim();
-    st.set("pg/job", req.heartbeat_ms > 0 ? job + std::string(heartbeat_mark) + std::to_string(req.heartbeat_ms) : job,
+    st.set(keys::job, req.heartbeat_ms > 0 ? job + std::string(heartbeat_mark) + std::to_string(req.heartbeat_ms) : job,
            until);
-    st.set("pg/id", encode_i64(static_cast<std::int64_t>(nonce)), until);
+    st.set(keys::group_id, encode_i64(static_cast<std::int64_t>(nonce)), until);
   } else {
     std::string record;
     try {
-      if (!st.wait({"pg/job"}, until).empty())
+      if (!st.wait({keys::job}, until).empty())
         raise(errc::timeout, rank,
               "rendezvous timed out after " + std::to_string(req.timeout_ms) + " ms: the store at " + req.where +
                   " answers, but its rank 0 never described its job");
-      record = st.get("pg/job", until);
+      record = st.get(keys::job, until);
     } catch (const error& e) {
       // A rank of a restarted run may have reached the earlier run's store just as its
       // launcher ended that run: a store that closes before it said whose it is counts as one.
@@ -239,7 +240,7 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
     try {
       const auto missing = missing_ranks(st, req.world, until, true);
       if (missing.empty()) {
-        st.set("pg/complete", "1", until);
+        st.set(keys::complete, "1", until);
         return static_cast<std::uint64_t>(nonce);
       }
       what = name_ranks(missing) + " of " + std::to_string(req.world) + " never arrived";
@@ -250,14 +251,14 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
   } else {
     bool complete = false;
     try {
-      complete = st.wait({"pg/complete"}, until).empty();
+      complete = st.wait({keys::complete}, until).empty();
     } catch (const error& e) {
       // The deadline passed while the store's answer was on its way (a store busy with thousands
       // of ranks timing out at once, on a loaded machine): still the rendezvous' timeout, said
       // as such below, not a failure of the store.
       if (e.condition() != errc::timeout) throw;
     }
-    if (complete) return static_cast<std::uint64_t>(decode_i64(st.get("pg/id", until)));
+    if (complete) return static_cast<std::uint64_t>(decode_i64(st.get(keys::group_id, until)));
   }
   // Name the missing ranks: rank 0 scans the claims and posts what it found; in worlds that fit
   // one request the others scan them too, in larger ones they quote rank 0's list.
@@ -273,12 +274,12 @@ std::uint64_t join_store(Store& st, const join_request& req, deadline_t until) {
         what =
             "every rank claimed its place, but rank 0 never announced that the group was complete (rank 0 "
             "stopped or froze while joining)";
-    } else if (what.empty() && st.wait({"pg/missing"}, budget).empty()) {  // rank 0 posts it as it times out
-      what = st.get("pg/missing", budget);
+    } else if (what.empty() && st.wait({keys::missing}, budget).empty()) {  // rank 0 posts it as it times out
+      what = st.get(keys::missing, budget);
     } else if (what.empty()) {
       what = "not every rank of " + std::to_string(req.world) + " arrived (rank 0's error names them)";
     }
-    if (rank == 0) st.set("pg/missing", what, budget);
+    if (rank == 0) st.set(keys::missing, what, budget);
   } catch (const error&) {
     // The store stopped answering: where rank 0's process serves it, rank 0 stopped or froze.
     if (what.empty() && req.store_in_rank0 && rank != 0)
