@@ -5,7 +5,8 @@ Usage: tests/scripts/count_cases.py [--totals]
 
 For each tests/**/*.cpp and *.hpp (tests/vendor left out): the test cases (TEST_CASE and its
 _TEMPLATE, _FIXTURE and _CLASS forms, SCENARIO), the SUBCASEs, the checks written in the parent
-(doctest's CHECK, REQUIRE, WARN, FAIL families) and in children (`require(`, `require_raises(`),
+(doctest's CHECK, REQUIRE, WARN, FAIL families, and expect_ok: one CHECK that every rank ended
+well) and in children (`require(`, `require_raises(`),
 and the lines. Run it before and after a change to the tests: no case lost, fewer lines
 (docs/testing.md, "Counting the tests").
 
@@ -20,7 +21,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CASE = re.compile(r"^\s*(TEST_CASE(_TEMPLATE|_FIXTURE|_CLASS)?|SCENARIO)\s*\(", re.M)
 SUBCASE = re.compile(r"^\s*SUBCASE\s*\(", re.M)
-CHECK = re.compile(r"^\s*(CHECK|REQUIRE|WARN|FAIL)(_[A-Z_]+)?\s*\(", re.M)
+CHECK = re.compile(r"^\s*((CHECK|REQUIRE|WARN|FAIL)(_[A-Z_]+)?|expect_ok)\s*\(", re.M)
 CHILD = re.compile(r"^\s*(require|require_raises)\s*\(", re.M)
 
 
