@@ -236,9 +236,7 @@ TEST_CASE(
     ddp::dlib_parameters params{net};
     CHECK(params.empty());
   }
-  const int port = free_port();
-  const auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 2, port, 10s));
+  const auto outs = on_ranks(2, local_group{10s}, [&](ddp::process_group& pg) {
     net_type net;
     ddp::dlib_parameters params{net};  // before net.forward: dlib has allocated nothing
     ddp::data_parallel dp{pg, params};
@@ -268,9 +266,7 @@ TEST_CASE("dlib: the same on 4 processes (the gradients summed in rank order, as
 }
 
 TEST_CASE("dlib: a gradient dlib reallocated after wrapping is errc::usage naming the layer, and the peer is told") {
-  const int port = free_port();
-  const auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 2, port, 10s));
+  const auto outs = on_ranks(2, local_group{10s}, [&](int r, ddp::process_group& pg) {
     net_type net;
     allocate(net, 5u);
     ddp::dlib_parameters params{net};

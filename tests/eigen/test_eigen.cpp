@@ -450,9 +450,7 @@ TEST_CASE("eigen: sharded (dp_options::shard, ddp::sgd): the same training, bitw
 }
 
 TEST_CASE("eigen: grad_view refuses copy mode and a Map type that does not fit the parameter") {
-  const int port = free_port();
-  const auto outs = run_ranks(1, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 1, port, 10s));
+  expect_ok(on_ranks(1, local_group{10s}, [&](ddp::process_group& pg) {
     mlp model(7u);
     ddp::eigen_parameters params;
     model.register_with(params);
@@ -474,14 +472,11 @@ TEST_CASE("eigen: grad_view refuses copy mode and a Map type that does not fit t
     require(gW.data() == dp.bucket_grad(0) && gW.rows() == 16 && gW.cols() == 8, "grad_view's Map is not the bucket slot");
     // The bucket held the registered gradient at construction (so nothing accumulated is lost).
     require(gW == model.layers[0].gW, "the bucket slot does not hold the registered gradient");
-  });
-  CHECK_MESSAGE(all_ok(outs), summary(outs));
+  }));
 }
 
 TEST_CASE("eigen: a rank whose gradient was resized mid-training fails naming it, and its peer fails too, not hangs") {
-  const int port = free_port();
-  const auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 2, port, 10s));
+  const auto outs = on_ranks(2, local_group{10s}, [&](int r, ddp::process_group& pg) {
     mlp model(1234u);
     ddp::eigen_parameters params;
     model.register_with(params);
@@ -518,9 +513,7 @@ TEST_CASE("eigen: a rank whose gradient was resized mid-training fails naming it
 // No silent no-op (issue 45): an engine wrapped before it registered anything (as dlib's net
 // before its first forward) is refused on every rank, and the message says when to wrap.
 TEST_CASE("eigen: an eigen_parameters with nothing registered is errc::invalid_argument on every rank") {
-  const int port = free_port();
-  const auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 2, port, 10s));
+  const auto outs = on_ranks(2, local_group{10s}, [&](ddp::process_group& pg) {
     mlp model(7u);
     ddp::eigen_parameters params;  // model.register_with(params) not called yet
     ddp::data_parallel dp{pg, params};
@@ -538,9 +531,7 @@ TEST_CASE("eigen: an eigen_parameters with nothing registered is errc::invalid_a
 // A registered parameter whose gradient backward never hands over (the engine's hook loop
 // misses it): finish() names it, by index and name, on every rank.
 TEST_CASE("eigen: a gradient the engine never hands over is errc::usage naming it on every rank") {
-  const int port = free_port();
-  const auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 2, port, 10s));
+  const auto outs = on_ranks(2, local_group{10s}, [&](int r, ddp::process_group& pg) {
     mlp model(1234u);
     ddp::eigen_parameters params;
     model.register_with(params);
@@ -561,9 +552,7 @@ TEST_CASE("eigen: a gradient the engine never hands over is errc::usage naming i
 }
 
 TEST_CASE("eigen: ranks holding a matrix in different storage orders disagree at construction (errc::mismatch)") {
-  const int port = free_port();
-  const auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 2, port, 10s));
+  const auto outs = on_ranks(2, local_group{10s}, [&](int r, ddp::process_group& pg) {
     Eigen::MatrixXf cw(4, 6), gcw(4, 6);
     Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> rw(4, 6), grw(4, 6);
     ddp::eigen_parameters params;
@@ -581,9 +570,7 @@ TEST_CASE("eigen: ranks holding a matrix in different storage orders disagree at
 }
 
 TEST_CASE("eigen: buffers and a frozen matrix are rank 0's at construction; buffers rank 0's after each step") {
-  const int port = free_port();
-  const auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 3, port, 10s));
+  const auto outs = on_ranks(3, local_group{10s}, [&](int r, ddp::process_group& pg) {
     Eigen::MatrixXf w = Eigen::MatrixXf::Constant(3, 2, static_cast<float>(r)), gw = Eigen::MatrixXf::Zero(3, 2);
     Eigen::VectorXf mean = Eigen::VectorXf::Constant(4, 7.0f + static_cast<float>(r));
     Eigen::MatrixXd frozen = Eigen::MatrixXd::Constant(2, 2, 1.0 + r);

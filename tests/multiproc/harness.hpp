@@ -2,6 +2,12 @@
 // Runs a function in N real child processes (fork) and collects each one's outcome: exit code,
 // and the what() of a ddp::error it threw, carried back over a pipe. Children that outlive the
 // limit are killed, so a hang shows up as a failed test rather than a stuck suite.
+//
+// The usual case is one line around its body (on_ranks builds each rank's group on a fresh
+// port, expect_ok checks every rank ended well and shows them all when one did not):
+//   expect_ok(on_ranks(3, opts, [&](int r, ddp::process_group& pg) { ... }));
+// and "raises X with text Y" is raises() in the test's own process, require_raises() in a child
+// (tests/raises.hpp), ended_with() on a child's outcome.
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -19,33 +25,36 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <iterator>
 #include <functional>
+#include <source_location>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include <ddp/error.hpp>
 #include <ddp/process_group.hpp>
 
+#include <doctest/doctest.h>
+
+#include "../raises.hpp"
+
 namespace ddp_test {
 
 struct outcome {
   int rank = -1;
-  int exit_code = -1;       ///< 0 success, 1 threw, 2 other exception, 128+sig when signalled
-  bool timed_out = false;   ///< killed by the harness
-  std::string message;      ///< what() of the exception, or what the child reported
-  int errc = 0;             ///< ddp::errc value when a ddp::error was thrown
-  double seconds = 0;       ///< wall time until the child ended
+  int exit_code = -1;      ///< 0 success, 1 threw, 2 other exception, 128+sig when signalled
+  bool timed_out = false;  ///< killed by the harness
+  std::string message;     ///< what() of the exception, or what the child reported
+  int errc = 0;            ///< ddp::errc value when a ddp::error was thrown
+  double seconds = 0;      ///< wall time until the child ended
   bool ok() const { return exit_code == 0; }
 };
-
-/// Throws `what` unless `ok`: a check inside a child, which the harness reports with its text.
-inline void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
 
 /// An integer from the environment (DDP_SOAK_COUNT, DDP_FAULT_TRIALS, ...), or `dflt`.
 inline long env_long(const char* name, long dflt) {
@@ -67,11 +76,15 @@ inline ddp::init_options group_options(int rank, int n, int port, std::chrono::m
 
 /// group_options with a suite's own default timeout, so that each call names only what differs:
 /// `constexpr ddp_test::local_group opts{20s};`, then `opts(r, n, port)`, `opts(r, n, port, 3s)`,
-/// `opts(r, n, port, 20s, ddp::backend::tcp)` or `opts(r, n, port, secret)`.
+/// `opts(r, n, port, 20s, ddp::backend::tcp)` or `opts(r, n, port, secret)`; on_ranks takes
+/// `opts`, or `local_group{3s}` and `local_group{20s, ddp::backend::tcp}` for one case's own.
 struct local_group {
   std::chrono::milliseconds timeout;
+  ddp::backend backend = ddp::backend::automatic;
 
-  ddp::init_options operator()(int rank, int n, int port) const { return group_options(rank, n, port, timeout); }
+  ddp::init_options operator()(int rank, int n, int port) const {
+    return group_options(rank, n, port, timeout, backend);
+  }
   ddp::init_options operator()(int rank, int n, int port, std::chrono::milliseconds t,
                                ddp::backend b = ddp::backend::automatic) const {
     return group_options(rank, n, port, t, b);
@@ -103,7 +116,12 @@ inline int free_port() {
 inline std::vector<outcome> run_processes(const std::vector<int>& ranks, const std::function<void(int)>& fn,
                                           std::chrono::milliseconds limit = std::chrono::seconds(60)) {
   std::fflush(nullptr);
-  struct child { pid_t pid; int fd; outcome out; bool done = false; };
+  struct child {
+    pid_t pid;
+    int fd;
+    outcome out;
+    bool done = false;
+  };
   std::vector<child> kids;
   const auto t0 = std::chrono::steady_clock::now();
   for (int r : ranks) {
@@ -123,7 +141,9 @@ inline std::vector<outcome> run_processes(const std::vector<int>& ranks, const s
         code = 2;
         msg = "0 " + std::string(e.what());
       }
-      if (!msg.empty()) { [[maybe_unused]] auto w = ::write(p[1], msg.data(), msg.size()); }
+      if (!msg.empty()) {
+        [[maybe_unused]] auto w = ::write(p[1], msg.data(), msg.size());
+      }
       ::close(p[1]);
       std::fflush(nullptr);
       ::_exit(code);
@@ -180,7 +200,27 @@ inline std::vector<outcome> run_ranks(int n, const std::function<void(int)>& fn,
   return run_processes(ranks, fn, limit);
 }
 
-/// Throws (for a doctest CHECK to report) when a child failed; returns a readable summary.
+/// Runs body(rank, group), or body(group), on ranks 0..n-1, each in its own process with a group
+/// built from `options(rank, n, port)` on a fresh ephemeral port (a suite's local_group, or any
+/// callable of that signature); each rank's outcome. Cases that need the port itself, or do
+/// something before the group exists, use run_ranks.
+template <class Options, class Body>
+std::vector<outcome> on_ranks(int n, const Options& options, Body&& body,
+                              std::chrono::milliseconds limit = std::chrono::seconds(60)) {
+  const int port = free_port();
+  return run_ranks(
+      n,
+      [&](int r) {
+        auto pg = ddp::init_process_group(options(r, n, port));
+        if constexpr (std::is_invocable_v<Body&, int, ddp::process_group&>)
+          body(r, pg);
+        else
+          body(pg);
+      },
+      limit);
+}
+
+/// A readable line per rank: exit, whether it was killed, its message.
 inline std::string summary(const std::vector<outcome>& outs) {
   std::string s;
   for (auto& o : outs)
@@ -193,6 +233,25 @@ inline bool all_ok(const std::vector<outcome>& outs) {
   for (auto& o : outs)
     if (!o.ok()) return false;
   return true;
+}
+
+/// CHECKs that every rank ended well; a failure shows each rank's summary and the caller's line.
+inline void expect_ok(const std::vector<outcome>& outs,
+                      const std::source_location at = std::source_location::current()) {
+  INFO("ranks run at " << std::string(at.file_name()) << ":" << at.line() << "\n" << summary(outs));
+  CHECK(all_ok(outs));
+}
+
+/// raises() for a child's outcome: it ended by raising a ddp::error of `code` (carried back by
+/// the harness) whose message holds every one of `texts`; empty when it did.
+inline std::string ended_with(const outcome& o, ddp::errc code, std::initializer_list<std::string_view> texts = {}) {
+  if (o.exit_code != 1 || o.errc != static_cast<int>(code))
+    return "rank " + std::to_string(o.rank) + " exit " + std::to_string(o.exit_code) + ", errc " +
+           std::to_string(o.errc) + " instead of " + ddp::detail::errc_name(code) + ": " + o.message;
+  for (auto t : texts)
+    if (o.message.find(t) == std::string::npos)
+      return "rank " + std::to_string(o.rank) + "'s message lacks '" + std::string(t) + "': " + o.message;
+  return {};
 }
 
 /// A fresh directory for one test case, removed with it.

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include <string>
+#include <utility>
 
 #include "harness.hpp"
 
@@ -18,6 +19,16 @@ inline void on_host(const std::string& hosts, int r) {
     ::unsetenv("DDP_HOST_ID");
   else
     ::setenv("DDP_HOST_ID", std::string(1, c).c_str(), 1);
+}
+
+/// Group options (a local_group) that first put rank r on host hosts[r], for on_ranks:
+/// `on_ranks(4, on_hosts("aabb", opts), [&](int r, ddp::process_group& pg) { ... })`.
+template <class Options>
+auto on_hosts(std::string hosts, Options options) {
+  return [hosts = std::move(hosts), options](int r, int n, int port) {
+    on_host(hosts, r);
+    return options(r, n, port);
+  };
 }
 
 }  // namespace ddp_test

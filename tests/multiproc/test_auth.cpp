@@ -25,6 +25,7 @@ using namespace std::chrono_literals;
 using ddp_test::free_port;
 using ddp_test::run_processes;
 using ddp_test::run_ranks;
+using ddp_test::expect_ok;
 namespace detail = ddp::detail;
 
 namespace {
@@ -98,8 +99,7 @@ TEST_CASE("groups of 2 and 4 ranks with the same token join, barrier, broadcast 
       ring.allreduce(std::span<float>(v), ddp::op::sum);
       require(sum_is_exact(v, n), "allreduce result");
     });
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    expect_ok(outs);
   }
 }
 
@@ -352,8 +352,7 @@ TEST_CASE("a stranger at a rank's mesh port, stalled or with a wrong secret, nei
         }
       },
       30s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  expect_ok(outs);
 }
 
 TEST_CASE("a token without an installed authenticator is errc::unsupported") {
@@ -393,8 +392,7 @@ TEST_CASE("a store without a secret warns once when it listens beyond loopback")
       require(text == want, "stderr was '" + text + "'");
     }
   });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  expect_ok(outs);
 }
 
 TEST_CASE("auth: an elastic group with a secret re-forms after a loss; a process without it takes no seat") {

@@ -30,6 +30,10 @@ using ddp_test::free_port;
 using ddp_test::on_host;
 using ddp_test::require;
 using ddp_test::run_ranks;
+using ddp_test::expect_ok;
+using ddp_test::local_group;
+using ddp_test::on_hosts;
+using ddp_test::on_ranks;
 using ddp::dtype;
 using ddp::op;
 
@@ -48,9 +52,7 @@ struct one_param {
 }  // namespace
 
 TEST_CASE("auto: one rank needs no communication") {
-  const int port = free_port();
-  auto outs = run_ranks(1, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 1, port));
+  expect_ok(on_ranks(1, opts, [&](ddp::process_group& pg) {
     ddp::auto_reducer red{pg};
     require(starts_with(red.describe(), "none: 1 rank"), red.describe());
     std::vector<float> v{1.5f, -2.0f};
@@ -62,15 +64,11 @@ TEST_CASE("auto: one rank needs no communication") {
     dp.grad_ready(0);
     dp.finish();
     require(p.g[7] == 3.0f, "the wrapper on one rank leaves the gradient");
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 TEST_CASE("auto: ranks on one host get shared memory, with the buckets in the segment") {
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 3, port));
+  expect_ok(on_ranks(3, opts, [&](int r, ddp::process_group& pg) {
     one_param p(1000);
     std::fill(p.g.begin(), p.g.end(), static_cast<float>(r + 1));
     ddp::data_parallel dp{pg, p.views()};
@@ -82,16 +80,11 @@ TEST_CASE("auto: ranks on one host get shared memory, with the buckets in the se
     dp.grad_ready(0);
     dp.finish();
     for (float x : p.g) require(x == 2.0f, "average of 1, 2, 3 is 2; got " + std::to_string(x));
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 TEST_CASE("auto: ranks on several hosts get the hierarchical reducer, with the same bits everywhere") {
-  const int port = free_port();
-  auto outs = run_ranks(4, [&](int r) {
-    on_host("aabb", r);
-    auto pg = ddp::init_process_group(opts(r, 4, port));
+  expect_ok(on_ranks(4, on_hosts("aabb", opts), [&](int r, ddp::process_group& pg) {
     ddp::auto_reducer red{pg};
     require(red.chosen() == ddp::backend::hierarchical, "chose " + red.describe());
     require(starts_with(red.describe(), "hierarchical: 2 hosts x 2 ranks") &&
@@ -127,16 +120,11 @@ TEST_CASE("auto: ranks on several hosts get the hierarchical reducer, with the s
     std::string mine(reinterpret_cast<const char*>(a.data()), a.size() * sizeof(float));
     const auto all = pg.all_gather(mine);
     for (const auto& x : all) require(x == mine, "ranks differ in the bits of the average");
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 TEST_CASE("hierarchical: hosts of different sizes still average over every rank") {
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    on_host("aab", r);
-    auto pg = ddp::init_process_group(opts(r, 3, port));
+  expect_ok(on_ranks(3, on_hosts("aab", opts), [&](int r, ddp::process_group& pg) {
     ddp::hierarchical red{pg};
     require(red.topology().describe() == "2 hosts (2 + 1 ranks)", red.topology().describe());
     require(red.leader() == (r == 0 || r == 2), "leaders are the hosts' lowest ranks");
@@ -153,15 +141,11 @@ TEST_CASE("hierarchical: hosts of different sizes still average over every rank"
     dp.grad_ready(0);
     dp.finish();
     for (float x : p.g) require(std::fabs(x - 1.0f) < 1e-6f, "wrapper mean of 0, 1, 2");
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 TEST_CASE("hierarchical on one host is the shared-memory reducer, integer averages included") {
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 3, port, 20s, ddp::backend::hierarchical));
+  expect_ok(on_ranks(3, local_group{20s, ddp::backend::hierarchical}, [&](int r, ddp::process_group& pg) {
     ddp::auto_reducer red{pg};
     require(red.chosen() == ddp::backend::hierarchical, red.describe());
     std::vector<std::int32_t> iv(7, 3 * r);  // 0, 3, 6: the mean is 3
@@ -170,16 +154,11 @@ TEST_CASE("hierarchical on one host is the shared-memory reducer, integer averag
     std::vector<float> v(9, static_cast<float>(r));
     red.allreduce(std::span<float>{v}, op::prod);
     require(v[0] == 0.0f, "product");
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 TEST_CASE("auto: one rank per host is a ring over tcp") {
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    on_host("abc", r);
-    auto pg = ddp::init_process_group(opts(r, 3, port));
+  expect_ok(on_ranks(3, on_hosts("abc", opts), [&](ddp::process_group& pg) {
     ddp::auto_reducer red{pg};
     require(red.chosen() == ddp::backend::tcp, red.describe());
     require(starts_with(red.describe(), "tcp: 3 hosts x 1 rank"), red.describe());
@@ -187,9 +166,7 @@ TEST_CASE("auto: one rank per host is a ring over tcp") {
     std::vector<float> v(10, 1.0f);
     red.allreduce(std::span<float>{v}, op::sum);
     require(v[9] == 3.0f, "sum");
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 TEST_CASE("backend by name: DDP_BACKEND, init_options::backend, and errors") {
@@ -212,18 +189,14 @@ TEST_CASE("backend by name: DDP_BACKEND, init_options::backend, and errors") {
     CHECK(std::string(e.what()).find("DDP_BACKEND='gloo' names no backend: use auto, shm, tcp") != std::string::npos);
   }
 
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port, 20s, ddp::backend::tcp));
+  expect_ok(on_ranks(2, local_group{20s, ddp::backend::tcp}, [&](ddp::process_group& pg) {
     ddp::auto_reducer red{pg};
     require(red.chosen() == ddp::backend::tcp && red.requested() == ddp::backend::tcp, red.describe());
     require(red.describe().find("(asked for by name)") != std::string::npos, red.describe());
     std::vector<float> v(4, 1.0f);
     red.allreduce(std::span<float>{v}, op::sum);
     require(v[0] == 2.0f, "sum");
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 TEST_CASE("backend by name: ranks that ask for different backends all fail naming both") {
@@ -255,10 +228,7 @@ TEST_CASE("backend by name: a backend not compiled in is an error naming what it
     CHECK(o.message.find("DDP_WITH_MPI") != std::string::npos);
     CHECK(o.message.find("<ddp/reducer/mpi.hpp>") != std::string::npos);
   }
-  const int port3 = free_port();
-  outs = run_ranks(2, [&](int r) {
-    on_host("ab", r);
-    auto pg = ddp::init_process_group(opts(r, 2, port3));
+  outs = on_ranks(2, on_hosts("ab", opts), [&](ddp::process_group& pg) {
     ddp::hierarchical h{pg, ddp::hierarchical_options{.between = ddp::backend::mpi}};
   });
   INFO(ddp_test::summary(outs));
@@ -266,9 +236,7 @@ TEST_CASE("backend by name: a backend not compiled in is an error naming what it
     CHECK(o.errc == static_cast<int>(ddp::errc::unsupported));
     CHECK(o.message.find("MPI between the leaders is not compiled in") != std::string::npos);
   }
-  const int port2 = free_port();
-  outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port2, 20s, ddp::backend::nccl));
+  outs = on_ranks(2, local_group{20s, ddp::backend::nccl}, [&](ddp::process_group& pg) {
     ddp::data_parallel dp{pg, std::vector<ddp::tensor_view>{}};
   });
   INFO(ddp_test::summary(outs));

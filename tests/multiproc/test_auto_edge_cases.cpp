@@ -34,6 +34,10 @@ using ddp_test::free_port;
 using ddp_test::on_host;
 using ddp_test::require;
 using ddp_test::run_ranks;
+using ddp_test::expect_ok;
+using ddp_test::local_group;
+using ddp_test::on_hosts;
+using ddp_test::on_ranks;
 using ddp_test::run_ranks_with_dev_shm;
 using ddp::dtype;
 using ddp::op;
@@ -130,16 +134,11 @@ TEST_CASE("auto: hosts of 2, 1, 1 ranks and interleaved hosts: every collective 
   for (const std::string hosts : {"aabc", "aba", "abab", "abca"}) {
     CAPTURE(hosts);
     const int n = static_cast<int>(hosts.size());
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      on_host(hosts, r);
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, on_hosts(hosts, opts), [&](ddp::process_group& pg) {
       ddp::auto_reducer red{pg};
       require(red.chosen() == ddp::backend::hierarchical, red.describe());
       every_collective(red, pg);
-    }, 60s);
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }, 60s));
   }
 }
 
@@ -147,23 +146,15 @@ TEST_CASE("auto: hierarchical by name with one rank per host, and on one host") 
   for (const std::string hosts : {"abc", "aaa"}) {
     CAPTURE(hosts);
     const int n = static_cast<int>(hosts.size());
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      on_host(hosts, r);
-      auto pg = ddp::init_process_group(opts(r, n, port, 20s, ddp::backend::hierarchical));
+    expect_ok(on_ranks(n, on_hosts(hosts, local_group{20s, ddp::backend::hierarchical}), [&](ddp::process_group& pg) {
       ddp::auto_reducer red{pg};
       every_collective(red, pg);
-    }, 60s);
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }, 60s));
   }
 }
 
 TEST_CASE("auto: two auto_reducers in a row, then a ring over tcp, on the same group") {
-  const int port = free_port();
-  auto outs = run_ranks(4, [&](int r) {
-    on_host("aabb", r);
-    auto pg = ddp::init_process_group(opts(r, 4, port));
+  expect_ok(on_ranks(4, on_hosts("aabb", opts), [&](int r, ddp::process_group& pg) {
     ddp::auto_reducer a{pg};
     ddp::auto_reducer b{pg};
     ddp::ring<ddp::tcp> c{pg};
@@ -177,9 +168,7 @@ TEST_CASE("auto: two auto_reducers in a row, then a ring over tcp, on the same g
       s.allreduce(v.data(), v.size(), dtype::f32, op::sum, pg.deadline());
       require(v[0] == 128.0f, "then 2 per host");
     }
-  }, 60s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }, 60s));
 }
 
 TEST_CASE("auto: DDP_HOST_ID set on only some ranks") {
@@ -191,8 +180,7 @@ TEST_CASE("auto: DDP_HOST_ID set on only some ranks") {
     require(red.topology().hosts() == 2 && red.topology().ranks_on(1) == std::vector<int>{1, 3}, red.describe());
     every_collective(red, pg);
   }, 60s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  expect_ok(outs);
 }
 
 TEST_CASE("auto: DDP_HOST_ID joins ranks whose own identities differ (containers that share memory)") {
@@ -213,18 +201,14 @@ TEST_CASE("auto: DDP_HOST_ID joins ranks whose own identities differ (containers
       red.allreduce(std::span<float>{v}, op::sum);
       require(v[99] == 3.0f, "sum");
     }, 30s);
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    expect_ok(outs);
   }
 }
 
 TEST_CASE("auto: the default wrapper over hosts of different sizes, view and copy mode, rebuild in the segment") {
   for (bool view : {false, true}) {
     CAPTURE(view);
-    const int port = free_port();
-    auto outs = run_ranks(3, [&](int r) {
-      on_host("aba", r);
-      auto pg = ddp::init_process_group(opts(r, 3, port));
+    expect_ok(on_ranks(3, on_hosts("aba", opts), [&](int r, ddp::process_group& pg) {
       const std::size_t sizes[] = {3000, 17, 40000, 5};
       std::vector<std::vector<float>> w, g;
       std::vector<ddp::tensor_view> views;
@@ -256,17 +240,12 @@ TEST_CASE("auto: the default wrapper over hosts of different sizes, view and cop
                                        std::to_string(gp[j]) + " want " + std::to_string(want));
         }
       }
-    }, 60s);
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }, 60s));
   }
 }
 
 TEST_CASE("auto: buffers in the segment on some ranks and in host memory on others") {
-  const int port = free_port();
-  auto outs = run_ranks(4, [&](int r) {
-    on_host("aabb", r);
-    auto pg = ddp::init_process_group(opts(r, 4, port));
+  expect_ok(on_ranks(4, on_hosts("aabb", opts), [&](int r, ddp::process_group& pg) {
     ddp::hierarchical red{pg};
     const std::size_t n = 300007;
     std::vector<float> host(n);
@@ -281,19 +260,14 @@ TEST_CASE("auto: buffers in the segment on some ranks and in host memory on othe
                                                                                          ": " + std::to_string(p[i]));
     }
     if (blk) red.transport().deallocate(blk, n * sizeof(float));
-  }, 60s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }, 60s));
 }
 
 TEST_CASE("auto: abort() from another thread on a non-leader ends every rank, bounded") {
   const auto timeout = 4s;
   for (int who : {3, 2}) {
     CAPTURE(who);
-    const int port = free_port();
-    auto outs = run_ranks(4, [&](int r) {
-      on_host("aabb", r);
-      auto pg = ddp::init_process_group(opts(r, 4, port, timeout));
+    auto outs = on_ranks(4, on_hosts("aabb", local_group{timeout}), [&](int r, ddp::process_group& pg) {
       ddp::auto_reducer red{pg};
       std::thread t;
       if (r == who) t = std::thread([&] { std::this_thread::sleep_for(300ms); red.abort(); });
@@ -322,10 +296,7 @@ TEST_CASE("auto: a late non-leader is named by every rank within timeout + 2 s")
   const auto timeout = 3s;
   for (const std::string hosts : {"aabb", "aabc"}) {
     CAPTURE(hosts);
-    const int port = free_port();
-    auto outs = run_ranks(4, [&](int r) {
-      on_host(hosts, r);
-      auto pg = ddp::init_process_group(opts(r, 4, port, timeout));
+    auto outs = on_ranks(4, on_hosts(hosts, local_group{timeout}), [&](int r, ddp::process_group& pg) {
       ddp::auto_reducer red{pg};
       std::vector<float> v(1 << 14, 1.0f);
       red.allreduce(std::span<float>{v}, op::sum);
@@ -376,10 +347,7 @@ TEST_CASE("auto: a rank killed while the reducer is being built leaves no segmen
   for (int victim : {1, 3}) {
     CAPTURE(victim);
     const int before = shm_segments();
-    const int port = free_port();
-    auto outs = run_ranks(4, [&](int r) {
-      on_host("aabb", r);
-      auto pg = ddp::init_process_group(opts(r, 4, port, 3s));
+    auto outs = on_ranks(4, on_hosts("aabb", local_group{3s}), [&](int r, ddp::process_group& pg) {
       ddp::auto_reducer first{pg};  // so that the next one's segments are not the first
       if (r == victim) { std::this_thread::sleep_for(200ms); ::raise(SIGKILL); }
       ddp::auto_reducer red{pg};
@@ -399,10 +367,7 @@ TEST_CASE("auto: a count that differs between hosts, or within one, is errc::mis
   // the ranks of host b disagree among themselves.
   for (const std::string which : {"between hosts", "within host b"}) {
     CAPTURE(which);
-    const int port = free_port();
-    auto outs = run_ranks(4, [&](int r) {
-      on_host("aabb", r);
-      auto pg = ddp::init_process_group(opts(r, 4, port, 5s));
+    auto outs = on_ranks(4, on_hosts("aabb", local_group{5s}), [&](int r, ddp::process_group& pg) {
       ddp::auto_reducer red{pg};
       std::size_t n = 1000;
       if (which == "between hosts" && r >= 2) n = 2000;
@@ -464,8 +429,7 @@ TEST_CASE("auto: the default wrapper on a /dev/shm that holds some buckets: host
           }
         }
       });
-      INFO(ddp_test::summary(outs));
-      CHECK(ddp_test::all_ok(outs));
+      expect_ok(outs);
     }
   }
 }
@@ -480,10 +444,7 @@ TEST_CASE("auto: a late rank is named even by a rank whose own deadline ends fir
   const auto timeout = 3s;
   for (const std::string hosts : {"aabb", "abcd"}) {
     CAPTURE(hosts);
-    const int port = free_port();
-    auto outs = run_ranks(4, [&](int r) {
-      on_host(hosts, r);
-      auto pg = ddp::init_process_group(opts(r, 4, port, timeout));
+    auto outs = on_ranks(4, on_hosts(hosts, local_group{timeout}), [&](int r, ddp::process_group& pg) {
       ddp::auto_reducer red{pg};
       std::vector<float> v(1 << 14, 1.0f);
       red.allreduce(std::span<float>{v}, op::sum);
@@ -513,8 +474,7 @@ TEST_CASE("auto: a DDP_HOST_ID with a line break in it") {
     red.allreduce(std::span<float>{v}, op::sum);
     require(v[9] == 2.0f, "sum");
   }, 30s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  expect_ok(outs);
 }
 
 TEST_CASE("auto: averages on hosts of different sizes stay within docs/reducers.md's bound") {
@@ -523,10 +483,7 @@ TEST_CASE("auto: averages on hosts of different sizes stay within docs/reducers.
   for (const std::string hosts : {"aab", "aaaab", "abbbb", "aaa"}) {
     CAPTURE(hosts);
     const int n = static_cast<int>(hosts.size());
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      on_host(hosts, r);
-      auto pg = ddp::init_process_group(opts(r, n, port, 20s, ddp::backend::hierarchical));
+    expect_ok(on_ranks(n, on_hosts(hosts, local_group{20s, ddp::backend::hierarchical}), [&](int r, ddp::process_group& pg) {
       ddp::auto_reducer red{pg};
       std::vector<float> v(4096);
       std::vector<ddp::half> h(4096);
@@ -547,8 +504,6 @@ TEST_CASE("auto: averages on hosts of different sizes stay within docs/reducers.
         require(std::fabs(static_cast<float>(h[i]) - m16) <= (n + 1) * std::ldexp(1.0, -11) * std::fabs(m16) + 4 * n * std::ldexp(1.0, -24),
                 "f16 mean at " + std::to_string(i) + ": " + std::to_string(static_cast<float>(h[i])) + " vs " + std::to_string(m16));
       }
-    }, 30s);
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }, 30s));
   }
 }

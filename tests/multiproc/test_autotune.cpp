@@ -144,9 +144,7 @@ std::chrono::milliseconds measured_stall(ddp::process_group& pg, engine& e, int 
 // puts the stall in the other candidates' figures and makes 16 KiB the winner.
 template <class Reducer, class Allocator, class... Args>
 void tune_run(int n, int slow_rank, Args... reducer_args) {
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+  expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     engine e;
     const auto stall_ms = slow_rank >= 0 ? measured_stall<Reducer, Allocator>(pg, e, r, reducer_args...) : 0ms;
     ddp::basic_data_parallel<ddp::size_planner, Reducer, Allocator> dp{pg, e.views, tuned(), {}, reducer_args...};
@@ -204,18 +202,14 @@ void tune_run(int n, int slow_rank, Args... reducer_args) {
     for (auto& f : fps) require(f == fps[0], "plan fingerprints agree after tuning");
     const auto reps = pg.all_gather(encode(rep));
     for (auto& x : reps) require(x == reps[0], "reports agree: " + x + " vs rank 0's " + reps[0]);
-  }, 120s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 120s));
 }
 
 // Every rank constructs with its own (policy, options); all must fail with `code` naming `what`.
 void expect_construction_error(int n, ddp::errc code, const std::string& what,
                                const std::function<ddp::bucket_policy(int)>& policy,
                                const std::function<ddp::dp_options(int)>& options) {
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 10s));
+  expect_ok(on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
     engine e;
     try {
       ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, ddp::host_allocator> dp{pg, e.views, policy(r),
@@ -226,9 +220,7 @@ void expect_construction_error(int n, ddp::errc code, const std::string& what,
       return;
     }
     throw std::runtime_error("construction succeeded");
-  }, 30s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 30s));
 }
 
 }  // namespace
@@ -273,9 +265,8 @@ TEST_CASE("autotune: ranks that disagree on it, or on its candidates, fail at co
 }
 
 TEST_CASE("autotune: candidate lists that differ only in order or repetition agree, and tune alike") {
-  const int n = 2, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 10s));
+  const int n = 2;
+  expect_ok(on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
     engine e;
     auto policy = tuned();
     if (r == 1) policy.autotune_caps = {2_MiB, 32_KiB, 8_KiB, 1_MiB, 16_KiB, 8_KiB};  // the tuner sorts them
@@ -291,9 +282,7 @@ TEST_CASE("autotune: candidate lists that differ only in order or repetition agr
     require(rep.done && rep.candidates.size() == kDistinct, "tuned over the same candidates: " + encode(rep));
     const auto reps = pg.all_gather(encode(rep));
     require(reps[0] == reps[1], "reports agree: " + reps[1] + " vs rank 0's " + reps[0]);
-  }, 30s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 30s));
 }
 
 TEST_CASE("autotune with view mode, uneven inputs or a caps list: a clear error on every rank") {

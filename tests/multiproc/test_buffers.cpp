@@ -73,9 +73,8 @@ using ring_tcp = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>
 // Construction makes everything rank 0's; then each mode of dp_options::buffers over 3 steps.
 template <class DP>
 void buffers_run(ddp::buffer_sync how, const char* label) {
-  const int n = 3, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+  const int n = 3;
+  auto outs = on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     model m(r);
     auto state = m.with_buffers();
     DP dp{pg, state, {}, {.buffers = how}};
@@ -138,9 +137,8 @@ TEST_CASE("buffers: rank 0's at construction, then broadcast, averaged or left a
 }
 
 TEST_CASE("buffers: ranks with other buffers fail at construction naming the buffer") {
-  const int n = 2, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+  const int n = 2;
+  auto outs = on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     model m(r);
     auto bufs = m.buffers();
     if (r == 1) bufs[2] = ddp::make_buffer_view(std::span{m.var}.first(1), "bn.var");
@@ -152,9 +150,7 @@ TEST_CASE("buffers: ranks with other buffers fail at construction naming the buf
     CHECK(o.message.find("buffer 2 ('bn.var')") != std::string::npos);
     CHECK(o.message.find("rank 0 has f64[2], rank 1 has f64[1]") != std::string::npos);
   }
-  const int port2 = free_port();
-  outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port2, 20s));
+  outs = on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     model m(r);
     auto bufs = m.buffers();
     if (r == 1) bufs.pop_back();
@@ -169,9 +165,8 @@ TEST_CASE("buffers: ranks with other buffers fail at construction naming the buf
 }
 
 TEST_CASE("find_unused_parameters: unused_on_every_rank() after the step, no_sync() accumulation counts as used") {
-  const int n = 3, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+  const int n = 3;
+  expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     std::vector<float> d(12), g(12);
     std::vector<ddp::tensor_view> views;
     for (int i = 0; i < 4; ++i)
@@ -198,15 +193,12 @@ TEST_CASE("find_unused_parameters: unused_on_every_rank() after the step, no_syn
     dp.finish();
     require(!dp.unused_on_every_rank(2), "c, accumulated on rank 2, counts as used");
     require(dp.unused_on_every_rank(1) && dp.unused_on_every_rank(3), "b and d were used by no rank in step 2");
-  }, 30s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 30s));
 }
 
 TEST_CASE("uneven inputs: the buffers come from the highest rank still training") {
-  const int n = 3, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+  const int n = 3;
+  expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     model m(r);
     auto state = m.with_buffers();
     ring_tcp dp{pg, state, {}, {.uneven_inputs = true}};
@@ -223,9 +215,7 @@ TEST_CASE("uneven inputs: the buffers come from the highest rank still training"
     model want(0);
     want.set_buffers(1, 3);
     require(m.mean == want.mean && m.count == want.count, "after join(): every rank holds rank 1's last buffers");
-  }, 30s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 30s));
 }
 
 TEST_CASE("checkpoints carry buffers and frozen parameters") {
@@ -249,14 +239,12 @@ TEST_CASE("checkpoints carry buffers and frozen parameters") {
     }
   }, 30s);
   std::filesystem::remove(path);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  expect_ok(outs);
 }
 
 TEST_CASE("buffers with find_unused_parameters are rank 0's; a world of one knows which parameters it left unused") {
-  const int n = 3, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+  const int n = 3;
+  auto outs = on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     model m(r);
     auto state = m.with_buffers();
     ring_tcp dp{pg, state, {}, {.find_unused_parameters = true}};
@@ -270,25 +258,21 @@ TEST_CASE("buffers with find_unused_parameters are rank 0's; a world of one know
   }, 30s);
   INFO(summary(outs));
   CHECK(all_ok(outs));
-  const int port1 = free_port();
-  outs = run_ranks(1, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 1, port1, 20s));
+  outs = on_ranks(1, local_group{20s}, [&](int r, ddp::process_group& pg) {
     model m(r);
     ring_tcp dp{pg, m.views, {}, {.find_unused_parameters = true}};
     dp.grad_ready(0);
     dp.finish();
     require(dp.unused_on_every_rank(1) && !dp.unused_on_every_rank(0), "alone: b unused, w used");
   }, 30s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  expect_ok(outs);
 }
 
 TEST_CASE("join(): the last rank to join gives every rank its parameters and buffers; averaging yields to it") {
   for (const auto how : {ddp::buffer_sync::broadcast, ddp::buffer_sync::average}) {
     CAPTURE(static_cast<int>(how));
-    const int n = 3, port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+    const int n = 3;
+    expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
       model m(r);
       auto state = m.with_buffers();
       ring_tcp dp{pg, state, {}, {.uneven_inputs = true, .buffers = how}};
@@ -307,8 +291,6 @@ TEST_CASE("join(): the last rank to join gives every rank its parameters and buf
       want.set_buffers(1, 3);
       require(m.count == want.count, "the integer buffer is not the last joiner's: " + std::to_string(m.count[0]));
       require(m.mean == want.mean, "the buffers are not the last joiner's");
-    }, 30s);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    }, 30s));
   }
 }

@@ -23,6 +23,9 @@ using namespace std::chrono_literals;
 using ddp_test::free_port;
 using ddp_test::group_options;
 using ddp_test::run_ranks;
+using ddp_test::expect_ok;
+using ddp_test::local_group;
+using ddp_test::on_ranks;
 namespace fs = std::filesystem;
 
 namespace {
@@ -77,9 +80,7 @@ using ddp_test::write_file;
 
 /// Saves a model filled with seed 1.0 (rank 0's values; the others' differ) from a group of 1.
 std::string valid_file(const fs::path& p, const std::string& extra) {
-  const int port = free_port();
-  auto outs = run_ranks(1, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 1, port, 20s));
+  auto outs = on_ranks(1, local_group{20s}, [&](ddp::process_group& pg) {
     model m;
     m.fill(1.0);
     ddp::save_checkpoint(pg, p, m.views, bytes_of(extra));
@@ -92,9 +93,7 @@ std::string valid_file(const fs::path& p, const std::string& extra) {
 /// holding `text`, its parameters untouched; `setup` chooses each rank's model and path.
 void expect_load_failure(int n, const fs::path& path, ddp::errc code, const std::string& text,
                          const std::function<std::string(int)>& variant = {}, int parameter = -1) {
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+  auto outs = on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     model m(variant ? variant(r) : "");
     m.fill(7.0 + r);
     const auto before = m.bytes();
@@ -121,9 +120,7 @@ TEST_CASE("save on rank 0, load on every rank: values, shapes and the caller's b
     CAPTURE(n);
     temp_dir dir;
     const auto path = dir.path / "ckpt.ddp";
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+    expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
       model m;
       m.fill(1.0 + r);  // every rank differs; rank 0's values are saved
       const std::int64_t step = 4200 + r;
@@ -153,9 +150,7 @@ TEST_CASE("save on rank 0, load on every rank: values, shapes and the caller's b
       model three;
       three.fill(3.0);
       require(m.bytes() == three.bytes(), "second checkpoint's values");
-    });
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }));
   }
 }
 
@@ -209,9 +204,7 @@ TEST_CASE("every truncation and every corrupted byte of a valid file is refused,
   const auto good = dir.path / "good.ddp";
   const std::string file = valid_file(good, "blob");
   const auto p = dir.path / "bad.ddp";
-  const int port = free_port();
-  auto outs = run_ranks(1, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 1, port, 20s));
+  expect_ok(on_ranks(1, local_group{20s}, [&](ddp::process_group& pg) {
     model m;
     m.fill(9.0);
     const auto before = m.bytes();
@@ -238,17 +231,13 @@ TEST_CASE("every truncation and every corrupted byte of a valid file is refused,
     refused(longer, "one byte appended");
     // The valid file still loads.
     require(blob_string(ddp::load_checkpoint(pg, good, m.views)) == "blob", "valid file");
-  }, 120s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }, 120s));
 }
 
 TEST_CASE("a save that fails on rank 0 is an error on every rank, naming rank 0, the file and the errno") {
   temp_dir dir;
   const auto path = dir.path / "no" / "such" / "dir" / "ckpt.ddp";
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 3, port, 20s));
+  auto outs = on_ranks(3, local_group{20s}, [&](ddp::process_group& pg) {
     model m;
     ddp::save_checkpoint(pg, path, m.views);
   });
@@ -271,9 +260,7 @@ TEST_CASE("parameters in device memory are errc::unsupported on every rank, for 
   valid_file(path, "");
   for (bool save : {true, false}) {
     CAPTURE(save);
-    const int port = free_port();
-    auto outs = run_ranks(2, [&](int r) {
-      auto pg = ddp::init_process_group(group_options(r, 2, port, 20s));
+    auto outs = on_ranks(2, local_group{20s}, [&](ddp::process_group& pg) {
       model m;
       m.views[3].device = 0;  // never touched: refused before any copy
       if (save) ddp::save_checkpoint(pg, dir.path / "gpu.ddp", m.views);
@@ -300,9 +287,7 @@ TEST_CASE("hardening: links and files planted at a save's names are never writte
   // A link at the final name: rename replaces the link itself.
   fs::create_symlink(victim2, path);
   const bool root = ::geteuid() == 0;
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 2, port, 20s));
+  auto outs = on_ranks(2, local_group{20s}, [&](int r, ddp::process_group& pg) {
     if (r == 0) {
       // The temporary's name of the previous release, guessable from the pid: a link to the
       // victim, and (as root) a file of another user that was writable by everyone.
@@ -345,9 +330,7 @@ TEST_CASE("hardening: load_checkpoint on a FIFO is errc::invalid_argument on eve
   temp_dir dir;
   const auto fifo = dir.path / "ckpt.fifo";
   REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 2, port, 20s));
+  auto outs = on_ranks(2, local_group{20s}, [&](ddp::process_group& pg) {
     model m;
     (void)ddp::load_checkpoint(pg, fifo, m.views);
   }, 30s);
@@ -393,9 +376,7 @@ TEST_CASE("hardening: a hostile table of two million records costs no rank more 
     }
   }
   REQUIRE(fs::file_size(path) == 48 + records * (record_bytes + 4) + 8);
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 2, port, 30s));
+  auto outs = on_ranks(2, local_group{30s}, [&](int r, ddp::process_group& pg) {
     model m;
     rusage before {};
     ::getrusage(RUSAGE_SELF, &before);

@@ -150,9 +150,7 @@ const auto none = [](std::size_t, int) { return false; };
 template <class Reducer, class Allocator = ddp::host_allocator>
 void random_run(int n, std::uint64_t seed, std::size_t count, std::size_t max_numel, ddp::bucket_policy policy,
                 bool view, int steps = 3) {
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
     model m = random_model(seed, count, max_numel);
     for (std::size_t i = 0; i < m.size(); ++i)
       for (std::size_t j = 0; j < m.numel[i]; ++j) model::set(m.data[i].get(), m.types[i], j, data_value(r, i, j));
@@ -178,9 +176,7 @@ void random_run(int n, std::uint64_t seed, std::size_t count, std::size_t max_nu
     std::string fp = std::to_string(dp.plan().fingerprint());
     auto all = pg.all_gather(fp);
     for (auto& f : all) require(f == fp, "plans agree after the rebuild");
-  }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 60s));
 }
 
 }  // namespace
@@ -212,9 +208,7 @@ TEST_CASE("random shapes up to 4 M elements, 300 small shapes on 4 ranks") {
 
 TEST_CASE("grad_ready from several threads at once") {
   const int n = 2;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
     model m = random_model(71, 200, 1 << 10);
     ddp::data_parallel dp{pg, m.views, {.cap_bytes = 2_KiB, .first_cap_bytes = 512}};
     for (int s = 0; s < 3; ++s) {
@@ -229,16 +223,12 @@ TEST_CASE("grad_ready from several threads at once") {
       dp.finish();
       check_average(dp, m, n, {s}, false, none, "threaded step " + std::to_string(s));
     }
-  }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 60s));
 }
 
 TEST_CASE("large parameters: 4 M elements next to single elements") {
   const int n = 2;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
     model m;
     for (std::size_t k : {std::size_t{1}, std::size_t{4} << 20, std::size_t{3}, std::size_t{1} << 20, std::size_t{1}})
       m.add(k, ddp::dtype::f32);
@@ -249,34 +239,26 @@ TEST_CASE("large parameters: 4 M elements next to single elements") {
       dp.finish();
       check_average(dp, m, n, {s}, false, none, "large step " + std::to_string(s));
     }
-  }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 60s));
 }
 
 TEST_CASE("gradient as bucket view: the engine writes into bucket memory, nothing is copied") {
   random_run<ddp::ring<ddp::tcp>>(2, 21, 120, 1 << 14, {.cap_bytes = 32_KiB, .first_cap_bytes = 2_KiB}, true);
   random_run<ddp::tree<ddp::tcp>>(4, 22, 60, 1 << 12, {.cap_bytes = 1, .first_cap_bytes = 1}, true);
   // The views hand out bucket memory as the gradient.
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port));
+  expect_ok(on_ranks(2, opts, [&](ddp::process_group& pg) {
     model m = random_model(5, 10, 100);
     ddp::data_parallel dp{pg, m.views, {}, {.gradient_as_bucket_view = true}};
     auto vs = dp.views();
     for (std::size_t i = 0; i < m.size(); ++i) require(vs[i].grad == dp.bucket_grad(i), "views point into buckets");
-  }, 30s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 30s));
 }
 
 TEST_CASE("no_sync: micro-steps accumulate locally, the next synchronized step averages the sum") {
   for (bool view : {false, true}) {
     CAPTURE(view);
     const int n = 3;
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
       model m = random_model(31, 40, 1 << 12);
       ddp::data_parallel dp{pg, m.views, {.cap_bytes = 8_KiB, .first_cap_bytes = 1_KiB},
                             {.gradient_as_bucket_view = view}};
@@ -306,9 +288,7 @@ TEST_CASE("no_sync: micro-steps accumulate locally, the next synchronized step a
       require(refused, "no_sync mid-step is errc::usage");
       for (std::size_t i = 1; i < m.size(); ++i) dp.grad_ready(i);
       dp.finish();
-    }, 60s);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    }, 60s));
   }
 }
 
@@ -316,9 +296,7 @@ TEST_CASE("unused parameters: mark_unused per rank, and find_unused_parameters")
   for (bool option : {false, true}) {
     CAPTURE(option);
     const int n = 4;
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
       model m = random_model(41, 50, 1 << 12);
       ddp::data_parallel dp{pg, m.views, {.cap_bytes = 4_KiB, .first_cap_bytes = 1_KiB},
                             {.find_unused_parameters = option}};
@@ -335,9 +313,7 @@ TEST_CASE("unused parameters: mark_unused per rank, and find_unused_parameters")
         require(dp.last_step_stats().unused == skip.size(), "stats: unused count");
         check_average(dp, m, n, {s}, false, unused, "unused step " + std::to_string(s));
       }
-    }, 60s);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    }, 60s));
   }
 }
 
@@ -347,9 +323,7 @@ TEST_CASE("shape, dtype or count mismatch: errc::mismatch on every rank, naming 
                     variant{"count", "number of parameters"}}) {
     CAPTURE(v.what);
     const int n = 3;
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port, 10s));
+    auto outs = on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
       model m;
       const std::string what = v.what;
       for (std::size_t i = 0; i < 8; ++i) {
@@ -371,9 +345,7 @@ TEST_CASE("shape, dtype or count mismatch: errc::mismatch on every rank, naming 
 }
 
 TEST_CASE("bucket policies that differ between ranks: errc::mismatch on every rank") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port, 10s));
+  auto outs = on_ranks(2, local_group{10s}, [&](int r, ddp::process_group& pg) {
     model m = random_model(3, 20, 1000);
     ddp::data_parallel dp{pg, m.views, {.cap_bytes = r == 0 ? 1_KiB : 2_KiB, .first_cap_bytes = 1_KiB}};
   }, 30s);
@@ -386,9 +358,7 @@ TEST_CASE("bucket policies that differ between ranks: errc::mismatch on every ra
 
 TEST_CASE("misuse: double grad_ready, index out of range, finish with parameters never ready") {
   const int n = 2;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
     model m = random_model(51, 12, 300);
     ddp::data_parallel dp{pg, m.views, {.cap_bytes = 512, .first_cap_bytes = 512}};
     const auto expect_error = [&](auto&& f, ddp::errc code, const std::string& text) {
@@ -423,9 +393,7 @@ TEST_CASE("misuse: double grad_ready, index out of range, finish with parameters
     for (std::size_t i = 0; i < m.size(); ++i)
       if (i != 4) dp.grad_ready(i);
     dp.finish();
-  }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 60s));
 }
 
 // A loop that calls finish() twice used to be told "N parameters never became ready ... or set
@@ -436,9 +404,7 @@ TEST_CASE("misuse: a second finish() with nothing new is errc::usage, with or wi
   for (bool find_unused : {false, true}) {
     CAPTURE(find_unused);
     const int n = 2;
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
       model m = random_model(53, 10, 300);
       ddp::data_parallel dp{pg, m.views, {.cap_bytes = 512, .first_cap_bytes = 512},
                             {.find_unused_parameters = find_unused}};
@@ -492,17 +458,13 @@ TEST_CASE("misuse: a second finish() with nothing new is errc::usage, with or wi
         dp.finish();
         check_average(dp, m, n, {2}, false, none, "the accumulated micro-step, marked unused");
       }
-    }, 60s);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    }, 60s));
   }
 }
 
 TEST_CASE("rebuild from the ready order (copy mode): rank 0's order wins, plans agree, done once") {
   const int n = 3;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
     model m = random_model(61, 30, 2000);
     ddp::data_parallel dp{pg, m.views, {.cap_bytes = 4_KiB, .first_cap_bytes = 1_KiB}};
     const auto before = dp.plan();
@@ -524,9 +486,7 @@ TEST_CASE("rebuild from the ready order (copy mode): rank 0's order wins, plans 
     dp.finish();
     require(dp.layout_version() == 1, "rebuilt only once");
     check_average(dp, m, n, {1}, false, none, "second step");
-  }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 60s));
 }
 
 #ifdef DDP_TEST_HAS_SHM
@@ -733,8 +693,7 @@ void flaky_run(int n, int failing, fault f) {
     throw std::runtime_error("no error within two steps of the failure");
   }, 60s);
   marks.clear(n);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  expect_ok(outs);
 }
 
 }  // namespace
@@ -760,9 +719,7 @@ namespace {
 // what used to trigger the rebuild that moved the memory under its pointers.
 template <class Reducer, class Allocator>
 void cached_view_run(int n, int steps) {
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
     model m = random_model(101, 40, 1500);
     ddp::basic_data_parallel<ddp::size_planner, Reducer, Allocator> dp{
         pg, m.views, {.cap_bytes = 2_KiB, .first_cap_bytes = 512}, {.gradient_as_bucket_view = true}};
@@ -789,9 +746,7 @@ void cached_view_run(int n, int steps) {
       }
       require(dp.layout_version() == 0, "view mode never moves its layout");
     }
-  }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 60s));
 }
 
 }  // namespace
@@ -808,9 +763,7 @@ TEST_CASE("view mode: pointers taken once stay valid, gradients in registration 
 }
 
 TEST_CASE("view and copy mode disagreeing between ranks: errc::mismatch at construction, not a hang") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port, 10s));
+  auto outs = on_ranks(2, local_group{10s}, [&](int r, ddp::process_group& pg) {
     model m = random_model(3, 20, 1000);
     ddp::data_parallel dp{pg, m.views, {}, {.gradient_as_bucket_view = r == 1}};
   }, 30s);
@@ -831,9 +784,7 @@ TEST_CASE("no_sync then unused in the synchronized step: the accumulated gradien
       CAPTURE(view);
       CAPTURE(find_unused);
       const int n = 3;
-      const int port = free_port();
-      auto outs = run_ranks(n, [&](int r) {
-        auto pg = ddp::init_process_group(opts(r, n, port));
+      expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
         model m = random_model(111, 30, 1000);
         ddp::data_parallel dp{pg, m.views, {.cap_bytes = 2_KiB, .first_cap_bytes = 512},
                               {.gradient_as_bucket_view = view, .find_unused_parameters = find_unused}};
@@ -884,9 +835,7 @@ TEST_CASE("no_sync then unused in the synchronized step: the accumulated gradien
             }
           }
         }
-      }, 60s);
-      INFO(summary(outs));
-      CHECK(all_ok(outs));
+      }, 60s));
     }
   }
 }
@@ -895,9 +844,7 @@ TEST_CASE("one device per rank (device = rank): plans agree, averages exact, cop
   for (bool view : {false, true}) {
     CAPTURE(view);
     const int n = 3;
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
       model m = random_model(121, 30, 1000);
       for (auto& v : m.views) v.device = r;  // this rank's device index
       ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, device_test_allocator> dp{
@@ -910,9 +857,7 @@ TEST_CASE("one device per rank (device = rank): plans agree, averages exact, cop
       }
       require(view ? dp.layout_version() == 0 : dp.layout_version() == 1, "rebuilt in copy mode only");
       for (const auto& bk : dp.plan().buckets) require(bk.device == r, "buckets on this rank's device after the rebuild");
-    }, 60s);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    }, 60s));
   }
 }
 

@@ -178,9 +178,7 @@ TEST_CASE("a custom hook sees every allreduce once, in issue order, and its resu
     for (int n : {2, 3}) {
       CAPTURE(kind);
       CAPTURE(n);
-      const int port = free_port();
-      auto outs = run_ranks(n, [&](int r) {
-        auto pg = ddp::init_process_group(opts(r, n, port));
+      expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
         with_reducer<recording_hook>(kind, pg, [&](auto& red) {
           // Integer-valued floats: sums and averages over 2 and 3 ranks of these are exact... in
           // f32 and f64 (averages: multiples of 1/2 and 1/3 are compared with the same division).
@@ -231,16 +229,13 @@ TEST_CASE("a custom hook sees every allreduce once, in issue order, and its resu
           require(seen[0].data == a.data() && seen[1].data == d.data(), "the hook gets the caller's buffer");
           require(seen[0].bytes() == 4000, "bytes()");
         });
-      });
-      CHECK_MESSAGE(all_ok(outs), summary(outs));
+      }));
     }
 }
 
 template <class Hook>
 void compressed_values(const char* kind, int n, ddp::op o, double u, bool fp16) {
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
     with_reducer<Hook>(kind, pg, [&](auto& red) {
       // Sizes: one element, a vector tail, several vectors.
       for (std::size_t count : {std::size_t{1}, std::size_t{13}, std::size_t{4099}}) {
@@ -260,8 +255,7 @@ void compressed_values(const char* kind, int n, ddp::op o, double u, bool fp16) 
         require_same_bits(pg, buf.data(), buf.size() * 4, "compressed result");
       }
     });
-  });
-  CHECK_MESSAGE(all_ok(outs), summary(outs));
+  }));
 }
 
 TEST_CASE("fp16 and bf16 compression: within the stated bound, finite beyond f16's range, same bits on every rank") {
@@ -278,9 +272,7 @@ TEST_CASE("fp16 and bf16 compression: within the stated bound, finite beyond f16
 
 TEST_CASE("compression: NaN and inf propagate, bf16 saturates instead of overflowing, other buckets exact") {
   const int n = 3;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
     ddp::hooked<ring_tcp, ddp::fp16_compress> h16{pg};
     ddp::hooked<ring_tcp, ddp::bf16_compress> b16{pg};
     for (int which = 0; which < 2; ++which) {
@@ -328,16 +320,13 @@ TEST_CASE("compression: NaN and inf propagate, bf16 saturates instead of overflo
       require(static_cast<float>(hv[j]) == static_cast<float>(3 + 3 * static_cast<int>(j)), "f16 bucket unchanged");
     b16.allreduce(std::span<float>(mx), ddp::op::max);
     for (std::size_t j = 0; j < 33; ++j) require(mx[j] == 2.0f + 0.1234567f * static_cast<float>(j), "f32 max not compressed");
-  });
-  CHECK_MESSAGE(all_ok(outs), summary(outs));
+  }));
 }
 
 TEST_CASE("through the data_parallel wrapper: compressed averages within the bound, same bits, the allocator of the inner reducer") {
   for (int n : {2, 3}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
       const std::vector<std::size_t> sizes{3000, 7, 1500, 64};
       std::vector<std::vector<float>> val(sizes.size()), grad(sizes.size());
       std::vector<ddp::tensor_view> views;
@@ -388,8 +377,7 @@ TEST_CASE("through the data_parallel wrapper: compressed averages within the bou
         require(dp.get_allocator().location() == ddp::memory_kind::shared, "shm_allocator from the inner transport");
         step(dp, true);
       }
-    });
-    CHECK_MESSAGE(all_ok(outs), summary(outs));
+    }));
   }
 }
 
@@ -399,9 +387,7 @@ TEST_CASE("a hook that throws on one rank: ddp::error on every rank, promptly, n
       CAPTURE(kind);
       CAPTURE(thrower);
       const int n = 3;
-      const int port = free_port();
-      auto outs = run_ranks(n, [&](int r) {
-        auto pg = ddp::init_process_group(opts(r, n, port));
+      auto outs = on_ranks(n, opts, [&](ddp::process_group& pg) {
         std::vector<float> val(600, 0.0f), grad(600, 1.0f);
         std::vector<ddp::tensor_view> views;
         for (int i = 0; i < 3; ++i)
@@ -446,9 +432,7 @@ TEST_CASE("a hook that throws on one rank: ddp::error on every rank, promptly, n
 
 TEST_CASE("after a hook failed, every later collective of the decorator raises errc::aborted quoting it") {
   const int n = 2;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
     ddp::hooked<ring_tcp, throwing_hook> red{pg, throwing_hook{-1, 0}};
     std::vector<float> v(10, 1.0f);
     std::string first, later;
@@ -469,17 +453,14 @@ TEST_CASE("after a hook failed, every later collective of the decorator raises e
     }
     require(later.find("failed earlier; the first cause: the communication hook threw on allreduce 0") != std::string::npos,
             "later: " + later);
-  });
-  CHECK_MESSAGE(all_ok(outs), summary(outs));
+  }));
 }
 
 TEST_CASE("a killed peer during compressed steps: ddp::error on every surviving rank, no hang") {
   for (const char* kind : {"ring_tcp", "auto"}) {
     CAPTURE(kind);
     const int n = 3;
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port, 10s));
+    auto outs = on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
       std::vector<float> val(5000, 0.0f), grad(5000, 1.0f);
       std::vector<ddp::tensor_view> views{ddp::tensor_view{val.data(), grad.data(), 5000, ddp::dtype::f32, -1, "w", {5000}}};
       auto run = [&](auto& dp) {
@@ -524,9 +505,7 @@ TEST_CASE("ranks with different hooks: an error on every rank, not wrong numbers
   for (const char* kind : kinds) {
     CAPTURE(kind);
     const int n = 2;
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port, 3s));
+    auto outs = on_ranks(n, local_group{3s}, [&](int r, ddp::process_group& pg) {
       std::vector<float> v(1000, static_cast<float>(r + 1));
       if (r == 0)
         reduce_with<ddp::fp16_compress>(kind, pg, v);
@@ -547,9 +526,7 @@ TEST_CASE("ranks with different hooks: an error on every rank, not wrong numbers
 
 TEST_CASE("one progress thread per reducer stack: hooked runs on the inner reducer's thread") {
   const int n = 2;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
     std::vector<float> v(100, 1.0f);
     // Each reducer runs a blocking and an async allreduce first, so that whatever a reducer
     // starts on first use (connections) is running when the threads are counted.
@@ -585,17 +562,14 @@ TEST_CASE("one progress thread per reducer stack: hooked runs on the inner reduc
     exercise(own);
     require(thread_count() - with_bare == per_ring + 1, "hooked<no_lend> keeps a thread of its own");
     require(own.hook().calls == 2, "fallback hook calls");
-  });
-  CHECK_MESSAGE(all_ok(outs), summary(outs));
+  }));
 }
 
 TEST_CASE("a hook that waits on async inner collectives, queued behind other work: no deadlock, in order") {
   for (const char* kind : kinds) {
     CAPTURE(kind);
     const int n = 2;
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
       with_reducer<async_hook>(kind, pg, [&](auto& red) {
         std::vector<std::vector<float>> bufs(6, std::vector<float>(257));
         std::vector<ddp::request> qs;
@@ -616,7 +590,6 @@ TEST_CASE("a hook that waits on async inner collectives, queued behind other wor
         require(root == 7, "broadcast");
         require(red.hook().calls == 7, "hook calls: " + std::to_string(red.hook().calls));
       });
-    });
-    CHECK_MESSAGE(all_ok(outs), summary(outs));
+    }));
   }
 }

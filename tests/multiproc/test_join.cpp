@@ -130,9 +130,7 @@ const ddp::bucket_policy small_buckets{.cap_bytes = 256, .first_cap_bytes = 64};
 template <class DP>
 void uneven_run(int n, const std::vector<std::vector<int>>& batches, bool view, const char* label,
                 ddp::join_divisor divide_by = ddp::join_divisor::contributors) {
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+  auto outs = on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     model m;
     DP dp{pg, m.views, small_buckets, {.gradient_as_bucket_view = view, .uneven_inputs = true, .divide_by = divide_by}};
     require(dp.layout_version() == 0, "the layout is settled at construction");
@@ -230,9 +228,8 @@ TEST_CASE("uneven shards: ring<shm>, buckets from shm_allocator, copy and view m
 
 TEST_CASE("every rank contributing: uneven_inputs gives the bits the wrapper gives without it") {
   // Gradients with every mantissa bit in use, on 3 ranks (the average divides by 3, rounding).
-  const int n = 3, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+  const int n = 3;
+  expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     model m;
     ring_tcp plain{pg, m.views, small_buckets};
     ring_tcp uneven{pg, m.views, small_buckets, {.uneven_inputs = true}};
@@ -265,15 +262,12 @@ TEST_CASE("every rank contributing: uneven_inputs gives the bits the wrapper giv
     uneven.join();
     uneven_auto.join();
     require(uneven.joined_steps() == 0, "nobody had batches left to answer");
-  }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 60s));
 }
 
 TEST_CASE("uneven_inputs differing between ranks: errc::mismatch on every rank, naming the option and rank") {
-  const int n = 3, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 10s));
+  const int n = 3;
+  auto outs = on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
     model m;
     ring_tcp dp{pg, m.views, small_buckets, {.uneven_inputs = r != 1}};
   }, 30s);
@@ -287,9 +281,8 @@ TEST_CASE("uneven_inputs differing between ranks: errc::mismatch on every rank, 
 }
 
 TEST_CASE("misuse: join() without the option, in the middle of a step, and from a second thread") {
-  const int n = 2, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+  const int n = 2;
+  expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     model m;
     const auto usage = [&](auto&& f, const char* needle, const std::string& what) {
       try {
@@ -328,9 +321,7 @@ TEST_CASE("misuse: join() without the option, in the middle of a step, and from 
     dp.finish();
     require(dp.last_step_stats().contributors == 2, "the next epoch's step counts both ranks");
     dp.join();
-  }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 60s));
 }
 
 namespace {
@@ -340,9 +331,7 @@ namespace {
 // with an error naming a lost peer or a deadline, well before the harness's limit.
 template <class DP>
 void kill_run(int n, int victim, int victim_steps, bool in_join, int steps, const char* label) {
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 3s));
+  auto outs = on_ranks(n, local_group{3s}, [&](int r, ddp::process_group& pg) {
     model m;
     DP dp{pg, m.views, small_buckets, {.uneven_inputs = true}};
     const auto one_step = [&] {

@@ -93,9 +93,7 @@ double ulp(ddp::dtype t, double v) {
 // bound: "within one unit in the last place of sum / c"), exact for integers.
 template <class DP, class Value>
 void lone_contributor(int n, const std::vector<ddp::dtype>& types, std::size_t numel, Value value) {
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+  expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     params m(types, numel);
     DP dp{pg, m.views, {}, {.uneven_inputs = true, .divide_by = ddp::join_divisor::contributors}};
     if (r != 0) {
@@ -123,9 +121,7 @@ void lone_contributor(int n, const std::vector<ddp::dtype>& types, std::size_t n
       }
     dp.join();
     require(bad.empty(), "the lone contributor's average is not its gradient: " + bad);
-  }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 60s));
 }
 
 using ring_tcp = ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, ddp::host_allocator>;
@@ -162,9 +158,8 @@ TEST_CASE("join: one contributor of 4, tiny f16 gradients: within one ulp" * doc
 
 // Integer averages over the contributors truncate toward zero, with sums of mixed sign; holds.
 TEST_CASE("join: integer averages over 3 contributors of 4, mixed signs, truncated toward zero") {
-  const int n = 4, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+  const int n = 4;
+  expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     params m({ddp::dtype::i32, ddp::dtype::i64}, 5);
     ring_tcp dp{pg, m.views, {}, {.uneven_inputs = true, .divide_by = ddp::join_divisor::contributors}};
     if (r == 3) {
@@ -188,9 +183,7 @@ TEST_CASE("join: integer averages over 3 contributors of 4, mixed signs, truncat
               "i64[" + std::to_string(j) + "]");
     }
     dp.join();
-  }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 60s));
 }
 
 // no_sync() on both sides: rank 0 accumulates a micro-step, then synchronizes while rank 1 has
@@ -200,9 +193,8 @@ TEST_CASE("join: integer averages over 3 contributors of 4, mixed signs, truncat
 TEST_CASE("join: no_sync() windows on the active and on the joining rank") {
   for (const bool view : {false, true}) {
     CAPTURE(view);
-    const int n = 2, port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+    const int n = 2;
+    expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
       params m({ddp::dtype::f32}, 8);
       ring_tcp dp{pg, m.views, {}, {.gradient_as_bucket_view = view, .uneven_inputs = true, .divide_by = ddp::join_divisor::contributors}};
       float* g = view ? static_cast<float*>(dp.bucket_grad(0)) : reinterpret_cast<float*>(m.grad[0].data());
@@ -236,9 +228,7 @@ TEST_CASE("join: no_sync() windows on the active and on the joining rank") {
       dp.finish();
       for (int j = 0; j < 8; ++j) require(g[j] == 0.5f + static_cast<float>(j), "epoch 2 average");
       dp.join();
-    }, 60s);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    }, 60s));
   }
 }
 
@@ -246,9 +236,8 @@ TEST_CASE("join: no_sync() windows on the active and on the joining rank") {
 // errc::timeout on the joined rank within about the timeout, and the slow rank's next step
 // fails too (the joined rank's process ends), neither hangs.
 TEST_CASE("join: a joined rank whose peer is slower than the timeout fails at the deadline, no hang") {
-  const int n = 2, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 1500ms));
+  const int n = 2;
+  auto outs = on_ranks(n, local_group{1500ms}, [&](int r, ddp::process_group& pg) {
     params m({ddp::dtype::f32}, 4);
     ring_tcp dp{pg, m.views, {}, {.uneven_inputs = true, .divide_by = ddp::join_divisor::contributors}};
     if (r == 1) {

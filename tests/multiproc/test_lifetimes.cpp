@@ -129,8 +129,7 @@ void reducer_outlives_group(int n, bool with_failure) {
     require_raises([&] { red.allreduce(std::span<float>(v), ddp::op::sum); }, ddp::errc::peer_lost,
                    "rank " + std::to_string(n - 1), "allreduce after rank " + std::to_string(n - 1) + " left");
   }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  expect_ok(outs);
 }
 
 }  // namespace
@@ -155,8 +154,7 @@ TEST_CASE("data_parallel: finish() after the program's process_group handle is d
     }
     require(dp.group().rank() == r && dp.group().size() == n, "the wrapper's handle names the group");
   }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  expect_ok(outs);
 }
 
 TEST_CASE("collectives in flight on the progress thread while the program's handle is destroyed") {
@@ -179,14 +177,12 @@ TEST_CASE("collectives in flight on the progress thread while the program's hand
     require_sum(big, n, "big allreduce");
     require_sum(small, n, "small allreduce");
   }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  expect_ok(outs);
 }
 
 TEST_CASE("moving or copying the process_group after building a reducer") {
-  const int n = 2, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port, 10s));
+  const int n = 2;
+  expect_ok(on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
     ddp::ring<ddp::tcp> red{pg};
     ddp::process_group moved = std::move(pg);
     // The moved-from handle is empty and says so.
@@ -220,9 +216,7 @@ TEST_CASE("moving or copying the process_group after building a reducer") {
       require_raises([&] { red.allreduce(std::span<float>(v), ddp::op::sum); }, ddp::errc::aborted, "rank 0",
                      "allreduce after rank 0's abort()");
     }
-  }, 60s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 60s));
 }
 
 namespace {
@@ -365,8 +359,7 @@ TEST_CASE("fork: a child may exit either way without touching its parent's group
       std::exit(child);
     }
   }, 120s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  expect_ok(outs);
 }
 
 TEST_CASE("fork: a child may drop a request that a thread of its parent is waiting on") {

@@ -20,6 +20,9 @@ using ddp_test::free_port;
 using ddp_test::group_options;
 using ddp_test::run_processes;
 using ddp_test::run_ranks;
+using ddp_test::expect_ok;
+using ddp_test::local_group;
+using ddp_test::on_ranks;
 using dclock = ddp::detail::clock;
 
 namespace {
@@ -29,9 +32,7 @@ double since(dclock::time_point t0) { return std::chrono::duration<double>(dcloc
 
 TEST_CASE("a first contact made while other threads use the group's store is not a failure") {
   SUBCASE("two threads of one rank first-contact a peer that opens its transport late") {
-    const int port = free_port();
-    auto outs = run_ranks(2, [&](int r) {
-      auto pg = ddp::init_process_group(group_options(r, 2, port, 30s));
+    expect_ok(on_ranks(2, local_group{30s}, [&](int r, ddp::process_group& pg) {
       if (r == 1) {
         std::this_thread::sleep_for(2s);
         ddp::tcp t{pg};
@@ -54,14 +55,10 @@ TEST_CASE("a first contact made while other threads use the group's store is not
       t2.join();
       require(e1.empty() && e2.empty(), "send: " + e1 + " | recv: " + e2);
       require(b == 5, "rank 0 got " + std::to_string(b));
-    }, 60s);
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }, 60s));
   }
   SUBCASE("a user thread holds the store connection in a long wait") {
-    const int port = free_port();
-    auto outs = run_ranks(2, [&](int r) {
-      auto pg = ddp::init_process_group(group_options(r, 2, port, 30s));
+    expect_ok(on_ranks(2, local_group{30s}, [&](int r, ddp::process_group& pg) {
       ddp::tcp t{pg};
       pg.barrier();
       std::thread waiter;
@@ -82,16 +79,12 @@ TEST_CASE("a first contact made while other threads use the group's store is not
       }
       if (waiter.joinable()) waiter.join();
       require(since(t0) < 5.0, "the first exchange took " + std::to_string(since(t0)) + " s");
-    }, 60s);
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }, 60s));
   }
 }
 
 TEST_CASE("a forked child destroys its copy of a transport while the parent's threads wait for a link") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 2, port, 30s));
+  expect_ok(on_ranks(2, local_group{30s}, [&](int r, ddp::process_group& pg) {
     if (r == 1) {
       ddp::tcp t{pg};
       pg.store().set("pid1", std::to_string(::getpid()));
@@ -136,15 +129,11 @@ TEST_CASE("a forked child destroys its copy of a transport while the parent's th
     t2.join();
     require(done, "the forked child hung destroying its copy of the transport");
     require(e1.empty() && e2.empty() && b == 5, "parent: send: " + e1 + " | recv: " + e2);
-  }, 60s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }, 60s));
 }
 
 TEST_CASE("a link accepted after the transport was aborted does not escape the abort") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 2, port, 10s));
+  expect_ok(on_ranks(2, local_group{10s}, [&](int r, ddp::process_group& pg) {
     ddp::tcp t{pg};
     if (r == 1) {
       pg.store().set("pid1", std::to_string(::getpid()));
@@ -178,15 +167,11 @@ TEST_CASE("a link accepted after the transport was aborted does not escape the a
     a.join();
     require(!err.empty(), "a receive in flight when the transport was aborted succeeded (got " + std::to_string(got) + ")");
     std::this_thread::sleep_for(4s);  // alive, holding its sockets, while rank 1 finds out
-  }, 60s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }, 60s));
 }
 
 TEST_CASE("a peer that dies after promising its connection is lost at once, not at the deadline") {
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 3, port, 8s));
+  auto outs = on_ranks(3, local_group{8s}, [&](int r, ddp::process_group& pg) {
     ddp::tcp t{pg};
     pg.barrier();
     if (r == 0) {

@@ -303,17 +303,14 @@ void run_worlds(const char* label, const std::function<void(ddp::process_group&,
                                                                std::vector<std::uint64_t>&)>& body) {
   for (int n = 1; n <= 9; ++n) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    auto outs = on_ranks(n, opts, [&](ddp::process_group& pg) {
       std::vector<std::string> names;
       std::vector<std::uint64_t> hashes;
       body(pg, names, hashes);
       require_same_hashes(pg, names, hashes);
     }, 120s);
     INFO(label);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    expect_ok(outs);
   }
 }
 
@@ -357,9 +354,7 @@ TEST_CASE("data_parallel averages f16 and bf16 gradients whose sum overflows the
   // about 72000): data_parallel's default op is avg, which must not go through the plain sum.
   for (int n : {2, 8}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
       const std::size_t len = 1000;
       const float base = n == 2 ? 40000.0f : 9000.0f;
       auto g16 = [&](int q, std::size_t j) { return half(base + static_cast<float>((q * 7 + static_cast<int>(j)) % 16) * 8); };
@@ -384,9 +379,7 @@ TEST_CASE("data_parallel averages f16 and bf16 gradients whose sum overflows the
       }
       require_same_bits(pg, d16.data(), len * sizeof(half), "f16 gradients");
       require_same_bits(pg, dbf.data(), len * sizeof(bfloat16), "bf16 gradients");
-    }, 120s);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    }, 120s));
   }
 }
 
@@ -395,9 +388,7 @@ TEST_CASE("an unknown dtype or op on the untyped path is invalid_argument on eve
   // errc::invalid_argument (the ring used to divide by dtype_size's 0: SIGFPE).
   for (int n : {1, 2, 3}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port, 10s));
+    expect_ok(on_ranks(n, local_group{10s}, [&](ddp::process_group& pg) {
       auto expect_invalid = [&](auto& red, const char* name) {
         std::vector<float> v(64, 1.0f), out(64);
         auto code_of = [](auto&& f) {
@@ -435,8 +426,6 @@ TEST_CASE("an unknown dtype or op on the untyped path is invalid_argument on eve
         ddp::tree<ddp::shm> red{pg, ddp::shm_options{.segment_bytes = 4 << 20}, ddp::reducer_options{}};
         expect_invalid(red, "tree<shm>");
       }
-    }, 60s);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    }, 60s));
   }
 }

@@ -103,9 +103,7 @@ static_assert(ddp::parameter_set<engine>);
 TEST_CASE("parameter checks: an empty parameter set is errc::invalid_argument on every rank, saying when to wrap") {
   for (const int n : {1, 2, 3}) {
     CAPTURE(n);
-    const int port = free_port();
-    const auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    const auto outs = on_ranks(n, opts, [&](ddp::process_group& pg) {
       engine not_yet_allocated;
       ddp::data_parallel dp{pg, not_yet_allocated};
       dp.finish();  // reached only without the check: each rank alone, no error
@@ -116,9 +114,7 @@ TEST_CASE("parameter checks: an empty parameter set is errc::invalid_argument on
   }
   // With buffers beside it (a model whose every parameter is frozen): refused as well, as
   // PyTorch's DistributedDataParallel refuses a module with no parameter that requires a gradient.
-  const int port = free_port();
-  const auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port));
+  const auto outs = on_ranks(2, opts, [&](int r, ddp::process_group& pg) {
     std::vector<float> stats(4, static_cast<float>(r));
     std::vector<ddp::tensor_view> none;
     ddp::data_parallel dp{pg, ddp::with_buffers(none, {ddp::make_buffer_view(std::span{stats}, "bn.stats")})};
@@ -128,9 +124,7 @@ TEST_CASE("parameter checks: an empty parameter set is errc::invalid_argument on
 }
 
 TEST_CASE("parameter checks: a set empty on one rank only is errc::mismatch on every rank, naming the count and cause") {
-  const int port = free_port();
-  const auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 3, port));
+  const auto outs = on_ranks(3, opts, [&](int r, ddp::process_group& pg) {
     engine e = r == 1 ? engine{} : small_engine();  // rank 1 wrapped before its engine allocated
     ddp::data_parallel dp{pg, e};
   });
@@ -142,9 +136,7 @@ TEST_CASE("parameter checks: a set empty on one rank only is errc::mismatch on e
 // A parameter the engine never reports (its hook loop skips it): finish() names it, by index
 // and name, on every rank, before anything is launched; and the step can still be completed.
 TEST_CASE("parameter checks: a parameter that never reports is errc::usage naming it on every rank") {
-  const int port = free_port();
-  const auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port));
+  const auto outs = on_ranks(2, opts, [&](int r, ddp::process_group& pg) {
     engine e = small_engine();
     ddp::data_parallel dp{pg, e};
     e.backward(r, 0);
@@ -167,9 +159,7 @@ TEST_CASE("parameter checks: a parameter missing on one rank fails that rank nam
                                       std::pair{false, ddp::backend::automatic}, std::pair{false, ddp::backend::tcp}}) {
     CAPTURE(exits);
     CAPTURE(static_cast<int>(backend));
-    const int port = free_port();
-    const auto outs = run_ranks(3, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, 3, port, 3s, backend));
+    const auto outs = on_ranks(3, local_group{3s, backend}, [&](int r, ddp::process_group& pg) {
       engine e = small_engine();
       ddp::data_parallel dp{pg, e};
       e.backward(r, 0);
@@ -212,9 +202,7 @@ TEST_CASE("parameter checks: a gradient the engine reallocated is errc::usage na
     for (const bool everywhere : {true, false}) {
       CAPTURE(static_cast<int>(backend));
       CAPTURE(everywhere);
-      const int port = free_port();
-      const auto outs = run_ranks(2, [&](int r) {
-        auto pg = ddp::init_process_group(opts(r, 2, port, 5s, backend));
+      const auto outs = on_ranks(2, local_group{5s, backend}, [&](int r, ddp::process_group& pg) {
         engine e = small_engine();
         ddp::data_parallel dp{pg, e};
         for (int s = 0; s < 3; ++s) {
@@ -252,9 +240,7 @@ TEST_CASE("parameter checks: a gradient the engine reallocated is errc::usage na
 
 TEST_CASE("parameter checks: grad_ready(params, i) refuses moved values, a changed size or count, and the wrapper "
           "stays failed") {
-  const int port = free_port();
-  const auto outs = run_ranks(1, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 1, port));
+  expect_ok(on_ranks(1, opts, [&](int r, ddp::process_group& pg) {
     const auto refused = [&](auto change, std::initializer_list<std::string> parts) {
       engine e = small_engine();
       ddp::data_parallel dp{pg, e};
@@ -280,17 +266,13 @@ TEST_CASE("parameter checks: grad_ready(params, i) refuses moved values, a chang
       for (std::size_t i = e.size(); i-- > 0;) dp.grad_ready(e, i);
       dp.finish();
     }
-  }, 40s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 40s));
 }
 
 // View mode: the engine's gradient may be the captured one (the engine writes bucket_grad(i)
 // itself) or bucket memory (an engine pointed at it, as the LibTorch adapter points .grad()).
 TEST_CASE("parameter checks: in view mode grad_ready(params, i) accepts the captured gradient and the bucket slot") {
-  const int port = free_port();
-  const auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port));
+  expect_ok(on_ranks(2, opts, [&](int r, ddp::process_group& pg) {
     engine e = small_engine();
     ddp::data_parallel dp{pg, e, {}, {.gradient_as_bucket_view = true}};
     for (int s = 0; s < 2; ++s) {
@@ -306,7 +288,5 @@ TEST_CASE("parameter checks: in view mode grad_ready(params, i) accepts the capt
     std::vector<ddp::tensor_view> views = dp.views();
     for (std::size_t i = views.size(); i-- > 0;) dp.grad_ready(views, i);
     dp.finish();
-  }, 40s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 40s));
 }

@@ -86,9 +86,7 @@ using psgd_dp = ddp::basic_data_parallel<ddp::size_planner, ddp::hooked<Inner, d
 TEST_CASE("powersgd: plain steps first, then rank-1 gradients come through exactly, the same bits on every rank") {
   for (int n : {2, 3}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
       model m;
       // Buckets of 4 KiB: the 48 x 40 matrix alone, the rest in others (state per bucket).
       psgd_dp<ring_tcp> dp{pg, m.views, ddp::bucket_policy{.cap_bytes = 4096, .first_cap_bytes = 4096},
@@ -113,16 +111,13 @@ TEST_CASE("powersgd: plain steps first, then rank-1 gradients come through exact
         }
       });
       require(hook.elements_on_wire() * 4 < hook.elements_in(), "fewer elements on the wire");
-    });
-    CHECK_MESSAGE(all_ok(outs), summary(outs));
+    }));
   }
 }
 
 TEST_CASE("powersgd: full-rank gradients give rank-r results; error feedback brings their running mean to the average") {
   const int n = 2;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
     model m;
     // The running mean's error after 30 steps (inputs cycling through three), relative to the first
     // step's: 0.23 with error feedback, 0.78 without (ring over tcp, 2 ranks).
@@ -167,15 +162,12 @@ TEST_CASE("powersgd: full-rank gradients give rank-r results; error feedback bri
     const double with = mean_error(true), without = mean_error(false);
     require(with < 0.3, "with error feedback the mean approaches the average: " + std::to_string(with));
     require(without > 2 * with, "without it, it does not: " + std::to_string(without) + " against " + std::to_string(with));
-  });
-  CHECK_MESSAGE(all_ok(outs), summary(outs));
+  }));
 }
 
 TEST_CASE("powersgd: the wire carries the plain tensors and (rows + cols) x rank per compressed matrix") {
   const int n = 2;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
     model m;
     for (std::size_t rank : {1u, 2u, 4u}) {
       // The default engine underneath (shared memory on one host); one bucket for the model.
@@ -195,15 +187,12 @@ TEST_CASE("powersgd: the wire carries the plain tensors and (rows + cols) x rank
       dp.get_reducer().allreduce(std::span<float>{v}, ddp::op::avg);
       for (float x : v) require(x == 0.5f * static_cast<float>(n + 1), "a plain allreduce is exact");
     }
-  });
-  CHECK_MESSAGE(all_ok(outs), summary(outs));
+  }));
 }
 
 TEST_CASE("powersgd: ranks with different options get errc::mismatch naming them, not wrong numbers") {
   const int n = 2;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port, 5s));
+  auto outs = on_ranks(n, local_group{5s}, [&](int r, ddp::process_group& pg) {
     model m;
     psgd_dp<ring_tcp> dp{pg, m.views, ddp::bucket_policy{.cap_bytes = 1 << 20}, ddp::dp_options{},
                          ddp::powersgd{{.rank = r == 0 ? 1u : 2u, .start_iter = 0}}};

@@ -32,7 +32,10 @@ static_assert(std::is_constructible_v<ddp::tcp, ddp::process_group&, ddp::tcp_op
 static_assert(std::is_constructible_v<ddp::shm, ddp::process_group&>);
 static_assert(std::is_constructible_v<ddp::shm, ddp::process_group&, ddp::shm_options>);
 static_assert(std::is_constructible_v<ddp::store_server, ddp::endpoint, int>);
+using ddp_test::expect_ok;
 using ddp_test::free_port;
+using ddp_test::local_group;
+using ddp_test::on_ranks;
 using ddp_test::run_processes;
 using ddp_test::run_ranks;
 
@@ -69,22 +72,16 @@ TEST_CASE("groups of 1, 2, 4 and 8 real processes join, barrier, broadcast and a
 }
 
 TEST_CASE("a large broadcast crosses the mesh intact") {
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 3, port));
+  expect_ok(on_ranks(3, opts, [&](int r, ddp::process_group& pg) {
     std::vector<std::uint64_t> v(8 << 20);  // 64 MiB
     if (r == 1) std::iota(v.begin(), v.end(), 11u);
     pg.broadcast(std::span<std::uint64_t>(v), 1);
     require(v.front() == 11 && v.back() == 11 + v.size() - 1 && v[12345] == 11 + 12345, "payload");
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 TEST_CASE("broadcast with different sizes on different ranks is a mismatch error") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port, 5s));
+  auto outs = on_ranks(2, local_group{5s}, [&](int r, ddp::process_group& pg) {
     std::vector<char> v(r == 0 ? 10 : 12);
     pg.broadcast(std::span<char>(v), 0);
   });
@@ -288,14 +285,11 @@ TEST_CASE("ranks started before rank 0 keep retrying and join") {
     auto pg = ddp::init_process_group(opts(r, 3, port, 10s));
     pg.barrier();
   });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  expect_ok(outs);
 }
 
 TEST_CASE("a peer that dies turns a barrier into peer_lost on the survivors") {
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 3, port, 10s));
+  auto outs = on_ranks(3, local_group{10s}, [&](int r, ddp::process_group& pg) {
     pg.barrier();
     if (r == 2) ::_exit(0);  // vanish without cleanup
     for (;;) pg.barrier();
@@ -329,15 +323,12 @@ TEST_CASE("hostname and IPv6 master addresses work") {
       pg.broadcast(std::span<int>(&v, 1), 0);
       require(v == 42, "value");
     });
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    expect_ok(outs);
   }
 }
 
 TEST_CASE("abort() on one rank wakes the others at once with errc::aborted naming it") {
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 3, port, 30s));
+  auto outs = on_ranks(3, local_group{30s}, [&](int r, ddp::process_group& pg) {
     pg.barrier();
     if (r == 1) {
       std::this_thread::sleep_for(200ms);
@@ -363,9 +354,7 @@ TEST_CASE("abort() on one rank wakes the others at once with errc::aborted namin
 TEST_CASE("a rank that fails with an exception: its peers learn its message") {
   for (const bool by_abort : {false, true}) {
     CAPTURE(by_abort);
-    const int port = free_port();
-    auto outs = run_ranks(3, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, 3, port, 30s));
+    auto outs = on_ranks(3, local_group{30s}, [&](int r, ddp::process_group& pg) {
       pg.barrier();
       if (r == 1) {
         std::this_thread::sleep_for(200ms);
@@ -415,9 +404,7 @@ TEST_CASE("an auth token in a program without an authenticator is errc::unsuppor
 
 TEST_CASE("connections are made on first use: a rank holds its barrier peers, a ring over tcp two more") {
   const int n = 16;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port, 60s));
+  expect_ok(on_ranks(n, local_group{60s}, [&](int r, ddp::process_group& pg) {
     // Joining ends with a dissemination barrier: peers r +- 1, 2, 4, 8, seven in all.
     require(pg.connections() <= 7, "after joining, rank " + std::to_string(r) + " holds " +
                                        std::to_string(pg.connections()) + " connections");
@@ -431,15 +418,11 @@ TEST_CASE("connections are made on first use: a rank holds its barrier peers, a 
     require(in == prev, "ring exchange");
     require(t.connections() == 2, "a ring step holds " + std::to_string(t.connections()) + " connections");
     pg.barrier();
-  }, 120s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }, 120s));
 }
 
 TEST_CASE("two ranks that first talk to each other at the same moment end with one working connection") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port));
+  expect_ok(on_ranks(2, opts, [&](int r, ddp::process_group& pg) {
     for (int round = 0; round < 40; ++round) {
       ddp::tcp t{pg};  // a fresh channel: both ranks connect at once, each to the other
       std::uint64_t out = static_cast<std::uint64_t>(round * 2 + r), in = 0;
@@ -448,15 +431,11 @@ TEST_CASE("two ranks that first talk to each other at the same moment end with o
       require(t.connections() == 1, "round " + std::to_string(round) + ": " + std::to_string(t.connections()) +
                                         " connections to the one peer");
     }
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 TEST_CASE("a crowd of idle strangers at a rank's listener does not keep a real peer out") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port));
+  expect_ok(on_ranks(2, opts, [&](int r, ddp::process_group& pg) {
     ddp::tcp t{pg};
     std::vector<ddp::detail::fd_handle> strangers;
     if (r == 1) {
@@ -480,9 +459,7 @@ TEST_CASE("a crowd of idle strangers at a rank's listener does not keep a real p
     require(in == 1 - r, "exchange");
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     require(secs < 3.0, "the first exchange took " + std::to_string(secs) + " s behind the strangers");
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 namespace {
@@ -534,8 +511,7 @@ TEST_CASE("a store reachable beyond loopback without a secret is refused unless 
     auto pg = ddp::init_process_group(o);
     pg.barrier();
   });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  expect_ok(outs);
 }
 
 TEST_CASE("a stranger without a token can neither plant the group's failure nor hold rank 0's exit") {
@@ -580,14 +556,11 @@ TEST_CASE("a stranger without a token can neither plant the group's failure nor 
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     require(secs < 2.0, "closing took " + std::to_string(secs) + " s");
   }, 60s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  expect_ok(outs);
 }
 
 TEST_CASE("a transport context: a channel of its own, the same on every rank, and the group's verdict") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port));
+  expect_ok(on_ranks(2, opts, [&](int r, ddp::process_group& pg) {
     ddp::transport_context a{pg};
     ddp::transport_context b{pg};
     require(a.rank() == r && a.size() == 2 && a.group_id() == pg.id() && a.timeout() == pg.timeout(), "context");
@@ -607,9 +580,7 @@ TEST_CASE("a transport context: a channel of its own, the same on every rank, an
     const auto later = a.verdict().record({ddp::errc::timeout, a.verdict().reported("too late")});
     require(later.text == "rank 1 reports: given up on purpose", "a later record won: " + later.text);
     pg.barrier();
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 // The verdict the group and every transport share (group/verdict.hpp), in one process over a real

@@ -20,6 +20,9 @@ using namespace std::chrono_literals;
 using ddp_test::free_port;
 using ddp_test::group_options;
 using ddp_test::run_ranks;
+using ddp_test::expect_ok;
+using ddp_test::local_group;
+using ddp_test::on_ranks;
 
 namespace {
 using ddp_test::require;
@@ -41,9 +44,7 @@ double value(int rank, int i) { return 0.1 * (rank + 1) + 1e-3 * i + 1.0 / (3.0 
 TEST_CASE("all_reduce of a few scalars: every op and type, rank-order results, the same bits on every rank") {
   for (int n : {1, 2, 3, 4}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(group_options(r, n, port, 20s));
+    expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
       constexpr int k = 5;
       // f64: sum, avg, min, max, prod against a left fold in rank order.
       for (ddp::op o : {ddp::op::sum, ddp::op::avg, ddp::op::min, ddp::op::max, ddp::op::prod}) {
@@ -90,9 +91,7 @@ TEST_CASE("all_reduce of a few scalars: every op and type, rank-order results, t
       require_same_bits(pg, nan, "NaN");
       // Nothing to reduce is allowed (and still collective).
       pg.all_reduce(std::span<double>(), ddp::op::sum);
-    });
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }));
   }
 }
 
@@ -134,9 +133,7 @@ TEST_CASE("all_reduce: ranks that disagree on count, type or op get errc::mismat
   };
   for (const auto& c : cases) {
     CAPTURE(c.name);
-    const int port = free_port();
-    auto outs = run_ranks(3, [&](int r) {
-      auto pg = ddp::init_process_group(group_options(r, 3, port, 20s));
+    auto outs = on_ranks(3, local_group{20s}, [&](int r, ddp::process_group& pg) {
       c.call(pg, r);
     });
     INFO(ddp_test::summary(outs));
@@ -184,9 +181,7 @@ TEST_CASE("all_reduce: a peer that died or froze is an error within the group ti
 }
 
 TEST_CASE("all_reduce: more than max_all_reduce_bytes, or an unknown op, is errc::invalid_argument") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 2, port, 20s));
+  expect_ok(on_ranks(2, local_group{20s}, [&](ddp::process_group& pg) {
     static_assert(ddp::process_group::max_all_reduce_bytes == 65536);
     std::vector<double> ok(ddp::process_group::max_all_reduce_bytes / sizeof(double), 1.0);
     pg.all_reduce(std::span<double>(ok), ddp::op::sum);
@@ -209,15 +204,11 @@ TEST_CASE("all_reduce: more than max_all_reduce_bytes, or an unknown op, is errc
     }
     // The group still works: nothing was sent.
     require(pg.all_reduce(1, ddp::op::sum) == 2, "after refusals");
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 TEST_CASE("all_reduce on an empty handle is errc::usage") {
-  const int port = free_port();
-  auto outs = run_ranks(1, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, 1, port, 20s));
+  expect_ok(on_ranks(1, local_group{20s}, [&](ddp::process_group& pg) {
     auto moved = std::move(pg);
     try {
       (void)pg.all_reduce(1.0, ddp::op::sum);  // NOLINT(bugprone-use-after-move): the point
@@ -226,7 +217,5 @@ TEST_CASE("all_reduce on an empty handle is errc::usage") {
       require(e.condition() == ddp::errc::usage, e.what());
     }
     require(moved.all_reduce(3.0, ddp::op::avg) == 3.0, "world of one");
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }

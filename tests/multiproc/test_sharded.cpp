@@ -21,6 +21,9 @@ using ddp_test::free_port;
 using ddp_test::group_options;
 using ddp_test::require;
 using ddp_test::run_ranks;
+using ddp_test::expect_ok;
+using ddp_test::local_group;
+using ddp_test::on_ranks;
 
 namespace {
 
@@ -115,8 +118,7 @@ void every_optimizer(int n, float bound, ddp::bucket_policy policy, const char* 
     require(d1 <= bound && d2 <= bound && d3 <= bound,
             "sharded against unsharded: " + std::to_string(d1) + " " + std::to_string(d2) + " " + std::to_string(d3));
   }, 120s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  expect_ok(outs);
 }
 
 const ddp::bucket_policy small{.cap_bytes = 8_KiB, .first_cap_bytes = 2_KiB, .rebuild_from_ready_order = true};
@@ -142,9 +144,7 @@ TEST_CASE("sharded on 3 and 4 ranks: every reducer, weights within float roundin
 
 TEST_CASE("sharded f16 and bf16 parameters step f32 master weights; every rank holds the same bits") {
   const int n = 2;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 30s));
+  expect_ok(on_ranks(n, local_group{30s}, [&](int r, ddp::process_group& pg) {
     model<ddp::half> h({513, 9, 2000});
     model<ddp::bfloat16> b({300, 77});
     std::vector<ddp::tensor_view> views = h.views;
@@ -195,17 +195,13 @@ TEST_CASE("sharded f16 and bf16 parameters step f32 master weights; every rank h
     require(all[0] == all[1], "ranks differ");
     // Master weights are state: 4 bytes per element of this rank's shards, beside AdamW's 8.
     require(dp.shard_state_bytes() == 12 * dp.shards().elements, "state bytes " + std::to_string(dp.shard_state_bytes()));
-  }, 60s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }, 60s));
 }
 
 TEST_CASE("sharded memory: state and gradient shards are 1/N, and one bucket buffer, not one per bucket") {
   const int port = free_port();
   for (int n : {2, 4}) {
-    const int p = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(group_options(r, n, p, 30s));
+    expect_ok(on_ranks(n, local_group{30s}, [&](int r, ddp::process_group& pg) {
       model<float> m(std::vector<std::size_t>(40, 1000));  // 40 parameters of 4000 bytes
       ddp::data_parallel dp{pg, m.views, {.cap_bytes = 8000, .first_cap_bytes = 8000}, {.shard = true}};
       require(dp.plan().buckets.size() == 20, "buckets " + std::to_string(dp.plan().buckets.size()));
@@ -223,9 +219,7 @@ TEST_CASE("sharded memory: state and gradient shards are 1/N, and one bucket buf
       // One buffer of the largest bucket, lent to each bucket from its launch to the end of its
       // reduce-scatter, and in step() from the copy of its slice to the end of its all-gather.
       require(dp.bucket_bytes_held() == 8000, "bucket memory held " + std::to_string(dp.bucket_bytes_held()));
-    }, 60s);
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }, 60s));
   }
   (void)port;
 }
@@ -235,9 +229,8 @@ TEST_CASE("sharded state saved on 3 ranks comes back on 2 (re-sharded), and trai
   const auto path = dir.path / "sharded.ddp";
   std::string saved_blob_path = (dir.path / "blob").string();
   {
-    const int n = 3, port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(group_options(r, n, port, 30s));
+    const int n = 3;
+    auto outs = on_ranks(n, local_group{30s}, [&](int r, ddp::process_group& pg) {
       model<float> m;
       ddp::data_parallel dp{pg, m.views, small, {.shard = true}};
       ddp::adamw opt;
@@ -255,9 +248,8 @@ TEST_CASE("sharded state saved on 3 ranks comes back on 2 (re-sharded), and trai
     INFO(ddp_test::summary(outs));
     REQUIRE(ddp_test::all_ok(outs));
   }
-  const int n = 2, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 30s));
+  const int n = 2;
+  expect_ok(on_ranks(n, local_group{30s}, [&](int r, ddp::process_group& pg) {
     model<float> m;
     ddp::data_parallel dp{pg, m.views, {.cap_bytes = 4_KiB, .first_cap_bytes = 4_KiB}, {.shard = true}};
     dp.load_sharded_state(ddp::load_checkpoint(pg, path, m.views));
@@ -273,15 +265,12 @@ TEST_CASE("sharded state saved on 3 ranks comes back on 2 (re-sharded), and trai
     dp.step(opt);
     // The step count went on from the saved 3: AdamW's bias correction of step 4, not 1.
     require(dp.sharded_steps() == 4, "steps " + std::to_string(dp.sharded_steps()));
-  }, 60s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }, 60s));
 }
 
 TEST_CASE("sharded with find_unused_parameters: a parameter no rank used keeps its value; the others step") {
-  const int n = 2, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 30s));
+  const int n = 2;
+  expect_ok(on_ranks(n, local_group{30s}, [&](int r, ddp::process_group& pg) {
     model<float> m;
     ddp::data_parallel dp{pg, m.views, small, {.find_unused_parameters = true, .shard = true}};
     const auto before = m.w;
@@ -296,15 +285,12 @@ TEST_CASE("sharded with find_unused_parameters: a parameter no rank used keeps i
     dp.step(opt);
     require(m.w[2] == before[2], "the parameter no rank used moved");
     require(m.w[4] != before[4] && m.w[0] != before[0] && m.w[5] != before[5], "a used parameter did not move");
-  }, 60s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }, 60s));
 }
 
 TEST_CASE("sharded errors: misuse is errc::usage, unsupported combinations errc::unsupported, disagreement errc::mismatch") {
-  const int n = 2, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 30s));
+  const int n = 2;
+  expect_ok(on_ranks(n, local_group{30s}, [&](int r, ddp::process_group& pg) {
     const auto expect = [&](ddp::errc code, const std::string& part, auto&& f) {
       try {
         f();
@@ -342,16 +328,13 @@ TEST_CASE("sharded errors: misuse is errc::usage, unsupported combinations errc:
     dp.finish();
     ddp::adamw other{{.lr = r == 0 ? 1e-3 : 2e-3}};
     expect(ddp::errc::mismatch, "rank 1 has adamw lr=0.002 ", [&] { dp.step(other); });
-  }, 60s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }, 60s));
 }
 
 TEST_CASE("sharded: hyperparameters that six decimals print alike (lr 1e-6, 1.4e-6) are a mismatch on every rank") {
   // Compared as "0.000001" both, the ranks would step different learning rates in silence.
-  const int n = 2, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 30s));
+  const int n = 2;
+  expect_ok(on_ranks(n, local_group{30s}, [&](int r, ddp::process_group& pg) {
     model<float> m;
     ddp::data_parallel dp{pg, m.views, small, {.shard = true}};
     m.grads(r, 0);
@@ -370,15 +353,12 @@ TEST_CASE("sharded: hyperparameters that six decimals print alike (lr 1e-6, 1.4e
       return;
     }
     throw std::runtime_error("step() with lr 1e-6 on rank 0 and 1.4e-6 on rank 1 succeeded");
-  }, 60s);
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }, 60s));
 }
 
 TEST_CASE("sharded: a rank that dies before the step is an error on the survivors' step, not a hang") {
-  const int n = 3, port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(group_options(r, n, port, 5s));
+  const int n = 3;
+  auto outs = on_ranks(n, local_group{5s}, [&](int r, ddp::process_group& pg) {
     model<float> m;
     ddp::data_parallel dp{pg, m.views, small, {.shard = true}};
     ddp::adamw opt;

@@ -25,7 +25,10 @@
 #include "harness.hpp"
 
 using namespace std::chrono_literals;
+using ddp_test::expect_ok;
 using ddp_test::free_port;
+using ddp_test::local_group;
+using ddp_test::on_ranks;
 using ddp_test::run_processes;
 using ddp_test::run_ranks;
 using ddp::dtype;
@@ -213,9 +216,7 @@ TEST_CASE("allreduce on 1, 2, 3, 4 and 8 ranks: counts 0, 1, 7, 13, 1000003, rin
   no_leftovers guard;
   for (int n : {1, 2, 3, 4, 8}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
       ddp::shm link{pg, {.segment_bytes = std::size_t{64} << 20}};
       link.barrier(pg.deadline());  // rank 0 unlinks right after every rank mapped the segment
       check_unlinked(link);
@@ -228,9 +229,7 @@ TEST_CASE("allreduce on 1, 2, 3, 4 and 8 ranks: counts 0, 1, 7, 13, 1000003, rin
         }
       allreduce_case(pg, link, 1000003, dtype::i32, op::sum, ddp::shm_algo::ring, false);
       allreduce_case(pg, link, 1000003, dtype::f64, op::avg, ddp::shm_algo::ring, true);
-    }, 120s);
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }, 120s));
   }
 }
 
@@ -238,9 +237,7 @@ TEST_CASE("allreduce: all 6 dtypes x 5 ops, ring and tree, across chunk boundari
   no_leftovers guard;
   for (int n : {2, 3}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
       // Small slots, so 5003 elements take several pipelined chunks.
       ddp::shm link{pg, {.segment_bytes = std::size_t{8} << 20, .slot_bytes = 4096}};
       for (auto t : {dtype::f32, dtype::f64, dtype::f16, dtype::bf16, dtype::i32, dtype::i64})
@@ -250,9 +247,7 @@ TEST_CASE("allreduce: all 6 dtypes x 5 ops, ring and tree, across chunk boundari
             allreduce_case(pg, link, count, t, o, ddp::shm_algo::ring, true);
             allreduce_case(pg, link, count, t, o, ddp::shm_algo::tree, false);
           }
-    }, 120s);
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }, 120s));
   }
 }
 
@@ -260,25 +255,19 @@ TEST_CASE("allreduce of 64 MiB on 2 and 4 ranks, staged and zero-copy") {
   no_leftovers guard;
   for (int n : {2, 4}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
       const std::size_t count = std::size_t{16} << 20;  // 64 MiB of f32
       ddp::shm link{pg, {.segment_bytes = static_cast<std::size_t>(n) * (count * 4 + (1 << 20))}};
       allreduce_case(pg, link, count, dtype::f32, op::sum, ddp::shm_algo::ring, false);
       allreduce_case(pg, link, count, dtype::f32, op::sum, ddp::shm_algo::ring, true);
-    }, 120s);
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }, 120s));
   }
 }
 
 TEST_CASE("zero-copy through shm_allocator, and a mix of arena and ordinary buffers") {
   no_leftovers guard;
   const int n = 3;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
     ddp::shm link{pg, {.segment_bytes = std::size_t{48} << 20, .slot_bytes = 8192}};
     ddp::shm_allocator alloc{link};
     static_assert(ddp::device_allocator<ddp::shm_allocator>);
@@ -314,18 +303,14 @@ TEST_CASE("zero-copy through shm_allocator, and a mix of arena and ordinary buff
       require(e.condition() == ddp::errc::system, "oversized allocation: wrong errc");
       require(std::string(e.what()).find("arena exhausted") != std::string::npos, e.what());
     }
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 }
 
 TEST_CASE("reduce_scatter, allgather, broadcast and barrier on 1 to 4 ranks") {
   no_leftovers guard;
   for (int n : {1, 2, 3, 4}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
       ddp::shm link{pg, {.segment_bytes = std::size_t{1} << 20, .slot_bytes = 4096}};
       for (std::size_t cpr : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{3001}}) {
         const std::string tag = " cpr " + std::to_string(cpr);
@@ -362,9 +347,7 @@ TEST_CASE("reduce_scatter, allgather, broadcast and barrier on 1 to 4 ranks") {
       link.broadcast(p, 9000 * 8, n - 1, pg.deadline());
       require(p[0] == 5 && p[8999] == 9004, "broadcast in the arena");
       link.deallocate(p, 9000 * 8);
-    });
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    }));
   }
 }
 
@@ -450,9 +433,7 @@ TEST_CASE("a rank that dies mid-collective: peer_lost on the others within the t
 
 TEST_CASE("timeout: a peer that never arrives is a timeout error") {
   no_leftovers guard;
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port, 5s));
+  auto outs = on_ranks(2, local_group{5s}, [&](int r, ddp::process_group& pg) {
     ddp::shm link{pg};
     if (r == 1) std::this_thread::sleep_for(1500ms);
     const auto t0 = std::chrono::steady_clock::now();
@@ -476,9 +457,7 @@ TEST_CASE("timeout: a peer that never arrives is a timeout error") {
 
 TEST_CASE("abort() wakes every waiter on every rank with errc::aborted") {
   no_leftovers guard;
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 3, port, 10s));
+  auto outs = on_ranks(3, local_group{10s}, [&](int r, ddp::process_group& pg) {
     ddp::shm link{pg};
     link.barrier(pg.deadline());
     if (r == 0) {
@@ -499,9 +478,7 @@ TEST_CASE("abort() wakes every waiter on every rank with errc::aborted") {
 
 TEST_CASE("shm across hosts is an unsupported error on every rank") {
   no_leftovers guard;
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 3, port, 5s));
+  auto outs = on_ranks(3, local_group{5s}, [&](int r, ddp::process_group& pg) {
     ddp::shm link{pg, {.host_id = r == 2 ? "node-b" : "node-a"}};
   });
   INFO(ddp_test::summary(outs));
@@ -538,9 +515,7 @@ TEST_CASE("under an address-space limit the automatic arena says what sized it")
 
 TEST_CASE("bad options are an invalid_argument error on every rank") {
   no_leftovers guard;
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port, 5s));
+  auto outs = on_ranks(2, local_group{5s}, [&](int r, ddp::process_group& pg) {
     ddp::shm_options o;
     if (r == 1) o.slot_bytes = 100;
     ddp::shm link{pg, o};
@@ -621,8 +596,7 @@ TEST_CASE("default options hold real models: ResNet-50 on 4 ranks, BERT-base on 
         }
       }
     }, 240s);
-    INFO(ddp_test::summary(outs));
-    CHECK(ddp_test::all_ok(outs));
+    expect_ok(outs);
   }
 }
 
@@ -630,9 +604,7 @@ TEST_CASE("default options hold real models: ResNet-50 on 4 ranks, BERT-base on 
 // the id from the store (no secret needed) could create that name first, and the job failed
 // with "File exists". Now its random part travels only over the group's connections.
 TEST_CASE("shm: the names another user could predict do not stop a job; a name that is taken names its owner") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port));
+  expect_ok(on_ranks(2, opts, [&](int r, ddp::process_group& pg) {
     std::vector<std::string> planted;
     if (r == 0) {
       char idhex[17];
@@ -653,9 +625,7 @@ TEST_CASE("shm: the names another user could predict do not stop a job; a name t
       require(v[0] == 3.0f && v[999] == 3.0f, "sum");
     }
     for (const auto& n : planted) ::shm_unlink(n.c_str());
-  });
-  INFO(ddp_test::summary(outs));
-  CHECK(ddp_test::all_ok(outs));
+  }));
 
   // A name that is taken (here by this user, so that the test needs no second account).
   const std::string name = "/ddp-test-taken-" + std::to_string(::getpid());

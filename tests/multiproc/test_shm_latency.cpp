@@ -57,9 +57,7 @@ void require_all(const std::vector<float>& v, float x, const std::string& what) 
 }  // namespace
 
 TEST_CASE("ring<shm>: blocking collectives run inline leave the idle progress thread asleep") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port));
+  expect_ok(on_ranks(2, opts, [&](int r, ddp::process_group& pg) {
     ddp::ring<ddp::shm> red{pg, ddp::shm_options{.segment_bytes = 8 << 20}, {}};
     std::vector<float> v(1024);
     red.barrier();
@@ -76,15 +74,11 @@ TEST_CASE("ring<shm>: blocking collectives run inline leave the idle progress th
     // after every inline collective (2 * iters here).
     require(woken < iters / 10, "the other threads switched " + std::to_string(woken) + " times in " +
                                     std::to_string(2 * iters) + " inline collectives");
-  });
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }));
 }
 
 TEST_CASE("ring<shm>: an async request issued while a blocking call runs inline runs after it, in issue order") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port));
+  expect_ok(on_ranks(2, opts, [&](int r, ddp::process_group& pg) {
     ddp::ring<ddp::shm> red{pg, ddp::shm_options{.segment_bytes = 8 << 20}, {}};
     // Different counts: collectives paired out of order would be a mismatch, not a silent mix.
     std::vector<float> a(1000, static_cast<float>(r + 1)), b(3000, static_cast<float>(10 * (r + 1)));
@@ -119,9 +113,7 @@ TEST_CASE("ring<shm>: an async request issued while a blocking call runs inline 
     require_all(a, 3.0f, "A");
     require_all(b, 30.0f, "B");
     require_all(c, 300.0f, "C");
-  });
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }));
 }
 
 TEST_CASE("ring<shm> and tree<shm>: small and large allreduces with every rank on one core") {
@@ -162,15 +154,12 @@ TEST_CASE("ring<shm> and tree<shm>: small and large allreduces with every rank o
       require(took < 40s, "2020 allreduces on one core took " +
                               std::to_string(std::chrono::duration<double>(took).count()) + " s");
     }, 120s);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    expect_ok(outs);
   }
 }
 
 TEST_CASE("ring<shm>: a small allreduce (tree path) against a large one (ring path) is a mismatch on every rank") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port, 5s));
+  auto outs = on_ranks(2, local_group{5s}, [&](int r, ddp::process_group& pg) {
     ddp::ring<ddp::shm> red{pg, ddp::shm_options{.segment_bytes = 8 << 20}, {}};
     std::vector<float> v(r == 0 ? 1000 : 100000, 1.0f);
     red.allreduce(std::span<float>(v), ddp::op::sum);
@@ -211,9 +200,7 @@ TEST_CASE("ring<shm>: a peer killed during inline small allreduces is peer_lost 
 }
 
 TEST_CASE("ring<shm>: abort() from another thread while a caller runs a collective inline") {
-  const int port = free_port();
-  auto outs = run_ranks(2, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 2, port, 10s));
+  auto outs = on_ranks(2, local_group{10s}, [&](int r, ddp::process_group& pg) {
     ddp::ring<ddp::shm> red{pg, ddp::shm_options{.segment_bytes = 8 << 20}, {}};
     std::vector<float> v(1024, 1.0f);
     red.barrier();

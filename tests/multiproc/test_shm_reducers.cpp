@@ -23,15 +23,11 @@ namespace {
 constexpr ddp_test::local_group opts{30s};
 template <class Reducer>
 void correctness_suite(int n) {
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
     Reducer red{pg, ddp::shm_options{.segment_bytes = 8 << 20, .slot_bytes = 4096}, ddp::reducer_options{}};
     for (std::size_t count : {0, 1, 7, 13, 61, 3001}) check_all_types_and_ops(pg, red, count);
     check_random_floats(pg, red, 1000003);
-  }, 240s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 240s));
 }
 }  // namespace
 
@@ -44,9 +40,7 @@ TEST_CASE("ring<shm> and tree<shm>: every dtype and op, 1 2 3 4 8 ranks") {
 }
 
 TEST_CASE("ring<shm>: async requests in flight, zero-copy buffers from the allocator") {
-  const int port = free_port();
-  auto outs = run_ranks(4, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 4, port));
+  expect_ok(on_ranks(4, opts, [&](int r, ddp::process_group& pg) {
     ddp::ring<ddp::shm> ring{pg, ddp::shm_options{.segment_bytes = 64 << 20}, ddp::reducer_options{}};
     ddp::shm_allocator alloc{ring.transport()};
     std::vector<float*> bufs;
@@ -64,17 +58,13 @@ TEST_CASE("ring<shm>: async requests in flight, zero-copy buffers from the alloc
       for (std::size_t i = 0; i < 100000 * (k + 1); ++i) require(bufs[k][i] == expect, "zero-copy avg value");
       alloc.deallocate(bufs[k], 100000 * (k + 1) * sizeof(float));
     }
-  });
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }));
 }
 
 TEST_CASE("ring<shm>: reduce_scatter and allgather of buffers in the arena read peers in place, with the staged path's bits") {
   for (int n : {2, 3, 4}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
       ddp::ring<ddp::shm> ring{pg, ddp::shm_options{.segment_bytes = 32 << 20, .slot_bytes = 4096}, ddp::reducer_options{}};
       ddp::shm_allocator alloc{ring.transport()};
       const std::size_t per = 70001, all = per * static_cast<std::size_t>(n);
@@ -112,9 +102,7 @@ TEST_CASE("ring<shm>: reduce_scatter and allgather of buffers in the arena read 
                       gathered[static_cast<std::size_t>(q) * per + i] == value(q + 7, i),
                   "allgather: rank " + std::to_string(q) + "'s slice");
       alloc.deallocate(arena, all * sizeof(float));
-    });
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    }));
   }
 }
 
@@ -128,9 +116,7 @@ TEST_CASE("ring<shm>: a broadcast of the same bytes as another dtype is a mismat
 TEST_CASE("ring<shm> on some ranks, tree<shm> on others: mismatch naming both, at construction and in every collective") {
   const int n = 3;
   {
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port, 10s));
+    auto outs = on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
       std::vector<float> x(1000, 1.0f);
       if (r == 1) {
         ddp::tree<ddp::shm> red{pg};
@@ -149,9 +135,7 @@ TEST_CASE("ring<shm> on some ranks, tree<shm> on others: mismatch naming both, a
   // The engine used directly: every collective's descriptor carries the algorithm.
   for (const char* kind : {"allreduce", "reduce_scatter", "allgather", "broadcast", "barrier"}) {
     CAPTURE(kind);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port, 10s));
+    auto outs = on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
       ddp::shm link{pg};
       const auto a = r == 1 ? ddp::shm_algo::tree : ddp::shm_algo::ring;
       const std::string k = kind;
@@ -178,8 +162,7 @@ TEST_CASE("unknown dtype or op on ring<shm> and tree<shm>: invalid_argument at t
   for (int n : {1, 3}) {
     CAPTURE(n);
     auto outs = run_invalid_arguments<ddp::ring<ddp::shm>, ddp::tree<ddp::shm>>(opts, n);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    expect_ok(outs);
   }
 }
 
@@ -187,9 +170,7 @@ TEST_CASE("overlapping reduce_scatter and allgather buffers on ring<shm> and tre
   // 100,003 floats per rank cross many 4 KiB-slot chunks: where an overlap used to go wrong.
   for (int n : {1, 2, 3}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
       ddp::ring<ddp::shm> ring{pg, ddp::shm_options{.segment_bytes = 8 << 20, .slot_bytes = 4096}, ddp::reducer_options{}};
       ddp::tree<ddp::shm> tree{pg, ddp::shm_options{.segment_bytes = 8 << 20, .slot_bytes = 4096}, ddp::reducer_options{}};
       check_overlap_rules(pg, ring, 100003);
@@ -198,8 +179,6 @@ TEST_CASE("overlapping reduce_scatter and allgather buffers on ring<shm> and tre
       std::vector<float> buf(static_cast<std::size_t>(n) * 10 + 1);
       require_raises([&] { ring.transport().reduce_scatter(buf.data(), buf.data() + 1, 10, ddp::dtype::f32, ddp::op::sum, pg.deadline()); },
                      ddp::errc::invalid_argument, {"reduce_scatter", "overlap"}, "shm::reduce_scatter overlapping");
-    }, 120s);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    }, 120s));
   }
 }

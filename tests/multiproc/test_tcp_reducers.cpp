@@ -15,17 +15,13 @@ constexpr ddp_test::local_group opts{30s};
 
 template <class Reducer>
 void correctness_suite(int n) {
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
     Reducer red{pg, ddp::reducer_options{.segment_bytes = 4096, .small_bytes = 256}};
     for (std::size_t count : {0, 1, 2, 7, 13, 61, 1000})
       check_all_types_and_ops(pg, red, count);
     check_random_floats(pg, red, 1000003);
     check_exact<std::int64_t>(pg, red, 100003, ddp::op::sum);
-  }, 240s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 240s));
 }
 }  // namespace
 
@@ -45,23 +41,17 @@ TEST_CASE("tree<tcp>: every dtype and op, odd counts, 1 2 3 4 8 ranks (doubling 
 
 TEST_CASE("64 MiB allreduce on 2 and 4 ranks, ring and tree") {
   for (int n : {2, 4}) {
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
       ddp::ring<ddp::tcp> ring{pg};
       ddp::tree<ddp::tcp> tree{pg};
       check_random_floats(pg, ring, 16 << 20);
       check_random_floats(pg, tree, 16 << 20);
-    }, 240s);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    }, 240s));
   }
 }
 
 TEST_CASE("async requests: several in flight complete in issue order with the right values") {
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 3, port));
+  expect_ok(on_ranks(3, opts, [&](int r, ddp::process_group& pg) {
     ddp::ring<ddp::tcp> ring{pg};
     std::vector<std::vector<float>> bufs(8);
     std::vector<ddp::request> reqs;
@@ -89,9 +79,7 @@ TEST_CASE("async requests: several in flight complete in issue order with the ri
     for (std::size_t i = 0; i < 4; ++i)
       require(out[i] == static_cast<float>(static_cast<std::size_t>(r) * 4 + i) * 6.0f, "reduce_scatter");
     ring.barrier();
-  });
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }));
 }
 
 TEST_CASE("mismatched count, dtype or op is an error on every rank, also when byte counts agree") {
@@ -99,9 +87,7 @@ TEST_CASE("mismatched count, dtype or op is an error on every rank, also when by
   for (variant v : {variant{"count", "1024 x f32"}, variant{"dtype", "x i32"}, variant{"op", "f32 max"}}) {
     CAPTURE(v.name);
     for (int n : {2, 4}) {
-      const int port = free_port();
-      auto outs = run_ranks(n, [&](int r) {
-        auto pg = ddp::init_process_group(opts(r, n, port, 10s));
+      auto outs = on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
         ddp::ring<ddp::tcp> ring{pg};
         const bool odd = r == n - 1;
         if (std::string(v.name) == "count") {
@@ -150,9 +136,7 @@ TEST_CASE("a rank that comes late to a failed group still reports the failure, n
 }
 
 TEST_CASE("a rank that dies mid-collective: peer_lost on every survivor, fast") {
-  const int port = free_port();
-  auto outs = run_ranks(4, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 4, port, 10s));
+  auto outs = on_ranks(4, local_group{10s}, [&](int r, ddp::process_group& pg) {
     ddp::ring<ddp::tcp> ring{pg};
     std::vector<float> x(1 << 20, 1.0f);
     ring.allreduce(std::span<float>(x), ddp::op::sum);
@@ -176,9 +160,7 @@ TEST_CASE("ring<tcp> against tree<tcp>, or tree with different small_bytes: mism
     CAPTURE(v.name);
     for (int n : {2, 3, 4}) {
       CAPTURE(n);
-      const int port = free_port();
-      auto outs = run_ranks(n, [&](int r) {
-        auto pg = ddp::init_process_group(opts(r, n, port, 10s));
+      auto outs = on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
         const bool odd = r == n - 1;
         std::vector<float> x(1024, static_cast<float>(r + 1));
         auto run = [&](auto& red) {
@@ -209,16 +191,12 @@ TEST_CASE("ring<tcp> against tree<tcp>, or tree with different small_bytes: mism
     }
   }
   // segment_bytes does not change the ring's wire schedule: ranks may differ in it.
-  const int port = free_port();
-  auto outs = run_ranks(3, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, 3, port, 10s));
+  expect_ok(on_ranks(3, local_group{10s}, [&](int r, ddp::process_group& pg) {
     ddp::ring<ddp::tcp> red{pg, ddp::reducer_options{.segment_bytes = r == 0 ? std::size_t{4096} : std::size_t{256 << 10}}};
     std::vector<float> x(100000, 1.0f);
     red.allreduce(std::span<float>(x), ddp::op::sum);
     for (float e : x) require(e == 3.0f, "segment_bytes differ");
-  }, 30s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 30s));
 }
 
 TEST_CASE("every descriptor carries the algorithm and its variant; a difference is a mismatch naming both") {
@@ -249,24 +227,19 @@ TEST_CASE("unknown dtype or op on ring<tcp> and tree<tcp>: invalid_argument at t
   for (int n : {1, 2, 3}) {
     CAPTURE(n);
     auto outs = run_invalid_arguments<ddp::ring<ddp::tcp>, ddp::tree<ddp::tcp>>(opts, n);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    expect_ok(outs);
   }
 }
 
 TEST_CASE("overlapping reduce_scatter and allgather buffers on ring<tcp> and tree<tcp>: refused, in place works") {
   for (int n : {1, 2, 3}) {
     CAPTURE(n);
-    const int port = free_port();
-    auto outs = run_ranks(n, [&](int r) {
-      auto pg = ddp::init_process_group(opts(r, n, port));
+    expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
       ddp::ring<ddp::tcp> ring{pg};
       ddp::tree<ddp::tcp> tree{pg};
       check_overlap_rules(pg, ring, 100003);
       check_overlap_rules(pg, tree, 7);
-    }, 60s);
-    INFO(summary(outs));
-    CHECK(all_ok(outs));
+    }, 60s));
   }
 }
 
@@ -275,9 +248,7 @@ TEST_CASE("two threads issuing blocking and async collectives at once: sequence 
   // what must not happen is a descriptor pairing by a sequence number taken in another order
   // than the collectives ran in (a spurious mismatch), or a lost count.
   const int n = 2;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
+  expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
     ddp::ring<ddp::tcp> ring{pg};
     auto body = [&](bool async) {
       for (int i = 0; i < 300; ++i) {
@@ -300,17 +271,13 @@ TEST_CASE("two threads issuing blocking and async collectives at once: sequence 
     body(false);
     t.join();
     if (err) std::rethrow_exception(err);
-  }, 120s);
-  INFO(summary(outs));
-  CHECK(all_ok(outs));
+  }, 120s));
 }
 
 TEST_CASE("abort() from another thread while the progress thread runs collectives: errc::aborted, no race") {
   // Under ThreadSanitizer this is the check that the abort reason is published race-free.
   const int n = 2;
-  const int port = free_port();
-  auto outs = run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port, 10s));
+  auto outs = on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
     ddp::ring<ddp::tcp> ring{pg};
     std::vector<std::vector<float>> bufs(100, std::vector<float>(16384, 1.0f));
     std::vector<ddp::request> reqs;
