@@ -197,31 +197,7 @@ TEST_SUITE("nccl_host") {
       CHECK_MESSAGE(o.message.find("no CUDA device") != std::string::npos, o.message);
     }
   }
-
-  TEST_CASE("the shrink plan: the lost old ranks when every rank kept the last generation's communicator") {
-    using ddp::detail::nccl_shrink_plan;
-    auto offer = [](std::uint64_t g, int r, int n) { return ddp::detail::nccl_parent_offer{g, r, n}.encode(); };
-    // Old ranks 1 and 3 of 5 lost: the survivors 0, 2, 4 are the new 0, 1, 2.
-    auto p = nccl_shrink_plan({offer(7, 0, 5), offer(7, 2, 5), offer(7, 4, 5)});
-    REQUIRE(p.has_value());
-    CHECK(*p == std::vector<int>{1, 3});
-    p = nccl_shrink_plan({offer(7, 1, 4), offer(7, 2, 4), offer(7, 3, 4)});  // old rank 0 lost
-    REQUIRE(p.has_value());
-    CHECK(*p == std::vector<int>{0});
-    // No shrink: a newcomer (no offer), another old group, another old size, an order NCCL
-    // would not give, nobody lost, garbage, no ranks.
-    CHECK_FALSE(nccl_shrink_plan({offer(7, 0, 3), ""}).has_value());
-    CHECK_FALSE(nccl_shrink_plan({offer(7, 0, 3), offer(8, 2, 3)}).has_value());
-    CHECK_FALSE(nccl_shrink_plan({offer(7, 0, 3), offer(7, 2, 4)}).has_value());
-    CHECK_FALSE(nccl_shrink_plan({offer(7, 2, 3), offer(7, 0, 3)}).has_value());
-    CHECK_FALSE(nccl_shrink_plan({offer(7, 0, 3), offer(7, 0, 3)}).has_value());
-    CHECK_FALSE(nccl_shrink_plan({offer(7, 0, 2), offer(7, 1, 2)}).has_value());
-    CHECK_FALSE(nccl_shrink_plan({"7 0 2 junk", offer(7, 1, 2)}).has_value());
-    CHECK_FALSE(nccl_shrink_plan({"7 2 2"}).has_value());  // rank out of its size
-    CHECK_FALSE(nccl_shrink_plan({}).has_value());
-    CHECK(ddp::detail::nccl_parent_offer::decode(offer(18446744073709551615ull, 3, 9))->group ==
-          18446744073709551615ull);
-  }
+  // The shrink plan, pure, runs everywhere: tests/unit/test_plans.cpp.
 }
 
 // ---- device: a world of 1 in this process, 2 processes on 2 GPUs ---------------------------
