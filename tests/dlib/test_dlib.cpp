@@ -38,25 +38,6 @@ constexpr int batch = 8;  // per rank
 constexpr int steps = 20;
 constexpr double learning_rate = 0.05;
 
-// Runs `f`, which must throw ddp::error with `code` and every one of `parts` in its message;
-// otherwise throws std::runtime_error saying what differs (safe in a forked child).
-template <class F>
-void expect_error(F&& f, ddp::errc code, std::initializer_list<const char*> parts) {
-  std::string what;
-  try {
-    f();
-  } catch (const ddp::error& e) {
-    if (e.condition() != code)
-      throw std::runtime_error(std::string("errc ") + ddp::detail::errc_name(e.condition()) + " instead of " +
-                               ddp::detail::errc_name(code) + ": " + e.what());
-    what = e.what();
-  }
-  if (what.empty()) throw std::runtime_error("no ddp::error was thrown");
-  for (const char* p : parts)
-    if (what.find(p) == std::string::npos)
-      throw std::runtime_error("the message lacks '" + std::string(p) + "': " + what);
-}
-
 // The batches of step `s` for every rank: rank q's are samples [q * batch, (q + 1) * batch).
 struct step_data {
   std::vector<dlib::matrix<float, 0, 1>> x;

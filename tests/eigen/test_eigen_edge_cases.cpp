@@ -5,6 +5,8 @@
 
 #include <doctest/doctest.h>
 
+#include "raises.hpp"
+
 #include <Eigen/Core>
 
 #include <initializer_list>
@@ -12,18 +14,7 @@
 
 namespace {
 
-// The call must throw ddp::error with `code` and every one of `parts` in its message.
-template <class F>
-void expect_error(F&& f, ddp::errc code, std::initializer_list<const char*> parts) {
-  try {
-    f();
-  } catch (const ddp::error& e) {
-    CHECK(e.code() == code);
-    for (const char* p : parts) CHECK_MESSAGE(std::string(e.what()).find(p) != std::string::npos, e.what());
-    return;
-  }
-  FAIL("no ddp::error");
-}
+using ddp_test::raises;
 
 }  // namespace
 
@@ -40,13 +31,13 @@ TEST_CASE("eigen: a gradient in the other storage order is refused even where th
   Eigen::Matrix3f W;
   RowMajor3 gW_rows;
   ddp::eigen_parameters p;
-  expect_error([&] { p.add("square", W, gW_rows); }, ddp::errc::invalid_argument,
+  CHECK(raises([&] { p.add("square", W, gW_rows); }, ddp::errc::invalid_argument,
                {"parameter 0 ('square'): the gradient is 3x3 row-major but the parameter is 3x3 column-major",
-                "storage order"});
+                "storage order"}) == "");
   Eigen::MatrixXf V(2, 3);
   RowMajorX gV_t(3, 2);
-  expect_error([&] { p.add("transposed", V, gV_t); }, ddp::errc::invalid_argument,
-               {"the gradient is 3x2 row-major but the parameter is 2x3 column-major"});
+  CHECK(raises([&] { p.add("transposed", V, gV_t); }, ddp::errc::invalid_argument,
+               {"the gradient is 3x2 row-major but the parameter is 2x3 column-major"}) == "");
   CHECK(p.size() == 0);
   // What stays accepted: the same order; vectors against n x 1 or 1 x n matrices of either order;
   // a 1 x n row-major gradient for a 1 x n column-major parameter (the same memory).
@@ -69,5 +60,5 @@ TEST_CASE("eigen: resize to the same size keeps the registration; another size i
   gW.resize(4, 4);
   CHECK_NOTHROW(p.check());
   gW.resize(2, 8);  // the same element count: Eigen keeps the buffer, the shape changed
-  expect_error([&] { p.check(0); }, ddp::errc::usage, {"parameter 0 ('w'): its gradient", "was 4x4, now 2x8: resized"});
+  CHECK(raises([&] { p.check(0); }, ddp::errc::usage, {"parameter 0 ('w'): its gradient", "was 4x4, now 2x8: resized"}) == "");
 }

@@ -37,6 +37,8 @@ static_assert(!has_abort_call<ddp::mpi_reducer>);
 
 #include "../multiproc/reducer_checks.hpp"
 
+using ddp_test::raises;
+
 static_assert(ddp::reducer<ddp::mpi_reducer>);
 
 namespace {
@@ -335,25 +337,13 @@ TEST_CASE("mpi_reducer: built from a sub-communicator") {
 TEST_CASE("mpi_reducer: errors become ddp::error with the MPI condition") {
   ddp::mpi_reducer red{pg()};
   std::vector<float> v(4, 1.0f);
-  auto code_of = [](auto&& f) {
-    try {
-      f();
-    } catch (const ddp::error& e) {
-      return e.condition();
-    }
-    return ddp::errc{};
-  };
-  CHECK(code_of([&] { (void)red.broadcast_async(v.data(), v.size(), ddp::dtype::f32, pg().size()); }) ==
-        ddp::errc::invalid_argument);
-  CHECK(code_of([&] { red.allreduce(v.data(), v.size(), ddp::dtype::f32, static_cast<ddp::op>(42)); }) ==
-        ddp::errc::invalid_argument);
+  CHECK(raises([&] { (void)red.broadcast_async(v.data(), v.size(), ddp::dtype::f32, pg().size()); }, ddp::errc::invalid_argument) == "");
+  CHECK(raises([&] { red.allreduce(v.data(), v.size(), ddp::dtype::f32, static_cast<ddp::op>(42)); }, ddp::errc::invalid_argument) == "");
   std::vector<float> three(3);  // 4 inputs are never size() * 3
-  CHECK(code_of([&] { red.reduce_scatter(std::span<const float>(v), std::span<float>(three), ddp::op::sum); }) ==
-        ddp::errc::invalid_argument);
+  CHECK(raises([&] { red.reduce_scatter(std::span<const float>(v), std::span<float>(three), ddp::op::sum); }, ddp::errc::invalid_argument) == "");
   // The reducer's communicator returns errors instead of aborting the job; DDP_MPI_CHECK turns
   // them into ddp::error. Argument checks fail locally, on every rank alike.
-  CHECK(code_of([&] { DDP_MPI_CHECK(MPI_Bcast(v.data(), 1, MPI_FLOAT, pg().size() + 3, red.comm())); }) ==
-        ddp::errc::invalid_argument);
+  CHECK(raises([&] { DDP_MPI_CHECK(MPI_Bcast(v.data(), 1, MPI_FLOAT, pg().size() + 3, red.comm())); }, ddp::errc::invalid_argument) == "");
   std::string what;
   try {
     DDP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v.data(), -1, MPI_FLOAT, MPI_SUM, red.comm()));

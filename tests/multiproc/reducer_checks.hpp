@@ -128,20 +128,6 @@ void check_random_floats(ddp::process_group& pg, Reducer& red, std::size_t count
   require_same_bits(pg, v.data(), v.size() * sizeof(float), "random f32 sum");
 }
 
-/// Runs `f`, which must raise a ddp::error with `code` on the calling thread (not later, from
-/// a request) whose message contains every one of `texts`.
-inline void require_raises(const std::function<void()>& f, ddp::errc code, const std::vector<std::string>& texts,
-                           const std::string& what) {
-  try {
-    f();
-  } catch (const ddp::error& e) {
-    require(e.condition() == code, what + ": raised " + e.what());
-    for (const auto& t : texts) require(std::string(e.what()).find(t) != std::string::npos, what + ": '" + t + "' not in " + e.what());
-    return;
-  }
-  throw std::runtime_error(what + ": did not raise");
-}
-
 /// An unknown dtype or op on the untyped entry points is errc::invalid_argument at the call, on
 /// every rank alike, before anything is sent; the reducer stays usable.
 template <class Reducer>

@@ -434,30 +434,18 @@ TEST_CASE("sharded torch_data_parallel: an optimizer over the module itself, a f
     auto pg = ddp::init_process_group(group_options(rank, world, port, 20s));
     Net net;
     ddp::torch_data_parallel dp{pg, *net, {}, {.shard = true}};
-    const auto raises = [&](ddp::errc code, const std::string& text, auto&& fn) {
-      try {
-        fn();
-      } catch (const ddp::error& e) {
-        if (e.condition() != code || std::string(e.what()).find(text) == std::string::npos)
-          throw std::runtime_error("wrong error: " + std::string(e.what()));
-        return;
-      }
-      throw std::runtime_error("no error where one names '" + text + "'");
-    };
-    raises(ddp::errc::invalid_argument, "not a trained parameter of this wrapper",
-           [&] { (void)dp.shard_of(torch::zeros({3})); });
+    ddp_test::require_raises([&] { (void)dp.shard_of(torch::zeros({3})); }, ddp::errc::invalid_argument, {"not a trained parameter of this wrapper"});
     // The module's own parameters hold this rank's local gradients in the sharded mode.
     torch::optim::SGD whole(net->parameters(), 0.1);
     loss_of(net, rank, 0).backward();
-    raises(ddp::errc::usage, "parameter 'conv.weight' itself", [&] { dp.step(whole); });
+    ddp_test::require_raises([&] { dp.step(whole); }, ddp::errc::usage, {"parameter 'conv.weight' itself"});
     torch::optim::SGD mine(dp.shard_of(net->parameters()), 0.1);
     dp.step(mine);  // the refusal above stepped nothing: this step's shards are still fresh
-    raises(ddp::errc::usage, "with no synchronized finish() since the last step", [&] { dp.step(mine); });
-    raises(ddp::errc::usage, "the engine's optimizer steps the shards",
-           [&] { (void)dp.wrapper().sharded_state(); });
+    ddp_test::require_raises([&] { dp.step(mine); }, ddp::errc::usage, {"with no synchronized finish() since the last step"});
+    ddp_test::require_raises([&] { (void)dp.wrapper().sharded_state(); }, ddp::errc::usage, {"the engine's optimizer steps the shards"});
     ddp::sgd own{{.lr = 0.1}};
     loss_of(net, rank, 1).backward();
-    raises(ddp::errc::usage, "use one kind of optimizer throughout", [&] { dp.wrapper().step(own); });
+    ddp_test::require_raises([&] { dp.wrapper().step(own); }, ddp::errc::usage, {"use one kind of optimizer throughout"});
   });
   check_all_ok(outs);
 }

@@ -12,8 +12,11 @@
 
 #include "ddp/planner/size_planner.hpp"
 #include "dp_plan.hpp"
+#include "raises.hpp"
 
 namespace {
+
+using ddp_test::error_of;
 
 // A fake group of two: this process is rank 0; rank 1's contributions are set by the test.
 struct fake_pair {
@@ -45,17 +48,6 @@ ddp::tensor_view view(std::vector<std::int64_t> shape, std::string_view name = {
   v.name = name;
   v.device = device;
   return v;
-}
-
-template <class F>
-ddp::error error_of(F&& f) {
-  try {
-    f();
-  } catch (const ddp::error& e) {
-    return e;
-  }
-  FAIL("expected ddp::error");
-  return ddp::error(ddp::errc::aborted, -1, "");
 }
 
 std::string words(std::initializer_list<std::uint64_t> ws) {

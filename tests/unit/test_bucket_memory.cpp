@@ -14,8 +14,11 @@
 #include "ddp/data_parallel/detail/uneven.hpp"
 #include "ddp/memory/host_allocator.hpp"
 #include "dp_plan.hpp"
+#include "raises.hpp"
 
 namespace {
+
+using ddp_test::error_of;
 
 // Host memory with the copy and zero hooks, counting what goes through them.
 struct counting_allocator {
@@ -50,17 +53,6 @@ struct unreachable_allocator {
   void deallocate(void* p, std::size_t bytes) noexcept { ddp::host_allocator{}.deallocate(p, bytes); }
   ddp::memory_kind location() const noexcept { return ddp::memory_kind::cuda; }
 };
-
-template <class F>
-ddp::error error_of(F&& f) {
-  try {
-    f();
-  } catch (const ddp::error& e) {
-    return e;
-  }
-  FAIL("expected ddp::error");
-  return ddp::error(ddp::errc::aborted, -1, "");
-}
 
 ddp::request pending_request() { return ddp::request(std::make_shared<ddp::detail::request_state>()); }
 
