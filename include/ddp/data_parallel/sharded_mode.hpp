@@ -53,8 +53,7 @@ class sharded_mode {
   template <shard_optimizer Optimizer>
   void step(Optimizer& opt) {
     Wrapper& w = begin("step(optimizer)", false);
-    w.guarded_("step", -1,
-               [&] { w.shards_->step(opt, w.step_, [&w](std::size_t i) { return w.sync_.unused_everywhere(i); }); });
+    w.guarded_("step", -1, [&] { w.shards_->step(opt, [&w](std::size_t i) { return w.sync_.unused_everywhere(i); }); });
   }
 
   /// The sharded mode with the engine's own optimizer: after a synchronized `finish()`,
@@ -73,7 +72,7 @@ class sharded_mode {
   template <class Update>
   requires(std::invocable<Update&> && !shard_optimizer<std::remove_cvref_t<Update>>) void step(Update&& update) {
     Wrapper& w = begin("step(update)", true);
-    w.guarded_("step", -1, [&] { w.shards_->step_engine(update, w.step_); });
+    w.guarded_("step", -1, [&] { w.shards_->step_engine(update); });
   }
 
   /// This rank's slice of each parameter in the sharded mode, in parameter order (see
@@ -142,13 +141,12 @@ class sharded_mode {
   /// step(), and the same kind of optimizer as before.
   Wrapper& begin(const char* what, bool engine) {
     Wrapper& w = self();
-    w.check_healthy();
+    w.between_steps(what, "call it after finish()");
     if (!w.shards_)
       detail::raise(errc::usage, w.pg_.rank(),
                     std::string(what) +
                         " needs the sharded mode (dp_options::shard); without it every rank holds the averaged "
                         "gradients after finish(): step the engine's optimizer");
-    w.between_steps(what, "call it after finish()");
     if (!fresh_)
       detail::raise(errc::usage, w.pg_.rank(),
                     std::string(what) +
@@ -162,10 +160,9 @@ class sharded_mode {
   /// The checks of the state's calls: the option, between steps.
   Wrapper& check(const char* what) {
     Wrapper& w = self();
-    w.check_healthy();
+    w.between_steps(what, "call it between steps");
     if (!w.shards_)
       detail::raise(errc::usage, w.pg_.rank(), std::string(what) + " needs the sharded mode (dp_options::shard)");
-    w.between_steps(what, "call it between steps");
     return w;
   }
 

@@ -156,7 +156,7 @@ class shard_ops {
   /// Parameters for which `unused(i)` holds (no rank used them: find_unused_parameters) keep
   /// their values and state, as PyTorch's optimizers skip a parameter without a gradient.
   template <class Optimizer, class Unused>
-  void step(Optimizer& opt, std::uint64_t wrapper_step, const Unused& unused) {
+  void step(Optimizer& opt, const Unused& unused) {
     const std::size_t k = opt.state_per_element();
     if (!started_) {
       // Ranks stepping different optimizers (or hyperparameters) would diverge in silence.
@@ -178,20 +178,19 @@ class shard_ops {
                         std::to_string(k_) + " (pass the same optimizer every step)");
     }
     ++steps_;
-    gather_updated(wrapper_step, [&](std::size_t b) {
-      c_.guarded("step (the shard optimizer)", -1, [&] { step_pieces(opt, b, unused); });
-    });
+    gather_updated(
+        [&](std::size_t b) { c_.guarded("step (the shard optimizer)", -1, [&] { step_pieces(opt, b, unused); }); });
   }
 
   /// The engine's own optimizer instead (`data_parallel::step(update)`): `update()` steps this
   /// rank's slices (`slices()`) through the engine's views of them, then each bucket's updated
   /// parameters are all-gathered. The optimizer's state is the engine's: ddp keeps none.
   template <class Update>
-  void step_engine(Update& update, std::uint64_t wrapper_step) {
+  void step_engine(Update& update) {
     engine_ = true;
     ++steps_;
     c_.guarded("step (the engine's optimizer on this rank's shard)", -1, [&] { update(); });
-    gather_updated(wrapper_step, [](std::size_t) {});
+    gather_updated([](std::size_t) {});
   }
 
   /// Refuses a step of the other kind than the earlier ones (before anything of the step runs).
@@ -232,7 +231,7 @@ class shard_ops {
   /// it into the pooled buffer and its all-gather into the engine's tensors: one buffer, so
   /// bucket b's optimizer runs on the engine's values while bucket b - 1 gathers.
   template <class Before>
-  void gather_updated(std::uint64_t wrapper_step, const Before& before) {
+  void gather_updated(const Before& before) {
     const auto patience = wait_patience(c_.opts, c_.pg);
     const std::size_t n = layout_.buckets.size();
     const auto gathered = [&](std::size_t b) {
@@ -244,7 +243,7 @@ class shard_ops {
     for (std::size_t b = 0; b < n; ++b) {
       before(b);
       if (b > 0) gathered(b - 1);
-      c_.guarded("step (the all-gather of the parameters)", -1, [&] { send(b, wrapper_step); });
+      c_.guarded("step (the all-gather of the parameters)", -1, [&] { send(b); });
     }
     if (n > 0) gathered(n - 1);
   }
@@ -398,7 +397,7 @@ class shard_ops {
 
   /// This rank's updated values of bucket b into its slice of the pooled buffer, and the
   /// bucket's all-gather in place.
-  void send(std::size_t b, std::uint64_t wrapper_step) {
+  void send(std::size_t b) {
     const auto& L = layout_.buckets[b];
     c_.memory.bind(b, false, wait_patience(c_.opts, c_.pg), c_.pg.rank());
     const std::size_t esz = dtype_size(L.type);
@@ -406,7 +405,7 @@ class shard_ops {
     for (const auto& pc : L.pieces)
       std::memcpy(mine + pc.shard_offset * esz,
                   static_cast<const std::byte*>(c_.views[pc.param].data) + pc.param_offset * esz, pc.count * esz);
-    const bucket_tag tag{static_cast<std::int32_t>(b), static_cast<std::int64_t>(wrapper_step), {}};
+    const bucket_tag tag{static_cast<std::int32_t>(b), static_cast<std::int64_t>(c_.step), {}};
     c_.memory.track(b, allgather_async_tagged(c_.red, mine, c_.memory.buffer(b), L.per_rank, L.type, tag));
   }
 
