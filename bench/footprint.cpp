@@ -8,66 +8,22 @@
 //
 // Each rank does one allreduce, then prints one line
 //   footprint rank R threads T (main + ddp's T-1) listening L ports [list]
-// counted from /proc/self/task and /proc/net/tcp{,6} (LISTEN sockets whose inode is one of
-// this process's descriptors), and both ranks leave together. docs/process-group.md quotes it.
+// counted from /proc (tests/footprint.hpp), and both ranks leave together. docs/process-group.md quotes it.
 #include <ddp/ddp.hpp>
 
-#include <dirent.h>
-#include <unistd.h>
-
 #include <cstdio>
-#include <cstring>
-#include <fstream>
-#include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "footprint.hpp"  // tests/footprint.hpp: threads_now(), listening_ports()
+
 namespace {
 
-int count_threads() {
-  int n = 0;
-  if (DIR* d = ::opendir("/proc/self/task")) {
-    while (auto* e = ::readdir(d))
-      if (e->d_name[0] != '.') ++n;
-    ::closedir(d);
-  }
-  return n;
-}
-
-/// The ports this process listens on (TCP, v4 and v6).
-std::vector<int> listening_ports() {
-  std::set<std::string> mine;  // socket inodes of this process's descriptors
-  if (DIR* d = ::opendir("/proc/self/fd")) {
-    while (auto* e = ::readdir(d)) {
-      char link[256] = {};
-      const std::string path = std::string("/proc/self/fd/") + e->d_name;
-      const auto k = ::readlink(path.c_str(), link, sizeof link - 1);
-      if (k > 0 && std::strncmp(link, "socket:[", 8) == 0) mine.insert(std::string(link + 8, link + k - 1));
-    }
-    ::closedir(d);
-  }
-  std::vector<int> ports;
-  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream in(table);
-    std::string line;
-    std::getline(in, line);  // the header
-    while (std::getline(in, line)) {
-      std::istringstream s(line);
-      std::string sl, local, remote, state, queues, timer, retr, uid, timeout, inode;
-      s >> sl >> local >> remote >> state >> queues >> timer >> retr >> uid >> timeout >> inode;
-      if (state != "0A" || !mine.count(inode)) continue;  // 0A: LISTEN
-      ports.push_back(static_cast<int>(std::stoul(local.substr(local.rfind(':') + 1), nullptr, 16)));
-    }
-  }
-  return ports;
-}
-
 void report(int rank) {
-  const auto ports = listening_ports();
+  const auto ports = ddp_test::listening_ports();
   std::string list;
   for (int p : ports) list += (list.empty() ? "" : ",") + std::to_string(p);
-  const int threads = count_threads();
+  const int threads = ddp_test::threads_now();
   std::printf("footprint rank %d threads %d (main + ddp's %d) listening %zu ports [%s]\n", rank, threads,
               threads - 1, ports.size(), list.c_str());
   std::fflush(stdout);

@@ -29,6 +29,7 @@ struct fixture {
   ddp::store_server server{ddp::endpoint{"127.0.0.1", 0}, 0};
   ddp::store_client rank0{"127.0.0.1", server.port(), 0, ddp_fuzz::soon()};
   ddp::store_client rank1{"127.0.0.1", server.port(), 1, ddp_fuzz::soon()};
+  reactor loop{0, "fuzz"};  // the ranks' background thread, shared by both (one process)
   std::uint64_t round = 0;
 };
 
@@ -61,8 +62,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const auto bytes = in.rest();
   const std::string prefix = "fuzz/" + std::to_string(++f.round);
 
-  peer_links l0{store_directory(f.rank0, std::chrono::seconds(5)), local_address(f.rank0.native_handle()), nullptr,
-                0, 2, prefix, group, 0};
+  // A listening port per round for each rank, as a new group would have.
+  link_hub hub0{f.loop, local_address(f.rank0.native_handle()), nullptr, 0};
+  link_hub hub1{f.loop, local_address(f.rank1.native_handle()), nullptr, 1};
+  peer_links l0{hub0, store_directory(f.rank0, std::chrono::seconds(5)), 2, prefix, group, 0};
   auto stranger = connect_to_rank0(f.rank1, prefix);
   ddp_fuzz::send_bytes(stranger.get(), bytes);
   if (!stays) stranger.reset();  // a short hello then ends at once, not at the deadline
@@ -84,8 +87,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     ddp_fuzz::require(static_cast<bool>(ec), "rank 0 took the stranger, yet hears someone else");
     return 0;
   }
-  peer_links l1{store_directory(f.rank1, std::chrono::seconds(5)), local_address(f.rank1.native_handle()), nullptr,
-                1, 2, prefix, group, 0};
+  peer_links l1{hub1, store_directory(f.rank1, std::chrono::seconds(5)), 2, prefix, group, 0};
   // Rank 1 connects; a stalled stranger must not hold this up until the deadline.
   const auto t0 = clock::now();
   const int c1 = l1.get(0, ddp_fuzz::soon());

@@ -337,8 +337,9 @@ TEST_CASE("a stranger at a rank's mesh port, stalled or with a wrong secret, nei
         }
         if (who == 1) st.get("stranger/done", soon());  // rank 1 comes after the stranger
         const auto t0 = detail::clock::now();
-        detail::peer_links links{detail::store_directory(st, 10s), detail::local_address(st.native_handle()),
-                                 auth, who, 2, "m", 77, 0};
+        detail::reactor loop{who, "test"};
+        detail::link_hub hub{loop, detail::local_address(st.native_handle()), auth, who};
+        detail::peer_links links{hub, detail::store_directory(st, 10s), 2, "m", 77, 0};
         const int other = links.get(1 - who, soon(10s));
         const char out = static_cast<char>('a' + who);
         char in = 0;

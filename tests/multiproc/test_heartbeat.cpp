@@ -270,9 +270,10 @@ TEST_CASE("heartbeat: a goodbye after a failure fails the successor's group, wit
     std::mutex mu;
     std::vector<call> calls;
   };
-  const auto watch = [](int pred_fd, int succ_fd, seen& s, bool failed) {
+  ddp::detail::reactor loop{0, "test"};
+  const auto watch = [&loop](int pred_fd, int succ_fd, seen& s, bool failed) {
     return std::make_unique<ddp::detail::heartbeat_watch>(
-        pred_fd, 3, succ_fd, 2000ms,
+        loop, pred_fd, 3, succ_fd, 2000ms,
         [&s](ddp::errc c, const std::string& t, bool dead) {
           std::lock_guard lock(s.mu);
           s.calls.emplace_back(c, t, dead);

@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "footprint.hpp"
 #include "harness.hpp"
 
 using namespace std::chrono_literals;
@@ -81,6 +82,41 @@ TEST_CASE("a first contact made while other threads use the group's store is not
       require(since(t0) < 5.0, "the first exchange took " + std::to_string(since(t0)) + " s");
     }, 60s));
   }
+}
+
+TEST_CASE("a rank's background work runs on one thread, and every channel's peers connect to one port") {
+  // The group's mesh, its heartbeat's ring and two TCP transports: one reactor thread and one
+  // listening port (group/detail/reactor.hpp, link_hub.hpp). Rank 0 also hosts the group's store,
+  // a server with a thread and a port of its own.
+  const int port = free_port();
+  expect_ok(run_ranks(3, [&](int r) {
+    const int before = ddp_test::threads_now();
+    auto o = group_options(r, 3, port, 30s);
+    o.heartbeat = 1s;
+    auto pg = ddp::init_process_group(o);
+    ddp::tcp a{pg}, b{pg};
+    const int next = (r + 1) % 3, prev = (r + 2) % 3;
+    for (auto* t : {&a, &b}) {
+      int out = r, in = -1;
+      if (r % 2 == 0) {
+        t->send(next, &out, sizeof out, pg.deadline());
+        t->recv(prev, &in, sizeof in, pg.deadline());
+      } else {
+        t->recv(prev, &in, sizeof in, pg.deadline());
+        t->send(next, &out, sizeof out, pg.deadline());
+      }
+      require(in == prev, "rank " + std::to_string(r) + " got " + std::to_string(in));
+    }
+    const int store = r == 0 ? 1 : 0;
+    const int threads = ddp_test::threads_now() - before;
+    const auto ports = ddp_test::listening_ports();
+    require(threads == 1 + store, "rank " + std::to_string(r) + " runs " + std::to_string(threads) +
+                                      " threads of ddp's, not " + std::to_string(1 + store));
+    require(static_cast<int>(ports.size()) == 1 + store, "rank " + std::to_string(r) + " listens on " +
+                                                             std::to_string(ports.size()) + " ports, not " +
+                                                             std::to_string(1 + store));
+    pg.barrier();
+  }));
 }
 
 TEST_CASE("a forked child destroys its copy of a transport while the parent's threads wait for a link") {

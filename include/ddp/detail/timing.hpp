@@ -77,7 +77,7 @@ inline constexpr std::chrono::milliseconds link_probe_every = 250ms;
 /// Bound of one such probe: on a live host a refused connection answers in microseconds.
 inline constexpr std::chrono::milliseconds link_probe_connect = 100ms;
 
-// ---- Listeners: the store's and the mesh acceptor's (group/detail/admission.hpp, event_loop.hpp)
+// ---- Listeners: the store's and the mesh acceptor's (group/detail/admission.hpp, reactor.hpp)
 
 /// Handshake limit per connection while a listener is crowded or out of descriptors lately (a
 /// crowd of strangers): a peer finishes its hello in milliseconds, a stranger stalled

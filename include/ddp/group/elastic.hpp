@@ -595,7 +595,7 @@ class basic_elastic_group {
     pg_ = env_.form(o, equal_state);
     gen_ = round_;
     // The rank this generation's heartbeat finds dead is said in the store at once, from the
-    // heartbeat's thread, so that the next round need not wait for this rank's recover().
+    // group's courier thread, so that the next round need not wait for this rank's recover().
     env_.on_found_dead(pg_, [this, g = gen_](int dead) { mark_dead(g, dead, opts_.heartbeat); });
     if (env_.found_dead(pg_) >= 0) note_dead(gen_);
     coord_->set(detail::keys::generation, detail::keys::int_value(gen_), env_.now() + opts_.timeout);

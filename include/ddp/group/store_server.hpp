@@ -24,7 +24,7 @@
 #include <ddp/auth.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/group/detail/admission.hpp>
-#include <ddp/group/detail/event_loop.hpp>
+#include <ddp/group/detail/reactor.hpp>
 #include <ddp/group/detail/handshake.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/group/detail/store_protocol.hpp>
@@ -71,7 +71,7 @@ struct store_limits {
 };
 
 /// Serves the store on one listening socket from a background thread (the group's listener loop,
-/// group/detail/event_loop.hpp, with its admission policy, group/detail/admission.hpp): the cost
+/// group/detail/reactor.hpp, with its admission policy, group/detail/admission.hpp): the cost
 /// of an event does not grow with the number of connections, and a `set` wakes only the requests
 /// parked on its key. Each client has its own input buffer and the loop never blocks on one
 /// client, so a client that sends half a frame and stalls delays nobody; a client that sends
@@ -107,9 +107,8 @@ class store_server {
     if (!auth_ && !detail::is_loopback(bound))
       std::fprintf(stderr, "ddp: store listening on %s:%d without authentication; set DDP_AUTH_TOKEN\n",
                    detail::to_string(bound).c_str(), port_);
-    loop_.emplace(listen_.get(), rank, "store");
     handler_.self = this;
-    loop_->start(handler_);
+    loop_.emplace(listen_.get(), handler_, rank, "store");
   }
   store_server(const store_server&) = delete;
   store_server& operator=(const store_server&) = delete;
@@ -216,7 +215,7 @@ class store_server {
     return r;
   }
 
-  // The loop's view of the server (event_loop.hpp): the connections are watched by their seq.
+  // The loop's view of the server (reactor.hpp's loop_handler): the connections are watched by their seq.
   struct loop_handler {
     store_server* self = nullptr;
     bool busy() const { return !self->backlog_.empty(); }
@@ -718,7 +717,7 @@ class store_server {
   std::uint64_t activity_ = 0;
   std::size_t total_held_ = 0;
   loop_handler handler_;
-  std::optional<detail::event_loop> loop_;  // last: its thread stops before the rest goes
+  std::optional<detail::event_loop<loop_handler>> loop_;  // last: its thread stops before the rest goes
 };
 
 }  // namespace DDP_ABI

@@ -20,6 +20,7 @@ class failure_verdict;  // group/verdict.hpp
 struct group_failure;   // group/failure.hpp
 namespace detail {
 struct group_state;  // group/detail/group_state.hpp
+class link_hub;      // group/detail/link_hub.hpp
 }  // namespace detail
 
 /// A transport's registration for the group's failure as a whole (`transport_context::watch`):
@@ -86,6 +87,9 @@ class transport_context {
   store_client& store() { return pg_.store(); }
   /// The group's failure verdict: record a failure, read the first one, judge a failed link.
   failure_verdict& verdict() noexcept { return *verdict_; }
+  /// The rank's one listening port, where a transport's peers connect (`detail::open_links`
+  /// opens a channel on it).
+  detail::link_hub& hub();
   /// Calls `on_failure` (on the thread that found it) when the group fails as a whole: its
   /// heartbeat found a rank frozen or dead (init_options::heartbeat). A transport aborts
   /// itself there with the group's failure, so that its collectives blocked on a silent peer

@@ -102,6 +102,9 @@ struct elastic_env {
   }
   static void close(group& g) {
     if (g.s_) {
+      // What the courier was handed (the rank the heartbeat found dead, said in the store) is
+      // done before the generation stops telling this group.
+      if (g.s_->loop) g.s_->loop->settle();
       std::lock_guard lock(g.s_->found_mu);
       g.s_->on_found_dead = nullptr;
     }
@@ -128,11 +131,12 @@ struct elastic_env {
   /// `as_recorded`: a relayed verdict keeps its origin).
   static void fail_all(group& g, errc code, const std::string& text, bool as_recorded) {
     if (!g.s_) return;
-    g.s_->fail_all(as_recorded ? g.s_->verdict.as_recorded(code, text) : group_failure{code, text});
+    g.s_->fail_now(as_recorded ? g.s_->verdict.as_recorded(code, text) : group_failure{code, text});
   }
   /// The rank this rank's heartbeat found frozen or dead in `g`, or -1.
   static int found_dead(const group& g) noexcept { return g.s_ ? g.s_->found_dead.load() : -1; }
-  /// `fn` is told (on the heartbeat's thread) the rank the heartbeat finds frozen or dead.
+  /// `fn` is told (on the group's courier thread, never the heartbeat's) the rank the heartbeat
+  /// finds frozen or dead.
   static void on_found_dead(group& g, std::function<void(int)> fn) {
     std::lock_guard lock(g.s_->found_mu);
     g.s_->on_found_dead = std::move(fn);

@@ -23,7 +23,9 @@
 #include <ddp/group/detail/close_rules.hpp>
 #include <ddp/group/detail/heartbeat.hpp>
 #include <ddp/group/detail/launcher.hpp>
+#include <ddp/group/detail/link_hub.hpp>
 #include <ddp/group/detail/mesh.hpp>
+#include <ddp/group/detail/reactor.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/init_options.hpp>
@@ -47,28 +49,53 @@ struct group_state {
     if (!owner.forked()) close();
   }
 
-  /// Records why this rank's group failed (the first failure recorded wins) and shuts the
-  /// mesh, so that peers blocked on this rank wake at once and report the same failure
-  /// instead of naming us. Returns the failure that holds.
-  group_failure post_failure(const group_failure& f) noexcept {
+  /// Fails the group, from a user's thread: records `f` in the store (the first failure recorded
+  /// wins) and then fans out on the reactor (fan_out), so that the peers woken there find the
+  /// record. Returns the failure that holds.
+  group_failure fail_now(const group_failure& f) noexcept {
     failed.exchange(true);
     auto held = verdict.record(f);
-    if (links) links->shutdown();
+    fan_out_once(held);
     return held;
   }
-
-  /// Fails the group as a whole (its heartbeat found a rank frozen or dead): records `f` (the
-  /// first failure recorded wins), shuts the mesh and aborts every transport that watches the
-  /// group, with the failure that holds, so that collectives blocked on this rank end at once.
-  void fail_all(const group_failure& f) noexcept {
-    const auto held = post_failure(f);
-    std::lock_guard lock(watch_mu);
-    for (auto& [id, w] : watchers) try {
-        w(held);
-      } catch (...) {
-      }
+  /// Fails the group from the reactor's thread (the heartbeat found a rank frozen or dead, the
+  /// launcher's note), which never waits on the store: the record goes to the reactor's courier,
+  /// and the fan-out follows it on the reactor. `dead`: the rank the heartbeat found dead (an
+  /// elastic group says so in its store first; -1 when none).
+  void fail_later(const group_failure& f, int dead = -1) noexcept {
+    failed.exchange(true);
+    if (dead >= 0) found_dead.store(dead);
+    try {
+      loop->post_blocking([this, f, dead] {
+        if (dead >= 0) tell_found(dead);
+        fan_out_once(verdict.record(f));
+      });
+    } catch (...) {
+    }
   }
-  /// Registers `w` for fail_all(); the id unregisters it (unwatch, which waits for a call in
+
+  /// The failure reaches everything blocked on this group, once, on the reactor's thread: the
+  /// mesh shuts (peers blocked on this rank wake), and every transport that watches the group
+  /// aborts with the failure that holds, so that collectives blocked here end at once.
+  void fan_out_once(const group_failure& held) noexcept {
+    if (fanned_out.exchange(true)) return;
+    const auto fan_out = [this, held] {
+      if (links) links->shutdown();
+      std::lock_guard lock(watch_mu);
+      for (auto& [id, w] : watchers) try {
+          w(held);
+        } catch (...) {
+        }
+    };
+    try {
+      if (loop)
+        loop->call(fan_out);
+      else
+        fan_out();
+    } catch (...) {
+    }
+  }
+  /// Registers `w` for the fan-out; the id unregisters it (unwatch, which waits for a call in
   /// progress, so that a transport's destructor that unwatches first is never called after).
   std::uint64_t watch(std::function<void(const group_failure&)> w) {
     std::lock_guard lock(watch_mu);
@@ -100,10 +127,10 @@ struct group_state {
         // is the peers' error too and keeps its code; one about this rank alone (a bad
         // argument, a misuse) is errc::aborted for them.
         const bool group_wide = known && (code == errc::mismatch || code == errc::timeout || code == errc::peer_lost);
-        post_failure({group_wide ? code : errc::aborted,
-                      known ? "rank " + std::to_string(rank) + " left the group on its error (" +
-                                  std::string(detail::errc_name(code)) + "): " + msg
-                            : "rank " + std::to_string(rank) + " left the group while an exception propagated"});
+        fail_now({group_wide ? code : errc::aborted,
+                  known ? "rank " + std::to_string(rank) + " left the group on its error (" +
+                              std::string(detail::errc_name(code)) + "): " + msg
+                        : "rank " + std::to_string(rank) + " left the group while an exception propagated"});
       } catch (...) {
       }
     }
@@ -111,9 +138,13 @@ struct group_state {
     // leaves normally must not keep rank 0 waiting a whole timeout for a peer that is gone.
     const bool failing = failed.load() || aborted.load() || unwinding || (server && !verdict.first().empty());
     heartbeat.reset();  // says goodbye to the successor: a normal close is no death
+    launcher.reset();
+    // The courier's records and the fan-outs still posted finish here, before the links and the
+    // store they use go.
+    if (loop) loop->stop();
     heartbeat_links.reset();
-    launcher.reset();  // its thread records through the verdict: stopped before the store goes
     links.reset();
+    hub.reset();
     if (server) linger(failing);
     verdict.detach();
     store.reset();
@@ -154,12 +185,12 @@ struct group_state {
   /// built for the next generation to take over (transport_context::elastic).
   bool elastic = false;
   std::atomic<int> found_dead{-1};  // the predecessor this rank's heartbeat found frozen or dead
-  std::mutex found_mu;              // guards on_found_dead
-  /// Told (on the heartbeat's thread) which rank the heartbeat found frozen or dead, before the
-  /// group fails: an elastic group says so in its store (group/elastic.hpp).
+  std::atomic<bool> fanned_out{false};
+  std::mutex found_mu;  // guards on_found_dead
+  /// Told (on the reactor's courier) which rank the heartbeat found frozen or dead, before the
+  /// group's failure is recorded: an elastic group says so in its store (group/elastic.hpp).
   std::function<void(int)> on_found_dead;
-  void found(int dead) noexcept {
-    found_dead.store(dead);
+  void tell_found(int dead) noexcept {
     std::lock_guard lock(found_mu);
     if (on_found_dead) try {
         on_found_dead(dead);
@@ -168,13 +199,15 @@ struct group_state {
   }
   std::unique_ptr<store_server> server;
   std::unique_ptr<store_client> store;
-  failure_verdict verdict;  // kept in store; detached before it closes
+  failure_verdict verdict;        // kept in store; detached before it closes
+  std::unique_ptr<reactor> loop;  // the rank's background thread (group/detail/reactor.hpp)
+  std::unique_ptr<link_hub> hub;  // its one listening port, on the reactor
   std::unique_ptr<peer_links> links;
   std::unique_ptr<launcher_watch> launcher;     // DDP_LAUNCHER_FD: the launcher's note (group/detail/launcher.hpp)
   std::unique_ptr<peer_links> heartbeat_links;  // the heartbeat's ring ("pg/hb"), when init_options::heartbeat
   std::unique_ptr<heartbeat_watch> heartbeat;   // group/detail/heartbeat.hpp
   std::mutex watch_mu;                          // guards watchers
-  std::map<std::uint64_t, std::function<void(const group_failure&)>> watchers;  // transports, for fail_all()
+  std::map<std::uint64_t, std::function<void(const group_failure&)>> watchers;  // transports, for the fan-out
   std::uint64_t next_watch = 1;
   owner_process owner;  // the process that joined: a forked child's copy only closes
 };

@@ -4,25 +4,24 @@
 // The launcher's note: a launcher that ends a host's ranks because one of them failed (ddprun
 // with --nnodes) first tells them why, so that the group's failure record names the rank that
 // failed first, not the ranks it ended. The launcher passes one end of a socket in
-// DDP_LAUNCHER_FD; a group watches it from a thread of its own and, when a line arrives
+// DDP_LAUNCHER_FD; a group watches it on its reactor (reactor.hpp) and, when a line arrives
 // ("rank 3 was killed by signal 9 ..."), records it as the group's failure (the first writer
-// wins) and answers one byte, after which the launcher ends the rank. See docs/reliability.md.
+// wins; on the reactor's courier, since that waits on the store) and answers one byte
+// (launcher_watch::ack), after which the launcher ends the rank. See docs/reliability.md.
 
 #include <fcntl.h>
-#include <poll.h>
-#include <sys/eventfd.h>
+#include <sys/epoll.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
-#include <memory>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include <ddp/detail/fork.hpp>
+#include <ddp/group/detail/reactor.hpp>
 
 namespace ddp {
 inline namespace DDP_ABI {
@@ -38,63 +37,51 @@ inline int launcher_fd() noexcept {
   return ::fcntl(static_cast<int>(fd), F_GETFD) < 0 ? -1 : static_cast<int>(fd);
 }
 
-/// Watches the launcher's descriptor from a thread; `on_note(line)` runs on that thread for
-/// each line, then one byte goes back. Stops (joins) on destruction; in a forked child the
-/// thread is the parent's and is left alone.
-class launcher_watch {
+/// Watches the launcher's descriptor on `loop`; `on_note(line)` runs on the reactor's thread for
+/// each line (it must not wait: it hands the record to the courier), and whoever handles the
+/// note answers with ack(fd) once it is recorded.
+class launcher_watch final : public reactor_handler {
  public:
-  launcher_watch(int fd, std::function<void(const std::string&)> on_note)
-      : fd_(fd), stop_(::eventfd(0, EFD_CLOEXEC)), on_note_(std::move(on_note)) {
-    if (stop_ >= 0) thread_ = std::thread([this] { run(); });
+  launcher_watch(reactor& loop, int fd, std::function<void(const std::string&)> on_note)
+      : fd_(fd), on_note_(std::move(on_note)) {
+    reg_ = loop.add(*this);
+    reg_.watch(fd_, EPOLLIN, 0);
   }
   launcher_watch(const launcher_watch&) = delete;
   launcher_watch& operator=(const launcher_watch&) = delete;
-  ~launcher_watch() {
-    if (owner_.forked()) {
-      if (thread_.joinable()) abandon(std::make_unique<std::thread>(std::move(thread_)));  // the parent's thread
-      if (stop_ >= 0) ::close(stop_);
-      return;
-    }
-    if (thread_.joinable()) {
-      const std::uint64_t one = 1;
-      (void)!::write(stop_, &one, sizeof one);
-      thread_.join();
-    }
-    if (stop_ >= 0) ::close(stop_);
+  ~launcher_watch() override {
+    if (owner_.forked()) return;  // the parent's reactor: nothing of ours runs there
+    reg_.unwatch(fd_);
+    reg_.reset();
+  }
+
+  /// The one byte that tells the launcher the note is recorded.
+  static void ack(int fd) noexcept {
+    const char one = '1';
+    (void)!::write(fd, &one, 1);
   }
 
  private:
-  void run() noexcept {
-    std::string line;
-    for (;;) {
-      pollfd p[2] = {{fd_, POLLIN, 0}, {stop_, POLLIN, 0}};
-      if (::poll(p, 2, -1) < 0) {
-        if (errno == EINTR) continue;
-        return;
-      }
-      if (p[1].revents != 0) return;
-      if (p[0].revents == 0) continue;
-      char buf[512];
-      const ssize_t k = ::read(fd_, buf, sizeof buf);
-      if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      if (k <= 0) return;  // the launcher is gone
-      line.append(buf, static_cast<std::size_t>(k));
-      for (std::size_t nl; (nl = line.find('\n')) != std::string::npos; line.erase(0, nl + 1)) {
-        try {
-          on_note_(line.substr(0, nl));
-        } catch (...) {
-        }
-        const char ack = '1';
-        (void)!::write(fd_, &ack, 1);
-      }
+  void on_event(std::uint64_t, std::uint32_t, deadline_t) override {
+    char buf[512];
+    const ssize_t k = ::read(fd_, buf, sizeof buf);
+    if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (k <= 0) {  // the launcher is gone
+      reg_.unwatch(fd_);
+      return;
     }
+    line_.append(buf, static_cast<std::size_t>(k));
+    for (std::size_t nl; (nl = line_.find('\n')) != std::string::npos; line_.erase(0, nl + 1)) try {
+        on_note_(line_.substr(0, nl));
+      } catch (...) {
+      }
   }
 
   int fd_;
-  int stop_;
   std::function<void(const std::string&)> on_note_;
-  std::thread thread_;
+  std::string line_;
   owner_process owner_;
+  reactor::registration reg_;  // last: off the reactor before the rest goes
 };
 
 }  // namespace detail

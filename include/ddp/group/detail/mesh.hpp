@@ -3,23 +3,17 @@
 // IWYU pragma: private
 // Connections between the ranks of a group, made lazily: a rank connects to a peer the first
 // time it talks to it, so a ring or a tree over thousands of ranks holds a handful of sockets
-// per rank, not thousands. Every rank listens on the interface that reaches the master and
-// announces "host port" through a directory (the group's store); a background thread accepts
-// and runs the handshakes, so a peer's connection is taken whatever this rank's own thread is
-// doing.
+// per rank, not thousands. Every rank listens on one port (its link hub, link_hub.hpp, served by
+// the group's reactor) and announces "host port" for each channel through a directory (the
+// group's store); the hub takes a peer's connection whatever this rank's own thread is doing.
 //
 // Either side may connect first, and both may at once. One socket per pair survives: when both
 // attempts meet, the one made by the lower rank wins. The acceptor answers each attempt with
 // one byte after the handshake: link_accepted, or link_duplicate (this side is connecting too
 // and its attempt wins, or a connection exists); an initiator told "duplicate" waits for the
-// acceptor to hand over the peer's connection, which is then on its way.
-//
-// A hello (magic, rank, size, to, group) makes sure a stray connection is not mistaken for a
-// peer; with a secret the hello is the challenge-response of handshake.hpp instead, so only
-// holders of the secret get in. Strangers are served from the same loop as the peers (the
-// group's listener loop, event_loop.hpp, with its admission policy, admission.hpp), capped in
-// number (the oldest goes first) and in time, so they cannot hold up or crowd out a real peer; a
-// peer whose attempt is dropped before its verdict tries again until its deadline.
+// acceptor to hand over the peer's connection, which is then on its way. A peer whose attempt
+// is dropped before its verdict (a crowd of strangers at the hub) tries again until its
+// deadline.
 
 #include <algorithm>
 #include <atomic>
@@ -39,9 +33,8 @@
 #include <ddp/auth.hpp>
 #include <ddp/error.hpp>
 #include <ddp/detail/fork.hpp>
-#include <ddp/group/detail/admission.hpp>
-#include <ddp/group/detail/event_loop.hpp>
 #include <ddp/group/detail/handshake.hpp>
+#include <ddp/group/detail/link_hub.hpp>
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/group/detail/keys.hpp>
@@ -50,19 +43,6 @@ namespace ddp {
 inline namespace DDP_ABI {
 namespace detail {
 
-inline constexpr std::uint32_t mesh_magic = 0x30504444u;  // "DDP0"
-
-struct mesh_hello {
-  std::uint32_t magic;
-  std::uint32_t rank;  ///< initiator
-  std::uint32_t size;  ///< group size
-  std::uint32_t to;    ///< rank it means to reach
-  std::uint64_t group;
-};
-
-inline constexpr char link_accepted = 'A';
-inline constexpr char link_duplicate = 'D';
-
 /// Where ranks announce their listening address, and how a rank looks a peer's up.
 struct link_directory {
   std::function<void(const std::string& key, const std::string& value)> publish;
@@ -70,41 +50,33 @@ struct link_directory {
   std::function<std::optional<std::string>(const std::string& key)> lookup;
 };
 
-/// One group's connections, made on first use. Thread-safe: any thread may ask for a link.
-class peer_links {
+/// One channel's connections, made on first use; the peers' connections arrive through `hub`
+/// (the rank's one listening port). Thread-safe: any thread may ask for a link.
+class peer_links final : public link_sink {
  public:
-  /// Listens on `local`'s address (any port) and announces it under `<prefix>/addr/<rank>`.
-  /// `group_failed`, when given, says whether a rank recorded a failure: a wait for a peer's
-  /// connection then stops early (errc::peer_lost) instead of blaming that peer at its deadline.
-  peer_links(link_directory dir, const sockaddr_storage& local, std::shared_ptr<const authenticator> auth, int rank,
-             int size, std::string prefix, std::uint64_t group, int bufsize = 4 << 20,
-             std::function<bool()> group_failed = {})
+  /// Opens the channel `channel` on `hub` and announces the hub's address under
+  /// `<prefix>/addr/<rank>`. `group_failed`, when given, says whether a rank recorded a failure: a
+  /// wait for a peer's connection then stops early (errc::peer_lost) instead of blaming that peer
+  /// at its deadline.
+  peer_links(link_hub& hub, link_directory dir, int size, std::string prefix, std::uint64_t channel,
+             int bufsize = 4 << 20, std::function<bool()> group_failed = {})
       : sync_(std::make_unique<sync>()),
         mu_(sync_->mu),
         cv_(sync_->cv),
+        hub_(hub),
         dir_(std::move(dir)),
-        auth_(std::move(auth)),
-        rank_(rank),
+        auth_(hub.auth()),
+        rank_(hub.rank()),
         size_(size),
         prefix_(std::move(prefix)),
-        group_(group),
+        group_(channel),
         bufsize_(bufsize),
         group_failed_(std::move(group_failed)) {
     if (size_ == 1) return;
-    endpoint ep;
-    ep.addr = local;
-    ep.len = local.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
-    if (local.ss_family == AF_INET)
-      reinterpret_cast<sockaddr_in&>(ep.addr).sin_port = 0;
-    else
-      reinterpret_cast<sockaddr_in6&>(ep.addr).sin6_port = 0;
-    listen_ = listen_on(ep, rank_, 4096);
-    const auto me = local_address(listen_.get());
-    acceptor_ = std::make_unique<acceptor>(*this);
-    loop_.emplace(listen_.get(), rank_, "mesh acceptor");
-    loop_->start(*acceptor_);
+    hub_.attach(group_, *this);
+    attached_ = true;
     try {
-      dir_.publish(keys::address(prefix_, rank_), to_string(me) + " " + std::to_string(port_of(me)));
+      dir_.publish(keys::address(prefix_, rank_), hub_.address());
     } catch (...) {
       stop();
       throw;
@@ -112,7 +84,7 @@ class peer_links {
   }
   peer_links(const peer_links&) = delete;
   peer_links& operator=(const peer_links&) = delete;
-  ~peer_links() { stop(); }
+  ~peer_links() override { stop(); }
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
@@ -245,16 +217,17 @@ class peer_links {
   };
 
   void stop() noexcept {
-    if (!loop_) return;
-    // In a forked child's copy the acceptor thread is the parent's and does not exist here, and
-    // the parent's threads may have been inside the mutex or waiting on the condition variable
-    // at the fork (destroying it would wait for them forever). Only this process's copies of the
+    if (!attached_) return;
+    attached_ = false;
+    // In a forked child the hub's thread is the parent's and does not exist here, and the
+    // parent's threads may have been inside the mutex or waiting on the condition variable at the
+    // fork (destroying it would wait for them forever). Only this process's copies of the
     // descriptors close.
-    if (!loop_->stop()) {
+    if (owner_.forked()) {
       abandon(std::move(sync_));
-      abandon(std::move(acceptor_));
+      return;
     }
-    loop_.reset();
+    hub_.detach(group_);
   }
 
   [[noreturn]] void group_failed_while_waiting(int peer) const {
@@ -366,121 +339,28 @@ class peer_links {
     return r;
   }
 
-  /// The acceptor's decision for a proven connection from `from`; takes `fd` when accepted.
-  char decide(std::uint32_t from, fd_handle& fd) {
+  /// The hub's hand-over of a proven connection from `from` (on the reactor's thread): takes
+  /// `fd` when accepted, and answers the initiator either way.
+  void take(std::uint32_t from, fd_handle& fd) override {
     std::lock_guard lk(mu_);
     auto& s = slots_[static_cast<int>(from)];
-    const bool take = !shut_ && (s.state == link::none || s.state == link::awaiting ||
-                                 (s.state == link::connecting && static_cast<int>(from) < rank_));
-    const char verdict = take ? link_accepted : link_duplicate;
+    const bool accepted = !shut_ && (s.state == link::none || s.state == link::awaiting ||
+                                     (s.state == link::connecting && static_cast<int>(from) < rank_));
+    const char verdict = accepted ? link_accepted : link_duplicate;
     // One byte into an empty socket buffer: this does not block.
     [[maybe_unused]] auto k = ::send(fd.get(), &verdict, 1, MSG_NOSIGNAL);
-    if (take) {
+    if (accepted) {
       tune_stream(fd.get(), bufsize_);
       s.fd = std::move(fd);
       s.state = link::ready;
       cv_.notify_all();
     }
-    return verdict;
   }
 
-  bool admit(std::uint32_t from, std::uint32_t to, std::uint32_t sz, std::uint64_t grp) const {
-    return grp == group_ && sz == static_cast<std::uint32_t>(size_) && to == static_cast<std::uint32_t>(rank_) &&
+  bool admit(std::uint32_t from, std::uint32_t to, std::uint32_t sz) const override {
+    return sz == static_cast<std::uint32_t>(size_) && to == static_cast<std::uint32_t>(rank_) &&
            from < static_cast<std::uint32_t>(size_) && from != static_cast<std::uint32_t>(rank_);
   }
-
-  // Runs the handshakes of incoming connections on the listener loop (event_loop.hpp), under
-  // the admission policy: past `capacity` handshakes the oldest is dropped (its initiator, if a
-  // peer, tries again), and while crowded they get the short limit.
-  struct acceptor {
-    struct pending {
-      fd_handle fd;
-      std::string in, out;
-      std::optional<auth_responder> hs;
-    };
-    peer_links& links;
-    admission policy;
-    std::unordered_map<std::uint64_t, pending> pend;  // by id, in order of arrival
-    std::uint64_t seq = 0;
-    std::atomic<int> shed{0};
-
-    static admission_rules rules() {
-      admission_rules r;
-      r.capacity = 256;
-      r.crowded_at = r.capacity / 4;
-      return r;
-    }
-    explicit acceptor(peer_links& l) : links(l), policy(rules()) {}
-
-    bool busy() const { return false; }
-    deadline_t next_due(deadline_t now) const { return policy.next_due(now, pend.size()); }
-    bool listening(deadline_t now) const { return policy.listening(now); }
-    void after_events(deadline_t now) {
-      for (const auto& [id, why] : policy.handshakes_over(now, pend.size())) drop(id);
-    }
-    void drop(std::uint64_t id) {
-      policy.forget(id);
-      pend.erase(id);  // closes the descriptor, which leaves the epoll set
-    }
-    bool evict() {
-      const auto id = policy.victim();
-      if (!id) return false;
-      drop(*id);
-      return true;
-    }
-    void on_listener(deadline_t now) {
-      for (;;) {
-        const int fd = policy.accept(
-            links.listen_.get(), now, [this] { return pend.size(); }, [this] { return evict(); }, shed);
-        if (fd < 0) return;
-        pending p{fd_handle(fd), {}, {}, std::nullopt};
-        if (links.auth_) p.hs.emplace(links.auth_.get(), auth_kind::mesh);
-        const auto id = ++seq;
-        pend.emplace(id, std::move(p));
-        policy.place(id, standing::handshaking, id, now);
-        links.loop_->watch(fd, EPOLLIN, id);
-      }
-    }
-    void on_event(std::uint64_t id, std::uint32_t ev, deadline_t) {
-      auto it = pend.find(id);
-      if (it == pend.end()) return;
-      if (!(ev & (EPOLLIN | EPOLLHUP | EPOLLERR))) return;
-      auto& p = it->second;
-      // Read only what the current step needs: whatever follows belongs to the peer's traffic.
-      std::size_t want = sizeof(mesh_hello);
-      if (p.hs) want = p.hs->current() == auth_responder::state::hello ? auth_hello_size : auth_proof_size;
-      char buf[auth_hello_size];
-      const ssize_t k = ::recv(p.fd.get(), buf, want - p.in.size(), 0);
-      if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return drop(id);
-      if (k < 0) return;
-      p.in.append(buf, static_cast<std::size_t>(k));
-      if (!p.hs) {
-        if (p.in.size() < sizeof(mesh_hello)) return;
-        mesh_hello h{};
-        std::memcpy(&h, p.in.data(), sizeof h);
-        if (h.magic == mesh_magic && links.admit(h.rank, h.to, h.size, h.group)) hand_over(h.rank, p.fd);
-        return drop(id);
-      }
-      const auto st =
-          p.hs->feed(p.in, p.out, [&](const auth_hello& h) { return links.admit(h.from, h.to, h.size, h.group); });
-      if (!p.out.empty()) {
-        // One short message at a time, into an empty socket buffer: this does not block.
-        [[maybe_unused]] auto s = ::send(p.fd.get(), p.out.data(), p.out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-        p.out.clear();
-      }
-      if (st == auth_responder::state::done) {
-        hand_over(p.hs->hello().from, p.fd);
-        drop(id);
-      } else if (st == auth_responder::state::failed || st == auth_responder::state::foreign) {
-        drop(id);
-      }
-    }
-    // A proven connection leaves the loop before its verdict: the peer's traffic is not ours.
-    void hand_over(std::uint32_t from, fd_handle& fd) {
-      links.loop_->unwatch(fd.get());
-      links.decide(from, fd);
-    }
-  };
 
   struct sync {
     std::mutex mu;
@@ -489,6 +369,7 @@ class peer_links {
   std::unique_ptr<sync> sync_;  // on the heap: a forked child abandons it (stop())
   std::mutex& mu_;
   std::condition_variable& cv_;
+  link_hub& hub_;
   link_directory dir_;
   std::shared_ptr<const authenticator> auth_;
   int rank_;
@@ -500,10 +381,8 @@ class peer_links {
   std::unordered_map<int, slot> slots_;  // only the peers this rank has dealt with (node-stable)
 
   bool shut_ = false;
-  fd_handle listen_;
+  bool attached_ = false;
   owner_process owner_;
-  std::unique_ptr<acceptor> acceptor_;  // on the heap: a forked child abandons it (stop())
-  std::optional<event_loop> loop_;      // last: its thread stops before the rest goes
 };
 
 }  // namespace detail

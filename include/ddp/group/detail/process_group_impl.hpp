@@ -237,7 +237,7 @@ DDP_DECL int process_group::connections() const noexcept { return s_ && s_->link
 // peers wake.
 DDP_DECL void process_group::abort(const std::string& why) noexcept {
   if (!s_ || s_->owner.forked() || s_->aborted.exchange(true)) return;
-  s_->post_failure({errc::aborted, "group aborted by rank " + std::to_string(s_->rank) + ": " + why});
+  s_->fail_now({errc::aborted, "group aborted by rank " + std::to_string(s_->rank) + ": " + why});
 }
 DDP_DECL bool process_group::aborted() const noexcept { return s_ && s_->aborted.load(); }
 DDP_DECL void process_group::note_sharded_state() noexcept {
@@ -355,7 +355,11 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
   }
   auto& st = *pg.store;
   pg.verdict = failure_verdict(pg.store.get(), rank, opts.world_size, opts.timeout, opts.external_store);
-  pg.links = detail::open_links(st, pg.group_id, rank, opts.world_size, opts.timeout, detail::keys::mesh, 0,
+  // Everything this rank does in the background runs on one thread, and every channel's peers
+  // connect to one port (group/detail/reactor.hpp, link_hub.hpp).
+  pg.loop = std::make_unique<detail::reactor>(rank, "group");
+  pg.hub = std::make_unique<detail::link_hub>(*pg.loop, detail::local_address(st.native_handle()), auth, rank);
+  pg.links = detail::open_links(st, *pg.hub, pg.group_id, opts.world_size, opts.timeout, detail::keys::mesh, 0,
                                 [v = &pg.verdict] { return v->recorded(); });
   // The first barrier makes each rank's first connections (log2(size) peers) and proves the
   // group can talk; a failure there is reported like any other.
@@ -365,18 +369,17 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
     // The heartbeat's ring, on connections of its own: each rank beats to its successor and
     // watches its predecessor (group/detail/heartbeat.hpp).
     const int succ = (rank + 1) % opts.world_size, pred = (rank + opts.world_size - 1) % opts.world_size;
-    pg.heartbeat_links = detail::open_links(st, pg.group_id, rank, opts.world_size, opts.timeout,
+    pg.heartbeat_links = detail::open_links(st, *pg.hub, pg.group_id, opts.world_size, opts.timeout,
                                             detail::keys::heartbeat, 0, [v = &pg.verdict] { return v->recorded(); });
     const int succ_fd = pg.heartbeat_links->get(succ, until);
     const int pred_fd = pg.heartbeat_links->get(pred, until);
     pg.heartbeat = std::make_unique<detail::heartbeat_watch>(
-        pred_fd, pred, succ_fd, opts.heartbeat,
+        *pg.loop, pred_fd, pred, succ_fd, opts.heartbeat,
         [g = &pg, pred](errc code, const std::string& text, bool dead) {
-          // Noted first: an elastic group's next generation forms without the rank found dead
-          // here (group/elastic.hpp says so in its store). A rank that left after a failure is
-          // not dead: it registers in the next round.
-          if (dead) g->found(pred);
-          g->fail_all(g->verdict.as_recorded(code, text));
+          // An elastic group's next generation forms without the rank found dead here (the
+          // courier says so in its store before it records the failure). A rank that left after
+          // a failure is not dead: it registers in the next round.
+          g->fail_later(g->verdict.as_recorded(code, text), dead ? pred : -1);
         },
         [g = &pg] { return g->failed.load() || g->aborted.load(); });
   }
@@ -384,8 +387,11 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
   // says first which rank failed: recorded as the group's failure, so that the other hosts
   // name that rank rather than the ranks the launcher ended.
   if (const int fd = detail::launcher_fd(); fd >= 0)
-    pg.launcher = std::make_unique<detail::launcher_watch>(fd, [v = &pg.verdict](const std::string& note) {
-      if (!note.empty()) v->record(group_failure::decode(note));
+    pg.launcher = std::make_unique<detail::launcher_watch>(*pg.loop, fd, [g = &pg, fd](const std::string& note) {
+      g->loop->post_blocking([g, fd, note] {
+        if (!note.empty()) g->verdict.record(group_failure::decode(note));
+        detail::launcher_watch::ack(fd);
+      });
     });
   return handle;
 }

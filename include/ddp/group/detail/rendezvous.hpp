@@ -67,24 +67,25 @@ link_directory store_directory(Store& st, std::chrono::milliseconds timeout) {
 }
 
 /// Lazily made connections for a channel of the group, `prefix` naming it in the store (the
-/// directory); `group_failed` says whether a rank recorded a failure (peer_links).
+/// directory), its peers' connections arriving through `hub`; `group_failed` says whether a rank
+/// recorded a failure (peer_links).
 template <class Store>
-std::unique_ptr<peer_links> open_links(Store& st, std::uint64_t group_id, int rank, int size,
+std::unique_ptr<peer_links> open_links(Store& st, link_hub& hub, std::uint64_t group_id, int size,
                                        std::chrono::milliseconds timeout, const std::string& prefix, int bufsize,
                                        std::function<bool()> group_failed) {
   // Each channel's hellos carry its own id (the group's, mixed with the channel's name): a late
   // first contact meant for a closed channel is never admitted into a new one on the same port.
   std::uint64_t channel = group_id;
   for (unsigned char c : prefix) channel = (channel ^ c) * 0x100000001b3ull;
-  return std::make_unique<peer_links>(store_directory(st, timeout), local_address(st.native_handle()), st.auth(), rank,
-                                      size, prefix, channel, bufsize, std::move(group_failed));
+  return std::make_unique<peer_links>(hub, store_directory(st, timeout), size, prefix, channel, bufsize,
+                                      std::move(group_failed));
 }
 
-/// The same for a transport, from its `ddp::transport_context`: the group's store, id and
+/// The same for a transport, from its `ddp::transport_context`: the group's store, hub, id and
 /// verdict (a wait for a peer's connection stops once a rank recorded a failure).
 template <class Context>
 std::unique_ptr<peer_links> open_links(Context& ctx, const std::string& prefix, int bufsize) {
-  return open_links(ctx.store(), ctx.group_id(), ctx.rank(), ctx.size(), ctx.timeout(), prefix, bufsize,
+  return open_links(ctx.store(), ctx.hub(), ctx.group_id(), ctx.size(), ctx.timeout(), prefix, bufsize,
                     [v = &ctx.verdict()] { return v->recorded(); });
 }
 

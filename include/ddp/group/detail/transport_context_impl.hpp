@@ -21,6 +21,8 @@ DDP_DECL transport_context::transport_context(process_group& pg) : pg_(pg) {
 
 DDP_DECL bool transport_context::elastic() const noexcept { return pg_.s_ && pg_.s_->elastic; }
 
+DDP_DECL detail::link_hub& transport_context::hub() { return *pg_.live("transport_context::hub").hub; }
+
 DDP_DECL group_watch transport_context::watch(std::function<void(const group_failure&)> on_failure) {
   auto& g = pg_.live("transport_context::watch");
   const auto id = g.watch(std::move(on_failure));
