@@ -22,7 +22,10 @@ namespace {
 void report(int rank) {
   const auto ports = ddp_test::listening_ports();
   std::string list;
-  for (int p : ports) list += (list.empty() ? "" : ",") + std::to_string(p);
+  for (int p : ports) {
+    if (!list.empty()) list += ',';
+    list += std::to_string(p);
+  }
   const int threads = ddp_test::threads_now();
   std::printf("footprint rank %d threads %d (main + ddp's %d) listening %zu ports [%s]\n", rank, threads,
               threads - 1, ports.size(), list.c_str());

@@ -173,20 +173,35 @@ inline fd_handle try_connect(const endpoint& ep, deadline_t d, std::error_code& 
   return fd;
 }
 
+/// The pause between attempts to reach a listener (a peer's, the store's): connect_backoff,
+/// doubled each time up to connect_backoff_max, never past a deadline.
+class backoff {
+ public:
+  /// Sleeps the next pause and returns true; false, without sleeping, when the pause would reach
+  /// `until`.
+  bool pause(deadline_t until) {
+    if (clock::now() + next_ >= until) return false;
+    std::this_thread::sleep_for(next_);
+    next_ = std::min<std::chrono::nanoseconds>(next_ * 2, timing::connect_backoff_max);
+    return true;
+  }
+
+ private:
+  std::chrono::nanoseconds next_ = timing::connect_backoff;
+};
+
 /// Connects, retrying until `d` (the listener may start later than we do).
 inline fd_handle connect_retry(const std::vector<endpoint>& eps, deadline_t d, std::error_code& ec) {
-  auto backoff = timing::connect_backoff;
+  backoff wait;
   for (;;) {
     for (const auto& ep : eps) {
       auto fd = try_connect(ep, d, ec);
       if (fd) return fd;
     }
-    if (clock::now() + backoff >= d) {
+    if (!wait.pause(d)) {
       if (!ec) ec = make_error_code(errc::timeout);
       return {};
     }
-    std::this_thread::sleep_for(backoff);
-    backoff = std::min(backoff * 2, timing::connect_backoff_max);
   }
 }
 

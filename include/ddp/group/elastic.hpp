@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -324,7 +325,7 @@ class basic_elastic_group {
 
   /// Failures of the group as a whole (a rank lost, silent, or the group aborted), after which
   /// the next round forms: anything else is the program's or a newcomer's own error.
-  static bool group_lost(errc c) { return c == errc::peer_lost || c == errc::timeout || c == errc::aborted; }
+  static bool group_lost(errc c) { return detail::is_group_verdict(c); }
 
   /// Leaves the current generation and forms the next with `prio` (this rank's place). False
   /// when the job finished meanwhile.
@@ -571,13 +572,18 @@ class basic_elastic_group {
   }
 
   /// Writes el<g>/hb/dead/<rank> for the rank this rank's heartbeat found frozen or dead in
-  /// generation `g` (the current group), if it found one.
+  /// generation `g` (the current group), if it found one and the group's courier has not said so
+  /// already (its write, within the heartbeat's lease, may have failed: then this one, within
+  /// the timeout, says it).
   void note_dead(int g) {
-    if (const int dead = env_.found_dead(pg_); dead >= 0) mark_dead(g, dead, opts_.timeout);
+    const int dead = env_.found_dead(pg_);
+    if (dead >= 0 && marked_dead_.load() != dead_mark(g, dead)) mark_dead(g, dead, opts_.timeout);
   }
   void mark_dead(int g, int dead, std::chrono::milliseconds budget) {
     coord_->set(detail::keys::dead(g, dead), "1", env_.now() + budget);
+    marked_dead_.store(dead_mark(g, dead));
   }
+  static std::int64_t dead_mark(int g, int dead) { return static_cast<std::int64_t>(g) << 32 | dead; }
   /// Joins generation round_ as `rank` of `world`, rebuilds the program's wrappers, hands out
   /// rank 0's state. `equal_state`: every member holds the live state as of one step (the
   /// round's decision), which the group tells the wrappers built on it
@@ -688,6 +694,7 @@ class basic_elastic_group {
   std::string signature_;
   std::unique_ptr<typename Env::store> coord_;
   group_type pg_ = Env::no_group();
+  std::atomic<std::int64_t> marked_dead_{-1};  // the (generation, rank) last said dead in the store (dead_mark)
   std::function<void(group_type&)> on_form_;
   std::function<std::string()> save_;
   std::function<void(std::string_view)> load_;

@@ -31,8 +31,8 @@ namespace ddp {
 inline namespace DDP_ABI {
 class store_client;  // group/store_client.hpp
 namespace detail {
-struct group_state;  // group/detail/group_state.hpp
-struct elastic_env;  // group/detail/elastic_env.hpp
+struct group_state;     // group/detail/group_state.hpp
+class generation_link;  // group/detail/generation.hpp
 }  // namespace detail
 
 /// A joined group of processes, held through cheap handles: copies of a `process_group` share
@@ -178,8 +178,8 @@ class process_group {
 
  private:
   friend process_group init_process_group(const init_options&);
-  friend class transport_context;     // hands transports the group's channels, links and verdict
-  friend struct detail::elastic_env;  // an elastic group fails, leaves and replaces its generations' groups
+  friend class transport_context;        // hands transports the group's channels, links and verdict
+  friend class detail::generation_link;  // what an elastic group may ask of its generations' groups
   explicit process_group(std::shared_ptr<detail::group_state> s) noexcept : s_(std::move(s)) {}
   /// The group, for a call named `what`: errc::usage on an empty handle or in a forked child.
   detail::group_state& live(const char* what) const;

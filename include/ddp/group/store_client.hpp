@@ -58,7 +58,7 @@ class store_client {
                (external ? " (served outside the ranks: ddprun or ddpstore)" : "")) {
     const auto eps = detail::resolve(host, port, rank);
     const std::string where = host + ":" + std::to_string(port);
-    auto backoff = detail::timing::connect_backoff;
+    detail::backoff wait;
     int closed = 0;  // connections the store closed before serving them
     auto no_room = [&] {
       return store_ + " at " + where + " closed this rank's connection " + std::to_string(closed) +
@@ -93,13 +93,11 @@ class store_client {
         // refusal, a protocol error, the deadline) is the answer.
         if (e.code() != errc::peer_lost) throw;
         ++closed;
-        if (steady_clock::now() + backoff >= until) detail::raise(errc::timeout, rank, no_room());
       }
       // A fresh connection: nothing of the closed one's failure carries over.
       fd_.reset();
       broken_.reset();
-      std::this_thread::sleep_for(backoff);
-      backoff = std::min(backoff * 2, detail::timing::connect_backoff_max);
+      if (!wait.pause(until)) detail::raise(errc::timeout, rank, no_room());
     }
   }
 

@@ -35,7 +35,7 @@
 #include <ddp/detail/timing.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/detail/close_rules.hpp>
-#include <ddp/group/detail/group_state.hpp>
+#include <ddp/group/detail/generation.hpp>
 #include <ddp/group/process_group.hpp>
 #include <ddp/group/store_client.hpp>
 #include <ddp/group/store_server.hpp>
@@ -45,7 +45,8 @@ namespace ddp {
 inline namespace DDP_ABI {
 namespace detail {
 
-/// The real world: the group's store over TCP, process groups, the steady clock.
+/// The real world: the group's store over TCP, process groups (each generation's through its
+/// generation_link, generation.hpp), the steady clock.
 struct elastic_env {
   using group = process_group;
 
@@ -92,55 +93,30 @@ struct elastic_env {
     return std::make_unique<store>(std::move(server), o, auth, until);
   }
 
-  static group no_group() { return group(nullptr); }
-  static bool exists(const group& g) noexcept { return g.s_ != nullptr; }
-  static group form(const init_options& o, bool equal_state) {
+  static group no_group() { return generation_link::no_group(); }
+  bool exists(const group&) const noexcept { return link_.valid(); }
+  group form(const init_options& o, bool equal_state) {
     auto g = init_process_group(o);
-    g.s_->equal_state = equal_state;
-    g.s_->elastic = true;
+    link_ = generation_link::of(g, equal_state);
     return g;
   }
-  static void close(group& g) {
-    if (g.s_) {
-      // What the courier was handed (the rank the heartbeat found dead, said in the store) is
-      // done before the generation stops telling this group.
-      if (g.s_->loop) g.s_->loop->settle();
-      std::lock_guard lock(g.s_->found_mu);
-      g.s_->on_found_dead = nullptr;
-    }
+  void close(group& g) {
+    link_.release();
     g.close();
   }
   /// Stops this rank's heartbeat in `g`: a goodbye (this rank is leaving, not dead), and the
   /// predecessor's word (its goodbye or its death) before it goes.
-  static void leave_heartbeat(group& g) {
-    if (!g.s_ || !g.s_->heartbeat) return;
-    g.s_->heartbeat->leave(timing::elastic_leave_wait);
-    g.s_->heartbeat.reset();
-  }
-  static bool failed(group& g) {
-    if (!g.s_) return true;
-    if (g.s_->failed.load() || g.s_->aborted.load()) return true;
-    return g.s_->verdict.recorded();
-  }
-  static std::string failure_text(group& g) {
-    if (!g.s_) return "no group";
-    const auto f = g.s_->verdict.first();
-    return f.empty() ? std::string("a rank failed") : f.text;
-  }
+  void leave_heartbeat(group&) { link_.leave_heartbeat(); }
+  bool failed(group&) { return link_.failed(); }
+  std::string failure_text(group&) { return link_.failure_text(); }
   /// Wakes every peer still blocked on this rank with `text` (as the group records it when
   /// `as_recorded`: a relayed verdict keeps its origin).
-  static void fail_all(group& g, errc code, const std::string& text, bool as_recorded) {
-    if (!g.s_) return;
-    g.s_->fail_now(as_recorded ? g.s_->verdict.as_recorded(code, text) : group_failure{code, text});
-  }
+  void fail_all(group&, errc code, const std::string& text, bool as_recorded) { link_.fail(code, text, as_recorded); }
   /// The rank this rank's heartbeat found frozen or dead in `g`, or -1.
-  static int found_dead(const group& g) noexcept { return g.s_ ? g.s_->found_dead.load() : -1; }
+  int found_dead(const group&) const noexcept { return link_.found_dead(); }
   /// `fn` is told (on the group's courier thread, never the heartbeat's) the rank the heartbeat
   /// finds frozen or dead.
-  static void on_found_dead(group& g, std::function<void(int)> fn) {
-    std::lock_guard lock(g.s_->found_mu);
-    g.s_->on_found_dead = std::move(fn);
-  }
+  void on_found_dead(group&, std::function<void(int)> fn) { link_.on_found_dead(std::move(fn)); }
 
   static deadline_t now() noexcept { return steady_clock::now(); }
   /// A process that ddprun restarted (DDP_RESTART_COUNT > 0) joins a running job.
@@ -155,6 +131,9 @@ struct elastic_env {
     return std::string(host) + "." + std::to_string(::getpid()) + "." + std::to_string(rd());
   }
   static void drop_parked() { detail::drop_parked(); }
+
+ private:
+  generation_link link_;  // the current generation's group: all the elastic group may touch of it
 };
 
 }  // namespace detail

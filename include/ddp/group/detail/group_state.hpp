@@ -126,7 +126,7 @@ struct group_state {
         // An error about the group itself (calls that do not match, a deadline, a lost peer)
         // is the peers' error too and keeps its code; one about this rank alone (a bad
         // argument, a misuse) is errc::aborted for them.
-        const bool group_wide = known && (code == errc::mismatch || code == errc::timeout || code == errc::peer_lost);
+        const bool group_wide = known && (is_group_verdict(code) || code == errc::mismatch);
         fail_now({group_wide ? code : errc::aborted,
                   known ? "rank " + std::to_string(rank) + " left the group on its error (" +
                               std::string(detail::errc_name(code)) + "): " + msg

@@ -98,7 +98,7 @@ class peer_links final : public link_sink {
             "no connection to rank " + std::to_string(peer) + " in a group of " + std::to_string(size_));
     std::unique_lock lk(mu_);
     auto& s = slots_[peer];
-    auto backoff = timing::connect_backoff;
+    backoff wait;  // between attempts the peer's hub dropped before their verdict
     for (;;) {
       if (s.state == link::ready) return s.fd.get();
       if (shut_)
@@ -136,13 +136,11 @@ class peer_links final : public link_sink {
           // Dropped before its verdict (a crowd of strangers at the peer's listener): again.
           s.state = link::none;
           cv_.notify_all();
-          if (clock::now() >= until)
+          lk.unlock();
+          if (!wait.pause(until))
             raise(errc::timeout, rank_,
                   "could not connect to rank " + std::to_string(peer) +
                       " before the deadline (its listener dropped every attempt)");
-          lk.unlock();
-          std::this_thread::sleep_for(backoff);
-          backoff = std::min(backoff * 2, timing::connect_backoff_max);
           lk.lock();
         }
         continue;
