@@ -90,8 +90,9 @@ class transport_context {
   /// The rank's one listening port, where a transport's peers connect (`detail::open_links`
   /// opens a channel on it).
   detail::link_hub& hub();
-  /// Calls `on_failure` (on the thread that found it) when the group fails as a whole: its
-  /// heartbeat found a rank frozen or dead (init_options::heartbeat). A transport aborts
+  /// Calls `on_failure` (on the group's reactor thread, once the failure is recorded) when the
+  /// group fails as a whole: its heartbeat found a rank frozen or dead (init_options::heartbeat),
+  /// or a rank aborted it. A transport aborts
   /// itself there with the group's failure, so that its collectives blocked on a silent peer
   /// end at once. Keep the returned handle for as long as the transport lives.
   group_watch watch(std::function<void(const group_failure&)> on_failure);

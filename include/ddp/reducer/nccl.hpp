@@ -477,7 +477,7 @@ class nccl_engine {
     detail::raise(errc::aborted, rank_, std::string("nccl_reducer: ") + what + how);
   }
 
-  // On the heartbeat's thread, when the group failed as a whole. An elastic group's engine
+  // On the group's reactor thread (its fan-out), when the group failed as a whole. An elastic group's engine
   // revokes the communicator (its collectives stuck on the lost ranks stop) and keeps it for the
   // next generation's shrink; any other engine, or a failed revoke, aborts it.
   void fail_with_group(const group_failure& f) noexcept {

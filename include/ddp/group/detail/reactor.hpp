@@ -28,7 +28,6 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -147,13 +146,20 @@ class reactor {
   /// the reactor's, or once stopped).
   void call(const std::function<void()>& job) {
     if (on_thread()) return run_quietly(job);
-    auto done = std::make_shared<std::promise<void>>();
-    auto ran = done->get_future();
-    post([&job, done] {
+    struct done_flag {
+      std::mutex mu;
+      std::condition_variable cv;
+      bool done = false;
+    };
+    auto d = std::make_shared<done_flag>();
+    post([&job, d] {
       run_quietly(job);
-      done->set_value();
+      std::lock_guard lock(d->mu);
+      d->done = true;
+      d->cv.notify_all();
     });
-    ran.wait();
+    std::unique_lock lock(d->mu);
+    d->cv.wait(lock, [&] { return d->done; });
   }
 
   /// Runs `job` on the courier, the thread for work that may wait on the group's store, in the
