@@ -65,12 +65,14 @@ struct group_state {
   void fail_later(const group_failure& f, int dead = -1) noexcept {
     failed.exchange(true);
     if (dead >= 0) found_dead.store(dead);
+    const auto deliver = [this, f, dead] {
+      if (dead >= 0) tell_found(dead);
+      fan_out_once(verdict.record(f));
+    };
     try {
-      loop->post_blocking([this, f, dead] {
-        if (dead >= 0) tell_found(dead);
-        fan_out_once(verdict.record(f));
-      });
+      loop->post_blocking(deliver);
     } catch (...) {
+      deliver();  // no room to hand it over: late here rather than never
     }
   }
 
