@@ -64,7 +64,9 @@ class reactor {
 
  public:
   /// A handler's ids are below this.
-  static constexpr std::uint64_t id_limit = std::uint64_t{1} << 56;
+  static constexpr std::uint64_t id_limit = std::uint64_t{1} << 40;
+  /// Handlers on one reactor at once (slots are reused once removed).
+  static constexpr std::size_t max_handlers = 255;
 
   /// A handler on the reactor, as add() returns it: watches descriptors under the handler's ids,
   /// and removes the handler when reset or destroyed (waiting for a round in progress).
@@ -100,7 +102,7 @@ class reactor {
    private:
     friend class reactor;
     registration(reactor* r, std::uint64_t tag) noexcept : r_(r), tag_(tag) {}
-    std::uint64_t key(std::uint64_t id) const noexcept { return tag_ << 56 | id; }
+    std::uint64_t key(std::uint64_t id) const noexcept { return tag_ << 40 | id; }
     reactor* r_ = nullptr;
     std::uint64_t tag_ = 0;
   };
@@ -121,11 +123,20 @@ class reactor {
   /// Adds `h`, which must outlive the registration (declare it after what the handler uses).
   registration add(reactor_handler& h) {
     std::lock_guard lock(s_->mu);
-    if (s_->handlers.size() >= 255)
-      raise(errc::usage, rank_, std::string(what_) + ": more than 255 handlers on one reactor");
-    s_->handlers.push_back(&h);
+    auto& slots = s_->handlers;
+    auto free = std::find_if(slots.begin(), slots.end(), [](const slot& x) { return x.h == nullptr; });
+    if (free == slots.end()) {
+      if (slots.size() >= max_handlers)
+        raise(errc::usage, rank_,
+              std::string(what_) + ": more than " + std::to_string(max_handlers) + " handlers on one reactor at once");
+      free = slots.insert(slots.end(), slot{});
+    }
+    // A reused slot takes the next generation: an event its former handler's descriptors raised
+    // in a round already gathered carries the old one and reaches nobody.
+    free->h = &h;
+    ++free->gen;
     s_->poke();  // a sleeping reactor learns the new handler's timers now, not at its next wake
-    return registration(this, s_->handlers.size() - 1);
+    return registration(this, tag_of(static_cast<std::size_t>(free - slots.begin()), free->gen));
   }
 
   /// Runs `job` on the reactor's thread, soon; at once on the caller's thread once stopped.
@@ -223,9 +234,14 @@ class reactor {
  private:
   static constexpr std::uint64_t wake_key = ~std::uint64_t{0};
 
+  struct slot {
+    reactor_handler* h = nullptr;
+    std::uint16_t gen = 0;
+  };
+
   struct state {
-    std::recursive_mutex mu;                 // held while handlers run: add and remove wait for a round
-    std::vector<reactor_handler*> handlers;  // by tag; null once removed (tags are never reused)
+    std::recursive_mutex mu;     // held while handlers run: add and remove wait for a round
+    std::vector<slot> handlers;  // by slot; a removed handler's slot is null until reused
     std::mutex post_mu;
     std::vector<std::function<void()>> posted;
     bool stopped = false;
@@ -240,6 +256,13 @@ class reactor {
     fd_handle epoll;
     std::thread thread;
     std::thread::id loop_id;
+
+    /// The handler that `tag` (see tag_of) names, if it is still there.
+    reactor_handler* find(std::uint64_t tag) const noexcept {
+      const auto at = static_cast<std::size_t>(tag >> 16);
+      if (at >= handlers.size() || handlers[at].gen != static_cast<std::uint16_t>(tag)) return nullptr;
+      return handlers[at].h;
+    }
 
     void poke() noexcept {
       const std::uint64_t one = 1;
@@ -261,10 +284,10 @@ class reactor {
         bool busy = false;
         {
           std::lock_guard lock(mu);
-          for (auto* h : handlers)
-            if (h != nullptr) {
-              busy = busy || h->busy();
-              due = std::min(due, h->next_due(before));
+          for (const auto& x : handlers)
+            if (x.h != nullptr) {
+              busy = busy || x.h->busy();
+              due = std::min(due, x.h->next_due(before));
             }
         }
         const int n = ::epoll_wait(epoll.get(), events.data(), static_cast<int>(events.size()),
@@ -279,12 +302,10 @@ class reactor {
             [[maybe_unused]] auto r = ::read(wake.get(), &count, sizeof count);
             continue;
           }
-          const auto tag = static_cast<std::size_t>(e.data.u64 >> 56);
-          if (tag < handlers.size() && handlers[tag] != nullptr)
-            handlers[tag]->on_event(e.data.u64 & (id_limit - 1), e.events, now);
+          if (auto* h = find(e.data.u64 >> 40)) h->on_event(e.data.u64 & (id_limit - 1), e.events, now);
         }
         for (std::size_t t = 0; t < handlers.size(); ++t)
-          if (handlers[t] != nullptr) handlers[t]->after_events(now);
+          if (handlers[t].h != nullptr) handlers[t].h->after_events(now);
       }
     }
 
@@ -318,8 +339,12 @@ class reactor {
   void remove(std::uint64_t tag) noexcept {
     if (!s_ || owner_.forked()) return;
     std::lock_guard lock(s_->mu);
-    if (tag < s_->handlers.size()) s_->handlers[tag] = nullptr;
+    const auto at = static_cast<std::size_t>(tag >> 16);
+    if (s_->find(tag) != nullptr) s_->handlers[at].h = nullptr;
   }
+
+  /// A registration's tag: the slot (8 bits) and the slot's generation (16 bits).
+  static std::uint64_t tag_of(std::size_t at, std::uint16_t gen) noexcept { return std::uint64_t{at} << 16 | gen; }
 
   void control(int op, int fd, std::uint32_t events, std::uint64_t key) {
     epoll_event ev{};
