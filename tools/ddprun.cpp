@@ -510,9 +510,13 @@ int main(int argc, char** argv) {
     // answers: then ending them blames nobody. Ranks that run no group do not answer.
     auto tell_cause = [&](int failed) {
       const std::string note =
-          std::to_string(static_cast<int>(ddp::errc::peer_lost)) + " rank " + std::to_string(base + failed) + " " +
-          describe(failed) + " (seen by its launcher, ddprun on node " + std::to_string(node_rank) +
-          ", which then ended the other ranks of that node)\n";
+          ddp::group_failure{ddp::errc::peer_lost,
+                             "rank " + std::to_string(base + failed) + " " + describe(failed) +
+                                 " (seen by its launcher, ddprun on node " + std::to_string(node_rank) +
+                                 ", which then ended the other ranks of that node)",
+                             -1, base + failed}
+              .encode() +
+          "\n";
       std::vector<int> waiting;
       for (std::size_t r = 0; r < procs.size(); ++r) {
         auto& p = procs[r];

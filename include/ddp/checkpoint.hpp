@@ -63,7 +63,7 @@ template <parameter_set P>
 void save_checkpoint(process_group& pg, const std::filesystem::path& path, const P& params,
                      std::span<const std::byte> extra, deadline_t until) {
   namespace ck = detail::ckpt;
-  detail::outcome v;
+  group_failure v;
   if (pg.rank() == 0) {
     const std::string file = path.string();
     const std::string who = "save_checkpoint('" + file + "'): rank 0 ";
@@ -71,13 +71,13 @@ void save_checkpoint(process_group& pg, const std::filesystem::path& path, const
     bool created = false;
     const auto fail = [&](errc code, const std::string& why, int parameter = -1) {
       if (created) ::unlink(tmp.c_str());
-      v = {code, parameter, who + why};
+      v = {code, who + why, parameter, pg.rank()};
     };
     try {
       const auto views = to_state_views(params);
       std::vector<ck::entry> entries;
       std::uint64_t data_bytes = 0;
-      for (std::size_t i = 0; i < views.size() && v.ok(); ++i) {
+      for (std::size_t i = 0; i < views.size() && v.empty(); ++i) {
         const auto& t = views[i];
         if (t.device >= 0)
           fail(errc::unsupported,
@@ -87,9 +87,9 @@ void save_checkpoint(process_group& pg, const std::filesystem::path& path, const
         entries.push_back({std::string(t.name), t.type, t.shape, t.numel});
         data_bytes += t.bytes();
       }
-      if (std::endian::native != std::endian::little && v.ok())
+      if (std::endian::native != std::endian::little && v.empty())
         fail(errc::unsupported, "cannot save on a big-endian host (the format stores little-endian values)");
-      if (v.ok()) {
+      if (v.empty()) {
         const std::string table = ck::encode_table(entries);
         const std::string head = ck::encode_header({entries.size(), table.size(), data_bytes, extra.size()});
         // A temporary nobody can plant or guess (owner-only, O_EXCL | O_NOFOLLOW), renamed
@@ -179,9 +179,9 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
   const std::string file = path.string();
   const std::string who = "load_checkpoint('" + file + "'): rank " + std::to_string(rank) + " ";
   // 1. Every rank describes its parameters; rank 0 reads the file's header and table.
-  detail::outcome v;
+  group_failure v;
   const auto fail = [&](errc code, const std::string& why, int parameter = -1) {
-    if (v.ok()) v = {code, parameter, who + why};
+    if (v.empty()) v = {code, who + why, parameter, pg.rank()};
   };
   std::vector<tensor_view> views;
   std::vector<ck::entry> mine;
@@ -200,7 +200,7 @@ std::vector<std::byte> load_checkpoint(process_group& pg, const std::filesystem:
     }
     if (std::endian::native != std::endian::little)
       fail(errc::unsupported, "cannot load on a big-endian host (the format stores little-endian values)");
-    if (rank == 0 && v.ok()) {
+    if (rank == 0 && v.empty()) {
       // O_NONBLOCK: a FIFO (or a device) at the name opens at once and is refused below,
       // instead of blocking this rank, and with it every rank, for ever.
       fd.reset(::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));

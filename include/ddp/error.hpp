@@ -1,9 +1,11 @@
 #pragma once
 /// \file error.hpp
 /// The one exception type of ddp: `ddp::error`, a `std::system_error` carrying the rank, and
-/// optionally the bucket and parameter, that the failure concerns.
+/// optionally the bucket and parameter, that the failure concerns; and `ddp::group_failure`, a
+/// failure as it travels from one rank to others.
 
 #include <algorithm>
+#include <charconv>
 #include <exception>
 #include <mutex>
 #include <string>
@@ -196,6 +198,50 @@ inline bool latest_live_error(errc& code, std::string& message) {
   throw error(code, rank, msg, bucket, parameter);
 }
 }  // namespace detail
+
+/// A failure as it travels between ranks: its condition, a sentence that names where it
+/// happened ("rank 2 reports: lost connection to rank 3 (...)"), the parameter it concerns and
+/// the rank it came from, so that any rank can raise it under its own prefix. The one value and
+/// the one codec for every way a failure crosses ranks: the group's failure record in its store,
+/// a step's outcome gathered or broadcast to every rank (detail/consensus.hpp), and the
+/// launcher's note to a rank (ddprun).
+struct group_failure {
+  errc code{};
+  std::string text;    ///< empty: no failure
+  int parameter = -1;  ///< the parameter it concerns, or -1
+  int origin = -1;     ///< the rank it happened on, or -1 when that is not known
+  bool empty() const noexcept { return text.empty(); }
+
+  /// "<errc> <parameter> <origin> <text>", and "" for no failure.
+  std::string encode() const {
+    if (empty()) return {};
+    return std::to_string(static_cast<int>(code)) + ' ' + std::to_string(parameter) + ' ' + std::to_string(origin) +
+           ' ' + text;
+  }
+  /// What encode() wrote; "" is no failure, and anything else that encode() cannot have written
+  /// is errc::protocol quoting it (never an empty failure, which would read as success).
+  static group_failure decode(std::string_view s) {
+    if (s.empty()) return {};
+    int field[3] = {};
+    const char* at = s.data();
+    const char* const end = s.data() + s.size();
+    for (int& f : field) {
+      const auto [next, ec] = std::from_chars(at, end, f);
+      if (ec != std::errc{} || next == end || *next != ' ') return malformed(s);
+      at = next + 1;
+    }
+    if (at == end || field[0] < static_cast<int>(errc::invalid_argument) || field[0] > static_cast<int>(errc::usage))
+      return malformed(s);
+    return {static_cast<errc>(field[0]), std::string(at, end), field[1], field[2]};
+  }
+  /// Raises it on `rank` (under that rank's prefix), with its condition and parameter.
+  [[noreturn]] void raise_on(int rank) const { detail::raise(code, rank, text, -1, parameter); }
+
+ private:
+  static group_failure malformed(std::string_view s) {
+    return {errc::protocol, "a malformed failure record: \"" + std::string(s.substr(0, 200)) + "\""};
+  }
+};
 
 }  // namespace DDP_ABI
 }  // namespace ddp

@@ -88,11 +88,15 @@ TEST_CASE("verdict: a failure is recorded as this rank's report unless it alread
     CHECK_FALSE(ddp::failure_verdict::names_reporter("rank 1 stopped answering: no heartbeat"));
     CHECK_FALSE(ddp::failure_verdict::names_reporter("rank reports: nobody"));
     CHECK_FALSE(ddp::failure_verdict::names_reporter(""));
+    CHECK(ddp::failure_verdict::reporter("rank 12 left the group on its error (timeout): x") == 12);
+    CHECK(ddp::failure_verdict::reporter("group aborted by rank 3: why") == 3);
+    CHECK(ddp::failure_verdict::reporter("rank 1 stopped answering: no heartbeat") == -1);
   }
   SUBCASE("as recorded") {
     const auto relayed = v.as_recorded(ddp::errc::timeout, "rank 2 reports: rank 1 stopped answering");
     CHECK(relayed.code == ddp::errc::timeout);
     CHECK(relayed.text == "rank 2 reports: rank 1 stopped answering");
+    CHECK(relayed.origin == 2);  // where it came from, not this rank
     const auto own = v.as_recorded(ddp::errc::peer_lost, "rank 1 died");
     CHECK(own.code == ddp::errc::peer_lost);
     CHECK(own.text.find(" reports: rank 1 died") != std::string::npos);

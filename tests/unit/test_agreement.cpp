@@ -140,7 +140,7 @@ TEST_CASE("agreement: a rank that could not set up its buckets fails every rank,
   agree.share_setup(nullptr);
   CHECK(fake.sent.back().empty());
 
-  fake.theirs = ddp::detail::encode_outcome({ddp::errc::system, -1, "shm arena full"});
+  fake.theirs = ddp::group_failure{ddp::errc::system, "shm arena full", -1, 1}.encode();
   const auto e = error_of([&] { agree.share_setup(nullptr); });
   CHECK(e.condition() == ddp::errc::system);
   CHECK(std::string(e.what()).find("rank 1 could not set up its gradient buckets: shm arena full") !=
@@ -152,9 +152,10 @@ TEST_CASE("agreement: a rank that could not set up its buckets fails every rank,
   const auto o = error_of([&] { agree.share_setup(own); });
   CHECK(o.condition() == ddp::errc::unsupported);
   CHECK(std::string(o.what()).find("no room on device 0") != std::string::npos);
-  const auto sent = ddp::detail::decode_outcome(fake.sent.back());
+  const auto sent = ddp::group_failure::decode(fake.sent.back());
   CHECK(sent.code == ddp::errc::unsupported);
-  CHECK(sent.message == "no room on device 0");
+  CHECK(sent.text == "no room on device 0");
+  CHECK(sent.origin == 0);
 
   // Alone, nothing is gathered.
   ddp::agreement alone{{0, 1, nullptr, nullptr}};
@@ -302,29 +303,36 @@ TEST_CASE("agreement: check_same_text groups the ranks that share a differing va
   alone.check_same_text("x", "a");
 }
 
-TEST_CASE("consensus: outcomes travel as strings; the lowest failing rank is the one every rank raises") {
-  using ddp::detail::outcome;
-  const outcome o{ddp::errc::mismatch, 7, "rank 2 has f16 where rank 0 has f32 (with spaces)"};
-  const auto back = ddp::detail::decode_outcome(ddp::detail::encode_outcome(o));
+TEST_CASE("consensus: a failure travels in one codec; the lowest failing rank is the one every rank raises") {
+  using ddp::group_failure;
+  const group_failure o{ddp::errc::mismatch, "rank 2 has f16 where rank 0 has f32 (with spaces)", 7, 2};
+  const auto back = group_failure::decode(o.encode());
   CHECK(back.code == ddp::errc::mismatch);
   CHECK(back.parameter == 7);
-  CHECK(back.message == o.message);
-  CHECK(ddp::detail::encode_outcome(outcome{}).empty());
-  CHECK(ddp::detail::decode_outcome("").ok());
-  const auto junk = ddp::detail::decode_outcome("not an outcome");
-  CHECK(junk.code == ddp::errc::protocol);
-  CHECK(junk.message == "not an outcome");
-  // A failure whose message is empty still reads as a failure.
-  const auto empty = ddp::detail::outcome_of(std::make_exception_ptr(ddp::error(ddp::errc::system, 0, "")));
-  CHECK_FALSE(empty.ok());
+  CHECK(back.origin == 2);
+  CHECK(back.text == o.text);
+  CHECK(group_failure{}.encode().empty());
+  CHECK(group_failure::decode("").empty());
+  // Anything encode() cannot have written is a protocol failure quoting it, never success.
+  for (const char* junk : {"not a failure", "3 -1 2", "3 -1 2 ", "99 -1 -1 x", "0 -1 -1 x", "3 x -1 text", "3"}) {
+    CAPTURE(junk);
+    const auto j = group_failure::decode(junk);
+    CHECK(j.code == ddp::errc::protocol);
+    CHECK(j.text.find(junk) != std::string::npos);
+  }
+  // A failure whose message is empty still reads as a failure; its origin is the rank given.
+  const auto empty = ddp::detail::failure_of(std::make_exception_ptr(ddp::error(ddp::errc::system, 0, "")), 4);
+  CHECK_FALSE(empty.empty());
+  CHECK(empty.origin == 4);
   const auto gathered = [](const std::string&) {
-    return std::vector<std::string>{"", ddp::detail::encode_outcome({ddp::errc::timeout, -1, "late"}),
-                                    ddp::detail::encode_outcome({ddp::errc::system, -1, "full"})};
+    return std::vector<std::string>{"", group_failure{ddp::errc::timeout, "late"}.encode(),
+                                    group_failure{ddp::errc::system, "full"}.encode()};
   };
-  const auto f = ddp::detail::first_failed(gathered, outcome{});
+  const auto f = ddp::detail::first_failed(gathered, group_failure{});
   CHECK(f.rank == 1);
   CHECK(f.what.code == ddp::errc::timeout);
-  CHECK(f.what.message == "late");
+  CHECK(f.what.text == "late");
+  CHECK(f.what.origin == 1);  // the rank it was gathered from
 }
 
 TEST_CASE("consensus: a blob from one rank to all; a length outside its bounds is refused before it sizes memory") {

@@ -225,12 +225,12 @@ class agreement {
       if (mine) std::rethrow_exception(mine);
       return;
     }
-    const auto failed = detail::first_failed(ch_.all_gather, detail::outcome_of(mine));
+    const auto failed = detail::first_failed(ch_.all_gather, detail::failure_of(mine, ch_.rank));
     if (mine) std::rethrow_exception(mine);  // this rank's own cause, as it was raised
     if (failed.rank >= 0)
       detail::raise(
           failed.what.code, ch_.rank,
-          "rank " + std::to_string(failed.rank) + " could not set up its gradient buckets: " + failed.what.message);
+          "rank " + std::to_string(failed.rank) + " could not set up its gradient buckets: " + failed.what.text);
   }
 
   /// The rebuild from the observed ready order: rank 0's `order` (every parameter once) is

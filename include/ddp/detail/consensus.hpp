@@ -22,7 +22,6 @@
 #include <vector>
 
 #include <ddp/clock.hpp>
-#include <ddp/detail/bytes.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 
@@ -30,50 +29,25 @@ namespace ddp {
 inline namespace DDP_ABI {
 namespace detail {
 
-/// What a rank's part of a step came to: empty `message` when it succeeded.
-struct outcome {
-  errc code = errc::system;
-  int parameter = -1;
-  std::string message;
-  bool ok() const noexcept { return message.empty(); }
-};
-
-/// The outcome of `e` (null: success): a ddp::error keeps its condition, parameter and message
+/// What a rank's part of a step came to, as the failure that crosses ranks (error.hpp): empty
+/// when it succeeded. The failure of `e` (null: success): a ddp::error keeps its condition, parameter and message
 /// (without its "[ddp.x] rank N:" prefix), any other exception is errc::system with its what();
-/// a failure's message is never empty (an empty one would read as success).
-inline outcome outcome_of(const std::exception_ptr& e) {
+/// a failure's text is never empty (an empty one would read as success). `origin`: this rank.
+inline group_failure failure_of(const std::exception_ptr& e, int origin = -1) {
   if (!e) return {};
-  outcome o;
+  group_failure o;
   try {
     std::rethrow_exception(e);
   } catch (const error& x) {
-    o = {x.condition(), x.parameter(), std::string(x.message())};
+    o = {x.condition(), std::string(x.message()), x.parameter()};
   } catch (const std::exception& x) {
-    o = {errc::system, -1, x.what()};
+    o = {errc::system, x.what()};
   } catch (...) {
-    o = {errc::system, -1, "an exception of unknown type"};
+    o = {errc::system, "an exception of unknown type"};
   }
-  if (o.message.empty()) o.message = "an error without a message";
+  if (o.text.empty()) o.text = "an error without a message";
+  o.origin = origin;
   return o;
-}
-
-/// An outcome as a string to gather (empty when it succeeded), and back. A string that is not
-/// one is errc::protocol quoting it.
-inline std::string encode_outcome(const outcome& o) {
-  if (o.ok()) return {};
-  return std::to_string(static_cast<int>(o.code)) + ' ' + std::to_string(o.parameter) + ' ' + o.message;
-}
-inline outcome decode_outcome(std::string_view s) {
-  if (s.empty()) return {};
-  const auto a = s.find(' ');
-  const auto b = a == std::string_view::npos ? a : s.find(' ', a + 1);
-  if (b == std::string_view::npos) return {errc::protocol, -1, std::string(s)};
-  try {
-    return {static_cast<errc>(std::stoi(std::string(s.substr(0, a)))),
-            std::stoi(std::string(s.substr(a + 1, b - a - 1))), std::string(s.substr(b + 1))};
-  } catch (const std::exception&) {
-    return {errc::protocol, -1, std::string(s)};
-  }
 }
 
 /// The ranks whose value differs from rank 0's in `all` (every rank's, gathered), in rank order;
@@ -100,16 +74,20 @@ void agree(AllGather&& all_gather, int rank, const std::string& mine, Describe&&
 /// The lowest rank whose outcome failed (`rank` -1: none) and that outcome.
 struct failed_rank {
   int rank = -1;
-  outcome what;
+  group_failure what;
 };
 
 /// Every rank's outcome, gathered through `all_gather` (a collective: std::string ->
 /// std::vector<std::string>, one per rank), and the lowest failing rank among them.
 template <class AllGather>
-failed_rank first_failed(AllGather&& all_gather, const outcome& mine) {
-  const std::vector<std::string> all = all_gather(encode_outcome(mine));
+failed_rank first_failed(AllGather&& all_gather, const group_failure& mine) {
+  const std::vector<std::string> all = all_gather(mine.encode());
   for (std::size_t r = 0; r < all.size(); ++r)
-    if (!all[r].empty()) return {static_cast<int>(r), decode_outcome(all[r])};
+    if (!all[r].empty()) {
+      auto what = group_failure::decode(all[r]);
+      what.origin = static_cast<int>(r);
+      return {static_cast<int>(r), std::move(what)};
+    }
   return {};
 }
 
@@ -136,24 +114,17 @@ void broadcast_blob(Broadcast&& bcast, std::string& blob, int rank, int root, st
 }
 
 template <class Group>
-void settle(Group& pg, const outcome& mine, deadline_t until) {
+void settle(Group& pg, const group_failure& mine, deadline_t until) {
   constexpr std::int32_t none = std::numeric_limits<std::int32_t>::max();
-  std::int32_t first = mine.ok() ? none : pg.rank();
+  std::int32_t first = mine.empty() ? none : pg.rank();
   pg.all_reduce(std::span<std::int32_t>(&first, 1), op::min, until);
   if (first == none) return;
-  std::string frame;
-  if (pg.rank() == first)
-    byte_writer(frame)
-        .u32(static_cast<std::uint32_t>(mine.code))
-        .u32(static_cast<std::uint32_t>(mine.parameter))
-        .raw(mine.message);
+  std::string frame = pg.rank() == first ? mine.encode() : std::string();
   broadcast_blob([&](std::span<std::byte> b) { pg.broadcast(b, first, until); }, frame, pg.rank(), first, 8,
                  std::size_t{1} << 20, "an error of a step each rank took alone");
-  byte_reader r(frame);
-  const auto code = static_cast<errc>(r.u32());
-  const auto parameter = static_cast<int>(r.u32());
-  const auto text = r.raw(r.remaining());
-  raise(r.ok() ? code : errc::protocol, pg.rank(), std::string(text), -1, parameter);
+  auto f = group_failure::decode(frame);
+  if (f.empty()) f = {errc::protocol, "rank " + std::to_string(first) + " failed, yet sent no failure"};
+  f.raise_on(pg.rank());
 }
 
 }  // namespace detail

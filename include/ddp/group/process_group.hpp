@@ -24,7 +24,6 @@
 #include <ddp/detail/compiled.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
-#include <ddp/group/failure.hpp>
 #include <ddp/group/init_options.hpp>
 
 namespace ddp {
@@ -136,7 +135,7 @@ class process_group {
   /// on an empty handle or in a forked child.
   void abort(const std::string& why = "abort() called") noexcept;
 
-  /// A failure as the group records it (group/failure.hpp): its condition and a sentence that
+  /// A failure as the group records it (error.hpp): its condition and a sentence that
   /// names the rank it happened on, so that any rank can raise it under its own prefix.
   using failure = group_failure;
 

@@ -17,7 +17,7 @@
 namespace ddp {
 inline namespace DDP_ABI {
 class failure_verdict;  // group/verdict.hpp
-struct group_failure;   // group/failure.hpp
+struct group_failure;   // error.hpp
 namespace detail {
 struct group_state;  // group/detail/group_state.hpp
 class link_hub;      // group/detail/link_hub.hpp

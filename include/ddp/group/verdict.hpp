@@ -27,7 +27,6 @@
 #include <ddp/detail/socket.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/error.hpp>
-#include <ddp/group/failure.hpp>
 #include <ddp/group/store_client.hpp>
 #include <ddp/group/detail/keys.hpp>
 
@@ -58,20 +57,29 @@ class failure_verdict {
 
   /// `msg` as the group records it: as it is when it names the rank it came from already (a
   /// verdict this rank adopted), else as this rank's own report.
+  /// Its origin is the rank it names, or this one.
   group_failure as_recorded(errc code, const std::string& msg) const {
-    return {code, names_reporter(msg) ? msg : reported(msg)};
+    const int from = reporter(msg);
+    return {code, from >= 0 ? msg : reported(msg), -1, from >= 0 ? from : rank_};
   }
 
   /// True when `text` is a failure as the group records it, naming the rank it came from
   /// ("rank 2 reports: ...", "rank 2 left the group ...", "group aborted by rank 2: ..."): a
   /// rank that relays it quotes it as it is, rather than as its own report.
-  static bool names_reporter(const std::string& text) noexcept {
-    if (text.rfind("group aborted by rank ", 0) == 0) return true;
-    if (text.rfind("rank ", 0) != 0) return false;
-    std::size_t i = 5;
-    while (i < text.size() && text[i] >= '0' && text[i] <= '9') ++i;
-    if (i == 5) return false;
-    return text.compare(i, 10, " reports: ") == 0 || text.compare(i, 15, " left the group") == 0;
+  static bool names_reporter(const std::string& text) noexcept { return reporter(text) >= 0; }
+
+  /// The rank that `text` names as where it came from (see names_reporter), or -1.
+  static int reporter(const std::string& text) noexcept {
+    const bool aborted = text.rfind("group aborted by rank ", 0) == 0;
+    if (!aborted && text.rfind("rank ", 0) != 0) return -1;
+    const std::size_t from = aborted ? 22 : 5;
+    std::size_t i = from;
+    int rank = 0;
+    while (i < text.size() && text[i] >= '0' && text[i] <= '9' && rank < 100000000)
+      rank = rank * 10 + (text[i++] - '0');
+    if (i == from) return -1;
+    if (aborted) return rank;
+    return text.compare(i, 10, " reports: ") == 0 || text.compare(i, 15, " left the group") == 0 ? rank : -1;
   }
 
   /// Records `f` as the group's first failure unless one is recorded already, and returns the
@@ -219,7 +227,7 @@ class failure_verdict {
     }
     const errc code = timed_out && !store_gone ? errc::timeout : errc::peer_lost;
     // Another rank may have recorded its verdict meanwhile: the first one is everyone's.
-    if (const auto held = record({code, reported(msg)}); held.text != reported(msg)) return {held, true};
+    if (const auto held = record({code, reported(msg), -1, rank_}); held.text != reported(msg)) return {held, true};
     return {{code, msg}, false};
   }
 

@@ -36,10 +36,9 @@
 #include <ddp/detail/fork.hpp>
 #include <ddp/reducer/detail/front_end.hpp>
 #include <ddp/reducer/detail/nccl_shrink.hpp>
-#include <ddp/group/failure.hpp>
+#include <ddp/error.hpp>
 #include <ddp/group/verdict.hpp>
 #include <ddp/dtype.hpp>
-#include <ddp/error.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/request.hpp>
 
@@ -131,13 +130,13 @@ class nccl_engine {
     // Every rank learns whether every other could set up, so a failure on one rank ends all of
     // them at once instead of leaving the others in initialization until the timeout.
     // A rank that failed sends its message along, so the others quote it.
-    const auto failed =
-        detail::first_failed([&](const std::string& m) { return pg.all_gather(m); }, detail::outcome_of(local_failure));
+    const auto failed = detail::first_failed([&](const std::string& m) { return pg.all_gather(m); },
+                                             detail::failure_of(local_failure, rank_));
     if (local_failure) std::rethrow_exception(local_failure);
     if (failed.rank >= 0)
       detail::raise(errc::aborted, rank_,
                     "nccl_reducer: rank " + std::to_string(failed.rank) +
-                        " could not set up its GPU or the NCCL id: " + failed.what.message);
+                        " could not set up its GPU or the NCCL id: " + failed.what.text);
     // An elastic group's survivors shrink the communicator they kept from the last generation
     // when every rank kept one of it (detail/nccl_shrink.hpp); otherwise it is built anew.
     std::optional<std::vector<int>> excluded;

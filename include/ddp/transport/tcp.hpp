@@ -32,7 +32,6 @@
 #include <ddp/detail/socket.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/verdict.hpp>
-#include <ddp/group/failure.hpp>
 #include <ddp/group/transport_context.hpp>
 #include <ddp/group/detail/keys.hpp>
 #include <ddp/detail/first_failure.hpp>

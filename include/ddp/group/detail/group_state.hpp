@@ -132,7 +132,8 @@ struct group_state {
         fail_now({group_wide ? code : errc::aborted,
                   known ? "rank " + std::to_string(rank) + " left the group on its error (" +
                               std::string(detail::errc_name(code)) + "): " + msg
-                        : "rank " + std::to_string(rank) + " left the group while an exception propagated"});
+                        : "rank " + std::to_string(rank) + " left the group while an exception propagated",
+                  -1, rank});
       } catch (...) {
       }
     }

@@ -20,6 +20,7 @@
 #include <string>
 #include <utility>
 
+#include <ddp/error.hpp>
 #include <ddp/detail/fork.hpp>
 #include <ddp/group/detail/reactor.hpp>
 
@@ -71,12 +72,20 @@ class launcher_watch final : public reactor_handler {
       return;
     }
     line_.append(buf, static_cast<std::size_t>(k));
+    if (line_.size() > max_note && line_.find('\n') == std::string::npos) {
+      // Not a note of ddprun's (a line of a few hundred bytes): the group's failure says so.
+      line_ = group_failure{errc::protocol, "the launcher sent more than " + std::to_string(max_note) +
+                                                " bytes without ending its note; is DDP_LAUNCHER_FD ddprun's?"}
+                  .encode() +
+              '\n';
+    }
     for (std::size_t nl; (nl = line_.find('\n')) != std::string::npos; line_.erase(0, nl + 1)) try {
         on_note_(line_.substr(0, nl));
       } catch (...) {
       }
   }
 
+  static constexpr std::size_t max_note = 64 * 1024;  // a note's bound
   int fd_;
   std::function<void(const std::string&)> on_note_;
   std::string line_;

@@ -237,7 +237,7 @@ DDP_DECL int process_group::connections() const noexcept { return s_ && s_->link
 // peers wake.
 DDP_DECL void process_group::abort(const std::string& why) noexcept {
   if (!s_ || s_->owner.forked() || s_->aborted.exchange(true)) return;
-  s_->fail_now({errc::aborted, "group aborted by rank " + std::to_string(s_->rank) + ": " + why});
+  s_->fail_now({errc::aborted, "group aborted by rank " + std::to_string(s_->rank) + ": " + why, -1, s_->rank});
 }
 DDP_DECL bool process_group::aborted() const noexcept { return s_ && s_->aborted.load(); }
 DDP_DECL void process_group::note_sharded_state() noexcept {
@@ -284,8 +284,10 @@ DDP_DECL void process_group::lost(int peer, const std::error_code& ec, const cha
   auto& g = *s_;
   if (g.aborted.load()) detail::raise(errc::aborted, g.rank, std::string(what) + ": this rank's group was aborted");
   const auto v = g.verdict.judge(peer, ec, "waiting for rank " + std::to_string(peer), why);
+  // The judgement recorded the failure (or adopted the one recorded first): the fan-out shuts
+  // the mesh, so that peers blocked on this rank wake, and aborts every transport on the group.
   g.failed.exchange(true);
-  if (g.links) g.links->shutdown();
+  g.fan_out_once(v.adopted ? v.failure : group_failure{v.failure.code, g.verdict.reported(v.failure.text), -1, g.rank});
   detail::raise(v.failure.code, g.rank, std::string(what) + ": " + v.failure.text);
 }
 

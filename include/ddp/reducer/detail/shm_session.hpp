@@ -320,13 +320,13 @@ inline shm_session open_shm_session(transport_context& ctx, const shm_options& o
   // only after every rank had mapped the segment, and rank 0 may be killed right after it
   // sent its part, before it could remove the name itself.
   const auto failed =
-      first_failed([&](const std::string& m) { return pg.all_gather(m); }, outcome{errc::system, -1, why});
+      first_failed([&](const std::string& m) { return pg.all_gather(m); }, group_failure{errc::system, why, -1, grank});
   ::shm_unlink(s.name.c_str());
   guard.name = nullptr;
   if (failed.rank >= 0)
     detail::raise(errc::system, grank,
                   "shared-memory segment " + s.name + " could not be set up on rank " + std::to_string(failed.rank) +
-                      ": " + failed.what.message);
+                      ": " + failed.what.text);
 
   return s;
 }
