@@ -119,6 +119,30 @@ TEST_CASE("a rank's background work runs on one thread, and every channel's peer
   }));
 }
 
+TEST_CASE("two transports built from one transport_context get channels of their own, never each other's bytes") {
+  // A copy of a context takes the group's next channel (group/transport_context.hpp). Before,
+  // both took the context's one channel: the last attached got every connection, and rank 0's
+  // `a` spoke to rank 1's `b` (or both ranks waited out their timeout).
+  expect_ok(on_ranks(2, local_group{20s}, [&](int r, ddp::process_group& pg) {
+    ddp::transport_context ctx{pg};
+    ddp::tcp a{ctx}, b{ctx};
+    const int peer = 1 - r;
+    for (auto [t, mine] : {std::pair{&a, 'A'}, std::pair{&b, 'B'}}) {
+      char in = 0;
+      if (r == 0) {
+        t->send(peer, &mine, 1, pg.deadline());
+        t->recv(peer, &in, 1, pg.deadline());
+      } else {
+        t->recv(peer, &in, 1, pg.deadline());
+        t->send(peer, &mine, 1, pg.deadline());
+      }
+      require(in == mine, std::string("rank ") + std::to_string(r) + " got '" + in + "' on the transport that sent '" +
+                              mine + "'");
+    }
+    pg.barrier();
+  }, 40s));
+}
+
 TEST_CASE("a forked child destroys its copy of a transport while the parent's threads wait for a link") {
   expect_ok(on_ranks(2, local_group{30s}, [&](int r, ddp::process_group& pg) {
     if (r == 1) {

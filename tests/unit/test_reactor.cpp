@@ -106,3 +106,18 @@ TEST_CASE("reactor: an event a removed handler's descriptor still raises never r
   reg.unwatch(own.fd[0]);
   reg.reset();
 }
+
+TEST_CASE("reactor: a handler added paused is not called, its descriptors' events included, until started") {
+  reactor r{0, "test"};
+  counter c;
+  pipe_pair p;
+  auto reg = r.add(c, reactor::begin::paused);
+  reg.watch(p.fd[0], EPOLLIN, 5);
+  p.fill();
+  std::this_thread::sleep_for(100ms);
+  CHECK(c.events == 0);
+  reg.start();
+  REQUIRE(eventually([&] { return c.events > 0; }));
+  CHECK(c.last_id == 5);
+  reg.unwatch(p.fd[0]);
+}

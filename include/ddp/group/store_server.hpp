@@ -109,6 +109,7 @@ class store_server {
                    detail::to_string(bound).c_str(), port_);
     handler_.self = this;
     loop_.emplace(listen_.get(), handler_, rank, "store");
+    loop_->start();  // the handler reaches the loop through loop_: served only once it is set
   }
   store_server(const store_server&) = delete;
   store_server& operator=(const store_server&) = delete;

@@ -71,6 +71,15 @@ class transport_context {
  public:
   /// errc::usage on an empty handle or in a forked child.
   transport_context(process_group& pg);  // NOLINT(google-explicit-constructor): a group is a context
+  /// A copy is another transport's context: it takes the group's next channel, so that two
+  /// transports built from one context (`ddp::tcp a{ctx}, b{ctx};`) never share a channel and
+  /// each other's connections. Collective as building one: copy in the same order on every rank.
+  transport_context(const transport_context& o);
+  transport_context& operator=(const transport_context& o);
+  /// A move keeps the channel: the same transport's context, passed on.
+  transport_context(transport_context&&) noexcept = default;
+  transport_context& operator=(transport_context&&) noexcept = default;
+  ~transport_context() = default;
 
   int rank() const noexcept { return pg_.rank(); }
   int size() const noexcept { return pg_.size(); }

@@ -57,8 +57,11 @@ class tcp {
     // Connections are made on first use: a ring touches two peers, a tree three.
     links_ = detail::open_links(ctx_, channel_, o.socket_buffer);
     // The group failed as a whole (its heartbeat found a rank frozen or dead): end the
-    // collectives blocked here at once, with the group's cause.
-    watch_ = ctx_.watch([this](const group_failure& f) { abort(f.code, f.text); });
+    // collectives blocked here at once, with the group's cause. On the reactor's thread, and the
+    // failure is recorded already: the connections shut, and nothing waits on the store here.
+    watch_ = ctx_.watch([this](const group_failure& f) {
+      if (!owner_.forked()) break_links(f.text);
+    });
   }
   tcp(const tcp&) = delete;
   tcp& operator=(const tcp&) = delete;

@@ -65,9 +65,10 @@ class heartbeat_watch final : public reactor_handler {
         failed_(std::move(failed)),
         heard_(steady_clock::now()),
         next_beat_(heard_) {
-    reg_ = loop.add(*this);
+    reg_ = loop.add(*this, reactor::begin::paused);
     reg_.watch(pred_fd_, EPOLLIN, 0);
     watching_ = true;
+    reg_.start();  // called from now on: reg_ and the rest are set
   }
   /// Leaving the group (an elastic group re-forms): says goodbye to the successor now, then
   /// waits up to `max` for the predecessor's word, its goodbye or its death, so that a death the

@@ -11,14 +11,17 @@
 
 #include <fcntl.h>
 #include <sys/epoll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <ddp/error.hpp>
 #include <ddp/detail/fork.hpp>
@@ -43,16 +46,42 @@ inline int launcher_fd() noexcept {
 /// note answers with ack(fd) once it is recorded.
 class launcher_watch final : public reactor_handler {
  public:
+  /// Only the newest watch of a process reads the descriptor (an elastic group's next
+  /// generation forms while the last one's group still lives, and a program may hold two
+  /// groups): each note goes to one group, the newest, whole; the one before takes over again
+  /// when the newest goes.
   launcher_watch(reactor& loop, int fd, std::function<void(const std::string&)> on_note)
       : fd_(fd), on_note_(std::move(on_note)) {
-    reg_ = loop.add(*this);
-    reg_.watch(fd_, EPOLLIN, 0);
+    reg_ = loop.add(*this, reactor::begin::paused);
+    auto& w = watches();
+    std::lock_guard lock(w.mu);
+    w.stack.reserve(w.stack.size() + 1);
+    launcher_watch* older = !w.stack.empty() && w.stack.back()->fd_ == fd_ ? w.stack.back() : nullptr;
+    if (older != nullptr) older->reg_.unwatch(fd_);
+    try {
+      reg_.watch(fd_, EPOLLIN, 0);
+    } catch (...) {
+      if (older != nullptr) older->reg_.watch(fd_, EPOLLIN, 0);
+      throw;
+    }
+    w.stack.push_back(this);
+    reg_.start();  // called from now on: reg_ is set
   }
   launcher_watch(const launcher_watch&) = delete;
   launcher_watch& operator=(const launcher_watch&) = delete;
   ~launcher_watch() override {
     if (owner_.forked()) return;  // the parent's reactor: nothing of ours runs there
-    reg_.unwatch(fd_);
+    auto& w = watches();
+    {
+      std::lock_guard lock(w.mu);
+      const bool newest = !w.stack.empty() && w.stack.back() == this;
+      std::erase(w.stack, this);
+      reg_.unwatch(fd_);
+      if (newest && !w.stack.empty() && w.stack.back()->fd_ == fd_) try {
+          w.stack.back()->reg_.watch(fd_, EPOLLIN, 0);
+        } catch (...) {
+        }
+    }
     reg_.reset();
   }
 
@@ -65,7 +94,8 @@ class launcher_watch final : public reactor_handler {
  private:
   void on_event(std::uint64_t, std::uint32_t, deadline_t) override {
     char buf[512];
-    const ssize_t k = ::read(fd_, buf, sizeof buf);
+    // Never blocks the reactor, whether or not the launcher made the descriptor non-blocking.
+    const ssize_t k = ::recv(fd_, buf, sizeof buf, MSG_DONTWAIT);
     if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) return;
     if (k <= 0) {  // the launcher is gone
       reg_.unwatch(fd_);
@@ -83,6 +113,16 @@ class launcher_watch final : public reactor_handler {
         on_note_(line_.substr(0, nl));
       } catch (...) {
       }
+  }
+
+  /// The process's watches, oldest first.
+  struct registry {
+    std::mutex mu;
+    std::vector<launcher_watch*> stack;
+  };
+  static registry& watches() {
+    static auto* r = new registry;  // never destroyed: a group may close during static destruction
+    return *r;
   }
 
   static constexpr std::size_t max_note = 64 * 1024;  // a note's bound

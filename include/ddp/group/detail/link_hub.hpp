@@ -77,7 +77,8 @@ class link_hub {
     listen_ = listen_on(ep, rank_, 4096);
     const auto me = local_address(listen_.get());
     address_ = to_string(me) + " " + std::to_string(port_of(me));
-    on_ = std::make_unique<listener_on<acceptor>>(loop, listen_.get(), *acceptor_);
+    on_ = std::make_unique<listener_on<acceptor>>(loop, listen_.get(), *acceptor_, reactor::begin::paused);
+    on_->start();  // the acceptor reaches the reactor through on_: called only once it is set
   }
   link_hub(const link_hub&) = delete;
   link_hub& operator=(const link_hub&) = delete;
@@ -88,7 +89,8 @@ class link_hub {
       abandon(std::move(acceptor_));
       return;
     }
-    on_.reset();  // off the reactor first: nothing runs the acceptor after this
+    on_->close();  // off the reactor first, waiting for a round in progress (which may use on_)
+    on_.reset();
   }
 
   /// "host port", as a channel announces it.
@@ -96,16 +98,21 @@ class link_hub {
   const std::shared_ptr<const authenticator>& auth() const noexcept { return auth_; }
   int rank() const noexcept { return rank_; }
 
-  /// Connections whose hello names `channel` go to `sink` from now on.
+  /// Connections whose hello names `channel` go to `sink` from now on. A channel has one sink:
+  /// a second is errc::usage (two transports would take each other's connections).
   void attach(std::uint64_t channel, link_sink& sink) {
     std::lock_guard lock(routes_mu_);
-    routes_[channel] = &sink;
+    if (!routes_.try_emplace(channel, &sink).second)
+      raise(errc::usage, rank_,
+            "channel " + std::to_string(channel) +
+                " has a transport already: each transport needs a transport_context of its own (a copy takes a "
+                "new channel)");
   }
   /// And no more: when this returns, `sink` is not called again.
-  void detach(std::uint64_t channel) noexcept {
+  void detach(std::uint64_t channel, const link_sink& sink) noexcept {
     if (owner_.forked()) return;
     std::lock_guard lock(routes_mu_);
-    routes_.erase(channel);
+    if (auto it = routes_.find(channel); it != routes_.end() && it->second == &sink) routes_.erase(it);
   }
 
   /// Connections closed unserved (out of descriptors, or past the cap with no stranger to close).

@@ -225,7 +225,7 @@ class peer_links final : public link_sink {
       abandon(std::move(sync_));
       return;
     }
-    hub_.detach(group_);
+    hub_.detach(group_, *this);
   }
 
   [[noreturn]] void group_failed_while_waiting(int peer) const {

@@ -92,6 +92,10 @@ class reactor {
     void unwatch(int fd) noexcept {
       if (r_ != nullptr && r_->s_) ::epoll_ctl(r_->s_->epoll.get(), EPOLL_CTL_DEL, fd, nullptr);
     }
+    /// Lets a handler added paused be called from now on (see reactor::add).
+    void start() {
+      if (r_ != nullptr) r_->start(tag_);
+    }
     /// Removes the handler now; on the reactor's thread it takes effect after the current call.
     void reset() noexcept {
       if (r_ != nullptr) r_->remove(tag_);
@@ -120,8 +124,13 @@ class reactor {
   reactor& operator=(const reactor&) = delete;
   ~reactor() { stop(); }
 
+  /// Whether add() lets the reactor call the handler at once, or only once its registration's
+  /// start() says it is wired (its owner holds the registration, and whatever it reaches the
+  /// handler through is assigned): the reactor's thread may run a round the moment add() returns.
+  enum class begin : bool { now, paused };
+
   /// Adds `h`, which must outlive the registration (declare it after what the handler uses).
-  registration add(reactor_handler& h) {
+  registration add(reactor_handler& h, begin b = begin::now) {
     std::lock_guard lock(s_->mu);
     auto& slots = s_->handlers;
     auto free = std::find_if(slots.begin(), slots.end(), [](const slot& x) { return x.h == nullptr; });
@@ -134,6 +143,7 @@ class reactor {
     // A reused slot takes the next generation: an event its former handler's descriptors raised
     // in a round already gathered carries the old one and reaches nobody.
     free->h = &h;
+    free->active = b == begin::now;
     ++free->gen;
     s_->poke();  // a sleeping reactor learns the new handler's timers now, not at its next wake
     return registration(this, tag_of(static_cast<std::size_t>(free - slots.begin()), free->gen));
@@ -237,6 +247,7 @@ class reactor {
   struct slot {
     reactor_handler* h = nullptr;
     std::uint16_t gen = 0;
+    bool active = false;  // called by the rounds (a handler added paused: once started)
   };
 
   struct state {
@@ -257,11 +268,12 @@ class reactor {
     std::thread thread;
     std::thread::id loop_id;
 
-    /// The handler that `tag` (see tag_of) names, if it is still there.
-    reactor_handler* find(std::uint64_t tag) const noexcept {
+    /// The slot that `tag` (see tag_of) names, if its handler is still there.
+    slot* find(std::uint64_t tag) noexcept {
       const auto at = static_cast<std::size_t>(tag >> 16);
-      if (at >= handlers.size() || handlers[at].gen != static_cast<std::uint16_t>(tag)) return nullptr;
-      return handlers[at].h;
+      if (at >= handlers.size() || handlers[at].gen != static_cast<std::uint16_t>(tag) || handlers[at].h == nullptr)
+        return nullptr;
+      return &handlers[at];
     }
 
     void poke() noexcept {
@@ -285,7 +297,7 @@ class reactor {
         {
           std::lock_guard lock(mu);
           for (const auto& x : handlers)
-            if (x.h != nullptr) {
+            if (x.h != nullptr && x.active) {
               busy = busy || x.h->busy();
               due = std::min(due, x.h->next_due(before));
             }
@@ -302,10 +314,11 @@ class reactor {
             [[maybe_unused]] auto r = ::read(wake.get(), &count, sizeof count);
             continue;
           }
-          if (auto* h = find(e.data.u64 >> 40)) h->on_event(e.data.u64 & (id_limit - 1), e.events, now);
+          if (auto* x = find(e.data.u64 >> 40); x != nullptr && x->active)
+            x->h->on_event(e.data.u64 & (id_limit - 1), e.events, now);
         }
         for (std::size_t t = 0; t < handlers.size(); ++t)
-          if (handlers[t].h != nullptr) handlers[t].h->after_events(now);
+          if (handlers[t].h != nullptr && handlers[t].active) handlers[t].h->after_events(now);
       }
     }
 
@@ -339,8 +352,14 @@ class reactor {
   void remove(std::uint64_t tag) noexcept {
     if (!s_ || owner_.forked()) return;
     std::lock_guard lock(s_->mu);
-    const auto at = static_cast<std::size_t>(tag >> 16);
-    if (s_->find(tag) != nullptr) s_->handlers[at].h = nullptr;
+    if (auto* x = s_->find(tag)) *x = {nullptr, x->gen, false};
+  }
+
+  void start(std::uint64_t tag) {
+    if (!s_ || owner_.forked()) return;
+    std::lock_guard lock(s_->mu);
+    if (auto* x = s_->find(tag)) x->active = true;
+    s_->poke();  // its timers count from now
   }
 
   /// A registration's tag: the slot (8 bits) and the slot's generation (16 bits).
@@ -404,9 +423,15 @@ class listener_on final : public reactor_handler {
   /// The id the listener is watched by; the handler's own ids are below it.
   static constexpr std::uint64_t listen_id = reactor::id_limit - 1;
 
-  listener_on(reactor& r, int listener, H& h) : h_(h), listener_(listener), reg_(r.add(*this)) {
+  /// `b`: begin::paused when the handler reaches the listener through something its owner
+  /// assigns after this returns; the owner calls start() once it has.
+  listener_on(reactor& r, int listener, H& h, reactor::begin b = reactor::begin::now)
+      : h_(h), listener_(listener), reg_(r.add(*this, reactor::begin::paused)) {
     reg_.watch(listener_, EPOLLIN, listen_id);
+    if (b == reactor::begin::now) reg_.start();
   }
+  /// The handler is called from now on (after a paused construction).
+  void start() { reg_.start(); }
   listener_on(const listener_on&) = delete;
   listener_on& operator=(const listener_on&) = delete;
   ~listener_on() { close(); }
@@ -450,7 +475,11 @@ class listener_on final : public reactor_handler {
 template <loop_handler H>
 class event_loop {
  public:
-  event_loop(int listener, H& h, int rank, const char* what) : reactor_(rank, what), on_(reactor_, listener, h) {}
+  /// Serves nothing until start(): the handler may reach the loop through its owner's handle,
+  /// assigned once this returns.
+  event_loop(int listener, H& h, int rank, const char* what)
+      : reactor_(rank, what), on_(reactor_, listener, h, reactor::begin::paused) {}
+  void start() { on_.start(); }
   void watch(int fd, std::uint32_t events, std::uint64_t id) { on_.watch(fd, events, id); }
   void change(int fd, std::uint32_t events, std::uint64_t id) { on_.change(fd, events, id); }
   void unwatch(int fd) noexcept { on_.unwatch(fd); }

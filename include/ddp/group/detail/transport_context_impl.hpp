@@ -19,6 +19,15 @@ DDP_DECL transport_context::transport_context(process_group& pg) : pg_(pg) {
   verdict_ = &g.verdict;
 }
 
+DDP_DECL transport_context::transport_context(const transport_context& o) : pg_(o.pg_), verdict_(o.verdict_) {
+  channel_ = pg_.live("transport_context").next_channel++;
+}
+
+DDP_DECL transport_context& transport_context::operator=(const transport_context& o) {
+  if (this != &o) *this = transport_context(o);
+  return *this;
+}
+
 DDP_DECL bool transport_context::elastic() const noexcept { return pg_.s_ && pg_.s_->elastic; }
 
 DDP_DECL detail::link_hub& transport_context::hub() { return *pg_.live("transport_context::hub").hub; }
