@@ -356,6 +356,34 @@ TEST_CASE("a stranger at a rank's mesh port, stalled or with a wrong secret, nei
   expect_ok(outs);
 }
 
+TEST_CASE("with a secret, a connection to a transport its peer closed is a lost peer, not a wrong secret") {
+  // The peer proves the secret, then finds nothing that takes the connection: the initiator
+  // retries as it does without a secret, and ends with the group's verdict at its deadline,
+  // never errc::auth_failed (which an elastic group would not re-form after).
+  const int port = free_port();
+  auto outs = run_ranks(2, [&](int r) {
+    auto pg = ddp::init_process_group(opts(r, 2, port, secret));
+    std::optional<ddp::tcp> t{std::in_place, pg};
+    pg.barrier();
+    if (r == 0) {
+      t.reset();  // closed before rank 1 ever used it
+      pg.barrier();
+      std::this_thread::sleep_for(3s);
+      return;
+    }
+    pg.barrier();
+    int v = 1;
+    try {
+      t->send(0, &v, sizeof v, detail::clock::now() + 2s);
+      require(false, "a send to a closed transport succeeded");
+    } catch (const ddp::error& e) {
+      require(e.condition() == ddp::errc::timeout || e.condition() == ddp::errc::peer_lost,
+              std::string("raised ") + e.what());
+    }
+  });
+  expect_ok(outs);
+}
+
 TEST_CASE("a token without an installed authenticator is errc::unsupported") {
   const auto saved = ddp::install_authenticator(nullptr);
   CHECK_FALSE(ddp::authentication_available());

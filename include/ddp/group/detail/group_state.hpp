@@ -81,7 +81,7 @@ struct group_state {
   /// aborts with the failure that holds, so that collectives blocked here end at once.
   void fan_out_once(const group_failure& held) noexcept {
     if (fanned_out.exchange(true)) return;
-    const auto fan_out = [this, held] {
+    const auto fan_out = [this, &held] {  // call() waits for it: the reference holds
       if (links) links->shutdown();
       std::lock_guard lock(watch_mu);
       for (auto& [id, w] : watchers) try {
@@ -95,6 +95,7 @@ struct group_state {
       else
         fan_out();
     } catch (...) {
+      fan_out();  // no room to post it: here rather than never (it is noexcept inside)
     }
   }
   /// Registers `w` for the fan-out; the id unregisters it (unwatch, which waits for a call in

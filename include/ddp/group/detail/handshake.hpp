@@ -49,7 +49,9 @@ inline constexpr std::size_t auth_verdict_size = 8;
 inline constexpr std::chrono::seconds auth_handshake_limit{10};
 
 enum class auth_kind : std::uint8_t { store = 1, mesh = 2 };
-enum class auth_status : std::uint8_t { challenge = 0, no_auth = 1, refused = 2, accepted = 3 };
+/// `not_expected`: the proof holds, but nothing here takes that connection (its channel closed,
+/// or not open yet): the initiator treats it as a connection dropped, not as a wrong secret.
+enum class auth_status : std::uint8_t { challenge = 0, no_auth = 1, refused = 2, accepted = 3, not_expected = 4 };
 
 /// The initiator's hello: what it connects as, and its fresh nonce.
 struct auth_hello {
@@ -174,7 +176,7 @@ class auth_responder {
         return fail(in, state::failed, "wrong proof (no or another secret, or a replayed handshake)");
       }
       if (!admit(static_cast<const auth_hello&>(hello_))) {
-        out += encode_status(auth_status::refused, auth_verdict_size);
+        out += encode_status(auth_status::not_expected, auth_verdict_size);
         return fail(in, state::failed, "authenticated, but not expected here");
       }
       out += encode_status(auth_status::accepted, auth_verdict_size);
@@ -252,8 +254,14 @@ inline void auth_initiate(int fd, const authenticator& auth, auth_hello h, deadl
   recv_all(fd, v, sizeof v, until, ec);
   if (ec) io_fail("waiting for the verdict");
   byte_reader vr(std::string_view(v, sizeof v));
-  if (vr.u32() != auth_magic || static_cast<auth_status>(vr.u8()) != auth_status::accepted)
-    raise(errc::auth_failed, rank, peer + " refused our proof of the secret");
+  const bool magic = vr.u32() == auth_magic;
+  const auto said = static_cast<auth_status>(vr.u8());
+  if (magic && said == auth_status::not_expected)
+    raise(errc::peer_lost, rank,
+          peer +
+              " took our proof of the secret but nothing there takes this connection (its transport closed, or "
+              "has not opened yet)");
+  if (!magic || said != auth_status::accepted) raise(errc::auth_failed, rank, peer + " refused our proof of the secret");
 }
 
 }  // namespace detail
