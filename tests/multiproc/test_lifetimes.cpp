@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "harness.hpp"
+#include "toy_model.hpp"
 
 // Who owns what: the group lives as long as any handle on it (the program's, or one a reducer,
 // transport or wrapper keeps), and a forked child's copies touch nothing of the parent's. Run
@@ -66,42 +67,30 @@ void require_sum(const std::vector<float>& v, int n, const std::string& what) {
   }
 }
 
-// A small model: a few f32 parameters, each with its own gradient buffer.
-struct model {
-  std::vector<std::vector<float>> data, grad;
-  std::vector<std::string> names;  // the views name them
-  std::vector<ddp::tensor_view> views;
-  explicit model(std::vector<std::size_t> sizes) {
-    for (auto n : sizes) {
-      data.emplace_back(n, 1.0f);
-      grad.emplace_back(n, 0.0f);
-      names.push_back(std::string(1, 'p').append(std::to_string(names.size())));
-    }
-    for (std::size_t i = 0; i < sizes.size(); ++i)
-      views.push_back(ddp::tensor_view{data[i].data(), grad[i].data(), sizes[i], ddp::dtype::f32, -1, names[i],
-                                       {static_cast<std::int64_t>(sizes[i])}});
-  }
+// A small model: a few f32 parameters, each with its own gradient buffer, values 1.
+struct model : toy_model {
+  explicit model(const std::vector<std::size_t>& sizes) : toy_model(sizes) { fill_data(1.0); }
 };
 
 // Step s of rank r: gradient i, element j is (r + 1) * (s + 1) + i + j % 8, marked ready in
 // reverse order (as backward produces them).
 template <class DP>
 void backward(DP& dp, model& m, int r, int s) {
-  for (std::size_t i = m.grad.size(); i-- > 0;) {
-    for (std::size_t j = 0; j < m.grad[i].size(); ++j)
-      m.grad[i][j] = static_cast<float>((r + 1) * (s + 1) + static_cast<int>(i) + static_cast<int>(j % 8));
+  for (std::size_t i = m.size(); i-- > 0;) {
+    for (std::size_t j = 0; j < m.numel(i); ++j)
+      m.grad<float>(i)[j] = static_cast<float>((r + 1) * (s + 1) + static_cast<int>(i) + static_cast<int>(j % 8));
     dp.grad_ready(i);
   }
 }
 
 void require_average(const model& m, int n, int s, const std::string& what) {
-  for (std::size_t i = 0; i < m.grad.size(); ++i)
-    for (std::size_t j = 0; j < m.grad[i].size(); ++j) {
+  for (std::size_t i = 0; i < m.size(); ++i)
+    for (std::size_t j = 0; j < m.numel(i); ++j) {
       // mean over r of (r + 1)(s + 1) is (n + 1)(s + 1) / 2
       const double want = (n + 1) * (s + 1) / 2.0 + static_cast<double>(i) + static_cast<double>(j % 8);
-      if (static_cast<double>(m.grad[i][j]) != want)
+      if (static_cast<double>(m.grad<float>(i)[j]) != want)
         throw std::runtime_error(what + ": gradient " + std::to_string(i) + "[" + std::to_string(j) + "] is " +
-                                 std::to_string(m.grad[i][j]) + ", not " + std::to_string(want));
+                                 std::to_string(m.grad<float>(i)[j]) + ", not " + std::to_string(want));
     }
 }
 
