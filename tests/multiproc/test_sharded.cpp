@@ -21,6 +21,7 @@ using namespace ddp::literals;
 using ddp_test::free_port;
 using ddp_test::group_options;
 using ddp_test::require;
+using ddp_test::require_raises;
 using ddp_test::run_ranks;
 using ddp_test::expect_ok;
 using ddp_test::local_group;
@@ -285,43 +286,33 @@ TEST_CASE("sharded with find_unused_parameters: a parameter no rank used keeps i
 TEST_CASE("sharded errors: misuse is errc::usage, unsupported combinations errc::unsupported, disagreement errc::mismatch") {
   const int n = 2;
   expect_ok(on_ranks(n, local_group{30s}, [&](int r, ddp::process_group& pg) {
-    const auto expect = [&](ddp::errc code, const std::string& part, auto&& f) {
-      try {
-        f();
-      } catch (const ddp::error& e) {
-        require(e.condition() == code && std::string(e.what()).find(part) != std::string::npos,
-                std::string("wrong error: ") + e.what());
-        return;
-      }
-      throw std::runtime_error("no error; expected one with '" + part + "'");
-    };
     model<float> m;
     ddp::adamw opt;
     {
       ddp::data_parallel plain{pg, m.views};
-      expect(ddp::errc::usage, "needs the sharded mode", [&] { plain.step(opt); });
-      expect(ddp::errc::usage, "needs the sharded mode", [&] { (void)plain.sharded_state(); });
+      require_raises([&] { plain.step(opt); }, ddp::errc::usage, {"needs the sharded mode"});
+      require_raises([&] { (void)plain.sharded_state(); }, ddp::errc::usage, {"needs the sharded mode"});
     }
-    expect(ddp::errc::unsupported, "gradient_as_bucket_view",
-           [&] { ddp::data_parallel dp{pg, m.views, {}, {.gradient_as_bucket_view = true, .shard = true}}; });
+    require_raises([&] { ddp::data_parallel dp{pg, m.views, {}, {.gradient_as_bucket_view = true, .shard = true}}; },
+                   ddp::errc::unsupported, {"gradient_as_bucket_view"});
     {
       std::vector<double> w(10), g(10);
       std::vector<ddp::tensor_view> v{ddp::make_tensor_view(w, g, "double_weight", {10})};
-      expect(ddp::errc::unsupported, "double_weight", [&] { ddp::data_parallel dp{pg, v, {}, {.shard = true}}; });
+      require_raises([&] { ddp::data_parallel dp{pg, v, {}, {.shard = true}}; }, ddp::errc::unsupported,
+                     {"double_weight"});
     }
     ddp::data_parallel dp{pg, m.views, small, {.shard = true}};
-    expect(ddp::errc::usage, "no synchronized finish()", [&] { dp.step(opt); });
-    expect(ddp::errc::unsupported, "on_bucket_reduced", [&] { dp.on_bucket_reduced([](const ddp::reduced_bucket&) {}); });
-    expect(ddp::errc::invalid_argument, "not a shard state", [&] {
-      const std::vector<std::byte> junk(40, std::byte{7});
-      dp.load_sharded_state(junk);
-    });
+    require_raises([&] { dp.step(opt); }, ddp::errc::usage, {"no synchronized finish()"});
+    require_raises([&] { dp.on_bucket_reduced([](const ddp::reduced_bucket&) {}); }, ddp::errc::unsupported,
+                   {"on_bucket_reduced"});
+    const std::vector<std::byte> junk(40, std::byte{7});
+    require_raises([&] { dp.load_sharded_state(junk); }, ddp::errc::invalid_argument, {"not a shard state"});
     // Ranks that step different optimizers would diverge in silence: a mismatch naming both.
     m.grads(r, 0);
     for (std::size_t i = m.views.size(); i-- > 0;) dp.grad_ready(i);
     dp.finish();
     ddp::adamw other{{.lr = r == 0 ? 1e-3 : 2e-3}};
-    expect(ddp::errc::mismatch, "rank 1 has adamw lr=0.002 ", [&] { dp.step(other); });
+    require_raises([&] { dp.step(other); }, ddp::errc::mismatch, {"rank 1 has adamw lr=0.002 "});
   }, 60s));
 }
 
@@ -335,18 +326,12 @@ TEST_CASE("sharded: hyperparameters that six decimals print alike (lr 1e-6, 1.4e
     for (std::size_t i = m.views.size(); i-- > 0;) dp.grad_ready(i);
     dp.finish();
     ddp::sgd opt{{.lr = r == 0 ? 1e-6 : 1.4e-6}};
-    try {
-      dp.step(opt);
-    } catch (const ddp::error& e) {
-      // Both sides, each exactly and readably.
-      const std::string want = "ranks disagree on the shard optimizer (its signature()): rank 0 has sgd lr=1e-06 "
-                               "momentum=0 dampening=0 weight_decay=0 nesterov=0 state=0; rank 1 has sgd lr=1.4e-06 "
-                               "momentum=0 dampening=0 weight_decay=0 nesterov=0 state=0";
-      require(e.condition() == ddp::errc::mismatch && std::string(e.what()).find(want) != std::string::npos,
-              std::string("wrong error: ") + e.what());
-      return;
-    }
-    throw std::runtime_error("step() with lr 1e-6 on rank 0 and 1.4e-6 on rank 1 succeeded");
+    // Both sides, each exactly and readably.
+    require_raises([&] { dp.step(opt); }, ddp::errc::mismatch,
+                   {"ranks disagree on the shard optimizer (its signature()): rank 0 has sgd lr=1e-06 momentum=0 "
+                    "dampening=0 weight_decay=0 nesterov=0 state=0; rank 1 has sgd lr=1.4e-06 momentum=0 dampening=0 "
+                    "weight_decay=0 nesterov=0 state=0"},
+                   "step() with lr 1e-6 on rank 0 and 1.4e-6 on rank 1");
   }, 60s));
 }
 

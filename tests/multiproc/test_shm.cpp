@@ -39,6 +39,7 @@ namespace {
 constexpr ddp_test::local_group opts{20s};
 
 using ddp_test::require;
+using ddp_test::require_raises;
 
 std::set<std::string> shm_entries() {
   std::set<std::string> names;
@@ -296,13 +297,8 @@ TEST_CASE("zero-copy through shm_allocator, and a mix of arena and ordinary buff
     // Freed blocks coalesce: the whole part is one block again.
     void* big = alloc.allocate((std::size_t{48} << 20) / n - 4096);
     alloc.deallocate(big, (std::size_t{48} << 20) / n - 4096);
-    try {
-      (void)alloc.allocate(std::size_t{64} << 20);
-      require(false, "no error for an oversized allocation");
-    } catch (const ddp::error& e) {
-      require(e.condition() == ddp::errc::system, "oversized allocation: wrong errc");
-      require(std::string(e.what()).find("arena exhausted") != std::string::npos, e.what());
-    }
+    require_raises([&] { (void)alloc.allocate(std::size_t{64} << 20); }, ddp::errc::system, {"arena exhausted"},
+                   "an oversized allocation");
   }));
 }
 
