@@ -252,19 +252,6 @@ TEST_CASE("allreduce: all 6 dtypes x 5 ops, ring and tree, across chunk boundari
   }
 }
 
-TEST_CASE("allreduce of 64 MiB on 2 and 4 ranks, staged and zero-copy") {
-  no_leftovers guard;
-  for (int n : {2, 4}) {
-    CAPTURE(n);
-    expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
-      const std::size_t count = std::size_t{16} << 20;  // 64 MiB of f32
-      ddp::shm link{pg, {.segment_bytes = static_cast<std::size_t>(n) * (count * 4 + (1 << 20))}};
-      allreduce_case(pg, link, count, dtype::f32, op::sum, ddp::shm_algo::ring, false);
-      allreduce_case(pg, link, count, dtype::f32, op::sum, ddp::shm_algo::ring, true);
-    }, 120s));
-  }
-}
-
 TEST_CASE("zero-copy through shm_allocator, and a mix of arena and ordinary buffers") {
   no_leftovers guard;
   const int n = 3;
