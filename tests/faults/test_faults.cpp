@@ -35,6 +35,7 @@
 
 #include "multiproc/harness.hpp"
 #include "multiproc/hosts.hpp"
+#include "toy_model.hpp"
 
 using namespace std::chrono_literals;
 using namespace ddp_faults;
@@ -128,26 +129,11 @@ void allreduce_loop(const trial_plan& t, ddp::process_group& pg, slot& me, self_
 
 // A model whose gradients fill several buckets; backward calls grad_ready between short
 // stretches of "compute", so a fault lands between buckets or inside finish().
-struct model {
-  std::vector<std::vector<float>> data, grad;
-  std::vector<ddp::tensor_view> views;
-  std::vector<std::string> names;
-};
-
-model make_model(std::uint64_t seed) {
+ddp_test::toy_model make_model(std::uint64_t seed) {
   std::mt19937_64 g(seed);
-  model m;
-  const std::size_t params = 6 + g() % 7;
-  for (std::size_t i = 0; i < params; ++i) {
-    const std::size_t n = (std::size_t{16} << 10) + g() % (std::size_t{192} << 10);
-    m.data.emplace_back(n, 0.0f);
-    m.grad.emplace_back(n, 0.0f);
-    m.names.push_back("p" + std::to_string(i));
-  }
-  for (std::size_t i = 0; i < params; ++i)
-    m.views.push_back(ddp::tensor_view{m.data[i].data(), m.grad[i].data(), m.data[i].size(), ddp::dtype::f32, -1,
-                                       m.names[i], {}});
-  return m;
+  std::vector<std::size_t> sizes(6 + g() % 7);
+  for (auto& n : sizes) n = (std::size_t{16} << 10) + g() % (std::size_t{192} << 10);
+  return ddp_test::toy_model(sizes);
 }
 
 template <class Reducer>
@@ -167,9 +153,9 @@ void training_loop(const trial_plan& t, ddp::process_group& pg, slot& me, self_s
     me.iter = step;
     const bool strike_step = victim && step == t.f.at_iter;
     if (strike_step && t.f.at_phase == working && t.f.from == source::self_async) self->arm(t.f.delay);
-    for (std::size_t k = 0; k < m.grad.size(); ++k) {
-      const std::size_t i = m.grad.size() - 1 - k;
-      std::fill(m.grad[i].begin(), m.grad[i].end(), static_cast<float>(pg.rank() + 1));
+    for (std::size_t k = 0; k < m.size(); ++k) {
+      const std::size_t i = m.size() - 1 - k;
+      std::ranges::fill(m.grad<float>(i), static_cast<float>(pg.rank() + 1));
       std::this_thread::sleep_for(200us);
       if (strike_step && t.f.at_phase == working && t.f.from == source::self_sync && k == t.f.at_param)
         strike_self(me, t.f.sig);
@@ -181,7 +167,8 @@ void training_loop(const trial_plan& t, ddp::process_group& pg, slot& me, self_s
       if (t.f.from == source::self_async) self->arm(t.f.delay);
     }
     noting(me, [&] { dp->finish(); });
-    for (auto& gr : m.grad) require(gr.front() == expect && gr.back() == expect, "wrong averaged gradient");
+    for (std::size_t i = 0; i < m.size(); ++i)
+      require(m.grad<float>(i).front() == expect && m.grad<float>(i).back() == expect, "wrong averaged gradient");
   }
 }
 

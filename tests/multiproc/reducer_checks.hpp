@@ -109,23 +109,29 @@ void check_all_types_and_ops(ddp::process_group& pg, Reducer& red, std::size_t c
   }
 }
 
-/// Random floats: result within tolerance of a double reference, same bits on every rank.
+/// Random floats in `v` (anywhere: a vector, the shm arena): result within tolerance of a double
+/// reference, same bits on every rank.
 template <class Reducer>
-void check_random_floats(ddp::process_group& pg, Reducer& red, std::size_t count) {
+void check_random_floats(ddp::process_group& pg, Reducer& red, std::span<float> v) {
   auto input = [](int r, std::size_t i) {
     std::uint64_t x = (static_cast<std::uint64_t>(r) + 1) * 0x9e3779b97f4a7c15ull ^ (i * 0xbf58476d1ce4e5b9ull);
     x ^= x >> 31;
     return static_cast<float>(static_cast<double>(x % 2000001) / 1000000.0 - 1.0);
   };
-  std::vector<float> v(count);
+  const std::size_t count = v.size();
   for (std::size_t i = 0; i < count; ++i) v[i] = input(pg.rank(), i);
-  red.allreduce(std::span<float>(v), ddp::op::sum);
+  red.allreduce(v, ddp::op::sum);
   for (std::size_t i = 0; i < count; i += 1 + count / 100000) {
     double ref = 0;
     for (int r = 0; r < pg.size(); ++r) ref += input(r, i);
     require(std::fabs(v[i] - ref) <= 1e-5 * pg.size(), "random f32 sum off at " + std::to_string(i));
   }
   require_same_bits(pg, v.data(), v.size() * sizeof(float), "random f32 sum");
+}
+template <class Reducer>
+void check_random_floats(ddp::process_group& pg, Reducer& red, std::size_t count) {
+  std::vector<float> v(count);
+  check_random_floats(pg, red, std::span<float>(v));
 }
 
 /// An unknown dtype or op on the untyped entry points is errc::invalid_argument at the call, on
@@ -156,20 +162,6 @@ void check_invalid_arguments(ddp::process_group& pg, Reducer& red) {
   // Nothing was sent: the next collective pairs up with the peers' next one.
   red.allreduce(std::span<float>(v), ddp::op::sum);
   for (float x : v) require(x == static_cast<float>(n), "allreduce after refused calls");
-}
-
-/// check_invalid_arguments on `n` ranks, on a Ring and then a Tree built on one group (options
-/// from `opts`); each rank's outcome.
-template <class Ring, class Tree>
-std::vector<outcome> run_invalid_arguments(const local_group& opts, int n) {
-  const int port = free_port();
-  return run_ranks(n, [&](int r) {
-    auto pg = ddp::init_process_group(opts(r, n, port));
-    Ring ring{pg};
-    Tree tree{pg};
-    check_invalid_arguments(pg, ring);
-    check_invalid_arguments(pg, tree);
-  }, std::chrono::seconds(60));
 }
 
 /// A broadcast of 256 elements from root 0 on `n` ranks of a `Reducer`, where rank `odd` passes

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "harness.hpp"
+#include "toy_model.hpp"
 
 using namespace std::chrono_literals;
 using ddp_test::free_port;
@@ -32,40 +33,26 @@ namespace {
 using ddp_test::require;
 
 /// A small model of mixed dtypes, one empty parameter among them; `variant` changes its layout.
-struct model {
-  std::vector<float> w, gw;
-  std::vector<double> b, gb;
-  std::vector<std::int64_t> k, gk;
-  std::vector<ddp::bfloat16> e, ge;
-  std::vector<float> z, gz;  // no elements
-  std::vector<float> x, gx;  // only in variant "extra"
-  std::vector<ddp::tensor_view> views;
-
+struct model : ddp_test::toy_model {
   explicit model(const std::string& variant = "") {
-    w.resize(24), gw.resize(24), b.resize(6), gb.resize(6), k.resize(3), gk.resize(3), e.resize(10), ge.resize(10);
-    views.push_back(ddp::make_tensor_view(w, gw, variant == "name" ? "fc1.W" : "fc1.weight", {4, 6}));
-    views.push_back(ddp::make_tensor_view(b, gb, "fc1.bias", variant == "shape" ? std::vector<std::int64_t>{3, 2}
-                                                                                   : std::vector<std::int64_t>{6}));
-    views.push_back(ddp::make_tensor_view(k, gk, "counts", {3}));
-    views.push_back(ddp::make_tensor_view(e, ge, "emb", {2, 5}));
-    views.push_back(ddp::make_tensor_view(z, gz, "empty", {0}));
-    if (variant == "extra") {
-      x.resize(2), gx.resize(2);
-      views.push_back(ddp::make_tensor_view(x, gx, "head", {2}));
-    }
+    add(24, ddp::dtype::f32, {4, 6}, variant == "name" ? "fc1.W" : "fc1.weight");
+    add(6, ddp::dtype::f64, variant == "shape" ? std::vector<std::int64_t>{3, 2} : std::vector<std::int64_t>{6},
+        "fc1.bias");
+    add(3, ddp::dtype::i64, {3}, "counts").add(10, ddp::dtype::bf16, {2, 5}, "emb");
+    add(0, ddp::dtype::f32, {0}, "empty");
+    if (variant == "extra") add(2, ddp::dtype::f32, {2}, "head");
   }
-  model(const model&) = delete;
 
   void fill(double seed) {
+    const auto w = data<float>(0);
+    const auto b = data<double>(1);
+    const auto k = data<std::int64_t>(2);
+    const auto e = data<ddp::bfloat16>(3);
     for (std::size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(seed + 0.1 * static_cast<double>(i));
     for (std::size_t i = 0; i < b.size(); ++i) b[i] = seed / 3.0 + static_cast<double>(i);
-    for (std::size_t i = 0; i < k.size(); ++i) k[i] = static_cast<std::int64_t>(seed * 1000) + static_cast<std::int64_t>(i);
+    for (std::size_t i = 0; i < k.size(); ++i)
+      k[i] = static_cast<std::int64_t>(seed * 1000) + static_cast<std::int64_t>(i);
     for (std::size_t i = 0; i < e.size(); ++i) e[i] = ddp::bfloat16(static_cast<float>(seed) - static_cast<float>(i));
-  }
-  std::string bytes() const {
-    std::string s;
-    for (const auto& v : views) s.append(static_cast<const char*>(v.data), v.bytes());
-    return s;
   }
 };
 
@@ -96,11 +83,11 @@ void expect_load_failure(int n, const fs::path& path, ddp::errc code, const std:
   auto outs = on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     model m(variant ? variant(r) : "");
     m.fill(7.0 + r);
-    const auto before = m.bytes();
+    const auto before = m.data_bytes();
     try {
       (void)ddp::load_checkpoint(pg, path, m.views);
     } catch (const ddp::error& e) {
-      require(m.bytes() == before, "a failed load changed rank " + std::to_string(r) + "'s parameters");
+      require(m.data_bytes() == before, "a failed load changed rank " + std::to_string(r) + "'s parameters");
       require(e.parameter() == parameter, "error::parameter() is " + std::to_string(e.parameter()));
       throw;
     }
@@ -131,13 +118,13 @@ TEST_CASE("save on rank 0, load on every rank: values, shapes and the caller's b
         require(f.path() == path, "left behind: " + f.path().string());
       model zero;
       zero.fill(1.0);
-      const auto saved = zero.bytes();  // what rank 0 saved
+      const auto saved = zero.data_bytes();  // what rank 0 saved
       m.fill(-5.0 - r);
       pg.barrier();  // nobody saves again before everybody has looked
       // Hosts need not share a file system: only rank 0 opens the path.
       const fs::path where = r == 0 ? path : fs::path("/nonexistent/ckpt.ddp");
       const auto blob = ddp::load_checkpoint(pg, where, m.views);
-      require(m.bytes() == saved, "rank " + std::to_string(r) + " did not get rank 0's values");
+      require(m.data_bytes() == saved, "rank " + std::to_string(r) + " did not get rank 0's values");
       std::int64_t got = 0;
       require(blob.size() == sizeof got, "blob size " + std::to_string(blob.size()));
       std::memcpy(&got, blob.data(), sizeof got);
@@ -149,7 +136,7 @@ TEST_CASE("save on rank 0, load on every rank: values, shapes and the caller's b
       require(ddp::load_checkpoint(pg, path, m.views).empty(), "empty blob");
       model three;
       three.fill(3.0);
-      require(m.bytes() == three.bytes(), "second checkpoint's values");
+      require(m.data_bytes() == three.data_bytes(), "second checkpoint's values");
     }));
   }
 }
@@ -207,7 +194,7 @@ TEST_CASE("every truncation and every corrupted byte of a valid file is refused,
   expect_ok(on_ranks(1, local_group{20s}, [&](ddp::process_group& pg) {
     model m;
     m.fill(9.0);
-    const auto before = m.bytes();
+    const auto before = m.data_bytes();
     const auto refused = [&](const std::string& content, const std::string& what) {
       write_file(p, content);
       try {
@@ -215,7 +202,7 @@ TEST_CASE("every truncation and every corrupted byte of a valid file is refused,
       } catch (const ddp::error& e) {
         require(e.condition() == ddp::errc::invalid_argument || e.condition() == ddp::errc::mismatch,
                 what + ": " + e.what());
-        require(m.bytes() == before, what + ": parameters changed");
+        require(m.data_bytes() == before, what + ": parameters changed");
         return;
       }
       throw std::runtime_error(what + ": accepted");
@@ -304,7 +291,7 @@ TEST_CASE("hardening: links and files planted at a save's names are never writte
     ddp::save_checkpoint(pg, path, m.views, bytes_of("step 9"));
     model back;
     require(blob_string(ddp::load_checkpoint(pg, path, back.views)) == "step 9", "blob");
-    require(back.bytes() == m.bytes(), "values");
+    require(back.data_bytes() == m.data_bytes(), "values");
   });
   INFO(ddp_test::summary(outs));
   REQUIRE(ddp_test::all_ok(outs));

@@ -17,7 +17,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <memory>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -29,6 +28,7 @@
 #include <unistd.h>
 
 #include "harness.hpp"
+#include "toy_model.hpp"
 
 using namespace std::chrono_literals;
 using namespace ddp_test;
@@ -52,61 +52,22 @@ double grad_value(int r, std::size_t i, std::size_t j, int s) {
 
 double data_value(int r, std::size_t i, std::size_t j) { return static_cast<double>(r * 1000 + static_cast<int>((i + j) % 500)); }
 
-// A model as an engine would hold it: per parameter, values and a gradient of one dtype.
-struct model {
-  std::vector<std::size_t> numel;
-  std::vector<ddp::dtype> types;
-  std::vector<std::vector<std::int64_t>> shapes;
-  std::vector<std::string> names;
-  std::vector<std::unique_ptr<std::byte[]>> data, grad;
-  std::vector<ddp::tensor_view> views;
-
-  void add(std::size_t n, ddp::dtype t, std::vector<std::int64_t> shape = {}) {
-    numel.push_back(n);
-    types.push_back(t);
-    if (shape.empty()) shape.push_back(static_cast<std::int64_t>(n));
-    shapes.push_back(std::move(shape));
-    names.push_back("p" + std::to_string(numel.size() - 1));
-    data.push_back(std::make_unique<std::byte[]>(std::max<std::size_t>(1, n * ddp::dtype_size(t))));
-    grad.push_back(std::make_unique<std::byte[]>(std::max<std::size_t>(1, n * ddp::dtype_size(t))));
-  }
-  void make_views() {
-    views.clear();
-    for (std::size_t i = 0; i < numel.size(); ++i)
-      views.push_back(ddp::tensor_view{data[i].get(), grad[i].get(), numel[i], types[i], -1, names[i], shapes[i]});
-  }
-  std::size_t size() const { return numel.size(); }
-  std::size_t bytes() const {
-    std::size_t b = 0;
-    for (std::size_t i = 0; i < size(); ++i) b += numel[i] * ddp::dtype_size(types[i]);
-    return b;
-  }
-  static double get(const void* p, ddp::dtype t, std::size_t j) {
-    return t == ddp::dtype::f64 ? static_cast<const double*>(p)[j] : static_cast<const float*>(p)[j];
-  }
-  static void set(void* p, ddp::dtype t, std::size_t j, double v) {
-    if (t == ddp::dtype::f64) static_cast<double*>(p)[j] = v;
-    else static_cast<float*>(p)[j] = static_cast<float>(v);
-  }
-};
-
 // Random shapes shared by every rank (same seed): mostly small, log-uniform, a few f64.
-model random_model(std::uint64_t seed, std::size_t count, std::size_t max_numel) {
+toy_model random_model(std::uint64_t seed, std::size_t count, std::size_t max_numel) {
   std::mt19937_64 g(seed);
-  model m;
+  toy_model m;
   std::uniform_real_distribution<double> u(0.0, std::log(static_cast<double>(max_numel)));
   for (std::size_t i = 0; i < count; ++i) {
     const auto n = static_cast<std::size_t>(std::exp(u(g)));
     m.add(std::max<std::size_t>(1, n), (g() % 8 == 0) ? ddp::dtype::f64 : ddp::dtype::f32);
   }
-  m.make_views();
   return m;
 }
 
 // The engine's backward: writes each gradient (into its own buffer, or into bucket memory in
 // view mode), accumulating when asked, and calls the hook in a per-rank random order.
 template <class DP>
-void backward(DP& dp, model& m, int r, int s, bool view, bool accumulate, std::uint64_t order_seed,
+void backward(DP& dp, toy_model& m, int r, int s, bool view, bool accumulate, std::uint64_t order_seed,
               const std::vector<std::size_t>& skip = {}) {
   std::vector<std::size_t> order(m.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
@@ -115,10 +76,10 @@ void backward(DP& dp, model& m, int r, int s, bool view, bool accumulate, std::u
   std::shuffle(order.begin(), order.end(), g);
   for (std::size_t i : order) {
     if (std::find(skip.begin(), skip.end(), i) != skip.end()) continue;
-    void* gp = view ? dp.bucket_grad(i) : m.grad[i].get();
-    for (std::size_t j = 0; j < m.numel[i]; ++j) {
+    void* gp = view ? dp.bucket_grad(i) : m.grad(i);
+    for (std::size_t j = 0; j < m.numel(i); ++j) {
       const double v = grad_value(r, i, j, s);
-      model::set(gp, m.types[i], j, accumulate ? model::get(gp, m.types[i], j) + v : v);
+      toy_model::set(gp, m.type(i), j, accumulate ? toy_model::get(gp, m.type(i), j) + v : v);
     }
     dp.grad_ready(i);
   }
@@ -127,17 +88,17 @@ void backward(DP& dp, model& m, int r, int s, bool view, bool accumulate, std::u
 // Checks that gradient i now holds avg over ranks of sum over `steps` of grad_value, with the
 // ranks in `zero_for(i)` contributing nothing.
 template <class DP, class ZeroFor>
-void check_average(DP& dp, model& m, int n, const std::vector<int>& steps, bool view, ZeroFor zero_for,
+void check_average(DP& dp, toy_model& m, int n, const std::vector<int>& steps, bool view, ZeroFor zero_for,
                    const std::string& what) {
   for (std::size_t i = 0; i < m.size(); ++i) {
-    const void* gp = view ? dp.bucket_grad(i) : m.grad[i].get();
-    for (std::size_t j = 0; j < m.numel[i]; ++j) {
+    const void* gp = view ? dp.bucket_grad(i) : m.grad(i);
+    for (std::size_t j = 0; j < m.numel(i); ++j) {
       double expect = 0;
       for (int q = 0; q < n; ++q)
         if (!zero_for(i, q))
           for (int s : steps) expect += grad_value(q, i, j, s);
       expect /= n;
-      const double got = model::get(gp, m.types[i], j);
+      const double got = toy_model::get(gp, m.type(i), j);
       if (std::abs(got - expect) > 1e-5 * (1 + std::abs(expect)))
         throw std::runtime_error(what + ": parameter " + std::to_string(i) + " element " + std::to_string(j) +
                                  " is " + std::to_string(got) + ", expected " + std::to_string(expect));
@@ -151,14 +112,13 @@ template <class Reducer, class Allocator = ddp::host_allocator>
 void random_run(int n, std::uint64_t seed, std::size_t count, std::size_t max_numel, ddp::bucket_policy policy,
                 bool view, int steps = 3) {
   expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
-    model m = random_model(seed, count, max_numel);
-    for (std::size_t i = 0; i < m.size(); ++i)
-      for (std::size_t j = 0; j < m.numel[i]; ++j) model::set(m.data[i].get(), m.types[i], j, data_value(r, i, j));
+    toy_model m = random_model(seed, count, max_numel);
+    m.fill_data([&](std::size_t i, std::size_t j) { return data_value(r, i, j); });
     ddp::basic_data_parallel<ddp::size_planner, Reducer, Allocator> dp{pg, m.views, policy,
                                                             {.gradient_as_bucket_view = view}};
     for (std::size_t i = 0; i < m.size(); ++i)
-      for (std::size_t j = 0; j < m.numel[i]; ++j)
-        require(model::get(m.data[i].get(), m.types[i], j) == data_value(0, i, j), "rank 0's parameters broadcast");
+      for (std::size_t j = 0; j < m.numel(i); ++j)
+        require(toy_model::get(m.data(i), m.type(i), j) == data_value(0, i, j), "rank 0's parameters broadcast");
     for (int s = 0; s < steps; ++s) {
       backward(dp, m, r, s, view, false, seed * 1000 + static_cast<std::uint64_t>(r * 10 + s));
       const std::size_t buckets = dp.plan().buckets.size();  // the rebuild may change it in finish()
@@ -209,11 +169,10 @@ TEST_CASE("random shapes up to 4 M elements, 300 small shapes on 4 ranks") {
 TEST_CASE("grad_ready from several threads at once") {
   const int n = 2;
   expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
-    model m = random_model(71, 200, 1 << 10);
+    toy_model m = random_model(71, 200, 1 << 10);
     ddp::data_parallel dp{pg, m.views, {.cap_bytes = 2_KiB, .first_cap_bytes = 512}};
     for (int s = 0; s < 3; ++s) {
-      for (std::size_t i = 0; i < m.size(); ++i)
-        for (std::size_t j = 0; j < m.numel[i]; ++j) model::set(m.grad[i].get(), m.types[i], j, grad_value(r, i, j, s));
+      m.fill_grad([&](std::size_t i, std::size_t j) { return grad_value(r, i, j, s); });
       std::vector<std::thread> threads;
       for (std::size_t t = 0; t < 4; ++t)
         threads.emplace_back([&, t] {
@@ -229,10 +188,9 @@ TEST_CASE("grad_ready from several threads at once") {
 TEST_CASE("large parameters: 4 M elements next to single elements") {
   const int n = 2;
   expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
-    model m;
+    toy_model m;
     for (std::size_t k : {std::size_t{1}, std::size_t{4} << 20, std::size_t{3}, std::size_t{1} << 20, std::size_t{1}})
       m.add(k, ddp::dtype::f32);
-    m.make_views();
     ddp::data_parallel dp{pg, m.views, {.cap_bytes = 2_MiB, .first_cap_bytes = 64_KiB}};
     for (int s = 0; s < 2; ++s) {
       backward(dp, m, r, s, false, false, static_cast<std::uint64_t>(r + 7 * s));
@@ -247,7 +205,7 @@ TEST_CASE("gradient as bucket view: the engine writes into bucket memory, nothin
   random_run<ddp::tree<ddp::tcp>>(4, 22, 60, 1 << 12, {.cap_bytes = 1, .first_cap_bytes = 1}, true);
   // The views hand out bucket memory as the gradient.
   expect_ok(on_ranks(2, opts, [&](ddp::process_group& pg) {
-    model m = random_model(5, 10, 100);
+    toy_model m = random_model(5, 10, 100);
     ddp::data_parallel dp{pg, m.views, {}, {.gradient_as_bucket_view = true}};
     auto vs = dp.views();
     for (std::size_t i = 0; i < m.size(); ++i) require(vs[i].grad == dp.bucket_grad(i), "views point into buckets");
@@ -259,7 +217,7 @@ TEST_CASE("no_sync: micro-steps accumulate locally, the next synchronized step a
     CAPTURE(view);
     const int n = 3;
     expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
-      model m = random_model(31, 40, 1 << 12);
+      toy_model m = random_model(31, 40, 1 << 12);
       ddp::data_parallel dp{pg, m.views, {.cap_bytes = 8_KiB, .first_cap_bytes = 1_KiB},
                             {.gradient_as_bucket_view = view}};
       for (int round = 0; round < 2; ++round) {
@@ -279,13 +237,7 @@ TEST_CASE("no_sync: micro-steps accumulate locally, the next synchronized step a
       }
       // no_sync in the middle of a step is refused.
       dp.grad_ready(0);
-      bool refused = false;
-      try {
-        auto g = dp.no_sync();
-      } catch (const ddp::error& e) {
-        refused = e.condition() == ddp::errc::usage;
-      }
-      require(refused, "no_sync mid-step is errc::usage");
+      require_raises([&] { auto g = dp.no_sync(); }, ddp::errc::usage, {}, "no_sync mid-step");
       for (std::size_t i = 1; i < m.size(); ++i) dp.grad_ready(i);
       dp.finish();
     }, 60s));
@@ -297,7 +249,7 @@ TEST_CASE("unused parameters: mark_unused per rank, and find_unused_parameters")
     CAPTURE(option);
     const int n = 4;
     expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
-      model m = random_model(41, 50, 1 << 12);
+      toy_model m = random_model(41, 50, 1 << 12);
       ddp::data_parallel dp{pg, m.views, {.cap_bytes = 4_KiB, .first_cap_bytes = 1_KiB},
                             {.find_unused_parameters = option}};
       // Rank q leaves out parameters q, q+4, q+8 (and every rank leaves out parameter 49).
@@ -324,7 +276,7 @@ TEST_CASE("shape, dtype or count mismatch: errc::mismatch on every rank, naming 
     CAPTURE(v.what);
     const int n = 3;
     auto outs = on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
-      model m;
+      toy_model m;
       const std::string what = v.what;
       for (std::size_t i = 0; i < 8; ++i) {
         if (r == 2 && what == "count" && i == 7) break;
@@ -332,7 +284,6 @@ TEST_CASE("shape, dtype or count mismatch: errc::mismatch on every rank, naming 
         if (r == 2 && what == "shape" && i == 3) shape = {6, 4};
         m.add(24, (r == 2 && what == "dtype" && i == 5) ? ddp::dtype::f64 : ddp::dtype::f32, shape);
       }
-      m.make_views();
       ddp::data_parallel dp{pg, m.views};
     }, 30s);
     INFO(summary(outs));
@@ -346,7 +297,7 @@ TEST_CASE("shape, dtype or count mismatch: errc::mismatch on every rank, naming 
 
 TEST_CASE("bucket policies that differ between ranks: errc::mismatch on every rank") {
   auto outs = on_ranks(2, local_group{10s}, [&](int r, ddp::process_group& pg) {
-    model m = random_model(3, 20, 1000);
+    toy_model m = random_model(3, 20, 1000);
     ddp::data_parallel dp{pg, m.views, {.cap_bytes = r == 0 ? 1_KiB : 2_KiB, .first_cap_bytes = 1_KiB}};
   }, 30s);
   INFO(summary(outs));
@@ -359,37 +310,27 @@ TEST_CASE("bucket policies that differ between ranks: errc::mismatch on every ra
 TEST_CASE("misuse: double grad_ready, index out of range, finish with parameters never ready") {
   const int n = 2;
   expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
-    model m = random_model(51, 12, 300);
+    toy_model m = random_model(51, 12, 300);
     ddp::data_parallel dp{pg, m.views, {.cap_bytes = 512, .first_cap_bytes = 512}};
-    const auto expect_error = [&](auto&& f, ddp::errc code, const std::string& text) {
-      try {
-        f();
-      } catch (const ddp::error& e) {
-        require(e.condition() == code, std::string("wrong errc: ") + e.what());
-        require(std::string(e.what()).find(text) != std::string::npos, std::string("message lacks '") + text + "': " + e.what());
-        return;
-      }
-      throw std::runtime_error("no error for: " + text);
-    };
-    for (std::size_t i = 0; i < m.size(); ++i) {
-      for (std::size_t j = 0; j < m.numel[i]; ++j) model::set(m.grad[i].get(), m.types[i], j, grad_value(r, i, j, 0));
-    }
+    m.fill_grad([&](std::size_t i, std::size_t j) { return grad_value(r, i, j, 0); });
     // Parameter 11 is ready twice: refused, and the step goes on unharmed.
     dp.grad_ready(11);
-    expect_error([&] { dp.grad_ready(11); }, ddp::errc::usage, "parameter 11 ('p11') was already ready");
-    expect_error([&] { dp.grad_ready(12); }, ddp::errc::invalid_argument, "grad_ready(12): there are only 12");
-    expect_error([&] { dp.mark_unused(99); }, ddp::errc::invalid_argument, "mark_unused(99)");
+    require_raises([&] { dp.grad_ready(11); }, ddp::errc::usage, {"parameter 11 ('p11') was already ready"});
+    require_raises([&] { dp.grad_ready(12); }, ddp::errc::invalid_argument, {"grad_ready(12): there are only 12"});
+    require_raises([&] { dp.mark_unused(99); }, ddp::errc::invalid_argument, {"mark_unused(99)"});
     for (std::size_t i = 10; i-- > 3;) dp.grad_ready(i);
     // 0, 1, 2 and 10 never became ready: finish names them and launches nothing more.
-    expect_error([&] { dp.finish(); }, ddp::errc::usage, "4 parameters never became ready this step: parameter 0 ('p0'), parameter 1 ('p1'), parameter 2 ('p2'), parameter 10 ('p10')");
-    expect_error([&] { dp.mark_unused(5); }, ddp::errc::usage, "parameter 5 ('p5') was already ready");
+    require_raises([&] { dp.finish(); }, ddp::errc::usage,
+                   {"4 parameters never became ready this step: parameter 0 ('p0'), parameter 1 ('p1'), "
+                    "parameter 2 ('p2'), parameter 10 ('p10')"});
+    require_raises([&] { dp.mark_unused(5); }, ddp::errc::usage, {"parameter 5 ('p5') was already ready"});
     // Fixing the step and calling finish again works.
     for (std::size_t i : {10, 2, 1, 0}) dp.grad_ready(i);
     dp.finish();
     check_average(dp, m, n, {0}, false, none, "after recovering");
     // A parameter marked unused cannot also be ready.
     dp.mark_unused(4);
-    expect_error([&] { dp.grad_ready(4); }, ddp::errc::usage, "parameter 4 ('p4') was already marked unused");
+    require_raises([&] { dp.grad_ready(4); }, ddp::errc::usage, {"parameter 4 ('p4') was already marked unused"});
     for (std::size_t i = 0; i < m.size(); ++i)
       if (i != 4) dp.grad_ready(i);
     dp.finish();
@@ -405,7 +346,7 @@ TEST_CASE("misuse: a second finish() with nothing new is errc::usage, with or wi
     CAPTURE(find_unused);
     const int n = 2;
     expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
-      model m = random_model(53, 10, 300);
+      toy_model m = random_model(53, 10, 300);
       ddp::data_parallel dp{pg, m.views, {.cap_bytes = 512, .first_cap_bytes = 512},
                             {.find_unused_parameters = find_unused}};
       const auto expect_twice = [&](const std::string& text) {
@@ -465,18 +406,18 @@ TEST_CASE("misuse: a second finish() with nothing new is errc::usage, with or wi
 TEST_CASE("rebuild from the ready order (copy mode): rank 0's order wins, plans agree, done once") {
   const int n = 3;
   expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
-    model m = random_model(61, 30, 2000);
+    toy_model m = random_model(61, 30, 2000);
     ddp::data_parallel dp{pg, m.views, {.cap_bytes = 4_KiB, .first_cap_bytes = 1_KiB}};
     const auto before = dp.plan();
     // Step 0 in registration order (not the reverse order the initial plan assumed).
     for (std::size_t i = 0; i < m.size(); ++i) {
-      for (std::size_t j = 0; j < m.numel[i]; ++j) model::set(m.grad[i].get(), m.types[i], j, grad_value(r, i, j, 0));
+      for (std::size_t j = 0; j < m.numel(i); ++j) toy_model::set(m.grad(i), m.type(i), j, grad_value(r, i, j, 0));
       dp.grad_ready(i);
     }
     dp.finish();
     require(dp.layout_version() == 1, "the plan was rebuilt once");
     std::vector<ddp::param_info> infos;
-    for (std::size_t i = 0; i < m.size(); ++i) infos.push_back({m.numel[i], m.types[i], -1});
+    for (std::size_t i = 0; i < m.size(); ++i) infos.push_back({m.numel(i), m.type(i), -1});
     std::vector<std::size_t> order(m.size());
     std::iota(order.begin(), order.end(), std::size_t{0});
     require(dp.plan() == ddp::size_planner{}.plan(infos, dp.policy(), order), "plan follows the observed order");
@@ -614,7 +555,7 @@ void flaky_run(int n, int failing, fault f) {
   const auto timeout = 4s;
   auto outs = run_ranks(n, [&](int r) {
     auto pg = ddp::init_process_group(opts(r, n, port, timeout));
-    model m = random_model(91, 24, 300);
+    toy_model m = random_model(91, 24, 300);
     const bool find_unused = f == fault::zero_in_finish_unused;
     ddp::basic_data_parallel<ddp::size_planner, Reducer, test_allocator> dp{
         pg, m.views, {.cap_bytes = 1_KiB, .first_cap_bytes = 256}, {.find_unused_parameters = find_unused}};
@@ -720,25 +661,25 @@ namespace {
 template <class Reducer, class Allocator>
 void cached_view_run(int n, int steps) {
   expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
-    model m = random_model(101, 40, 1500);
+    toy_model m = random_model(101, 40, 1500);
     ddp::basic_data_parallel<ddp::size_planner, Reducer, Allocator> dp{
         pg, m.views, {.cap_bytes = 2_KiB, .first_cap_bytes = 512}, {.gradient_as_bucket_view = true}};
     std::vector<void*> g(m.size());
     for (std::size_t i = 0; i < m.size(); ++i) g[i] = dp.bucket_grad(i);
     for (int s = 0; s < steps; ++s) {
       for (std::size_t i = 0; i < m.size(); ++i) {
-        for (std::size_t j = 0; j < m.numel[i]; ++j) model::set(g[i], m.types[i], j, grad_value(r, i, j, s));
+        for (std::size_t j = 0; j < m.numel(i); ++j) toy_model::set(g[i], m.type(i), j, grad_value(r, i, j, s));
         dp.grad_ready(i);
       }
       dp.finish();
       // The single-process reference: the mean over ranks of each rank's gradient.
       for (std::size_t i = 0; i < m.size(); ++i) {
         require(dp.bucket_grad(i) == g[i], "bucket_grad(" + std::to_string(i) + ") moved");
-        for (std::size_t j = 0; j < m.numel[i]; ++j) {
+        for (std::size_t j = 0; j < m.numel(i); ++j) {
           double expect = 0;
           for (int q = 0; q < n; ++q) expect += grad_value(q, i, j, s);
           expect /= n;
-          const double got = model::get(g[i], m.types[i], j);
+          const double got = toy_model::get(g[i], m.type(i), j);
           require(std::abs(got - expect) <= 1e-5 * (1 + std::abs(expect)),
                   "step " + std::to_string(s) + " parameter " + std::to_string(i) + " element " + std::to_string(j) +
                       " is " + std::to_string(got) + ", expected " + std::to_string(expect));
@@ -764,7 +705,7 @@ TEST_CASE("view mode: pointers taken once stay valid, gradients in registration 
 
 TEST_CASE("view and copy mode disagreeing between ranks: errc::mismatch at construction, not a hang") {
   auto outs = on_ranks(2, local_group{10s}, [&](int r, ddp::process_group& pg) {
-    model m = random_model(3, 20, 1000);
+    toy_model m = random_model(3, 20, 1000);
     ddp::data_parallel dp{pg, m.views, {}, {.gradient_as_bucket_view = r == 1}};
   }, 30s);
   INFO(summary(outs));
@@ -785,7 +726,7 @@ TEST_CASE("no_sync then unused in the synchronized step: the accumulated gradien
       CAPTURE(find_unused);
       const int n = 3;
       expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
-        model m = random_model(111, 30, 1000);
+        toy_model m = random_model(111, 30, 1000);
         ddp::data_parallel dp{pg, m.views, {.cap_bytes = 2_KiB, .first_cap_bytes = 512},
                               {.gradient_as_bucket_view = view, .find_unused_parameters = find_unused}};
         const auto in_v = [](std::size_t i, int q) { return i % 5 == static_cast<std::size_t>(q); };
@@ -802,10 +743,10 @@ TEST_CASE("no_sync then unused in the synchronized step: the accumulated gradien
                 if (!find_unused) dp.mark_unused(k);
                 continue;
               }
-              void* gp = view ? dp.bucket_grad(k) : m.grad[k].get();
-              for (std::size_t j = 0; j < m.numel[k]; ++j) {
+              void* gp = view ? dp.bucket_grad(k) : m.grad(k);
+              for (std::size_t j = 0; j < m.numel(k); ++j) {
                 const double v = grad_value(r, k, j, s);
-                model::set(gp, m.types[k], j, defined[k] ? model::get(gp, m.types[k], j) + v : v);
+                toy_model::set(gp, m.type(k), j, defined[k] ? toy_model::get(gp, m.type(k), j) + v : v);
               }
               defined[k] = true;
               dp.grad_ready(k);
@@ -819,8 +760,8 @@ TEST_CASE("no_sync then unused in the synchronized step: the accumulated gradien
           run_step(s0 + 2, [&](std::size_t k) { return in_u(k, r); });
           require(dp.last_step_stats().synchronized, "synchronized step");
           for (std::size_t i = 0; i < m.size(); ++i) {
-            const void* gp = view ? dp.bucket_grad(i) : m.grad[i].get();
-            for (std::size_t j = 0; j < m.numel[i]; ++j) {
+            const void* gp = view ? dp.bucket_grad(i) : m.grad(i);
+            for (std::size_t j = 0; j < m.numel(i); ++j) {
               double expect = 0;
               for (int q = 0; q < n; ++q) {
                 if (!in_v(i, q))
@@ -828,7 +769,7 @@ TEST_CASE("no_sync then unused in the synchronized step: the accumulated gradien
                 if (!in_u(i, q)) expect += grad_value(q, i, j, s0 + 2);
               }
               expect /= n;
-              const double got = model::get(gp, m.types[i], j);
+              const double got = toy_model::get(gp, m.type(i), j);
               require(std::abs(got - expect) <= 1e-5 * (1 + std::abs(expect)),
                       "round " + std::to_string(round) + " parameter " + std::to_string(i) + " element " +
                           std::to_string(j) + " is " + std::to_string(got) + ", expected " + std::to_string(expect));
@@ -845,7 +786,7 @@ TEST_CASE("one device per rank (device = rank): plans agree, averages exact, cop
     CAPTURE(view);
     const int n = 3;
     expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
-      model m = random_model(121, 30, 1000);
+      toy_model m = random_model(121, 30, 1000);
       for (auto& v : m.views) v.device = r;  // this rank's device index
       ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, device_test_allocator> dp{
           pg, m.views, {.cap_bytes = 2_KiB, .first_cap_bytes = 512}, {.gradient_as_bucket_view = view}};

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "harness.hpp"
+#include "toy_model.hpp"
 
 // Uneven inputs (dp_options::uneven_inputs, join()): ranks with fewer batches answer the other
 // ranks' steps with zeros, and every step averages over the ranks that contributed to it.
@@ -35,41 +36,10 @@ using namespace ddp_test;
 namespace {
 
 // A model of one parameter per dtype the wrapper reduces, several buckets (small caps).
-struct model {
-  std::vector<std::size_t> numel{37, 5, 9, 6, 300};
-  std::vector<ddp::dtype> types{ddp::dtype::f32, ddp::dtype::f64, ddp::dtype::f16, ddp::dtype::i32,
-                                ddp::dtype::f32};
-  std::vector<std::string> names{"w", "w64", "h", "n", "big"};
-  std::vector<std::vector<std::byte>> data, grad;
-  std::vector<ddp::tensor_view> views;
-
+struct model : toy_model {
   model() {
-    for (std::size_t i = 0; i < numel.size(); ++i) {
-      data.emplace_back(numel[i] * ddp::dtype_size(types[i]));
-      grad.emplace_back(numel[i] * ddp::dtype_size(types[i]));
-      views.push_back(ddp::tensor_view{data[i].data(), grad[i].data(), numel[i], types[i], -1, names[i],
-                                       {static_cast<std::int64_t>(numel[i])}});
-    }
-  }
-  std::size_t size() const { return numel.size(); }
-
-  static double get(const void* p, ddp::dtype t, std::size_t j) {
-    switch (t) {
-      case ddp::dtype::f32: return static_cast<const float*>(p)[j];
-      case ddp::dtype::f64: return static_cast<const double*>(p)[j];
-      case ddp::dtype::f16: return static_cast<float>(static_cast<const ddp::half*>(p)[j]);
-      case ddp::dtype::i32: return static_cast<const std::int32_t*>(p)[j];
-      default: throw std::logic_error("dtype");
-    }
-  }
-  static void set(void* p, ddp::dtype t, std::size_t j, double v) {
-    switch (t) {
-      case ddp::dtype::f32: static_cast<float*>(p)[j] = static_cast<float>(v); return;
-      case ddp::dtype::f64: static_cast<double*>(p)[j] = v; return;
-      case ddp::dtype::f16: static_cast<ddp::half*>(p)[j] = ddp::half(static_cast<float>(v)); return;
-      case ddp::dtype::i32: static_cast<std::int32_t*>(p)[j] = static_cast<std::int32_t>(v); return;
-      default: throw std::logic_error("dtype");
-    }
+    add(37, ddp::dtype::f32, {}, "w").add(5, ddp::dtype::f64, {}, "w64").add(9, ddp::dtype::f16, {}, "h");
+    add(6, ddp::dtype::i32, {}, "n").add(300, ddp::dtype::f32, {}, "big");
   }
 };
 
@@ -78,10 +48,10 @@ struct model {
 // 40000 + r * 32 (two of them sum past f16's largest value, 65504: only a scaled average
 // stays finite).
 double grad_value(const model& m, int r, std::size_t i, std::size_t j, int s, int e) {
-  if (m.types[i] == ddp::dtype::f16 && j == 0) return 40000.0 + r * 32.0;
+  if (m.type(i) == ddp::dtype::f16 && j == 0) return 40000.0 + r * 32.0;
   const long k = static_cast<long>(((static_cast<std::size_t>(r) + 1) * 31 + i * 17 + j * 7 +
                                     static_cast<std::size_t>(s) * 13 + static_cast<std::size_t>(e) * 29) % 97) - 48;
-  return m.types[i] == ddp::dtype::i32 ? static_cast<double>(k) : static_cast<double>(k) / 8.0;
+  return m.type(i) == ddp::dtype::i32 ? static_cast<double>(k) : static_cast<double>(k) / 8.0;
 }
 
 // One unit in the last place of `v` as dtype t holds it (0 for integers: exact).
@@ -105,9 +75,9 @@ void check_step(const model& m, const std::vector<const void*>& grads, const std
                 const std::string& what, std::size_t divisor = 0) {
   if (divisor == 0) divisor = who.size();
   for (std::size_t i = 0; i < m.size(); ++i)
-    for (std::size_t j = 0; j < m.numel[i]; ++j) {
+    for (std::size_t j = 0; j < m.numel(i); ++j) {
       double expect = 0;
-      if (m.types[i] == ddp::dtype::i32) {
+      if (m.type(i) == ddp::dtype::i32) {
         long sum = 0;
         for (int q : who) sum += static_cast<long>(grad_value(m, q, i, j, s, e));
         expect = static_cast<double>(sum / static_cast<long>(divisor));
@@ -115,9 +85,9 @@ void check_step(const model& m, const std::vector<const void*>& grads, const std
         for (int q : who) expect += grad_value(m, q, i, j, s, e);
         expect /= static_cast<double>(divisor);
       }
-      const double got = model::get(grads[i], m.types[i], j);
-      if (std::abs(got - expect) > ulp(m.types[i], expect))
-        throw std::runtime_error(what + ": " + m.names[i] + "[" + std::to_string(j) + "] is " + std::to_string(got) +
+      const double got = model::get(grads[i], m.type(i), j);
+      if (std::abs(got - expect) > ulp(m.type(i), expect))
+        throw std::runtime_error(what + ": " + m.name(i) + "[" + std::to_string(j) + "] is " + std::to_string(got) +
                                  ", expected " + std::to_string(expect) + " (the sum over " +
                                  std::to_string(who.size()) + " ranks divided by " + std::to_string(divisor) + ")");
     }
@@ -142,13 +112,13 @@ void uneven_run(int n, const std::vector<std::vector<int>>& batches, bool view, 
       for (int s = 0; s < b[static_cast<std::size_t>(r)]; ++s) {
         std::vector<const void*> grads;
         for (std::size_t k = m.size(); k-- > 0;) {
-          void* g = view ? dp.bucket_grad(k) : m.grad[k].data();
-          for (std::size_t j = 0; j < m.numel[k]; ++j)
-            model::set(g, m.types[k], j, grad_value(m, r, k, j, s, static_cast<int>(e)));
+          void* g = view ? dp.bucket_grad(k) : m.grad(k);
+          for (std::size_t j = 0; j < m.numel(k); ++j)
+            model::set(g, m.type(k), j, grad_value(m, r, k, j, s, static_cast<int>(e)));
           dp.grad_ready(k);
         }
         dp.finish();
-        for (std::size_t k = 0; k < m.size(); ++k) grads.push_back(view ? dp.bucket_grad(k) : m.grad[k].data());
+        for (std::size_t k = 0; k < m.size(); ++k) grads.push_back(view ? dp.bucket_grad(k) : m.grad(k));
         std::vector<int> who;
         for (int q = 0; q < n; ++q)
           if (b[static_cast<std::size_t>(q)] > s) who.push_back(q);
@@ -159,18 +129,16 @@ void uneven_run(int n, const std::vector<std::vector<int>>& batches, bool view, 
                 what + ": stats report " + std::to_string(dp.last_step_stats().contributors) + " contributors");
       }
       // A sentinel in this rank's own gradients: copy mode leaves them alone while answering.
-      if (!view)
-        for (std::size_t k = 0; k < m.size(); ++k)
-          for (std::size_t j = 0; j < m.numel[k]; ++j) model::set(m.grad[k].data(), m.types[k], j, 7);
+      if (!view) m.fill_grad(7);
       dp.join();
       joined += static_cast<std::uint64_t>(most - b[static_cast<std::size_t>(r)]);
       require(dp.joined_steps() == joined, ep + ": answered " + std::to_string(dp.joined_steps()) + " steps, expected " +
                                                std::to_string(joined));
       for (std::size_t k = 0; k < m.size(); ++k) {
-        const void* g = view ? dp.bucket_grad(k) : m.grad[k].data();
-        for (std::size_t j = 0; j < m.numel[k]; ++j)
-          require(model::get(g, m.types[k], j) == (view ? 0 : 7),
-                  ep + ": after join() " + m.names[k] + " holds " + std::to_string(model::get(g, m.types[k], j)));
+        const void* g = view ? dp.bucket_grad(k) : m.grad(k);
+        for (std::size_t j = 0; j < m.numel(k); ++j)
+          require(model::get(g, m.type(k), j) == (view ? 0 : 7),
+                  ep + ": after join() " + m.name(k) + " holds " + std::to_string(model::get(g, m.type(k), j)));
       }
     }
   }, 90s);
@@ -236,17 +204,16 @@ TEST_CASE("every rank contributing: uneven_inputs gives the bits the wrapper giv
     ddp::data_parallel plain_auto{pg, m.views, small_buckets};
     ddp::data_parallel uneven_auto{pg, m.views, small_buckets, {.uneven_inputs = true}};
     const auto fill = [&](int s) {
-      for (std::size_t k = 0; k < m.size(); ++k)
-        for (std::size_t j = 0; j < m.numel[k]; ++j)
-          model::set(m.grad[k].data(), m.types[k], j,
-                     m.types[k] == ddp::dtype::i32 ? (r * 7919 + static_cast<int>(j) * 104729 + s) % 20011 - 10000
-                                                   : std::sin(1.0 + r * 0.37 + static_cast<double>(j) * 1.3 + s) * 1000);
+      m.fill_grad([&](std::size_t k, std::size_t j) {
+        return m.type(k) == ddp::dtype::i32 ? (r * 7919 + static_cast<int>(j) * 104729 + s) % 20011 - 10000
+                                            : std::sin(1.0 + r * 0.37 + static_cast<double>(j) * 1.3 + s) * 1000;
+      });
     };
     const auto step = [&](auto& dp, int s) {
       fill(s);
       for (std::size_t k = m.size(); k-- > 0;) dp.grad_ready(k);
       dp.finish();
-      return m.grad;  // the averages, copied
+      return m.grad_bytes();  // the averages, copied
     };
     for (int s = 0; s < 3; ++s) {
       // One wrapper after the other, in the same order on every rank (their collectives pair up).
@@ -285,14 +252,7 @@ TEST_CASE("misuse: join() without the option, in the middle of a step, and from 
   expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
     model m;
     const auto usage = [&](auto&& f, const char* needle, const std::string& what) {
-      try {
-        f();
-      } catch (const ddp::error& e) {
-        require(e.code() == ddp::errc::usage, what + ": errc " + e.what());
-        require(std::string(e.what()).find(needle) != std::string::npos, what + ": message " + e.what());
-        return;
-      }
-      throw std::runtime_error(what + ": no error");
+      require_raises(f, ddp::errc::usage, {needle}, what);
     };
     {
       ring_tcp dp{pg, m.views, small_buckets};

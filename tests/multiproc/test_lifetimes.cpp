@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "harness.hpp"
+#include "toy_model.hpp"
 
 // Who owns what: the group lives as long as any handle on it (the program's, or one a reducer,
 // transport or wrapper keeps), and a forked child's copies touch nothing of the parent's. Run
@@ -36,19 +37,6 @@ using namespace ddp_test;
 namespace {
 
 constexpr ddp_test::local_group opts{20s};
-
-// Runs `call`, which must raise a ddp::error of condition `want` whose message contains `text`.
-template <class F>
-void require_raises(F&& call, ddp::errc want, const std::string& text, const std::string& what) {
-  try {
-    call();
-  } catch (const ddp::error& e) {
-    require(e.condition() == want && std::string(e.what()).find(text) != std::string::npos,
-            what + ": raised the wrong error: " + e.what());
-    return;
-  }
-  throw std::runtime_error(what + ": did not raise");
-}
 
 // Rank r contributes r + 1 + j / 8 at j; the sum over n ranks is exact in f32.
 std::vector<float> contribution(int r, std::size_t count) {
@@ -66,42 +54,30 @@ void require_sum(const std::vector<float>& v, int n, const std::string& what) {
   }
 }
 
-// A small model: a few f32 parameters, each with its own gradient buffer.
-struct model {
-  std::vector<std::vector<float>> data, grad;
-  std::vector<std::string> names;  // the views name them
-  std::vector<ddp::tensor_view> views;
-  explicit model(std::vector<std::size_t> sizes) {
-    for (auto n : sizes) {
-      data.emplace_back(n, 1.0f);
-      grad.emplace_back(n, 0.0f);
-      names.push_back(std::string(1, 'p').append(std::to_string(names.size())));
-    }
-    for (std::size_t i = 0; i < sizes.size(); ++i)
-      views.push_back(ddp::tensor_view{data[i].data(), grad[i].data(), sizes[i], ddp::dtype::f32, -1, names[i],
-                                       {static_cast<std::int64_t>(sizes[i])}});
-  }
+// A small model: a few f32 parameters, each with its own gradient buffer, values 1.
+struct model : toy_model {
+  explicit model(const std::vector<std::size_t>& sizes) : toy_model(sizes) { fill_data(1.0); }
 };
 
 // Step s of rank r: gradient i, element j is (r + 1) * (s + 1) + i + j % 8, marked ready in
 // reverse order (as backward produces them).
 template <class DP>
 void backward(DP& dp, model& m, int r, int s) {
-  for (std::size_t i = m.grad.size(); i-- > 0;) {
-    for (std::size_t j = 0; j < m.grad[i].size(); ++j)
-      m.grad[i][j] = static_cast<float>((r + 1) * (s + 1) + static_cast<int>(i) + static_cast<int>(j % 8));
+  for (std::size_t i = m.size(); i-- > 0;) {
+    for (std::size_t j = 0; j < m.numel(i); ++j)
+      m.grad<float>(i)[j] = static_cast<float>((r + 1) * (s + 1) + static_cast<int>(i) + static_cast<int>(j % 8));
     dp.grad_ready(i);
   }
 }
 
 void require_average(const model& m, int n, int s, const std::string& what) {
-  for (std::size_t i = 0; i < m.grad.size(); ++i)
-    for (std::size_t j = 0; j < m.grad[i].size(); ++j) {
+  for (std::size_t i = 0; i < m.size(); ++i)
+    for (std::size_t j = 0; j < m.numel(i); ++j) {
       // mean over r of (r + 1)(s + 1) is (n + 1)(s + 1) / 2
       const double want = (n + 1) * (s + 1) / 2.0 + static_cast<double>(i) + static_cast<double>(j % 8);
-      if (static_cast<double>(m.grad[i][j]) != want)
+      if (static_cast<double>(m.grad<float>(i)[j]) != want)
         throw std::runtime_error(what + ": gradient " + std::to_string(i) + "[" + std::to_string(j) + "] is " +
-                                 std::to_string(m.grad[i][j]) + ", not " + std::to_string(want));
+                                 std::to_string(m.grad<float>(i)[j]) + ", not " + std::to_string(want));
     }
 }
 
@@ -127,7 +103,7 @@ void reducer_outlives_group(int n, bool with_failure) {
     if (r == n - 1) return;
     auto v = contribution(r, 1000);
     require_raises([&] { red.allreduce(std::span<float>(v), ddp::op::sum); }, ddp::errc::peer_lost,
-                   "rank " + std::to_string(n - 1), "allreduce after rank " + std::to_string(n - 1) + " left");
+                   {"rank " + std::to_string(n - 1)}, "allreduce after rank " + std::to_string(n - 1) + " left");
   }, 60s);
   expect_ok(outs);
 }
@@ -187,8 +163,8 @@ TEST_CASE("moving or copying the process_group after building a reducer") {
     ddp::process_group moved = std::move(pg);
     // The moved-from handle is empty and says so.
     require(pg.rank() == -1 && pg.size() == 0, "a moved-from handle reports rank -1, size 0");
-    require_raises([&] { pg.barrier(); }, ddp::errc::usage, "empty process_group handle", "barrier() on it");
-    require_raises([&] { pg.store(); }, ddp::errc::usage, "empty process_group handle", "store() on it");
+    require_raises([&] { pg.barrier(); }, ddp::errc::usage, {"empty process_group handle"}, "barrier() on it");
+    require_raises([&] { pg.store(); }, ddp::errc::usage, {"empty process_group handle"}, "store() on it");
     pg.abort("ignored");  // a no-op on an empty handle
     auto v = contribution(r, 50000);
     red.allreduce(std::span<float>(v), ddp::op::sum);
@@ -201,7 +177,8 @@ TEST_CASE("moving or copying the process_group after building a reducer") {
         auto copy = g;
         require(copy.rank() == r && copy.id() == g.id(), "a copy is the same group");
         copy.close();
-        require_raises([&] { copy.barrier(); }, ddp::errc::usage, "empty process_group handle", "barrier() after close()");
+        require_raises([&] { copy.barrier(); }, ddp::errc::usage, {"empty process_group handle"},
+                       "barrier() after close()");
         g.barrier();
       } else {
         throw std::runtime_error("process_group handles cannot be copied");
@@ -210,10 +187,10 @@ TEST_CASE("moving or copying the process_group after building a reducer") {
     // abort() goes through the reducer's own handle on the group's store.
     if (r == 0) {
       red.abort();
-      require_raises([&] { red.allreduce(std::span<float>(v), ddp::op::sum); }, ddp::errc::aborted, "abort",
+      require_raises([&] { red.allreduce(std::span<float>(v), ddp::op::sum); }, ddp::errc::aborted, {"abort"},
                      "allreduce after abort() here");
     } else {
-      require_raises([&] { red.allreduce(std::span<float>(v), ddp::op::sum); }, ddp::errc::aborted, "rank 0",
+      require_raises([&] { red.allreduce(std::span<float>(v), ddp::op::sum); }, ddp::errc::aborted, {"rank 0"},
                      "allreduce after rank 0's abort()");
     }
   }, 60s));
@@ -240,16 +217,9 @@ int child_rules(ddp::process_group& pg, DP& dp, Shm& sh, float* arena) {
   int rule = 0;
   auto usage = [&](auto&& call, const char* what) {
     ++rule;
-    try {
-      call();
-    } catch (const ddp::error& e) {
-      if (e.condition() == ddp::errc::usage && std::string(e.what()).find("used in a forked child") != std::string::npos)
-        return true;
-      std::fprintf(stderr, "child: %s raised %s\n", what, e.what());
-      return false;
-    }
-    std::fprintf(stderr, "child: %s did not raise\n", what);
-    return false;
+    const std::string why = raises(call, ddp::errc::usage, {"used in a forked child"});
+    if (!why.empty()) std::fprintf(stderr, "child: %s: %s\n", what, why.c_str());
+    return why.empty();
   };
   std::vector<float> v(100, 1.0f);
   if (!usage([&] { dp.finish(); }, "data_parallel::finish()")) return rule;

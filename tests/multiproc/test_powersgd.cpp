@@ -11,12 +11,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "harness.hpp"
 #include "reducer_checks.hpp"
+#include "toy_model.hpp"
 
 using namespace std::chrono_literals;
 using namespace ddp_test;
@@ -27,23 +27,14 @@ constexpr ddp_test::local_group opts{20s};
 
 // A small model: two matrices PowerSGD compresses at rank 1 and 2 (48 x 40, and 32 x 4 x 2 x 2 as
 // 32 x 16) and two tensors it sends as they are (a bias of 48, a 3 x 3 matrix too small to pay).
-struct model {
-  std::vector<std::vector<std::int64_t>> shapes{{48, 40}, {48}, {3, 3}, {32, 4, 2, 2}};
-  std::vector<std::vector<float>> val, grad;
-  std::vector<ddp::tensor_view> views;
+struct model : toy_model {
   model() {
-    for (std::size_t i = 0; i < shapes.size(); ++i) {
-      std::size_t n = 1;
-      for (auto d : shapes[i]) n *= static_cast<std::size_t>(d);
-      val.emplace_back(n, 0.0f);
-      grad.emplace_back(n, 0.0f);
-    }
-    for (std::size_t i = 0; i < shapes.size(); ++i)
-      views.push_back(ddp::make_tensor_view(std::span{val[i]}, std::span{grad[i]}, "p" + std::to_string(i), shapes[i]));
+    add(48 * 40, ddp::dtype::f32, {48, 40}).add(48).add(9, ddp::dtype::f32, {3, 3});
+    add(32 * 16, ddp::dtype::f32, {32, 4, 2, 2});
   }
   static bool compressed(std::size_t i) { return i == 0 || i == 3; }
-  std::size_t rows(std::size_t i) const { return static_cast<std::size_t>(shapes[i][0]); }
-  std::size_t cols(std::size_t i) const { return grad[i].size() / rows(i); }
+  std::size_t rows(std::size_t i) const { return static_cast<std::size_t>(views[i].shape[0]); }
+  std::size_t cols(std::size_t i) const { return numel(i) / rows(i); }
 };
 
 // Rank q's gradient of parameter i, element j: a fixed rank-1 matrix times (1 + q) for the
@@ -68,10 +59,9 @@ double exact_avg(int n, std::size_t i, std::size_t j, std::size_t cols, bool ran
 template <class DP, class Check>
 void train(DP& dp, model& m, int r, int steps, bool rank1, Check&& check) {
   for (int s = 0; s < steps; ++s) {
-    for (std::size_t i = 0; i < m.grad.size(); ++i)
-      for (std::size_t j = 0; j < m.grad[i].size(); ++j)
-        m.grad[i][j] = input(r, i, j, m.cols(i), rank1, static_cast<unsigned>(s % 3));
-    for (std::size_t i = m.grad.size(); i-- > 0;) dp.grad_ready(i);
+    m.fill_grad(
+        [&](std::size_t i, std::size_t j) { return input(r, i, j, m.cols(i), rank1, static_cast<unsigned>(s % 3)); });
+    for (std::size_t i = m.size(); i-- > 0;) dp.grad_ready(i);
     dp.finish();
     check(s);
   }
@@ -95,19 +85,19 @@ TEST_CASE("powersgd: plain steps first, then rank-1 gradients come through exact
       const auto& hook = dp.get_reducer().hook();
       train(dp, m, r, 6, true, [&](int s) {
         require((hook.elements_in() > 0) == (s >= 2), "compressed from step start_iter on, step " + std::to_string(s));
-        for (std::size_t i = 0; i < m.grad.size(); ++i) {
+        for (std::size_t i = 0; i < m.size(); ++i) {
+          const auto g = m.grad<float>(i);
           double big = 0;
-          for (std::size_t j = 0; j < m.grad[i].size(); ++j)
+          for (std::size_t j = 0; j < g.size(); ++j)
             big = std::max(big, std::fabs(exact_avg(n, i, j, m.cols(i), true, static_cast<unsigned>(s % 3))));
           const double tol = model::compressed(i) && s >= 2 ? 2e-5 * big : 1e-6 * big;
-          for (std::size_t j = 0; j < m.grad[i].size(); ++j) {
+          for (std::size_t j = 0; j < g.size(); ++j) {
             const double want = exact_avg(n, i, j, m.cols(i), true, static_cast<unsigned>(s % 3));
-            require(std::fabs(m.grad[i][j] - want) <= tol, "step " + std::to_string(s) + " parameter " +
-                                                                std::to_string(i) + " element " + std::to_string(j) +
-                                                                ": " + std::to_string(m.grad[i][j]) + " instead of " +
-                                                                std::to_string(want));
+            require(std::fabs(g[j] - want) <= tol, "step " + std::to_string(s) + " parameter " + std::to_string(i) +
+                                                       " element " + std::to_string(j) + ": " + std::to_string(g[j]) +
+                                                       " instead of " + std::to_string(want));
           }
-          require_same_bits(pg, m.grad[i].data(), m.grad[i].size() * 4, "parameter " + std::to_string(i));
+          require_same_bits(pg, g.data(), g.size() * 4, "parameter " + std::to_string(i));
         }
       });
       require(hook.elements_on_wire() * 4 < hook.elements_in(), "fewer elements on the wire");
@@ -124,11 +114,11 @@ TEST_CASE("powersgd: full-rank gradients give rank-r results; error feedback bri
     auto mean_error = [&](bool feedback) {
       psgd_dp<ring_tcp> dp{pg, m.views, ddp::bucket_policy{.cap_bytes = 1 << 20}, ddp::dp_options{},
                            ddp::powersgd{{.rank = 1, .start_iter = 0, .error_feedback = feedback}}};
-      std::vector<double> sum(m.grad[0].size(), 0.0);
+      std::vector<double> sum(m.numel(0), 0.0);
       double first = 0, mean = 0;
       const std::size_t rows = m.rows(0), cols = m.cols(0);
       train(dp, m, r, 30, false, [&](int s) {
-        const auto& g = m.grad[0];
+        const auto g = m.grad<float>(0);
         double scale = 0;
         for (float v : g) scale = std::max(scale, static_cast<double>(std::fabs(v)));
         // Rank 1: every 2 x 2 minor vanishes.
@@ -138,8 +128,9 @@ TEST_CASE("powersgd: full-rank gradients give rank-r results; error feedback bri
             require(std::fabs(minor) <= 1e-4 * scale * scale, "a rank-1 result, step " + std::to_string(s));
           }
         // The plain tensors are the exact average.
-        for (std::size_t j = 0; j < m.grad[1].size(); ++j)
-          require(std::fabs(m.grad[1][j] - exact_avg(n, 1, j, 1, false, static_cast<unsigned>(s % 3))) <= 1e-6,
+        const auto bias = m.grad<float>(1);
+        for (std::size_t j = 0; j < bias.size(); ++j)
+          require(std::fabs(bias[j] - exact_avg(n, 1, j, 1, false, static_cast<unsigned>(s % 3))) <= 1e-6,
                   "the bias is averaged exactly");
         for (std::size_t j = 0; j < g.size(); ++j) sum[j] += g[j];
         if (s == 0 || s == 29) {

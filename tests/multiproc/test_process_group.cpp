@@ -41,7 +41,9 @@ using ddp_test::run_ranks;
 
 namespace {
 constexpr ddp_test::local_group opts{20s};
+using ddp_test::raises;
 using ddp_test::require;
+using ddp_test::require_raises;
 }  // namespace
 
 TEST_CASE("groups of 1, 2, 4 and 8 real processes join, barrier, broadcast and all_gather") {
@@ -94,13 +96,7 @@ TEST_CASE("broadcast with different sizes on different ranks is a mismatch error
 
 TEST_CASE("invalid options are rejected with clear errors before any socket") {
   auto expect = [](ddp::init_options o, const char* text) {
-    try {
-      (void)ddp::init_process_group(o);
-      FAIL("no error for: " << text);
-    } catch (const ddp::error& e) {
-      CHECK(e.code() == ddp::errc::invalid_argument);
-      CHECK(std::string(e.what()).find(text) != std::string::npos);
-    }
+    CHECK(raises([&] { (void)ddp::init_process_group(o); }, ddp::errc::invalid_argument, {text}) == "");
   };
   expect(opts(4, 4, 29500), "rank 4 is outside [0, 4)");
   expect(opts(-1, 4, 29500), "rank -1 is outside [0, 4)");
@@ -117,13 +113,7 @@ TEST_CASE("invalid options are rejected with clear errors before any socket") {
 TEST_CASE("an unresolvable master is an unresolvable error") {
   auto o = opts(1, 2, 29500, 3s);
   o.master_addr = "no-such-host.invalid";
-  try {
-    (void)ddp::init_process_group(o);
-    FAIL("expected an error");
-  } catch (const ddp::error& e) {
-    CHECK(e.code() == ddp::errc::unresolvable);
-    CHECK(std::string(e.what()).find("no-such-host.invalid") != std::string::npos);
-  }
+  CHECK(raises([&] { (void)ddp::init_process_group(o); }, ddp::errc::unresolvable, {"no-such-host.invalid"}) == "");
 }
 
 TEST_CASE("rank 0's port already taken is an address_in_use error") {
@@ -135,13 +125,8 @@ TEST_CASE("rank 0's port already taken is an address_in_use error") {
   a.sin_port = htons(static_cast<std::uint16_t>(port));
   REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
   REQUIRE(::listen(fd, 1) == 0);
-  try {
-    (void)ddp::init_process_group(opts(0, 2, port, 3s));
-    FAIL("expected an error");
-  } catch (const ddp::error& e) {
-    CHECK(e.code() == ddp::errc::address_in_use);
-    CHECK(std::string(e.what()).find(std::to_string(port)) != std::string::npos);
-  }
+  CHECK(raises([&] { (void)ddp::init_process_group(opts(0, 2, port, 3s)); }, ddp::errc::address_in_use,
+               {std::to_string(port)}) == "");
   ::close(fd);
 }
 
@@ -393,13 +378,7 @@ TEST_CASE("an auth token in a program without an authenticator is errc::unsuppor
   REQUIRE_FALSE(ddp::authentication_available());
   auto o = opts(0, 1, free_port());
   o.auth_token = "s3cret";
-  try {
-    ddp::init_process_group(o);
-    FAIL("the token was ignored");
-  } catch (const ddp::error& e) {
-    CHECK(e.code() == ddp::errc::unsupported);
-    CHECK(std::string(e.what()).find("<ddp/auth/sodium.hpp>") != std::string::npos);
-  }
+  CHECK(raises([&] { ddp::init_process_group(o); }, ddp::errc::unsupported, {"<ddp/auth/sodium.hpp>"}) == "");
 }
 
 TEST_CASE("connections are made on first use: a rank holds its barrier peers, a ring over tcp two more") {
@@ -490,16 +469,9 @@ TEST_CASE("a store reachable beyond loopback without a secret is refused unless 
     auto o = opts(rank, 2, free_port(), 5s);
     o.master_addr = addr;
     const auto t0 = std::chrono::steady_clock::now();
-    try {
-      (void)ddp::init_process_group(o);
-      FAIL("an unauthenticated store beyond loopback was accepted");
-    } catch (const ddp::error& e) {
-      CHECK(e.code() == ddp::errc::auth_failed);
-      const std::string what = e.what();
-      CHECK(what.find("is reachable beyond this host and the group has no secret") != std::string::npos);
-      CHECK(what.find("DDP_AUTH_TOKEN") != std::string::npos);
-      CHECK(what.find("DDP_INSECURE=1") != std::string::npos);
-    }
+    CHECK(raises([&] { (void)ddp::init_process_group(o); }, ddp::errc::auth_failed,
+                 {"is reachable beyond this host and the group has no secret", "DDP_AUTH_TOKEN",
+                  "DDP_INSECURE=1"}) == "");
     CHECK(std::chrono::steady_clock::now() - t0 < 1s);  // at once, not at the timeout
   }
   // Opting in: the group forms on that address.
@@ -521,14 +493,9 @@ TEST_CASE("a stranger without a token can neither plant the group's failure nor 
       // A stranger: connects to rank 0's store, tries to decide the group's error, then idles.
       ddp::store_client st("127.0.0.1", port, 99, ddp::detail::clock::now() + 10s);
       st.wait({"pg/complete"}, ddp::detail::clock::now() + 10s);
-      for (const char* key : {"pg/failure", "pg/abort", "tcp/1/abort", "pg/mesh/addr/1"}) {
-        try {
-          st.set(key, "9 group aborted by rank 1: planted");
-          throw std::runtime_error(std::string("a stranger wrote ") + key);
-        } catch (const ddp::error& e) {
-          require(e.condition() == ddp::errc::auth_failed, e.what());
-        }
-      }
+      for (const char* key : {"pg/failure", "pg/abort", "tcp/1/abort", "pg/mesh/addr/1"})
+        require_raises([&] { st.set(key, "9 group aborted by rank 1: planted"); }, ddp::errc::auth_failed, {},
+                       std::string("a stranger writing ") + key);
       // Every seat is taken; a key that is not a seat is no claim: refused like any write.
       for (const char* key : {"pg/rank/1", "pg/rank/999", "pg/rank/01"}) {
         try {
@@ -538,12 +505,8 @@ TEST_CASE("a stranger without a token can neither plant the group's failure nor 
           require(e.condition() == ddp::errc::auth_failed, e.what());
         }
       }
-      try {
-        st.set("pg/failure", "9 planted");
-        throw std::runtime_error("a stranger became a member");
-      } catch (const ddp::error& e) {
-        require(e.condition() == ddp::errc::auth_failed, e.what());
-      }
+      require_raises([&] { st.set("pg/failure", "9 planted"); }, ddp::errc::auth_failed, {},
+                     "a stranger becoming a member");
       std::this_thread::sleep_for(5s);  // idle, connected, while the group closes
       return;
     }

@@ -14,12 +14,14 @@
 
 #include "harness.hpp"
 #include "hosts.hpp"
+#include "toy_model.hpp"
 
 using namespace std::chrono_literals;
 using namespace ddp::literals;
 using ddp_test::free_port;
 using ddp_test::group_options;
 using ddp_test::require;
+using ddp_test::require_raises;
 using ddp_test::run_ranks;
 using ddp_test::expect_ok;
 using ddp_test::local_group;
@@ -29,29 +31,17 @@ namespace {
 
 /// Parameters of awkward sizes (none a multiple of 2, 3 or 4 ranks' shards), f32 or narrow.
 template <class T>
-struct model {
-  std::vector<std::vector<T>> w, g;
-  std::vector<std::string> names;  // the views name these
-  std::vector<ddp::tensor_view> views;
-  explicit model(std::vector<std::size_t> sizes = {1001, 7, 4099, 1, 333, 2500}) {
-    for (std::size_t s : sizes) w.emplace_back(s), g.emplace_back(s), names.push_back("p" + std::to_string(names.size()));
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      for (std::size_t k = 0; k < sizes[i]; ++k) w[i][k] = T(0.01f * static_cast<float>((k * 37 + i * 11) % 101) - 0.5f);
-      views.push_back(ddp::make_tensor_view(w[i], g[i], names[i], {static_cast<std::int64_t>(sizes[i])}));
-    }
+struct model : ddp_test::toy_model {
+  explicit model(const std::vector<std::size_t>& sizes = {1001, 7, 4099, 1, 333, 2500})
+      : toy_model(sizes, ddp::dtype_of_v<T>) {
+    fill_data([](std::size_t i, std::size_t k) { return 0.01f * static_cast<float>((k * 37 + i * 11) % 101) - 0.5f; });
   }
-  model(const model&) = delete;
   /// This rank's gradient of step s: differs by rank, step and element.
   void grads(int rank, int s) {
-    for (std::size_t i = 0; i < g.size(); ++i)
-      for (std::size_t k = 0; k < g[i].size(); ++k)
-        g[i][k] = T(std::sin(0.37f * static_cast<float>(k + 1) + 1.3f * static_cast<float>(i)) *
-                    (0.5f + 0.25f * static_cast<float>(rank) + 0.1f * static_cast<float>(s)));
-  }
-  std::string bytes() const {
-    std::string out;
-    for (const auto& x : w) out.append(reinterpret_cast<const char*>(x.data()), x.size() * sizeof(T));
-    return out;
+    fill_grad([&](std::size_t i, std::size_t k) {
+      return std::sin(0.37f * static_cast<float>(k + 1) + 1.3f * static_cast<float>(i)) *
+             (0.5f + 0.25f * static_cast<float>(rank) + 0.1f * static_cast<float>(s));
+    });
   }
 };
 
@@ -64,9 +54,9 @@ struct whole_optimizer {
   void step(model<float>& m) {
     ++t;
     if (state.empty())
-      for (const auto& w : m.w) state.emplace_back(opt.state_per_element() * w.size(), 0.0f);
-    for (std::size_t i = 0; i < m.w.size(); ++i)
-      opt.step(ddp::shard_step{0, t, std::span<float>(m.w[i]), std::span<const float>(m.g[i]), std::span<float>(state[i]), {}});
+      for (std::size_t i = 0; i < m.size(); ++i) state.emplace_back(opt.state_per_element() * m.numel(i), 0.0f);
+    for (std::size_t i = 0; i < m.size(); ++i)
+      opt.step(ddp::shard_step{0, t, m.data<float>(i), m.grad<float>(i), std::span<float>(state[i]), {}});
   }
 };
 
@@ -96,11 +86,12 @@ float sharded_against_unsharded(ddp::process_group& pg, Opt opt, int steps, ddp:
       whole.step(b);
     }
   }
-  const auto all = pg.all_gather(a.bytes());
+  const auto all = pg.all_gather(a.data_bytes());
   for (const auto& x : all) require(x == all[0], "ranks hold different sharded weights");
   float diff = 0;
-  for (std::size_t i = 0; i < a.w.size(); ++i)
-    for (std::size_t k = 0; k < a.w[i].size(); ++k) diff = std::max(diff, std::fabs(a.w[i][k] - b.w[i][k]));
+  for (std::size_t i = 0; i < a.size(); ++i)
+    for (std::size_t k = 0; k < a.numel(i); ++k)
+      diff = std::max(diff, std::fabs(a.data<float>(i)[k] - b.data<float>(i)[k]));
   return diff;
 }
 
@@ -156,7 +147,8 @@ TEST_CASE("sharded f16 and bf16 parameters step f32 master weights; every rank h
       master.emplace_back(v.numel), state.emplace_back(2 * v.numel, 0.0f), grad.emplace_back(v.numel);
     }
     const auto widen = [&](std::size_t i, std::size_t k) {
-      return i < h.w.size() ? static_cast<float>(h.w[i][k]) : static_cast<float>(b.w[i - h.w.size()][k]);
+      return i < h.size() ? static_cast<float>(h.data<ddp::half>(i)[k])
+                          : static_cast<float>(b.data<ddp::bfloat16>(i - h.size())[k]);
     };
     for (std::size_t i = 0; i < views.size(); ++i)
       for (std::size_t k = 0; k < views[i].numel; ++k) master[i][k] = widen(i, k);
@@ -171,27 +163,28 @@ TEST_CASE("sharded f16 and bf16 parameters step f32 master weights; every rank h
       model<ddp::half> h0({513, 9, 2000}), h1({513, 9, 2000});
       model<ddp::bfloat16> b0({300, 77}), b1({300, 77});
       h0.grads(0, s), h1.grads(1, s), b0.grads(0, s), b1.grads(1, s);
+      const auto avg = [](auto x, auto y) { return (static_cast<float>(x) + static_cast<float>(y)) / 2; };
       for (std::size_t i = 0; i < views.size(); ++i) {
         for (std::size_t k = 0; k < views[i].numel; ++k) {
-          if (i < h.w.size())
-            grad[i][k] = static_cast<float>(ddp::half((static_cast<float>(h0.g[i][k]) + static_cast<float>(h1.g[i][k])) / 2));
+          if (i < h.size())
+            grad[i][k] = static_cast<float>(ddp::half(avg(h0.grad<ddp::half>(i)[k], h1.grad<ddp::half>(i)[k])));
           else
-            grad[i][k] = static_cast<float>(ddp::bfloat16(
-                (static_cast<float>(b0.g[i - h.w.size()][k]) + static_cast<float>(b1.g[i - h.w.size()][k])) / 2));
+            grad[i][k] = static_cast<float>(
+                ddp::bfloat16(avg(b0.grad<ddp::bfloat16>(i - h.size())[k], b1.grad<ddp::bfloat16>(i - h.size())[k])));
         }
         opt.step(ddp::shard_step{0, static_cast<std::uint64_t>(s + 1), std::span<float>(master[i]),
                                  std::span<const float>(grad[i]), std::span<float>(state[i]), {}});
       }
       for (std::size_t i = 0; i < views.size(); ++i)
         for (std::size_t k = 0; k < views[i].numel; ++k) {
-          const float want = i < h.w.size() ? static_cast<float>(ddp::half(master[i][k]))
-                                            : static_cast<float>(ddp::bfloat16(master[i][k]));
+          const float want = i < h.size() ? static_cast<float>(ddp::half(master[i][k]))
+                                          : static_cast<float>(ddp::bfloat16(master[i][k]));
           require(widen(i, k) == want, "step " + std::to_string(s) + " parameter " + std::to_string(i) + "[" +
                                            std::to_string(k) + "]: " + std::to_string(widen(i, k)) + " against " +
                                            std::to_string(want));
         }
     }
-    const auto all = pg.all_gather(h.bytes() + b.bytes());
+    const auto all = pg.all_gather(h.data_bytes() + b.data_bytes());
     require(all[0] == all[1], "ranks differ");
     // Master weights are state: 4 bytes per element of this rank's shards, beside AdamW's 8.
     require(dp.shard_state_bytes() == 12 * dp.shards().elements, "state bytes " + std::to_string(dp.shard_state_bytes()));
@@ -273,7 +266,8 @@ TEST_CASE("sharded with find_unused_parameters: a parameter no rank used keeps i
   expect_ok(on_ranks(n, local_group{30s}, [&](int r, ddp::process_group& pg) {
     model<float> m;
     ddp::data_parallel dp{pg, m.views, small, {.find_unused_parameters = true, .shard = true}};
-    const auto before = m.w;
+    std::vector<std::vector<float>> before;
+    for (std::size_t i = 0; i < m.size(); ++i) before.push_back(m.values<float>(i));
     ddp::adamw opt{{.lr = 0.01, .weight_decay = 0.1}};
     m.grads(r, 0);
     for (std::size_t i = m.views.size(); i-- > 0;)
@@ -283,51 +277,42 @@ TEST_CASE("sharded with find_unused_parameters: a parameter no rank used keeps i
         dp.grad_ready(i);
     dp.finish();
     dp.step(opt);
-    require(m.w[2] == before[2], "the parameter no rank used moved");
-    require(m.w[4] != before[4] && m.w[0] != before[0] && m.w[5] != before[5], "a used parameter did not move");
+    require(m.values<float>(2) == before[2], "the parameter no rank used moved");
+    require(m.values<float>(4) != before[4] && m.values<float>(0) != before[0] && m.values<float>(5) != before[5],
+            "a used parameter did not move");
   }, 60s));
 }
 
 TEST_CASE("sharded errors: misuse is errc::usage, unsupported combinations errc::unsupported, disagreement errc::mismatch") {
   const int n = 2;
   expect_ok(on_ranks(n, local_group{30s}, [&](int r, ddp::process_group& pg) {
-    const auto expect = [&](ddp::errc code, const std::string& part, auto&& f) {
-      try {
-        f();
-      } catch (const ddp::error& e) {
-        require(e.condition() == code && std::string(e.what()).find(part) != std::string::npos,
-                std::string("wrong error: ") + e.what());
-        return;
-      }
-      throw std::runtime_error("no error; expected one with '" + part + "'");
-    };
     model<float> m;
     ddp::adamw opt;
     {
       ddp::data_parallel plain{pg, m.views};
-      expect(ddp::errc::usage, "needs the sharded mode", [&] { plain.step(opt); });
-      expect(ddp::errc::usage, "needs the sharded mode", [&] { (void)plain.sharded_state(); });
+      require_raises([&] { plain.step(opt); }, ddp::errc::usage, {"needs the sharded mode"});
+      require_raises([&] { (void)plain.sharded_state(); }, ddp::errc::usage, {"needs the sharded mode"});
     }
-    expect(ddp::errc::unsupported, "gradient_as_bucket_view",
-           [&] { ddp::data_parallel dp{pg, m.views, {}, {.gradient_as_bucket_view = true, .shard = true}}; });
+    require_raises([&] { ddp::data_parallel dp{pg, m.views, {}, {.gradient_as_bucket_view = true, .shard = true}}; },
+                   ddp::errc::unsupported, {"gradient_as_bucket_view"});
     {
       std::vector<double> w(10), g(10);
       std::vector<ddp::tensor_view> v{ddp::make_tensor_view(w, g, "double_weight", {10})};
-      expect(ddp::errc::unsupported, "double_weight", [&] { ddp::data_parallel dp{pg, v, {}, {.shard = true}}; });
+      require_raises([&] { ddp::data_parallel dp{pg, v, {}, {.shard = true}}; }, ddp::errc::unsupported,
+                     {"double_weight"});
     }
     ddp::data_parallel dp{pg, m.views, small, {.shard = true}};
-    expect(ddp::errc::usage, "no synchronized finish()", [&] { dp.step(opt); });
-    expect(ddp::errc::unsupported, "on_bucket_reduced", [&] { dp.on_bucket_reduced([](const ddp::reduced_bucket&) {}); });
-    expect(ddp::errc::invalid_argument, "not a shard state", [&] {
-      const std::vector<std::byte> junk(40, std::byte{7});
-      dp.load_sharded_state(junk);
-    });
+    require_raises([&] { dp.step(opt); }, ddp::errc::usage, {"no synchronized finish()"});
+    require_raises([&] { dp.on_bucket_reduced([](const ddp::reduced_bucket&) {}); }, ddp::errc::unsupported,
+                   {"on_bucket_reduced"});
+    const std::vector<std::byte> junk(40, std::byte{7});
+    require_raises([&] { dp.load_sharded_state(junk); }, ddp::errc::invalid_argument, {"not a shard state"});
     // Ranks that step different optimizers would diverge in silence: a mismatch naming both.
     m.grads(r, 0);
     for (std::size_t i = m.views.size(); i-- > 0;) dp.grad_ready(i);
     dp.finish();
     ddp::adamw other{{.lr = r == 0 ? 1e-3 : 2e-3}};
-    expect(ddp::errc::mismatch, "rank 1 has adamw lr=0.002 ", [&] { dp.step(other); });
+    require_raises([&] { dp.step(other); }, ddp::errc::mismatch, {"rank 1 has adamw lr=0.002 "});
   }, 60s));
 }
 
@@ -341,18 +326,12 @@ TEST_CASE("sharded: hyperparameters that six decimals print alike (lr 1e-6, 1.4e
     for (std::size_t i = m.views.size(); i-- > 0;) dp.grad_ready(i);
     dp.finish();
     ddp::sgd opt{{.lr = r == 0 ? 1e-6 : 1.4e-6}};
-    try {
-      dp.step(opt);
-    } catch (const ddp::error& e) {
-      // Both sides, each exactly and readably.
-      const std::string want = "ranks disagree on the shard optimizer (its signature()): rank 0 has sgd lr=1e-06 "
-                               "momentum=0 dampening=0 weight_decay=0 nesterov=0 state=0; rank 1 has sgd lr=1.4e-06 "
-                               "momentum=0 dampening=0 weight_decay=0 nesterov=0 state=0";
-      require(e.condition() == ddp::errc::mismatch && std::string(e.what()).find(want) != std::string::npos,
-              std::string("wrong error: ") + e.what());
-      return;
-    }
-    throw std::runtime_error("step() with lr 1e-6 on rank 0 and 1.4e-6 on rank 1 succeeded");
+    // Both sides, each exactly and readably.
+    require_raises([&] { dp.step(opt); }, ddp::errc::mismatch,
+                   {"ranks disagree on the shard optimizer (its signature()): rank 0 has sgd lr=1e-06 momentum=0 "
+                    "dampening=0 weight_decay=0 nesterov=0 state=0; rank 1 has sgd lr=1.4e-06 momentum=0 dampening=0 "
+                    "weight_decay=0 nesterov=0 state=0"},
+                   "step() with lr 1e-6 on rank 0 and 1.4e-6 on rank 1");
   }, 60s));
 }
 

@@ -1,9 +1,3 @@
-#include <ddp/reducer/shm.hpp>
-
-#include <ddp/memory/shm_allocator.hpp>
-#include <ddp/reducer/ring.hpp>
-#include <ddp/reducer/tree.hpp>
-
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -11,36 +5,17 @@
 #include <vector>
 
 #include "harness.hpp"
-#include "reducer_checks.hpp"
+#include "reducer_cases.hpp"
 
 using namespace std::chrono_literals;
 using namespace ddp_test;
 
-// ring<shm> and tree<shm> through the reducer front-end (async requests, typed API), with the
-// same checks as the TCP reducers.
-
-namespace {
-constexpr ddp_test::local_group opts{30s};
-template <class Reducer>
-void correctness_suite(int n) {
-  expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
-    Reducer red{pg, ddp::shm_options{.segment_bytes = 8 << 20, .slot_bytes = 4096}, ddp::reducer_options{}};
-    for (std::size_t count : {0, 1, 7, 13, 61, 3001}) check_all_types_and_ops(pg, red, count);
-    check_random_floats(pg, red, 1000003);
-  }, 240s));
-}
-}  // namespace
-
-TEST_CASE("ring<shm> and tree<shm>: every dtype and op, 1 2 3 4 8 ranks") {
-  for (int n : {1, 2, 3, 4, 8}) {
-    CAPTURE(n);
-    correctness_suite<ddp::ring<ddp::shm>>(n);
-    correctness_suite<ddp::tree<ddp::shm>>(n);
-  }
-}
+// ring<shm> and tree<shm> through the reducer front-end: the cases of every reducer
+// (reducer_cases.hpp), then the arena's own.
+REDUCER_CASES(ddp::ring<ddp::shm>, ddp::tree<ddp::shm>);
 
 TEST_CASE("ring<shm>: async requests in flight, zero-copy buffers from the allocator") {
-  expect_ok(on_ranks(4, opts, [&](int r, ddp::process_group& pg) {
+  expect_ok(on_ranks(4, reducer_opts, [&](int r, ddp::process_group& pg) {
     ddp::ring<ddp::shm> ring{pg, ddp::shm_options{.segment_bytes = 64 << 20}, ddp::reducer_options{}};
     ddp::shm_allocator alloc{ring.transport()};
     std::vector<float*> bufs;
@@ -64,7 +39,7 @@ TEST_CASE("ring<shm>: async requests in flight, zero-copy buffers from the alloc
 TEST_CASE("ring<shm>: reduce_scatter and allgather of buffers in the arena read peers in place, with the staged path's bits") {
   for (int n : {2, 3, 4}) {
     CAPTURE(n);
-    expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
+    expect_ok(on_ranks(n, reducer_opts, [&](int r, ddp::process_group& pg) {
       ddp::ring<ddp::shm> ring{pg, ddp::shm_options{.segment_bytes = 32 << 20, .slot_bytes = 4096}, ddp::reducer_options{}};
       ddp::shm_allocator alloc{ring.transport()};
       const std::size_t per = 70001, all = per * static_cast<std::size_t>(n);
@@ -106,33 +81,8 @@ TEST_CASE("ring<shm>: reduce_scatter and allgather of buffers in the arena read 
   }
 }
 
-TEST_CASE("ring<shm>: a broadcast of the same bytes as another dtype is a mismatch on every rank") {
-  // Every rank reads the broadcast's descriptor in the segment: no collective after it needed.
-  auto outs = run_broadcast_dtype_mismatch<ddp::ring<ddp::shm>>(opts, 3, 1, false);
-  INFO(summary(outs));
-  for (auto& o : outs) CHECK(broadcast_dtype_mismatch_seen(o) == "");
-}
-
-TEST_CASE("ring<shm> on some ranks, tree<shm> on others: mismatch naming both, at construction and in every collective") {
+TEST_CASE("the shm engine with ring on some ranks and tree on others: every collective's descriptor names both, a mismatch") {
   const int n = 3;
-  {
-    auto outs = on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
-      std::vector<float> x(1000, 1.0f);
-      if (r == 1) {
-        ddp::tree<ddp::shm> red{pg};
-        red.allreduce(std::span<float>(x), ddp::op::sum);
-      } else {
-        ddp::ring<ddp::shm> red{pg};
-        red.allreduce(std::span<float>(x), ddp::op::sum);
-      }
-    }, 30s);
-    INFO(summary(outs));
-    for (auto& o : outs) {
-      CHECK(o.errc == static_cast<int>(ddp::errc::mismatch));
-      CHECK(o.message.find("rank 0 constructed ring<shm>, rank 1 constructed tree<shm>") != std::string::npos);
-    }
-  }
-  // The engine used directly: every collective's descriptor carries the algorithm.
   for (const char* kind : {"allreduce", "reduce_scatter", "allgather", "broadcast", "barrier"}) {
     CAPTURE(kind);
     auto outs = on_ranks(n, local_group{10s}, [&](int r, ddp::process_group& pg) {
@@ -155,30 +105,5 @@ TEST_CASE("ring<shm> on some ranks, tree<shm> on others: mismatch naming both, a
       CHECK(o.message.find(" by tree") != std::string::npos);
       CHECK(o.seconds < 12.0);
     }
-  }
-}
-
-TEST_CASE("unknown dtype or op on ring<shm> and tree<shm>: invalid_argument at the call") {
-  for (int n : {1, 3}) {
-    CAPTURE(n);
-    auto outs = run_invalid_arguments<ddp::ring<ddp::shm>, ddp::tree<ddp::shm>>(opts, n);
-    expect_ok(outs);
-  }
-}
-
-TEST_CASE("overlapping reduce_scatter and allgather buffers on ring<shm> and tree<shm>: refused, in place works") {
-  // 100,003 floats per rank cross many 4 KiB-slot chunks: where an overlap used to go wrong.
-  for (int n : {1, 2, 3}) {
-    CAPTURE(n);
-    expect_ok(on_ranks(n, opts, [&](ddp::process_group& pg) {
-      ddp::ring<ddp::shm> ring{pg, ddp::shm_options{.segment_bytes = 8 << 20, .slot_bytes = 4096}, ddp::reducer_options{}};
-      ddp::tree<ddp::shm> tree{pg, ddp::shm_options{.segment_bytes = 8 << 20, .slot_bytes = 4096}, ddp::reducer_options{}};
-      check_overlap_rules(pg, ring, 100003);
-      check_overlap_rules(pg, tree, 7);
-      // The engine itself (used without a reducer) refuses the same.
-      std::vector<float> buf(static_cast<std::size_t>(n) * 10 + 1);
-      require_raises([&] { ring.transport().reduce_scatter(buf.data(), buf.data() + 1, 10, ddp::dtype::f32, ddp::op::sum, pg.deadline()); },
-                     ddp::errc::invalid_argument, {"reduce_scatter", "overlap"}, "shm::reduce_scatter overlapping");
-    }, 120s));
   }
 }

@@ -11,7 +11,8 @@ and the lines. Run it before and after a change to the tests: no case lost, fewe
 (docs/testing.md, "Counting the tests").
 
 A macro counts where it begins a statement (only blanks before it on its line), so the names in
-comments and strings do not count; a template case counts once, not once per type.
+comments and strings do not count; a template case counts once, not once per type (one defined
+with TEST_CASE_TEMPLATE_DEFINE where it is defined, not where it is invoked).
 """
 
 import pathlib
@@ -19,7 +20,7 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CASE = re.compile(r"^\s*(TEST_CASE(_TEMPLATE|_FIXTURE|_CLASS)?|SCENARIO)\s*\(", re.M)
+CASE = re.compile(r"^\s*(TEST_CASE(_TEMPLATE(_DEFINE)?|_FIXTURE|_CLASS)?|SCENARIO)\s*\(", re.M)
 SUBCASE = re.compile(r"^\s*SUBCASE\s*\(", re.M)
 CHECK = re.compile(r"^\s*((CHECK|REQUIRE|WARN|FAIL)(_[A-Z_]+)?|expect_ok)\s*\(", re.M)
 CHILD = re.compile(r"^\s*(require|require_raises)\s*\(", re.M)

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "harness.hpp"
+#include "toy_model.hpp"
 
 // The timeline of real wrappers in forked ranks (dp_options::timeline): two wrappers of one
 // process (copy and view mode) write two files, steps under no_sync() and hooks from two engine
@@ -29,19 +30,11 @@ namespace {
 using ddp_test::require;
 
 // 8 parameters of different sizes; names that need escaping in JSON.
-struct model {
-  std::vector<std::vector<float>> data, grad;
-  std::vector<std::string> names;
-  std::vector<ddp::tensor_view> views;
+struct model : ddp_test::toy_model {
   model() {
-    for (int i = 0; i < 8; ++i) {
-      const std::size_t n = 64u << (i % 4);
-      data.emplace_back(n, 1.0f);
-      grad.emplace_back(n, 0.0f);
-      names.push_back("layer" + std::to_string(i) + (i == 3 ? ".we\"ird\\name" : ".weight"));
-    }
     for (int i = 0; i < 8; ++i)
-      views.push_back(ddp::make_tensor_view(std::span{data[i]}, std::span{grad[i]}, names[i]));
+      add(64u << (i % 4), ddp::dtype::f32, {}, "layer" + std::to_string(i) + (i == 3 ? ".we\"ird\\name" : ".weight"));
+    fill_data(1.0);
   }
 };
 
@@ -51,8 +44,8 @@ void backward(DP& dp, model& m, bool view, int rank) {
   const auto half = [&](std::size_t parity) {
     for (std::size_t i = 8; i-- > 0;) {
       if (i % 2 != parity) continue;
-      float* g = view ? static_cast<float*>(dp.bucket_grad(i)) : m.grad[i].data();
-      for (std::size_t k = 0; k < m.grad[i].size(); ++k) g[k] = static_cast<float>(rank + 1);
+      float* g = view ? static_cast<float*>(dp.bucket_grad(i)) : m.grad<float>(i).data();
+      for (std::size_t k = 0; k < m.numel(i); ++k) g[k] = static_cast<float>(rank + 1);
       dp.grad_ready(i);
     }
   };
