@@ -13,6 +13,7 @@ using namespace ddp_test;
 // ring<shm> and tree<shm> through the reducer front-end: the cases of every reducer
 // (reducer_cases.hpp), then the arena's own.
 REDUCER_CASES(ddp::ring<ddp::shm>, ddp::tree<ddp::shm>);
+TEST_CASE_TEMPLATE_INVOKE(allreduce_64mib, ddp::ring<ddp::shm>);
 
 TEST_CASE("ring<shm>: async requests in flight, zero-copy buffers from the allocator") {
   expect_ok(on_ranks(4, reducer_opts, [&](int r, ddp::process_group& pg) {

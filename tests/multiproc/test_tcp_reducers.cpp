@@ -8,6 +8,7 @@ using namespace ddp_test;
 
 // ring<tcp> and tree<tcp>: the cases of every reducer (reducer_cases.hpp), then tcp's own.
 REDUCER_CASES(ddp::ring<ddp::tcp>, ddp::tree<ddp::tcp>);
+TEST_CASE_TEMPLATE_INVOKE(allreduce_64mib, ddp::ring<ddp::tcp>, ddp::tree<ddp::tcp>);
 
 TEST_CASE("a rank that comes late to a failed group still reports the failure, not 'rank 0 is lost'") {
   // Ranks 0 and 2 fail and leave while rank 1 sleeps (a loaded machine's slow rank, made
