@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "harness.hpp"
+#include "toy_model.hpp"
 
 // Adversarial cases for uneven inputs (dp_options::uneven_inputs, join()): gradients with every
 // mantissa bit in use and tiny f16 values when one rank of four contributes, integer averages of
@@ -28,47 +29,16 @@ using namespace ddp_test;
 
 namespace {
 
-// One parameter per dtype, each `n` elements.
-struct params {
+// One parameter per dtype, each `n` elements, named "a", "b", ...
+struct params : ddp_test::toy_model {
   std::vector<ddp::dtype> types;
-  std::size_t n;
-  std::vector<std::vector<std::byte>> data, grad;
-  std::vector<ddp::tensor_view> views;
-  std::vector<std::string> names;
-  params(std::vector<ddp::dtype> t, std::size_t numel) : types(std::move(t)), n(numel) {
-    names.reserve(types.size());  // views keep pointers into the names
-    for (std::size_t i = 0; i < types.size(); ++i) {
-      data.emplace_back(n * ddp::dtype_size(types[i]));
-      grad.emplace_back(n * ddp::dtype_size(types[i]));
-      names.emplace_back(1, static_cast<char>('a' + i));  // "a", "b", ...
-      views.push_back(ddp::tensor_view{data[i].data(), grad[i].data(), n, types[i], -1, names.back(),
-                                       {static_cast<std::int64_t>(n)}});
-    }
+  params(std::vector<ddp::dtype> t, std::size_t n) : types(std::move(t)) {
+    for (std::size_t i = 0; i < types.size(); ++i) add(n, types[i], {}, std::string(1, static_cast<char>('a' + i)));
   }
-  double get(std::size_t i, std::size_t j) const {
-    const void* p = grad[i].data();
-    switch (types[i]) {
-      case ddp::dtype::f32: return static_cast<const float*>(p)[j];
-      case ddp::dtype::f64: return static_cast<const double*>(p)[j];
-      case ddp::dtype::f16: return static_cast<float>(static_cast<const ddp::half*>(p)[j]);
-      case ddp::dtype::bf16: return static_cast<float>(static_cast<const ddp::bfloat16*>(p)[j]);
-      case ddp::dtype::i32: return static_cast<const std::int32_t*>(p)[j];
-      case ddp::dtype::i64: return static_cast<double>(static_cast<const std::int64_t*>(p)[j]);
-      default: throw std::logic_error("dtype");
-    }
-  }
+  double get(std::size_t i, std::size_t j) const { return toy_model::get(grad(i), types[i], j); }
   // Stores v as the dtype holds it and returns the stored value.
   double set(std::size_t i, std::size_t j, double v) {
-    void* p = grad[i].data();
-    switch (types[i]) {
-      case ddp::dtype::f32: static_cast<float*>(p)[j] = static_cast<float>(v); break;
-      case ddp::dtype::f64: static_cast<double*>(p)[j] = v; break;
-      case ddp::dtype::f16: static_cast<ddp::half*>(p)[j] = ddp::half(static_cast<float>(v)); break;
-      case ddp::dtype::bf16: static_cast<ddp::bfloat16*>(p)[j] = ddp::bfloat16(static_cast<float>(v)); break;
-      case ddp::dtype::i32: static_cast<std::int32_t*>(p)[j] = static_cast<std::int32_t>(v); break;
-      case ddp::dtype::i64: static_cast<std::int64_t*>(p)[j] = static_cast<std::int64_t>(v); break;
-      default: throw std::logic_error("dtype");
-    }
+    toy_model::set(grad(i), types[i], j, v);
     return get(i, j);
   }
 };
@@ -170,7 +140,7 @@ TEST_CASE("join: integer averages over 3 contributors of 4, mixed signs, truncat
     const long vals[3][5] = {{-5, -1, 4, 0, 3}, {-1, -2, -9, 1, 2}, {-1, 1, 5, 1, 2}};
     for (std::size_t j = 0; j < 5; ++j) {
       m.set(0, j, static_cast<double>(vals[r][j]));
-      static_cast<std::int64_t*>(static_cast<void*>(m.grad[1].data()))[j] = vals[r][j] * (std::int64_t{1} << 40);
+      m.grad<std::int64_t>(1)[j] = vals[r][j] * (std::int64_t{1} << 40);
     }
     dp.grad_ready(1);
     dp.grad_ready(0);
@@ -179,7 +149,7 @@ TEST_CASE("join: integer averages over 3 contributors of 4, mixed signs, truncat
     for (std::size_t j = 0; j < 5; ++j) {
       require(m.get(0, j) == static_cast<double>(want[j]), "i32[" + std::to_string(j) + "] " + std::to_string(m.get(0, j)));
       const std::int64_t sum = (vals[0][j] + vals[1][j] + vals[2][j]) * (std::int64_t{1} << 40);
-      require(static_cast<const std::int64_t*>(static_cast<const void*>(m.grad[1].data()))[j] == sum / 3,
+      require(m.grad<std::int64_t>(1)[j] == sum / 3,
               "i64[" + std::to_string(j) + "]");
     }
     dp.join();
@@ -197,7 +167,7 @@ TEST_CASE("join: no_sync() windows on the active and on the joining rank") {
     expect_ok(on_ranks(n, local_group{20s}, [&](int r, ddp::process_group& pg) {
       params m({ddp::dtype::f32}, 8);
       ring_tcp dp{pg, m.views, {}, {.gradient_as_bucket_view = view, .uneven_inputs = true, .divide_by = ddp::join_divisor::contributors}};
-      float* g = view ? static_cast<float*>(dp.bucket_grad(0)) : reinterpret_cast<float*>(m.grad[0].data());
+      float* g = view ? static_cast<float*>(dp.bucket_grad(0)) : m.grad<float>(0).data();
       const auto put = [&](float base, bool add) {
         for (int j = 0; j < 8; ++j) g[j] = (add ? g[j] : 0.0f) + base + static_cast<float>(j);
       };

@@ -261,7 +261,8 @@ inline void auth_initiate(int fd, const authenticator& auth, auth_hello h, deadl
           peer +
               " took our proof of the secret but nothing there takes this connection (its transport closed, or "
               "has not opened yet)");
-  if (!magic || said != auth_status::accepted) raise(errc::auth_failed, rank, peer + " refused our proof of the secret");
+  if (!magic || said != auth_status::accepted)
+    raise(errc::auth_failed, rank, peer + " refused our proof of the secret");
 }
 
 }  // namespace detail
