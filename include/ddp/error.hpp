@@ -230,8 +230,8 @@ struct group_failure {
       if (ec != std::errc{} || next == end || *next != ' ') return malformed(s);
       at = next + 1;
     }
-    if (at == end || field[0] < static_cast<int>(errc::invalid_argument) || field[0] > static_cast<int>(errc::usage))
-      return malformed(s);
+    // A condition errc_name does not know is no condition of this build's.
+    if (at == end || std::string_view(detail::errc_name(static_cast<errc>(field[0]))) == "unknown") return malformed(s);
     return {static_cast<errc>(field[0]), std::string(at, end), field[1], field[2]};
   }
   /// Raises it on `rank` (under that rank's prefix), with its condition and parameter.
