@@ -18,6 +18,9 @@
 // bench/restart_time.sh's link-cut row cuts a host's link from outside); without --checkpoint
 // the plain loop saves nothing.
 #include <ddp/ddp.hpp>
+#if DDP_BENCH_ETCD
+#include <ddp/etcd.hpp>  // DDP_STORE=etcd://... (ddprun --store)
+#endif
 
 #include <signal.h>
 #include <unistd.h>

@@ -23,6 +23,8 @@
 # SIGSTOP, link cut); ROWS=all (the default) every row. ROWS=kill with BUILD_DIR a list of build
 # directories separated by ':' (`bench/restart_time.sh 9 /tmp/before:build`) runs the SIGKILL row
 # of each in turn, round by round (an A/B in one sitting), and gives one row per build.
+# ROWS=kill ETCD=1: each build twice, its store built in (in ddprun) and on a real three-member
+# etcd cluster on loopback (scripts/etcd_cluster.sh; `ddprun --store`), rows "DIR" and "DIR@etcd".
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 rounds=${1:-5}
@@ -40,8 +42,18 @@ params=${3:-$root/tests/data/resnet50.params}
 ranks=4 steps=12 kill_at=7 victim=1 every=5
 tmp=$(mktemp -d)
 source "$root/scripts/netns.sh"
-trap 'netns_teardown; rm -rf "$tmp"' EXIT
+etcd_url="" store_args=()
+if [[ ${ETCD:-0} == 1 ]]; then
+  [[ $rows == kill ]] || { echo "restart_time: ETCD=1 needs ROWS=kill"; exit 2; }
+  etcd_dir=$(mktemp -d /dev/shm/ddp-restart-etcd-XXXXXX)
+  etcd_url=$("$root/scripts/etcd_cluster.sh" start "$etcd_dir") || { echo "restart_time: etcd did not start"; exit 2; }
+  both=()
+  for b in "${builds[@]}"; do both+=("$b" "$b@etcd"); done
+  builds=("${both[@]}")
+fi
+trap 'netns_teardown; [[ -n $etcd_url ]] && "$root/scripts/etcd_cluster.sh" stop "$etcd_dir" && rm -rf "$etcd_dir"; rm -rf "$tmp"' EXIT
 for b in "${builds[@]}"; do
+  b=${b%@etcd}
   [[ -x $b/bench/restart_probe && -x $b/tools/ddprun ]] ||
     { echo "restart_time: build $b/bench/restart_probe and $b/tools/ddprun first (ninja -C $b)"; exit 2; }
 done
@@ -66,7 +78,7 @@ measure() {
 # the survivors are done.
 in_place() {
   local log=$1 sig=$2 pid
-  timeout 300 "$ddprun" -n $ranks --elastic 2:$ranks --max-restarts 0 "$probe" "$params" --elastic --signal "$sig" \
+  timeout 300 "$ddprun" -n $ranks --elastic 2:$ranks --max-restarts 0 "${store_args[@]}" "$probe" "$params" --elastic --signal "$sig" \
     --steps $steps --kill-at $kill_at --victim $victim > "$log" 2>&1 &
   local launcher=$!
   for ((t = 0; t < 3000; ++t)); do
@@ -127,7 +139,10 @@ if [[ $rows == kill ]]; then
   for ((r = 1; r <= rounds; ++r)); do
     line="round $r:"
     for ((i = 0; i < ${#builds[@]}; ++i)); do
-      probe=${builds[i]}/bench/restart_probe ddprun=${builds[i]}/tools/ddprun
+      b=${builds[i]%@etcd}
+      probe=$b/bench/restart_probe ddprun=$b/tools/ddprun
+      store_args=()
+      [[ ${builds[i]} == *@etcd ]] && store_args=(--store "$etcd_url")
       in_place "$tmp/kill.$i.$r" KILL
       read -r a b < <(measure "$tmp/kill.$i.$r")
       res[$i]+="$a " steady[$i]+="$b "

@@ -29,12 +29,16 @@
 // first formation).
 //
 // Built with libsodium, it proves the group's secret when DDP_AUTH_TOKEN is set
-// (docs/security.md).
+// (docs/security.md). Built with libcurl and nlohmann/json, DDP_STORE=etcd://... (ddprun --store)
+// puts the group's store on an etcd cluster (docs/cluster.md).
 #include <ddp/ddp.hpp>
 #include <ddp/group/elastic.hpp>
 #include <ddp/sampler.hpp>
 #if DDP_EXAMPLE_SODIUM
 #include <ddp/auth/sodium.hpp>
+#endif
+#if DDP_EXAMPLE_ETCD
+#include <ddp/etcd.hpp>
 #endif
 
 #include "mlp_model.hpp"

@@ -4,12 +4,14 @@
 #                              clang with libFuzzer for the fuzz targets, Slurm and MUNGE for the
 #                              `slurm` suite's one-node cluster, LibTorch and PyTorch for the `torch`
 #                              suite's side-by-side run, Eigen for the `eigen` suite, dlib for the `dlib` suite,
-#                              clang-format for the `format` check of include/)
+#                              clang-format for the `format` check of include/, etcd with libcurl and
+#                              nlohmann/json for the `etcd` suite's real three-member cluster)
 #   scripts/deps.sh bench      also the benchmark peers' Python side (PyTorch, matplotlib)
 set -euo pipefail
 pkgs=(g++ meson ninja-build pkg-config cmake doctest-dev libtbb-dev libopenmpi-dev openmpi-bin
       libgloo-dev libsodium-dev python3 iproute2 clang libclang-rt-14-dev slurm-wlm munge
-      libtorch-dev python3-torch libeigen3-dev libdlib-dev clang-format)
+      libtorch-dev python3-torch libeigen3-dev libdlib-dev clang-format
+      etcd-server etcd-client libcurl4-openssl-dev nlohmann-json3-dev)
 if [[ "${1:-}" == bench ]]; then pkgs+=(python3-matplotlib python3-numpy); fi
 missing=()
 for p in "${pkgs[@]}"; do

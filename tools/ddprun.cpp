@@ -31,6 +31,11 @@
 // "<job>+restart.k", and a rank that finds an earlier run's store still on the port waits for
 // it to go, so the hosts meet in the same run.
 //
+// --store etcd://h1:2379,h2:2379,h3:2379[/prefix] (or DDP_STORE): the group's store lives on that
+// etcd cluster (docs/cluster.md), so that no launcher serves it and the loss of any host, host 0
+// included, leaves it in place; --master-addr and --port are then not needed, even across
+// hosts, but --job-id is (the same on every host, new for every job: it names the job's keys).
+//
 // --bind-cores pins local rank l to the l-th core ddprun may run on (modulo their number), as
 // mpirun binds its ranks to cores: two ranks that hand a shared-memory step back and forth are
 // then never left queued on one core by the scheduler. Leave it off for programs that run
@@ -80,6 +85,9 @@
 #if DDP_TOOLS_SODIUM
 #include <ddp/auth/sodium.hpp>  // proves the group's secret at the store ddprun serves
 #endif
+#if DDP_TOOLS_ETCD
+#include <ddp/etcd.hpp>  // --store etcd://...: the group's store on an etcd cluster
+#endif
 
 #include "ddprun_elastic.hpp"  // whether an elastic group's state is gone
 
@@ -94,6 +102,8 @@ void on_signal(int s) { g_signal = s; }
                "program [args...]\n"
                "       ddprun -n N --nnodes NODES --node-rank K --master-addr ADDR --port PORT [--job-id ID] "
                "[--timeout SECONDS] [--] program [args...]\n"
+               "       ddprun -n N [--nnodes NODES --node-rank K] --store etcd://HOST:2379[,HOST:2379...] [--job-id ID] "
+               "[--] program [args...]   (the group's store on etcd: no host serves it)\n"
                "       options: --bind-cores (pin local rank l to the l-th usable core), --max-restarts K "
                "(start every rank again when one fails, up to K times), --elastic MIN:MAX (the group shrinks "
                "and grows in place: a failed rank alone is started again, up to --max-restarts times; every rank, when "
@@ -191,6 +201,7 @@ int main(int argc, char** argv) {
   bool addr_given = false, port_given = false, node_rank_given = false;
   std::string addr = "127.0.0.1";
   std::string timeout, job_id_opt;
+  std::string store_url;  // --store URL (or DDP_STORE): the group's store on etcd; ddprun serves none
   bool bind_cores = false;
   int max_restarts = 0;
   std::string elastic;  // --elastic MIN:MAX
@@ -220,6 +231,7 @@ int main(int argc, char** argv) {
       node_rank_given = true;
     }
     else if (a == "--job-id") job_id_opt = value("--job-id");
+    else if (a == "--store") store_url = value("--store");
     else if (a == "--timeout") timeout = value("--timeout");
     else if (a == "--bind-cores") bind_cores = true;
     else if (a == "--max-restarts") max_restarts = number("--max-restarts", value("--max-restarts"), 0, 1 << 20);
@@ -232,7 +244,27 @@ int main(int argc, char** argv) {
   if (n < 1) usage("-n must be a positive number of ranks");
   if (node_rank >= nnodes)
     usage(("--node-rank " + std::to_string(node_rank) + " is not below --nnodes " + std::to_string(nnodes)).c_str());
-  if (nnodes > 1 && (!addr_given || !port_given || !node_rank_given)) {
+  if (store_url.empty())
+    if (const char* e = std::getenv("DDP_STORE"); e != nullptr && *e != '\0') store_url = e;
+  if (!store_url.empty()) {
+    // The store is the cluster's: no host serves one, so no host needs the others' address.
+#if !DDP_TOOLS_ETCD
+    usage(("--store " + store_url.substr(0, 64) +
+           ": this ddprun was built without the etcd backend (libcurl and nlohmann/json; docs/cluster.md)")
+              .c_str());
+#endif
+    try {
+      (void)ddp::store_backend_for(store_url, -1);
+    } catch (const std::exception& e) {
+      usage(e.what());
+    }
+    if (nnodes > 1 && job_id_opt.empty() && std::getenv("DDP_JOB_ID") == nullptr)
+      usage("--store with --nnodes needs --job-id (or DDP_JOB_ID): the same on every host, and new for every job "
+            "(it names the job's keys in the store)");
+    if (nnodes > 1 && !node_rank_given) usage("--nnodes needs --node-rank (this host's number in [0, nnodes))");
+    if (nnodes > 1 && !addr_given) addr = "127.0.0.1";  // unused by the ranks' store; their links listen where they reach it
+  }
+  if (nnodes > 1 && store_url.empty() && (!addr_given || !port_given || !node_rank_given)) {
     std::string missing;
     auto need = [&](bool given, const char* what) {
       if (!given) missing += (missing.empty() ? " " : "; ") + std::string(what);
@@ -311,15 +343,38 @@ int main(int argc, char** argv) {
       loopback = loopback || ddp::detail::is_loopback(ep.addr);
   } catch (const std::exception&) {
   }
-  const bool external_store = !env_is("DDP_EXTERNAL_STORE", "0") &&
+  const bool external_store = store_url.empty() && !env_is("DDP_EXTERNAL_STORE", "0") &&
                               (secret ? store_auth != nullptr : loopback || env_is("DDP_INSECURE", "1"));
   // An elastic group's store should outlive every rank: ddprun serves it where it can;
-  // otherwise the group's rank 0 hosts it.
-  if (!elastic.empty() && !external_store)
+  // otherwise the group's rank 0 hosts it. On etcd (--store) nobody serves it.
+  if (!elastic.empty() && !external_store && store_url.empty())
     std::fprintf(stderr, "ddprun: --elastic: the group's store stays on rank 0 (%s): the loss of rank 0 ends the job\n",
                  env_is("DDP_EXTERNAL_STORE", "0") ? "DDP_EXTERNAL_STORE=0"
                  : secret ? no_auth.c_str()
                           : "beyond loopback without a secret or DDP_INSECURE=1");
+  // A store that outlives its jobs (etcd) may still hold the end of an earlier job under this
+  // id: the ranks of a new job would take it for a running job that finished without them and
+  // leave at once, reporting success for a job that never ran. A new job needs a new id.
+  if (!store_url.empty()) {
+    try {
+      const auto until = ddp::steady_clock::now() + std::chrono::seconds(10);
+      ddp::init_options o;
+      o.store_url = store_url;
+      o.job_id = ddp::detail::job_run_id(job_id, 0);
+      o.timeout = std::chrono::seconds(10);
+      auto c = ddp::connect_store(o, nullptr, until);
+      if (c->check(ddp::detail::keys::done, until)) {
+        std::fprintf(stderr,
+                     "ddprun: the job '%s' already finished in the store %s: a new job needs a new --job-id "
+                     "(DDP_JOB_ID)\n",
+                     job_id.c_str(), c->where().c_str());
+        return 2;
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ddprun: cannot reach the group's store: %s\n", e.what());
+      return 2;
+    }
+  }
   int used = 0;  // elastic: replacements and whole restarts so far, against --max-restarts
   for (int restart = 0;; ++restart) {
     if (restart > 0 && !port_given) {
@@ -399,6 +454,7 @@ int main(int argc, char** argv) {
         ::setenv("DDP_JOB_ID", ddp::detail::job_run_id(job_id, restart).c_str(), 1);
         ::setenv("DDP_RESTART_COUNT", std::to_string(count).c_str(), 1);
         if (external_store) ::setenv("DDP_EXTERNAL_STORE", "1", 1);
+        if (!store_url.empty()) ::setenv("DDP_STORE", store_url.c_str(), 1);
         if (!elastic.empty()) ::setenv("DDP_ELASTIC", elastic.c_str(), 1);
         if (!timeout.empty()) ::setenv("DDP_TIMEOUT", timeout.c_str(), 1);
         if (sv[1] >= 0) {
@@ -554,11 +610,18 @@ int main(int argc, char** argv) {
     // at once (a rank 0 that hosts the store waits for its clients before it ends); false where
     // the store does not answer within a second, or where ddprun cannot prove the group's secret.
     auto group_said_done = [&]() -> bool {
-      if (secret && !store_auth) return false;
+      if (secret && !store_auth && store_url.empty()) return false;
       try {
         const auto until = ddp::steady_clock::now() + std::chrono::seconds(1);
-        ddp::store_client c(addr, port, 0, until, store_auth, external_store);
-        return c.check(ddp::detail::keys::done, until);
+        ddp::init_options o;
+        o.master_addr = addr;
+        o.master_port = port;
+        o.external_store = external_store;
+        o.store_url = store_url;
+        o.job_id = ddp::detail::job_run_id(job_id, restart);
+        o.timeout = std::chrono::seconds(1);
+        auto c = ddp::connect_store(o, store_auth, until);
+        return c->check(ddp::detail::keys::done, until);
       } catch (const std::exception&) {
         return false;
       }

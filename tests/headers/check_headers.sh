@@ -8,10 +8,10 @@
 # that says ddp needs C++20. Each public header compiles alone in compiled mode
 # (DDP_SEPARATE_COMPILATION) as well. The headers are checked side by side, one per core.
 #   check_headers.sh INCLUDE_DIR CXX [cuda-flags] [mpi-flags] [tbb-flags] [sodium-flags] [torch-flags] [eigen-flags]
-#                    [dlib-flags]
+#                    [dlib-flags] [etcd-flags]
 set -u
 inc=$1; cxx=$2; cuda=${3:-none}; mpi=${4:-none}; tbb=${5:-none}; sodium=${6:-none}; torch=${7:-none}; eigen=${8:-none}
-dlib=${9:-none}
+dlib=${9:-none}; etcd=${10:-none}
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 cd "$inc"
 
@@ -26,6 +26,7 @@ check_one() {
   elif grep -Eq '#include <torch/' "$h"; then extra=$torch
   elif grep -Eq '#include <Eigen/' "$h"; then extra=$eigen
   elif grep -Eq '#include <dlib/' "$h"; then extra=$dlib
+  elif grep -Eq '#include <(curl/curl\.h|nlohmann/json\.hpp|ddp/group/etcd_store\.hpp)>' "$h"; then extra=$etcd
   fi
   if [[ "$extra" == none ]]; then echo "SKIP $h (SDK not found)"; return; fi
   if [[ $h == */detail/* ]]; then
@@ -68,7 +69,7 @@ check_one() {
   fi
 }
 export -f check_one
-export tmp cxx cuda mpi tbb sodium torch eigen dlib
+export tmp cxx cuda mpi tbb sodium torch eigen dlib etcd
 # One output file per header, printed in order once all are done.
 find ddp -name '*.hpp' | sort | awk '{ printf "%s %04d\n", $0, NR }' |
   xargs -P "$(nproc)" -L 1 bash -c 'check_one "$0" > "$tmp/out.$1" 2>&1'
@@ -76,7 +77,7 @@ cat "$tmp"/out.* > "$tmp/all"
 pass=$(grep -c '^PASS$' "$tmp/all"); fail=$(grep -c '^FAIL' "$tmp/all"); skip=$(grep -c '^SKIP' "$tmp/all")
 grep -v '^PASS$' "$tmp/all"
 # The umbrella must not pull in optional SDKs.
-if grep -Eq '#\s*include\s*<(nccl|cuda_runtime|mpi)\.h>|#\s*include\s*<((oneapi/)?tbb|torch|Eigen|dlib)/' ddp/ddp.hpp; then
+if grep -Eq '#\s*include\s*<(nccl|cuda_runtime|mpi)\.h>|#\s*include\s*<((oneapi/)?tbb|torch|Eigen|dlib|curl|nlohmann)/' ddp/ddp.hpp; then
   fail=$((fail + 1)); echo "FAIL ddp/ddp.hpp includes an optional SDK header"
 else
   pass=$((pass + 1))

@@ -24,7 +24,7 @@ import sys
 LAYERS = [
     ("ground", [], ["error.hpp", "dtype.hpp", "clock.hpp", "endpoint.hpp", "auth.hpp", "fwd.hpp", "version.hpp"]),
     ("detail", ["detail"], []),
-    ("group", ["group", "auth", "parallel"], ["process_group.hpp", "store.hpp"]),
+    ("group", ["group", "auth", "parallel"], ["process_group.hpp", "store.hpp", "etcd.hpp"]),
     ("transport", ["transport"], []),
     ("reducer", ["reducer"], ["request.hpp", "bucket_tag.hpp"]),
     ("policy", ["planner", "memory", "optim"], ["concepts.hpp", "parameter.hpp", "sampler.hpp"]),

@@ -51,7 +51,7 @@
 #include <ddp/group/detail/elastic_env.hpp>
 #include <ddp/group/detail/elastic_rules.hpp>
 #include <ddp/group/process_group.hpp>
-#include <ddp/group/store_client.hpp>
+#include <ddp/group/kv_store.hpp>
 #include <ddp/group/store_server.hpp>
 #include <ddp/group/verdict.hpp>
 #include <ddp/group/detail/keys.hpp>
@@ -106,6 +106,7 @@ class basic_elastic_group {
   explicit basic_elastic_group(init_options opts, elastic_options eo = {}, Env env = {})
       : opts_(std::move(opts)), eo_(eo), env_(std::move(env)) {
     if (opts_.elastic_max == 0) opts_.elastic_min = opts_.elastic_max = opts_.world_size;
+    if (!opts_.store_url.empty()) opts_.external_store = true;  // etcd: served by nobody in the group
     if (auto why = opts_.validate(); !why.empty()) detail::raise(errc::invalid_argument, opts_.rank, why);
     detail::refuse_elastic_backend(opts_);
     if (opts_.heartbeat.count() == 0) opts_.heartbeat = std::chrono::seconds(1);

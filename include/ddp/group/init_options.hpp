@@ -49,6 +49,12 @@ struct init_options {
   /// when it serves one), not by rank 0: rank 0 then only joins it, and its loss leaves the
   /// store, and the failure record the survivors read, in place. Every rank must agree.
   bool external_store = false;
+  /// The group's store when it is not the built-in one (`DDP_STORE`): `etcd://h1:2379,h2:2379`
+  /// with an optional `/prefix`, `user:password@` and `?tls=1` (docs/cluster.md; the program
+  /// must include <ddp/etcd.hpp>). Then no process serves a store: rank 0 and the launcher only
+  /// use it, like every rank, and master_addr/master_port are not needed. Empty: the built-in
+  /// store at master_addr:master_port.
+  std::string store_url = {};
   /// An elastic group's smallest and largest size (`DDP_ELASTIC=MIN:MAX`; 0: not elastic).
   /// Read by `ddp::elastic_group` (group/elastic.hpp, docs/elastic.md); a plain
   /// `init_process_group` refuses the mpi backend for an elastic group (errc::unsupported:

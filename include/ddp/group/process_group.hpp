@@ -25,10 +25,10 @@
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
 #include <ddp/group/init_options.hpp>
+#include <ddp/group/kv_store.hpp>
 
 namespace ddp {
 inline namespace DDP_ABI {
-class store_client;  // group/store_client.hpp
 namespace detail {
 struct group_state;     // group/detail/group_state.hpp
 class generation_link;  // group/detail/generation.hpp
@@ -63,8 +63,9 @@ class process_group {
   std::chrono::milliseconds timeout() const noexcept;
   deadline_t deadline() const { return steady_clock::now() + timeout(); }
 
-  /// The group's key-value store (hosted by rank 0).
-  store_client& store();
+  /// The group's key-value store (the built-in store, hosted by rank 0 or the launcher, or
+  /// the backend init_options::store_url names).
+  kv_store& store();
 
   /// A group-unique id agreed at rendezvous (distinguishes this group's connections).
   std::uint64_t id() const noexcept;

@@ -29,13 +29,15 @@
 #include <ddp/error.hpp>
 #include <ddp/group/detail/keys.hpp>
 #include <ddp/detail/first_failure.hpp>
+#include <ddp/group/kv_store.hpp>
+#include <ddp/group/init_options.hpp>
 
 namespace ddp {
 inline namespace DDP_ABI {
 
-/// A connection to the store. Calls take turns on it (each waits for its turn until its own
-/// deadline); each takes a deadline.
-class store_client {
+/// A connection to the built-in store: the default backend of `kv_store`. Calls take turns on
+/// it (each waits for its turn until its own deadline); each takes a deadline.
+class store_client : public kv_store {
  public:
   /// Connects, retrying until `until` because rank 0 may start after us, and returns once the
   /// store has answered: with `auth`, the handshake (it proves the secret and checks the
@@ -51,8 +53,7 @@ class store_client {
 
   store_client(const std::string& host, int port, int rank, deadline_t until,
                std::shared_ptr<const authenticator> auth = nullptr, bool external = false)
-      : rank_(rank),
-        auth_(std::move(auth)),
+      : kv_store(rank, std::move(auth)),
         store_(external ? "the group's store" : "the store of rank 0"),
         where_(host + ":" + std::to_string(port) +
                (external ? " (served outside the ranks: ddprun or ddpstore)" : "")) {
@@ -79,13 +80,13 @@ class store_client {
       }
       detail::tune_stream(fd_.get(), 0);
       try {
-        if (auth_) {
+        if (kv_store::auth()) {
           detail::auth_hello h;
           h.kind = detail::auth_kind::store;
           h.from = static_cast<std::uint32_t>(rank);
-          detail::auth_initiate(fd_.get(), *auth_, h, until, rank, store_ + " at " + where);
+          detail::auth_initiate(fd_.get(), *kv_store::auth(), h, until, rank, store_ + " at " + where);
         } else {
-          (void)check(detail::keys::hello, until);
+          (void)do_check(std::string(detail::keys::hello), until);
         }
         return;
       } catch (const error& e) {
@@ -101,47 +102,44 @@ class store_client {
     }
   }
 
-  void set(std::string_view key, std::string_view value, deadline_t until = default_deadline()) {
+  int native_handle() const noexcept { return fd_.get(); }
+  bool unusable() const noexcept override { return broken_.failed(); }
+  sockaddr_storage local_address() const override { return detail::local_address(fd_.get()); }
+  std::string where() const override { return store_ + " at " + where_; }
+
+ protected:
+  void do_set(const std::string& key, std::string_view value, deadline_t until) override {
     call(detail::store_cmd::set, {key, value}, until);
   }
 
-  /// Waits until `key` exists (server-side wait) and returns its value.
-  std::string get(std::string_view key, deadline_t until = default_deadline()) {
-    auto v = try_get(key, std::chrono::milliseconds(server_wait_ms(until)), until);
-    if (!v) detail::raise(errc::timeout, rank_, "store key '" + std::string(key) + "' never appeared");
-    return std::move(*v);
-  }
-
-  /// `key`'s value once it exists, waiting for it at the store up to `server_wait`; nothing
-  /// when it did not appear by then (one request: a wait and a get in one round trip).
-  std::optional<std::string> try_get(std::string_view key, std::chrono::milliseconds server_wait, deadline_t until) {
-    const auto ms = detail::encode_ms(std::min<std::int64_t>(server_wait.count(), server_wait_ms(until)));
+  /// One request: a wait (at the store, up to `server_wait`) and a get in one round trip.
+  std::optional<std::string> do_try_get(const std::string& key, std::optional<std::chrono::milliseconds> server_wait,
+                                        deadline_t until) override {
+    const auto ms = detail::encode_ms(
+        std::min<std::int64_t>(server_wait ? server_wait->count() : INT64_MAX, server_wait_ms(until)));
     auto r = call(detail::store_cmd::get, {key, ms}, until);
     if (r.code == static_cast<std::uint8_t>(detail::store_status::timeout)) return std::nullopt;
     return r.fields.empty() ? std::string() : std::move(r.fields[0]);
   }
 
-  std::int64_t add(std::string_view key, std::int64_t delta, deadline_t until = default_deadline()) {
+  std::int64_t do_add(const std::string& key, std::int64_t delta, deadline_t until) override {
     const auto d = detail::encode_i64(delta);
     auto r = call(detail::store_cmd::add, {key, d}, until);
     return detail::decode_i64(first_field(r, "add", 8));
   }
 
-  /// Sets `key` to `desired` if its value is `expected` (empty `expected`: the key is absent).
-  /// Returns the value after the call.
-  std::string compare_set(std::string_view key, std::string_view expected, std::string_view desired,
-                          deadline_t until = default_deadline()) {
+  std::string do_compare_set(const std::string& key, std::string_view expected, std::string_view desired,
+                             deadline_t until) override {
     auto r = call(detail::store_cmd::cas, {key, expected, desired}, until);
     return first_field(r, "compare_set");
   }
 
-  bool erase(std::string_view key, deadline_t until = default_deadline()) {
+  bool do_erase(const std::string& key, deadline_t until) override {
     return first_field(call(detail::store_cmd::del, {key}, until), "erase") == "1";
   }
 
-  /// Erases every key that starts with `prefix` (under this client's prefix); returns how many.
   /// The store erases a bounded number per request, so this takes one request per 4096 keys.
-  std::size_t erase_prefix(std::string_view prefix, deadline_t until = default_deadline()) {
+  std::size_t do_erase_prefix(const std::string& prefix, deadline_t until) override {
     std::size_t total = 0;
     for (;;) {
       const std::string a{
@@ -155,45 +153,20 @@ class store_client {
     }
   }
 
-  bool check(std::string_view key, deadline_t until = default_deadline()) {
+  bool do_check(const std::string& key, deadline_t until) override {
     return first_field(call(detail::store_cmd::check, {key}, until), "check") == "1";
   }
 
-  /// Waits until every key exists; returns the keys still missing when `until` passed (empty
-  /// when all arrived).
-  std::vector<std::string> wait(const std::vector<std::string>& keys, deadline_t until) {
-    return wait(keys, std::chrono::milliseconds(server_wait_ms(until)), until);
-  }
-  /// The same with the store's wait for the keys (`server_wait`) apart from the call's own
-  /// deadline (`until`: its turn on the connection, the request and the reply): a short look
-  /// ("which of these keys are missing now?") at a store busy with other clients' requests
-  /// must not fail because the reply took longer than the look.
-  std::vector<std::string> wait(const std::vector<std::string>& keys, std::chrono::milliseconds server_wait,
-                                deadline_t until) {
+  std::vector<std::string> do_wait(const std::vector<std::string>& keys,
+                                   std::optional<std::chrono::milliseconds> server_wait, deadline_t until) override {
     std::vector<std::string_view> f(keys.begin(), keys.end());
-    const auto ms = detail::encode_ms(std::min<std::int64_t>(server_wait.count(), server_wait_ms(until)));
+    const auto ms = detail::encode_ms(
+        std::min<std::int64_t>(server_wait ? server_wait->count() : INT64_MAX, server_wait_ms(until)));
     f.push_back(ms);
     auto r = call(detail::store_cmd::wait, f, until);
     if (r.code != static_cast<std::uint8_t>(detail::store_status::timeout)) return {};
-    for (auto& k : r.fields)
-      if (k.starts_with(prefix_)) k.erase(0, prefix_.size());
-    return r.fields;
+    return std::move(r.fields);
   }
-
-  /// Puts every key this client reads or writes from now on under `prefix` (an elastic
-  /// group's generation, init_options::key_prefix): groups that share a store stay apart.
-  void set_prefix(std::string prefix) { prefix_ = std::move(prefix); }
-  const std::string& prefix() const noexcept { return prefix_; }
-  int native_handle() const noexcept { return fd_.get(); }
-
-  /// True once a failure made the connection unusable (every later call fails at once).
-  bool unusable() const noexcept { return broken_.failed(); }
-
-  /// The authenticator this connection was opened with (null without a secret); the mesh
-  /// connections opened through this store use it too.
-  const std::shared_ptr<const authenticator>& auth() const noexcept { return auth_; }
-
-  static deadline_t default_deadline() { return steady_clock::now() + detail::timing::store_default_wait; }
 
  private:
   /// The answer's first field; an answer without it (or of the wrong size) is a protocol error.
@@ -228,20 +201,9 @@ class store_client {
                         " (the store is for small metadata; send bulk data through a collective)");
   }
 
-  detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& given, deadline_t until) {
+  detail::frame call(detail::store_cmd cmd, const std::vector<std::string_view>& fields, deadline_t until) {
     // A forked child shares the connection with its parent: one frame from it would garble both.
     owner_.check(rank_, "store_client");
-    // The keys (every field of a wait but its last, the first of any other request) under
-    // this client's prefix.
-    std::vector<std::string> keyed;
-    std::vector<std::string_view> prefixed;
-    if (!prefix_.empty() && !given.empty()) {
-      const std::size_t nkeys = cmd == detail::store_cmd::wait ? given.size() - 1 : 1;
-      keyed.reserve(nkeys);
-      prefixed = given;
-      for (std::size_t i = 0; i < nkeys; ++i) prefixed[i] = keyed.emplace_back(prefix_ + std::string(given[i]));
-    }
-    const auto& fields = prefix_.empty() ? given : prefixed;
     check_request(cmd, fields);
     // Other threads share this connection: the deadline may pass while this call waits for its
     // turn. That is this call's timeout, not a fault of the connection: nothing was sent.
@@ -322,9 +284,6 @@ class store_client {
     detail::raise(code, rank_, why);
   }
 
-  int rank_;
-  std::string prefix_;  ///< put before every key (set_prefix)
-  std::shared_ptr<const authenticator> auth_;
   std::string store_;  // who serves the store, as errors name it
   std::string where_;  // its address (and who serves it), for messages
   detail::fd_handle fd_;
@@ -360,6 +319,14 @@ class store_client {
   detail::first_failure broken_;  ///< why the connection is unusable (set during a turn)
   detail::owner_process owner_;
 };
+
+/// The group's store as `o` names it: the backend of `o.store_url` (etcd://...), else the
+/// built-in store at master_addr:master_port (rank 0's, or the launcher's when external_store).
+inline std::unique_ptr<kv_store> connect_store(const init_options& o, std::shared_ptr<const authenticator> auth,
+                                               deadline_t until) {
+  if (!o.store_url.empty()) return store_backend_for(o.store_url, o.rank)(o.store_url, o, std::move(auth), until);
+  return std::make_unique<store_client>(o.master_addr, o.master_port, o.rank, until, std::move(auth), o.external_store);
+}
 
 }  // namespace DDP_ABI
 }  // namespace ddp

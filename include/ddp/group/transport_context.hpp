@@ -93,7 +93,7 @@ class transport_context {
   /// The transport's own handle on the group (collectives during setup: all_gather, barrier).
   process_group& group() noexcept { return pg_; }
   /// The group's store (hosted by rank 0): where a transport's ranks announce addresses.
-  store_client& store() { return pg_.store(); }
+  kv_store& store() { return pg_.store(); }
   /// The group's failure verdict: record a failure, read the first one, judge a failed link.
   failure_verdict& verdict() noexcept { return *verdict_; }
   /// The rank's one listening port, where a transport's peers connect (`detail::open_links`

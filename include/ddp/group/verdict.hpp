@@ -45,7 +45,7 @@ class failure_verdict {
   /// must outlive it or be detached first); `timeout` is the group's.
   /// `launcher_store`: the store is served by the launcher (init_options::external_store), not
   /// by rank 0, so a store that does not answer is no verdict on rank 0.
-  failure_verdict(store_client* store, int rank, int size, std::chrono::milliseconds timeout,
+  failure_verdict(kv_store* store, int rank, int size, std::chrono::milliseconds timeout,
                   bool launcher_store = false) noexcept
       : store_(store), rank_(rank), size_(size), timeout_(timeout), launcher_store_(launcher_store) {}
 
@@ -354,16 +354,16 @@ class failure_verdict {
 
   /// The sentence for a store that does not answer: rank 0 lost when it hosts the store.
   std::string store_lost(const std::string& how) const {
-    return launcher_store_
-               ? "the group's store, which its launcher serves, does not answer (the launcher is gone; " + how + ")"
-               : "rank 0 is lost (its store does not answer; " + how + ")";
+    return launcher_store_ ? (store_ != nullptr ? store_->where() : std::string("the group's store")) +
+                                 " does not answer (" + how + ")"
+                           : "rank 0 is lost (its store does not answer; " + how + ")";
   }
   /// The store key of rank `r`'s "waits for" record under `prefix`.
   static std::string waiting_key(const std::string& prefix, int r) { return detail::keys::waiting(prefix, r); }
   /// The store key of rank `r`'s last error (note_error).
   static std::string note_key(int r) { return detail::keys::note(r); }
 
-  store_client* store_ = nullptr;
+  kv_store* store_ = nullptr;
   int rank_ = 0;
   int size_ = 1;
   std::chrono::milliseconds timeout_{0};

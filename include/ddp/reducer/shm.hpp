@@ -52,7 +52,7 @@
 #include <ddp/detail/timing.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
-#include <ddp/group/store_client.hpp>
+#include <ddp/group/kv_store.hpp>
 #include <ddp/group/verdict.hpp>
 #include <ddp/process_group.hpp>
 #include <ddp/reducer/basic_reducer.hpp>

@@ -8,7 +8,7 @@
 // store, simulated groups, fake time; tests/unit/test_elastic_sim.cpp) and runs the same code.
 //
 // An environment `Env` provides:
-//   Env::store          set/get/check/add/compare_set/try_get/wait/erase_prefix as store_client's
+//   Env::store          set/get/check/add/compare_set/try_get/wait/erase_prefix as kv_store's
 //   Env::group          rank(), size(), has_sharded_state(), broadcast(span<u64>|span<byte>, 0)
 //   open_store(opts, host, until)   the coordination store (host: serve it here, this is rank 0)
 //   no_group()          an empty group;  exists(g): whether g is one
@@ -71,26 +71,22 @@ struct elastic_env {
     }
   };
 
-  /// The coordination store: a client of the launcher's store, or of the one this process
-  /// hosts (the launcher's rank 0 without a launcher's store).
-  class store : private hosted, public store_client {
-   public:
-    store(std::unique_ptr<store_server> server, const init_options& o, std::shared_ptr<const authenticator> auth,
-          deadline_t until)
-        : hosted(std::move(server), std::min<std::chrono::milliseconds>(o.timeout, std::chrono::seconds(5))),
-          store_client(o.master_addr, o.master_port, o.rank, until, std::move(auth), o.external_store) {}
-  };
+  /// The coordination store: the launcher's, etcd (init_options::store_url), or the one this
+  /// process hosts (the launcher's rank 0 without a launcher's store), kept in `hosted_` so that
+  /// it outlives the group's own connection.
+  using store = kv_store;
 
   std::unique_ptr<store> open_store(const init_options& o, bool host, deadline_t until) {
     // With a secret every connection to the store and between ranks proves it (docs/security.md):
     // a stranger can neither register, nor vote, nor mark a rank dead.
     std::shared_ptr<const authenticator> auth;
     if (!o.auth_token.empty()) auth = make_authenticator(o.auth_token, o.rank);
-    std::unique_ptr<store_server> server;
     if (host)
-      server = std::make_unique<store_server>(::ddp::endpoint{o.master_addr, o.master_port}, 0, auth, store_limits{},
-                                              std::string(keys::seat_prefix), 0);
-    return std::make_unique<store>(std::move(server), o, auth, until);
+      hosted_ = std::make_unique<hosted>(
+          std::make_unique<store_server>(::ddp::endpoint{o.master_addr, o.master_port}, 0, auth, store_limits{},
+                                         std::string(keys::seat_prefix), 0),
+          std::min<std::chrono::milliseconds>(o.timeout, std::chrono::seconds(5)));
+    return connect_store(o, auth, until);
   }
 
   static group no_group() { return generation_link::no_group(); }
@@ -133,7 +129,8 @@ struct elastic_env {
   static void drop_parked() { detail::drop_parked(); }
 
  private:
-  generation_link link_;  // the current generation's group: all the elastic group may touch of it
+  generation_link link_;            // the current generation's group: all the elastic group may touch of it
+  std::unique_ptr<hosted> hosted_;  // the store this process serves, if any (open_store)
 };
 
 }  // namespace detail

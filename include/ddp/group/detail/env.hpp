@@ -166,6 +166,7 @@ void read_env(Options& o, Getenv& get) {
   if (auto v = first({"DDP_JOB_ID"}); v.first) o.job_id = v.second;
   if (auto v = first({"DDP_INSECURE"}); v.first) o.insecure = as_int(v, 0, 1) == 1;
   if (auto v = first({"DDP_EXTERNAL_STORE"}); v.first) o.external_store = as_int(v, 0, 1) == 1;
+  if (auto v = first({"DDP_STORE"}); v.first && *v.second != '\0') o.store_url = v.second;
   if (auto v = first({"DDP_ELASTIC"}); v.first) {
     // "MIN:MAX", or "N" for N:N: the sizes an elastic group may take (group/elastic.hpp).
     const std::string s = v.second;

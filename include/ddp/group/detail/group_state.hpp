@@ -202,7 +202,7 @@ struct group_state {
       }
   }
   std::unique_ptr<store_server> server;
-  std::unique_ptr<store_client> store;
+  std::unique_ptr<kv_store> store;
   failure_verdict verdict;        // kept in store; detached before it closes
   std::unique_ptr<reactor> loop;  // the rank's background thread (group/detail/reactor.hpp)
   std::unique_ptr<link_hub> hub;  // its one listening port, on the reactor

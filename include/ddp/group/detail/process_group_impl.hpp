@@ -52,7 +52,7 @@ DDP_DECL const init_options& process_group::options() const noexcept {
   return s_ ? s_->opts : none;
 }
 DDP_DECL std::chrono::milliseconds process_group::timeout() const noexcept { return options().timeout; }
-DDP_DECL store_client& process_group::store() { return *live("store()").store; }
+DDP_DECL kv_store& process_group::store() { return *live("store()").store; }
 DDP_DECL std::uint64_t process_group::id() const noexcept { return s_ ? s_->group_id : 0; }
 
 DDP_DECL void process_group::barrier(deadline_t until) {
@@ -291,8 +291,11 @@ DDP_DECL void process_group::lost(int peer, const std::error_code& ec, const cha
   detail::raise(v.failure.code, g.rank, std::string(what) + ": " + v.failure.text);
 }
 
-DDP_DECL process_group init_process_group(const init_options& opts) {
-  if (auto why = opts.validate(); !why.empty()) detail::raise(errc::invalid_argument, opts.rank, why);
+DDP_DECL process_group init_process_group(const init_options& given) {
+  if (auto why = given.validate(); !why.empty()) detail::raise(errc::invalid_argument, given.rank, why);
+  // A store of its own backend (etcd) is served by nobody in the group.
+  init_options opts = given;
+  if (!opts.store_url.empty()) opts.external_store = true;
   detail::refuse_elastic_backend(opts);
   // A token with no authenticator installed is errc::unsupported: never run unauthenticated
   // when a secret was asked for.
@@ -309,7 +312,8 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
   const int rank = opts.rank;
 
   // Resolve first, so an unresolvable master fails at once on every rank.
-  const auto eps = detail::resolve(opts.master_addr, opts.master_port, rank);
+  const auto eps = opts.store_url.empty() ? detail::resolve(opts.master_addr, opts.master_port, rank)
+                                          : std::vector<detail::endpoint>{};
   // Without a secret, anyone who reaches the store could join the group or disturb it: that is
   // only acceptable on loopback, unless the user says otherwise.
   if (!auth && !opts.insecure)
@@ -336,8 +340,7 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
                                   static_cast<long long>(opts.heartbeat.count()),
                                   !opts.external_store};
   for (;;) {
-    pg.store =
-        std::make_unique<store_client>(opts.master_addr, opts.master_port, rank, until, auth, opts.external_store);
+    pg.store = connect_store(opts, auth, until);
     pg.store->set_prefix(opts.key_prefix);
     try {
       pg.group_id = detail::join_store(*pg.store, join, until);
@@ -356,11 +359,20 @@ DDP_DECL process_group init_process_group(const init_options& opts) {
     }
   }
   auto& st = *pg.store;
+  // The links between ranks listen where this host reaches the store: beyond loopback they need
+  // the secret, as the built-in store does.
+  if (!auth && !opts.insecure && !opts.store_url.empty() && !detail::is_loopback(st.local_address()))
+    detail::raise(errc::auth_failed, rank,
+                  "the group's links listen on " + detail::to_string(st.local_address()) +
+                      ", reachable beyond this host, and the group has no secret: any process that reaches them "
+                      "could disturb the group. Give every rank the same secret in DDP_AUTH_TOKEN (or "
+                      "init_options::auth_token; docs/security.md), or accept an unauthenticated network with "
+                      "DDP_INSECURE=1 (or init_options::insecure = true)");
   pg.verdict = failure_verdict(pg.store.get(), rank, opts.world_size, opts.timeout, opts.external_store);
   // Everything this rank does in the background runs on one thread, and every channel's peers
   // connect to one port (group/detail/reactor.hpp, link_hub.hpp).
   pg.loop = std::make_unique<detail::reactor>(rank, "group");
-  pg.hub = std::make_unique<detail::link_hub>(*pg.loop, detail::local_address(st.native_handle()), auth, rank);
+  pg.hub = std::make_unique<detail::link_hub>(*pg.loop, st.local_address(), auth, rank);
   pg.links = detail::open_links(st, *pg.hub, pg.group_id, opts.world_size, opts.timeout, detail::keys::mesh, 0,
                                 [v = &pg.verdict] { return v->recorded(); });
   // The first barrier makes each rank's first connections (log2(size) peers) and proves the

@@ -18,7 +18,7 @@
 // rank scan every claim, so only rank 0 scans them there and posts the list under pg/missing;
 // the other ranks wait for it (as long as the naming may take) and quote it.
 //
-// `Store` is `ddp::store_client` (store.hpp, a layer above detail/): the functions take it as a
+// `Store` is `ddp::kv_store` (group/kv_store.hpp, a layer above detail/): the functions take it as a
 // template parameter so that this header needs only the wire protocol, not the store itself.
 
 #include <unistd.h>

@@ -25,7 +25,7 @@
 #include <ddp/detail/parked.hpp>
 #include <ddp/detail/random.hpp>
 #include <ddp/error.hpp>
-#include <ddp/group/store_client.hpp>
+#include <ddp/group/kv_store.hpp>
 #include <ddp/group/topology.hpp>
 #include <ddp/group/transport_context.hpp>
 #include <ddp/process_group.hpp>
