@@ -10,15 +10,26 @@
 #   scripts/etcd_cluster.sh restart DIR N    starts member N again on its data (it catches up)
 #   scripts/etcd_cluster.sh leader DIR       prints the leader's number (1..3)
 #   scripts/etcd_cluster.sh health DIR       prints each member's health
+#   scripts/etcd_cluster.sh usable [DDPRUN]  exit 0 where etcd is installed (and DDPRUN has the etcd
+#                                            backend), else 1 saying why (tests skip on it)
 #
 # ETCD_FLAGS="--auth-token-ttl 1" adds flags to every member's command line.
 # In a network namespace (scripts/netns.sh) set HOSTS="10.0.0.1 10.0.0.2 10.0.0.3" to put member
 # N on the N-th address instead of 127.0.0.1, and NETNS="ns1 ns2 ns3" to start it inside that
 # namespace.
 set -euo pipefail
-cmd=${1:?usage: etcd_cluster.sh start|stop|kill|restart|leader|health DIR [N]}
+cmd=${1:?usage: etcd_cluster.sh start|stop|kill|restart|leader|health DIR [N], or usable [DDPRUN]}
+ETCD_BIN=${ETCD_BIN:-etcd}
+if [[ $cmd == usable ]]; then
+  command -v "$ETCD_BIN" >/dev/null || { echo "etcd is not installed (scripts/deps.sh installs etcd-server)"; exit 1; }
+  # An empty URL fails at once: naming the missing backend, or (with it) the missing endpoint.
+  if [[ -n ${2:-} ]] && "$2" --store etcd:// -n 1 true 2>&1 | grep -q "built without the etcd backend"; then
+    echo "ddprun was built without the etcd backend"
+    exit 1
+  fi
+  exit 0
+fi
 dir=${2:?usage: etcd_cluster.sh $cmd DIR}
-ETCD=${ETCD:-etcd}
 ETCDCTL=${ETCDCTL:-etcdctl}
 read -r -a hosts <<<"${HOSTS:-127.0.0.1 127.0.0.1 127.0.0.1}"
 read -r -a nss <<<"${NETNS:-}"
@@ -56,8 +67,8 @@ start_member() {  # N [new|existing]
   read -r -a extra <<<"${ETCD_FLAGS:-}"
   flags+=("${extra[@]}")
   (
-    if ((${#nss[@]})); then exec ip netns exec "${nss[$((n - 1))]}" "$ETCD" --name "m$n" --data-dir "$dir/m$n.data" "${flags[@]}"
-    else exec "$ETCD" --name "m$n" --data-dir "$dir/m$n.data" "${flags[@]}"; fi
+    if ((${#nss[@]})); then exec ip netns exec "${nss[$((n - 1))]}" "$ETCD_BIN" --name "m$n" --data-dir "$dir/m$n.data" "${flags[@]}"
+    else exec "$ETCD_BIN" --name "m$n" --data-dir "$dir/m$n.data" "${flags[@]}"; fi
   ) >>"$dir/m$n.log" 2>&1 </dev/null &
   echo $! >"$dir/m$n.pid"
 }
@@ -83,12 +94,13 @@ case "$cmd" in
     echo "$cluster" >"$dir/cluster"
     echo "etcd://$url" >"$dir/url"
     for n in 1 2 3; do start_member "$n" new; done
-    for _ in $(seq 1 300); do
+    end=$((SECONDS + 30))
+    while ((SECONDS < end)); do
       if healthy 1 && healthy 2 && healthy 3; then cat "$dir/url"; exit 0; fi
       sleep 0.1
     done
     echo "etcd_cluster: the members did not become healthy within 30 s; logs in $dir/m*.log" >&2
-    tail -5 "$dir"/m*.log >&2 || true
+    tail -n 5 "$dir"/m*.log >&2 || true
     exit 1
     ;;
   stop)
@@ -109,7 +121,8 @@ case "$cmd" in
   restart)
     n=${3:?member number}
     start_member "$n" existing
-    for _ in $(seq 1 300); do healthy "$n" && exit 0; sleep 0.1; done
+    end=$((SECONDS + 30))
+    while ((SECONDS < end)); do healthy "$n" && exit 0; sleep 0.1; done
     echo "etcd_cluster: member $n did not become healthy again within 30 s" >&2
     exit 1
     ;;

@@ -191,7 +191,7 @@ TEST_CASE("bad input and hostile neighbours on etcd get clear errors naming the 
   const auto job = fresh_job("hostile");
   auto s = etcd(job);
   // Another program wrote a counter's key with something that is not a counter.
-  s->set("el/r1/n", "not a counter");
+  s->set("el/r1/n/+/stranger", "not a counter");
   CHECK(raises([&] { s->add("el/r1/n", 1); }, ddp::errc::protocol, {"key 'el/r1/n' holds 13 bytes, not a counter"}) == "");
   // A value larger than etcd takes.
   const std::string huge(2u << 20, 'x');
@@ -330,4 +330,45 @@ TEST_CASE("etcd's own users: the right password works (its token renewed when it
                {"requires authentication", "etcd://user:password@"}) == "");
   CHECK(raises([&] { ddp::etcd_store s(with("outsider:outpw"), "x", 0, soon(3s)); }, ddp::errc::auth_failed,
                {"permission denied", "read and write on the prefix /ddp/"}) == "");
+}
+
+TEST_CASE("etcd over TLS with client certificates: the URL's files reach libcurl; without them, a clear error") {
+  // A one-member cluster of the test's own on HTTPS, with certificates made here by openssl.
+  if (std::system("command -v openssl >/dev/null 2>&1") != 0) {
+    MESSAGE("openssl is not installed: the TLS case is skipped");
+    return;
+  }
+  char tmpl[] = "/tmp/ddp-etcd-tls-XXXXXX";
+  const std::string d = ::mkdtemp(tmpl);
+  const std::string make =
+      "cd " + d +
+      " && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=ddp-test-ca"
+      " && openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=127.0.0.1"
+      " && printf 'subjectAltName=IP:127.0.0.1\\nextendedKeyUsage=serverAuth,clientAuth\\n' > ext.cnf"
+      " && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2"
+      " -extfile ext.cnf"
+      " && openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj /CN=ddp"
+      " && printf 'extendedKeyUsage=clientAuth\\n' > cext.cnf"
+      " && openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 2"
+      " -extfile cext.cnf";
+  REQUIRE(std::system((make + " >/dev/null 2>&1").c_str()) == 0);
+  const int client = ddp_test::free_port(), peer = ddp_test::free_port();
+  const std::string c = "127.0.0.1:" + std::to_string(client), p = "http://127.0.0.1:" + std::to_string(peer);
+  const std::string start = "etcd --name t1 --data-dir " + d + "/data --listen-client-urls https://" + c +
+                            " --advertise-client-urls https://" + c + " --listen-peer-urls " + p +
+                            " --initial-advertise-peer-urls " + p + " --initial-cluster t1=" + p + " --cert-file " + d +
+                            "/server.pem --key-file " + d + "/server.key --client-cert-auth --trusted-ca-file " + d +
+                            "/ca.pem >" + d + "/etcd.log 2>&1 & echo $! >" + d + "/pid";
+  REQUIRE(std::system(start.c_str()) == 0);
+  const std::string files = "?cacert=" + d + "/ca.pem&cert=" + d + "/client.pem&key=" + d + "/client.key";
+  {
+    ddp::etcd_store s("etcd://" + c + files, fresh_job("tls"), 0, soon(20s));  // retries while it starts
+    s.set("k", "v");
+    CHECK(s.get("k", soon()) == "v");
+    CHECK(s.add("n", 3) == 3);
+  }
+  // Without the client's certificate the member refuses the handshake: a timeout naming it.
+  CHECK(raises([&] { ddp::etcd_store s("etcd://" + c + "?cacert=" + d + "/ca.pem", "x", 0, soon(1500ms)); },
+               ddp::errc::timeout, {c}) == "");
+  (void)std::system(("kill $(cat " + d + "/pid) 2>/dev/null; sleep 0.3; rm -rf " + d).c_str());
 }

@@ -23,9 +23,7 @@ if (($# != 2)); then
 fi
 ddprun=$(realpath "$1")
 prog=$(realpath "$2")
-command -v etcd >/dev/null || { echo "SKIP: etcd is not installed (scripts/deps.sh installs etcd-server)"; exit 77; }
-"$ddprun" --store etcd://127.0.0.1:1 -n 1 true 2>&1 | grep -q "built without the etcd backend" &&
-  { echo "SKIP: ddprun was built without the etcd backend"; exit 77; }
+why=$("$root/scripts/etcd_cluster.sh" usable "$ddprun") || { echo "SKIP: $why"; exit 77; }
 netns_check || { echo "SKIP: network namespaces cannot be made here (reason above)"; exit 77; }
 
 tmp=$(mktemp -d)

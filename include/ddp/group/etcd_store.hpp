@@ -14,10 +14,12 @@
 ///     a cluster never see each other's keys;
 ///   - every key is attached to the job's lease (one per job, kept alive by every process of the
 ///     job): the job's keys vanish a lease's time after its last process, never before;
-///   - compare_set is one transaction; add is a transaction on the counter's revision that also
-///     writes this connection's last operation, so that a retry after an answer that never came
-///     (the member died mid-request) adds nothing twice;
-///   - waits poll the key (1 ms, growing to 8 ms), each poll one range request;
+///   - compare_set is one transaction; a counter is the set of its contributions, and add one
+///     transaction that puts this call's and reads them all: no retry when ranks add at once,
+///     and a copy of the request sent again after an answer that never came (the member died
+///     mid-request) counts once;
+///   - a wait for one key watches it (etcd pushes its creation); a wait for several polls them
+///     (1 ms, growing to 8 ms), one range request a look;
 ///   - user and password (`etcd://user:pass@h:2379`) or TLS (`?tls=1&cacert=..&cert=..&key=..`)
 ///     as the cluster asks.
 
@@ -323,71 +325,57 @@ class etcd_store : public kv_store {
                   key);
   }
 
+  /// A look; while the key is absent and the wait allows, a watch from the revision of that look
+  /// (etcd pushes the key's creation the moment it is committed: no polling), then a look again.
   std::optional<std::string> do_try_get(const std::string& key, std::optional<std::chrono::milliseconds> wait,
                                         deadline_t until) override {
     const auto stop = wait ? std::min(until, steady_clock::now() + *wait) : until;
-    for (auto pause = std::chrono::microseconds(1000);; pause = std::min(pause * 2, max_poll)) {
+    for (;;) {
       auto r = request("/v3/kv/range", {{"key", k64(key)}}, until, key);
       if (auto v = first_value(r, key)) return v;
-      const auto now = steady_clock::now();
-      if (now >= stop) return std::nullopt;
-      std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(pause, stop - now));
+      if (steady_clock::now() >= stop) return std::nullopt;
+      const auto rev = r.contains("header") ? int_field(r["header"], "revision") : 0;
+      if (auto v = watch_for(key, rev + 1, stop)) return v;
     }
   }
 
+  /// A counter is the set of its contributions, `<key>/+/<connection>.<op>` each holding its
+  /// delta (kv_store: counters are read and written through add alone). One transaction puts
+  /// this call's contribution and reads them all at that revision: the sum is the counter's
+  /// value right after this add, exactly as a serial counter would answer it. No compare, so no
+  /// retry when several ranks add at once (the per-step vote: one write per rank), and a copy of
+  /// the request sent again, or applied late, puts the same key with the same delta: it counts
+  /// once.
   std::int64_t do_add(const std::string& key, std::int64_t delta, deadline_t until) override {
-    // Exactly once, however often it is sent: the transaction also writes this connection's
-    // mark ("<op> <value>") and compares the mark's revision with the one this connection last
-    // wrote, so that of every copy of the request (one sent again after an answer that never
-    // came, one applied late) at most one applies, and a later copy finds it applied.
-    const std::string mark = internal_ops();
-    const std::string op = std::to_string(++ops_);
-    const nlohmann::json mark_cmp = {
-        {"key", i64(mark)}, {"target", "MOD"}, {"result", "EQUAL"}, {"mod_revision", std::to_string(mark_rev_)}};
-    // First as if the counter were absent; a failed compare answers its value and revision.
-    nlohmann::json cmp = {{"key", k64(key)}, {"target", "VERSION"}, {"result", "EQUAL"}, {"version", "0"}};
-    std::int64_t now = 0;
-    for (;;) {
-      const std::int64_t next = now + delta;
-      nlohmann::json txn = {
-          {"compare", nlohmann::json::array({cmp, mark_cmp})},
-          {"success",
-           nlohmann::json::array(
-               {{{"request_put",
-                  {{"key", k64(key)}, {"value", detail::base64(detail::encode_i64(next))}, {"lease", lease_str()}}}},
-                {{"request_put",
-                  {{"key", i64(mark)},
-                   {"value", detail::base64(op + " " + std::to_string(next))},
-                   {"lease", lease_str()}}}}})},
-          {"failure", nlohmann::json::array(
-                          {{{"request_range", {{"key", k64(key)}}}}, {{"request_range", {{"key", i64(mark)}}}}})}};
-      auto r = request("/v3/kv/txn", txn, until, key);
-      if (r.value("succeeded", false)) {
-        mark_rev_ = r.contains("header") ? int_field(r["header"], "revision") : 0;
-        return next;
+    const std::string part = key + "/+/";
+    const std::string mine = part + uid_ + "." + std::to_string(++ops_);
+    nlohmann::json txn = {
+        {"success",
+         nlohmann::json::array(
+             {{{"request_put",
+                {{"key", k64(mine)}, {"value", detail::base64(detail::encode_i64(delta))}, {"lease", lease_str()}}}},
+              {{"request_range", {{"key", k64(part)}, {"range_end", k64end(part)}}}}})}};
+    auto r = request("/v3/kv/txn", txn, until, key);
+    const auto* range = r.contains("responses") && r["responses"].is_array() && r["responses"].size() == 2 &&
+                                r["responses"][1].contains("response_range")
+                            ? &r["responses"][1]["response_range"]
+                            : nullptr;
+    if (range == nullptr) malformed(key, "a transaction answer without the counter's contributions");
+    if (int_field(*range, "count") > max_contributions)
+      malformed(key, "a counter of " + std::to_string(int_field(*range, "count")) + " contributions (at most " +
+                         std::to_string(max_contributions) + ")");
+    std::int64_t sum = 0;
+    bool seen_mine = false;
+    const std::string stored_mine = ns_ + "k/" + mine;
+    if (range->contains("kvs") && (*range)["kvs"].is_array())
+      for (const auto& kv : (*range)["kvs"]) {
+        sum += counter_of(kv, key);
+        if (kv.contains("key") && kv["key"].is_string() &&
+            detail::unbase64(kv["key"].get<std::string>()) == stored_mine)
+          seen_mine = true;
       }
-      if (const auto* m = range_kv_of_txn(r, 1)) {
-        const auto v = value_of(*m, mark);
-        if (v.starts_with(op + " ")) {  // an earlier copy of this request applied
-          mark_rev_ = int_field(*m, "mod_revision");
-          return parse_i64(v.substr(op.size() + 1), key);
-        }
-        if (int_field(*m, "mod_revision") != mark_rev_)
-          malformed(mark, "a mark of this connection that it never wrote ('" + v.substr(0, 32) + "')");
-      } else if (mark_rev_ != 0) {
-        malformed(mark, "this connection's operation mark missing");
-      }
-      // The counter moved: its value and revision as they are now.
-      const auto* kv = range_kv_of_txn(r, 0);
-      if (kv == nullptr) {
-        cmp = {{"key", k64(key)}, {"target", "VERSION"}, {"result", "EQUAL"}, {"version", "0"}};
-        now = 0;
-        continue;
-      }
-      now = counter_of(*kv, key);
-      cmp = {
-          {"key", k64(key)}, {"target", "MOD"}, {"result", "EQUAL"}, {"mod_revision", str_field(*kv, "mod_revision")}};
-    }
+    if (!seen_mine) malformed(key, "a counter that does not hold the contribution just added");
+    return sum;
   }
 
   std::string do_compare_set(const std::string& key, std::string_view expected, std::string_view desired,
@@ -441,6 +429,9 @@ class etcd_store : public kv_store {
 
  private:
   static constexpr auto max_poll = std::chrono::microseconds(8000);
+  /// A counter's contributions (adds) at most: ddp's counters count ranks (votes, arrivals,
+  /// readers of a failure).
+  static constexpr std::int64_t max_contributions = 1 << 21;
   /// etcd refuses requests over 1.5 MiB by default: values stay well under it.
   static constexpr std::size_t max_value = 1u << 20;
 
@@ -462,7 +453,6 @@ class etcd_store : public kv_store {
   std::string k64(const std::string& key) const { return detail::base64(ns_ + "k/" + key); }
   std::string k64end(const std::string& key) const { return detail::base64(detail::prefix_end(ns_ + "k/" + key)); }
   std::string i64(const std::string& key) const { return detail::base64(ns_ + "i/" + key); }
-  std::string internal_ops() const { return "ops/" + uid_; }
   std::string lease_str() const { return std::to_string(lease_); }
 
   void check_value(const std::string& key, std::string_view value) const {
@@ -526,6 +516,69 @@ class etcd_store : public kv_store {
     detail::raise(errc::protocol, rank_,
                   url_.shown() + " (member " + member() + ") answered key '" + shown_key(key) + "' with " + what +
                       ": another program writes under this job's keys, or this is not etcd");
+  }
+
+  /// What a watch saw: the key's value once it was put, or why it ended.
+  struct watch_state {
+    std::string buf;
+    std::optional<std::string> value;
+    std::string error;
+  };
+  static std::size_t on_watch(char* p, std::size_t size, std::size_t n, void* data) {
+    auto& w = *static_cast<watch_state*>(data);
+    w.buf.append(p, size * n);
+    for (std::size_t nl; (nl = w.buf.find('\n')) != std::string::npos;) {
+      const auto j = nlohmann::json::parse(w.buf.substr(0, nl), nullptr, false);
+      w.buf.erase(0, nl + 1);
+      if (j.is_discarded() || !j.is_object() || j.contains("error")) {
+        w.error = j.is_object() && j.contains("error") ? j["error"].dump() : "a watch message that is not JSON";
+        return 0;
+      }
+      const auto& res = j.contains("result") ? j["result"] : j;
+      if (res.value("canceled", false)) {
+        w.error = "the watch was canceled: " + res.value("cancel_reason", std::string());
+        return 0;
+      }
+      if (!res.contains("events") || !res["events"].is_array()) continue;
+      for (const auto& ev : res["events"])
+        if (ev.value("type", std::string("PUT")) == "PUT" && ev.contains("kv")) {
+          const auto& kv = ev["kv"];
+          w.value = kv.contains("value") && kv["value"].is_string() ? detail::unbase64(kv["value"].get<std::string>())
+                                                                    : std::optional<std::string>(std::string());
+          if (!w.value) w.error = "a watched value that is not base64";
+          return 0;  // seen: end the transfer
+        }
+    }
+    return w.buf.size() > (1u << 20) ? 0 : size * n;
+  }
+  /// Watches `key` from revision `from` until `stop`: its value once put, or nothing (the time
+  /// is up, or the watch failed: the caller looks again). On a connection of its own, so that
+  /// the group's requests never wait behind it; a second waiter in this process at the same
+  /// moment polls instead.
+  std::optional<std::string> watch_for(const std::string& key, std::int64_t from, deadline_t stop) {
+    std::unique_lock lk(watch_mu_, std::try_to_lock);
+    if (!lk.owns_lock()) {
+      std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(max_poll, stop - steady_clock::now()));
+      return std::nullopt;
+    }
+    if (!watch_) watch_ = std::make_unique<conn>();
+    watch_state w;
+    const std::string payload =
+        nlohmann::json{{"create_request", {{"key", k64(key)}, {"start_revision", std::to_string(from)}}}}.dump();
+    const int at = current_.load();
+    const std::string& ep = url_.endpoints[static_cast<std::size_t>(at) % url_.endpoints.size()];
+    auto r = post(*watch_, ep, "/v3/watch", payload, stop, &etcd_store::on_watch, &w);
+    if (w.value) return w.value;
+    if (r.k == detail::etcd_reply::kind::busy) return std::nullopt;              // the time is up
+    if (w.error.find("auth token") != std::string::npos) watch_->token.clear();  // expired: a new one next time
+    // The member failed the watch (or sent what it should not): a moment, then the next look
+    // (its request moves on to another member if this one is gone).
+    if (w.error.empty() && r.k == detail::etcd_reply::kind::unknown) {
+      int expected = at;
+      current_.compare_exchange_strong(expected, at + 1);
+    }
+    std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(max_poll, stop - steady_clock::now()));
+    return std::nullopt;
   }
 
   /// The keys of `keys` that do not exist now: one range over their common prefix when there
@@ -714,8 +767,11 @@ class etcd_store : public kv_store {
 
   /// One HTTP POST to one member, bounded by `until` (and 2 s, so that a member that hangs
   /// leaves time for the others).
+  /// With `stream`, the answer goes to it as it comes (a watch), bounded by `until` alone; the
+  /// sink ends the transfer by taking fewer bytes than it was given.
+  using sink = std::size_t (*)(char*, std::size_t, std::size_t, void*);
   detail::etcd_reply post(conn& c, const std::string& ep, const char* path, const std::string& payload,
-                          deadline_t until) {
+                          deadline_t until, sink stream = nullptr, void* stream_data = nullptr) {
     detail::etcd_reply r;
     if (c.h == nullptr) {
       r.text = "libcurl could not make a handle";
@@ -727,13 +783,14 @@ class etcd_store : public kv_store {
     const std::string url = std::string(url_.tls ? "https://" : "http://") + ep + path;
     std::string body;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - steady_clock::now()).count();
-    const long ms = static_cast<long>(std::clamp<long long>(left, 50, 2000));
+    // Never 0, which libcurl reads as "no limit": a watch whose time is up takes 1 ms.
+    const long ms = static_cast<long>(stream ? std::max<long long>(left, 1) : std::clamp<long long>(left, 50, 2000));
     curl_easy_setopt(c.h, CURLOPT_URL, url.c_str());
     curl_easy_setopt(c.h, CURLOPT_POST, 1L);
     curl_easy_setopt(c.h, CURLOPT_POSTFIELDS, payload.data());
     curl_easy_setopt(c.h, CURLOPT_POSTFIELDSIZE, static_cast<long>(payload.size()));
-    curl_easy_setopt(c.h, CURLOPT_WRITEFUNCTION, &etcd_store::on_body);
-    curl_easy_setopt(c.h, CURLOPT_WRITEDATA, &body);
+    curl_easy_setopt(c.h, CURLOPT_WRITEFUNCTION, stream ? stream : &etcd_store::on_body);
+    curl_easy_setopt(c.h, CURLOPT_WRITEDATA, stream ? stream_data : &body);
     curl_easy_setopt(c.h, CURLOPT_TIMEOUT_MS, ms);
     curl_easy_setopt(c.h, CURLOPT_CONNECTTIMEOUT_MS, std::min<long>(ms, 1000));
     curl_easy_setopt(c.h, CURLOPT_NOSIGNAL, 1L);
@@ -752,6 +809,13 @@ class etcd_store : public kv_store {
     if (!c.token.empty()) c.headers = curl_slist_append(c.headers, ("Authorization: " + c.token).c_str());
     curl_easy_setopt(c.h, CURLOPT_HTTPHEADER, c.headers);
     const CURLcode rc = curl_easy_perform(c.h);
+    if (stream != nullptr) {  // the sink has what came; say only how it ended
+      r.k = rc == CURLE_OK || rc == CURLE_WRITE_ERROR ? detail::etcd_reply::kind::ok
+            : rc == CURLE_OPERATION_TIMEDOUT          ? detail::etcd_reply::kind::busy
+                                                      : detail::etcd_reply::kind::unknown;
+      r.text = curl_easy_strerror(rc);
+      return r;
+    }
     if (rc != CURLE_OK) {
       using kind = detail::etcd_reply::kind;
       // Never sent: safe to send elsewhere. Anything later may have reached the member.
@@ -792,9 +856,10 @@ class etcd_store : public kv_store {
   std::chrono::seconds ttl_{60};
   std::string uid_;  ///< this connection's name in its operation marks
   std::uint64_t ops_ = 0;
-  std::int64_t mark_rev_ = 0;  ///< the revision of this connection's last operation mark (0: none yet)
   std::int64_t lease_ = 0;
   std::unique_ptr<conn> main_;
+  std::unique_ptr<conn> watch_;  ///< watches (do_try_get), one at a time
+  std::mutex watch_mu_;
   std::mutex turn_;  ///< one request at a time on main_
   std::atomic<int> current_{0};
   mutable std::mutex addr_mu_;

@@ -68,7 +68,8 @@ class kv_store {
     return do_try_get(keyed(key), wait, until);
   }
   /// Adds `delta` to the counter at `key` (absent: 0) and returns its new value, exactly once
-  /// however the backend retries.
+  /// however the backend retries. A counter is read and written through add alone (add 0
+  /// reads it): a backend may keep it in keys of its own under `key`.
   std::int64_t add(std::string_view key, std::int64_t delta, deadline_t until = default_deadline()) {
     return do_add(keyed(key), delta, until);
   }
