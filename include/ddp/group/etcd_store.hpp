@@ -653,7 +653,9 @@ class etcd_store : public kv_store {
     while (!keep_cv_.wait_for(lk, every, [&] { return stop_; })) {
       lk.unlock();
       try {
-        const auto until = steady_clock::now() + every;
+        // Bounded apart from the period, so that a store closing while the cluster is down waits
+        // seconds, not a period: two misses in a row still leave the lease a third of its time.
+        const auto until = steady_clock::now() + std::min<std::chrono::milliseconds>(every, std::chrono::seconds(2));
         auto r = exchange(c, "/v3/lease/keepalive", {{"ID", lease_str()}}, until, "lease");
         const auto& res = r.contains("result") ? r["result"] : r;
         if (r.is_object() && int_field(res, "TTL") <= 0 && (res.contains("ID") || r.contains("result")))
