@@ -78,7 +78,8 @@ struct init_options {
   /// `DDP_TIMEOUT` (seconds), `DDP_AUTH_TOKEN` and `DDP_JOB_ID` (set by `ddprun`), `DDP_BACKEND`
   /// (auto, shm, tcp, hierarchical, mpi, nccl), `DDP_DEBUG` (`info`), `DDP_HEARTBEAT_MS`
   /// (the heartbeat's lease in milliseconds, 0 for none), `DDP_EXTERNAL_STORE` (1: the
-  /// launcher serves the store) and `DDP_ELASTIC` (MIN:MAX, an elastic group's sizes). Throws
+  /// launcher serves the store), `DDP_STORE` (etcd://...: the store on etcd, store_url) and
+  /// `DDP_ELASTIC` (MIN:MAX, an elastic group's sizes). Throws
   /// errc::invalid_argument for a variable that is not a number or not a backend's name.
   ///
   /// In a rank that `srun` started (its rank is `SLURM_PROCID`), an absent `MASTER_ADDR` is
