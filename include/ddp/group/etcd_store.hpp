@@ -314,7 +314,6 @@ class etcd_store : public kv_store {
   std::int64_t lease() const noexcept { return lease_; }
   /// The member that answered last ("host:port").
   std::string member() const {
-    std::lock_guard lk(addr_mu_);
     return url_.endpoints[static_cast<std::size_t>(current_.load()) % url_.endpoints.size()];
   }
 
@@ -474,11 +473,10 @@ class etcd_store : public kv_store {
       }
     return 0;
   }
-  static std::string str_field(const nlohmann::json& j, const char* name) { return std::to_string(int_field(j, name)); }
   /// The range result inside a failed transaction's answer, or null when the key is absent.
-  static const nlohmann::json* range_kv_of_txn(const nlohmann::json& r, std::size_t i = 0) {
-    if (!r.contains("responses") || !r["responses"].is_array() || r["responses"].size() <= i) return nullptr;
-    const auto& rr = r["responses"][i];
+  static const nlohmann::json* range_kv_of_txn(const nlohmann::json& r) {
+    if (!r.contains("responses") || !r["responses"].is_array() || r["responses"].empty()) return nullptr;
+    const auto& rr = r["responses"][0];
     if (!rr.contains("response_range")) return nullptr;
     const auto& range = rr["response_range"];
     if (!range.contains("kvs") || !range["kvs"].is_array() || range["kvs"].empty()) return nullptr;
@@ -658,7 +656,7 @@ class etcd_store : public kv_store {
         const auto until = steady_clock::now() + std::min<std::chrono::milliseconds>(every, std::chrono::seconds(2));
         auto r = exchange(c, "/v3/lease/keepalive", {{"ID", lease_str()}}, until, "lease");
         const auto& res = r.contains("result") ? r["result"] : r;
-        if (r.is_object() && int_field(res, "TTL") <= 0 && (res.contains("ID") || r.contains("result")))
+        if (int_field(res, "TTL") <= 0)  // a live lease has time left
           broken_.set(errc::peer_lost, url_.shown() + ": the job's lease " + lease_str() +
                                            " expired: every key of the job (" + ns_ +
                                            ") is gone with it (the cluster lost it, or no process kept it for " +
@@ -822,7 +820,7 @@ class etcd_store : public kv_store {
       using kind = detail::etcd_reply::kind;
       // Never sent: safe to send elsewhere. Anything later may have reached the member.
       r.k = (rc == CURLE_COULDNT_CONNECT || rc == CURLE_COULDNT_RESOLVE_HOST || rc == CURLE_SSL_CONNECT_ERROR ||
-             (rc == CURLE_OPERATION_TIMEDOUT && curl_connected(c) == 0))
+             (rc == CURLE_OPERATION_TIMEDOUT && !curl_connected(c)))
                 ? kind::unreachable
                 : kind::unknown;
       r.text = curl_easy_strerror(rc);
@@ -847,10 +845,10 @@ class etcd_store : public kv_store {
              (r.body.is_object() && r.body.contains("message") ? r.body["message"].dump() : body.substr(0, 200));
     return r;
   }
-  static long curl_connected(conn& c) {
+  static bool curl_connected(conn& c) {
     double t = 0;
     curl_easy_getinfo(c.h, CURLINFO_CONNECT_TIME, &t);
-    return t > 0 ? 1 : 0;
+    return t > 0;
   }
 
   detail::etcd_url url_;

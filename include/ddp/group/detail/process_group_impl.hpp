@@ -316,16 +316,19 @@ DDP_DECL process_group init_process_group(const init_options& given) {
                                           : std::vector<detail::endpoint>{};
   // Without a secret, anyone who reaches the store could join the group or disturb it: that is
   // only acceptable on loopback, unless the user says otherwise.
+  const auto refuse_open = [&](const std::string& what) {
+    detail::raise(errc::auth_failed, rank,
+                  what +
+                      " beyond this host and the group has no secret: any process that reaches it could join or "
+                      "disturb the group. Give every rank the same secret in DDP_AUTH_TOKEN (or "
+                      "init_options::auth_token; docs/security.md), or accept an unauthenticated network with "
+                      "DDP_INSECURE=1 (or init_options::insecure = true)");
+  };
   if (!auth && !opts.insecure)
     for (const auto& ep : eps)
       if (!detail::is_loopback(ep.addr))
-        detail::raise(errc::auth_failed, rank,
-                      "the group's store at " + opts.master_addr + ":" + std::to_string(opts.master_port) + " (" +
-                          detail::to_string(ep.addr) +
-                          ") is reachable beyond this host and the group has no secret: any process that reaches "
-                          "it could join or disturb the group. Give every rank the same secret in DDP_AUTH_TOKEN "
-                          "(or init_options::auth_token; docs/security.md), or accept an unauthenticated network "
-                          "with DDP_INSECURE=1 (or init_options::insecure = true)");
+        refuse_open("the group's store at " + opts.master_addr + ":" + std::to_string(opts.master_port) + " (" +
+                    detail::to_string(ep.addr) + ") is reachable");
   // Only connections that claimed a rank (pg/rank/<r>) may write: a stranger can read, but can
   // neither plant a failure, an address or a record, nor hold rank 0's exit (docs/security.md).
   if (rank == 0 && !opts.external_store)
@@ -362,12 +365,7 @@ DDP_DECL process_group init_process_group(const init_options& given) {
   // The links between ranks listen where this host reaches the store: beyond loopback they need
   // the secret, as the built-in store does.
   if (!auth && !opts.insecure && !opts.store_url.empty() && !detail::is_loopback(st.local_address()))
-    detail::raise(errc::auth_failed, rank,
-                  "the group's links listen on " + detail::to_string(st.local_address()) +
-                      ", reachable beyond this host, and the group has no secret: any process that reaches them "
-                      "could disturb the group. Give every rank the same secret in DDP_AUTH_TOKEN (or "
-                      "init_options::auth_token; docs/security.md), or accept an unauthenticated network with "
-                      "DDP_INSECURE=1 (or init_options::insecure = true)");
+    refuse_open("the group's links listen on " + detail::to_string(st.local_address()) + ", reachable");
   pg.verdict = failure_verdict(pg.store.get(), rank, opts.world_size, opts.timeout, opts.external_store);
   // Everything this rank does in the background runs on one thread, and every channel's peers
   // connect to one port (group/detail/reactor.hpp, link_hub.hpp).
