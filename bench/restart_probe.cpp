@@ -14,6 +14,11 @@
 // printing `kill at <ms> pid <pid>`, and the survivors re-form in place; rank 0 prints
 // `step <n> run <0 before the failure, 1 after> at <ms>`. --steps counts committed steps.
 //
+// --sharded: the sharded mode (dp_options::shard) stepped with ddp::adamw, in both loops: in the
+// elastic group its shards are replicated (2 holders each, the default there) and re-sharded in
+// memory after the failure; in the restart loop the checkpoint holds the shards' AdamW state
+// (sharded_state()), which the restarted run loads (load_sharded_state()).
+//
 // --kill-at -1: nobody fails (bench/elastic_overhead.sh times steady steps, elastic or plain;
 // bench/restart_time.sh's link-cut row cuts a host's link from outside); without --checkpoint
 // the plain loop saves nothing.
@@ -32,6 +37,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -46,7 +52,7 @@ long long now_ms() {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "restart_probe: %s\nusage: restart_probe FILE.params [--checkpoint FILE] [--steps N] [--kill-at K|-1] "
-               "[--victim V] [--every C] [--elastic [--signal KILL|STOP]]\n",
+               "[--victim V] [--every C] [--elastic [--signal KILL|STOP]] [--sharded]\n",
                why);
   std::exit(2);
 }
@@ -57,21 +63,31 @@ int main(int argc, char** argv) try {
   if (argc < 2) usage("no params file");
   std::string params_file = argv[1], ckpt, sig = "KILL";
   int steps = 12, kill_at = 7, victim = 1, every = 5;
-  bool elastic = false;
+  bool elastic = false, sharded = false;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&] {
       if (i + 1 >= argc) usage(("missing value for " + a).c_str());
       return std::string(argv[++i]);
     };
-    if (a == "--checkpoint") ckpt = value();
-    else if (a == "--steps") steps = std::stoi(value());
-    else if (a == "--kill-at") kill_at = std::stoi(value());
-    else if (a == "--victim") victim = std::stoi(value());
-    else if (a == "--every") every = std::stoi(value());
-    else if (a == "--elastic") elastic = true;
-    else if (a == "--signal") sig = value();
-    else usage(("unknown option " + a).c_str());
+    if (a == "--checkpoint")
+      ckpt = value();
+    else if (a == "--steps")
+      steps = std::stoi(value());
+    else if (a == "--kill-at")
+      kill_at = std::stoi(value());
+    else if (a == "--victim")
+      victim = std::stoi(value());
+    else if (a == "--every")
+      every = std::stoi(value());
+    else if (a == "--elastic")
+      elastic = true;
+    else if (a == "--sharded")
+      sharded = true;
+    else if (a == "--signal")
+      sig = value();
+    else
+      usage(("unknown option " + a).c_str());
   }
   if (sig != "KILL" && sig != "STOP") usage("--signal takes KILL or STOP");
 
@@ -95,6 +111,17 @@ int main(int argc, char** argv) try {
   std::vector<ddp::tensor_view> params;
   for (std::size_t i = 0; i < names.size(); ++i) params.push_back(ddp::make_tensor_view(w[i], g[i], names[i]));
 
+  const ddp::dp_options dp_opts{.shard = sharded};
+  ddp::adamw adamw{{.lr = 1e-3, .weight_decay = 0.01}};
+  // The plain loop's update, or the sharded mode's AdamW on this rank's shards (and gather).
+  const auto update = [&](ddp::data_parallel& d) {
+    if (sharded) {
+      d.step(adamw);
+      return;
+    }
+    for (std::size_t i = 0; i < names.size(); ++i)
+      for (std::size_t k = 0; k < w[i].size(); ++k) w[i][k] -= 0.1f * g[i][k];
+  };
   if (elastic) {
     const auto opts = ddp::init_options::from_env();
     const char* restarts = std::getenv("DDP_RESTART_COUNT");
@@ -103,7 +130,7 @@ int main(int argc, char** argv) try {
     std::optional<ddp::data_parallel> dp;
     eg.on_form([&](ddp::process_group& pg) {
       dp.reset();
-      dp.emplace(pg, params);
+      dp.emplace(pg, params, ddp::bucket_policy{}, dp_opts);
     });
     if (!eg.start()) return 0;
     bool killed = false;
@@ -119,13 +146,10 @@ int main(int argc, char** argv) try {
           dp->grad_ready(i);
         }
         dp->finish();
-        eg.commit([&] {
-          for (std::size_t i = 0; i < names.size(); ++i)
-            for (std::size_t k = 0; k < w[i].size(); ++k) w[i][k] -= 0.1f * g[i][k];
-        });
+        eg.commit([&] { update(*dp); });
         if (eg.rank() == 0) {
-          std::printf("step %llu run %d at %lld\n", static_cast<unsigned long long>(eg.step()), eg.generation() > 0 ? 1 : 0,
-                      now_ms());
+          std::printf("step %llu run %d at %lld\n", static_cast<unsigned long long>(eg.step()),
+                      eg.generation() > 0 ? 1 : 0, now_ms());
           std::fflush(stdout);
         }
       } catch (const ddp::error& e) {
@@ -138,13 +162,15 @@ int main(int argc, char** argv) try {
   const int rank = pg.rank();
   const char* restarts = std::getenv("DDP_RESTART_COUNT");
   const int run = restarts ? std::atoi(restarts) : 0;
-  ddp::data_parallel dp{pg, params};
+  ddp::data_parallel dp{pg, params, {}, dp_opts};
 
   int first = 0;
   if (!ckpt.empty() && std::filesystem::exists(ckpt)) {
+    // The checkpoint's extra bytes: the step count, then (sharded) the shards' AdamW state.
     const auto blob = ddp::load_checkpoint(pg, ckpt, params);
     std::int64_t done = 0;
-    if (blob.size() == sizeof done) std::memcpy(&done, blob.data(), sizeof done);
+    if (blob.size() >= sizeof done) std::memcpy(&done, blob.data(), sizeof done);
+    if (sharded) dp.load_sharded_state(std::span(blob).subspan(sizeof done));
     first = static_cast<int>(done);
   }
   for (int s = first; s < steps; ++s) {
@@ -159,11 +185,16 @@ int main(int argc, char** argv) try {
       dp.grad_ready(i);
     }
     dp.finish();
-    for (std::size_t i = 0; i < names.size(); ++i)
-      for (std::size_t k = 0; k < w[i].size(); ++k) w[i][k] -= 0.1f * g[i][k];
+    update(dp);
     if (!ckpt.empty() && (s + 1) % every == 0) {
       const std::int64_t done = s + 1;
-      ddp::save_checkpoint(pg, ckpt, params, std::as_bytes(std::span{&done, 1}));
+      std::vector<std::byte> extra(sizeof done);
+      std::memcpy(extra.data(), &done, sizeof done);
+      if (sharded) {
+        const auto state = dp.sharded_state();  // rank 0's: every shard's
+        extra.insert(extra.end(), state.begin(), state.end());
+      }
+      ddp::save_checkpoint(pg, ckpt, params, extra);
     }
     if (rank == 0) {
       std::printf("step %d run %d at %lld\n", s + 1, run, now_ms());

@@ -9,13 +9,13 @@
 // tests/data); a step is what an engine with a near-free forward does: backward adds a value
 // into every gradient, last parameter first, calling grad_ready after each; then finish() and
 // the optimizer (ddp_adamw: ddp::adamw over each whole parameter; ddp_sharded_adamw:
-// dp.step(ddp::adamw)). Times are the slowest rank's per step, after a barrier; the median and
-// the 10th percentile over --steps steps. Memory per rank: the optimizer state this rank holds
-// (rank 0's and the largest), ddp's gradient memory (bucket buffers held, plus the averaged
-// gradient shards in the sharded mode), the largest bucket (the "one bucket" a rank may hold beside
-// its shards: a parameter larger than the cap is a bucket of its own) and the peak RSS of rank 0. Each (variant, model, ranks)
-// runs in freshly forked processes, so that peak RSS is its own. DDP_BACKEND (shm, tcp, ...)
-// picks the reducer as for any group.
+// dp.step(ddp::adamw); ddp_sharded_r2_adamw: the same with each shard held by two ranks,
+// dp_options::shard_replicas = 2, what an elastic group gets by default). Times are the slowest rank's per step, after
+// a barrier; the median and the 10th percentile over --steps steps. Memory per rank: the optimizer state this rank
+// holds (rank 0's and the largest), ddp's gradient memory (bucket buffers held, plus the averaged gradient shards in
+// the sharded mode), the largest bucket (the "one bucket" a rank may hold beside its shards: a parameter larger than
+// the cap is a bucket of its own) and the peak RSS of rank 0. Each (variant, model, ranks) runs in freshly forked
+// processes, so that peak RSS is its own. DDP_BACKEND (shm, tcp, ...) picks the reducer as for any group.
 //
 // Columns: system,model,ranks,params,steps,step_median_ms,step_p10_ms,opt_state_bytes_rank0,
 //          opt_state_bytes_max,peak_rss_bytes_rank0,ddp_grad_bytes_rank0,largest_bucket_bytes
@@ -75,7 +75,6 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-
 double percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   if (v.empty()) return 0;
@@ -94,8 +93,7 @@ struct engine {
       grads.emplace_back(m.sizes[i], 0.0f);
     }
     for (std::size_t i = 0; i < m.sizes.size(); ++i)
-      views.push_back(ddp::make_tensor_view(values[i], grads[i], m.names[i],
-                                            {static_cast<std::int64_t>(m.sizes[i])}));
+      views.push_back(ddp::make_tensor_view(values[i], grads[i], m.names[i], {static_cast<std::int64_t>(m.sizes[i])}));
   }
   void backward(ddp::data_parallel& dp, float scale) {
     for (std::size_t i = grads.size(); i-- > 0;) {
@@ -116,14 +114,16 @@ void rank_main(int rank, int n, int port, const model_spec& m, const std::string
     if (auto v = ddp::parse_backend(b)) io.backend = *v;
   auto pg = ddp::init_process_group(io);
   engine e(m);
-  const bool sharded = variant == "ddp_sharded_adamw" || variant == "ddp_sharded_none";
+  const bool replicated = variant == "ddp_sharded_r2_adamw";  // dp_options::shard_replicas = 2
+  const bool sharded = variant == "ddp_sharded_adamw" || variant == "ddp_sharded_none" || replicated;
   // ddp_sharded_none: an optimizer that changes nothing, so that the step is the all-gather and its copies.
   struct none_optimizer {
     std::size_t state_per_element() const { return 0; }
     std::string signature() const { return "none"; }
     void step(const ddp::shard_step&) {}
   } none;
-  ddp::data_parallel dp(pg, e.views, {}, {.broadcast_parameters = false, .shard = sharded});
+  ddp::data_parallel dp(pg, e.views, {},
+                        {.broadcast_parameters = false, .shard = sharded, .shard_replicas = replicated ? 2 : 1});
   ddp::adamw opt{{.lr = 1e-3, .weight_decay = 0.01}};
   std::vector<std::vector<float>> state;  // the unsharded AdamW's, whole
   if (!sharded)
@@ -143,8 +143,8 @@ void rank_main(int rank, int n, int port, const model_spec& m, const std::string
     } else {
       ++t;
       for (std::size_t i = 0; i < e.views.size(); ++i)
-        opt.step(ddp::shard_step{i, t, std::span<float>(e.values[i]), std::span<const float>(e.grads[i]),
-                                 std::span<float>(state[i]), {}});
+        opt.step(ddp::shard_step{
+            i, t, std::span<float>(e.values[i]), std::span<const float>(e.grads[i]), std::span<float>(state[i]), {}});
     }
     if (s >= warmup) {
       ms.push_back(std::chrono::duration<double, std::milli>(clock_type::now() - t0).count());
@@ -199,9 +199,11 @@ int main(int argc, char** argv) try {
       models.push_back(read_params(a));
     }
   }
-  if (models.empty()) throw std::runtime_error("usage: sharded_step [--ranks 2,4] [--steps N] [--warmup N] FILE.params ...");
-  std::printf("system,model,ranks,params,steps,step_median_ms,step_p10_ms,opt_state_bytes_rank0,opt_state_bytes_max,"
-              "peak_rss_bytes_rank0,ddp_grad_bytes_rank0,largest_bucket_bytes\n");
+  if (models.empty())
+    throw std::runtime_error("usage: sharded_step [--ranks 2,4] [--steps N] [--warmup N] FILE.params ...");
+  std::printf(
+      "system,model,ranks,params,steps,step_median_ms,step_p10_ms,opt_state_bytes_rank0,opt_state_bytes_max,"
+      "peak_rss_bytes_rank0,ddp_grad_bytes_rank0,largest_bucket_bytes\n");
   std::fflush(stdout);
   int failed = 0;
   for (const auto& m : models)

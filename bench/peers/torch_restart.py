@@ -8,6 +8,10 @@ same kill: rank V SIGKILLs itself as step K begins in the first run. Rank 0 prin
 
   /usr/bin/python3 bench/peers/torch_restart.py tests/data/resnet50.params --ranks 4 \
       --checkpoint /tmp/ckpt.pt --steps 12 --kill-at 7 --victim 1 --every 5 --port 29611
+
+--zero: the sharded peer of bench/sharded_recovery.sh: ZeroRedundancyOptimizer over AdamW, its
+state consolidated on rank 0 (consolidate_state_dict) and saved with the model at each checkpoint,
+loaded by every rank of the restarted run (each takes its shard).
 """
 import argparse
 import os
@@ -49,11 +53,18 @@ def worker(args):
 
     model = Model(read_shapes(args.params))
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if args.zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3,
+                                      weight_decay=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     first = 0
     if os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint)
         model.load_state_dict(state["model"])
+        if args.zero:
+            opt.load_state_dict(state["opt"])
         first = state["step"]
     for s in range(first, args.steps):
         if run == 0 and s == args.kill_at and rank == args.victim:
@@ -63,8 +74,13 @@ def worker(args):
         ddp(0.001 * (rank + 1)).backward()
         opt.step()
         if (s + 1) % args.every == 0:
+            if args.zero:
+                opt.consolidate_state_dict(to=0)  # collective: every shard's state onto rank 0
             if rank == 0:
-                torch.save({"model": model.state_dict(), "step": s + 1}, args.checkpoint + ".tmp")
+                state = {"model": model.state_dict(), "step": s + 1}
+                if args.zero:
+                    state["opt"] = opt.state_dict()
+                torch.save(state, args.checkpoint + ".tmp")
                 os.replace(args.checkpoint + ".tmp", args.checkpoint)
             dist.barrier()
         if rank == 0:
@@ -83,6 +99,7 @@ def main():
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--port", type=int, default=29611)
     ap.add_argument("--monitor-interval", type=float, default=5.0)  # torchrun's default
+    ap.add_argument("--zero", action="store_true")  # ZeroRedundancyOptimizer over AdamW
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args()
     if args.worker:
@@ -96,7 +113,7 @@ def main():
                        monitor_interval=args.monitor_interval)
     argv = [os.path.abspath(__file__), args.params, "--worker", "--checkpoint", args.checkpoint,
             "--steps", str(args.steps), "--kill-at", str(args.kill_at), "--victim", str(args.victim),
-            "--every", str(args.every)]
+            "--every", str(args.every)] + (["--zero"] if args.zero else [])
     elastic_launch(cfg, sys.executable)(*argv)
 
 

@@ -117,10 +117,14 @@ class basic_data_parallel : public sharded_mode<basic_data_parallel<Planner, Red
     detail::check_construction(agree_, memory_, views_, buffers_.buffers(), opts_, pg_.rank());
     if (shards_) shards_->check(policy_);
     tune_.set_up(agree_, policy_, opts_, pg_.rank());
+    bucket_plan plan = plans_.first_plan(opts_);
+    // The sharded mode's shards first: with replicas on an elastic group they bring the last
+    // generation's parameters, rebuilt from their holders, which the construction then finds
+    // equal everywhere (docs/sharded.md, "Surviving failures").
+    if (shards_) shards_->lay_out(plan);
     if (opts_.broadcast_parameters && pg.size() > 1)
       built_ = detail::start_from_rank0(agree_, red_, pg_, views_, buffers_.buffers());
-    bucket_plan plan = plans_.first_plan(opts_);
-    if (shards_) shards_->lay_out(plan);
+    if (shards_) shards_->parameters_set();
     // Every rank learns whether every other rank's buckets fit (a full /dev/shm, device memory):
     // if not, all fail here; a failed rank's buckets are freed with memory_ as construction unwinds.
     agree_.share_setup(detail::exception_of([&] { buckets_.set_up(std::move(plan), sync_); }));

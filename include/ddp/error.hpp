@@ -34,11 +34,17 @@ enum class errc {
   unsupported,           ///< a feature or combination this build cannot do
   system,                ///< an operating-system call failed
   usage,                 ///< API misuse (order of calls, state)
+  state_lost,            ///< training state held only in memory is gone (every holder lost): restart from a checkpoint
 };
 
 class error;
 
 namespace detail {
+/// The words every "the state is gone" error holds (an elastic group's round with no source, a
+/// sharded shard with no holder left): ddprun (tools/ddprun_elastic.hpp) restarts a job whose
+/// ranks all ended saying them.
+inline constexpr std::string_view state_lost_words = "every rank holding the state";
+
 inline const char* errc_name(errc e) noexcept {
   switch (e) {
     case errc::invalid_argument:
@@ -67,6 +73,8 @@ inline const char* errc_name(errc e) noexcept {
       return "system";
     case errc::usage:
       return "usage";
+    case errc::state_lost:
+      return "state_lost";
   }
   return "unknown";
 }

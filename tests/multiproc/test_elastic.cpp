@@ -56,10 +56,11 @@ struct plan {
   int churn = 0;             // newcomers that each join, commit 3 steps and are killed, in turn
   std::chrono::milliseconds step_pause{0};
   std::vector<std::pair<int, int>> kills;  // more ranks SIGKILLed: (rank, as this step begins)
-  int thaw_at_gen = -1;      // the store's host thaws the frozen victim once this generation formed
-  bool members_die_in_grow = false;  // every first-generation rank dies as the newcomer's generation forms
-  bool sharded = false;      // dp_options::shard, stepped with SGD + momentum inside commit's apply
-  bool die_in_apply = false;  // the victim dies inside apply, as the others all-gather the step
+  int thaw_at_gen = -1;                    // the store's host thaws the frozen victim once this generation formed
+  bool members_die_in_grow = false;        // every first-generation rank dies as the newcomer's generation forms
+  bool sharded = false;                    // dp_options::shard, stepped with SGD + momentum inside commit's apply
+  int replicas = 0;                        // dp_options::shard_replicas (0: 2 on the elastic group)
+  bool die_in_apply = false;               // the victim dies inside apply, as the others all-gather the step
   std::chrono::milliseconds timeout{30s};
 };
 
@@ -108,8 +109,7 @@ void serve_store(int port, bool watch, int thaw_at_gen = -1, const std::string& 
       std::ifstream in(pid_file);
       pid_t pid = 0;
       if (probe->check(ddp::detail::keys::generation, until) && generation_of(*probe, until) >= thaw_at_gen &&
-          in >> pid &&
-          pid > 0) {
+          in >> pid && pid > 0) {
         const auto now = std::chrono::steady_clock::now().time_since_epoch();
         probe->set("test/thawed_at", std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(now).count()),
                    until);
@@ -159,14 +159,19 @@ void member(const plan& p, int code, int port, const std::string& pid_file) {
     if (p.members_die_in_grow && !is_newcomer && eg.generation() > 0) ::raise(SIGKILL);
     dp.reset();
     if (p.sharded)
-      dp.emplace(pg, params, ddp::bucket_policy{}, ddp::dp_options{.shard = true});
+      dp.emplace(pg, params, ddp::bucket_policy{}, ddp::dp_options{.shard = true, .shard_replicas = p.replicas});
     else
       dp.emplace(pg, params);
   });
   ddp::sgd opt{{.lr = 0.01, .momentum = 0.9}};
-  int applied = 0;  // steps this process applied, or received with the state
-  eg.on_state([&] { return std::to_string(applied); },
-              [&](std::string_view s) { applied = std::stoi(std::string(s)); });
+  int applied = 0;     // steps this process applied, or received with the state
+  std::string worlds;  // the world size of each of those steps, one digit each
+  eg.on_state([&] { return std::to_string(applied) + " " + worlds; },
+              [&](std::string_view s) {
+                const auto sp = s.find(' ');
+                applied = std::stoi(std::string(s.substr(0, sp)));
+                worlds = std::string(s.substr(sp + 1));
+              });
   if (!eg.start()) throw std::runtime_error("the job finished before this process got a seat");
   require(eg.generation() > 0 || !is_newcomer, "a newcomer formed the first generation");
   bool failed_once = false;
@@ -198,8 +203,10 @@ void member(const plan& p, int code, int port, const std::string& pid_file) {
           // apply, which the victim leaves half done.
           if (code == p.victim && p.die_in_apply && eg.step() == static_cast<std::uint64_t>(p.fail_at) + 1)
             ::raise(SIGKILL);
-          dp->step(opt);
+          // Committed: with replicas the shards hold it even when the all-gather fails.
           ++applied;
+          worlds += static_cast<char>('0' + world);
+          dp->step(opt);
           return;
         }
         // avg(rank + 1) over ranks 0..world-1 is (world + 1) / 2, exactly.
@@ -215,9 +222,9 @@ void member(const plan& p, int code, int port, const std::string& pid_file) {
         // The thawed victim is back in the group: how long after the thaw.
         ddp::store_client probe("127.0.0.1", port, code, ddp::detail::clock::now() + 5s, nullptr, true);
         const auto at = std::stoll(probe.get("test/thawed_at", ddp::detail::clock::now() + 5s));
-        const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                             std::chrono::steady_clock::now().time_since_epoch())
-                             .count();
+        const auto now =
+            std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+                .count();
         rejoined_ms = now - at;
       }
     }
@@ -228,6 +235,26 @@ void member(const plan& p, int code, int port, const std::string& pid_file) {
   std::snprintf(mine, sizeof mine, "%016llx", static_cast<unsigned long long>(hash_of(w)));
   const auto all = eg.group().all_gather(mine);
   for (const auto& h : all) require(h == all[0], "weights differ across ranks: " + h + " and " + all[0]);
+  if (p.sharded) {
+    // The unsharded reference: the same SGD on one weight, each committed step's average at its
+    // world size. Weights and momentum (sharded_state, gathered on rank 0) must be its bits.
+    std::vector<float> rw(1, 1.0f), rbuf(1, 0.0f);
+    for (std::size_t s = 0; s < worlds.size(); ++s) {
+      const float avg = static_cast<float>(worlds[s] - '0' + 1) / 2.0f;
+      opt.step(ddp::shard_step{0, s + 1, rw, std::span<const float>(&avg, 1), rbuf, {}});
+    }
+    for (float v : w)
+      require(std::memcmp(&v, rw.data(), 4) == 0, "sharded weight " + std::to_string(v) + " is not the reference's " +
+                                                      std::to_string(rw[0]) + " after steps of worlds " + worlds);
+    const auto blob = dp->sharded_state();
+    if (eg.rank() == 0) {
+      const std::size_t at = 8 + 5 * 8 + 8;  // magic; version, k, m, steps, count; one numel
+      require(blob.size() == at + size * 4, "sharded_state of " + std::to_string(blob.size()) + " bytes");
+      for (std::size_t i = 0; i < size; ++i)
+        require(std::memcmp(blob.data() + at + 4 * i, rbuf.data(), 4) == 0,
+                "momentum of element " + std::to_string(i) + " is not the reference's");
+    }
+  }
   eg.group().barrier();
   eg.finish();
   // Leave the group before the report is thrown: an exception in flight while the group is
@@ -491,8 +518,9 @@ TEST_CASE("elastic: mpi cannot shrink, and says so at once; nccl is not refused"
   CHECK_NOTHROW(ddp::elastic_group{o});
 }
 
-TEST_CASE("elastic: when every rank holding the state dies as a generation forms, the newcomer says so, never "
-          "starting over") {
+TEST_CASE(
+    "elastic: when every rank holding the state dies as a generation forms, the newcomer says so, never "
+    "starting over") {
   // Ranks 0 and 1 train; a newcomer comes, and both die as the generation that takes it in
   // forms. The newcomer holds no state (it never received any): it must not form a group of
   // its own from its weights and step 0 (min 1 would allow the size), but end with an error
@@ -575,6 +603,7 @@ TEST_CASE("elastic: a sharded group that loses a rank mid-step ends loudly on ev
   p.fail_at = 100;  // after the newcomer came (1.5 s): the group commits on without growing
   p.die_in_apply = true;
   p.sharded = true;
+  p.replicas = 1;
   p.late = true;
   p.steps = 400;
   p.step_pause = 20ms;
@@ -591,6 +620,72 @@ TEST_CASE("elastic: a sharded group that loses a rank mid-step ends loudly on ev
     CHECK(o.errc == static_cast<int>(ddp::errc::aborted));
     CHECK(o.message.find("sharded") != std::string::npos);
     CHECK(o.message.find("every rank holding the state") != std::string::npos);
+    ++loud;
+  }
+  CHECK(loud == 2);
+}
+
+TEST_CASE(
+    "elastic: replicated shards survive a rank killed inside the step's all-gather: re-sharded in memory, grown back "
+    "from live holders, bitwise the unsharded run") {
+  // dp_options::shard with 2 holders of each shard (the elastic default): rank 2 of 4 dies
+  // inside apply, as the others all-gather the committed step. They finish their shards' step,
+  // re-form at 3 and re-shard in memory (no checkpoint, no step repeated), then take the
+  // newcomer in, which gets its shards from live holders. Every rank checks its weights and
+  // rank 0 the gathered momentum against the unsharded SGD run of the same steps and worlds.
+  // On the default reducer (shm), the ring over tcp and the hierarchical reducer.
+  for (auto b : {ddp::backend::automatic, ddp::backend::tcp, ddp::backend::hierarchical}) {
+    CAPTURE(static_cast<int>(b));
+    plan p;
+    p.n = 4;
+    p.min = 2;
+    p.max = 4;
+    p.victim = 2;
+    p.fail_at = 6;
+    p.die_in_apply = true;
+    p.sharded = true;
+    p.late = true;
+    p.steps = 150;
+    p.step_pause = 20ms;
+    p.backend = b;
+    const auto outs = run(p);
+    INFO(summary(outs));
+    int reports = 0;
+    for (const auto& o : outs) {
+      if (o.rank == store_host || o.rank == p.victim) continue;
+      CAPTURE(o.rank);
+      CAPTURE(o.message);
+      const auto r = report_of(o);
+      CHECK(r.size == 4);
+      CHECK(r.failures == 1);
+      reports += r.rank >= 0 ? 1 : 0;
+    }
+    CHECK(reports == 4);
+  }
+}
+
+TEST_CASE(
+    "elastic: when both holders of a shard die at once, every survivor raises state_lost naming the shard, "
+    "the step and the ranks") {
+  plan p;
+  p.n = 4;
+  p.min = 2;
+  p.max = 4;
+  p.sharded = true;
+  p.kills = {{1, 5}, {2, 5}};  // shard 1's holders (ranks 1 and 2 on one host)
+  p.steps = 40;
+  p.timeout = 10s;
+  const auto outs = run(p);
+  INFO(summary(outs));
+  int loud = 0;
+  for (const auto& o : outs) {
+    if (o.rank != 0 && o.rank != 3) continue;
+    CAPTURE(o.rank);
+    CAPTURE(o.message);
+    CHECK(o.errc == static_cast<int>(ddp::errc::state_lost));
+    CHECK(o.message.find("every rank holding the state of shard 1 of bucket 0") != std::string::npos);
+    CHECK(o.message.find("at step 5") != std::string::npos);
+    CHECK(o.message.find("ranks 1 and 2 of the last 4") != std::string::npos);
     ++loud;
   }
   CHECK(loud == 2);

@@ -527,6 +527,7 @@ class sim_group {
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return g_ ? g_->world : 0; }
   bool has_sharded_state() const noexcept { return false; }
+  bool shards_whole() const noexcept { return false; }
   bool exists() const noexcept { return g_ != nullptr; }
   group_rec* rec() const noexcept { return g_; }
 
@@ -673,7 +674,7 @@ class sim_env {
   deadline_t now() const noexcept { return w_->now; }
   bool restarted() const noexcept { return restarted_; }
   std::string uid() const { return "sim." + std::to_string(pid_); }
-  static void drop_parked() {}
+  static std::string drop_parked() { return {}; }
 
  private:
   world* w_ = nullptr;

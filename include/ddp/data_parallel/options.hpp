@@ -83,6 +83,13 @@ struct dp_options {
   /// Every rank must pass the same value; the bucket layout is fixed at construction; not with
   /// `gradient_as_bucket_view`, `uneven_inputs` or the autotune. See docs/sharded.md.
   bool shard = false;
+  /// With `shard`: how many ranks hold each shard of the optimizer state (and master weights),
+  /// each stepping it from the same averaged gradient to the same bits, so that an elastic group
+  /// that loses up to `shard_replicas - 1` of a shard's holders re-shards in memory, with no
+  /// checkpoint read and no step repeated. 0: 2 on an elastic group's generation, else 1. Capped
+  /// at the world size; holders lie on different hosts where there are enough. Every rank must
+  /// pass the same value. See docs/sharded.md, "Surviving failures".
+  int shard_replicas = 0;
 
   friend bool operator==(const dp_options&, const dp_options&) = default;
 };

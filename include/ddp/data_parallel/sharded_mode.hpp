@@ -115,10 +115,13 @@ class sharded_mode {
     return ops() != nullptr ? ops()->layout() : none;
   }
   /// Bytes of optimizer state (and master weights) this rank holds for its shards, and of its
-  /// averaged-gradient shards; 0 without the option.
+  /// averaged-gradient shards (with replicas, those of every shard it holds); 0 without the option.
   std::size_t shard_state_bytes() const noexcept { return ops() != nullptr ? ops()->state_bytes() : 0; }
   std::size_t shard_gradient_bytes() const noexcept { return ops() != nullptr ? ops()->gradient_bytes() : 0; }
-  /// The sharded mode's optimizer steps so far (continued from a loaded state).
+  /// How many ranks hold each shard (`dp_options::shard_replicas`, resolved and capped at the
+  /// world size); 0 without the option.
+  int shard_replicas() const noexcept { return ops() != nullptr ? ops()->replicas() : 0; }
+  /// The sharded mode's optimizer steps so far (continued from a loaded or re-sharded state).
   std::uint64_t sharded_steps() const noexcept { return ops() != nullptr ? ops()->steps() : 0; }
   /// This rank's averaged gradient shard of bucket `b` after a synchronized `finish()` (the
   /// bucket's dtype, `shards().buckets[b].per_rank` elements): for a gradient norm, say.

@@ -126,7 +126,7 @@ class basic_elastic_group {
   basic_elastic_group& operator=(const basic_elastic_group&) = delete;
   ~basic_elastic_group() {
     env_.close(pg_);
-    env_.drop_parked();
+    (void)env_.drop_parked();
     coord_.reset();  // a store this process hosts stays up (bounded) while others use it
   }
 
@@ -251,11 +251,14 @@ class basic_elastic_group {
                         std::to_string(gen_) + " failed (" + env_.failure_text(pg_) + ")");
     ++step_;
     // An apply that throws (a collective inside it failed, say) leaves this rank's state torn
-    // between two steps: it is no source of the state from now on (a newcomer's standing).
+    // between two steps: it is no source of the state from now on (a newcomer's standing),
+    // unless a replicated sharded wrapper says that its shards hold the step whole (its
+    // all-gather failed after every shard was stepped; the next wrapper rebuilds the
+    // parameters from the shards).
     if (apply) try {
         apply();
       } catch (...) {
-        holds_ = detail::elastic::holds_nothing;
+        if (!pg_.shards_whole()) holds_ = detail::elastic::holds_nothing;
         throw;
       }
     if (d == "grow" && !reform(pg_.rank(), "grow"))
@@ -613,7 +616,9 @@ class basic_elastic_group {
                    equal_state ? "; every rank holds the state of the same step" : "");
     if (on_form_) on_form_(pg_);
     // What the last generation's transports left for this one and nobody took (detail/parked.hpp).
-    env_.drop_parked();
+    // A sharded wrapper's shards must be taken: one dropped means the program built the new
+    // wrapper before it destroyed the old, which would start every shard's state afresh.
+    if (const auto untaken = env_.drop_parked(); !untaken.empty()) detail::raise(errc::usage, rank, untaken);
     proven_ = true;  // this process's wrappers matched a generation's
     // Rank 0's counts (steps, failures, the sizes so far) and the program's state reach every
     // rank.

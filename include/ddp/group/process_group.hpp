@@ -151,17 +151,28 @@ class process_group {
   /// True once abort() was called on this rank's group.
   bool aborted() const noexcept;
 
-  /// Says that a wrapper keeps state sharded over this group's ranks (`dp_options::shard`: each
-  /// rank alone holds its shard's optimizer state). An elastic group of such generations ends
-  /// with an error rather than re-form without a shard, or with every shard's state reset
-  /// (docs/elastic.md, "Sharded"). The sharded wrapper calls it; so may an engine's own.
-  void note_sharded_state() noexcept;
+  /// Says that a wrapper keeps state sharded over this group's ranks (`dp_options::shard`),
+  /// each shard held by `replicas` ranks. With one (each rank alone holds its shard's optimizer
+  /// state) an elastic group of such generations ends with an error rather than re-form without
+  /// a shard, or with every shard's state reset; with two or more it re-forms, and the next
+  /// generation's sharded wrapper re-shards the state from the ranks that hold it, or raises
+  /// `errc::state_lost` where none does (docs/sharded.md, "Surviving failures"). The sharded
+  /// wrapper calls it; so may an engine's own.
+  void note_sharded_state(int replicas = 1) noexcept;
+  /// Said by a sharded wrapper whose step failed after this rank's shards were all stepped (in
+  /// the all-gather of the parameters): its shards hold the step whole, though the engine's
+  /// parameters may not (the next generation's wrapper rebuilds them from the shards), so an
+  /// elastic group keeps this rank a source of the state. `false` at the start of each step.
+  void note_shards_whole(bool whole) noexcept;
+  /// Whether the last note_shards_whole() said true.
+  bool shards_whole() const noexcept;
   /// Leaves `e`'s message where a peer's timeout while waiting for this rank quotes it ("...
   /// (its last error: ...)"): for an error that does not fail the group, a misuse this rank may
   /// still repair (the wrapper's finish() with a parameter that never became ready). Empty
   /// `text`: withdraws it. Best effort.
   void note_error(const std::string& text) noexcept;
-  /// True once note_sharded_state() was called on this group.
+  /// True once note_sharded_state() was called on this group with one replica: each rank alone
+  /// holds its shard.
   bool has_sharded_state() const noexcept;
   /// True when the group was formed by an `elastic_group` from ranks that all hold the
   /// group's state as of one committed step, and nothing else (no newcomer, no rank left behind):
@@ -170,6 +181,9 @@ class process_group {
   /// broadcasts only where they differ (docs/elastic.md, "Re-forming without a broadcast").
   /// False for every other group.
   bool expects_equal_state() const noexcept;
+  /// True when the group is a generation of an `elastic_group` (it may fail and re-form, and
+  /// what its wrappers hold may move into the next generation's).
+  bool elastic() const noexcept;
 
   /// Lets go of this handle (it becomes empty). The group closes when no handle is left: the
   /// last one closes the connections, and on rank 0 waits (bounded) for the others to leave

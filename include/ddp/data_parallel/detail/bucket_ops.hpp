@@ -118,11 +118,12 @@ class bucket_ops {
     const bucket_tag tag{static_cast<std::int32_t>(b), static_cast<std::int64_t>(c_.step), layout(b)};
     if (bk.numel > 0) {
       if (shards_ != nullptr) {
+        shards_->before_bind(b);
         c_.memory.bind(b, true, wait_patience(c_.opts, c_.pg), c_.pg.rank());
         for (const auto& e : bk.entries) fill_slot(e.param);
       }
       c_.memory.track(b, shards_ != nullptr
-                             ? shards_->reduce_scatter(b, tag)
+                             ? shards_->launch(b, tag)
                              : allreduce_async_tagged(c_.red, c_.memory.buffer(b), bk.numel, bk.type,
                                                       bucket_op(c_.opts.average, c_.opts.uneven_inputs, bk.type), tag));
     }
@@ -141,10 +142,10 @@ class bucket_ops {
   }
 
   /// Copy mode: bucket b's averages back into the engine's gradients. The sharded mode: bucket
-  /// b's buffer goes back to the pool (its average is in this rank's gradient shard).
+  /// b's buffer goes back to the pool (its average is in this rank's gradient shards).
   void copy_back(std::size_t b) {
     if (shards_ != nullptr) {
-      c_.memory.unbind(b);
+      shards_->reduced(b);
       return;
     }
     if (c_.opts.gradient_as_bucket_view) return;

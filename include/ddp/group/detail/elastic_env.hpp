@@ -9,7 +9,7 @@
 //
 // An environment `Env` provides:
 //   Env::store          set/get/check/add/compare_set/try_get/wait/erase_prefix as kv_store's
-//   Env::group          rank(), size(), has_sharded_state(), broadcast(span<u64>|span<byte>, 0)
+//   Env::group          rank(), size(), has_sharded_state(), shards_whole(), broadcast(span<u64>|span<byte>, 0)
 //   open_store(opts, host, until)   the coordination store (host: serve it here, this is rank 0)
 //   no_group()          an empty group;  exists(g): whether g is one
 //   form(opts, equal_state)         joins a generation's group (init_process_group)
@@ -126,7 +126,7 @@ struct elastic_env {
     std::random_device rd;
     return std::string(host) + "." + std::to_string(::getpid()) + "." + std::to_string(rd());
   }
-  static void drop_parked() { detail::drop_parked(); }
+  static std::string drop_parked() { return detail::drop_parked(); }
 
  private:
   generation_link link_;            // the current generation's group: all the elastic group may touch of it

@@ -24,6 +24,8 @@
 #include <string_view>
 #include <vector>
 
+#include <ddp/error.hpp>
+
 namespace ddp {
 inline namespace DDP_ABI {
 namespace detail::elastic {
@@ -184,9 +186,8 @@ inline bool equal_state(const round_view& v, const std::vector<std::int64_t>& me
   return true;
 }
 
-/// The words every "the state is gone" error holds: ddprun (tools/ddprun_elastic.hpp) restarts
-/// a job whose ranks all ended saying them.
-inline constexpr std::string_view state_lost_words = "every rank holding the state";
+/// The words every "the state is gone" error holds (error.hpp).
+using ::ddp::detail::state_lost_words;
 
 /// The text of a round whose state is gone.
 inline std::string state_lost_text(const round_view& v, std::string_view how) {

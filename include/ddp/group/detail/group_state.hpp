@@ -179,8 +179,11 @@ struct group_state {
   std::uint64_t group_id = 0;
   int next_channel = 1;  // the next transport's channel; every rank builds its transports in the same order
   std::atomic<bool> aborted{false};
-  std::atomic<bool> failed{false};         // a failure was posted: close() does not wait for the others
-  std::atomic<bool> sharded_state{false};  // a wrapper keeps state sharded over the ranks (note_sharded_state)
+  std::atomic<bool> failed{false};  // a failure was posted: close() does not wait for the others
+  std::atomic<bool> sharded_state{
+      false};  // a wrapper keeps state sharded over the ranks, one holder each (note_sharded_state)
+  std::atomic<bool> shards_whole{
+      false};  // a replicated wrapper's failed step left its shards whole (note_shards_whole)
   /// Set by an elastic group that forms this group from ranks which all hold the live state of
   /// one step (group/elastic.hpp): every rank's parameters are then bitwise equal, and a
   /// wrapper's construction compares hashes instead of broadcasting (expects_equal_state).

@@ -240,14 +240,19 @@ DDP_DECL void process_group::abort(const std::string& why) noexcept {
   s_->fail_now({errc::aborted, "group aborted by rank " + std::to_string(s_->rank) + ": " + why, -1, s_->rank});
 }
 DDP_DECL bool process_group::aborted() const noexcept { return s_ && s_->aborted.load(); }
-DDP_DECL void process_group::note_sharded_state() noexcept {
-  if (s_) s_->sharded_state.store(true);
+DDP_DECL void process_group::note_sharded_state(int replicas) noexcept {
+  if (s_ && replicas < 2) s_->sharded_state.store(true);
 }
+DDP_DECL void process_group::note_shards_whole(bool whole) noexcept {
+  if (s_) s_->shards_whole.store(whole);
+}
+DDP_DECL bool process_group::shards_whole() const noexcept { return s_ && s_->shards_whole.load(); }
 DDP_DECL void process_group::note_error(const std::string& text) noexcept {
   if (s_ && !s_->owner.forked()) s_->verdict.note_error(text);
 }
 DDP_DECL bool process_group::has_sharded_state() const noexcept { return s_ && s_->sharded_state.load(); }
 DDP_DECL bool process_group::expects_equal_state() const noexcept { return s_ && s_->equal_state; }
+DDP_DECL bool process_group::elastic() const noexcept { return s_ && s_->elastic; }
 DDP_DECL void process_group::abort(const std::exception& e) noexcept {
   if (!s_ || s_->owner.forked()) return;
   try {

@@ -28,7 +28,7 @@ DDP_DECL transport_context& transport_context::operator=(const transport_context
   return *this;
 }
 
-DDP_DECL bool transport_context::elastic() const noexcept { return pg_.s_ && pg_.s_->elastic; }
+DDP_DECL bool transport_context::elastic() const noexcept { return pg_.elastic(); }
 
 DDP_DECL detail::link_hub& transport_context::hub() { return *pg_.live("transport_context::hub").hub; }
 

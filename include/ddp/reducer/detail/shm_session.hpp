@@ -181,8 +181,8 @@ inline shm_session open_shm_session(transport_context& ctx, const shm_options& o
   // A segment the last generation of an elastic group left mapped in this process (its
   // engine parked it: detail/parked.hpp). Taken now: reused below when every rank of this
   // segment holds the same one, else released before a new one is made.
-  std::unique_ptr<parked_object> taken = take_parked();
-  auto* parked = dynamic_cast<shm_parked_segment*>(taken.get());
+  std::unique_ptr<shm_parked_segment> taken = take_parked<shm_parked_segment>();
+  auto* parked = taken.get();
   // Each rank's draw of the segment name's random part leads its entry (16 hex digits); the
   // segment's rank 0's is used. It travels over the group's connections, never through the
   // store, so no other local user can know the name before the segment exists and create it
