@@ -28,16 +28,16 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 free_port() { /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-# measure LOG: "<kill -> next step ms> <steps repeated> <steady step ms>".
+# measure LOG: "<kill -> next step ms> <steps repeated> <steady step ms>" (the steady step: the
+# median of the first run's step-to-step times).
 measure() {
-  awk -v kill_at=$kill_at '
+  local steady
+  steady=$(awk '/step [0-9]+ run 0 at/ { if (prev) print $NF - prev; prev = $NF }' "$1" | sort -n |
+    awk '{a[NR] = $1} END {print NR ? a[int((NR + 1) / 2)] : 0}')
+  awk -v kill_at=$kill_at -v steady="$steady" '
     /kill at/ { for (i = 1; i <= NF; ++i) if ($i == "at") kill = $(i + 1) }
-    /step [0-9]+ run 0 at/ { if (prev) d[++n] = $NF - prev; prev = $NF }
-    /step [0-9]+ run 1 at/ && !next_ms { next_ms = $NF; first = $2 }
-    END {
-      asort(d); steady = n ? d[int((n + 1) / 2)] : 0
-      if (kill && next_ms) print next_ms - kill, kill_at + 1 - first, steady; else print "failed", "-", steady
-    }' "$1"
+    /step [0-9]+ run 1 at/ && !next_ms { next_ms = $NF; for (i = 1; i < NF; ++i) if ($i == "step") first = $(i + 1) }
+    END { if (kill && next_ms) print next_ms - kill, kill_at + 1 - first, steady; else print "failed", "-", steady }' "$1"
 }
 median() { printf '%s\n' "$@" | grep -v failed | sort -n | awk '{a[NR] = $1} END {print NR ? (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) : "failed"}'; }
 

@@ -92,7 +92,10 @@ inline std::string encode(const holding& h) {
   if (!h.any) return "-";
   const auto list = [](const std::vector<int>& v) {
     std::string s;
-    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (i > 0) s += ',';
+      s += std::to_string(v[i]);
+    }
     return s.empty() ? std::string("_") : s;
   };
   return std::to_string(h.steps) + " " + std::to_string(h.plan) + " " + std::to_string(h.k) + " " +

@@ -267,6 +267,14 @@ class shard_ops {
     ++steps_;
     c_.pg.note_shards_whole(false);
     torn_ = true;
+    if (replicas_ >= c_.pg.size()) {
+      // Every rank holds every shard (2 ranks with 2 replicas, say) and has stepped each in the
+      // engine's tensors, to the same bits as every other rank: nothing to gather.
+      for (std::size_t b = 0; b < primary().buckets.size(); ++b)
+        c_.guarded("step (the shard optimizer)", -1, [&] { step_bucket(opt, b, unused); });
+      torn_ = false;
+      return;
+    }
     std::size_t stepped = 0;  // buckets whose shards are all stepped
     bool local = false;       // the failure came from the optimizer itself
     try {
