@@ -41,6 +41,7 @@
 #include <ddp/etcd.hpp>
 #endif
 
+#include "elastic_verdict.hpp"
 #include "mlp_model.hpp"
 
 #include <algorithm>
@@ -330,23 +331,8 @@ int main(int argc, char** argv) try {
                     final_loss, static_cast<unsigned long long>(ref_steps), history.size() / 2, ref,
                     bitwise ? " (bitwise)" : "", first_loss, close ? "OK" : "FAILED");
         if (!close) code = 1;
-        // The world sizes seen, each once, in the order first seen; and how many generations.
-        std::string sizes;
-        std::vector<int> seen;
-        for (int s : eg.sizes())
-          if (std::find(seen.begin(), seen.end(), s) == seen.end()) {
-            seen.push_back(s);
-            sizes += (sizes.empty() ? "" : ",") + std::to_string(s);
-          }
-        if (code == 0)
-          std::printf("elastic: OK steps=%llu failures=%d sizes=%s generations=%zu\n",
-                      static_cast<unsigned long long>(eg.step()), eg.failures(), sizes.c_str(), eg.sizes().size());
-        std::fflush(stdout);
       }
-      double verdict = code;
-      eg.group().all_reduce(std::span<double>(&verdict, 1), ddp::op::max);
-      eg.finish();
-      return verdict == 0 ? 0 : 1;
+      return elastic_example::conclude(eg, "elastic", code);
     } catch (const ddp::error& e) {
       std::fprintf(stderr, "[ddp.elastic] rank %d (final checks): %s\n", eg.rank(), e.what());
       if (!eg.recover(e)) return finished_without_me();

@@ -36,6 +36,7 @@
 #include <ddp/ddp.hpp>
 #include <ddp/group/elastic.hpp>
 
+#include "elastic_verdict.hpp"
 #include "mlp_model.hpp"
 
 #include <unistd.h>
@@ -223,22 +224,8 @@ int run_elastic(double min_seconds, const std::string& stop_file) {
         std::printf("loss %.6f at the first step, %.6f over the data at the end: %s\n", first_loss, final_loss,
                     fell ? "OK" : "FAILED");
         if (!state_same || !fell) code = 1;
-        std::string sizes;
-        std::vector<int> seen;
-        for (int s : eg.sizes())
-          if (std::find(seen.begin(), seen.end(), s) == seen.end()) {
-            seen.push_back(s);
-            sizes += (sizes.empty() ? "" : ",") + std::to_string(s);
-          }
-        if (code == 0)
-          std::printf("sharded elastic: OK steps=%llu failures=%d sizes=%s generations=%zu\n",
-                      static_cast<unsigned long long>(eg.step()), eg.failures(), sizes.c_str(), eg.sizes().size());
-        std::fflush(stdout);
       }
-      double verdict = code;
-      eg.group().all_reduce(std::span<double>(&verdict, 1), ddp::op::max);
-      eg.finish();
-      return verdict == 0 ? 0 : 1;
+      return elastic_example::conclude(eg, "sharded elastic", code);
     } catch (const ddp::error& e) {
       std::fprintf(stderr, "[ddp.elastic] rank %d (final checks): %s\n", eg.rank(), e.what());
       if (!eg.recover(e)) return left();
