@@ -392,7 +392,8 @@ class shard_ops {
       std::vector<float> in(width * per), out(width * per * static_cast<std::size_t>(world));
       std::copy_n(state.data() + k * mine.offset, k * per, in.data());
       if (m == 1) std::copy_n(own.master.data() + mine.offset, per, in.data() + k * per);
-      wait_collective(c_.red.allgather_async(in.data(), out.data(), width * per, dtype::f32), "gathering the state");
+      wait_collective(c_.red.allgather_async(in.data(), out.data(), width * per, dtype::f32),
+                      "sharded_state: gathering the state");
       if (c_.pg.rank() != 0) continue;
       for (int r = 0; r < world; ++r) {
         const float* chunk = out.data() + static_cast<std::size_t>(r) * width * per;
@@ -688,7 +689,7 @@ class shard_ops {
         buf.assign(width * len, 0.0f);
         if (s.provider == rank) pack(s.bucket, numel[s.bucket], lo, len, width, buf);
         wait_collective(c_.red.broadcast_async(buf.data(), buf.size(), dtype::f32, s.provider),
-                        "re-sharding the state of the last generation");
+                        "dp_options::shard_replicas: re-sharding the state of the last generation");
         unpack(plan.buckets[s.bucket], s.bucket, lo, len, k, buf);
       }
     steps_ = d.steps;
@@ -757,7 +758,7 @@ class shard_ops {
       r.wait(steady_clock::now() + wait_patience(c_.opts, c_.pg) + std::chrono::seconds(2));
     } catch (const error& e) {
       if (e.rank() >= 0) throw;
-      detail::raise(e.condition(), c_.pg.rank(), std::string("sharded_state: ") + what + ": " + e.what());
+      detail::raise(e.condition(), c_.pg.rank(), std::string(what) + ": " + e.what());
     }
   }
 
