@@ -3,14 +3,20 @@
 // parameter), in the CSV of bench/peers/torch_zero.py so that bench/sharded.sh puts both beside
 // PyTorch's DDP + AdamW and ZeroRedundancyOptimizer.
 //
-//   sharded_step [--ranks 2,4] [--steps 10] [--warmup 3] [--variants ddp_adamw,ddp_sharded_adamw] FILE.params ...
+//   sharded_step [--ranks 2,4] [--steps 10] [--warmup 3] [--variants ddp_adamw,ddp_sharded_adamw] [--touch]
+//                FILE.params ...
 //
 // The model is a set of float32 parameters of the file's shapes (`name dim dim ...` per line, as
 // tests/data); a step is what an engine with a near-free forward does: backward adds a value
 // into every gradient, last parameter first, calling grad_ready after each; then finish() and
 // the optimizer (ddp_adamw: ddp::adamw over each whole parameter; ddp_sharded_adamw:
 // dp.step(ddp::adamw); ddp_sharded_r2_adamw: the same with each shard held by two ranks,
-// dp_options::shard_replicas = 2, what an elastic group gets by default). Times are the slowest rank's per step, after
+// dp_options::shard_replicas = 2, what an elastic group gets by default; ddp_fully_sharded_adamw:
+// ddp::fully_sharded, the parameters sharded too, in units of consecutive parameters of about
+// 1/24 of the model each, each unit gathered around its forward and its backward;
+// ddp_fully_sharded_keep_adamw: the same with reshard_after_forward off). --touch gives every
+// variant a forward that reads every parameter (a unit's while it is gathered), as a real forward
+// would. Times are the slowest rank's per step, after
 // a barrier; the median and the 10th percentile over --steps steps. Memory per rank: the optimizer state this rank
 // holds (rank 0's and the largest), ddp's gradient memory (bucket buffers held, plus the averaged gradient shards in
 // the sharded mode), the largest bucket (the "one bucket" a rank may hold beside its shards: a parameter larger than
@@ -101,9 +107,106 @@ struct engine {
       dp.grad_ready(i);
     }
   }
+  /// A forward that reads parameters [first, last): their sum.
+  double touch(std::size_t first, std::size_t last) const {
+    double s = 0;
+    for (std::size_t i = first; i < last; ++i) {
+      float a = 0;
+      for (float v : values[i]) a += v;
+      s += a;
+    }
+    return s;
+  }
 };
 
-void rank_main(int rank, int n, int port, const model_spec& m, const std::string& variant, int steps, int warmup) {
+/// This process's resident memory now, MB (/proc/self/statm): the steady state, where the
+/// peak RSS also holds the construction's whole model.
+double resident_mb() {
+  std::ifstream in("/proc/self/statm");
+  double total = 0, rss = 0;
+  in >> total >> rss;
+  return rss * static_cast<double>(::sysconf(_SC_PAGESIZE)) / 1e6;
+}
+
+/// Units of consecutive parameters, each closed once it holds 1/24 of the model's elements.
+std::vector<std::size_t> units_of(const model_spec& m) {
+  std::vector<std::size_t> units;
+  std::size_t count = 0, elems = 0;
+  for (std::size_t n : m.sizes) {
+    ++count, elems += n;
+    if (elems * 24 >= m.elems) units.push_back(count), count = 0, elems = 0;
+  }
+  if (count > 0) units.push_back(count);
+  return units;
+}
+
+/// The fully sharded variants: forward unit by unit (gathered, read, released), backward in
+/// reverse (gathered again, gradients written, reduce-scattered), finish, the shards stepped.
+void fully_sharded_main(int rank, int n, ddp::process_group& pg, engine& e, const model_spec& m,
+                        const std::string& variant, int steps, int warmup, bool touch) {
+  const auto units = units_of(m);
+  ddp::fully_sharded_options o{.reshard_after_forward = variant != "ddp_fully_sharded_keep_adamw"};
+  // DDP_FS_KEEP_MEMORY=1: released units keep their pages (protected only); =2: nor protected.
+  if (const char* k = std::getenv("DDP_FS_KEEP_MEMORY")) o.release_memory = false, o.protect_released = k[0] != '2';
+  ddp::fully_sharded fs{pg, e.views, units, o};
+  ddp::adamw opt{{.lr = 1e-3, .weight_decay = 0.01}};
+  std::vector<std::size_t> first(units.size() + 1, 0);
+  for (std::size_t u = 0; u < units.size(); ++u) first[u + 1] = first[u] + units[u];
+  std::vector<double> ms, opt_ms;
+  double sink = 0;
+  for (int s = 0; s < warmup + steps; ++s) {
+    pg.barrier();
+    const auto t0 = clock_type::now();
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      fs.gather(u);
+      if (touch) sink += e.touch(first[u], first[u + 1]);
+      fs.release(u);
+    }
+    const float scale = 1.0f / static_cast<float>(s + 1 + rank);
+    for (std::size_t u = units.size(); u-- > 0;) {
+      fs.begin_backward(u);
+      for (std::size_t i = first[u]; i < first[u + 1]; ++i)
+        for (float& g : e.grads[i]) g = scale;
+      fs.end_backward(u);
+    }
+    fs.finish();
+    const auto t1 = clock_type::now();
+    fs.step(opt);
+    if (s >= warmup) {
+      ms.push_back(std::chrono::duration<double, std::milli>(clock_type::now() - t0).count());
+      opt_ms.push_back(std::chrono::duration<double, std::milli>(clock_type::now() - t1).count());
+    }
+  }
+  if (rank == 0)
+    std::fprintf(stderr,
+                 "# %s %s %d ranks: %zu units, optimizer median %.2f ms of %.2f; %llu gathers, %llu prefetched, "
+                 "waited for %.1f ms a step; resident now %.0f MB%s\n",
+                 variant.c_str(), m.name.c_str(), n, units.size(), percentile(opt_ms, 0.5), percentile(ms, 0.5),
+                 static_cast<unsigned long long>(fs.gathers_issued()),
+                 static_cast<unsigned long long>(fs.gathers_prefetched()),
+                 std::chrono::duration<double, std::milli>(fs.gather_wait()).count() / (warmup + steps),
+                 resident_mb(), sink == 12345.0 ? " " : "");
+  pg.all_reduce(std::span<double>(ms), ddp::op::max);
+  std::vector<double> st{static_cast<double>(fs.state_bytes())};
+  pg.all_reduce(std::span<double>(st), ddp::op::max);
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  std::size_t largest = 0;
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    std::size_t b = 0;
+    for (std::size_t i = first[u]; i < first[u + 1]; ++i) b += e.views[i].bytes();
+    largest = std::max(largest, b);
+  }
+  if (rank == 0) {
+    std::printf("%s,%s,%d,%zu,%d,%.3f,%.3f,%zu,%.0f,%ld,%zu,%zu\n", variant.c_str(), m.name.c_str(), n, m.elems, steps,
+                percentile(ms, 0.5), percentile(ms, 0.1), fs.state_bytes(), st[0], ru.ru_maxrss * 1024L,
+                fs.gradient_bytes(), largest);
+    std::fflush(stdout);
+  }
+}
+
+void rank_main(int rank, int n, int port, const model_spec& m, const std::string& variant, int steps, int warmup,
+               bool touch) {
   ddp::init_options io;
   io.rank = rank;
   io.world_size = n;
@@ -114,6 +217,7 @@ void rank_main(int rank, int n, int port, const model_spec& m, const std::string
     if (auto v = ddp::parse_backend(b)) io.backend = *v;
   auto pg = ddp::init_process_group(io);
   engine e(m);
+  if (variant.rfind("ddp_fully_sharded", 0) == 0) return fully_sharded_main(rank, n, pg, e, m, variant, steps, warmup, touch);
   const bool replicated = variant == "ddp_sharded_r2_adamw";  // dp_options::shard_replicas = 2
   const bool sharded = variant == "ddp_sharded_adamw" || variant == "ddp_sharded_none" || replicated;
   // ddp_sharded_none: an optimizer that changes nothing, so that the step is the all-gather and its copies.
@@ -130,9 +234,11 @@ void rank_main(int rank, int n, int port, const model_spec& m, const std::string
     for (const auto& g : e.grads) state.emplace_back(2 * g.size(), 0.0f);
   std::uint64_t t = 0;
   std::vector<double> ms, opt_ms;
+  double sink = 0;
   for (int s = 0; s < warmup + steps; ++s) {
     pg.barrier();
     const auto t0 = clock_type::now();
+    if (touch) sink += e.touch(0, e.values.size());
     e.backward(dp, 1.0f / static_cast<float>(s + 1 + rank));
     dp.finish();
     const auto t1 = clock_type::now();
@@ -152,8 +258,9 @@ void rank_main(int rank, int n, int port, const model_spec& m, const std::string
     }
   }
   if (rank == 0)  // where the step goes: backward + finish() against the optimizer (+ gather)
-    std::fprintf(stderr, "# %s %s %d ranks: optimizer%s median %.2f ms of %.2f\n", variant.c_str(), m.name.c_str(), n,
-                 sharded ? " + all-gather" : "", percentile(opt_ms, 0.5), percentile(ms, 0.5));
+    std::fprintf(stderr, "# %s %s %d ranks: optimizer%s median %.2f ms of %.2f; resident now %.0f MB%s\n",
+                 variant.c_str(), m.name.c_str(), n, sharded ? " + all-gather" : "", percentile(opt_ms, 0.5),
+                 percentile(ms, 0.5), resident_mb(), sink == 12345.0 ? " " : "");
   pg.all_reduce(std::span<double>(ms), ddp::op::max);
   std::size_t state_bytes = dp.shard_state_bytes();
   if (!sharded)
@@ -179,6 +286,7 @@ int main(int argc, char** argv) try {
   std::vector<int> ranks{2, 4};
   std::vector<std::string> variants{"ddp_adamw", "ddp_sharded_adamw"};
   int steps = 10, warmup = 3;
+  bool touch = false;
   std::vector<model_spec> models;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -195,6 +303,8 @@ int main(int argc, char** argv) try {
       warmup = std::stoi(next());
     } else if (a == "--variants") {
       variants = split(next());
+    } else if (a == "--touch") {
+      touch = true;
     } else {
       models.push_back(read_params(a));
     }
@@ -215,7 +325,7 @@ int main(int argc, char** argv) try {
           const pid_t pid = ::fork();
           if (pid == 0) {
             try {
-              rank_main(r, n, port, m, v, steps, warmup);
+              rank_main(r, n, port, m, v, steps, warmup, touch);
               std::_Exit(0);
             } catch (const std::exception& ex) {
               std::fprintf(stderr, "sharded_step rank %d: %s\n", r, ex.what());

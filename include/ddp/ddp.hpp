@@ -16,15 +16,16 @@
 
 #include <ddp/core.hpp>  // IWYU pragma: export
 // The engines and decorators by name.
-#include <ddp/group/elastic.hpp>            // IWYU pragma: export
-#include <ddp/memory/shm_allocator.hpp>     // IWYU pragma: export
-#include <ddp/reducer/compress.hpp>         // IWYU pragma: export
-#include <ddp/reducer/powersgd.hpp>         // IWYU pragma: export
-#include <ddp/reducer/flight_recorder.hpp>  // IWYU pragma: export
-#include <ddp/reducer/hierarchical.hpp>     // IWYU pragma: export
-#include <ddp/reducer/hooked.hpp>           // IWYU pragma: export
-#include <ddp/reducer/ring.hpp>             // IWYU pragma: export
-#include <ddp/reducer/shm.hpp>              // IWYU pragma: export
-#include <ddp/reducer/tree.hpp>             // IWYU pragma: export
-#include <ddp/store.hpp>                    // IWYU pragma: export
-#include <ddp/transport/tcp.hpp>            // IWYU pragma: export
+#include <ddp/data_parallel/fully_sharded.hpp>  // IWYU pragma: export
+#include <ddp/group/elastic.hpp>                // IWYU pragma: export
+#include <ddp/memory/shm_allocator.hpp>         // IWYU pragma: export
+#include <ddp/reducer/compress.hpp>             // IWYU pragma: export
+#include <ddp/reducer/powersgd.hpp>             // IWYU pragma: export
+#include <ddp/reducer/flight_recorder.hpp>      // IWYU pragma: export
+#include <ddp/reducer/hierarchical.hpp>         // IWYU pragma: export
+#include <ddp/reducer/hooked.hpp>               // IWYU pragma: export
+#include <ddp/reducer/ring.hpp>                 // IWYU pragma: export
+#include <ddp/reducer/shm.hpp>                  // IWYU pragma: export
+#include <ddp/reducer/tree.hpp>                 // IWYU pragma: export
+#include <ddp/store.hpp>                        // IWYU pragma: export
+#include <ddp/transport/tcp.hpp>                // IWYU pragma: export

@@ -95,6 +95,12 @@ class basic_data_parallel;
 /// calls for (shared memory on one host, hierarchical across hosts, none for one rank), buckets
 /// where that engine reads them fastest.
 using data_parallel = basic_data_parallel<>;
+// the fully sharded mode (ZeRO-3): data_parallel/fully_sharded.hpp
+struct fully_sharded_options;
+template <class Reducer = auto_reducer, class Allocator = auto_allocator>
+class basic_fully_sharded;
+/// The fully sharded mode with the default reducer.
+using fully_sharded = basic_fully_sharded<>;
 
 }  // namespace DDP_ABI
 }  // namespace ddp

@@ -29,8 +29,10 @@
 #include <ddp/data_parallel/detail/reshard_rules.hpp>
 #include <ddp/data_parallel/detail/step_context.hpp>
 #include <ddp/data_parallel/detail/step_guard.hpp>
+#include <ddp/data_parallel/detail/state_blob.hpp>
 #include <ddp/data_parallel/detail/step_sync.hpp>
 #include <ddp/data_parallel/detail/uneven.hpp>
+#include <ddp/data_parallel/detail/widen.hpp>
 #include <ddp/data_parallel/detail/xxh64.hpp>
 #include <ddp/data_parallel/options.hpp>
 #include <ddp/data_parallel/shard_layout.hpp>
@@ -48,26 +50,6 @@
 namespace ddp {
 inline namespace DDP_ABI {
 namespace detail {
-
-/// f32 values of `n` elements of `t` (f32, f16, bf16) at `src`, into `dst`, and back.
-inline void widen_to_f32(float* dst, const void* src, std::size_t n, dtype t) noexcept {
-  const auto* h = static_cast<const std::uint16_t*>(src);
-  if (t == dtype::f32)
-    std::memcpy(dst, src, n * sizeof(float));
-  else if (t == dtype::f16)
-    for (std::size_t k = 0; k < n; ++k) dst[k] = half::to_float(h[k]);
-  else
-    for (std::size_t k = 0; k < n; ++k) dst[k] = bfloat16::to_float(h[k]);
-}
-inline void narrow_from_f32(void* dst, const float* src, std::size_t n, dtype t) noexcept {
-  auto* h = static_cast<std::uint16_t*>(dst);
-  if (t == dtype::f32)
-    std::memcpy(dst, src, n * sizeof(float));
-  else if (t == dtype::f16)
-    for (std::size_t k = 0; k < n; ++k) h[k] = half::from_float(src[k]);
-  else
-    for (std::size_t k = 0; k < n; ++k) h[k] = bfloat16::from_float(src[k]);
-}
 
 /// What a replicated sharded wrapper of an elastic generation leaves, when it goes, for the next
 /// generation's wrapper in this process to take (detail/parked.hpp): what it holds
@@ -395,90 +377,34 @@ class shard_ops {
       wait_collective(c_.red.allgather_async(in.data(), out.data(), width * per, dtype::f32),
                       "sharded_state: gathering the state");
       if (c_.pg.rank() != 0) continue;
-      for (int r = 0; r < world; ++r) {
-        const float* chunk = out.data() + static_cast<std::size_t>(r) * width * per;
-        for (const auto& pc : all[static_cast<std::size_t>(r)].buckets[b].pieces) {
-          const std::size_t numel = c_.views[pc.param].numel;
-          const bool narrow = mine.type != dtype::f32;
-          for (std::size_t j = 0; j < k; ++j)
-            std::copy_n(chunk + k * pc.shard_offset + j * pc.count, pc.count,
-                        full[pc.param].data() + j * numel + pc.param_offset);
-          if (m == 1 && narrow)  // an f32 bucket has no master weights
-            std::copy_n(chunk + k * per + pc.shard_offset, pc.count,
-                        full[pc.param].data() + k * numel + pc.param_offset);
-        }
-      }
+      for (int r = 0; r < world; ++r)  // an f32 bucket has no master weights
+        state_blob::scatter_chunk(full, out.data() + static_cast<std::size_t>(r) * width * per, k, m,
+                                  mine.type != dtype::f32, per, all[static_cast<std::size_t>(r)].buckets[b].pieces,
+                                  c_.views);
     }
     if (c_.pg.rank() != 0) return {};
-    std::string out = "ddpshard";
-    put_u64(out, 1);  // format version
-    put_u64(out, k);
-    put_u64(out, m);
-    put_u64(out, steps_);
-    put_u64(out, c_.views.size());
-    for (std::size_t i = 0; i < c_.views.size(); ++i) put_u64(out, c_.views[i].numel);
-    for (const auto& f : full) out.append(reinterpret_cast<const char*>(f.data()), f.size() * sizeof(float));
-    std::vector<std::byte> blob(out.size());
-    std::memcpy(blob.data(), out.data(), out.size());
-    return blob;
+    return state_blob::encode(k, m, steps_, c_.views, full);
   }
 
   /// Takes the shards this rank holds from a blob of `gather_state` (any world size, any plan);
   /// the optimizer's first `step` after it checks that it keeps as many floats per element.
   void load_state(std::span<const std::byte> blob) {
-    const auto bad = [&](const std::string& why) {
-      detail::raise(errc::invalid_argument, c_.pg.rank(), "load_sharded_state: " + why);
-    };
-    std::size_t at = 8;
-    const auto u64 = [&]() -> std::uint64_t {
-      if (blob.size() < at + 8) bad("the blob ends early (" + std::to_string(blob.size()) + " bytes)");
-      std::uint64_t v = 0;
-      for (int b = 0; b < 8; ++b) v |= static_cast<std::uint64_t>(std::to_integer<unsigned>(blob[at + b])) << (8 * b);
-      at += 8;
-      return v;
-    };
-    if (blob.size() < 8 || std::memcmp(blob.data(), "ddpshard", 8) != 0)
-      bad("not a shard state (it must come from sharded_state())");
-    if (const auto version = u64(); version != 1) bad("format version " + std::to_string(version) + ", expected 1");
-    const std::uint64_t k = u64(), m = u64(), steps = u64(), count = u64();
-    if (k > 64 || m > 1) bad("a header that no sharded_state() writes");
-    if (count != c_.views.size())
-      detail::raise(errc::mismatch, c_.pg.rank(),
-                    "load_sharded_state: the state is of " + std::to_string(count) + " parameters, the wrapper has " +
-                        std::to_string(c_.views.size()));
-    std::vector<std::size_t> start(c_.views.size());
-    std::size_t data = at + 8 * count;
-    for (std::size_t i = 0; i < c_.views.size(); ++i) {
-      const std::uint64_t numel = u64();
-      if (numel != c_.views[i].numel)
-        detail::raise(errc::mismatch, c_.pg.rank(),
-                      "load_sharded_state: " + parameter_label(i, c_.views[i].name) + " has " +
-                          std::to_string(c_.views[i].numel) + " elements, the state " + std::to_string(numel),
-                      -1, static_cast<int>(i));
-      start[i] = data;
-      data += (k + m) * numel * sizeof(float);
-    }
-    if (blob.size() != data) bad(std::to_string(blob.size()) + " bytes where the header says " + std::to_string(data));
+    const state_blob::reader in(blob, c_.views, c_.pg.rank(), "load_sharded_state");
+    const std::size_t k = in.k, m = in.m;
     for (auto& h : held_) {
       std::vector<float> state(k * h.lay.elements, 0.0f);
       for (const auto& b : h.lay.buckets)
-        for (const auto& pc : b.pieces) {
-          const std::size_t numel = c_.views[pc.param].numel;
-          const auto read = [&](std::size_t j, float* dst) {
-            std::memcpy(dst, blob.data() + start[pc.param] + (j * numel + pc.param_offset) * sizeof(float),
-                        pc.count * sizeof(float));
-          };
-          for (std::size_t j = 0; j < k; ++j) read(j, state.data() + k * b.offset + k * pc.shard_offset + j * pc.count);
-          if (m == 1 && b.type != dtype::f32 && !h.master.empty())
-            read(k, h.master.data() + b.offset + pc.shard_offset);
-        }
+        for (const auto& pc : b.pieces)
+          in.read_piece(
+              pc, state.data() + k * b.offset + k * pc.shard_offset,
+              b.type != dtype::f32 && !h.master.empty() ? h.master.data() + b.offset + pc.shard_offset : nullptr);
       h.state = std::move(state);
     }
     if (m == 0) refresh_master();
     loaded_ = true;
     loaded_k_ = k;
     started_ = false;
-    steps_ = steps;
+    steps_ = in.steps;
   }
 
   /// The wrapper leaks its buckets (a collective may still write): so are the gradient shards.
