@@ -63,6 +63,28 @@ struct model : ddp_test::toy_model {
   }
 };
 
+/// `steps` fully sharded steps from step `from` (the gradients depend on the step).
+template <class FS, class Opt>
+void zero3_steps(FS& fs, model& m, Opt& opt, int rank, int from, int steps) {
+  std::vector<std::size_t> first(units.size());
+  for (std::size_t u = 1; u < units.size(); ++u) first[u] = first[u - 1] + units[u - 1];
+  std::vector<double> f(units.size());
+  for (int s = from; s < from + steps; ++s) {
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      fs.gather(u);
+      f[u] = forward(m, first[u], units[u]);
+      fs.release(u);
+    }
+    for (std::size_t u = units.size(); u-- > 0;) {
+      fs.begin_backward(u);
+      backward(m, first[u], units[u], f[u], rank, s);
+      fs.end_backward(u);
+    }
+    fs.finish();
+    fs.step(opt);
+  }
+}
+
 /// The same steps with the unsharded wrapper and the whole optimizer.
 template <class Reducer, class Opt>
 void train_unsharded(ddp::process_group& pg, model& m, Opt opt, int steps) {
@@ -97,23 +119,7 @@ float against_unsharded(ddp::process_group& pg, Opt opt, int steps, ddp::fully_s
   model a, b;
   {
     ddp::basic_fully_sharded<Reducer> fs{pg, a.views, units, o};
-    std::vector<std::size_t> first(units.size());
-    for (std::size_t u = 1; u < units.size(); ++u) first[u] = first[u - 1] + units[u - 1];
-    std::vector<double> f(units.size());
-    for (int s = 0; s < steps; ++s) {
-      for (std::size_t u = 0; u < units.size(); ++u) {
-        fs.gather(u);
-        f[u] = forward(a, first[u], units[u]);
-        fs.release(u);
-      }
-      for (std::size_t u = units.size(); u-- > 0;) {
-        fs.begin_backward(u);
-        backward(a, first[u], units[u], f[u], pg.rank(), s);
-        fs.end_backward(u);
-      }
-      fs.finish();
-      fs.step(opt);
-    }
+    zero3_steps(fs, a, opt, pg.rank(), 0, steps);
     if (o.prefetch && steps > 2 && pg.size() > 1)
       require(fs.gathers_prefetched() > 0, "no gather was prefetched in " + std::to_string(steps) + " steps");
     fs.gather_all();  // the trained weights into the engine's tensors, kept when fs goes
@@ -302,31 +308,6 @@ TEST_CASE("fully sharded bad use: a clear error, on every rank where it is colle
   }
 }
 
-namespace {
-
-/// `steps` fully sharded steps from step `from` (the gradients depend on the step).
-template <class FS>
-void zero3_steps(FS& fs, model& m, ddp::adamw& opt, int rank, int from, int steps) {
-  std::vector<std::size_t> first(units.size());
-  for (std::size_t u = 1; u < units.size(); ++u) first[u] = first[u - 1] + units[u - 1];
-  std::vector<double> f(units.size());
-  for (int s = from; s < from + steps; ++s) {
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      fs.gather(u);
-      f[u] = forward(m, first[u], units[u]);
-      fs.release(u);
-    }
-    for (std::size_t u = units.size(); u-- > 0;) {
-      fs.begin_backward(u);
-      backward(m, first[u], units[u], f[u], rank, s);
-      fs.end_backward(u);
-    }
-    fs.finish();
-    fs.step(opt);
-  }
-}
-
-}  // namespace
 
 TEST_CASE("fully sharded checkpoints: written at 2 ranks, loaded at 3, go on as the sharded wrapper loaded from the same file") {
   ddp_test::temp_dir dir;
