@@ -235,6 +235,10 @@ TEST_CASE("fully sharded bad use: a clear error, on every rank where it is colle
       fs.begin_backward(0);
       fs.end_backward(0);
       fs.finish();
+      fs.gather(2);  // its tensors would keep the values of before the step
+      ddp::sgd sgd{{.lr = 0.1}};
+      require_raises([&] { fs.step(sgd); }, ddp::errc::usage, {"unit 2 is gathered"});
+      fs.release(2);
       require_raises([&] { fs.begin_backward(0); fs.end_backward(0); fs.begin_backward(0); }, ddp::errc::usage,
                      {"ran already in this step"});
     }));

@@ -284,6 +284,9 @@ class basic_fully_sharded {
   void step(Optimizer& opt) {
     live("step");
     if (!fresh_) usage("step(): no finish() since the last step (or none at all)");
+    for (std::size_t u = 0; u < units_.size(); ++u)
+      if (units_[u].forward_open)  // its tensors would keep the values of before the step
+        usage("step(): unit " + std::to_string(u) + " is gathered (release it, or release_all(), first)");
     const std::size_t k = opt.state_per_element();
     if (!agreed_) {
       agree_.check_same_text("the shard optimizer (its signature())", opt.signature() + " state=" + std::to_string(k));
