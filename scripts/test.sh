@@ -15,18 +15,8 @@ took "the build"
 # The sanitizer and fuzz passes build and run beside the suite, at a lower priority: the suite's
 # process tests wait on their peers and leave about a third of two cores idle (863 s of wall time,
 # 1,085 s of CPU), which the passes' builds take instead. Their output follows the suite's.
-# So do the suites that only compile (COMPILE_ONLY: every header alone, every ```cpp block of the
-# docs, the consumer builds, the programs that must not compile): 560 s of the suite's 1,211 s
-# on 2 cores ran them, none beside the process tests, which meson runs one at a time.
-compile_only=(--suite headers --suite docs --suite consumer --suite compile_fail)
 side=$(mktemp /tmp/ddp-test-side.XXXXXX)
 (
-  s0=$SECONDS
-  if [[ $# -eq 0 ]]; then  # with arguments, the main run takes what they name, these included
-    nice -n 10 meson test -C build --no-rebuild --print-errorlogs --num-processes 2 --logbase compile-only \
-      "${compile_only[@]}" || exit 1
-    echo "test.sh: the suites that only compile took $((SECONDS - s0)) s (beside the suite)"
-  fi
   s0=$SECONDS
   # A bounded ASan+UBSan pass over the network-facing code (scripts/asan_quick.sh); DDP_SANITIZE=0
   # skips it. The whole suite under sanitizers: scripts/sanitize.sh.
@@ -46,16 +36,11 @@ side=$(mktemp /tmp/ddp-test-side.XXXXXX)
 ) > "$side" 2>&1 &
 side_pid=$!
 suite=0
-if [[ $# -eq 0 ]]; then
-  meson test -C build --no-rebuild --print-errorlogs --num-processes 2 \
-    --no-suite headers --no-suite docs --no-suite consumer --no-suite compile_fail || suite=$?
-else
-  meson test -C build --no-rebuild --print-errorlogs --num-processes 2 "$@" || suite=$?
-fi
+meson test -C build --no-rebuild --print-errorlogs --num-processes 2 "$@" || suite=$?
 took "meson test"
 passes=0
 wait "$side_pid" || passes=$?
 cat "$side"
 rm -f "$side"
-took "waiting for the passes beside the suite"
+took "waiting for the sanitizer and fuzz passes"
 ((suite == 0 && passes == 0))
