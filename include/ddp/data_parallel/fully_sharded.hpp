@@ -270,7 +270,6 @@ class basic_fully_sharded {
       check_order();
       for (auto& U : units_) U.reduced = false;
       backward_ = false;
-      fwd_.pos = bwd_.pos = 0;
       fwd_.finish_step();
       bwd_.finish_step();
       fresh_ = true;
@@ -480,6 +479,7 @@ class basic_fully_sharded {
         valid = true;
       }
       now.clear();
+      pos = 0;
       broken = false;
     }
   };
@@ -854,7 +854,10 @@ class basic_fully_sharded {
   }
 
   void note(char what, std::size_t u) {
-    if (sequence_.size() < 4096) sequence_ += std::string(" ") + what + std::to_string(u);
+    if (sequence_.size() < 4096) {
+      const char head[2] = {' ', what};
+      sequence_.append(head, 2).append(std::to_string(u));
+    }
     sequence_hash_ = (sequence_hash_ ^ (static_cast<std::uint64_t>(what) << 32 | u)) * 0x100000001b3ull;
   }
 
