@@ -21,6 +21,7 @@
 
 #include <ddp/version.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -29,6 +30,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -38,6 +40,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 
 #include <ddp/data_parallel.hpp>
+#include <ddp/data_parallel/fully_sharded.hpp>
 #include <ddp/error.hpp>
 #include <ddp/parameter.hpp>
 
@@ -642,6 +645,290 @@ class basic_torch_data_parallel {
 
 /// The LibTorch wrapper with ddp's defaults (`size_planner`, `auto_reducer`, `auto_allocator`).
 using torch_data_parallel = basic_torch_data_parallel<>;
+
+/// Fully sharded data parallel (ZeRO-3, PyTorch's FSDP2) for LibTorch: `basic_fully_sharded`
+/// over the parameters of `units` (modules; a parameter belongs to the innermost listed module
+/// holding it, so the root module listed last takes what no block holds), driven by autograd.
+/// The model's forward runs each unit through `forward(unit, args...)` (or `run(u, f, args...)`):
+/// the unit's parameters are all-gathered into its tensors, the unit runs, and they are released;
+/// each floating-point output carries an identity autograd function whose backward gathers the
+/// unit again before its own backward (`begin_backward`). A post hook on each parameter's gradient
+/// accumulator counts the unit's gradients; the last one ends the unit's backward (its gradients
+/// reduce-scattered while autograd goes on), and a callback queued on the autograd engine ends
+/// the rest and calls `finish()`: when `loss.backward()` returns, each rank holds its averaged
+/// gradient shard of every unit. `step(opt)` then steps the shards with a `ddp::shard_optimizer`
+/// (`ddp::adamw`, `ddp::sgd`). Under `torch::NoGradGuard` a unit is gathered and released only.
+///
+/// Between a unit's uses its tensors' pages are released (and, by default, inaccessible): do not
+/// read parameters or gradients outside their unit, nor call a `torch::optim` optimizer or
+/// `zero_grad()` on them (the wrapper zeroes each unit's gradients as its backward begins). Buffers
+/// and frozen parameters in a unit are refused (`errc::unsupported`): this mode does not keep them in step.
+/// The wrapper must outlive every autograd graph built through it.
+/// \code
+/// ddp::torch_fully_sharded fs{pg, {net->block1.ptr(), net->block2.ptr(), net.ptr()}};
+/// // in Net::forward:  h = fs.forward(block1, h);  (net's own forward: fs.forward(net, x))
+/// auto loss = torch::mse_loss(fs.forward(net, x), y);
+/// loss.backward();  // every unit's gradients reduce-scattered
+/// fs.step(adamw);   // ddp::adamw adamw{{.lr = 1e-3}};
+/// \endcode
+template <class Reducer = auto_reducer, class Allocator = auto_allocator>
+class basic_torch_fully_sharded {
+ public:
+  using wrapper_type = basic_fully_sharded<Reducer, Allocator>;
+
+  template <class... ReducerArgs>
+  basic_torch_fully_sharded(process_group& pg, std::vector<std::shared_ptr<torch::nn::Module>> units,
+                            fully_sharded_options opts = {}, ReducerArgs&&... reducer_args)
+      : modules_(std::move(units)),
+        lay_(lay_out(modules_, pg.rank())),
+        fs_(pg, lay_.params, lay_.counts, opts, std::forward<ReducerArgs>(reducer_args)...),
+        arrived_(modules_.size(), 0),
+        open_(modules_.size(), false) {
+    try {
+      for (std::size_t i = 0; i < lay_.params.size(); ++i) {
+        const auto& t = lay_.params.tensor(i);
+        grads_.push_back(t.grad());
+        auto acc = torch::autograd::impl::grad_accumulator(t);
+        const auto key = acc->add_post_hook(std::make_unique<hook>(this, i));
+        hooks_.push_back({std::move(acc), key});
+      }
+    } catch (...) {
+      remove_hooks();
+      throw;
+    }
+  }
+
+  basic_torch_fully_sharded(const basic_torch_fully_sharded&) = delete;
+  basic_torch_fully_sharded& operator=(const basic_torch_fully_sharded&) = delete;
+  ~basic_torch_fully_sharded() { remove_hooks(); }
+
+  /// The unit of `module` (a listed module, its holder or its pointer); errc::invalid_argument
+  /// for one that is not listed.
+  std::size_t unit_of(const torch::nn::Module& module) const {
+    for (std::size_t u = 0; u < modules_.size(); ++u)
+      if (modules_[u].get() == &module) return u;
+    detail::raise(errc::invalid_argument, rank(),
+                  "torch_fully_sharded: module '" + module.name() + "' is not one of the " +
+                      std::to_string(modules_.size()) + " listed units");
+  }
+
+  /// Unit `module`'s forward, `module->forward(args...)`, with the unit gathered around it.
+  template <class Module, class... Args>
+  auto forward(Module& module, Args&&... args) {
+    return run(
+        unit_of(*module), [&](auto&&... a) { return module->forward(std::forward<decltype(a)>(a)...); },
+        std::forward<Args>(args)...);
+  }
+
+  /// Unit `u`'s forward as `f(args...)`, returning a tensor or a `std::vector` of tensors: gathered
+  /// before, released after (also when `f` throws); with gradients enabled, every floating-point
+  /// output that requires a gradient gathers the unit again before the unit's backward.
+  template <class F, class... Args>
+  auto run(std::size_t u, F&& f, Args&&... args) {
+    using result = std::decay_t<std::invoke_result_t<F, Args...>>;
+    static_assert(std::is_same_v<result, torch::Tensor> || std::is_same_v<result, std::vector<torch::Tensor>>,
+                  "ddp: a unit's forward returns a torch::Tensor or a std::vector<torch::Tensor>");
+    fs_.gather(u);
+    result out;
+    try {
+      out = std::invoke(std::forward<F>(f), std::forward<Args>(args)...);
+    } catch (...) {
+      try {
+        fs_.release(u);
+      } catch (...) {  // the forward's own failure is the one to report
+      }
+      throw;
+    }
+    fs_.release(u);
+    if (!torch::GradMode::is_enabled()) return out;
+    if constexpr (std::is_same_v<result, torch::Tensor>) {
+      return mark(out, u);
+    } else {
+      for (auto& t : out) t = mark(t, u);
+      return out;
+    }
+  }
+
+  /// One optimizer step on every shard this rank holds (`basic_fully_sharded::step`), after a
+  /// `backward()` that ran every unit's backward.
+  template <shard_optimizer Optimizer>
+  void step(Optimizer& opt) {
+    fs_.step(opt);
+  }
+
+  /// The `basic_fully_sharded` underneath (gather_all, sharded_state, statistics).
+  wrapper_type& wrapper() noexcept { return fs_; }
+  /// The parameters, in unit order: unit 0's, then unit 1's, ...
+  const torch_parameters& parameters() const noexcept { return lay_.params; }
+  int rank() const noexcept { return rank_; }
+
+ private:
+  struct layout {
+    torch_parameters params;
+    std::vector<std::size_t> counts, first;  // per unit: its parameters, and the first of them
+    std::size_t unit_of(std::size_t i) const {
+      return static_cast<std::size_t>(std::upper_bound(first.begin(), first.end(), i) - first.begin()) - 1;
+    }
+  };
+
+  // Each parameter of the listed modules goes to the innermost listed module holding it (the one
+  // with the fewest parameters); the parameters are laid out unit by unit, each in its module's
+  // order.
+  layout lay_out(const std::vector<std::shared_ptr<torch::nn::Module>>& mods, int rank) {
+    rank_ = rank;
+    if (mods.empty()) detail::raise(errc::invalid_argument, rank, "torch_fully_sharded: no units");
+    std::vector<std::vector<std::pair<std::string, torch::Tensor>>> named(mods.size());
+    std::vector<std::unordered_set<const c10::TensorImpl*>> holds(mods.size());
+    for (std::size_t u = 0; u < mods.size(); ++u) {
+      if (!mods[u])
+        detail::raise(errc::invalid_argument, rank, "torch_fully_sharded: unit " + std::to_string(u) + " is null");
+      for (std::size_t v = 0; v < u; ++v)
+        if (mods[v] == mods[u])
+          detail::raise(errc::invalid_argument, rank,
+                        "torch_fully_sharded: module '" + mods[u]->name() + "' is listed twice (units " +
+                            std::to_string(v) + " and " + std::to_string(u) + ")");
+      for (const auto& item : mods[u]->named_parameters(/*recurse=*/true))
+        holds[u].insert(item.value().unsafeGetTensorImpl());
+      if (const auto bufs = mods[u]->named_buffers(true); !bufs.is_empty())
+        detail::raise(errc::unsupported, rank,
+                      "torch_fully_sharded: unit " + std::to_string(u) + " ('" + mods[u]->name() + "') has buffer '" +
+                          bufs.keys().front() + "'; the fully sharded mode does not keep buffers in step across ranks");
+    }
+    for (std::size_t u = 0; u < mods.size(); ++u)
+      for (const auto& item : mods[u]->named_parameters(/*recurse=*/true)) {
+        const auto* impl = item.value().unsafeGetTensorImpl();
+        std::size_t best = u;
+        for (std::size_t v = 0; v < mods.size(); ++v)
+          if (holds[v].contains(impl) && holds[v].size() < holds[best].size()) best = v;
+        if (best != u) continue;
+        if (!item.value().requires_grad())
+          detail::raise(errc::unsupported, rank,
+                        "torch_fully_sharded: unit " + std::to_string(u) + " has frozen parameter '" + item.key() +
+                            "'; the fully sharded mode shards trained parameters only");
+        named[u].emplace_back(item.key(), item.value());
+      }
+    layout out{torch_parameters{flatten(named)}, {}, {}};
+    std::unordered_set<const c10::TensorImpl*> seen;  // torch_parameters keeps a tied tensor once
+    for (std::size_t u = 0; u < mods.size(); ++u) {
+      std::size_t n = 0;
+      for (const auto& item : named[u]) n += seen.insert(item.second.unsafeGetTensorImpl()).second ? 1 : 0;
+      if (n == 0)
+        detail::raise(errc::invalid_argument, rank,
+                      "torch_fully_sharded: unit " + std::to_string(u) + " ('" + mods[u]->name() +
+                          "') has no parameters of its own (an inner listed unit holds them all)");
+      out.first.push_back(out.counts.empty() ? 0 : out.first.back() + out.counts.back());
+      out.counts.push_back(n);
+    }
+    return out;
+  }
+  static std::vector<std::pair<std::string, torch::Tensor>> flatten(
+      const std::vector<std::vector<std::pair<std::string, torch::Tensor>>>& named) {
+    std::vector<std::pair<std::string, torch::Tensor>> all;
+    for (const auto& v : named) all.insert(all.end(), v.begin(), v.end());
+    return all;
+  }
+
+  // The identity on a unit's output whose backward begins the unit's backward.
+  struct entry : torch::autograd::Function<entry> {
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                                                  std::int64_t owner, std::int64_t u) {
+      ctx->saved_data["owner"] = owner;
+      ctx->saved_data["unit"] = u;
+      return {x};
+    }
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+      auto* self = reinterpret_cast<basic_torch_fully_sharded*>(ctx->saved_data["owner"].toInt());
+      self->enter(static_cast<std::size_t>(ctx->saved_data["unit"].toInt()));
+      return {grads.at(0), torch::Tensor(), torch::Tensor()};
+    }
+  };
+
+  torch::Tensor mark(const torch::Tensor& t, std::size_t u) {
+    if (!t.defined() || !t.requires_grad() || !t.is_floating_point()) return t;
+    return entry::apply(t, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(this)),
+                        static_cast<std::int64_t>(u))[0];
+  }
+
+  // The first output gradient of unit u in this backward: the unit gathered again, its
+  // gradients opened; the first unit of a backward queues the end-of-backward callback.
+  void enter(std::size_t u) {
+    if (open_[u]) return;
+    if (!backward_open_) {
+      backward_open_ = true;
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { leave(); });
+    }
+    open_[u] = true;
+    arrived_[u] = 0;
+    fs_.begin_backward(u);
+  }
+
+  // Parameter i's gradient is final: in the tensor ddp reads (autograd made a new one when the
+  // engine set it to None), and the last of its unit ends the unit's backward.
+  void arrived(std::size_t i) {
+    const std::size_t u = lay_.unit_of(i);
+    if (!open_[u])
+      detail::raise(errc::usage, rank_,
+                    "torch_fully_sharded: parameter '" + lay_.params.name(i) + "' of unit " + std::to_string(u) +
+                        " got a gradient outside its unit's backward (used outside forward(unit, ...), or the "
+                        "unit's output reached the loss without passing through it)",
+                    -1, static_cast<int>(i));
+    const auto& t = lay_.params.tensor(i);
+    if (const auto& g = t.grad(); !g.is_same(grads_[i])) {
+      torch::NoGradGuard no_grad;
+      if (g.defined() && g.data_ptr() != grads_[i].data_ptr()) grads_[i].copy_(g);
+      t.mutable_grad() = grads_[i];
+    }
+    if (++arrived_[u] == lay_.counts[u]) close(u);
+  }
+
+  void close(std::size_t u) {
+    open_[u] = false;
+    fs_.end_backward(u);
+  }
+
+  // The backward ended: units with a parameter that got no gradient end now, then finish().
+  void leave() {
+    backward_open_ = false;
+    for (std::size_t u = 0; u < open_.size(); ++u)
+      if (open_[u]) close(u);
+    fs_.finish();
+  }
+
+  struct hook final : torch::autograd::FunctionPostHook {
+    hook(basic_torch_fully_sharded* owner, std::size_t index) : owner_(owner), index_(index) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list& /*inputs*/) override {
+      owner_->arrived(index_);
+      return outputs;
+    }
+    basic_torch_fully_sharded* owner_;
+    std::size_t index_;
+  };
+
+  struct registration {
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::Tensor&>())) accumulator;
+    std::uintptr_t key;
+  };
+
+  void remove_hooks() noexcept {
+    for (auto& h : hooks_) h.accumulator->del_post_hook(h.key);
+    hooks_.clear();
+  }
+
+  int rank_ = -1;
+  std::vector<std::shared_ptr<torch::nn::Module>> modules_;
+  layout lay_;
+  wrapper_type fs_;
+  std::vector<torch::Tensor> grads_;  // each parameter's gradient tensor, which the wrapper reads
+  std::vector<registration> hooks_;
+  std::vector<std::size_t> arrived_;  // per unit: its parameters whose gradient is final
+  std::vector<bool> open_;            // per unit: its backward began and has not ended
+  bool backward_open_ = false;
+};
+
+/// The LibTorch fully sharded wrapper with ddp's defaults.
+using torch_fully_sharded = basic_torch_fully_sharded<>;
 
 }  // namespace DDP_ABI
 }  // namespace ddp

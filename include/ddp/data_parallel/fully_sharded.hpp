@@ -406,6 +406,13 @@ class basic_fully_sharded {
     for (const auto& U : units_) n += U.values.size() * sizeof(float) + (U.whole ? U.bytes : U.kept_bytes);
     return n;
   }
+  /// The part of `param_bytes()` that is the partial pages at the released tensors' ends (an
+  /// engine whose tensors are not page-aligned keeps up to two pages of each).
+  std::size_t partial_page_bytes() const noexcept {
+    std::size_t n = 0;
+    for (const auto& U : units_) n += U.whole ? 0 : U.kept_bytes;
+    return n;
+  }
   /// The model's parameter bytes (every unit whole).
   std::size_t model_bytes() const noexcept {
     std::size_t n = 0;
