@@ -12,39 +12,11 @@
 # torch suite's targets; arguments go to meson test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=${DDP_TORCH_VENV:-/opt/ddp-torch-venv}
 build=${DDP_TORCH_BUILD:-build-torch-current}
 t0=$SECONDS
 took() { echo "torch_current.sh: $1 took $((SECONDS - t0)) s"; t0=$SECONDS; }
 
-if ! /usr/bin/python3 -c 'import venv, ensurepip' 2>/dev/null; then
-  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
-fi
-[[ -x "$venv/bin/python" ]] || /usr/bin/python3 -m venv "$venv"
-py=$venv/bin/python
-want=torch${DDP_TORCH_VERSION:+==$DDP_TORCH_VERSION}
-if ! "$py" -c 'import torch' 2>/dev/null || [[ -n "${DDP_TORCH_VERSION:-}" &&
-     "$("$py" -c 'import torch; print(torch.__version__.split("+")[0])')" != "$DDP_TORCH_VERSION" ]]; then
-  "$py" -m pip install --no-deps "$want"
-  # torch's own requirements for this interpreter and platform, triton left out.
-  mapfile -t reqs < <("$py" - <<'EOF'
-from importlib.metadata import requires
-from pip._vendor.packaging.requirements import Requirement
-for r in map(Requirement, requires("torch") or []):
-    if r.name != "triton" and (r.marker is None or r.marker.evaluate({"extra": ""})):
-        print(r)
-EOF
-  )
-  "$py" -m pip install "${reqs[@]}" numpy
-fi
-{ read -r version; read -r prefix; read -r abi; } < <("$py" -c '
-import os, torch, torch.distributed as d
-assert d.is_gloo_available(), "this torch has no gloo"
-print(torch.__version__, os.path.dirname(torch.__file__), int(torch._C._GLIBCXX_USE_CXX11_ABI), sep="\n")')
-[[ -n "${abi:-}" ]] || { echo "torch_current.sh: $py does not import torch with gloo" >&2; exit 1; }
-echo "torch_current.sh: torch $version at $prefix (_GLIBCXX_USE_CXX11_ABI=$abi)"
+source scripts/torch_venv.sh  # sets py, version, prefix, abi
 took "installing or finding torch"
 
 opts=(-Dtorch=enabled -Dtorch_prefix="$prefix" -Dcuda=disabled -Dnccl=disabled
