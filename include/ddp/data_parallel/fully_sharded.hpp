@@ -42,6 +42,7 @@
 #include <ddp/data_parallel/detail/widen.hpp>
 #include <ddp/data_parallel/detail/xxh64.hpp>
 #include <ddp/data_parallel/shard_layout.hpp>
+#include <ddp/data_parallel/timeline.hpp>
 #include <ddp/detail/timing.hpp>
 #include <ddp/dtype.hpp>
 #include <ddp/error.hpp>
@@ -83,6 +84,13 @@ struct fully_sharded_options {
   bool average = true;
   /// The deadline of each wait for a collective; 0: the group's timeout.
   std::chrono::milliseconds timeout{0};
+  /// A timeline file (a Chrome trace, as `dp_options::timeline`: rank r writes
+  /// `<timeline>.rank<r>.json`; empty: the environment's `DDP_TIMELINE`, else none): each unit's
+  /// gather, forward, release, begin_backward, backward and end_backward on the engine's thread,
+  /// each all-gather and reduce-scatter on the thread that ran it, finish(), step() and the step.
+  std::string timeline = {};
+  /// Steps the timeline records before it stops; 0: `DDP_TIMELINE_STEPS`, else 1000.
+  std::uint64_t timeline_steps = 0;
 };
 
 /// The fully sharded mode over `Reducer` (every reducer of ddp: ring and tree over tcp or shm,
@@ -130,6 +138,7 @@ class basic_fully_sharded {
         release_params(u);
         release_grads(u);
       }
+    timeline_ = timeline::open(opts_.timeline, opts_.timeline_steps, pg_.rank(), pg_.size());
   }
 
   basic_fully_sharded(const basic_fully_sharded&) = delete;
@@ -179,11 +188,15 @@ class basic_fully_sharded {
       usage("gather(" + std::to_string(u) + "): unit " + std::to_string(u) + " is gathered already (its release(" +
             std::to_string(u) + ") is missing)");
     if (backward_) usage("gather(" + std::to_string(u) + ") after the backward began: begin_backward(unit) there");
+    const auto t0 = steady_clock::now();
+    if (!step_open_) step_open_ = true, step_begin_ = t0;
     guarded([&] {
       note('g', u);
+      const bool had = U.present || U.prefetched != nullptr;
       bring(u);
       U.forward_open = true;
       advance(fwd_, u);
+      U.since = mark("gather", u, t0, had);
     });
   }
 
@@ -195,10 +208,13 @@ class basic_fully_sharded {
     if (!U.forward_open)
       usage("release(" + std::to_string(u) + "): unit " + std::to_string(u) +
             " is not gathered (released twice, or never gathered)");
+    const auto t0 = steady_clock::now();
+    if (timeline_) timeline_->thread_span("forward unit " + std::to_string(u), U.since, t0, unit_args(u));
     guarded([&] {
       note('r', u);
       U.forward_open = false;
       if (opts_.reshard_after_forward && !U.whole && !backward_begins_with(u)) release_params(u);
+      mark("release", u, t0);
     });
   }
 
@@ -214,13 +230,17 @@ class basic_fully_sharded {
     if (U.backward_open || U.reduced)
       usage("begin_backward(" + std::to_string(u) + "): unit " + std::to_string(u) + "'s backward " +
             (U.backward_open ? "is already open" : "ran already in this step"));
+    const auto t0 = steady_clock::now();
+    if (!step_open_) step_open_ = true, step_begin_ = t0;
     guarded([&] {
       note('b', u);
       backward_ = true;
+      const bool had = U.present || U.prefetched != nullptr;
       bring(u);
       open_grads(u);
       U.backward_open = true;
       advance(bwd_, u);
+      U.since = mark("begin_backward", u, t0, had);
     });
   }
 
@@ -232,6 +252,8 @@ class basic_fully_sharded {
     auto& U = at(u, "end_backward");
     if (!U.backward_open)
       usage("end_backward(" + std::to_string(u) + ") without begin_backward(" + std::to_string(u) + ")");
+    const auto t0 = steady_clock::now();
+    if (timeline_) timeline_->thread_span("backward unit " + std::to_string(u), U.since, t0, unit_args(u));
     guarded([&] {
       note('e', u);
       U.backward_open = false;
@@ -241,6 +263,7 @@ class basic_fully_sharded {
         release_params(u);
         release_grads(u);
       }
+      mark("end_backward", u, t0);
     });
   }
 
@@ -260,6 +283,7 @@ class basic_fully_sharded {
     if (!missing.empty())
       usage("finish(): unit(s) " + missing +
             " had no backward in this step (begin_backward and end_backward for every unit)");
+    const auto t0 = steady_clock::now();
     guarded([&] {
       for (auto& s : scatters_) wait(s, "the gradients' reduce-scatter");
       for (auto& s : gathers_) {  // a prefetch nobody took (the order changed): dropped
@@ -274,6 +298,7 @@ class basic_fully_sharded {
       bwd_.finish_step();
       fresh_ = true;
     });
+    if (timeline_) timeline_->thread_span("finish()", t0, steady_clock::now(), {});
   }
 
   /// After `finish()`: one optimizer step on every shard this rank holds (a
@@ -300,6 +325,7 @@ class basic_fully_sharded {
     }
     fresh_ = false;
     ++steps_;
+    const auto t0 = steady_clock::now();
     guarded([&] {
       for (std::size_t u = 0; u < units_.size(); ++u) step_unit(opt, u);
       for (std::size_t u = 0; u < units_.size(); ++u)
@@ -308,6 +334,11 @@ class basic_fully_sharded {
           take_gather(u);
         }
     });
+    if (timeline_) {
+      timeline_->thread_span("step() (optimizer)", t0, steady_clock::now(), {});
+      timeline_->step_span(steps_, step_open_ ? step_begin_ : t0, "\"units\":" + std::to_string(units_.size()));
+    }
+    step_open_ = false;
   }
 
   /// Every unit's parameters into the engine's tensors, kept there (as if each were gathered)
@@ -455,6 +486,7 @@ class basic_fully_sharded {
     std::size_t bytes = 0;
     request req;
     std::size_t unit = npos;
+    const char* kind = "";  // for the timeline: "all-gather" or "reduce-scatter"
   };
 
   struct unit_state {
@@ -471,7 +503,8 @@ class basic_fully_sharded {
     std::size_t kept_bytes = 0;                                // the released tensors' partial pages
     bool present = false;                                      // the parameters are in the engine's tensors
     bool forward_open = false, backward_open = false, reduced = false;
-    slot* prefetched = nullptr;  // its gather in flight
+    slot* prefetched = nullptr;        // its gather in flight
+    steady_clock::time_point since{};  // for the timeline: when its forward or backward began
   };
 
   /// The recorded order of one pass (forward or backward) and where this step is in it.
@@ -632,6 +665,7 @@ class basic_fully_sharded {
     const std::uint32_t mark = marker(u);
     std::memcpy(mine + U.lay.per_rank * esz, &mark, 4);
     s.unit = u;
+    s.kind = "all-gather";
     s.req = detail::allgather_async_tagged(red_, mine, s.buf, chunk, U.type, tag(u));
     U.prefetched = &s;
     ++issued_;
@@ -736,6 +770,7 @@ class basic_fully_sharded {
       std::memcpy(s.buf + U.entries[j].first * esz, views_[U.first + j].grad, U.entries[j].second * esz);
     std::memset(s.buf + U.numel * esz, 0, (U.lay.padded - U.numel) * esz);
     s.unit = u;
+    s.kind = "reduce-scatter";
     const op o = opts_.average ? op::avg : op::sum;
     s.req = detail::reduce_scatter_async_tagged(red_, s.buf, U.grad.get(), U.lay.per_rank, U.type, o, tag(u));
   }
@@ -825,6 +860,9 @@ class basic_fully_sharded {
     if (!s.req.valid()) return;
     try {
       s.req.wait(detail::timing::collective_deadline(patience()));
+      if (timeline_ && *s.kind != '\0' && s.unit != npos)
+        timeline_->collective_span(std::string(s.kind) + " unit " + std::to_string(s.unit), s.req,
+                                   unit_args(s.unit) + ",\"bytes\":" + std::to_string(s.bytes));
     } catch (const error& e) {
       s.buf = nullptr;  // the collective may still write into it: leaked
       s.bytes = 0;
@@ -858,6 +896,21 @@ class basic_fully_sharded {
                   seqs[static_cast<std::size_t>(std::min(other, pg_.size() - 1))] +
                   " (g gather, r release, b begin_backward, e end_backward): every rank must make the same calls"));
     std::rethrow_exception(failed_);
+  }
+
+  /// The timeline's span of call `what` on unit u from `t0` to now (`had`: its parameters were
+  /// there or on their way: prefetched); returns now.
+  steady_clock::time_point mark(const char* what, std::size_t u, steady_clock::time_point t0, int had = -1) {
+    const auto now = steady_clock::now();
+    if (timeline_)
+      timeline_->thread_span(std::string(what) + " unit " + std::to_string(u), t0, now,
+                             unit_args(u) + (had < 0 ? ""
+                                             : had   ? ",\"prefetched\":true"
+                                                     : ",\"prefetched\":false"));
+    return now;
+  }
+  std::string unit_args(std::size_t u) const {
+    return "\"step\":" + std::to_string(steps_ + 1) + ",\"unit\":" + std::to_string(u);
   }
 
   void note(char what, std::size_t u) {
@@ -943,6 +996,9 @@ class basic_fully_sharded {
   std::uint64_t steps_ = 0, issued_ = 0, prefetch_hits_ = 0;
   std::chrono::nanoseconds gather_wait_{0};
   bool backward_ = false, fresh_ = false, agreed_ = false;
+  bool step_open_ = false;               // for the timeline: a gather or begin_backward since the last step()
+  steady_clock::time_point step_begin_;  // and when the first of them came
+  std::unique_ptr<timeline> timeline_;
   std::size_t next_scatter_ = 0;
   std::vector<std::uint64_t> order_words_;
   std::exception_ptr failed_;

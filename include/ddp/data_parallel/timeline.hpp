@@ -77,11 +77,13 @@ class timeline {
   /// cannot be opened or written, and errc::invalid_argument for a `DDP_TIMELINE_STEPS` that is
   /// not a positive number.
   static std::unique_ptr<timeline> open(const dp_options& opts, int rank, int world_size) {
-    std::string base = opts.timeline;
+    return open(opts.timeline, opts.timeline_steps, rank, world_size);
+  }
+  /// The same from a file name and a step limit (`fully_sharded_options`' timeline fields).
+  static std::unique_ptr<timeline> open(std::string base, std::uint64_t steps, int rank, int world_size) {
     if (base.empty())
       if (const char* env = std::getenv("DDP_TIMELINE")) base = env;
     if (base.empty()) return nullptr;
-    std::uint64_t steps = opts.timeline_steps;
     if (steps == 0) steps = steps_from_env(rank);
     // The k-th timeline of this process with the same file name gets a suffix (timeline_file),
     // and so does one whose file another process records into (a process can be rank 0 of one
@@ -197,6 +199,51 @@ class timeline {
   // ---- hooks of basic_data_parallel ------------------------------------------------------
   // bucket_ready and bucket_launched run under bucket_state's lock (or, for launches in
   // join(), with no hook running): never two at once.
+
+  // ---- hooks of basic_fully_sharded: events written as they happen -----------------------
+
+  /// A span `name` on the calling thread's track from `begin` to `end`; `args`: the inside of a
+  /// JSON object. Never throws: a failure stops recording.
+  void thread_span(std::string_view name, steady_clock::time_point begin, steady_clock::time_point end,
+                   std::string_view args) noexcept {
+    if (!recording()) return;
+    try {
+      const long me = detail::os_thread_id();
+      track(me, false);
+      span(name, me, ns(begin), ns(end), args);
+    } catch (...) {
+      stop_failed("out of memory while formatting an event");
+    }
+  }
+  /// Collective `req`'s run, named `name`, on the track of the thread that ran it (when it was
+  /// timed: a timeline was alive as it started).
+  void collective_span(std::string_view name, const request& req, std::string_view args) noexcept {
+    if (!recording() || !req.valid() || req.started_at() == steady_clock::time_point{} ||
+        req.finished_at() == steady_clock::time_point{})
+      return;
+    try {
+      const long progress = req.thread_id();
+      track(progress, true);
+      span(name, progress, ns(req.started_at()), ns(req.finished_at()), args);
+    } catch (...) {
+      stop_failed("out of memory while formatting an event");
+    }
+  }
+  /// Step `step` ended now, begun at `begin`: its span on the calling thread; counts toward
+  /// the step limit.
+  void step_span(std::uint64_t step, steady_clock::time_point begin, std::string_view args) noexcept {
+    if (!recording()) return;
+    try {
+      const long me = detail::os_thread_id();
+      track(me, false);
+      const std::string s = std::to_string(step);
+      span("step " + s, me, ns(begin), ns(steady_clock::now()),
+           "\"step\":" + s + (args.empty() ? "" : ",") + std::string(args));
+      count_step();
+    } catch (...) {
+      stop_failed("out of memory while formatting a step");
+    }
+  }
 
   /// Bucket `b` became complete, on the calling thread.
   void bucket_ready(std::size_t b) noexcept {
