@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <regex>
 #include <thread>
 #include <string>
@@ -448,4 +449,65 @@ TEST_CASE(
     // unit's 30 ms of compute: at least one of the 3 x 3 such gathers inside it even on a busy machine.
     CHECK(inside >= 1);
   }
+}
+
+TEST_CASE(
+    "fully sharded no_sync: micro-batches accumulated locally, then reduce-scattered, give the unsharded no_sync "
+    "weights") {
+  constexpr int steps = 3, micro = 3;
+  expect_ok(on_ranks(2, local_group{30s}, [&](ddp::process_group& pg) {
+    std::vector<std::size_t> first(units.size());
+    for (std::size_t u = 1; u < units.size(); ++u) first[u] = first[u - 1] + units[u - 1];
+    ddp::adamw opt{{.lr = 0.01, .weight_decay = 0.1}};
+    // The backward of micro-batch k of step s (its gradients differ with k).
+    const auto pass = [&](model& m, int s, int k, auto&& around) {
+      for (std::size_t u = units.size(); u-- > 0;)
+        around(u, [&] { backward(m, first[u], units[u], 1.0 + k, pg.rank(), 10 * s + k); });
+    };
+    model a, b;
+    {
+      ddp::fully_sharded fs{pg, a.views, units, all_sharded};
+      for (int s = 0; s < steps; ++s) {
+        for (int k = 0; k < micro; ++k) {
+          std::optional<ddp::fully_sharded::no_sync_guard> acc;
+          if (k + 1 < micro) acc.emplace(fs.no_sync());
+          for (std::size_t u = 0; u < units.size(); ++u) fs.gather(u), fs.release(u);
+          pass(a, s, k, [&](std::size_t u, auto&& bwd) {
+            fs.begin_backward(u);
+            bwd();
+            fs.end_backward(u);
+          });
+          fs.finish();
+          if (k + 1 < micro) require_raises([&] { fs.step(opt); }, ddp::errc::usage, {"accumulated under no_sync()"});
+        }
+        fs.step(opt);
+      }
+      fs.gather_all();
+    }
+    {
+      ddp::basic_data_parallel<ddp::size_planner, ddp::auto_reducer, ddp::host_allocator> dp{pg, b.views};
+      std::vector<std::vector<float>> state;
+      for (std::size_t i = 0; i < b.size(); ++i) state.emplace_back(2 * b.numel(i), 0.0f);
+      for (int s = 0; s < steps; ++s) {
+        for (std::size_t i = 0; i < b.size(); ++i) std::memset(b.grad(i), 0, b.views[i].bytes());
+        for (int k = 0; k < micro; ++k) {
+          std::optional<ddp::data_parallel::no_sync_guard> acc;
+          if (k + 1 < micro) acc.emplace(dp.no_sync());
+          pass(b, s, k, [&](std::size_t u, auto&& bwd) {
+            bwd();
+            for (std::size_t i = first[u] + units[u]; i-- > first[u];) dp.grad_ready(i);
+          });
+          dp.finish();
+        }
+        for (std::size_t i = 0; i < b.size(); ++i)
+          opt.step(ddp::shard_step{0,
+                                   static_cast<std::uint64_t>(s + 1),
+                                   b.data<float>(i),
+                                   b.grad<float>(i),
+                                   std::span<float>(state[i]),
+                                   {}});
+      }
+    }
+    require(a.data_bytes() == b.data_bytes(), "the fully sharded no_sync weights differ from the unsharded ones");
+  }));
 }

@@ -204,6 +204,15 @@ TEST_CASE("torch_fully_sharded: a gradient set to None is taken back; bad units 
           fs.step(opt);
           if (!net->blocks[0]->fc1->weight.grad().defined())
             throw std::runtime_error("the gradient set to None was not taken back");
+          // no_sync: the first backward accumulates, the second reduce-scatters the sum; step()
+          // between them is refused.
+          {
+            auto acc = fs.no_sync();
+            fs.forward(root, batch(rank, 2).first).sum().backward();
+          }
+          ddp_test::require_raises([&] { fs.step(opt); }, ddp::errc::usage, {"accumulated under no_sync()"});
+          fs.forward(root, batch(rank, 3).first).sum().backward();
+          fs.step(opt);
         }
         {  // a unit listed twice
           auto net = make_net(1);

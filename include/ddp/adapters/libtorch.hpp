@@ -756,6 +756,11 @@ class basic_torch_fully_sharded {
     fs_.step(opt);
   }
 
+  /// Gradient accumulation: backwards that begin while the guard lives reduce nothing; the
+  /// gradients add up whole in the module's tensors until a backward without it
+  /// (`basic_fully_sharded::no_sync`).
+  typename wrapper_type::no_sync_guard no_sync() { return fs_.no_sync(); }
+
   /// The `basic_fully_sharded` underneath (gather_all, sharded_state, statistics).
   wrapper_type& wrapper() noexcept { return fs_; }
   /// The parameters, in unit order: unit 0's, then unit 1's, ...

@@ -35,6 +35,7 @@
 #include <ddp/clock.hpp>
 #include <ddp/concepts.hpp>
 #include <ddp/data_parallel/agreement.hpp>
+#include <ddp/data_parallel/detail/failure_latch.hpp>
 #include <ddp/data_parallel/detail/parameters.hpp>
 #include <ddp/data_parallel/detail/released_pages.hpp>
 #include <ddp/data_parallel/detail/setup_checks.hpp>
@@ -175,6 +176,25 @@ class basic_fully_sharded {
     const auto& U = at(u, "unit_parameters");
     return {U.first, U.count};
   }
+  /// A gradient-accumulation scope (`no_sync()`).
+  using no_sync_guard = detail::depth_guard;
+
+  /// Gradient accumulation (PyTorch FSDP2's `set_requires_gradient_sync(False)`): a backward
+  /// that begins while the guard lives reduces nothing; each unit's gradients stay whole in the
+  /// engine's tensors (their memory held, the parameters still released) and add up over such
+  /// backwards, until a backward without the guard reduce-scatters the sum. `finish()` ends an
+  /// accumulating backward too; `step()` needs a synchronized one. errc::usage inside a backward.
+  /// \code
+  /// { auto acc = fs.no_sync(); micro_step(0); fs.finish(); }  // accumulates locally
+  /// micro_step(1); fs.finish();                                // reduce-scatters both
+  /// fs.step(opt);
+  /// \endcode
+  no_sync_guard no_sync() {
+    live("no_sync");
+    if (backward_) usage("no_sync() inside a backward (after its begin_backward): call it before the step's backward");
+    return no_sync_guard(no_sync_depth_);
+  }
+
   /// Whether unit `u` stays whole (fewer elements than `whole_below`).
   bool whole(std::size_t u) const { return at(u, "whole").whole; }
 
@@ -234,6 +254,7 @@ class basic_fully_sharded {
     if (!step_open_) step_open_ = true, step_begin_ = t0;
     guarded([&] {
       note('b', u);
+      if (!backward_) sync_ = no_sync_depth_ == 0;  // the first unit of this backward decides
       backward_ = true;
       const bool had = U.present || U.prefetched != nullptr;
       bring(u);
@@ -258,10 +279,16 @@ class basic_fully_sharded {
       note('e', u);
       U.backward_open = false;
       U.reduced = true;
-      scatter(u);
-      if (!U.whole) {
-        release_params(u);
-        release_grads(u);
+      if (!sync_) {  // accumulating: the gradients stay whole and held for the next backward
+        U.accumulated = true;
+        if (!U.whole) release_params(u);
+      } else {
+        U.accumulated = false;
+        scatter(u);
+        if (!U.whole) {
+          release_params(u);
+          release_grads(u);
+        }
       }
       mark("end_backward", u, t0);
     });
@@ -296,7 +323,8 @@ class basic_fully_sharded {
       backward_ = false;
       fwd_.finish_step();
       bwd_.finish_step();
-      fresh_ = true;
+      fresh_ = sync_;
+      accumulated_ = !sync_;
     });
     if (timeline_) timeline_->thread_span("finish()", t0, steady_clock::now(), {});
   }
@@ -307,7 +335,10 @@ class basic_fully_sharded {
   template <shard_optimizer Optimizer>
   void step(Optimizer& opt) {
     live("step");
-    if (!fresh_) usage("step(): no finish() since the last step (or none at all)");
+    if (!fresh_)
+      usage(accumulated_
+                ? "step(): the last backward accumulated under no_sync(); run one without it, then finish(), first"
+                : "step(): no finish() since the last step (or none at all)");
     for (std::size_t u = 0; u < units_.size(); ++u)
       if (units_[u].forward_open)  // its tensors would keep the values of before the step
         usage("step(): unit " + std::to_string(u) + " is gathered (release it, or release_all(), first)");
@@ -503,6 +534,7 @@ class basic_fully_sharded {
     std::size_t kept_bytes = 0;                                // the released tensors' partial pages
     bool present = false;                                      // the parameters are in the engine's tensors
     bool forward_open = false, backward_open = false, reduced = false;
+    bool accumulated = false;          // its gradients hold a no_sync backward's sum (kept accessible)
     slot* prefetched = nullptr;        // its gather in flight
     steady_clock::time_point since{};  // for the timeline: when its forward or backward began
   };
@@ -750,6 +782,7 @@ class basic_fully_sharded {
   /// Unit u's gradients accessible and zero: pages released read as zero, the ends are zeroed.
   void open_grads(std::size_t u) {
     auto& U = units_[u];
+    if (U.accumulated) return;  // they hold the sum of the no_sync backwards, and stay held
     for (std::size_t j = 0; j < U.count; ++j) {
       auto& g = U.grads[j];
       g.reopen(pg_.rank());
@@ -996,6 +1029,9 @@ class basic_fully_sharded {
   std::uint64_t steps_ = 0, issued_ = 0, prefetch_hits_ = 0;
   std::chrono::nanoseconds gather_wait_{0};
   bool backward_ = false, fresh_ = false, agreed_ = false;
+  int no_sync_depth_ = 0;                // no_sync() guards alive
+  bool sync_ = true;                     // this backward reduces (no guard when it began)
+  bool accumulated_ = false;             // the last finish() ended an accumulating backward
   bool step_open_ = false;               // for the timeline: a gather or begin_backward since the last step()
   steady_clock::time_point step_begin_;  // and when the first of them came
   std::unique_ptr<timeline> timeline_;
