@@ -770,11 +770,16 @@ class basic_fully_sharded {
     issue_gather(next);
   }
 
-  /// Whether `u`, just released, is the last unit of the recorded forward and the first of the
-  /// recorded backward: kept then (as FSDP keeps its root), its backward's gather saved.
+  /// Whether `u`, just released, ends the recorded forward (every unit of the record gathered,
+  /// no other still open: the last one, or a root unit whose forward holds the others) and
+  /// begins the recorded backward: kept then (as FSDP keeps its root), its backward's gather saved.
   bool backward_begins_with(std::size_t u) const noexcept {
-    return fwd_.valid && !fwd_.broken && fwd_.pos == fwd_.record.size() && !fwd_.record.empty() &&
-           fwd_.record.back() == u && bwd_.valid && !bwd_.record.empty() && bwd_.record.front() == u;
+    if (!fwd_.valid || fwd_.broken || fwd_.pos != fwd_.record.size() || fwd_.record.empty() || !bwd_.valid ||
+        bwd_.record.empty() || bwd_.record.front() != u)
+      return false;
+    for (std::size_t v = 0; v < units_.size(); ++v)
+      if (v != u && units_[v].forward_open) return false;
+    return true;
   }
 
   // ---- the gradients ------------------------------------------------------------------------
