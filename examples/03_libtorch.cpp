@@ -25,8 +25,11 @@
 // reducer, plain allreduce for the first --powersgd-warmup steps, 10 by default); tests/torch/
 // powersgd_loss.sh compares its final loss with the uncompressed run's (and with PyTorch's
 // powerSGD_hook through 03_libtorch_ddp.py --powersgd R).
+// --fp8 sends them as block-scaled e4m3 (ddp::fp8_compress with error feedback; --fp8-no-feedback
+// without); tests/torch/fp8_loss.sh compares its loss with the uncompressed run's.
 #include <ddp/adapters/libtorch.hpp>
 #include <ddp/optim/adamw.hpp>
+#include <ddp/reducer/fp8_compress.hpp>
 #include <ddp/reducer/powersgd.hpp>
 
 #include "tensor_file.hpp"
@@ -45,16 +48,17 @@ namespace {
 struct options {
   int steps = 30;
   int batch = 16;
-  int width = 1;        // channel multiplier: --width 4 has about 16x the parameters
-  int batches = 8;      // distinct batches per rank; step s uses batch s % batches
+  int width = 1;    // channel multiplier: --width 4 has about 16x the parameters
+  int batches = 8;  // distinct batches per rank; step s uses batch s % batches
   double lr = 0.05;
   double momentum = 0.9;
-  int bench = 0;        // timed steps (0: train)
+  int bench = 0;  // timed steps (0: train)
   int warmup = 3;
-  bool view = false;    // gradient as bucket view
+  bool view = false;     // gradient as bucket view
   bool sharded = false;  // AdamW sharded over the ranks (ZeRO-2)
   int powersgd = 0;      // PowerSGD's rank (0: uncompressed)
   int powersgd_warmup = 10;
+  int fp8 = 0;                 // 1: ddp::fp8_compress (e4m3, error feedback); 2: the same without error feedback
   double weight_decay = 0.01;  // AdamW's (PyTorch's default)
   std::string init, out;
 };
@@ -101,19 +105,36 @@ options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error(a + " needs a value");
       return argv[++i];
     };
-    if (a == "--steps") o.steps = std::stoi(next());
-    else if (a == "--batch") o.batch = std::stoi(next());
-    else if (a == "--width") o.width = std::stoi(next());
-    else if (a == "--lr") o.lr = std::stod(next());
-    else if (a == "--bench") o.bench = std::stoi(next());
-    else if (a == "--warmup") o.warmup = std::stoi(next());
-    else if (a == "--view") o.view = true;
-    else if (a == "--sharded") o.sharded = true;
-    else if (a == "--powersgd") o.powersgd = std::stoi(next());
-    else if (a == "--powersgd-warmup") o.powersgd_warmup = std::stoi(next());
-    else if (a == "--init") o.init = next();
-    else if (a == "--out") o.out = next();
-    else throw std::runtime_error("unknown argument " + a);
+    if (a == "--steps")
+      o.steps = std::stoi(next());
+    else if (a == "--batch")
+      o.batch = std::stoi(next());
+    else if (a == "--width")
+      o.width = std::stoi(next());
+    else if (a == "--lr")
+      o.lr = std::stod(next());
+    else if (a == "--bench")
+      o.bench = std::stoi(next());
+    else if (a == "--warmup")
+      o.warmup = std::stoi(next());
+    else if (a == "--view")
+      o.view = true;
+    else if (a == "--sharded")
+      o.sharded = true;
+    else if (a == "--powersgd")
+      o.powersgd = std::stoi(next());
+    else if (a == "--powersgd-warmup")
+      o.powersgd_warmup = std::stoi(next());
+    else if (a == "--fp8")
+      o.fp8 = 1;
+    else if (a == "--fp8-no-feedback")
+      o.fp8 = 2;
+    else if (a == "--init")
+      o.init = next();
+    else if (a == "--out")
+      o.out = next();
+    else
+      throw std::runtime_error("unknown argument " + a);
   }
   return o;
 }
@@ -150,6 +171,11 @@ int main(int argc, char** argv) try {
                                    .start_iter = static_cast<std::uint64_t>(o.powersgd_warmup)};
     ddp::basic_torch_data_parallel<ddp::size_planner, ddp::hooked<ddp::auto_reducer, ddp::powersgd>> dp{
         pg, *net, ddp::bucket_policy{}, dpo, ddp::powersgd{po}};
+    return train(dp);
+  }
+  if (o.fp8 > 0) {
+    ddp::basic_torch_data_parallel<ddp::size_planner, ddp::hooked<ddp::auto_reducer, ddp::fp8_compress>> dp{
+        pg, *net, ddp::bucket_policy{}, dpo, ddp::fp8_compress{{.error_feedback = o.fp8 == 1}}};
     return train(dp);
   }
   ddp::torch_data_parallel dp{pg, *net, ddp::bucket_policy{}, dpo};

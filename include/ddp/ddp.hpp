@@ -20,6 +20,7 @@
 #include <ddp/group/elastic.hpp>                // IWYU pragma: export
 #include <ddp/memory/shm_allocator.hpp>         // IWYU pragma: export
 #include <ddp/reducer/compress.hpp>             // IWYU pragma: export
+#include <ddp/reducer/fp8_compress.hpp>         // IWYU pragma: export
 #include <ddp/reducer/powersgd.hpp>             // IWYU pragma: export
 #include <ddp/reducer/flight_recorder.hpp>      // IWYU pragma: export
 #include <ddp/reducer/hierarchical.hpp>         // IWYU pragma: export

@@ -67,6 +67,10 @@ template <class Inner, class Hook>
 class hooked;
 struct fp16_compress;
 struct bf16_compress;
+// block-scaled 8-bit floats: reducer/fp8_compress.hpp
+enum class fp8_format : std::uint8_t;
+struct fp8_options;
+class fp8_compress;
 struct powersgd_options;
 class powersgd;
 

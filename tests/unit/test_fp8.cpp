@@ -1,0 +1,111 @@
+// The fp8 kernels of ddp::fp8_compress (detail/fp8.hpp) in one process: every finite code
+// decodes and encodes back; random values round to nearest even as a reference written with
+// frexp and nearbyint, subnormals and saturation included; block scales of zero, tiny and
+// non-finite blocks; quantization's residual; accumulation of non-finite blocks; odd lengths.
+#include <ddp/reducer/fp8_compress.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+using ddp::fp8_format;
+namespace k = ddp::detail::fp8;
+
+namespace {
+
+float reference(float v, int mant, int bias, float largest) {
+  if (v == 0.0f) return 0.0f;
+  const float a = std::fabs(v);
+  int e = 0;
+  std::frexp(a, &e);  // a in [2^(e-1), 2^e)
+  const float step = std::ldexp(1.0f, std::max(e - 1, 1 - bias) - mant);
+  const float q = std::min(std::nearbyint(a / step) * step, largest);
+  return std::copysign(q, v);
+}
+
+template <fp8_format F>
+void every_value(int mant, int bias, float largest) {
+  for (int c = 0; c < 256; ++c) {
+    if ((static_cast<unsigned>(c) & 0x7fu) > k::spec_of(F).top) continue;  // NaN and inf codes: never sent
+    const float d = k::decode_one<F>(static_cast<std::uint8_t>(c));
+    CAPTURE(c);
+    CHECK(std::isfinite(d));
+    CHECK(k::encode_one<F>(d) == c);
+  }
+  CHECK(k::decode_one<F>(static_cast<std::uint8_t>(k::spec_of(F).top)) == largest);
+  std::uint32_t seed = 12345;
+  int bad = 0;
+  for (int i = 0; i < 1000000; ++i) {
+    seed = seed * 1664525u + 1013904223u;
+    const float v =
+        std::ldexp(static_cast<float>(seed >> 8) / 16777216.0f * 2.0f - 1.0f, static_cast<int>(seed % 48) - 30);
+    if (std::fabs(v) > largest) continue;
+    const float got = k::decode_one<F>(k::encode_one<F>(v)), want = reference(v, mant, bias, largest);
+    bad += got == want ? 0 : 1;
+  }
+  CHECK(bad == 0);
+  // Saturation: what rounds past the largest value stays at it; halfway cases go to even.
+  CHECK(k::decode_one<F>(k::encode_one<F>(largest * 1.01f)) == largest);
+  CHECK(k::decode_one<F>(k::encode_one<F>(-largest * 1.01f)) == -largest);
+}
+
+}  // namespace
+
+TEST_CASE("fp8 e4m3 and e5m2: every code round-trips, values round to nearest even") {
+  every_value<fp8_format::e4m3>(3, 7, 448.0f);
+  every_value<fp8_format::e5m2>(2, 15, 57344.0f);
+  CHECK(k::decode_one<fp8_format::e4m3>(1) == std::ldexp(1.0f, -9));  // the smallest subnormal
+  CHECK(k::decode_one<fp8_format::e5m2>(1) == std::ldexp(1.0f, -16));
+  CHECK(k::encode_one<fp8_format::e4m3>(1.0625f) == k::encode_one<fp8_format::e4m3>(1.0f));  // tie to even
+  CHECK(k::encode_one<fp8_format::e4m3>(1.1875f) == k::encode_one<fp8_format::e4m3>(1.25f));
+}
+
+TEST_CASE("fp8 block scales: zeros, tiny values, NaN and infinities") {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (std::size_t n : {1u, 7u, 8u, 37u, 256u}) {
+    CAPTURE(n);
+    std::vector<float> x(n, 0.0f);
+    CHECK(k::block_scale(x.data(), n, 448.0f) == 0.0f);
+    x[n / 2] = -3.5f;
+    CHECK(k::block_scale(x.data(), n, 448.0f) == 3.5f / 448.0f);
+    x[n - 1] = inf;
+    CHECK(k::block_scale(x.data(), n, 448.0f) == inf);
+    x[n - 1] = -inf;
+    CHECK(k::block_scale(x.data(), n, 448.0f) == -inf);
+    x[0] = inf;
+    CHECK((n == 1 ? k::block_scale(x.data(), n, 448.0f) == inf : std::isnan(k::block_scale(x.data(), n, 448.0f))));
+    x.assign(n, 1e-40f);
+    const float s = k::block_scale(x.data(), n, 448.0f);
+    CHECK(s > 0.0f);
+    CHECK(std::isfinite(1.0f / s));
+    x[0] = nan;
+    CHECK(std::isnan(k::block_scale(x.data(), n, 448.0f)));
+  }
+}
+
+TEST_CASE("fp8 quantize and accumulate: the residual is what was lost; non-finite blocks spread their value") {
+  for (std::size_t n : {5u, 8u, 37u, 256u, 1000u}) {
+    CAPTURE(n);
+    std::vector<float> x(n), r(n), back(n);
+    for (std::size_t i = 0; i < n; ++i) x[i] = std::sin(0.37f * static_cast<float>(i)) * 3.0f;
+    std::vector<std::uint8_t> c(n);
+    const float s = k::block_scale(x.data(), n, 448.0f);
+    k::quantize<fp8_format::e4m3>(x.data(), n, s, c.data(), r.data());
+    k::accumulate<fp8_format::e4m3>(back.data(), c.data(), n, s, true);
+    for (std::size_t i = 0; i < n; ++i) {
+      CHECK(back[i] + r[i] == doctest::Approx(x[i]).epsilon(1e-6));
+      CHECK(std::fabs(r[i]) <= std::fabs(x[i]) / 16.0f + std::ldexp(1.0f, -9) * s);
+    }
+    k::accumulate<fp8_format::e4m3>(back.data(), c.data(), n, s, false);  // twice: the sum
+    for (std::size_t i = 0; i < n; ++i) CHECK(back[i] == 2.0f * (x[i] - r[i]));
+    // A non-finite block: codes 0, residual 0, and the scale itself is what every element gets.
+    const float inf = std::numeric_limits<float>::infinity();
+    k::quantize<fp8_format::e4m3>(x.data(), n, inf, c.data(), r.data());
+    for (std::size_t i = 0; i < n; ++i) CHECK((c[i] == 0 && r[i] == 0.0f));
+    k::accumulate<fp8_format::e4m3>(back.data(), c.data(), n, -inf, false);
+    for (std::size_t i = 0; i < n; ++i) CHECK(back[i] == -inf);
+  }
+}
