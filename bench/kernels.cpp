@@ -81,9 +81,8 @@ void run(std::size_t bytes, int reps) {
   const double b = static_cast<double>(bytes);
   report("memcpy", median_seconds(reps, [&] { std::memcpy(f(0), f(1), bytes); }), 2 * b);
   const double plain = report("plain a[i] += b[i]", median_seconds(reps, [&] { plain_add(f(0), f(1), nf); }), 3 * b);
-  const double red =
-      report("reduce_into<float> sum",
-             median_seconds(reps, [&] { ddp::detail::reduce_into(f(0), f(1), nf, ddp::op::sum); }), 3 * b);
+  const double red = report("reduce_into<float> sum",
+                            median_seconds(reps, [&] { ddp::detail::reduce_into(f(0), f(1), nf, ddp::op::sum); }), 3 * b);
   report("reduce_into<float> max",
          median_seconds(reps, [&] { ddp::detail::reduce_into(f(0), f(1), nf, ddp::op::max); }), 3 * b);
   for (int k : {2, 4}) {
@@ -92,43 +91,36 @@ void run(std::size_t bytes, int reps) {
     const float* ins[4] = {f(0), f(1), f(2), f(3)};
     char name[64];
     std::snprintf(name, sizeof name, "combine<float> %d in/%d out", k, k);
-    report(name, median_seconds(reps, [&] { ddp::detail::combine(outs, k, ins, k, nf, ddp::op::sum); }), 2.0 * k * b);
+    report(name, median_seconds(reps, [&] { ddp::detail::combine(outs, k, ins, k, nf, ddp::op::sum); }),
+           2.0 * k * b);
     std::snprintf(name, sizeof name, "combine<float> %d in/1 out", k);
-    report(name, median_seconds(reps, [&] { ddp::detail::combine(outs, 1, ins, k, nf, ddp::op::sum); }), (k + 1.0) * b);
+    report(name, median_seconds(reps, [&] { ddp::detail::combine(outs, 1, ins, k, nf, ddp::op::sum); }),
+           (k + 1.0) * b);
     // avg over 3 ranks: every input scaled on entry, the result divided by 3/8 (not a power of
     // two: a true division), as the shm reducers finish a slice.
     std::snprintf(name, sizeof name, "combine<float> avg %d in/%d out", k, k);
-    report(name,
-           median_seconds(reps,
-                          [&] {
-                            ddp::detail::combine(outs, k, ins, k, nf, ddp::op::avg, ddp::detail::avg_step{3, 0, true});
-                          }),
-           2.0 * k * b);
+    report(name, median_seconds(reps, [&] {
+             ddp::detail::combine(outs, k, ins, k, nf, ddp::op::avg, ddp::detail::avg_step{3, 0, true});
+           }), 2.0 * k * b);
     std::snprintf(name, sizeof name, "combine<float> avg %d in/1 out", k);
-    report(name,
-           median_seconds(reps,
-                          [&] {
-                            ddp::detail::combine(outs, 1, ins, k, nf, ddp::op::avg, ddp::detail::avg_step{3, 0, true});
-                          }),
-           (k + 1.0) * b);
+    report(name, median_seconds(reps, [&] {
+             ddp::detail::combine(outs, 1, ins, k, nf, ddp::op::avg, ddp::detail::avg_step{3, 0, true});
+           }), (k + 1.0) * b);
   }
   {
     // A middle step of the tcp ring's avg: received partial result + own data scaled.
     float* outs[1] = {f(0)};
     const float* ins[2] = {f(1), f(0)};
-    report("combine<float> avg ring step",
-           median_seconds(reps,
-                          [&] {
-                            ddp::detail::combine(outs, 1, ins, 2, nf, ddp::op::avg, ddp::detail::avg_step{3, 1, false});
-                          }),
-           3 * b);
+    report("combine<float> avg ring step", median_seconds(reps, [&] {
+             ddp::detail::combine(outs, 1, ins, 2, nf, ddp::op::avg, ddp::detail::avg_step{3, 1, false});
+           }), 3 * b);
   }
   auto h = [&](int i) { return reinterpret_cast<ddp::half*>(buf[static_cast<std::size_t>(i)].get()); };
   auto bf = [&](int i) { return reinterpret_cast<ddp::bfloat16*>(buf[static_cast<std::size_t>(i)].get()); };
   fill(h(0), nh, 0.5f);
   fill(h(1), nh, 0.25f);
-  report("reduce_into<half> sum", median_seconds(reps, [&] { ddp::detail::reduce_into(h(0), h(1), nh, ddp::op::sum); }),
-         3 * b);
+  report("reduce_into<half> sum",
+         median_seconds(reps, [&] { ddp::detail::reduce_into(h(0), h(1), nh, ddp::op::sum); }), 3 * b);
   fill(bf(0), nh, 0.5f);
   fill(bf(1), nh, 0.25f);
   report("reduce_into<bfloat16> sum",
@@ -138,26 +130,17 @@ void run(std::size_t bytes, int reps) {
   // the scale, widen with its inverse; bf16 needs no max), as f32 bytes per second: K in
   // docs/tuning.md's rule for when compression pays.
   for (std::size_t i = 0; i < nf; ++i) f(0)[i] = 1e-3f * static_cast<float>(i % 1000) - 0.5f;
-  const double k16 =
-      report("fp16_compress passes (f32 B)",
-             median_seconds(reps,
-                            [&] {
+  const double k16 = report("fp16_compress passes (f32 B)", median_seconds(reps, [&] {
                               const float m = ddp::detail::max_abs_finite(f(0), nf);
                               ddp::detail::narrow_to_f16(h(2), f(0), nf, 1.0f / (m > 0 ? m : 1.0f), true);
                               ddp::detail::widen_from_f16(f(0), h(2), nf, m > 0 ? m : 1.0f);
-                            }),
-             b);
-  const double kb = report("bf16_compress passes (f32 B)",
-                           median_seconds(reps,
-                                          [&] {
-                                            ddp::detail::narrow_to_bf16(bf(2), f(0), nf, 1.0f, true);
-                                            ddp::detail::widen_from_bf16(f(0), bf(2), nf, 1.0f);
-                                          }),
-                           b);
-  std::printf(
-      "compression pays across H hosts below a link of K (H-1)/H: fp16 %.1f Gbit/s, bf16 %.1f Gbit/s "
-      "(2 hosts: half)\n",
-      k16 * 8, kb * 8);
+                            }), b);
+  const double kb = report("bf16_compress passes (f32 B)", median_seconds(reps, [&] {
+                             ddp::detail::narrow_to_bf16(bf(2), f(0), nf, 1.0f, true);
+                             ddp::detail::widen_from_bf16(f(0), bf(2), nf, 1.0f);
+                           }), b);
+  std::printf("compression pays across H hosts below a link of K (H-1)/H: fp16 %.1f Gbit/s, bf16 %.1f Gbit/s "
+              "(2 hosts: half)\n", k16 * 8, kb * 8);
   // fp8_compress's kernels on one f32 bucket, blocks of 256: the scales and codes with error
   // feedback (quantize), and one rank's codes decoded into the sum (accumulate), as f32 bytes per
   // second; the exchange decodes every rank's codes, so its decode work is n times the second.
@@ -167,27 +150,21 @@ void run(std::size_t bytes, int reps) {
     float* res = f(1);
     std::vector<float> scales(nf / 256 + 1);
     std::memset(res, 0, nf * sizeof(float));
-    const double q = report("fp8 quantize, error feedback (f32 B)",
-                            median_seconds(reps,
-                                           [&] {
-                                             for (std::size_t at = 0, blk = 0; at < nf; at += 256, ++blk) {
-                                               const std::size_t len = std::min<std::size_t>(256, nf - at);
-                                               float* y = res + at;
-                                               for (std::size_t i = 0; i < len; ++i) y[i] += f(0)[at + i];
-                                               scales[blk] = k8::block_scale(y, len, 448.0f);
-                                               k8::quantize<ddp::fp8_format::e4m3>(y, len, scales[blk], codes + at, y);
-                                             }
-                                           }),
-                            b);
-    const double d =
-        report("fp8 decode into the sum (f32 B)",
-               median_seconds(reps,
-                              [&] {
-                                for (std::size_t at = 0, blk = 0; at < nf; at += 256, ++blk)
-                                  k8::accumulate<ddp::fp8_format::e4m3>(
-                                      f(0) + at, codes + at, std::min<std::size_t>(256, nf - at), scales[blk], false);
-                              }),
-               b);
+    const double q = report("fp8 quantize, error feedback (f32 B)", median_seconds(reps, [&] {
+                              for (std::size_t at = 0, blk = 0; at < nf; at += 256, ++blk) {
+                                const std::size_t len = std::min<std::size_t>(256, nf - at);
+                                float* y = res + at;
+                                for (std::size_t i = 0; i < len; ++i) y[i] += f(0)[at + i];
+                                scales[blk] = k8::block_scale(y, len, 448.0f);
+                                k8::quantize<ddp::fp8_format::e4m3>(y, len, scales[blk], codes + at, y);
+                              }
+                            }), b);
+    const double d = report("fp8 decode into the sum (f32 B)", median_seconds(reps, [&] {
+                              for (std::size_t at = 0, blk = 0; at < nf; at += 256, ++blk)
+                                k8::accumulate<ddp::fp8_format::e4m3>(f(0) + at, codes + at,
+                                                                      std::min<std::size_t>(256, nf - at),
+                                                                      scales[blk], false);
+                            }), b);
     std::printf("fp8 against fp16's passes: quantize %.2fx, one decode %.2fx of fp16_compress's bytes per second\n",
                 q / k16, d / k16);
   }

@@ -1,8 +1,7 @@
 // Data-parallel training of a small MLP written in plain C++: its own forward and backward, and
 // ddp::data_parallel averaging the gradients across ranks while backward runs.
 //
-//   ddprun -n 4 build/examples/01_mlp [--compress fp16|bf16|fp8|powersgd] [--checkpoint FILE [--fail-at-epoch E
-//   [--fail-rank R]]]
+//   ddprun -n 4 build/examples/01_mlp [--compress fp16|bf16|fp8|powersgd] [--checkpoint FILE [--fail-at-epoch E [--fail-rank R]]]
 //
 // Each rank trains on its shard of a synthetic regression set (generated from a fixed seed, so
 // every rank can build the whole set and take its part). Backward walks the layers last to
@@ -65,15 +64,15 @@ constexpr int samples_per_rank = 1024;
 constexpr int batch = 32;
 constexpr int epochs = 12;
 constexpr double tolerance = 1e-4;
-constexpr double loss_tolerance = 0.25;       // --compress powersgd: final loss against the uncompressed run's
+constexpr double loss_tolerance = 0.25;  // --compress powersgd: final loss against the uncompressed run's
 constexpr double fp8_loss_tolerance = 0.005;  // --compress fp8: the same (0.05 without error feedback)
+
 
 }  // namespace
 
 // Trains with the wrapper `dp`; returns the process's exit code (0: every check passed).
 template <class DP>
-int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::tensor_view>& params,
-          const char* compress);
+int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::tensor_view>& params, const char* compress);
 
 // Where a run saves and resumes (--checkpoint), and the epoch whose start rank 1 does not
 // survive in the first run (--fail-at-epoch; -1: none).
@@ -94,9 +93,7 @@ int main(int argc, char** argv) try {
     } else if (a == "--fail-rank" && i + 1 < argc) {
       fail_rank = std::atoi(argv[++i]);
     } else {
-      std::fprintf(stderr,
-                   "usage: 01_mlp [--compress none|fp16|bf16|fp8|fp8-no-feedback|powersgd] [--checkpoint FILE "
-                   "[--fail-at-epoch E [--fail-rank R]]]\n");
+      std::fprintf(stderr, "usage: 01_mlp [--compress none|fp16|bf16|fp8|fp8-no-feedback|powersgd] [--checkpoint FILE [--fail-at-epoch E [--fail-rank R]]]\n");
       return 2;
     }
   }
@@ -114,13 +111,11 @@ int main(int argc, char** argv) try {
   auto params = model.parameters();
   const ddp::bucket_policy buckets{.cap_bytes = 8_KiB, .first_cap_bytes = 512};
   if (c == "fp16") {
-    ddp::basic_data_parallel<ddp::size_planner, ddp::hooked<ddp::auto_reducer, ddp::fp16_compress>> dp{pg, params,
-                                                                                                       buckets};
+    ddp::basic_data_parallel<ddp::size_planner, ddp::hooked<ddp::auto_reducer, ddp::fp16_compress>> dp{pg, params, buckets};
     return train(pg, dp, model, params, compress);
   }
   if (c == "bf16") {
-    ddp::basic_data_parallel<ddp::size_planner, ddp::hooked<ddp::auto_reducer, ddp::bf16_compress>> dp{pg, params,
-                                                                                                       buckets};
+    ddp::basic_data_parallel<ddp::size_planner, ddp::hooked<ddp::auto_reducer, ddp::bf16_compress>> dp{pg, params, buckets};
     return train(pg, dp, model, params, compress);
   }
   if (c == "fp8" || c == "fp8-no-feedback") {
@@ -174,8 +169,7 @@ int resume_from(mlp& model, const std::vector<std::byte>& in, double& first_loss
 }
 
 template <class DP>
-int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::tensor_view>& params,
-          const char* compress) {
+int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::tensor_view>& params, const char* compress) {
   const bool compressed = std::string(compress) != "none";
   const int rank = pg.rank(), world = pg.size();
   const dataset data = make_dataset(samples_per_rank * world);
@@ -187,8 +181,8 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
 
   if (rank == 0)
     std::printf("ddp: %d ranks, %zu parameters in %zu buckets, %d samples per rank, batch %d per rank%s%s\n", world,
-                dp.size(), dp.plan().buckets.size(), samples_per_rank, batch,
-                compressed ? ", gradients compressed to " : "", compressed ? compress : "");
+                dp.size(), dp.plan().buckets.size(), samples_per_rank, batch, compressed ? ", gradients compressed to " : "",
+                compressed ? compress : "");
 
   std::vector<double> epoch_loss;
   double exposed_ms = 0, backward_ms = 0;
@@ -205,8 +199,7 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
     if (e == fail_at_epoch && rank == fail_rank && first_run) std::raise(SIGKILL);
     double sum = 0;
     for (int s = 0; s < steps_per_epoch; ++s) {
-      sum +=
-          model.forward_backward(shard_x(rank, s), shard_y(rank, s), batch, [&](std::size_t i) { dp.grad_ready(i); });
+      sum += model.forward_backward(shard_x(rank, s), shard_y(rank, s), batch, [&](std::size_t i) { dp.grad_ready(i); });
       dp.finish();  // every rank now holds the gradient averaged over all ranks' batches
       model.step();
       exposed_ms += dp.last_step_stats().exposed_ms;
@@ -235,8 +228,7 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
   std::snprintf(mine, sizeof mine, "%016llx", static_cast<unsigned long long>(model.hash()));
   const auto hashes = pg.all_gather(mine);
   const bool equal = std::all_of(hashes.begin(), hashes.end(), [&](const std::string& h) { return h == hashes[0]; });
-  if (rank == 0)
-    std::printf("final weights bitwise equal on all %d ranks (hash %s): %s\n", world, mine, equal ? "OK" : "FAILED");
+  if (rank == 0) std::printf("final weights bitwise equal on all %d ranks (hash %s): %s\n", world, mine, equal ? "OK" : "FAILED");
   ok = ok && equal;
 
   if (rank == 0) {
@@ -259,10 +251,8 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
           }
         }
         for (std::size_t l = 0; l < ref.layers().size(); ++l) {
-          for (std::size_t k = 0; k < sum_w[l].size(); ++k)
-            ref.layers()[l].gw[k] = sum_w[l][k] / static_cast<float>(world);
-          for (std::size_t k = 0; k < sum_b[l].size(); ++k)
-            ref.layers()[l].gb[k] = sum_b[l][k] / static_cast<float>(world);
+          for (std::size_t k = 0; k < sum_w[l].size(); ++k) ref.layers()[l].gw[k] = sum_w[l][k] / static_cast<float>(world);
+          for (std::size_t k = 0; k < sum_b[l].size(); ++k) ref.layers()[l].gb[k] = sum_b[l][k] / static_cast<float>(world);
         }
         ref.step();
       }
@@ -270,10 +260,8 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
     for (std::size_t l = 0; l < ref.layers().size(); ++l) {
       const auto& a = model.layers()[l];
       const auto& b = ref.layers()[l];
-      for (std::size_t k = 0; k < a.w.size(); ++k)
-        max_diff = std::max(max_diff, static_cast<double>(std::abs(a.w[k] - b.w[k])));
-      for (std::size_t k = 0; k < a.b.size(); ++k)
-        max_diff = std::max(max_diff, static_cast<double>(std::abs(a.b[k] - b.b[k])));
+      for (std::size_t k = 0; k < a.w.size(); ++k) max_diff = std::max(max_diff, static_cast<double>(std::abs(a.w[k] - b.w[k])));
+      for (std::size_t k = 0; k < a.b.size(); ++k) max_diff = std::max(max_diff, static_cast<double>(std::abs(a.b[k] - b.b[k])));
     }
     // With compression the 16-bit rounding of every gradient is part of the difference: a looser
     // bound, still far below what a broken compression gives (weights are of order 0.1-1).
@@ -282,10 +270,9 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
       const double rel = std::abs(last - ref_last) / ref_last;
       const double tol = c == "powersgd" ? loss_tolerance : c == "fp8" ? fp8_loss_tolerance : 10 * fp8_loss_tolerance;
       const bool close = rel <= tol;
-      std::printf(
-          "single-process run on the full batch: final loss %.6f, this run's %.6f (%.2f%% apart, tolerance "
-          "%.1f%%; weights %.3g apart): %s\n",
-          ref_last, last, 100 * rel, 100 * tol, max_diff, close ? "OK" : "FAILED");
+      std::printf("single-process run on the full batch: final loss %.6f, this run's %.6f (%.2f%% apart, tolerance "
+                  "%.1f%%; weights %.3g apart): %s\n",
+                  ref_last, last, 100 * rel, 100 * tol, max_diff, close ? "OK" : "FAILED");
       ok = ok && close;
     } else {
       const double bound = c == "fp16" ? 1e-2 : c == "bf16" ? 5e-2 : tolerance;
@@ -295,8 +282,8 @@ int train(ddp::process_group& pg, DP& dp, mlp& model, const std::vector<ddp::ten
       ok = ok && match;
     }
     const double steps = static_cast<double>(std::max(1, (epochs - first_epoch) * steps_per_epoch));
-    std::printf("per step: backward %.3f ms, communication left exposed after backward %.3f ms\n", backward_ms / steps,
-                exposed_ms / steps);
+    std::printf("per step: backward %.3f ms, communication left exposed after backward %.3f ms\n",
+                backward_ms / steps, exposed_ms / steps);
   }
   // Every rank exits with the verdict of all checks.
   double verdict = ok ? 0.0 : 1.0;

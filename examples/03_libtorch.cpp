@@ -48,17 +48,17 @@ namespace {
 struct options {
   int steps = 30;
   int batch = 16;
-  int width = 1;    // channel multiplier: --width 4 has about 16x the parameters
-  int batches = 8;  // distinct batches per rank; step s uses batch s % batches
+  int width = 1;        // channel multiplier: --width 4 has about 16x the parameters
+  int batches = 8;      // distinct batches per rank; step s uses batch s % batches
   double lr = 0.05;
   double momentum = 0.9;
-  int bench = 0;  // timed steps (0: train)
+  int bench = 0;        // timed steps (0: train)
   int warmup = 3;
-  bool view = false;     // gradient as bucket view
+  bool view = false;    // gradient as bucket view
   bool sharded = false;  // AdamW sharded over the ranks (ZeRO-2)
   int powersgd = 0;      // PowerSGD's rank (0: uncompressed)
   int powersgd_warmup = 10;
-  int fp8 = 0;                 // 1: ddp::fp8_compress (e4m3, error feedback); 2: the same without error feedback
+  int fp8 = 0;  // 1: ddp::fp8_compress (e4m3, error feedback); 2: without error feedback
   double weight_decay = 0.01;  // AdamW's (PyTorch's default)
   std::string init, out;
 };
@@ -105,36 +105,21 @@ options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error(a + " needs a value");
       return argv[++i];
     };
-    if (a == "--steps")
-      o.steps = std::stoi(next());
-    else if (a == "--batch")
-      o.batch = std::stoi(next());
-    else if (a == "--width")
-      o.width = std::stoi(next());
-    else if (a == "--lr")
-      o.lr = std::stod(next());
-    else if (a == "--bench")
-      o.bench = std::stoi(next());
-    else if (a == "--warmup")
-      o.warmup = std::stoi(next());
-    else if (a == "--view")
-      o.view = true;
-    else if (a == "--sharded")
-      o.sharded = true;
-    else if (a == "--powersgd")
-      o.powersgd = std::stoi(next());
-    else if (a == "--powersgd-warmup")
-      o.powersgd_warmup = std::stoi(next());
-    else if (a == "--fp8")
-      o.fp8 = 1;
-    else if (a == "--fp8-no-feedback")
-      o.fp8 = 2;
-    else if (a == "--init")
-      o.init = next();
-    else if (a == "--out")
-      o.out = next();
-    else
-      throw std::runtime_error("unknown argument " + a);
+    if (a == "--steps") o.steps = std::stoi(next());
+    else if (a == "--batch") o.batch = std::stoi(next());
+    else if (a == "--width") o.width = std::stoi(next());
+    else if (a == "--lr") o.lr = std::stod(next());
+    else if (a == "--bench") o.bench = std::stoi(next());
+    else if (a == "--warmup") o.warmup = std::stoi(next());
+    else if (a == "--view") o.view = true;
+    else if (a == "--sharded") o.sharded = true;
+    else if (a == "--powersgd") o.powersgd = std::stoi(next());
+    else if (a == "--powersgd-warmup") o.powersgd_warmup = std::stoi(next());
+    else if (a == "--fp8") o.fp8 = 1;
+    else if (a == "--fp8-no-feedback") o.fp8 = 2;
+    else if (a == "--init") o.init = next();
+    else if (a == "--out") o.out = next();
+    else throw std::runtime_error("unknown argument " + a);
   }
   return o;
 }
