@@ -5,7 +5,7 @@
 # alternating in one sitting:
 #   ddp        bench/ddp_step --env under one ddprun per host: the default wrapper in copy and view
 #              mode (ddp_default_copy, ddp_default_view), with fp16_compress
-#              (ddp_default_fp16_copy) and with powersgd at rank 1 (ddp_default_powersgd_copy);
+#              (ddp_default_fp16_copy), with fp8_compress (ddp_default_fp8_copy) and with powersgd at rank 1 (ddp_default_powersgd_copy);
 #              25 MiB buckets, no simulated compute
 #   PyTorch    bench/peers/torch_ddp.py --env, one process per rank: DDP (gloo) with no hook, with
 #              fp16_compress_hook, and with powerSGD_hook (rank 1 by default; one bucket, see below)
@@ -16,7 +16,9 @@
 #
 # The bound: every host sends and receives at least 2 (H - 1) / H of the gradient bytes B over its
 # link in an allreduce over H hosts (a ring between the hosts; ranks within a host meet in memory),
-# so B * 2 (H - 1) / H / rate, and half of that for 16-bit compression.
+# so B * 2 (H - 1) / H / rate, and half of that for 16-bit compression; fp8_compress's all-gather
+# brings every other host's ranks' codes and scales, B / 4 (1 + 4/256) (H - 1) P / rate (P ranks a
+# host). Its "same compression" column is PyTorch's fp16 hook (PyTorch has no fp8 hook).
 #
 # PyTorch's powerSGD_hook chains several collectives per bucket through futures, which gloo runs
 # in issue order: with more than one bucket the ranks interleave them differently and gloo aborts
@@ -25,7 +27,7 @@
 #   bench/across_hosts.sh [BUILD_DIR]     (root; build first: ninja -C build-rel tools/ddprun bench/ddp_step)
 #   environment: LAYOUTS=2x1,3x1,2x2  RATES=10gbit,1gbit  MODELS=resnet50,bert_base  ROUNDS=1
 #                STEPS=8  WARMUP=2  SYSTEMS=ddp,torch,torch_fp16,torch_powersgd  CSV=FILE (all rows)
-#                POWERSGD_RANK=1  PYTHON=/usr/bin/python3
+#                POWERSGD_RANK=1  PYTHON=/usr/bin/python3  DDP_REDUCERS=default,default_fp16,default_fp8,default_powersgd
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$(realpath "${1:-$root/build-rel}")
@@ -61,7 +63,7 @@ run_ddp() {
   for ((k = hosts - 1; k >= 0; --k)); do
     (netns_exec $k env -u DDP_BACKEND DDP_INSECURE=1 timeout 900 \
        "$ddprun" -n "$per" --nnodes "$hosts" --node-rank $k --master-addr "$(netns_addr 0)" --port $port --timeout 120 -- \
-       "$step" --env --reducers default,default_fp16,default_powersgd --caps 25 --modes copy,view --no-compute --no-flat \
+       "$step" --env --reducers ${DDP_REDUCERS:-default,default_fp16,default_fp8,default_powersgd} --caps 25 --modes copy,view --no-compute --no-flat \
        --steps "$steps" --warmup "$warmup" "$model" >"$tmp/out.$k" 2>&1
      echo $? >"$tmp/rc.$k") &
   done
@@ -70,7 +72,7 @@ run_ddp() {
     [[ $(cat "$tmp/rc.$k") == 0 ]] || { echo "across_hosts: ddp on host $k failed:" >&2; tail -5 "$tmp/out.$k" >&2; return 1; }
   done
   # The hooks in view mode are not systems of their own (they work on the bucket either way).
-  sed -n 's/^\[0\] \(ddp_.*\)/\1/p' "$tmp/out.0" | grep -v -e '^ddp_default_fp16_view' -e '^ddp_default_powersgd_view'
+  sed -n 's/^\[0\] \(ddp_.*\)/\1/p' "$tmp/out.0" | grep -v -e '^ddp_default_fp16_view' -e '^ddp_default_fp8_view' -e '^ddp_default_powersgd_view'
 }
 
 # run_torch HOSTS PER_HOST MODEL_FILE HOOK: PyTorch's row.
@@ -157,13 +159,16 @@ for key in sorted(rows, key=lambda k: (k[0], -rate_bps(k[1]), k[2], k[3])):
     hosts = int(layout.split("x")[0])
     wire = 2 if ("fp16" in system or "bf16" in system) else 4
     bound = model_bytes(model) / 4 * wire * 2 * (hosts - 1) / hosts * 8 / rate_bps(rate) * 1e3
+    if "fp8" in system:  # an all-gather of every other host's ranks' codes and scales (1 + 4/256 bytes an element)
+        per = int(layout.split("x")[1])
+        bound = model_bytes(model) / 4 * (1 + 4 / 256) * (hosts - 1) * per * 8 / rate_bps(rate) * 1e3
     ms = statistics.median(rows[key])
     rel = f"{ms / bound:.2f}"
     if "powersgd" in system:  # low-rank: its bytes depend on the shapes and the rank, not B
         bound, rel = float("nan"), "-"
     peer = rows.get((layout, rate, model, "pytorch_ddp_gloo"))
     ratio = f"{statistics.median(peer) / ms:.2f}" if peer else "-"
-    kind = "_fp16" if "fp16" in system else "_powersgd" if "powersgd" in system else ""
+    kind = "_fp16" if ("fp16" in system or "fp8" in system) else "_powersgd" if "powersgd" in system else ""
     same = rows.get((layout, rate, model, "pytorch_ddp_gloo" + kind))
     same_ratio = f"{statistics.median(same) / ms:.2f}" if same else "-"
     print(f"| {layout} | {rate} | {model} | {system} | {ms:.1f} | {bound:.1f} | {rel} | {ratio} | {same_ratio} |")

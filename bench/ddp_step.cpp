@@ -8,7 +8,8 @@
 // Reducers: ring_tcp, tree_tcp, ring_shm, tree_shm, and `default`: ddp::data_parallel's own
 // (whatever the library defaults to; chosen at run time where the default does that).
 // Compressed (ddp::hooked with ddp::fp16_compress / ddp::bf16_compress, docs/tuning.md):
-// ring_tcp_fp16, ring_tcp_bf16, tree_tcp_fp16, ring_shm_fp16, default_fp16. default_powersgd:
+// ring_tcp_fp16, ring_tcp_bf16, tree_tcp_fp16, ring_shm_fp16, default_fp16; default_fp8
+// (ddp::fp8_compress: e4m3, blocks of 256, error feedback). default_powersgd:
 // ddp::powersgd at rank 1, compressed from the first step (PyTorch's powerSGD_hook default rank).
 // --env: this process is one rank, started by a launcher (ddprun, mpirun, srun; several hosts
 // allowed): the group comes from the environment (ddp::init_options::from_env()) and --ranks is
@@ -49,6 +50,7 @@
 // Ranks are forked here, one fresh process group per (ranks, model) pair.
 #include <ddp/data_parallel.hpp>
 #include <ddp/reducer/compress.hpp>
+#include <ddp/reducer/fp8_compress.hpp>
 #include <ddp/reducer/hooked.hpp>
 #include <ddp/reducer/powersgd.hpp>
 #include <ddp/reducer/ring.hpp>
@@ -517,6 +519,8 @@ void rank_main(const ddp::init_options& io, const options& o) {
         run_reducer<ddp::hooked<ddp::tree<ddp::tcp>, ddp::fp16_compress>, ddp::host_allocator>(pg, m, e, o, red);
       } else if (red == "default_fp16") {
         run_reducer<ddp::hooked<ddp::auto_reducer, ddp::fp16_compress>, ddp::data_parallel::allocator_type>(pg, m, e, o, red);
+      } else if (red == "default_fp8") {
+        run_reducer<ddp::hooked<ddp::auto_reducer, ddp::fp8_compress>, ddp::data_parallel::allocator_type>(pg, m, e, o, red);
       } else if (red == "default_powersgd") {
         run_reducer<ddp::hooked<ddp::auto_reducer, ddp::powersgd>, ddp::data_parallel::allocator_type>(
             pg, m, e, o, red, ddp::powersgd{{.rank = 1, .start_iter = 0}});
