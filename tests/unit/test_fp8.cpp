@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -108,4 +109,39 @@ TEST_CASE("fp8 quantize and accumulate: the residual is what was lost; non-finit
     k::accumulate<fp8_format::e4m3>(back.data(), c.data(), n, -inf, false);
     for (std::size_t i = 0; i < n; ++i) CHECK(back[i] == -inf);
   }
+}
+
+TEST_CASE(
+    "fp8 sum_ranks: one pass gives accumulate's bits, rank by rank, with the division, tails and non-finite scales") {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int ranks : {1, 2, 3, 5})
+    for (std::size_t n : {3u, 8u, 37u, 256u}) {
+      CAPTURE(ranks);
+      CAPTURE(n);
+      std::vector<std::vector<std::uint8_t>> c(static_cast<std::size_t>(ranks), std::vector<std::uint8_t>(n));
+      std::vector<const std::uint8_t*> rows;
+      std::vector<float> scales;
+      for (int r = 0; r < ranks; ++r) {
+        for (std::size_t i = 0; i < n; ++i)
+          c[static_cast<std::size_t>(r)][i] = static_cast<std::uint8_t>((i * 29 + r * 7) % 255);
+        c[static_cast<std::size_t>(r)][0] = 0x7e;  // the largest code
+        rows.push_back(c[static_cast<std::size_t>(r)].data());
+        scales.push_back(0.37f + 0.11f * static_cast<float>(r));
+      }
+      for (const float divisor : {1.0f, static_cast<float>(ranks)}) {
+        std::vector<float> want(n), got(n);
+        for (int r = 0; r < ranks; ++r)
+          k::accumulate<fp8_format::e4m3>(want.data(), rows[static_cast<std::size_t>(r)], n,
+                                          scales[static_cast<std::size_t>(r)], r == 0);
+        for (auto& w : want) w = divisor != 1.0f ? w / divisor : w;
+        k::sum_ranks<fp8_format::e4m3>(got.data(), n, rows.data(), scales.data(), ranks, divisor);
+        CHECK(std::memcmp(got.data(), want.data(), n * sizeof(float)) == 0);
+      }
+      if (ranks > 1) {  // one rank's block is +inf: the whole block is
+        scales[1] = inf;
+        std::vector<float> got(n);
+        k::sum_ranks<fp8_format::e4m3>(got.data(), n, rows.data(), scales.data(), ranks, 1.0f);
+        for (float g : got) CHECK(g == inf);
+      }
+    }
 }

@@ -145,7 +145,7 @@ class fp8_compress {
       const float* y = x + at;
       if (res != nullptr) {  // y = x + r, in the residual's memory, which quantize then overwrites
         float* rr = res + at;
-        for (std::size_t i = 0; i < len; ++i) rr[i] += x[at + i];
+        k::add_into(rr, x + at, len);
         y = rr;
       }
       scales[blk] = k::block_scale(y, len, largest);
@@ -162,24 +162,26 @@ class fp8_compress {
                           describe(mine[0]) + " for " + std::to_string(n) +
                           ": every rank must compress with the same options");
     }
-    for (int r = 0; r < b.size; ++r) {
-      const std::uint32_t* theirs = recv_.data() + static_cast<std::size_t>(r) * words;
-      const float* s = reinterpret_cast<const float*>(theirs + header_words);
-      const auto* c = reinterpret_cast<const std::uint8_t*>(theirs + header_words + nb);
-      for (std::size_t blk = 0; blk < nb; ++blk) {
-        const std::size_t at = blk * bl, len = std::min(bl, n - at);
-        k::accumulate<F>(x + at, c + at, len, s[blk], r == 0);
+    // Every rank's blocks decoded and summed in one pass over the bucket (and divided, for avg).
+    rows_.resize(static_cast<std::size_t>(b.size));
+    block_scales_.resize(static_cast<std::size_t>(b.size));
+    const float divisor = b.oper == op::avg ? static_cast<float>(b.size) : 1.0f;
+    for (std::size_t blk = 0; blk < nb; ++blk) {
+      const std::size_t at = blk * bl, len = std::min(bl, n - at);
+      for (int r = 0; r < b.size; ++r) {
+        const std::uint32_t* theirs = recv_.data() + static_cast<std::size_t>(r) * words;
+        std::memcpy(&block_scales_[static_cast<std::size_t>(r)], theirs + header_words + blk, sizeof(float));
+        rows_[static_cast<std::size_t>(r)] = reinterpret_cast<const std::uint8_t*>(theirs + header_words + nb) + at;
       }
-    }
-    if (b.oper == op::avg) {
-      const float d = static_cast<float>(b.size);
-      for (std::size_t i = 0; i < n; ++i) x[i] /= d;
+      k::sum_ranks<F>(x + at, len, rows_.data(), block_scales_.data(), b.size, divisor);
     }
   }
 
   fp8_options o_{};
   std::map<std::int32_t, std::vector<float>> residual_;  // per bucket of the wrapper
   std::vector<std::uint32_t> send_, recv_;               // grow only: buckets repeat every step
+  std::vector<const std::uint8_t*> rows_;                // per rank: the codes of the block being summed
+  std::vector<float> block_scales_;                      // per rank: its scale of that block
 };
 
 }  // namespace DDP_ABI

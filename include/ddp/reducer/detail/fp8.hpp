@@ -216,6 +216,69 @@ inline void accumulate(float* acc, const std::uint8_t* codes, std::size_t n, flo
   }
 }
 
+/// r[i] += x[i] (error feedback's y = x + r), as vector code: a plain loop is left scalar at
+/// -O2, where gcc's cost model refuses the run-time alias check.
+inline void add_into(float* r, const float* x, std::size_t n) noexcept {
+  std::size_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    f32v a, b;
+    std::memcpy(&a, r + i, sizeof a);
+    std::memcpy(&b, x + i, sizeof b);
+    a += b;
+    std::memcpy(r + i, &a, sizeof a);
+  }
+  for (; i < n; ++i) r[i] += x[i];  // the same IEEE addition, one lane
+}
+
+/// out[i] = (sum over r in rank order of decode(codes[r][i]) * scales[r]) / divisor, in one pass
+/// (divisor 1: the sum; no division then): each product rounded on its own, the sum formed in
+/// rank order from rank 0's term, as `accumulate` from `first` would, so the same bits. A
+/// non-finite scales[r] stands for its every element.
+template <fp8_format F>
+inline void sum_ranks(float* out, std::size_t n, const std::uint8_t* const* codes, const float* scales, int ranks,
+                      float divisor) noexcept {
+  const bool divide = divisor != 1.0f;
+  const f32v dv = fsplat(divisor);
+  const auto body = [&](float* op, std::size_t at, const std::uint8_t* const* cs) {
+    f32v acc = {};
+    for (int r = 0; r < ranks; ++r) {
+      const float s = scales[r];
+      f32v d;
+      if (!std::isfinite(s)) {
+        d = fsplat(s);
+      } else {
+        u8v c8;
+        std::memcpy(&c8, cs[r] + at, sizeof c8);
+        d = decode<F>(__builtin_convertvector(c8, u32v), fsplat(s));
+      }
+      acc = r == 0 ? d : acc + d;
+    }
+    if (divide) acc = acc / dv;
+    std::memcpy(op, &acc, sizeof acc);
+  };
+  std::size_t i = 0;
+  for (; i + lanes <= n; i += lanes) body(out + i, i, codes);
+  if (i < n) {
+    // The tail through the same code: each rank's last codes copied into a padded row.
+    constexpr int most = 64;
+    std::uint8_t pad[most][lanes] = {};
+    const std::uint8_t* rows[most];
+    for (int r = 0; r < ranks && r < most; ++r) {
+      std::memcpy(pad[r], codes[r] + i, n - i);
+      rows[r] = pad[r];
+    }
+    if (ranks <= most) {
+      float t[lanes];
+      body(t, 0, rows);
+      std::memcpy(out + i, t, (n - i) * sizeof(float));
+    } else {  // more ranks than the padded rows hold: element by element through accumulate
+      for (int r = 0; r < ranks; ++r) accumulate<F>(out + i, codes[r] + i, n - i, scales[r], r == 0);
+      if (divide)
+        for (std::size_t k = i; k < n; ++k) out[k] /= divisor;
+    }
+  }
+}
+
 /// One element's code, for tests: the vector code on one lane.
 template <fp8_format F>
 inline std::uint8_t encode_one(float v) noexcept {
