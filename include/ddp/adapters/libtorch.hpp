@@ -47,6 +47,26 @@
 namespace ddp {
 inline namespace DDP_ABI {
 
+namespace detail {
+/// A post hook on a parameter's gradient accumulator: hands parameter `index` to `(owner->*Fn)`
+/// once that gradient is final (both LibTorch wrappers hook autograd this way).
+template <class Owner, void (Owner::*Fn)(std::size_t)>
+struct grad_ready_hook final : torch::autograd::FunctionPostHook {
+  grad_ready_hook(Owner* owner, std::size_t index) : owner_(owner), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    (owner_->*Fn)(index_);
+    return outputs;
+  }
+  Owner* owner_;
+  std::size_t index_;
+};
+/// The accumulator a parameter holds only weakly, kept alive with the key of the hook on it.
+/// LibTorch 1.13 hands out a std::shared_ptr<Node>, later releases (2.15) a c10::intrusive_ptr<Node>:
+/// the type is whatever grad_accumulator returns.
+using grad_accumulator_ptr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::Tensor&>()));
+}  // namespace detail
+
 /// The `ddp::dtype` of a LibTorch scalar type; `errc::unsupported` naming the type otherwise.
 inline dtype torch_dtype(c10::ScalarType t, std::string_view what = "a tensor") {
   switch (t) {
@@ -283,7 +303,9 @@ class basic_torch_data_parallel {
       for (std::size_t i = 0; i < params_.size(); ++i) {
         const auto& t = params_.tensor(i);
         auto acc = torch::autograd::impl::grad_accumulator(t);
-        const auto key = acc->add_post_hook(std::make_unique<hook>(this, i));
+        const auto key = acc->add_post_hook(
+            std::make_unique<detail::grad_ready_hook<basic_torch_data_parallel, &basic_torch_data_parallel::ready>>(
+                this, i));
         hooks_.push_back({std::move(acc), key, 0});
         // Runs before accumulation even where the accumulator above was replaced (a change of
         // dtype or device), so that such a step is refused instead of silently not reduced.
@@ -442,21 +464,8 @@ class basic_torch_data_parallel {
   int world_size() const noexcept { return dp_.world_size(); }
 
  private:
-  struct hook final : torch::autograd::FunctionPostHook {
-    hook(basic_torch_data_parallel* owner, std::size_t index) : owner_(owner), index_(index) {}
-    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                              const torch::autograd::variable_list& /*inputs*/) override {
-      owner_->ready(index_);
-      return outputs;
-    }
-    basic_torch_data_parallel* owner_;
-    std::size_t index_;
-  };
-
   struct registration {
-    // The parameter holds it only weakly. LibTorch 1.13 hands out a std::shared_ptr<Node>, later
-    // releases (2.15) a c10::intrusive_ptr<Node>: the type is whatever grad_accumulator returns.
-    decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::Tensor&>())) accumulator;
+    detail::grad_accumulator_ptr accumulator;
     std::uintptr_t key;    // the post hook on the accumulator
     unsigned tensor_hook;  // the parameter's own hook, which survives module->to()
   };
@@ -689,7 +698,9 @@ class basic_torch_fully_sharded {
         const auto& t = lay_.params.tensor(i);
         grads_.push_back(t.grad());
         auto acc = torch::autograd::impl::grad_accumulator(t);
-        const auto key = acc->add_post_hook(std::make_unique<hook>(this, i));
+        const auto key = acc->add_post_hook(
+            std::make_unique<detail::grad_ready_hook<basic_torch_fully_sharded, &basic_torch_fully_sharded::arrived>>(
+                this, i));
         hooks_.push_back({std::move(acc), key});
       }
     } catch (...) {
@@ -900,19 +911,8 @@ class basic_torch_fully_sharded {
     fs_.finish();
   }
 
-  struct hook final : torch::autograd::FunctionPostHook {
-    hook(basic_torch_fully_sharded* owner, std::size_t index) : owner_(owner), index_(index) {}
-    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                              const torch::autograd::variable_list& /*inputs*/) override {
-      owner_->arrived(index_);
-      return outputs;
-    }
-    basic_torch_fully_sharded* owner_;
-    std::size_t index_;
-  };
-
   struct registration {
-    decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::Tensor&>())) accumulator;
+    detail::grad_accumulator_ptr accumulator;
     std::uintptr_t key;
   };
 
