@@ -688,7 +688,8 @@ class basic_torch_fully_sharded {
   template <class... ReducerArgs>
   basic_torch_fully_sharded(process_group& pg, std::vector<std::shared_ptr<torch::nn::Module>> units,
                             fully_sharded_options opts = {}, ReducerArgs&&... reducer_args)
-      : modules_(std::move(units)),
+      : rank_(pg.rank()),
+        modules_(std::move(units)),
         lay_(lay_out(modules_, pg.rank())),
         fs_(pg, lay_.params, lay_.counts, opts, std::forward<ReducerArgs>(reducer_args)...),
         arrived_(modules_.size(), 0),
@@ -790,8 +791,7 @@ class basic_torch_fully_sharded {
   // Each parameter of the listed modules goes to the innermost listed module holding it (the one
   // with the fewest parameters); the parameters are laid out unit by unit, each in its module's
   // order.
-  layout lay_out(const std::vector<std::shared_ptr<torch::nn::Module>>& mods, int rank) {
-    rank_ = rank;
+  static layout lay_out(const std::vector<std::shared_ptr<torch::nn::Module>>& mods, int rank) {
     if (mods.empty()) detail::raise(errc::invalid_argument, rank, "torch_fully_sharded: no units");
     std::vector<std::vector<std::pair<std::string, torch::Tensor>>> named(mods.size());
     std::vector<std::unordered_set<const c10::TensorImpl*>> holds(mods.size());
@@ -921,7 +921,7 @@ class basic_torch_fully_sharded {
     hooks_.clear();
   }
 
-  int rank_ = -1;
+  int rank_;
   std::vector<std::shared_ptr<torch::nn::Module>> modules_;
   layout lay_;
   wrapper_type fs_;
