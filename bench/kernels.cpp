@@ -154,7 +154,7 @@ void run(std::size_t bytes, int reps) {
                               for (std::size_t at = 0, blk = 0; at < nf; at += 256, ++blk) {
                                 const std::size_t len = std::min<std::size_t>(256, nf - at);
                                 float* y = res + at;
-                                for (std::size_t i = 0; i < len; ++i) y[i] += f(0)[at + i];
+                                k8::add_into(y, f(0) + at, len);  // y = x + residual, as fp8_compress
                                 scales[blk] = k8::block_scale(y, len, 448.0f);
                                 k8::quantize<ddp::fp8_format::e4m3>(y, len, scales[blk], codes + at, y);
                               }
@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
   const std::size_t big = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 256;
   const std::size_t small = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 8;
   const int reps = argc > 3 ? std::atoi(argv[3]) : 5;
-  std::printf("vector bytes %zu\n", ddp::detail::kern::vector_bytes);
+  std::printf("vector bytes %zu, kernels: %s\n", ddp::detail::kern::vector_bytes, ddp::detail::isa_name());
   run(small << 20, reps);
   run(big << 20, reps);
 }

@@ -1,6 +1,7 @@
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/detail/copy.hpp>
 #include <ddp/detail/kernels.hpp>
+#include <ddp/reducer/detail/fp8.hpp>
 
 #include <doctest/doctest.h>
 
@@ -687,103 +688,186 @@ TEST_CASE("the finishing division clamps a quotient past the largest value on bo
   check(bfloat16{});
 }
 
-#if DDP_DETAIL_F16C_DISPATCH
-// A build for the x86-64 baseline converts f16 with F16C at run time where the CPU has it:
-// every f16 entry point must give the software path's bits, for every input pattern, op, average
-// step, scale and length (tails included).
-TEST_CASE("f16 kernels: the run-time F16C path gives the software path's bits") {
-  namespace k = det::kern;
-  const bool cpu = k::f16c_enable(true);
-  k::f16c_enable(true);
-  if (!k::f16c_on()) {
-    MESSAGE("this CPU has no F16C (or the OS keeps no AVX state): only the software path runs here");
+#if DDP_DETAIL_ISA_DISPATCH
+// A build for the x86-64 baseline (this one, with optimization) runs the kernels' AVX2 or
+// AVX-512 copy where the CPU has it (detail/isa.hpp): every entry point must give the baseline
+// copy's bits in every copy, for every input pattern (NaN, inf, subnormals), op, average step,
+// scale and length (tails included). Each `all` call runs its function under every copy this
+// CPU has and compares the bytes of what it returns.
+TEST_CASE("kernels: every instruction-set copy gives the baseline copy's bits") {
+  const det::isa best = det::isa_use(det::isa::avx512);
+  struct restore {
+    ~restore() { det::isa_use(det::isa::avx512); }
+  } r;
+  if (best == det::isa::build) {
+    MESSAGE("this CPU has no AVX2 and F16C (or the OS keeps no AVX state): only the baseline copy runs here");
     return;
   }
-  CHECK(cpu);
-  struct restore {
-    ~restore() { det::kern::f16c_enable(true); }
-  } r;
+  std::vector<det::isa> copies{det::isa::build, det::isa::avx2};
+  if (best == det::isa::avx512) copies.push_back(det::isa::avx512);
   std::mt19937 g(26);
-  std::uniform_int_distribution<int> bits(0, 0xffff);
-  auto random_halves = [&](std::size_t n) {
-    std::vector<half> v(n);
-    for (auto& h : v) h.bits = static_cast<std::uint16_t>(bits(g));  // NaN, inf, subnormals among them
+  std::uniform_int_distribution<std::uint32_t> bits;
+  auto random_bits = [&](auto tag, std::size_t n) {
+    using T = decltype(tag);
+    std::vector<T> v(n);
+    for (auto& x : v) {
+      const std::uint32_t b = bits(g);
+      std::memcpy(static_cast<void*>(&x), &b, sizeof x);  // NaN, inf, subnormals among them
+    }
     return v;
   };
-  // Both paths, the same call: f(on) runs it with F16C on or off.
-  auto both = [](auto&& f) {
-    det::kern::f16c_enable(true);
-    auto a = f();
-    det::kern::f16c_enable(false);
-    auto b = f();
-    return std::make_pair(a, b);
+  int compared = 0;
+  auto all = [&](const char* what, auto&& f) {
+    det::isa_use(copies[0]);
+    const auto want = f();
+    for (std::size_t c = 1; c < copies.size(); ++c) {
+      CHECK(det::isa_use(copies[c]) == copies[c]);
+      const auto got = f();
+      REQUIRE(got.size() == want.size());
+      CHECK_MESSAGE(std::memcmp(got.data(), want.data(), want.size() * sizeof want[0]) == 0, what, " in copy ",
+                    det::isa_name());
+      ++compared;
+    }
   };
-  for (std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{9}, std::size_t{1023},
+  auto each_type = [&](auto&& f) {
+    f(float{});
+    f(half{});
+    f(bfloat16{});
+  };
+  for (std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{9}, std::size_t{17}, std::size_t{1023},
                         std::size_t{4097}, std::size_t{70001}}) {
     CAPTURE(n);
-    const auto a = random_halves(n), b = random_halves(n), c = random_halves(n), d = random_halves(n);
-    for (op o : {op::sum, op::avg, op::min, op::max, op::prod}) {
-      CAPTURE(o);
-      for (int nins = 1; nins <= 4; ++nins)
-        for (int world : {1, 2, 3, 4, 6})
-          for (int raw = 0; raw <= nins; ++raw)
-            for (bool fin : {false, true}) {
-              const half* ins[] = {a.data(), b.data(), c.data(), d.data()};
-              const auto [on, off] = both([&] {
-                std::vector<half> out(n), out2(n);
-                half* outs[] = {out.data(), out2.data()};
-                det::combine(outs, 2, ins, nins, n, o, det::avg_step{world, raw, fin});
-                CHECK(std::memcmp(out.data(), out2.data(), n * sizeof(half)) == 0);
-                return out;
-              });
-              CHECK_MESSAGE(std::memcmp(on.data(), off.data(), n * sizeof(half)) == 0,
-                            "combine nins ", nins, " world ", world, " raw_from ", raw, " finish ", fin);
-            }
-      const auto [on, off] = both([&] {
-        auto acc = a;
-        det::reduce_into(acc.data(), b.data(), n, o);
-        det::reduce_into(static_cast<void*>(acc.data()), c.data(), n, dtype::f16, o);
-        return acc;
-      });
-      CHECK(std::memcmp(on.data(), off.data(), n * sizeof(half)) == 0);
-    }
-    // In place, as the shared-memory reducer calls it: the output is an input.
-    const auto [on_ip, off_ip] = both([&] {
-      auto x = a, y = b;
-      const half* ins[] = {x.data(), y.data()};
-      half* outs[] = {x.data()};
-      det::combine(outs, 1, ins, 2, n, op::avg, det::avg_step{2, 0, true});
-      return x;
-    });
-    CHECK(std::memcmp(on_ip.data(), off_ip.data(), n * sizeof(half)) == 0);
-    // avg_prescale / avg_finish, and the compression hook's bulk conversions with a scale.
-    for (int world : {2, 3, 5}) {
-      const auto [on, off] = both([&] {
-        std::vector<half> x(n);
-        det::avg_prescale(x.data(), a.data(), n, world);
-        det::avg_finish(x.data(), n, world);
+    each_type([&](auto tag) {
+      using T = decltype(tag);
+      const auto a = random_bits(tag, n), b = random_bits(tag, n), c = random_bits(tag, n), d = random_bits(tag, n);
+      for (op o : {op::sum, op::avg, op::min, op::max, op::prod}) {
+        CAPTURE(o);
+        for (int nins = 1; nins <= 4; ++nins)
+          for (int world : {1, 2, 3, 4, 6})
+            for (int raw = 0; raw <= nins; ++raw)
+              for (bool fin : {false, true}) {
+                const T* ins[] = {a.data(), b.data(), c.data(), d.data()};
+                all("combine", [&] {
+                  std::vector<T> out(n), out2(n);
+                  T* outs[] = {out.data(), out2.data()};
+                  det::combine(outs, 2, ins, nins, n, o, det::avg_step{world, raw, fin});
+                  CHECK(std::memcmp(out.data(), out2.data(), n * sizeof(T)) == 0);
+                  return out;
+                });
+              }
+        all("reduce_into", [&] {
+          auto acc = a;
+          det::reduce_into(acc.data(), b.data(), n, o);
+          det::reduce_into(static_cast<void*>(acc.data()), c.data(), n, ddp::dtype_of<T>::value, o);
+          return acc;
+        });
+      }
+      // In place, as the shared-memory reducer calls it: the output is an input.
+      all("combine in place", [&] {
+        auto x = a, y = b;
+        const T* ins[] = {x.data(), y.data()};
+        T* outs[] = {x.data()};
+        det::combine(outs, 1, ins, 2, n, op::avg, det::avg_step{2, 0, true});
         return x;
       });
-      CHECK(std::memcmp(on.data(), off.data(), n * sizeof(half)) == 0);
-    }
-    std::vector<float> f(n);
-    std::uniform_int_distribution<std::uint32_t> fbits;
-    for (auto& x : f) x = std::bit_cast<float>(fbits(g));
+      for (int world : {2, 3, 5})
+        all("avg_prescale, avg_finish", [&] {
+          std::vector<T> x(n);
+          det::avg_prescale(x.data(), a.data(), n, world);
+          det::avg_finish(x.data(), n, world);
+          return x;
+        });
+    });
+    // The compression hooks' bulk conversions with a scale, and fp8's kernels.
+    const auto f = random_bits(float{}, n), f2 = random_bits(float{}, n);
+    const auto h = random_bits(half{}, n);
+    const auto bh = random_bits(bfloat16{}, n);
+    all("max_abs_finite", [&] { return std::vector<float>{det::max_abs_finite(f.data(), n)}; });
     for (float scale : {1.0f, 0.25f, 1024.0f, 1.0e-6f})
       for (bool sat : {false, true}) {
-        const auto [on, off] = both([&] {
-          std::vector<half> h(n);
-          det::narrow_to_f16(h.data(), f.data(), n, scale, sat);
-          return h;
+        CAPTURE(scale);
+        CAPTURE(sat);
+        all("narrow_to_f16", [&] {
+          std::vector<half> o(n);
+          det::narrow_to_f16(o.data(), f.data(), n, scale, sat);
+          return o;
         });
-        CHECK_MESSAGE(std::memcmp(on.data(), off.data(), n * sizeof(half)) == 0, "narrow scale ", scale, " sat ", sat);
-        const auto [won, woff] = both([&] {
-          std::vector<float> w(n);
-          det::widen_from_f16(w.data(), a.data(), n, scale);
-          return w;
+        all("narrow_to_bf16", [&] {
+          std::vector<bfloat16> o(n);
+          det::narrow_to_bf16(o.data(), f.data(), n, scale, sat);
+          return o;
         });
-        CHECK_MESSAGE(std::memcmp(won.data(), woff.data(), n * sizeof(float)) == 0, "widen scale ", scale);
+        all("widen_from_f16", [&] {
+          std::vector<float> o(n);
+          det::widen_from_f16(o.data(), h.data(), n, scale);
+          return o;
+        });
+        all("widen_from_bf16", [&] {
+          std::vector<float> o(n);
+          det::widen_from_bf16(o.data(), bh.data(), n, scale);
+          return o;
+        });
       }
+    namespace k8 = det::fp8;
+    // Finite values of every magnitude, with some NaN and inf among them in the first blocks.
+    std::vector<float> x(n);
+    std::uniform_real_distribution<float> mag(-40.0f, 40.0f);
+    for (std::size_t i = 0; i < n; ++i) x[i] = std::ldexp(i % 2 ? -1.0f : 1.0f, static_cast<int>(mag(g))) * 1.37f;
+    if (n > 40) x[3] = std::numeric_limits<float>::quiet_NaN(), x[37] = std::numeric_limits<float>::infinity();
+    all("fp8 add_into", [&] {
+      auto y = x;
+      k8::add_into(y.data(), f2.data(), n);
+      return y;
+    });
+    auto quantized = [&](auto fmt) {
+      constexpr ddp::fp8_format F = decltype(fmt)::value;
+      std::vector<float> out(n + n / 32 + 1);  // residuals, then the block scales
+      std::vector<std::uint8_t> codes(n);
+      auto y = x;
+      for (std::size_t at = 0, blk = 0; at < n; at += 32, ++blk) {
+        const std::size_t len = std::min<std::size_t>(32, n - at);
+        const float s = k8::block_scale(y.data() + at, len, k8::spec_of(F).largest);
+        out[n + blk] = s;
+        k8::quantize<F>(y.data() + at, len, s, codes.data() + at, y.data() + at);
+      }
+      std::copy(y.begin(), y.end(), out.begin());
+      return std::make_pair(out, codes);
+    };
+    auto fp8_checks = [&](auto fmt) {
+      constexpr ddp::fp8_format F = decltype(fmt)::value;
+      all("fp8 block_scale, quantize", [&] { return quantized(fmt).first; });
+      all("fp8 codes", [&] { return quantized(fmt).second; });
+      const auto [rs, codes] = quantized(fmt);
+      for (int ranks : {1, 2, 3})
+        all("fp8 sum_ranks", [&] {
+          std::vector<float> out(n);
+          std::vector<const std::uint8_t*> rows(static_cast<std::size_t>(ranks), codes.data());
+          std::vector<float> scales(static_cast<std::size_t>(ranks));
+          for (std::size_t at = 0, blk = 0; at < n; at += 32, ++blk) {
+            const std::size_t len = std::min<std::size_t>(32, n - at);
+            for (int r = 0; r < ranks; ++r) {
+              scales[static_cast<std::size_t>(r)] = rs[n + blk] * static_cast<float>(r + 1);
+              rows[static_cast<std::size_t>(r)] = codes.data() + at;
+            }
+            k8::sum_ranks<F>(out.data() + at, len, rows.data(), scales.data(), ranks, ranks == 3 ? 3.0f : 1.0f);
+          }
+          return out;
+        });
+      all("fp8 accumulate", [&] {
+        std::vector<float> out(n);
+        for (std::size_t at = 0, blk = 0; at < n; at += 32, ++blk) {
+          const std::size_t len = std::min<std::size_t>(32, n - at);
+          k8::accumulate<F>(out.data() + at, codes.data() + at, len, rs[n + blk], true);
+          k8::accumulate<F>(out.data() + at, codes.data() + at, len, rs[n + blk] * 0.5f, false);
+        }
+        return out;
+      });
+    };
+    fp8_checks(std::integral_constant<ddp::fp8_format, ddp::fp8_format::e4m3>{});
+    fp8_checks(std::integral_constant<ddp::fp8_format, ddp::fp8_format::e5m2>{});
   }
+  // The comparisons ran: the test cannot pass by comparing nothing.
+  CHECK(compared > 1000);
+  MESSAGE("copies compared: ", copies.size(), ", comparisons: ", compared);
 }
 #endif
