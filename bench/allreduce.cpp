@@ -1,8 +1,14 @@
 // ddp's allreduce sweep, nccl-tests style, in the CSV columns of bench/peers/sweep.hpp so that
 // it plots and compares with Gloo, Open MPI and PyTorch runs of the same sweep.
 //
-//   allreduce --ranks 2 [--algo machine,ring_tcp,tree_tcp,ring_shm,tree_shm,ring_shm_zerocopy]
+//   allreduce --ranks 2 [--algo machine,ring_tcp,tree_tcp,ring_shm,tree_shm,ring_shm_zerocopy,default,default_alloc]
 //             [--min-bytes 4096] [--max-bytes 268435456] [--factor 4] [--iters N]
+//
+// `default` is the reducer a user gets without naming one: `ddp::auto_reducer{pg}` (the engine
+// `ddp::data_parallel` runs; on one host ring<shm> with default shm_options) reducing the caller's
+// heap buffer; `default_alloc` the same with buffers from `ddp::auto_allocator::for_reducer`, where
+// `ddp::data_parallel` puts its buckets (the segment, read in place). Rank 0 prints the
+// reducer's describe() on stderr.
 //
 // Each algorithm gets a fresh set of processes (forked here) and its own process group. Time
 // per iteration is the slowest rank's, each iteration starts after a barrier, and inputs are
@@ -14,7 +20,9 @@
 // (they hand the core back and forth and never sleep), and each step then costs a yield.
 #define DDP_ALLOW_DETAIL_HEADERS  // uses ddp's private headers directly (ddp/detail/private_check.hpp)
 #include <ddp/detail/kernels.hpp>
+#include <ddp/memory/auto_allocator.hpp>
 #include <ddp/memory/shm_allocator.hpp>
+#include <ddp/reducer/auto.hpp>
 #include <ddp/reducer/ring.hpp>
 #include <ddp/reducer/tree.hpp>
 #include <ddp/reducer/shm.hpp>
@@ -110,6 +118,26 @@ int run_rank(int rank, int port, const sweep::options& o, const std::string& alg
                       [](float* p) { std::free(p); });
     return keep.back().get();
   };
+  if (algo == "default" || algo == "default_alloc") {
+    ddp::auto_reducer r{pg};
+    if (pg.rank() == 0) std::fprintf(stderr, "# %s: %s\n", name.c_str(), r.describe().c_str());
+    if (algo == "default") return sweep_one(pg, r, heap, o, name);
+    const auto a = ddp::auto_allocator::for_reducer(r);
+    std::vector<std::pair<void*, std::size_t>> blocks;
+    auto from_alloc = [&](std::size_t bytes) {
+      blocks.emplace_back(a.allocate(bytes), bytes);
+      return static_cast<float*>(blocks.back().first);
+    };
+    int bad = 0;
+    for (std::size_t bytes : sweep::sizes(o)) {  // one size at a time, freed as we go
+      sweep::options one = o;
+      one.min_bytes = one.max_bytes = bytes;
+      bad += sweep_one(pg, r, from_alloc, one, name);
+      for (auto& [p, n] : blocks) a.deallocate(p, n);
+      blocks.clear();
+    }
+    return bad;
+  }
   if (algo == "ring_tcp") { ddp::ring<ddp::tcp> r{pg}; return sweep_one(pg, r, heap, o, name); }
   if (algo == "tree_tcp") { ddp::tree<ddp::tcp> r{pg}; return sweep_one(pg, r, heap, o, name); }
   const ddp::shm_options so{.segment_bytes = std::max<std::size_t>(o.max_bytes * 2, 64 << 20) * static_cast<std::size_t>(o.ranks)};
