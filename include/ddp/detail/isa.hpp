@@ -14,9 +14,9 @@
 /// (detail/kernels.hpp, reducer/detail/fp8.hpp) call the best copy the CPU has (the OS keeping
 /// the AVX state). A build with -mavx2 or -march=native compiles one copy.
 ///
-/// The copies hold what the wire computes (f32, f16 and bf16 reductions, the conversions, fp8);
-/// f64 and integer reductions, memory-bound on SSE2 already, keep the build's copy, which saves
-/// half the copies' compile time. An unoptimized build (no __OPTIMIZE__) compiles no copy.
+/// The copies hold what the wire computes (f32, f16 and bf16 sums and averages, the
+/// conversions, fp8); min, max and prod, and f64 and integer reductions, keep the build's copy,
+/// which saves most of the copies' compile time. An unoptimized build (no __OPTIMIZE__) compiles no copy.
 ///
 /// `DDP_KERNELS=baseline` (or `avx2`) in the environment caps the copy (for A/B timing);
 /// `DDP_NO_ISA_DISPATCH` compiles the second copy out (clang, which has no `#pragma GCC target`,

@@ -120,7 +120,9 @@ namespace detail {
 
 namespace kern {
 
-// The element types whose kernels have a copy per instruction set (detail/isa.hpp): the wire's.
+// The element types whose kernels have a copy per instruction set (detail/isa.hpp): the wire's,
+// with the ops the wire reduces with (sum, avg); min, max and prod, and f64 and integers, run the
+// build's copy. Fewer instantiations in the copies is less compile time.
 template <class T>
 inline constexpr bool isa_copied = std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
 
@@ -136,10 +138,11 @@ inline void combine_any(Out const* outs, int nouts, In const* ins, int nins, std
       if (static_cast<const void*>(outs[k]) != src) copy_bytes(static_cast<void*>(outs[k]), src, n * sizeof(T));
     return;
   }
-  if constexpr (isa_copied<T>)
-    DDP_DETAIL_ISA_CALL(combine_run<T>(outs, nouts, ins, nins, n, o, a));
-  else
-    kern::combine_run<T>(outs, nouts, ins, nins, n, o, a);
+  if constexpr (isa_copied<T>) {
+    if (o == op::sum) DDP_DETAIL_ISA_CALL(combine_op<T, op::sum>(outs, nouts, ins, nins, n, a));
+    if (o == op::avg) DDP_DETAIL_ISA_CALL(combine_op<T, op::avg>(outs, nouts, ins, nins, n, a));
+  }
+  kern::combine_run<T>(outs, nouts, ins, nins, n, o, a);
 }
 
 // The dtype and op checks are collective.hpp's (check_dtype, check_op), shared by every reducer.
@@ -201,9 +204,8 @@ template <element T>
 inline void reduce_into(T* dst, const T* src, std::size_t n, op o) {
   check_op(o, -1, "reduction kernel");
   if constexpr (kern::isa_copied<T>)
-    DDP_DETAIL_ISA_CALL(reduce_run<T>(dst, src, n, o));
-  else
-    kern::reduce_run<T>(dst, src, n, o);
+    if (o == op::sum || o == op::avg) DDP_DETAIL_ISA_CALL(reduce_op<T, op::sum>(dst, src, n));
+  kern::reduce_run<T>(dst, src, n, o);
 }
 
 /// Writes `((ins[0] op ins[1]) op ins[2]) ... op ins[nins-1]`, elementwise and in exactly that

@@ -575,48 +575,53 @@ inline void combine_loop(Out const* outs, int nouts, In const* ins, int nins, st
     });
   }
 }
-// `combine_any`'s loops (detail/kernels.hpp): requires a valid `o` (and, for avg, a valid `a`),
-// and at least one input that is not a plain copy.
+// `combine_any`'s loops (detail/kernels.hpp) for op O: requires a valid `a` for avg, and at
+// least one input that is not a plain copy.
+template <class T, op O, class Out, class In>
+inline void combine_op(Out const* outs, int nouts, In const* ins, int nins, std::size_t n, const avg_step& a) noexcept {
+  if constexpr (O == op::avg)
+    combine_loop<T, O>(outs, nouts, ins, nins, n, make_avg<T>(a));
+  else
+    combine_loop<T, O>(outs, nouts, ins, nins, n, avg_vec<T>{});
+}
+
+// The same for any valid `o`.
 template <class T, class Out, class In>
 inline void combine_run(Out const* outs, int nouts, In const* ins, int nins, std::size_t n, op o,
                         const avg_step& a) noexcept {
-  const avg_vec<T> none{};
   switch (o) {
     case op::sum:
-      combine_loop<T, op::sum>(outs, nouts, ins, nins, n, none);
-      return;
+      return combine_op<T, op::sum>(outs, nouts, ins, nins, n, a);
     case op::avg:
-      combine_loop<T, op::avg>(outs, nouts, ins, nins, n, make_avg<T>(a));
-      return;
+      return combine_op<T, op::avg>(outs, nouts, ins, nins, n, a);
     case op::min:
-      combine_loop<T, op::min>(outs, nouts, ins, nins, n, none);
-      return;
+      return combine_op<T, op::min>(outs, nouts, ins, nins, n, a);
     case op::max:
-      combine_loop<T, op::max>(outs, nouts, ins, nins, n, none);
-      return;
+      return combine_op<T, op::max>(outs, nouts, ins, nins, n, a);
     case op::prod:
-      combine_loop<T, op::prod>(outs, nouts, ins, nins, n, none);
-      return;
+      return combine_op<T, op::prod>(outs, nouts, ins, nins, n, a);
   }
 }
 
-// `reduce_into<T>`'s loops: requires a valid `o`.
+// `reduce_into<T>`'s loop for op O (avg adds: averages are combine's).
+template <class T, op O>
+inline void reduce_op(T* dst, const T* src, std::size_t n) noexcept {
+  reduce_loop<T, O == op::avg ? op::sum : O>(dst, src, n);
+}
+
+// The same for any valid `o`.
 template <class T>
 inline void reduce_run(T* dst, const T* src, std::size_t n, op o) noexcept {
   switch (o) {
     case op::sum:
     case op::avg:
-      reduce_loop<T, op::sum>(dst, src, n);
-      return;
+      return reduce_op<T, op::sum>(dst, src, n);
     case op::min:
-      reduce_loop<T, op::min>(dst, src, n);
-      return;
+      return reduce_op<T, op::min>(dst, src, n);
     case op::max:
-      reduce_loop<T, op::max>(dst, src, n);
-      return;
+      return reduce_op<T, op::max>(dst, src, n);
     case op::prod:
-      reduce_loop<T, op::prod>(dst, src, n);
-      return;
+      return reduce_op<T, op::prod>(dst, src, n);
   }
 }
 
