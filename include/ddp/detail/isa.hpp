@@ -26,8 +26,8 @@
 #include <cstdlib>
 #include <cstring>
 
-// Only in optimized builds: an unoptimized one would pay the copies' compile time (about 3 s a
-// copy in each unit that instantiates the kernels) for no speed.
+// Only in optimized builds: an unoptimized one would pay the copies' compile time (in each unit
+// that instantiates the kernels) for no speed.
 #if (defined(__x86_64__) || defined(__i386__)) && !defined(__AVX2__) && defined(__GNUC__) && !defined(__clang__) && \
     defined(__OPTIMIZE__) && !defined(DDP_NO_ISA_DISPATCH) && !defined(DDP_NO_F16C_DISPATCH)
 #define DDP_DETAIL_ISA_DISPATCH 1

@@ -15,26 +15,23 @@
 #undef DDP_KERN_VECTOR_BYTES
 #undef DDP_KERN_F16C
 #if DDP_DETAIL_ISA_DISPATCH
+// Both run-time copies: 32-byte vectors, F16C's conversions; AVX2, and AVX-512 as well.
+#define DDP_KERN_VECTOR_BYTES 32
+#define DDP_KERN_F16C 1
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c")
 #define DDP_KERN_NS kern_v3
-#define DDP_KERN_VECTOR_BYTES 32
-#define DDP_KERN_F16C 1
 #include DDP_ISA_BODY
 #undef DDP_KERN_NS
-#undef DDP_KERN_VECTOR_BYTES
-#undef DDP_KERN_F16C
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c,avx512f,avx512vl,avx512bw,avx512dq")
 #define DDP_KERN_NS kern_v4
-#define DDP_KERN_VECTOR_BYTES 32
-#define DDP_KERN_F16C 1
 #include DDP_ISA_BODY
 #undef DDP_KERN_NS
+#pragma GCC pop_options
 #undef DDP_KERN_VECTOR_BYTES
 #undef DDP_KERN_F16C
-#pragma GCC pop_options
 #endif
 #undef DDP_ISA_BODY
 #endif

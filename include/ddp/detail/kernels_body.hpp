@@ -439,19 +439,19 @@ inline void combine_1(Out const* outs, int nouts, In in0, std::size_t n, const t
 }
 
 // Two inputs: no accumulator needed, one pass reads both inputs and writes every output.
-template <class T, op O, bool Raw0, bool Raw1, fin_mode F, class Out, class In>
-inline void combine_2(Out const* outs, int nouts, In in0, In in1, std::size_t n, const typename lanes<T>::vec pre,
-                      const typename lanes<T>::vec d) noexcept {
+template <class T, op O, bool Raw, fin_mode F, class Out, class In>
+inline void combine_2(Out const* outs, int nouts, In in0, In in1, std::size_t n, const typename lanes<T>::vec pre0,
+                      const typename lanes<T>::vec pre1, const typename lanes<T>::vec d) noexcept {
   constexpr std::size_t w = lanes<T>::width;
   std::size_t i = 0;
   for (; i + w <= n; i += w)
     put_out<T, F, true>(outs, nouts, i,
-                        apply<T, O>(get_in<T, Raw0, true>(in0, i, w, pre), get_in<T, Raw1, true>(in1, i, w, pre)), w,
+                        apply<T, O>(get_in<T, Raw, true>(in0, i, w, pre0), get_in<T, Raw, true>(in1, i, w, pre1)), w,
                         d);
   if (i < n) {
     const std::size_t k = n - i;
     put_out<T, F, false>(outs, nouts, i,
-                         apply<T, O>(get_in<T, Raw0, false>(in0, i, k, pre), get_in<T, Raw1, false>(in1, i, k, pre)), k,
+                         apply<T, O>(get_in<T, Raw, false>(in0, i, k, pre0), get_in<T, Raw, false>(in1, i, k, pre1)), k,
                          d);
   }
 }
@@ -459,17 +459,17 @@ inline void combine_2(Out const* outs, int nouts, In in0, In in1, std::size_t n,
 // Three or more inputs, tile by tile: the first two inputs into the accumulator, then each
 // further one, then the last on the way out. `m` elements from `base`; the accumulator's last
 // vector may be partial.
-template <class T, op O, bool Raw0, bool Raw1, class In>
+template <class T, op O, bool Raw, class In>
 [[gnu::noinline]] void tile_first(typename lanes<T>::vec* acc, In in0, In in1, std::size_t base, std::size_t m,
-                                  const typename lanes<T>::vec pre) noexcept {
+                                  const typename lanes<T>::vec pre0, const typename lanes<T>::vec pre1) noexcept {
   constexpr std::size_t w = lanes<T>::width;
   std::size_t v = 0;
   for (; (v + 1) * w <= m; ++v)
     acc[v] =
-        apply<T, O>(get_in<T, Raw0, true>(in0, base + v * w, w, pre), get_in<T, Raw1, true>(in1, base + v * w, w, pre));
+        apply<T, O>(get_in<T, Raw, true>(in0, base + v * w, w, pre0), get_in<T, Raw, true>(in1, base + v * w, w, pre1));
   if (v * w < m)
-    acc[v] = apply<T, O>(get_in<T, Raw0, false>(in0, base + v * w, m - v * w, pre),
-                         get_in<T, Raw1, false>(in1, base + v * w, m - v * w, pre));
+    acc[v] = apply<T, O>(get_in<T, Raw, false>(in0, base + v * w, m - v * w, pre0),
+                         get_in<T, Raw, false>(in1, base + v * w, m - v * w, pre1));
 }
 template <class T, op O, bool Raw, class In>
 [[gnu::noinline]] void tile_next(typename lanes<T>::vec* acc, In in, std::size_t base, std::size_t m,
@@ -493,18 +493,6 @@ template <class T, op O, bool Raw, fin_mode F, class Out, class In>
                          apply<T, O>(acc[v], get_in<T, Raw, false>(in, base + v * w, m - v * w, pre)), m - v * w, d);
 }
 
-// Calls f(std::bool_constant<b>{}); for ops other than avg every flag is false.
-template <op O, class F>
-[[gnu::always_inline]] inline void with_flag(bool b, F&& f) {
-  if constexpr (O == op::avg) {
-    if (b)
-      f(std::true_type{});
-    else
-      f(std::false_type{});
-  } else {
-    f(std::false_type{});
-  }
-}
 // Calls f(std::integral_constant<fin_mode, m>{}); for ops other than avg, none.
 template <op O, class F>
 [[gnu::always_inline]] inline void with_fin(fin_mode m, F&& f) {
@@ -525,56 +513,48 @@ template <op O, class F>
   }
 }
 
+// In an average every input is multiplied on entry: a single rank's contribution by `pre`, a
+// partial result by 1, which is exact (x * 1 == x for every value but NaN, whose payload it
+// keeps, and every NaN result is made canonical anyway), so one loop serves every `raw_from`:
+// a third of the instantiations that a compile-time flag per input took.
 template <class T, op O, class Out, class In>
 inline void combine_loop(Out const* outs, int nouts, In const* ins, int nins, std::size_t n,
                          const avg_vec<T>& av) noexcept {
-  using V = typename lanes<T>::vec;
-  static_assert(combine_tile % lanes<T>::width == 0);
+  using L = lanes<T>;
+  using V = typename L::vec;
+  static_assert(combine_tile % L::width == 0);
   constexpr bool avg = O == op::avg;
   const fin_mode fin = avg ? finish_of(av) : fin_mode::none;
-  const V pre = av.pre, d = finish_operand(av);
-  auto raw = [&](int j) { return avg && j >= av.raw_from; };
+  const V d = finish_operand(av);
+  V one{};
+  if constexpr (L::is_float) one = one + 1;
+  // Integers never scale on entry (avg_in is the identity for them).
+  auto pre = [&](int j) { return j >= av.raw_from ? av.pre : one; };
 
   if (nins == 1) {
-    if constexpr (avg) {
-      with_flag<O>(raw(0), [&](auto r0) {
-        with_fin<O>(fin, [&](auto f) {
-          combine_1<T, decltype(r0)::value, decltype(f)::value>(outs, nouts, ins[0], n, pre, d);
-        });
-      });
-    }
+    if constexpr (avg)
+      with_fin<O>(fin, [&](auto f) { combine_1<T, avg, decltype(f)::value>(outs, nouts, ins[0], n, pre(0), d); });
     return;
   }
   if (nins == 2) {
-    with_flag<O>(raw(0), [&](auto r0) {
-      with_flag<O>(raw(1), [&](auto r1) {
-        with_fin<O>(fin, [&](auto f) {
-          combine_2<T, O, decltype(r0)::value, decltype(r1)::value, decltype(f)::value>(outs, nouts, ins[0], ins[1], n,
-                                                                                        pre, d);
-        });
-      });
+    with_fin<O>(fin, [&](auto f) {
+      combine_2<T, O, avg, decltype(f)::value>(outs, nouts, ins[0], ins[1], n, pre(0), pre(1), d);
     });
     return;
   }
-  alignas(64) V acc[combine_tile / lanes<T>::width];
+  alignas(64) V acc[combine_tile / L::width];
   for (std::size_t base = 0; base < n; base += combine_tile) {
     const std::size_t m = n - base < combine_tile ? n - base : combine_tile;
-    with_flag<O>(raw(0), [&](auto r0) {
-      with_flag<O>(raw(1), [&](auto r1) {
-        tile_first<T, O, decltype(r0)::value, decltype(r1)::value>(acc, ins[0], ins[1], base, m, pre);
-      });
-    });
-    for (int j = 2; j + 1 < nins; ++j)
-      with_flag<O>(raw(j), [&](auto r) { tile_next<T, O, decltype(r)::value>(acc, ins[j], base, m, pre); });
+    tile_first<T, O, avg>(acc, ins[0], ins[1], base, m, pre(0), pre(1));
+    for (int j = 2; j + 1 < nins; ++j) tile_next<T, O, avg>(acc, ins[j], base, m, pre(j));
     // Every input of this tile has been read before any output of it is written, so an output
     // may be one of the inputs.
-    with_flag<O>(raw(nins - 1), [&](auto r) {
-      with_fin<O>(fin, [&](auto f) {
-        tile_last<T, O, decltype(r)::value, decltype(f)::value>(outs, nouts, acc, ins[nins - 1], base, m, pre, d);
-      });
+    with_fin<O>(fin, [&](auto f) {
+      tile_last<T, O, avg, decltype(f)::value>(outs, nouts, acc, ins[nins - 1], base, m, pre(nins - 1), d);
     });
   }
 }
+
 // `combine_any`'s loops (detail/kernels.hpp) for op O: requires a valid `a` for avg, and at
 // least one input that is not a plain copy.
 template <class T, op O, class Out, class In>
