@@ -103,6 +103,28 @@ bool bind_to_core(int rank, int ranks) {
   return false;
 }
 
+// sweep_one over buffers from an allocator (`allocate(bytes)`, `deallocate(p, bytes)`), one size
+// at a time and freed as it goes: one buffer per size would exhaust a segment's arena on big
+// sweeps.
+template <class Reducer, class Allocator>
+int sweep_allocated(ddp::process_group& pg, Reducer& red, Allocator& a, const sweep::options& o,
+                    const std::string& name) {
+  std::vector<std::pair<void*, std::size_t>> blocks;
+  auto from_alloc = [&](std::size_t bytes) {
+    blocks.emplace_back(a.allocate(bytes), bytes);
+    return static_cast<float*>(blocks.back().first);
+  };
+  int bad = 0;
+  for (std::size_t bytes : sweep::sizes(o)) {
+    sweep::options one = o;
+    one.min_bytes = one.max_bytes = bytes;
+    bad += sweep_one(pg, red, from_alloc, one, name);
+    for (auto& [p, n] : blocks) a.deallocate(p, n);
+    blocks.clear();
+  }
+  return bad;
+}
+
 int run_rank(int rank, int port, const sweep::options& o, const std::string& algo_name) {
   const std::string algo = algo_name;
   const std::string name = bind_to_core(rank, o.ranks) ? algo + "_bound" : algo;
@@ -122,21 +144,8 @@ int run_rank(int rank, int port, const sweep::options& o, const std::string& alg
     ddp::auto_reducer r{pg};
     if (pg.rank() == 0) std::fprintf(stderr, "# %s: %s\n", name.c_str(), r.describe().c_str());
     if (algo == "default") return sweep_one(pg, r, heap, o, name);
-    const auto a = ddp::auto_allocator::for_reducer(r);
-    std::vector<std::pair<void*, std::size_t>> blocks;
-    auto from_alloc = [&](std::size_t bytes) {
-      blocks.emplace_back(a.allocate(bytes), bytes);
-      return static_cast<float*>(blocks.back().first);
-    };
-    int bad = 0;
-    for (std::size_t bytes : sweep::sizes(o)) {  // one size at a time, freed as we go
-      sweep::options one = o;
-      one.min_bytes = one.max_bytes = bytes;
-      bad += sweep_one(pg, r, from_alloc, one, name);
-      for (auto& [p, n] : blocks) a.deallocate(p, n);
-      blocks.clear();
-    }
-    return bad;
+    auto a = ddp::auto_allocator::for_reducer(r);
+    return sweep_allocated(pg, r, a, o, name);
   }
   if (algo == "ring_tcp") { ddp::ring<ddp::tcp> r{pg}; return sweep_one(pg, r, heap, o, name); }
   if (algo == "tree_tcp") { ddp::tree<ddp::tcp> r{pg}; return sweep_one(pg, r, heap, o, name); }
@@ -146,21 +155,7 @@ int run_rank(int rank, int port, const sweep::options& o, const std::string& alg
   if (algo == "ring_shm_zerocopy") {
     ddp::ring<ddp::shm> r{pg, so, {}};
     ddp::shm_allocator a{r.transport()};
-    std::vector<std::pair<void*, std::size_t>> blocks;
-    auto in_segment = [&](std::size_t bytes) {
-      blocks.emplace_back(a.allocate(bytes), bytes);
-      return static_cast<float*>(blocks.back().first);
-    };
-    // One buffer per size would exhaust the arena on big sweeps: free as we go.
-    int bad = 0;
-    for (std::size_t bytes : sweep::sizes(o)) {
-      sweep::options one = o;
-      one.min_bytes = one.max_bytes = bytes;
-      bad += sweep_one(pg, r, in_segment, one, name);
-      for (auto& [p, n] : blocks) a.deallocate(p, n);
-      blocks.clear();
-    }
-    return bad;
+    return sweep_allocated(pg, r, a, o, name);
   }
   std::fprintf(stderr, "allreduce: unknown algo %s\n", algo.c_str());
   return 2;

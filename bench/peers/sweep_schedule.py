@@ -29,3 +29,14 @@ def sizes(args):
     while b <= args.max_bytes:
         yield b // 4 * 4
         b *= args.factor
+
+
+def row(system, algo, n, nbytes, iters, times_us):
+    """One CSV row from every iteration's time (the slowest rank's, microseconds)."""
+    s = sorted(times_us)
+    k = len(s)
+    median = s[k // 2] if k % 2 else (s[k // 2 - 1] + s[k // 2]) / 2
+    p10 = s[(k - 1) // 10]
+    algbw = nbytes / (median * 1e3)
+    busbw = algbw * 2 * (n - 1) / n if n > 1 else algbw
+    return f"{system},{algo},{n},{nbytes},{iters},{median:.2f},{p10:.2f},{algbw:.4f},{busbw:.4f}"

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sweep_schedule import HEADER, iters_for, sizes, warmup_for  # noqa: E402 (beside this file)
+from sweep_schedule import HEADER, iters_for, row, sizes, warmup_for  # noqa: E402 (beside this file)
 
 
 def worker(rank, args, port):
@@ -47,14 +47,7 @@ def worker(rank, args, port):
         t = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if rank == 0:
-            s, _ = torch.sort(t)
-            k = len(s)
-            median = float(s[k // 2]) if k % 2 else float(s[k // 2 - 1] + s[k // 2]) / 2
-            p10 = float(s[(k - 1) // 10])
-            algbw = nbytes / (median * 1e3)
-            busbw = algbw * 2 * (n - 1) / n if n > 1 else algbw
-            print(f"pytorch_gloo,all_reduce,{n},{nbytes},{iters},{median:.2f},{p10:.2f},"
-                  f"{algbw:.4f},{busbw:.4f}", flush=True)
+            print(row("pytorch_gloo", "all_reduce", n, nbytes, iters, t.tolist()), flush=True)
     # Every rank is done with gloo before any tears it down; then leave without the interpreter's
     # finalization, in which a gloo process group's destructor now and then never returns.
     dist.barrier()
