@@ -18,11 +18,13 @@
 /// conversions, fp8); min, max and prod, and f64 and integer reductions, keep the build's copy,
 /// which saves most of the copies' compile time. An unoptimized build (no __OPTIMIZE__) compiles no copy.
 ///
-/// `DDP_KERNELS=baseline` (or `avx2`) in the environment caps the copy (for A/B timing);
+/// `DDP_KERNELS=baseline` (or `avx2`) in the environment caps the copy (for A/B timing; another
+/// value is named on stderr and ignored);
 /// `DDP_NO_ISA_DISPATCH` compiles the second copy out (clang, which has no `#pragma GCC target`,
 /// never compiles it).
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -73,9 +75,13 @@ inline isa isa_of_cpu() noexcept {
 inline std::atomic<int>& isa_state() noexcept {
   static std::atomic<int> s{[] {
     int level = static_cast<int>(isa_of_cpu());
-    if (const char* e = std::getenv("DDP_KERNELS"); e != nullptr) {
-      if (std::strcmp(e, "baseline") == 0) level = 0;
-      if (std::strcmp(e, "avx2") == 0 && level > 1) level = 1;
+    if (const char* e = std::getenv("DDP_KERNELS"); e != nullptr && *e != '\0') {
+      if (std::strcmp(e, "baseline") == 0)
+        level = 0;
+      else if (std::strcmp(e, "avx2") == 0)
+        level = level > 1 ? 1 : level;
+      else if (std::strcmp(e, "avx512") != 0)  // the best the CPU has, as when unset
+        std::fprintf(stderr, "ddp: DDP_KERNELS='%s' is none of baseline, avx2, avx512: ignored\n", e);
     }
     return level;
   }()};
