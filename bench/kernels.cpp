@@ -151,13 +151,8 @@ void run(std::size_t bytes, int reps) {
     std::vector<float> scales(nf / 256 + 1);
     std::memset(res, 0, nf * sizeof(float));
     const double q = report("fp8 quantize, error feedback (f32 B)", median_seconds(reps, [&] {
-                              for (std::size_t at = 0, blk = 0; at < nf; at += 256, ++blk) {
-                                const std::size_t len = std::min<std::size_t>(256, nf - at);
-                                float* y = res + at;
-                                k8::add_into(y, f(0) + at, len);  // y = x + residual, as fp8_compress
-                                scales[blk] = k8::block_scale(y, len, 448.0f);
-                                k8::quantize<ddp::fp8_format::e4m3>(y, len, scales[blk], codes + at, y);
-                              }
+                              // as fp8_compress: y = x + residual, the block scales, the codes
+                              k8::quantize_blocks<ddp::fp8_format::e4m3>(f(0), nf, 256, res, scales.data(), codes);
                             }), b);
     const double d = report("fp8 decode into the sum (f32 B)", median_seconds(reps, [&] {
                               for (std::size_t at = 0, blk = 0; at < nf; at += 256, ++blk)

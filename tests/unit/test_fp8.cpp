@@ -6,6 +6,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -143,5 +144,48 @@ TEST_CASE(
         k::sum_ranks<fp8_format::e4m3>(got.data(), n, rows.data(), scales.data(), ranks, 1.0f);
         for (float g : got) CHECK(g == inf);
       }
+    }
+}
+
+TEST_CASE("fp8 quantize_blocks and sum_blocks: a whole bucket gives the per-block kernels' bits") {
+  constexpr auto F = fp8_format::e4m3;
+  for (std::size_t block : {std::size_t{37}, std::size_t{256}})
+    for (std::size_t n : {std::size_t{1}, std::size_t{300}, std::size_t{1000}}) {
+      CAPTURE(block);
+      CAPTURE(n);
+      const std::size_t nb = (n + block - 1) / block;
+      std::vector<float> x(n), r0(n), r1(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        x[i] = std::sin(static_cast<float>(i)) * static_cast<float>(1 + i % 7);
+        r0[i] = r1[i] = 1e-3f * std::cos(static_cast<float>(i));
+      }
+      // Per block, as fp8_compress did: y = x + r, the scale, the codes and the new residual.
+      std::vector<float> s0(nb), s1(nb);
+      std::vector<std::uint8_t> c0(n), c1(n);
+      for (std::size_t at = 0, blk = 0; at < n; at += block, ++blk) {
+        const std::size_t len = std::min(block, n - at);
+        k::add_into(r0.data() + at, x.data() + at, len);
+        s0[blk] = k::block_scale(r0.data() + at, len, k::spec_of(F).largest);
+        k::quantize<F>(r0.data() + at, len, s0[blk], c0.data() + at, r0.data() + at);
+      }
+      k::quantize_blocks<F>(x.data(), n, block, r1.data(), s1.data(), c1.data());
+      CHECK(c0 == c1);
+      CHECK(std::memcmp(s0.data(), s1.data(), nb * sizeof(float)) == 0);
+      CHECK(std::memcmp(r0.data(), r1.data(), n * sizeof(float)) == 0);
+      // Two ranks' codes summed and averaged: sum_ranks block by block.
+      std::vector<float> want(n), got(n);
+      for (std::size_t at = 0, blk = 0; at < n; at += block, ++blk) {
+        const std::uint8_t* rows[2] = {c0.data() + at, c1.data() + at};
+        const float sc[2] = {s0[blk], 2 * s1[blk]};
+        k::sum_ranks<F>(want.data() + at, std::min(block, n - at), rows, sc, 2, 2.0f);
+      }
+      std::vector<float> s1x2(nb);
+      for (std::size_t b = 0; b < nb; ++b) s1x2[b] = 2 * s1[b];
+      const std::uint8_t* codes[2] = {c0.data(), c1.data()};
+      const void* scales[2] = {s0.data(), s1x2.data()};
+      const std::uint8_t* rows[2];
+      float sc[2];
+      k::sum_blocks<F>(got.data(), n, block, codes, scales, 2, 2.0f, rows, sc);
+      CHECK(std::memcmp(got.data(), want.data(), n * sizeof(float)) == 0);
     }
 }

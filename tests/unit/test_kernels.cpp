@@ -837,6 +837,13 @@ TEST_CASE("kernels: every instruction-set copy gives the baseline copy's bits") 
       constexpr ddp::fp8_format F = decltype(fmt)::value;
       all("fp8 block_scale, quantize", [&] { return quantized(fmt).first; });
       all("fp8 codes", [&] { return quantized(fmt).second; });
+      all("fp8 quantize_blocks", [&] {
+        std::vector<float> out(n + n / 64 + 1, 0.0f);  // residuals, the block scales, then the codes
+        std::vector<std::uint8_t> codes(n);
+        k8::quantize_blocks<F>(x.data(), n, 64, out.data(), out.data() + n, codes.data());
+        out.insert(out.end(), codes.begin(), codes.end());
+        return out;
+      });
       const auto [rs, codes] = quantized(fmt);
       for (int ranks : {1, 2, 3})
         all("fp8 sum_ranks", [&] {

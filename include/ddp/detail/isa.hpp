@@ -20,8 +20,8 @@
 ///
 /// `DDP_KERNELS=baseline` (or `avx2`) in the environment caps the copy (for A/B timing; another
 /// value is named on stderr and ignored);
-/// `DDP_NO_ISA_DISPATCH` compiles the second copy out (clang, which has no `#pragma GCC target`,
-/// never compiles it).
+/// `DDP_NO_ISA_DISPATCH` compiles the run-time copies out (clang, which has no `#pragma GCC
+/// target`, never compiles them).
 
 #include <atomic>
 #include <cstdio>

@@ -11,8 +11,8 @@
 /// need run-time alias checks, and these loops always would. Vectors are one register wide:
 /// 32 bytes under -mavx, 16 bytes (SSE2) on the x86-64 baseline. The bodies live in
 /// detail/kernels_body.hpp, compiled once per instruction set (detail/isa.hpp): a build for the
-/// x86-64 baseline also has an AVX2 + F16C copy, taken at run time where the CPU has them, so a
-/// plain -O2 build runs at -march=native's speed (bench/kernels, docs/tuning.md).
+/// x86-64 baseline also has AVX2 + F16C and AVX-512 copies, the best the CPU has taken at run
+/// time, so a plain -O2 build runs at -march=native's speed (bench/kernels, docs/tuning.md).
 ///
 /// Semantics, identical in the vector body and in the tail (the tail runs the same vector code on
 /// a zero-padded copy, so no element is ever computed by a different instruction sequence):

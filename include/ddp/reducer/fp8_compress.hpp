@@ -139,18 +139,8 @@ class fp8_compress {
       if (r.size() != n) r.assign(n, 0.0f);  // a new bucket, or a new plan: nothing carried
       res = r.data();
     }
-    constexpr float largest = k::spec_of(F).largest;
-    for (std::size_t blk = 0; blk < nb; ++blk) {
-      const std::size_t at = blk * bl, len = std::min(bl, n - at);
-      const float* y = x + at;
-      if (res != nullptr) {  // y = x + r, in the residual's memory, which quantize then overwrites
-        float* rr = res + at;
-        k::add_into(rr, x + at, len);
-        y = rr;
-      }
-      scales[blk] = k::block_scale(y, len, largest);
-      k::quantize<F>(y, len, scales[blk], codes + at, res != nullptr ? res + at : nullptr);
-    }
+    // y = x + r in the residual's memory (which quantization then overwrites), scales, codes.
+    k::quantize_blocks<F>(x, n, bl, res, scales, codes);
     const request req = detail::allgather_async_tagged(inner, mine, recv_.data(), words, dtype::i32, b.tag());
     req.wait(b.deadline);
     for (int r = 0; r < b.size; ++r) {
@@ -163,25 +153,28 @@ class fp8_compress {
                           ": every rank must compress with the same options");
     }
     // Every rank's blocks decoded and summed in one pass over the bucket (and divided, for avg).
-    rows_.resize(static_cast<std::size_t>(b.size));
-    block_scales_.resize(static_cast<std::size_t>(b.size));
-    const float divisor = b.oper == op::avg ? static_cast<float>(b.size) : 1.0f;
-    for (std::size_t blk = 0; blk < nb; ++blk) {
-      const std::size_t at = blk * bl, len = std::min(bl, n - at);
-      for (int r = 0; r < b.size; ++r) {
-        const std::uint32_t* theirs = recv_.data() + static_cast<std::size_t>(r) * words;
-        std::memcpy(&block_scales_[static_cast<std::size_t>(r)], theirs + header_words + blk, sizeof(float));
-        rows_[static_cast<std::size_t>(r)] = reinterpret_cast<const std::uint8_t*>(theirs + header_words + nb) + at;
-      }
-      k::sum_ranks<F>(x + at, len, rows_.data(), block_scales_.data(), b.size, divisor);
+    const auto ranks = static_cast<std::size_t>(b.size);
+    rank_codes_.resize(ranks);
+    rank_scales_.resize(ranks);
+    for (std::size_t r = 0; r < ranks; ++r) {
+      const std::uint32_t* theirs = recv_.data() + r * words;
+      rank_scales_[r] = theirs + header_words;
+      rank_codes_[r] = reinterpret_cast<const std::uint8_t*>(theirs + header_words + nb);
     }
+    rows_.resize(ranks);
+    block_scales_.resize(ranks);
+    const float divisor = b.oper == op::avg ? static_cast<float>(b.size) : 1.0f;
+    k::sum_blocks<F>(x, n, bl, rank_codes_.data(), rank_scales_.data(), b.size, divisor, rows_.data(),
+                     block_scales_.data());
   }
 
   fp8_options o_{};
   std::map<std::int32_t, std::vector<float>> residual_;  // per bucket of the wrapper
   std::vector<std::uint32_t> send_, recv_;               // grow only: buckets repeat every step
-  std::vector<const std::uint8_t*> rows_;                // per rank: the codes of the block being summed
-  std::vector<float> block_scales_;                      // per rank: its scale of that block
+  std::vector<const std::uint8_t*> rank_codes_;          // per rank: its codes in recv_
+  std::vector<const void*> rank_scales_;                 // per rank: its block scales in recv_
+  std::vector<const std::uint8_t*> rows_;                // sum_blocks' scratch: per rank, the block's codes
+  std::vector<float> block_scales_;                      // sum_blocks' scratch: per rank, the block's scale
 };
 
 }  // namespace DDP_ABI

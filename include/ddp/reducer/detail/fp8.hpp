@@ -87,6 +87,19 @@ inline void sum_ranks(float* out, std::size_t n, const std::uint8_t* const* code
                       float divisor) noexcept {
   DDP_DETAIL_ISA_CALL(fp8k::sum_ranks<F>(out, n, codes, scales, ranks, divisor));
 }
+/// A whole bucket: error feedback's add, every block's scale and codes (fp8_body.hpp).
+template <fp8_format F>
+inline void quantize_blocks(const float* x, std::size_t n, std::size_t block, float* residual, float* scales,
+                            std::uint8_t* codes) noexcept {
+  DDP_DETAIL_ISA_CALL(fp8k::quantize_blocks<F>(x, n, block, residual, scales, codes));
+}
+/// A whole bucket of `sum_ranks`, every rank's blocks (fp8_body.hpp).
+template <fp8_format F>
+inline void sum_blocks(float* out, std::size_t n, std::size_t block, const std::uint8_t* const* codes,
+                       const void* const* scales, int ranks, float divisor, const std::uint8_t** rows,
+                       float* s) noexcept {
+  DDP_DETAIL_ISA_CALL(fp8k::sum_blocks<F>(out, n, block, codes, scales, ranks, divisor, rows, s));
+}
 /// One value's code, and one code's value (tests).
 template <fp8_format F>
 inline std::uint8_t encode_one(float v) noexcept {

@@ -243,6 +243,42 @@ inline void sum_ranks(float* out, std::size_t n, const std::uint8_t* const* code
   }
 }
 
+/// A whole bucket, block by block (`block` elements a scale): with `residual` (error feedback)
+/// y = x + residual in the residual's memory, then its scale into `scales[blk]` and its codes;
+/// the residual becomes what the codes lost. One call a bucket, so the caller's choice of copy
+/// (detail/isa.hpp) is made once, not per block.
+template <fp8_format F>
+inline void quantize_blocks(const float* x, std::size_t n, std::size_t block, float* residual, float* scales,
+                            std::uint8_t* codes) noexcept {
+  constexpr float largest = spec_of(F).largest;
+  for (std::size_t at = 0, blk = 0; at < n; at += block, ++blk) {
+    const std::size_t len = n - at < block ? n - at : block;
+    const float* y = x + at;
+    if (residual != nullptr) {
+      add_into(residual + at, x + at, len);
+      y = residual + at;
+    }
+    scales[blk] = block_scale(y, len, largest);
+    quantize<F>(y, len, scales[blk], codes + at, residual != nullptr ? residual + at : nullptr);
+  }
+}
+
+/// A whole bucket of `sum_ranks`: rank r's codes start at `codes[r]` and its block scales at
+/// `scales[r]` (read with memcpy: they may sit in another type's buffer); `rows` and `s` are
+/// scratch of `ranks` entries each.
+template <fp8_format F>
+inline void sum_blocks(float* out, std::size_t n, std::size_t block, const std::uint8_t* const* codes,
+                       const void* const* scales, int ranks, float divisor, const std::uint8_t** rows,
+                       float* s) noexcept {
+  for (std::size_t at = 0, blk = 0; at < n; at += block, ++blk) {
+    for (int r = 0; r < ranks; ++r) {
+      std::memcpy(&s[r], static_cast<const char*>(scales[r]) + blk * sizeof(float), sizeof(float));
+      rows[r] = codes[r] + at;
+    }
+    sum_ranks<F>(out + at, n - at < block ? n - at : block, rows, s, ranks, divisor);
+  }
+}
+
 /// One element's code, for tests: the vector code on one lane.
 template <fp8_format F>
 inline std::uint8_t encode_one(float v) noexcept {
