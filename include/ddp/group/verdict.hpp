@@ -210,11 +210,13 @@ class failure_verdict {
   /// where this rank noticed: "waiting for rank 3"); else, after a timeout, the rank that
   /// stopped (name_stopped); else the lost peer. This rank's own verdict is
   /// recorded, and when another rank's was recorded meanwhile, that one is returned instead:
-  /// the first one is everyone's.
-  link_verdict judge(int peer, const std::error_code& ec, const std::string& noticed, const std::string& why = {}) {
+  /// the first one is everyone's. `ended`: the peer's process has ended (seen on its pid), so
+  /// whatever it recorded is there already and nothing is waited for.
+  link_verdict judge(int peer, const std::error_code& ec, const std::string& noticed, const std::string& why = {},
+                     bool ended = false) {
     bool store_gone = false;
     const bool timed_out = detail::to_errc(ec) == errc::timeout;
-    if (auto f = first(&store_gone, !timed_out); !f.empty()) return {f, true};
+    if (auto f = first(&store_gone, !timed_out && !ended); !f.empty()) return {f, true};
     std::string msg;
     if (store_gone) {
       // The store does not answer either: its host is the one lost (rank 0, unless the

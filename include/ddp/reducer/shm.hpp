@@ -563,9 +563,14 @@ class shm {
       raise_here(errc::peer_lost, std::string(what) + ": " + who(j) +
                                       (closed == 1 ? " closed its shm transport" : " failed with an error") +
                                       " while this rank waited for it");
-    if (dead)
-      raise_here(errc::peer_lost, std::string(what) + ": " + who(j) + " (pid " + std::to_string(b.pid.load()) +
-                                      ") died while this rank waited for it");
+    if (dead) {
+      // A peer that failed elsewhere (a group call, another transport) recorded why before it
+      // left: that is everyone's verdict, not "died" (the group's first failure, judge()).
+      const auto v = ctx_.verdict().judge(
+          seg_.members[static_cast<std::size_t>(j)], make_error_code(errc::peer_lost), "waiting for " + who(j),
+          who(j) + " (pid " + std::to_string(b.pid.load()) + ") died while this rank waited for it", true);
+      raise_here(v.failure.code, std::string(what) + ": " + v.failure.text);
+    }
     raise_here(errc::timeout, std::string(what) + ": " + who(j) +
                                   " did not arrive before the deadline (waited for its step " + std::to_string(want) +
                                   ", it is at " + std::to_string(b.counter.load()) + ")" +
