@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 
 #include <ddp/version.hpp>
@@ -46,7 +47,44 @@ struct bucket_tag {
   std::int32_t bucket = -1;
   std::int64_t step = -1;
   std::span<const comm_tensor> tensors{};
+  /// Where the tensors' data is instead of the buffer: sources[k] holds tensors[k]'s elements
+  /// (nullptr: in the buffer). An allreduce reads them there and writes each tensor's result
+  /// there too (the buffer's elements of a tensor with a source are left unspecified). The
+  /// wrapper's copy mode passes the gradients so, instead of copying each in and its average
+  /// back, to a reducer that says it reads them (`reads_sources()`, the ring over tcp); a
+  /// reducer that does not copies them into the buffer first and the results back after.
+  /// Used until the collective has completed. Empty: the buffer holds everything.
+  std::span<void* const> sources{};
 };
+
+namespace detail {
+/// Copies the tensors whose data is elsewhere (bucket_tag::sources) into `data`, a buffer of
+/// elements of `t`: what a reducer that does not read sources in place does first.
+inline void gather_sources(void* data, dtype t, const bucket_tag& tag) noexcept {
+  const std::size_t es = dtype_size(t);
+  for (std::size_t k = 0; k < tag.sources.size() && k < tag.tensors.size(); ++k)
+    if (const void* src = tag.sources[k]; src != nullptr) {
+      auto* dst = static_cast<unsigned char*>(data) + tag.tensors[k].offset * es;
+      if (dst != src) std::memcpy(dst, src, tag.tensors[k].numel * es);
+    }
+}
+/// The results back where the sources are: what such a reducer does after.
+inline void scatter_sources(const void* data, dtype t, std::span<const comm_tensor> tensors,
+                            std::span<void* const> sources) noexcept {
+  const std::size_t es = dtype_size(t);
+  for (std::size_t k = 0; k < sources.size() && k < tensors.size(); ++k)
+    if (void* dst = sources[k]; dst != nullptr) {
+      const auto* src = static_cast<const unsigned char*>(data) + tensors[k].offset * es;
+      if (dst != src) std::memcpy(dst, src, tensors[k].numel * es);
+    }
+}
+/// `tag` once its sources are in the buffer (gather_sources): what the collectives that
+/// follow are passed, so that none reads the sources again.
+inline bucket_tag without_sources(bucket_tag tag) noexcept {
+  tag.sources = {};
+  return tag;
+}
+}  // namespace detail
 
 /// A reducer whose `allreduce_async` takes the bucket_tag as a fifth argument (every reducer
 /// of ddp; its reduce_scatter_async and allgather_async take one too). The wrapper passes

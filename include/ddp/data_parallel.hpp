@@ -245,6 +245,12 @@ class basic_data_parallel : public sharded_mode<basic_data_parallel<Planner, Red
     return no_sync_guard(no_sync_depth_);
   }
 
+  /// Copy mode: true when the reducer reads each gradient where the engine keeps it (ring<tcp>,
+  /// `auto_reducer` on several hosts of one rank each) instead of ddp copying it into its bucket
+  /// at `grad_ready`; the engine then leaves gradient i as it is from `grad_ready(i)` until
+  /// `finish()` returns. dp_options::copy_gradients_at_ready turns it off.
+  bool gradients_read_in_place() const noexcept { return buckets_.in_place(); }
+
   /// Where the engine must write gradient `i` in view mode (in copy mode: where ddp stages it).
   /// In view mode the address never changes; in copy mode it moves at the rebuild after the
   /// first synchronized step, and with `bucket_policy::autotune` at each cap the tuning tries

@@ -119,6 +119,9 @@ void random_run(int n, std::uint64_t seed, std::size_t count, std::size_t max_nu
     for (std::size_t i = 0; i < m.size(); ++i)
       for (std::size_t j = 0; j < m.numel(i); ++j)
         require(toy_model::get(m.data(i), m.type(i), j) == data_value(0, i, j), "rank 0's parameters broadcast");
+    // Copy mode on the ring over tcp reads the gradients where they are (no copy in).
+    require(dp.gradients_read_in_place() == (!view && std::is_same_v<Reducer, ddp::ring<ddp::tcp>>),
+            "gradients read in place exactly on ring<tcp> in copy mode");
     for (int s = 0; s < steps; ++s) {
       backward(dp, m, r, s, view, false, seed * 1000 + static_cast<std::uint64_t>(r * 10 + s));
       const std::size_t buckets = dp.plan().buckets.size();  // the rebuild may change it in finish()
@@ -164,6 +167,56 @@ TEST_CASE("random shapes up to 4 M elements, 300 small shapes on 4 ranks") {
   random_run<ddp::ring<ddp::tcp>>(2, 7, 12, 4 << 20, {.cap_bytes = 4_MiB, .first_cap_bytes = 256_KiB}, false, 2);
   random_run<ddp::tree<ddp::tcp>>(2, 8, 12, 4 << 20, {}, true, 2);
   random_run<ddp::ring<ddp::tcp>>(4, 9, 300, 1 << 10, {.cap_bytes = 2_KiB, .first_cap_bytes = 256}, false, 2);
+}
+
+TEST_CASE("copy_gradients_at_ready: copy mode on ring<tcp> copies each gradient in at grad_ready") {
+  // The engine reuses a gradient's memory after grad_ready: with the option, what it wrote
+  // after grad_ready never reaches the average.
+  const int n = 2;
+  expect_ok(on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
+    toy_model m = random_model(31, 40, 1 << 10);
+    ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, ddp::host_allocator> dp{
+        pg, m.views, {.cap_bytes = 1_MiB}, {.copy_gradients_at_ready = true}};
+    require(!dp.gradients_read_in_place(), "copy_gradients_at_ready: not read in place");
+    for (int s = 0; s < 2; ++s) {
+      backward(dp, m, r, s, false, false, static_cast<std::uint64_t>(r + 3 * s));
+      m.fill_grad([&](std::size_t, std::size_t) { return 1e9; });  // reused before finish()
+      dp.finish();
+      check_average(dp, m, n, {s}, false, none, "copied step " + std::to_string(s));
+    }
+  }, 60s));
+}
+
+TEST_CASE("copy mode read in place: an engine that reuses one buffer for two gradients is errc::usage naming both") {
+  // The engine computes each gradient in one scratch buffer and hands it over from there: with
+  // the copy at grad_ready that was fine; read in place it would average overwritten memory.
+  const int n = 2;
+  auto outs = on_ranks(n, opts, [&](int r, ddp::process_group& pg) {
+    toy_model m;
+    for (int k = 0; k < 4; ++k) m.add(256, ddp::dtype::f32);
+    std::vector<float> scratch(256);
+    auto views = m.views;
+    for (auto& v : views) v.grad = scratch.data();
+    ddp::basic_data_parallel<ddp::size_planner, ddp::ring<ddp::tcp>, ddp::host_allocator> dp{pg, views, {}};
+    require(dp.gradients_read_in_place(), "read in place");
+    for (std::size_t i = 4; i-- > 0;) {
+      std::fill(scratch.begin(), scratch.end(), static_cast<float>(r + i));
+      dp.grad_ready(i);
+    }
+    dp.finish();
+  }, 60s);
+  INFO(summary(outs));
+  // Rank r fails at its second grad_ready naming gradients 2 and 3; or, when its peer failed
+  // first, it fails naming that rank.
+  for (auto& o : outs) {
+    CHECK(o.exit_code == 1);
+    const bool own = o.message.find("grad_ready(2): gradient 2 lies in the memory of gradient 3") != std::string::npos;
+    CHECK((own || o.message.find("rank ") != std::string::npos));
+  }
+  CHECK(std::any_of(outs.begin(), outs.end(), [](const outcome& o) {
+    return o.errc == static_cast<int>(ddp::errc::usage) &&
+           o.message.find("copy_gradients_at_ready") != std::string::npos;
+  }));
 }
 
 TEST_CASE("grad_ready from several threads at once") {

@@ -1,5 +1,8 @@
 #include <doctest/doctest.h>
 
+#include <cstring>
+#include <random>
+
 #include "harness.hpp"
 #include "reducer_cases.hpp"
 
@@ -67,4 +70,111 @@ TEST_CASE("every descriptor carries the algorithm and its variant; a difference 
   CHECK(why.find("by ring,") == std::string::npos);
   CHECK(why.find("rank 1 called allreduce #3 of 1024 x f32 sum by ring") != std::string::npos);
   CHECK(why.find("same reducer") != std::string::npos);
+}
+
+// The wrapper's copy mode hands the ring<tcp> the gradients' addresses (bucket_tag::sources)
+// instead of copying them into the bucket and the averages back: the ring sends its first chunk
+// from them, part by part, reads its operand of each first reduction there, and writes the
+// results there (last reduction, all-gather). Same bits as from a filled buffer: tensors of 1
+// element to thousands, gaps between them (in the buffer), sources that are the tensor's own slot
+// or none, more parts in one chunk than one sendmsg takes (IOV_MAX), on 2-4 ranks, sum and
+// average, f32 and bf16; the tree (which does not read sources) copies them in first and the
+// results out after, and gives its own bits from the same data.
+template <class R>
+void check_sources(int n, ddp::dtype ty, ddp::op o, std::size_t tensors, std::uint64_t seed) {
+  expect_ok(on_ranks(n, reducer_opts, [&](int r, ddp::process_group& pg) {
+    const std::size_t es = ddp::dtype_size(ty);
+    std::mt19937_64 g(seed);  // the same layout on every rank
+    std::vector<ddp::comm_tensor> layout;
+    std::size_t count = 0;
+    for (std::size_t k = 0; k < tensors; ++k) {
+      count += g() % 3 == 0 ? g() % 5 : 0;  // a gap: elements no tensor owns
+      const std::size_t numel = g() % 4 == 0 ? 1 + g() % 3000 : 1 + g() % 7;
+      layout.push_back({k, count, numel, numel});
+      count += numel;
+    }
+    count += g() % 9;
+    std::mt19937_64 v(seed ^ (0x9e3779b97f4a7c15ull * static_cast<std::uint64_t>(r + 1)));
+    std::vector<unsigned char> full(count * es);
+    for (std::size_t i = 0; i < count; ++i) {
+      const float x = static_cast<float>(static_cast<int>(v() % 2001) - 1000) / 64.0f;
+      if (ty == ddp::dtype::bf16) {
+        std::uint32_t b;
+        std::memcpy(&b, &x, 4);
+        const auto h = static_cast<std::uint16_t>(b >> 16);
+        std::memcpy(&full[i * es], &h, 2);
+      } else {
+        std::memcpy(&full[i * es], &x, 4);
+      }
+    }
+    // The expected bits: the same reducer on the filled buffer.
+    R red = make<R>(pg);
+    std::vector<unsigned char> want = full;
+    red.allreduce(want.data(), count, ty, o);
+    // The buffer holds only the gaps (and the tensors whose source is the buffer); the rest is
+    // poison, and lives at the sources.
+    std::vector<unsigned char> buf(count * es, 0xCD);
+    std::vector<std::vector<unsigned char>> held(tensors);
+    std::vector<void*> sources(tensors, nullptr);
+    std::vector<bool> covered(count, false);
+    for (std::size_t k = 0; k < tensors; ++k) {
+      const auto& x = layout[k];
+      for (std::size_t i = x.offset; i < x.offset + x.numel; ++i) covered[i] = true;
+      const std::size_t how = g() % 8;
+      if (how == 0) {  // in the buffer already
+        std::memcpy(&buf[x.offset * es], &full[x.offset * es], x.numel * es);
+      } else if (how == 1) {  // its own slot
+        std::memcpy(&buf[x.offset * es], &full[x.offset * es], x.numel * es);
+        sources[k] = &buf[x.offset * es];
+      } else {
+        held[k].assign(full.begin() + static_cast<std::ptrdiff_t>(x.offset * es),
+                       full.begin() + static_cast<std::ptrdiff_t>((x.offset + x.numel) * es));
+        sources[k] = held[k].data();
+      }
+    }
+    for (std::size_t i = 0; i < count; ++i)
+      if (!covered[i]) std::memcpy(&buf[i * es], &full[i * es], es);
+    const ddp::bucket_tag tag{.bucket = 0, .step = 0, .tensors = layout, .sources = sources};
+    red.allreduce_async(buf.data(), count, ty, o, tag).wait(std::chrono::steady_clock::now() + 20s);
+    // Each tensor's result where its data was; the rest in the buffer.
+    for (std::size_t k = 0; k < tensors; ++k) {
+      const auto& x = layout[k];
+      const auto* got = sources[k] != nullptr ? static_cast<const unsigned char*>(sources[k]) : &buf[x.offset * es];
+      require(std::memcmp(got, &want[x.offset * es], x.numel * es) == 0,
+              "tensor " + std::to_string(k) + ": the result from sources differs from the filled buffer's bits");
+    }
+    for (std::size_t i = 0; i < count; ++i)
+      if (!covered[i]) require(std::memcmp(&buf[i * es], &want[i * es], es) == 0, "a gap's result differs");
+  }, 60s));
+}
+
+TEST_CASE_TEMPLATE("allreduce from bucket_tag::sources: the bits of a filled buffer", R, ddp::ring<ddp::tcp>,
+                   ddp::tree<ddp::tcp>) {
+  static_assert(ddp::ring<ddp::tcp>::reads_sources() && !ddp::tree<ddp::tcp>::reads_sources());
+  std::uint64_t seed = 7;
+  for (int n : {2, 3, 4})
+    for (auto ty : {ddp::dtype::f32, ddp::dtype::bf16})
+      for (auto o : {ddp::op::sum, ddp::op::avg}) {
+        CAPTURE(n);
+        CAPTURE(static_cast<int>(ty));
+        CAPTURE(static_cast<int>(o));
+        check_sources<R>(n, ty, o, 40, ++seed);
+      }
+  // More parts in one chunk than one sendmsg takes: 3000 one-element tensors.
+  check_sources<R>(2, ddp::dtype::f32, ddp::op::avg, 3000, 99);
+  check_sources<R>(3, ddp::dtype::f32, ddp::op::sum, 3000, 98);
+}
+
+TEST_CASE("allreduce from bucket_tag::sources: a source inside the buffer, or too few, is invalid_argument") {
+  expect_ok(on_ranks(2, reducer_opts, [&](int, ddp::process_group& pg) {
+    ddp::ring<ddp::tcp> red{pg};
+    std::vector<float> buf(64, 1.0f);
+    const ddp::comm_tensor t[2] = {{0, 0, 8, 8}, {1, 8, 8, 8}};
+    void* inside[2] = {buf.data() + 16, nullptr};
+    require_raises([&] { (void)red.allreduce_async(buf.data(), 64, ddp::dtype::f32, ddp::op::sum, {.tensors = t, .sources = inside}); },
+                   ddp::errc::invalid_argument, {"overlaps the buffer"}, "a source inside the buffer");
+    void* one[1] = {nullptr};
+    require_raises([&] { (void)red.allreduce_async(buf.data(), 64, ddp::dtype::f32, ddp::op::sum, {.tensors = t, .sources = one}); },
+                   ddp::errc::invalid_argument, {"1 sources for 2 tensors"}, "too few sources");
+  }, 30s));
 }

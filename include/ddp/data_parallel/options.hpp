@@ -91,6 +91,14 @@ struct dp_options {
   /// pass the same value. See docs/sharded.md, "Surviving failures".
   int shard_replicas = 0;
 
+  /// Copy mode: copy gradient i into its bucket at `grad_ready(i)` even where the reducer could
+  /// read it in place. By default a reducer that reads a bucket's data where it is (`auto_reducer`
+  /// on ring<tcp>, `ring<tcp>`: several hosts, one rank each) is handed the gradients' addresses
+  /// instead, and writes each bucket once, with the sum: a copy of every gradient less per step
+  /// (docs/performance.md, "Across hosts"). The engine must then leave gradient i as it is from
+  /// `grad_ready(i)` until `finish()` returns (which writes the average there); set this when it
+  /// reuses that memory in between.
+  bool copy_gradients_at_ready = false;
   friend bool operator==(const dp_options&, const dp_options&) = default;
 };
 

@@ -125,6 +125,9 @@ class auto_reducer : public detail::typed_collectives<auto_reducer> {
   int size() const noexcept;
 
   request allreduce_async(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag = {});
+  /// True when the engine reads bucket_tag::sources in place (ring<tcp>: several hosts, one rank
+  /// each): the wrapper's copy mode then copies no gradient into its buckets.
+  bool reads_sources() const noexcept;
   request broadcast_async(void* data, std::size_t count, dtype t, int root);
   request reduce_scatter_async(const void* in, void* out, std::size_t count_per_rank, dtype t, op o,
                                const bucket_tag& tag = {});

@@ -212,13 +212,20 @@ class hooked : public detail::typed_collectives<hooked<Inner, Hook>>, public det
   /// bucket it serves (the hook receives it in its comm_bucket).
   request allreduce_async(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag = {}) {
     check(t, o, "allreduce");
-    return progress_.submit([=, this] { run_hook(data, count, t, o, tag); });
+    detail::gather_sources(data, t, tag);  // the hook works on the bucket: it holds everything now
+    return progress_.submit([=, this, held = detail::without_sources(tag)] {
+      run_hook(data, count, t, o, held);
+      detail::scatter_sources(data, t, tag.tensors, tag.sources);
+    });
   }
   /// Blocking allreduce through the hook; on the calling thread when nothing is queued.
   void allreduce(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag = {}) {
     check(t, o, "allreduce");
-    if (!progress_.try_run_inline([&] { run_hook(data, count, t, o, tag); }))
-      wait(allreduce_async(data, count, t, o, tag));
+    detail::gather_sources(data, t, tag);
+    const bucket_tag held = detail::without_sources(tag);
+    if (!progress_.try_run_inline([&] { run_hook(data, count, t, o, held); }))
+      wait(allreduce_async(data, count, t, o, held));
+    detail::scatter_sources(data, t, tag.tensors, tag.sources);
   }
   request broadcast_async(void* data, std::size_t count, dtype t, int root) {
     check(t, op::sum, "broadcast");

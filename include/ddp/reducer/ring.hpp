@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/bucket_tag.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/detail/collective.hpp>
 #include <ddp/detail/copy.hpp>
@@ -71,15 +72,16 @@ int group_rank_of(const T& t, int i) {
 
 /// Exchange with descriptors: sends [desc | out] to `to`, receives [desc | in] from `from`,
 /// fails the transport with errc::mismatch as soon as the peer's descriptor differs.
-/// `on_payload(bytes)` sees how many payload bytes have arrived.
+/// `on_payload(bytes)` sees how many payload bytes have arrived. `out` and `in` are given as
+/// parts, the first of each left empty for the descriptor (filled here).
 template <class T, class F>
-void exchange(T& t, const coll_desc& d, int to, const void* out, std::size_t out_n, int from, void* in,
-              std::size_t in_n, deadline_t until, F&& on_payload) {
+void exchange_parts(T& t, const coll_desc& d, int to, std::span<iovec> out, int from, std::span<iovec> in,
+                    deadline_t until, F&& on_payload) {
   coll_desc theirs{};
-  const iovec o[2] = {{const_cast<coll_desc*>(&d), sizeof d}, {const_cast<void*>(out), out_n}};
-  const iovec i[2] = {{&theirs, sizeof theirs}, {in, in_n}};
+  out[0] = {const_cast<coll_desc*>(&d), sizeof d};
+  in[0] = {&theirs, sizeof theirs};
   bool checked = false;
-  t.sendrecv(to, std::span<const iovec>(o, 2), from, std::span<const iovec>(i, 2), until, [&](std::size_t got) {
+  t.sendrecv(to, std::span<const iovec>(out), from, std::span<const iovec>(in), until, [&](std::size_t got) {
     if (got < sizeof(coll_desc)) return;
     if (!checked) {
       checked = true;
@@ -88,6 +90,13 @@ void exchange(T& t, const coll_desc& d, int to, const void* out, std::size_t out
     }
     on_payload(got - sizeof(coll_desc));
   });
+}
+
+template <class T, class F>
+void exchange(T& t, const coll_desc& d, int to, const void* out, std::size_t out_n, int from, void* in,
+              std::size_t in_n, deadline_t until, F&& on_payload) {
+  iovec o[2] = {{}, {const_cast<void*>(out), out_n}}, i[2] = {{}, {in, in_n}};
+  exchange_parts(t, d, to, std::span<iovec>(o, 2), from, std::span<iovec>(i, 2), until, std::forward<F>(on_payload));
 }
 
 template <class T>
@@ -111,15 +120,88 @@ void recv_checked(T& t, const coll_desc& d, int from, void* data, std::size_t n,
   if (n) t.recv(from, data, n, until);
 }
 
+/// The parts of an exchange with own_data (kept per thread, as scratch).
+struct own_parts {
+  std::vector<iovec> send, recv;
+};
+inline own_parts& own_parts_scratch() {
+  thread_local own_parts p;
+  return p;
+}
+
+/// This rank's own data of an allreduce, where it is: the buffer, except the tensors whose
+/// data is elsewhere (bucket_tag::sources: the engine's gradients, in copy mode). The ring
+/// reads each element of it once, in its first send or its first reduction, and writes its
+/// result once, in its last reduction or its all-gather; so the data stays where it is: the
+/// buffer carries only the partial sums of the reduce-scatter (none on 2 ranks).
+class own_data {
+ public:
+  own_data(char* buffer, std::size_t es, std::span<const comm_tensor> tensors, std::span<void* const> sources)
+      : buffer_(buffer) {
+    for (std::size_t k = 0; k < sources.size() && k < tensors.size(); ++k) {
+      char* src = static_cast<char*>(sources[k]);
+      const std::size_t begin = tensors[k].offset * es, end = begin + tensors[k].numel * es;
+      if (src != nullptr && src != buffer + begin && end > begin) pieces_.push_back({begin, end, src});
+    }
+    std::sort(pieces_.begin(), pieces_.end(), [](const piece& a, const piece& b) { return a.begin < b.begin; });
+  }
+  /// True when every byte is in the buffer.
+  bool in_buffer() const noexcept { return pieces_.empty(); }
+  /// Calls f(pointer, bytes) over bytes [begin, begin + len) of the data, in order: pieces of
+  /// the sources, and of the buffer between them. The pointers are where the element is read
+  /// and where its result goes.
+  template <class F>
+  void each(std::size_t begin, std::size_t len, F&& f) const {
+    const std::size_t end = begin + len;
+    auto it = std::upper_bound(pieces_.begin(), pieces_.end(), begin,
+                               [](std::size_t pos, const piece& p) { return pos < p.end; });
+    for (std::size_t pos = begin; pos < end;) {
+      if (it != pieces_.end() && it->begin <= pos) {
+        const std::size_t upto = std::min(it->end, end);
+        f(it->src + (pos - it->begin), upto - pos);
+        pos = upto;
+        ++it;
+      } else {
+        const std::size_t upto = it != pieces_.end() ? std::min(it->begin, end) : end;
+        f(buffer_ + pos, upto - pos);
+        pos = upto;
+      }
+    }
+  }
+  /// Copies the sources into the buffer, and the results back: a path that does not read them.
+  void gather() const noexcept {
+    for (const auto& p : pieces_) std::memcpy(buffer_ + p.begin, p.src, p.end - p.begin);
+  }
+  void scatter() const noexcept {
+    for (const auto& p : pieces_) std::memcpy(p.src, buffer_ + p.begin, p.end - p.begin);
+  }
+  /// The iovecs of bytes [begin, begin + len) after `parts`' first (left for a descriptor).
+  void parts(std::size_t begin, std::size_t len, std::vector<iovec>& parts) const {
+    parts.assign(1, iovec{});
+    each(begin, len, [&](char* p, std::size_t bytes) { parts.push_back({p, bytes}); });
+  }
+
+ private:
+  struct piece {
+    std::size_t begin, end;  // bytes of the buffer
+    char* src;
+  };
+  char* buffer_;
+  std::vector<piece> pieces_;
+};
+
 /// Reduce-scatter phase of the ring over `count` elements of `in`, chunk c being partition
 /// (count, n, (c + shift) mod n): afterwards the reduction of this rank's chunk (rank + 1) mod n,
 /// finished (an average is divided), is at `out`. Received segments are reduced as they land.
 /// With `in_place` (the allreduce: `in` is writable, and `out` is its finished chunk) the
 /// partial sums are kept in `in` itself; else `in` is only read and they travel through two
 /// chunks of scratch, so that a reduce-scatter from a const input needs no work copy of it.
+/// With `own` (in place only), this rank's own data is read where `own` says (its first send,
+/// and its operand of each first reduction), not from `in`: `in` is written before it is read.
 template <class T>
 void ring_reduce_scatter(T& t, const coll_desc& d, const char* in, char* in_place, char* out, std::size_t count,
-                         dtype ty, op o, std::size_t segment_bytes, int shift, deadline_t until) {
+                         dtype ty, op o, std::size_t segment_bytes, int shift, deadline_t until,
+                         const own_data* own = nullptr) {
   const int n = t.size(), r = t.rank();
   const std::size_t es = checked_size(ty);
   const std::size_t seg = std::max<std::size_t>(es, segment_bytes / es * es);
@@ -146,30 +228,59 @@ void ring_reduce_scatter(T& t, const coll_desc& d, const char* in, char* in_plac
       while (reduced < rbytes && (avail - reduced >= seg || avail == rbytes)) {
         const std::size_t len = std::min(seg, avail - reduced);
         if (len == 0) break;
-        void* outs[1] = {dst + reduced};
-        const void* ins[2] = {recv + reduced, mine + reduced};
-        combine(outs, 1, ins, 2, len / es, ty, o, avg);
+        if (own != nullptr) {
+          std::size_t at = reduced;
+          // The last step's result goes where the data is (the source, or the buffer).
+          own->each(static_cast<std::size_t>(mine - in) + reduced, len, [&](char* p, std::size_t bytes) {
+            void* outs[1] = {last ? p : dst + at};
+            const void* ins[2] = {recv + at, p};
+            combine(outs, 1, ins, 2, bytes / es, ty, o, avg);
+            at += bytes;
+          });
+        } else {
+          void* outs[1] = {dst + reduced};
+          const void* ins[2] = {recv + reduced, mine + reduced};
+          combine(outs, 1, ins, 2, len / es, ty, o, avg);
+        }
         reduced += len;
       }
     };
-    exchange(t, d, st.send_to, send, sc.size() * es, st.recv_from, recv, rbytes, until, reduce_upto);
+    if (own != nullptr && step == 0) {
+      // The first send: this rank's own data, part by part from where it is.
+      auto& parts = own_parts_scratch();
+      own->parts(sc.begin * es, sc.size() * es, parts.send);
+      parts.recv.assign({iovec{}, iovec{recv, rbytes}});
+      exchange_parts(t, d, st.send_to, std::span<iovec>(parts.send), st.recv_from, std::span<iovec>(parts.recv), until,
+                     reduce_upto);
+    } else {
+      exchange(t, d, st.send_to, send, sc.size() * es, st.recv_from, recv, rbytes, until, reduce_upto);
+    }
     reduce_upto(rbytes);
     if (!in_place && !last) std::swap(recv, held);  // the partial just formed goes out next
   }
 }
 
 /// Allgather phase of the ring (chunks numbered as in ring_reduce_scatter, by `shift`): the
-/// finished chunks travel around until everyone has all.
+/// finished chunks travel around until everyone has all. With `own`, each chunk is sent from
+/// and received into where its data is (ring_reduce_scatter left the finished chunk there).
 template <class T>
 void ring_allgather(T& t, const coll_desc& d, char* data, std::size_t count, std::size_t es, int shift,
-                    deadline_t until) {
+                    deadline_t until, const own_data* own = nullptr) {
   const int n = t.size(), r = t.rank();
   auto chunk = [&](int c) { return partition(count, n, (c + shift) % n); };
   for (int step = n - 1; step < 2 * (n - 1); ++step) {
     const ring_step st = ring_schedule(r, n, step);
     const range sc = chunk(st.send_chunk), rc = chunk(st.recv_chunk);
-    exchange(t, d, st.send_to, data + sc.begin * es, sc.size() * es, st.recv_from, data + rc.begin * es, rc.size() * es,
-             until);
+    if (own != nullptr) {
+      auto& parts = own_parts_scratch();
+      own->parts(sc.begin * es, sc.size() * es, parts.send);
+      own->parts(rc.begin * es, rc.size() * es, parts.recv);
+      exchange_parts(t, d, st.send_to, std::span<iovec>(parts.send), st.recv_from, std::span<iovec>(parts.recv), until,
+                     [](std::size_t) {});
+    } else {
+      exchange(t, d, st.send_to, data + sc.begin * es, sc.size() * es, st.recv_from, data + rc.begin * es,
+               rc.size() * es, until);
+    }
   }
 }
 
@@ -257,23 +368,32 @@ void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dty
 
 /// Allreduce of `count` elements at `data`, in place, by `Algorithm` (ring_algorithm or
 /// tree_algorithm) over any `ddp::transport`; `d` is the stamped descriptor every message carries.
+/// With `own` (not null: the buffer does not hold all of this rank's data yet), the ring reads
+/// it where it is; every other path copies it into the buffer first.
 template <class Algorithm, class T>
 void p2p_allreduce(T& t, const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype ty, op o,
-                   const reducer_options& opts) {
+                   const reducer_options& opts, const own_data* own = nullptr) {
   const int n = t.size();
   [[maybe_unused]] const std::size_t es = checked_size(ty);  // also where there is nothing to reduce
+  auto* p = static_cast<char*>(data);
+  constexpr bool ring_reads_own = !std::same_as<Algorithm, tree_algorithm> && transport_any_parts<T>;
+  if (own != nullptr && (n == 1 || count == 0 || !ring_reads_own)) {
+    own->gather();
+    p2p_allreduce<Algorithm>(t, d, until, data, count, ty, o, opts);
+    own->scatter();
+    return;
+  }
   if (n == 1 || count == 0) {
     if (n > 1) ring_barrier(t, d, until);  // still checks that everyone agrees
     return;
   }
-  auto* p = static_cast<char*>(data);
   if constexpr (std::same_as<Algorithm, tree_algorithm>) {
     tree_allreduce(t, d, p, count, ty, o, opts, until);
   } else {
     // Rank r finishes chunk (r + 1) mod n of the reduce-scatter, in place.
     char* const finished = p + partition(count, n, (t.rank() + 1) % n).begin * es;
-    ring_reduce_scatter(t, d, p, p, finished, count, ty, o, opts.segment_bytes, 0, until);
-    ring_allgather(t, d, p, count, es, 0, until);
+    ring_reduce_scatter(t, d, p, p, finished, count, ty, o, opts.segment_bytes, 0, until, own);
+    ring_allgather(t, d, p, count, es, 0, until, own);
   }
 }
 
@@ -325,6 +445,15 @@ class p2p_engine {
 
   void allreduce(const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype ty, op o) {
     p2p_allreduce<Algorithm>(transport_, d, until, data, count, ty, o, opts_);
+  }
+  /// The ring over a transport that takes any number of parts (tcp) reads a bucket's data where
+  /// it is (bucket_tag::sources): the wrapper's copy mode then copies no gradient in.
+  static constexpr bool reads_sources = !is_tree && transport_any_parts<Transport>;
+  /// allreduce, with this rank's data, and its results, partly at `sources` (bucket_tag::sources).
+  void allreduce_from(const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype ty, op o,
+                      std::span<const comm_tensor> tensors, std::span<void* const> sources) {
+    const own_data own(static_cast<char*>(data), checked_size(ty), tensors, sources);
+    p2p_allreduce<Algorithm>(transport_, d, until, data, count, ty, o, opts_, own.in_buffer() ? nullptr : &own);
   }
   // The ring finishes chunk (r + 1) mod n on rank r; numbering the chunks from n - 1 on makes
   // that slice r, where the caller wants it: no work buffer, no rotated copies, the input only

@@ -75,6 +75,14 @@ concept transport_has_sendrecv = requires(T& t, int to, std::span<const iovec> o
   t.sendrecv(to, out, from, in, until, sendrecv_progress{});
 };
 
+/// A transport whose sendrecv takes any number of parts, not only 4 (`static constexpr bool
+/// any_parts = true`, as `ddp::tcp`): the ring then sends a bucket's first chunk from the
+/// engine's gradients, one part each, instead of having them copied into the bucket first.
+template <class T>
+concept transport_any_parts = requires {
+  requires T::any_parts;
+};
+
 /// `t.fail(code, message)`: marks the transport failed on every rank (peers blocked on this
 /// one learn it at once) and throws `ddp::error{code}` here. The algorithms call it when a
 /// peer's collective descriptor differs from theirs (errc::mismatch). Must not return.

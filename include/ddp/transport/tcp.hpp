@@ -87,8 +87,13 @@ class tcp {
     if (ec) lost(peer, ec);
   }
 
+  /// Takes any number of parts in sendrecv (transport/concept.hpp: `transport_any_parts`): the
+  /// ring sends a bucket's first chunk straight from the engine's gradients, one part each.
+  static constexpr bool any_parts = true;
+
   /// Sends the parts `out` to `to` while receiving into the parts `in` from `from`, both at
-  /// once (up to 4 parts each: a small header and a payload, typically).
+  /// once (any number of parts: a small header and a payload, typically; or a header and the
+  /// gradients a bucket's chunk spans).
   /// `on_recv(bytes_received_so_far)` runs after each read so callers can check a header or
   /// reduce the segments that have arrived while the rest is still in flight.
   template <class OnRecv>
@@ -96,7 +101,12 @@ class tcp {
                 OnRecv&& on_recv) {
     check_usable();
     const int sfd = fd(to, until), rfd = fd(from, until);
-    iovec sv[4], rv[4];
+    iovec sv_few[4], rv_few[4];
+    std::vector<iovec> sv_many, rv_many;
+    if (out.size() > 4) sv_many.resize(out.size());
+    if (in.size() > 4) rv_many.resize(in.size());
+    iovec* const sv = out.size() > 4 ? sv_many.data() : sv_few;
+    iovec* const rv = in.size() > 4 ? rv_many.data() : rv_few;
     std::size_t ns = 0, nr = 0, sleft = 0, rleft = 0;
     for (auto& v : out)
       if (v.iov_len) {
@@ -123,7 +133,7 @@ class tcp {
       if (sleft > 0) {
         msghdr m{};
         m.msg_iov = sv + si;
-        m.msg_iovlen = ns - si;
+        m.msg_iovlen = std::min<std::size_t>(ns - si, iov_cap);
         const ssize_t k = ::sendmsg(sfd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k > 0) {
           advance(sv, si, ns, static_cast<std::size_t>(k));
@@ -137,7 +147,7 @@ class tcp {
       if (rleft > 0) {
         msghdr m{};
         m.msg_iov = rv + ri;
-        m.msg_iovlen = nr - ri;
+        m.msg_iovlen = std::min<std::size_t>(nr - ri, iov_cap);
         const ssize_t k = ::recvmsg(rfd, &m, MSG_DONTWAIT);
         if (k > 0) {
           advance(rv, ri, nr, static_cast<std::size_t>(k));
@@ -197,6 +207,9 @@ class tcp {
   }
 
  private:
+  /// Parts per sendmsg/recvmsg call: the kernel refuses more than IOV_MAX (1024 on Linux).
+  static constexpr std::size_t iov_cap = 1024;
+
   /// The connection to `peer`, made now if this is the first exchange with it.
   int fd(int peer, deadline_t until) {
     // In a forked child the connections are the parent's: a byte from the child would garble them.

@@ -6,10 +6,13 @@
 /// that produced no gradient; the timeline's marks of those moments.
 // IWYU pragma: private
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <utility>
@@ -60,6 +63,8 @@ class bucket_ops {
     if (c_.opts.gradient_as_bucket_view)
       for (std::size_t i = 0; i < c_.views.size(); ++i) c_.memory.copy_in(i, c_.views[i].grad, c_.views[i].bytes());
     if (shards_ != nullptr) shards_->allocate();
+    in_place_ = reads_in_place();
+    if (in_place_) sources_.assign(c_.views.size(), nullptr);
   }
 
   /// The wrapper's destructor: in a forked child, frees its copy of host memory only (CUDA
@@ -82,9 +87,11 @@ class bucket_ops {
 
   /// grad_ready's gradient i into its bucket now, in copy mode (the sharded mode copies a
   /// bucket's gradients when it launches, into one pooled buffer: docs/sharded.md).
+  /// Where the reducer reads a bucket's data in place (dp_options::copy_gradients_at_ready), the
+  /// gradient stays where it is and its address goes with the bucket's collective instead, which
+  /// writes the average there too (copy_back skips it).
   void copy_in(std::size_t i) {
-    if (shards_ == nullptr && !c_.opts.gradient_as_bucket_view)
-      c_.memory.copy_in(i, c_.views[i].grad, c_.views[i].bytes());
+    if (shards_ == nullptr && !c_.opts.gradient_as_bucket_view) stage(i);
   }
 
   /// In finish(): the parameters never ready (`missing`) count as unused, then every bucket not
@@ -106,6 +113,8 @@ class bucket_ops {
   void reset_step(bool settled) {
     c_.state.reset(c_.memory.plan(), !settled);
     c_.memory.clear_requests();
+    std::fill(sources_.begin(), sources_.end(), nullptr);
+    staged_.clear();
   }
 
   /// bucket_state's launch: bucket b's collective, in plan order, under bucket_state's lock.
@@ -125,7 +134,8 @@ class bucket_ops {
       c_.memory.track(b, shards_ != nullptr
                              ? shards_->launch(b, tag)
                              : allreduce_async_tagged(c_.red, c_.memory.buffer(b), bk.numel, bk.type,
-                                                      bucket_op(c_.opts.average, c_.opts.uneven_inputs, bk.type), tag));
+                                                      bucket_op(c_.opts.average, c_.opts.uneven_inputs, bk.type),
+                                                      in_place_ ? with_sources(b, tag) : tag));
     }
     if (timeline_) timeline_->bucket_launched(b, steady_clock::now());
   }
@@ -149,9 +159,11 @@ class bucket_ops {
       return;
     }
     if (c_.opts.gradient_as_bucket_view) return;
-    for (const auto& e : c_.memory.plan().buckets[b].entries)
+    for (const auto& e : c_.memory.plan().buckets[b].entries) {
+      if (in_place_ && sources_[e.param] != nullptr) continue;  // the reducer wrote it there
       c_.guarded("finish (copying the average back)", e.param,
                  [&] { c_.memory.copy_out(e.param, c_.views[e.param].grad, c_.views[e.param].bytes()); });
+    }
   }
 
   /// The bucket slot of a parameter that is not ready in a synchronized step: zero, or what
@@ -178,6 +190,8 @@ class bucket_ops {
     hook_ = std::move(fn);
   }
   bool has_hook() const noexcept { return static_cast<bool>(hook_); }
+  /// True when the buckets' collectives read the gradients where they are (reads_in_place()).
+  bool in_place() const noexcept { return in_place_; }
 
   /// In a synchronized finish(), bucket by bucket in plan order (later buckets keep reducing
   /// meanwhile): waits for it, `counted(b)` (uneven inputs), copies its average back and, without
@@ -214,7 +228,13 @@ class bucket_ops {
   /// rebuilt at each launch (the plan may have changed; no allocation once each bucket's list
   /// has grown). Only for a hooked reducer: nothing else reads them.
   std::span<const comm_tensor> layout(std::size_t b) {
-    if constexpr (requires { typename Reducer::hook_type; }) {
+    if constexpr (requires { typename Reducer::hook_type; })
+      return build_layout(b);
+    else
+      return in_place_ ? build_layout(b) : std::span<const comm_tensor>{};
+  }
+  std::span<const comm_tensor> build_layout(std::size_t b) {
+    {
       const auto& bk = c_.memory.plan().buckets[b];
       if (layouts_.size() <= b) layouts_.resize(c_.memory.plan().buckets.size());
       auto& out = layouts_[b];
@@ -225,9 +245,78 @@ class bucket_ops {
         out.push_back(comm_tensor{e.param, e.offset_elems, e.numel, rows});
       }
       return out;
-    } else {
-      return {};
     }
+  }
+
+  /// True when the buckets' collectives read the gradients where they are (copy mode, host
+  /// memory, a reducer whose reads_sources() says so, dp_options::copy_gradients_at_ready unset).
+  bool reads_in_place() {
+    if (shards_ != nullptr || c_.opts.gradient_as_bucket_view || c_.opts.copy_gradients_at_ready) return false;
+    const auto where = c_.memory.allocator().location();
+    if (where != memory_kind::host && where != memory_kind::pinned && where != memory_kind::shared) return false;
+    // An allocator whose copies are its own (a device, a test's counting) moves every byte;
+    // auto_allocator's hooks do only when its buckets are on a device.
+    if constexpr (bucket_memory<Allocator>::hooks) {
+      if constexpr (requires { bool(c_.memory.allocator().copies_device_memory()); }) {
+        if (c_.memory.allocator().copies_device_memory()) return false;
+      } else {
+        return false;
+      }
+    }
+    if constexpr (requires { c_.red.reads_sources(); })
+      return static_cast<bool>(c_.red.reads_sources());
+    else
+      return false;
+  }
+
+  /// Copy mode: gradient i into its slot, or (reading in place) its address noted for the launch.
+  void stage(std::size_t i) {
+    void* grad = c_.views[i].grad;
+    if (in_place_ && grad != c_.memory.slot(i)) {
+      check_kept(i, grad, c_.views[i].bytes());
+      sources_[i] = grad;
+    } else {
+      c_.memory.copy_in(i, grad, c_.views[i].bytes());
+    }
+  }
+
+  /// Reading in place needs each gradient kept until finish(). An engine that computes gradients
+  /// in one scratch buffer and hands it over again and again (what the copy at grad_ready used
+  /// to allow) shows as two gradients of one step in the same memory: errc::usage naming both,
+  /// at the first step, never an average of overwritten memory.
+  void check_kept(std::size_t i, const void* grad, std::size_t bytes) {
+    if (bytes == 0) return;
+    const auto* b = static_cast<const char*>(grad);
+    const char* e = b + bytes;
+    std::lock_guard lock(staged_mu_);
+    auto next = staged_.upper_bound(b);
+    std::size_t other = i;
+    if (next != staged_.end() && next->first < e) other = next->second.second;
+    if (next != staged_.begin() && std::prev(next)->second.first > b) other = std::prev(next)->second.second;
+    if (other != i)
+      raise(errc::usage, c_.pg.rank(),
+            "grad_ready(" + std::to_string(i) + "): gradient " + std::to_string(i) +
+                " lies in the memory of gradient " + std::to_string(other) +
+                ", handed over earlier in this step; in copy mode the reducer reads each gradient where it is "
+                "until finish() returns, so keep each gradient's memory until then, or set "
+                "dp_options::copy_gradients_at_ready (a copy at grad_ready)",
+            -1, static_cast<int>(i));
+    staged_.emplace(b, std::pair{e, i});
+  }
+
+  /// `tag` with bucket b's sources: each tensor's gradient where it was staged in place, else
+  /// (zero for an unused parameter, or copied) nullptr: in the buffer.
+  bucket_tag with_sources(std::size_t b, bucket_tag tag) {
+    if (bucket_sources_.size() <= b) bucket_sources_.resize(c_.memory.plan().buckets.size());
+    auto& out = bucket_sources_[b];
+    out.clear();
+    bool any = false;
+    for (const auto& x : tag.tensors) {
+      out.push_back(sources_[x.param]);
+      any = any || out.back() != nullptr;
+    }
+    if (any) tag.sources = out;
+    return tag;
   }
 
   /// Parameter i's slot: its gradient, or zero when unused (and nothing accumulated for it;
@@ -236,7 +325,7 @@ class bucket_ops {
     if (c_.state.unused(i) && !c_.state.accumulated(i))
       c_.memory.zero(i, c_.views[i].bytes());
     else if (!c_.opts.gradient_as_bucket_view)
-      c_.memory.copy_in(i, c_.views[i].grad, c_.views[i].bytes());
+      stage(i);
   }
 
   step_context<Reducer, Allocator> c_;
@@ -244,7 +333,12 @@ class bucket_ops {
   std::function<void(const reduced_bucket&)> hook_;  // on_bucket_reduced
   std::vector<std::size_t> hook_params_;             // the hook's current bucket
   shard_ops<Reducer, Allocator>* shards_;            // the sharded mode's, else null
-  std::vector<std::vector<comm_tensor>> layouts_;    // layout(): per bucket, for a hooked reducer
+  std::vector<std::vector<comm_tensor>> layouts_;    // layout(): per bucket, for a hooked reducer or in place
+  bool in_place_ = false;                            // reads_in_place(), decided at set_up
+  std::vector<void*> sources_;                       // per parameter: its gradient, read in place (this step)
+  std::vector<std::vector<void*>> bucket_sources_;   // with_sources(): per bucket, for its collective
+  std::mutex staged_mu_;                             // grad_ready may run on several threads
+  std::map<const char*, std::pair<const char*, std::size_t>> staged_;  // this step's gradients read in place
 };
 
 }  // namespace detail

@@ -134,6 +134,9 @@ DDP_DECL int auto_reducer::size() const noexcept {
 DDP_DECL request auto_reducer::allreduce_async(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag) {
   return visit([&](auto& r) { return r.allreduce_async(data, count, t, o, tag); });
 }
+DDP_DECL bool auto_reducer::reads_sources() const noexcept {
+  return visit([](const auto& r) { return r.reads_sources(); });
+}
 DDP_DECL request auto_reducer::broadcast_async(void* data, std::size_t count, dtype t, int root) {
   return visit([&](auto& r) { return r.broadcast_async(data, count, t, root); });
 }

@@ -21,6 +21,9 @@
 //     void allgather(ctx..., const void* in, void* out, std::size_t count_per_rank, dtype);
 //     void barrier(ctx...);
 //     // optional: void abort() noexcept;  void check(coll_kind, std::size_t count) const;
+//     // optional: static constexpr bool reads_sources = true; and
+//     //   void allreduce_from(ctx..., void* data, std::size_t count, dtype, op,
+//     //                       std::span<const comm_tensor>, std::span<const void* const> sources);
 //     // with descriptors: static constexpr coll_algo id; coll_variant variant(coll_kind, std::size_t bytes) const;
 //   };
 //
@@ -116,10 +119,36 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
 
   /// Starts an allreduce of `count` elements of `t` at `data`, in place. `tag`: the bucket it
   /// serves (ddp/bucket_tag.hpp), for the flight record.
+  /// With `tag.sources` (the wrapper's copy mode, where reads_sources()), this rank's data is
+  /// read, and its results written, where they say; for an engine that does not read them they
+  /// are copied in here first and the results out after.
   request allreduce_async(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag = {}) {
+    if (!tag.sources.empty()) {
+      check_sources(data, count, t, tag);
+      if constexpr (engine_reads_sources) {
+        return submit(describe(coll_kind::allreduce, t, o, 0, count), tag,
+                      [=, this, tensors = tag.tensors, sources = tag.sources](auto... ctx) {
+                        return engine_.allreduce_from(ctx..., data, count, t, o, tensors, sources);
+                      });
+      } else if constexpr (!Engine::launches_at_call) {
+        gather_sources(data, t, tag);
+        return submit(describe(coll_kind::allreduce, t, o, 0, count), tag,
+                      [=, this, tensors = tag.tensors, sources = tag.sources](auto... ctx) {
+                        engine_.allreduce(ctx..., data, count, t, o);
+                        scatter_sources(data, t, tensors, sources);
+                      });
+      } else {
+        raise(errc::unsupported, rank(),
+              std::string("allreduce with bucket_tag::sources on ") + Engine::name +
+                  ", which completes collectives after the call; pass the data in the buffer");
+      }
+    }
     return submit(describe(coll_kind::allreduce, t, o, 0, count), tag,
                   [=, this](auto... ctx) { return engine_.allreduce(ctx..., data, count, t, o); });
   }
+  /// True when allreduce_async reads bucket_tag::sources in place (the ring over tcp): the
+  /// wrapper's copy mode then passes the gradients' addresses instead of copying them in.
+  static constexpr bool reads_sources() noexcept { return engine_reads_sources; }
   /// Copies `root`'s `count` elements into every rank's `data`.
   request broadcast_async(void* data, std::size_t count, dtype t, int root) {
     check_root(root);
@@ -152,8 +181,11 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
   /// Blocking allreduce; runs on the calling thread when no async work is pending (host
   /// engines), else waits for its request.
   void allreduce(void* data, std::size_t count, dtype t, op o, const bucket_tag& tag = {}) {
+    if (!tag.sources.empty()) check_sources(data, count, t, tag);
+    gather_sources(data, t, tag);
     run(describe(coll_kind::allreduce, t, o, 0, count), tag,
         [=, this](auto... ctx) { return engine_.allreduce(ctx..., data, count, t, o); });
+    scatter_sources(data, t, tag.tensors, tag.sources);
   }
   void barrier() {
     run(describe(coll_kind::barrier, dtype::i32, op::sum, 0, 0), {},
@@ -197,6 +229,32 @@ class reducer_front_end : public typed_collectives<reducer_front_end<Engine>> {
   const Engine& engine() const noexcept { return engine_; }
 
  private:
+  static constexpr bool engine_reads_sources = requires { requires Engine::reads_sources; };
+
+  /// bucket_tag::sources: one per tensor, each tensor inside the buffer, and a source that is
+  /// not the tensor's own slot outside the buffer (the ring writes the buffer while it reads them).
+  void check_sources(const void* data, std::size_t count, dtype t, const bucket_tag& tag) const {
+    const std::size_t es = dtype_size(t);
+    const auto* b = static_cast<const char*>(data);
+    if (tag.sources.size() != tag.tensors.size())
+      raise(errc::invalid_argument, rank(),
+            "allreduce: bucket_tag has " + std::to_string(tag.sources.size()) + " sources for " +
+                std::to_string(tag.tensors.size()) + " tensors");
+    for (std::size_t k = 0; k < tag.tensors.size(); ++k) {
+      const auto& x = tag.tensors[k];
+      if (x.offset > count || x.numel > count - x.offset)
+        raise(errc::invalid_argument, rank(),
+              "allreduce: bucket_tag tensor " + std::to_string(k) + " (parameter " + std::to_string(x.param) +
+                  ") lies outside the buffer of " + std::to_string(count) + " elements");
+      const auto* src = static_cast<const char*>(tag.sources[k]);
+      if (src == nullptr || src == b + x.offset * es) continue;
+      if (src < b + count * es && b < src + x.numel * es)
+        raise(errc::invalid_argument, rank(),
+              "allreduce: the source of bucket_tag tensor " + std::to_string(k) + " (parameter " +
+                  std::to_string(x.param) + ") overlaps the buffer");
+    }
+  }
+
   void check_root(int root) const {
     if (root < 0 || root >= size())
       raise(errc::invalid_argument, rank(), "root " + std::to_string(root) + " is not a rank");

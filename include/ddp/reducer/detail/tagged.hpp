@@ -11,6 +11,7 @@
 #include <ddp/bucket_tag.hpp>
 #include <ddp/clock.hpp>
 #include <ddp/dtype.hpp>
+#include <ddp/error.hpp>
 #include <ddp/request.hpp>
 
 namespace ddp {
@@ -19,10 +20,15 @@ namespace detail {
 
 template <class R>
 request allreduce_async_tagged(R& r, void* data, std::size_t count, dtype t, op o, const bucket_tag& tag) {
-  if constexpr (reducer_with_bucket_tag<R>)
+  if constexpr (reducer_with_bucket_tag<R>) {
     return r.allreduce_async(data, count, t, o, tag);
-  else
+  } else {
+    // A reducer without the tag works on the buffer alone, and the results could not be put
+    // back where the sources are when it completes.
+    if (!tag.sources.empty())
+      raise(errc::unsupported, r.rank(), "allreduce with bucket_tag::sources on a reducer that takes no bucket_tag");
     return r.allreduce_async(data, count, t, o);
+  }
 }
 
 /// Runs an allreduce through `r` and returns when it is done: the blocking call where the
@@ -34,7 +40,7 @@ void allreduce_now(R& r, void* data, std::size_t count, dtype t, op o, steady_cl
   if constexpr (requires { r.allreduce(data, count, t, o, tag); })
     r.allreduce(data, count, t, o, tag);
   else if constexpr (requires { r.allreduce(data, count, t, o); })
-    r.allreduce(data, count, t, o);
+    gather_sources(data, t, tag), r.allreduce(data, count, t, o), scatter_sources(data, t, tag.tensors, tag.sources);
   else
     allreduce_async_tagged(r, data, count, t, o, tag).wait(deadline);
 }
