@@ -94,7 +94,8 @@ struct dp_options {
   /// Copy mode: copy gradient i into its bucket at `grad_ready(i)` even where the reducer could
   /// read it in place. By default a reducer that reads a bucket's data where it is (`auto_reducer`
   /// on ring<tcp>, `ring<tcp>`: several hosts, one rank each) is handed the gradients' addresses
-  /// instead, and writes each bucket once, with the sum: a copy of every gradient less per step
+  /// instead (not with `uneven_inputs`), and reads them and writes the averages there: two
+  /// copies of every gradient less per step
   /// (docs/performance.md, "Across hosts"). The engine must then leave gradient i as it is from
   /// `grad_ready(i)` until `finish()` returns (which writes the average there); set this when it
   /// reuses that memory in between.

@@ -250,8 +250,12 @@ class bucket_ops {
 
   /// True when the buckets' collectives read the gradients where they are (copy mode, host
   /// memory, a reducer whose reads_sources() says so, dp_options::copy_gradients_at_ready unset).
+  /// Not with uneven_inputs: a step with joined ranks rescales each bucket's result in the
+  /// bucket (detail/uneven.hpp) before it is copied back.
   bool reads_in_place() {
-    if (shards_ != nullptr || c_.opts.gradient_as_bucket_view || c_.opts.copy_gradients_at_ready) return false;
+    if (shards_ != nullptr || c_.opts.gradient_as_bucket_view || c_.opts.copy_gradients_at_ready ||
+        c_.opts.uneven_inputs)
+      return false;
     const auto where = c_.memory.allocator().location();
     if (where != memory_kind::host && where != memory_kind::pinned && where != memory_kind::shared) return false;
     // An allocator whose copies are its own (a device, a test's counting) moves every byte;
