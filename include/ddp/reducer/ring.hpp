@@ -168,13 +168,6 @@ class own_data {
       }
     }
   }
-  /// Copies the sources into the buffer, and the results back: a path that does not read them.
-  void gather() const noexcept {
-    for (const auto& p : pieces_) std::memcpy(buffer_ + p.begin, p.src, p.end - p.begin);
-  }
-  void scatter() const noexcept {
-    for (const auto& p : pieces_) std::memcpy(p.src, buffer_ + p.begin, p.end - p.begin);
-  }
   /// The iovecs of bytes [begin, begin + len) after `parts`' first (left for a descriptor).
   void parts(std::size_t begin, std::size_t len, std::vector<iovec>& parts) const {
     parts.assign(1, iovec{});
@@ -368,21 +361,14 @@ void tree_allreduce(T& t, const coll_desc& d, char* data, std::size_t count, dty
 
 /// Allreduce of `count` elements at `data`, in place, by `Algorithm` (ring_algorithm or
 /// tree_algorithm) over any `ddp::transport`; `d` is the stamped descriptor every message carries.
-/// With `own` (not null: the buffer does not hold all of this rank's data yet), the ring reads
-/// it where it is; every other path copies it into the buffer first.
+/// With `own` (the ring, n > 1, count > 0: p2p_engine::allreduce_from), the ring reads this
+/// rank's data and writes its results where `own` says.
 template <class Algorithm, class T>
 void p2p_allreduce(T& t, const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype ty, op o,
                    const reducer_options& opts, const own_data* own = nullptr) {
   const int n = t.size();
   [[maybe_unused]] const std::size_t es = checked_size(ty);  // also where there is nothing to reduce
   auto* p = static_cast<char*>(data);
-  constexpr bool ring_reads_own = !std::same_as<Algorithm, tree_algorithm> && transport_any_parts<T>;
-  if (own != nullptr && (n == 1 || count == 0 || !ring_reads_own)) {
-    own->gather();
-    p2p_allreduce<Algorithm>(t, d, until, data, count, ty, o, opts);
-    own->scatter();
-    return;
-  }
   if (n == 1 || count == 0) {
     if (n > 1) ring_barrier(t, d, until);  // still checks that everyone agrees
     return;
@@ -452,6 +438,13 @@ class p2p_engine {
   /// allreduce, with this rank's data, and its results, partly at `sources` (bucket_tag::sources).
   void allreduce_from(const coll_desc& d, deadline_t until, void* data, std::size_t count, dtype ty, op o,
                       std::span<const comm_tensor> tensors, std::span<void* const> sources) {
+    if (transport_.size() == 1 || count == 0) {  // no ring to run: the data goes nowhere
+      const bucket_tag tag{.tensors = tensors, .sources = sources};
+      gather_sources(data, ty, tag);
+      p2p_allreduce<Algorithm>(transport_, d, until, data, count, ty, o, opts_);
+      scatter_sources(data, ty, tensors, sources);
+      return;
+    }
     const own_data own(static_cast<char*>(data), checked_size(ty), tensors, sources);
     p2p_allreduce<Algorithm>(transport_, d, until, data, count, ty, o, opts_, own.in_buffer() ? nullptr : &own);
   }

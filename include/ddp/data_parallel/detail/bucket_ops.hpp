@@ -234,18 +234,16 @@ class bucket_ops {
       return in_place_ ? build_layout(b) : std::span<const comm_tensor>{};
   }
   std::span<const comm_tensor> build_layout(std::size_t b) {
-    {
-      const auto& bk = c_.memory.plan().buckets[b];
-      if (layouts_.size() <= b) layouts_.resize(c_.memory.plan().buckets.size());
-      auto& out = layouts_[b];
-      out.clear();
-      for (const auto& e : bk.entries) {
-        const auto& shape = c_.views[e.param].shape;
-        const std::size_t rows = shape.empty() ? e.numel : static_cast<std::size_t>(shape.front());
-        out.push_back(comm_tensor{e.param, e.offset_elems, e.numel, rows});
-      }
-      return out;
+    const auto& bk = c_.memory.plan().buckets[b];
+    if (layouts_.size() <= b) layouts_.resize(c_.memory.plan().buckets.size());
+    auto& out = layouts_[b];
+    out.clear();
+    for (const auto& e : bk.entries) {
+      const auto& shape = c_.views[e.param].shape;
+      const std::size_t rows = shape.empty() ? e.numel : static_cast<std::size_t>(shape.front());
+      out.push_back(comm_tensor{e.param, e.offset_elems, e.numel, rows});
     }
+    return out;
   }
 
   /// True when the buckets' collectives read the gradients where they are (copy mode, host

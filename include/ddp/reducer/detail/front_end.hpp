@@ -23,7 +23,7 @@
 //     // optional: void abort() noexcept;  void check(coll_kind, std::size_t count) const;
 //     // optional: static constexpr bool reads_sources = true; and
 //     //   void allreduce_from(ctx..., void* data, std::size_t count, dtype, op,
-//     //                       std::span<const comm_tensor>, std::span<const void* const> sources);
+//     //                       std::span<const comm_tensor>, std::span<void* const> sources);
 //     // with descriptors: static constexpr coll_algo id; coll_variant variant(coll_kind, std::size_t bytes) const;
 //   };
 //
